@@ -1,0 +1,43 @@
+"""Command line: `ddtree` (click group), `ddtree-build` and `ddtree-run` (interfaces.md section 1).
+
+Every command takes --json: one JSON object on stdout, human text on stderr.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ddtree.bench.cli import bench
+from ddtree.model.synth_cli import synth
+
+
+def emit_json(obj) -> None:
+    """The one JSON object a --json command prints on stdout."""
+    json.dump(obj, sys.stdout)
+    sys.stdout.write("\n")
+
+
+@click.command("build", context_settings={"help_option_names": ["-h", "--help"]})
+def build_command():
+    """Checkpoint + DFlash drafter -> engine directory (not built yet)."""
+    raise click.ClickException("ddtree-build is not built yet (issues 9 and 10)")
+
+
+@click.command("run", context_settings={"help_option_names": ["-h", "--help"]})
+def run_command():
+    """Generate text with DDTree speculative decoding (not built yet)."""
+    raise click.ClickException("ddtree-run is not built yet (issue 4)")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ddtree")
+def main():
+    """ddtree: Kimi K2.x inference with DDTree tree speculative decoding."""
+
+
+main.add_command(synth)
+main.add_command(bench)
+main.add_command(build_command, "build")
+main.add_command(run_command, "run")

@@ -1,0 +1,33 @@
+"""bfloat16 without torch: numpy has no bf16 dtype, so bf16 tensors travel as their uint16 bits.
+
+safetensors' numpy API cannot read or write BF16, so the checkpoint reader/writer parse the
+format themselves and hand bf16 tensors to numpy code as uint16 bit patterns; these two functions
+convert. f32 -> bf16 rounds to nearest even, as torch does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bit patterns -> float32 (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint16:
+        raise TypeError(f"bf16_to_f32: expected uint16 bit patterns, got {bits.dtype}")
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 (or anything castable) -> uint16 bf16 bits, round to nearest even; NaN stays NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
+    return rounded
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float values to the nearest bf16, returned as float32."""
+    return bf16_to_f32(f32_to_bf16(x))

@@ -1,0 +1,35 @@
+"""Markers: `gpu` and `trt` tests skip themselves when the hardware or wheels are missing."""
+import functools
+import importlib.util
+
+import pytest
+
+
+@functools.cache
+def gpu_available() -> bool:
+    if importlib.util.find_spec("cuda") is None:
+        return False
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return False
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    err, count = driver.cuDeviceGetCount()
+    return err == driver.CUresult.CUDA_SUCCESS and count > 0
+
+
+@functools.cache
+def trt_available() -> bool:
+    return importlib.util.find_spec("tensorrt_rtx") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and cuda-python")
+    skip_trt = pytest.mark.skip(reason="needs the TensorRT-RTX wheels (pip install -e '.[trt]')")
+    for item in items:
+        if "gpu" in item.keywords and not gpu_available():
+            item.add_marker(skip_gpu)
+        if "trt" in item.keywords and not trt_available():
+            item.add_marker(skip_trt)
