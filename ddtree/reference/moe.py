@@ -1,0 +1,85 @@
+"""MoE feed-forward of layers >= first_k_dense_replace (kimi-k2.md section 5.4).
+
+Routing (`noaux_tc`, sigmoid), computed in float64 here:
+  1. g = sigmoid(W_g x)                                     [n, E]
+  2. selection only: c = g + e_score_correction_bias; with n_group > 1 a group scores the sum of its
+     top-2 c and only the best topk_group groups stay selectable; I = top-k of c
+  3. weights from the unbiased scores: w = g[I] / (sum g[I] + 1e-20) * routed_scaling_factor (always)
+  4. y = sum_k w_k Expert_{I_k}(x) + Shared(x)
+Every top-k breaks ties toward the lowest index (experts and groups), for determinism.
+
+Letters: n tokens, H hidden, E routed experts, G groups, k experts per token, I expert intermediate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.model.config import KimiConfig
+from ddtree.reference.layers import swiglu
+
+NORM_EPS = 1e-20        # the renormalisation's guard against a zero sum
+
+
+@dataclass
+class ExpertWeights:
+    gate: np.ndarray         # [I, H]
+    up: np.ndarray           # [I, H]
+    down: np.ndarray         # [H, I]
+
+
+@dataclass
+class MoEWeights:
+    router: np.ndarray                 # [E, H]  mlp.gate.weight
+    bias: np.ndarray                   # [E]     mlp.gate.e_score_correction_bias (selection only)
+    experts: list[ExpertWeights]       # E routed experts (INT4 in the checkpoint, dense here)
+    shared: ExpertWeights              # shared expert(s), intermediate I * n_shared_experts
+
+
+def topk_lowest_id(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values along the last axis, ties toward the lower index. [..., k] int64."""
+    order = np.argsort(-values, axis=-1, kind="stable")      # stable: equal values keep index order
+    return order[..., :k]
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))    # overflow-free form of 1 / (1 + e^-x)
+
+
+def route(x: np.ndarray, w: MoEWeights, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, H] -> experts [n, k] int64 (selection order), weights [n, k] float64."""
+    n, k = len(x), cfg.num_experts_per_tok
+    logits = x.astype(np.float64) @ w.router.astype(np.float64).T     # [n, E] float64 whatever x is
+    scores = sigmoid(logits)                                          # [n, E] g
+    choice = scores + w.bias.astype(np.float64)                       # [n, E] c, selection only
+    if cfg.n_group > 1:
+        per_group = cfg.n_routed_experts // cfg.n_group
+        if per_group < 2:
+            raise ValueError(f"MoE routing: n_group {cfg.n_group} leaves {per_group} expert per group; "
+                             "the group score needs >= 2")
+        grouped = choice.reshape(n, cfg.n_group, per_group)           # [n, G, E/G]
+        top2 = -np.sort(-grouped, axis=-1)[..., :2]                   # [n, G, 2]
+        group_score = top2.sum(axis=-1)                               # [n, G]
+        kept_groups = topk_lowest_id(group_score, cfg.topk_group)     # [n, topk_group]
+        group_kept = np.zeros((n, cfg.n_group), dtype=bool)
+        np.put_along_axis(group_kept, kept_groups, True, axis=-1)
+        expert_kept = np.repeat(group_kept, per_group, axis=-1)       # [n, E]
+        choice = np.where(expert_kept, choice, -np.inf)
+    experts = topk_lowest_id(choice, k)                               # [n, k]
+    picked = np.take_along_axis(scores, experts, axis=-1)             # [n, k] unbiased g
+    weights = picked / (picked.sum(axis=-1, keepdims=True) + NORM_EPS) * cfg.routed_scaling_factor
+    return experts, weights
+
+
+def moe(x: np.ndarray, w: MoEWeights, cfg: KimiConfig) -> np.ndarray:
+    """x [n, H] (normed) -> routed experts + shared expert [n, H]."""
+    experts, weights = route(x, w, cfg)                               # [n, k] each
+    routed = np.zeros_like(x)                                         # [n, H]
+    for e in np.unique(experts):
+        rows, slot = np.nonzero(experts == e)                         # tokens that picked expert e
+        ew = w.experts[int(e)]
+        y = swiglu(x[rows], ew.gate, ew.up, ew.down)                  # [m, H]
+        routed[rows] += weights[rows, slot][:, None].astype(x.dtype) * y
+    shared = swiglu(x, w.shared.gate, w.shared.up, w.shared.down)     # [n, H]
+    return routed + shared

@@ -1,0 +1,78 @@
+"""RoPE on interleaved pairs with YaRN frequencies (kimi-k2.md section 5.3).
+
+Only the 64-d rope part of MLA rotates (the last qk_rope_head_dim dims of each q head and rows
+kv_lora_rank.. of kv_a). Pairs are adjacent elements (2i, 2i+1) rotated by angle p * phi_i
+(GPT-J style). HF de-interleaves and then uses rotate-half; the two are the same map.
+
+Letters: d = qk_rope_head_dim, i = 0 .. d/2 - 1 the pair (frequency) index, p the absolute position.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ddtree.model.config import RopeConfig, yarn_mscale
+
+
+def yarn_correction_dim(num_rotations: float, dim: int, base: float, original_max_pos: int) -> float:
+    """corr(r) = d ln(L0 / (2 pi r)) / (2 ln b): the pair index that turns r times over L0 tokens."""
+    return dim * math.log(original_max_pos / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_correction_range(rope: RopeConfig, dim: int) -> tuple[float, float]:
+    """(low, high) pair indices of the YaRN ramp: pairs <= low keep theta_i, pairs >= high use theta_i / s."""
+    L0 = rope.original_max_position_embeddings
+    low = max(math.floor(yarn_correction_dim(rope.beta_fast, dim, rope.theta, L0)), 0)
+    high = min(math.ceil(yarn_correction_dim(rope.beta_slow, dim, rope.theta, L0)), dim - 1)
+    if low == high:
+        high += 0.001          # avoid a zero-width ramp
+    return float(low), float(high)
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> np.ndarray:
+    """phi [dim/2] float64: per-pair angular frequency (radians per position), YaRN-blended if rope.type is yarn."""
+    pair = np.arange(dim // 2, dtype=np.float64)                     # [d/2]
+    theta = rope.theta ** (-2.0 * pair / dim)                         # [d/2] theta_i = b^(-2i/d)
+    if rope.type != "yarn":
+        return theta
+    low, high = yarn_correction_range(rope, dim)
+    gamma = np.clip((pair - low) / (high - low), 0.0, 1.0)            # [d/2] 0 keeps theta_i, 1 uses theta_i / s
+    return theta * (1.0 - gamma) + (theta / rope.factor) * gamma
+
+
+def rope_magnitude(rope: RopeConfig) -> float:
+    """cos and sin are scaled by yarn_m(s, mscale) / yarn_m(s, mscale_all_dim) (1.0 for Kimi K2.x)."""
+    if rope.type != "yarn":
+        return 1.0
+    return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+
+
+class Rope:
+    """Interleaved-pair rotary embedding for one rope config and dimension (float64 tables)."""
+
+    def __init__(self, rope: RopeConfig, dim: int):
+        if dim % 2:
+            raise ValueError(f"Rope: dimension {dim} must be even")
+        self.dim = dim
+        self.freqs = rope_frequencies(rope, dim)                       # [d/2]
+        self.magnitude = rope_magnitude(rope)
+
+    def cos_sin(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """pos [q] int -> cos, sin [q, d/2] float64 (magnitude included)."""
+        angle = np.asarray(pos, dtype=np.float64)[:, None] * self.freqs[None, :]   # [q, d/2]
+        return np.cos(angle) * self.magnitude, np.sin(angle) * self.magnitude
+
+    def apply(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Rotate x [q, ..., d] whose leading axis matches pos [q]; pairs (2i, 2i+1) turn by pos * phi_i."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"Rope.apply: last dim {x.shape[-1]} != rope dim {self.dim}")
+        cos, sin = self.cos_sin(pos)                                   # [q, d/2]
+        extra = (1,) * (x.ndim - 2)
+        cos = cos.reshape(cos.shape[0], *extra, -1).astype(x.dtype)    # [q, 1.., d/2]
+        sin = sin.reshape(sin.shape[0], *extra, -1).astype(x.dtype)
+        even, odd = x[..., 0::2], x[..., 1::2]                         # [q, .., d/2] each
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = even * sin + odd * cos
+        return out
