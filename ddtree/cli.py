@@ -11,6 +11,7 @@ import click
 
 from ddtree.bench.cli import bench
 from ddtree.model.synth_cli import synth
+from ddtree.runtime.run_cli import run_command
 
 
 def emit_json(obj) -> None:
@@ -23,12 +24,6 @@ def emit_json(obj) -> None:
 def build_command():
     """Checkpoint + DFlash drafter -> engine directory (not built yet)."""
     raise click.ClickException("ddtree-build is not built yet (issues 9 and 10)")
-
-
-@click.command("run", context_settings={"help_option_names": ["-h", "--help"]})
-def run_command():
-    """Generate text with DDTree speculative decoding (not built yet)."""
-    raise click.ClickException("ddtree-run is not built yet (issue 4)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

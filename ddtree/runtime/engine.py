@@ -1,0 +1,100 @@
+"""`DDTreeEngine`: the embeddable runtime class.
+
+    engine = DDTreeEngine.load(model_dir, drafter_dir)           # device="cpu": the numpy reference
+    result = engine.generate("def fib(n):", max_new_tokens=64, budget=16)
+    result.text, result.tokens, result.stats
+    for token_ids in engine.stream("def fib(n):"): ...           # committed tokens, step by step
+
+A plain prompt is [BOS] + encode(text); a chat prompt (messages) is rendered with the checkpoint's
+chat template and gets no [BOS] (kimi-k2.md section 7). Generation stops on any stop token of the
+tokenizer or the config's eos ids, which are kept in `tokens` but not in `text`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ddtree.model.tokenizer import load_tokenizer
+from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
+from ddtree.tree.build import MAX_BUDGET
+from ddtree.tree.sampling import SamplingParams
+
+DEVICES = ("cpu", "cuda")
+MODES = ("ddtree", "ar")
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    text: str
+    stats: dict
+
+
+class DDTreeEngine:
+    def __init__(self, executor, tokenizer, model_dir: Path, drafter_dir: Path | None):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.config = executor.config
+        self.drafter_config = executor.drafter_config
+        self.model_dir, self.drafter_dir = model_dir, drafter_dir
+        self.stop_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.stop_ids)
+
+    @classmethod
+    def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu") -> "DDTreeEngine":
+        """Checkpoint dirs (default: the embedded tiny model) -> engine. cpu = float64 numpy reference."""
+        if device not in DEVICES:
+            raise ValueError(f"device '{device}' is not one of {DEVICES}")
+        if device == "cuda":
+            raise NotImplementedError("device 'cuda': the GPU runtime is not available yet "
+                                      "(the CUDA executor lands with the kernel issues); use device 'cpu'")
+        if model_dir is None or drafter_dir is None:
+            from ddtree.data import tiny_model_dirs
+            default_model, default_drafter = tiny_model_dirs()
+            model_dir = model_dir or default_model
+            drafter_dir = drafter_dir or default_drafter
+        from ddtree.reference.drafter import Drafter
+        from ddtree.reference.model import Target
+        from ddtree.runtime.executor import NumpyExecutor
+        target = Target.from_checkpoint(Path(model_dir))
+        drafter = Drafter.from_checkpoint(Path(drafter_dir), target)
+        tokenizer = load_tokenizer(model_dir, target.config)
+        return cls(NumpyExecutor(target, drafter), tokenizer, Path(model_dir), Path(drafter_dir))
+
+    # ------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """str -> [BOS] + tokens; list of chat messages -> the chat template; list of ints -> as is."""
+        if isinstance(prompt, str):
+            return [self.config.bos_token_id] + self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise TypeError("prompt must be a str, a list of chat messages (dicts), or a list of token ids")
+
+    def decode(self, tokens) -> str:
+        return self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
+               mode: str = "ddtree", stats: RunStats | None = None) -> Iterator[list[int]]:
+        """Yields the token ids each step commits (DDTree: several per step)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ids = self.encode(prompt)
+        if mode not in MODES:
+            raise ValueError(f"mode '{mode}' is not one of {MODES}")
+        if mode == "ar":
+            return ar_steps(self.executor, ids, max_new_tokens, params, self.stop_ids, stats)
+        if not 1 <= budget <= MAX_BUDGET:
+            raise ValueError(f"budget {budget} must be in 1..{MAX_BUDGET}")
+        return ddtree_steps(self.executor, ids, max_new_tokens, params, budget, self.stop_ids,
+                            block_size, stats)
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
+                 mode: str = "ddtree") -> Result:
+        stats = RunStats()
+        tokens = [t for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, budget, seed,
+                                             block_size, mode, stats) for t in chunk]
+        return Result(tokens, self.decode(tokens), stats.to_dict())

@@ -1,0 +1,98 @@
+"""`ddtree-run`: generate text with DDTree speculative decoding (interfaces.md section 1).
+
+Text streams to stdout as tokens commit and one summary line goes to stderr; with --json the
+result is one JSON object on stdout (human text on stderr). --mode both runs DDTree then plain
+autoregressive decoding with the same seed and reports whether they are identical.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import sys
+
+import click
+
+from ddtree.runtime.engine import DDTreeEngine
+from ddtree.runtime.loop import RunStats
+from ddtree.tree.build import MAX_BUDGET
+
+
+def _read_prompt(prompt, prompt_file) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give the prompt either as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        return prompt_file.read()
+    if prompt is not None:
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise click.UsageError("no prompt: pass PROMPT, --prompt-file FILE, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def _summary(stats: dict, label: str) -> str:
+    return (f"{label}: {stats['new_tokens']} new tokens, {stats['steps']} steps, mean acceptance length "
+            f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s)")
+
+
+@click.command("run", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.File("r"), default=None, help="Read the prompt from a file ('-' = stdin).")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Target checkpoint dir (default: the embedded tiny model).")
+@click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="DFlash drafter dir (default: the embedded tiny drafter).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
+              help=">= 1 = off.")
+@click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
+@click.option("--budget", type=click.IntRange(1, MAX_BUDGET), default=16, show_default=True,
+              help="Drafted tree nodes per step (root excluded).")
+@click.option("--block-size", type=click.IntRange(min=2), default=None,
+              help="Drafter block size (default: the drafter's; depth = block size - 1).")
+@click.option("--mode", type=click.Choice(["ddtree", "ar", "both"]), default="ddtree", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
+                budget, block_size, mode, device, chat, as_json):
+    """Generate text for PROMPT with DDTree speculative decoding."""
+    text = _read_prompt(prompt, prompt_file)
+    try:
+        engine = DDTreeEngine.load(model_dir, drafter_dir, device)
+    except NotImplementedError as e:
+        raise click.ClickException(str(e))
+    dmax = engine.drafter_config.block_size
+    if block_size is not None and block_size > dmax:
+        raise click.BadParameter(f"{block_size} is above the drafter's block_size {dmax}", param_hint="--block-size")
+    request = [{"role": "user", "content": text}] if chat else text
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+              budget=budget, block_size=block_size)
+    out = sys.stderr if as_json else sys.stdout
+    first = "ar" if mode == "ar" else "ddtree"
+    stats = RunStats()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tokens = []
+    for chunk in engine.stream(request, mode=first, stats=stats, **kw):
+        tokens += chunk
+        shown = [t for t in chunk if t not in engine.stop_ids]
+        out.write(decoder.decode(engine.tokenizer.decode_bytes(shown)))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    result = {"text": engine.decode(tokens), "tokens": tokens, "stats": stats.to_dict()}
+    click.echo(_summary(result["stats"], first), err=True)
+    if mode == "both":
+        ar = engine.generate(request, mode="ar", **kw)
+        result["ar"] = ar.stats
+        result["identical"] = ar.tokens == tokens
+        speedup = result["stats"]["tokens_per_s"] / max(ar.stats["tokens_per_s"], 1e-12)
+        click.echo(_summary(ar.stats, "ar"), err=True)
+        click.echo(f"identical: {result['identical']}, speedup {speedup:.2f}x", err=True)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    if mode == "both" and not result["identical"]:
+        first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ar.tokens)) if a != b),
+                          min(len(tokens), len(ar.tokens)))
+        raise click.ClickException(f"DDTree and AR outputs differ at new token {first_diff}: losslessness broken")
