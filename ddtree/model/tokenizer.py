@@ -219,6 +219,11 @@ class ByteTokenizer:
     default_system = None
     _special_re = re.compile("|".join(re.escape(name) for name in special_tokens))
 
+    def __init__(self, model_vocab_size: int = 260):
+        # ids 260 .. model_vocab_size-1 pad the model's vocab (to a multiple of 64); a model can
+        # still emit them, so they decode visibly as [UNUSED_N] instead of failing or vanishing
+        self.model_vocab_size = max(model_vocab_size, self.vocab_size)
+
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode: expected str, got {type(text).__name__}")
@@ -239,8 +244,10 @@ class ByteTokenizer:
                 out.append(i)
             elif i in self.id_to_special:
                 out += self.id_to_special[i].encode("ascii")
+            elif self.vocab_size <= i < self.model_vocab_size:
+                out += f"[UNUSED_{i}]".encode("ascii")
             else:
-                raise TokenizerError(f"token id {i} is outside the byte vocabulary 0..{self.vocab_size - 1}")
+                raise TokenizerError(f"token id {i} is outside the vocabulary 0..{self.model_vocab_size - 1}")
         return bytes(out)
 
     def decode(self, ids) -> str:
@@ -260,7 +267,7 @@ class ByteTokenizer:
 def load_tokenizer(model_dir: str | Path, config) -> KimiTokenizer | ByteTokenizer:
     """The tokenizer of the checkpoint in `model_dir` whose config.json parsed to `config` (KimiConfig):
     bytes when config.tokenizer == "bytes", else Kimi's tiktoken.model (+ tokenizer_config.json)."""
-    tok = ByteTokenizer() if config.tokenizer == "bytes" else KimiTokenizer.from_dir(model_dir)
+    tok = ByteTokenizer(config.vocab_size) if config.tokenizer == "bytes" else KimiTokenizer.from_dir(model_dir)
     where = f"{Path(model_dir) / 'config.json'}"
     if config.vocab_size < tok.vocab_size:
         raise TokenizerError(f"{where}: vocab_size {config.vocab_size} is smaller than the tokenizer's "
