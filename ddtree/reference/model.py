@@ -15,18 +15,19 @@ Letters: q new tokens, T cache length before the call, H hidden, V vocab.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
 from ddtree.model.config import KimiConfig
-from ddtree.model.tensors import EXPERT_PROJS, expert_name
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.mla import MLA, MLAWeights
 from ddtree.reference.moe import ExpertWeights, MoEWeights, moe
+from ddtree.reference.weights import (CheckpointWeights, LazyExperts, checked_array, dense_weight_names,
+                                      load_dense_weights)
 
 
 @dataclass
@@ -35,55 +36,6 @@ class LayerWeights:
     attn: MLAWeights
     post_norm: np.ndarray                  # [H]
     mlp: ExpertWeights | MoEWeights        # dense SwiGLU (layer < first_k_dense_replace) or MoE
-
-
-def dense_weight_names(cfg: KimiConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every dense float weight the reference needs; routed experts
-    appear as `...experts.E.{gate,up,down}_proj.weight` (dequantised when the file holds INT4)."""
-    H, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
-    for L in range(cfg.num_hidden_layers):
-        a = f"model.layers.{L}.self_attn"
-        shapes.update({
-            f"model.layers.{L}.input_layernorm.weight": (H,),
-            f"{a}.q_a_proj.weight": (cfg.q_lora_rank, H),
-            f"{a}.q_a_layernorm.weight": (cfg.q_lora_rank,),
-            f"{a}.q_b_proj.weight": (N * cfg.qk_head_dim, cfg.q_lora_rank),
-            f"{a}.kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
-            f"{a}.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-            f"{a}.kv_b_proj.weight": (N * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-            f"{a}.o_proj.weight": (H, N * cfg.v_head_dim),
-            f"model.layers.{L}.post_attention_layernorm.weight": (H,),
-        })
-        m = f"model.layers.{L}.mlp"
-        if not cfg.is_moe_layer(L):
-            I = cfg.intermediate_size
-            shapes.update({f"{m}.gate_proj.weight": (I, H), f"{m}.up_proj.weight": (I, H),
-                           f"{m}.down_proj.weight": (H, I)})
-            continue
-        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        Is = I * cfg.n_shared_experts
-        shapes.update({f"{m}.gate.weight": (E, H), f"{m}.gate.e_score_correction_bias": (E,)})
-        for e in range(E):
-            for proj in EXPERT_PROJS:
-                shapes[f"{expert_name(L, e, proj)}.weight"] = (H, I) if proj == "down_proj" else (I, H)
-        shapes.update({f"{m}.shared_experts.gate_proj.weight": (Is, H),
-                       f"{m}.shared_experts.up_proj.weight": (Is, H),
-                       f"{m}.shared_experts.down_proj.weight": (H, Is)})
-    shapes["model.norm.weight"] = (H,)
-    shapes["lm_head.weight"] = (V, H)
-    return shapes
-
-
-def load_dense_weights(ckpt, dtype=np.float64) -> dict[str, np.ndarray]:
-    """Every weight of `dense_weight_names` from a Checkpoint, as `dtype` (INT4 experts dequantised)."""
-    out = {}
-    for name, shape in dense_weight_names(ckpt.config).items():
-        if name.endswith(".weight") and len(shape) == 2:
-            out[name] = ckpt.dense_weight(name[: -len(".weight")], dtype)
-        else:
-            out[name] = ckpt.get_f32(name).astype(dtype)
-    return out
 
 
 def causal_visible(T: int, q: int) -> np.ndarray:
@@ -103,31 +55,32 @@ class Target:
         self.naive_mla = naive_mla
         self.mla = MLA(cfg, latent_norm_eps)
         w = self._checked(weights)
+        self._weights = weights
         self.embed = w["model.embed_tokens.weight"]                      # [V, H]
         self.final_norm = w["model.norm.weight"]                         # [H]
         self.lm_head = w["lm_head.weight"]                               # [V, H]
         self.layers = [self._layer(w, L) for L in range(cfg.num_hidden_layers)]
 
     @classmethod
-    def from_checkpoint(cls, ckpt_or_path, dtype=np.float64, **kwargs) -> "Target":
-        """A Checkpoint (or its directory) -> Target; INT4 experts are dequantised to `dtype`."""
+    def from_checkpoint(cls, ckpt_or_path, dtype=np.float64, lazy_experts: bool = False, **kwargs) -> "Target":
+        """A Checkpoint (or its directory) -> Target; INT4 experts are dequantised to `dtype`, once at
+        load, or (lazy_experts) each time the router picks them: for real-dimension checkpoints."""
         from ddtree.model.checkpoint import Checkpoint
         ckpt = Checkpoint(ckpt_or_path) if isinstance(ckpt_or_path, (str, Path)) else ckpt_or_path
-        return cls(ckpt.config, load_dense_weights(ckpt, dtype), dtype=dtype, **kwargs)
+        weights = CheckpointWeights(ckpt, dtype) if lazy_experts else load_dense_weights(ckpt, dtype)
+        return cls(ckpt.config, weights, dtype=dtype, **kwargs)
 
     def _checked(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for name, shape in dense_weight_names(self.config).items():
-            if name not in weights:
-                raise KeyError(f"Target: weight '{name}' {list(shape)} is missing")
-            a = np.asarray(weights[name])
-            if a.shape != shape:
-                raise ValueError(f"Target: weight '{name}' has shape {list(a.shape)}, the config expects {list(shape)}")
-            if a.dtype.kind != "f":
-                raise TypeError(f"Target: weight '{name}' is {a.dtype}; expected dense floats "
-                                "(bf16 bits and INT4 must be converted, e.g. by Checkpoint.dense_weight)")
-            out[name] = a.astype(self.dtype, copy=False)
-        return out
+        """Every weight except the routed experts (those are fetched per use, see LazyExperts)."""
+        return {name: checked_array(weights, name, shape).astype(self.dtype, copy=False)
+                for name, shape in dense_weight_names(self.config).items() if ".mlp.experts." not in name}
+
+    def _experts(self, L: int):
+        """A list of the layer's experts for in-memory weights, a LazyExperts view otherwise."""
+        lazy = LazyExperts(self._weights, L, self.config, self.dtype)
+        if isinstance(self._weights, CheckpointWeights):
+            return lazy
+        return [lazy[e] for e in range(len(lazy))]       # checks every expert's shape now
 
     def _layer(self, w: dict, L: int) -> LayerWeights:
         cfg, a, m = self.config, f"model.layers.{L}.self_attn", f"model.layers.{L}.mlp"
@@ -142,7 +95,7 @@ class Target:
 
         if cfg.is_moe_layer(L):
             mlp = MoEWeights(router=w[f"{m}.gate.weight"], bias=w[f"{m}.gate.e_score_correction_bias"],
-                             experts=[swiglu_weights(f"{m}.experts.{e}") for e in range(cfg.n_routed_experts)],
+                             experts=self._experts(L),
                              shared=swiglu_weights(f"{m}.shared_experts"))
         else:
             mlp = swiglu_weights(m)
@@ -170,7 +123,8 @@ class Target:
             raise ValueError(f"Target.forward: visible must be [q, T + q] = [{q}, {T + q}] for a cache of "
                              f"length {T}, got {list(visible.shape)}")
         if not visible.any(axis=1).all():
-            raise ValueError(f"Target.forward: rows {np.nonzero(~visible.any(axis=1))[0].tolist()} of visible see nothing")
+            blind = np.nonzero(~visible.any(axis=1))[0].tolist()
+            raise ValueError(f"Target.forward: rows {blind} of visible see nothing")
         if (cache.num_layers, cache.kv_lora_rank, cache.rope_dim) != (c.num_hidden_layers, c.kv_lora_rank,
                                                                       c.qk_rope_head_dim):
             raise ValueError("Target.forward: the cache was not made for this model (use target.new_cache())")

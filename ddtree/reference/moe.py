@@ -12,6 +12,7 @@ Letters: n tokens, H hidden, E routed experts, G groups, k experts per token, I 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ class ExpertWeights:
 class MoEWeights:
     router: np.ndarray                 # [E, H]  mlp.gate.weight
     bias: np.ndarray                   # [E]     mlp.gate.e_score_correction_bias (selection only)
-    experts: list[ExpertWeights]       # E routed experts (INT4 in the checkpoint, dense here)
+    experts: Sequence[ExpertWeights]   # E routed experts (INT4 in the checkpoint, dense here)
     shared: ExpertWeights              # shared expert(s), intermediate I * n_shared_experts
 
 

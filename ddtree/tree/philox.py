@@ -26,7 +26,8 @@ _SHIFT32 = np.uint64(32)
 def _as_u32_lanes(a, lanes: int, what: str) -> np.ndarray:
     a = np.asarray(a)
     if a.shape[-1:] != (lanes,):
-        raise ValueError(f"philox4x32_10: {what} must have a last axis of {lanes} 32-bit words, got shape {list(a.shape)}")
+        raise ValueError(f"philox4x32_10: {what} must have a last axis of {lanes} 32-bit words, "
+                         f"got shape {list(a.shape)}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"philox4x32_10: {what} must be integers, got {a.dtype}")
     if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
