@@ -1,0 +1,214 @@
+"""`ddtree bench moe` and `ddtree bench gemm`: kernel latency and bandwidth against the copy ceiling
+(interfaces.md section 7).
+
+Method: weights filled on the device (ddtree.plugins.randfill), enough distinct copies that together
+they are >= 4x the L2; R launches, each on the next weights copy (GEMM) or with its own uniform random
+top-8 routing (MoE, seeded), are captured in one CUDA graph; the graph is warmed, then replayed between
+CUDA events; latency = median replay time / R. Achieved bandwidth counts the bytes a launch must touch
+(distinct experts' INT4 weights and scales, or the bf16 weight, plus activations in and out). The
+ceiling is a plain device-to-device copy of >= 4 GB (read + write) outside graph capture.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import click
+import numpy as np
+
+TP_SHAPES = {1: dict(inter=2048), 8: dict(inter=256)}
+HIDDEN, EXPERTS, TOPK, VOCAB = 7168, 384, 8, 163840
+# (name, N, K, residual epilogue) per tensor-parallel degree; TP8 rows are one rank's slice
+GEMM_SHAPES = {
+    1: [("q_a", 1536, 7168, False), ("kv_a", 576, 7168, False), ("q_b", 12288, 1536, False),
+        ("o_proj", 7168, 8192, True), ("shared_gate_up", 4096, 7168, False), ("shared_down", 7168, 2048, True),
+        ("dense_gate_up", 36864, 7168, False), ("dense_down", 7168, 18432, True), ("router", 384, 7168, False),
+        ("lm_head", VOCAB, 7168, False)],
+    8: [("q_a", 1536, 7168, False), ("q_b", 1536, 1536, False), ("kv_b", 2048, 512, False),
+        ("o_proj", 7168, 1024, True), ("shared_gate_up", 512, 7168, False), ("shared_down", 7168, 256, True),
+        ("dense_gate_up", 4608, 7168, False), ("dense_down", 7168, 2304, True), ("router", 384, 7168, False),
+        ("lm_head", VOCAB // 8, 7168, False)],
+}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+
+
+def _say(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def measure_ceiling(gpu, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
+    """D2D copy of nbytes (2 * nbytes moved), median of `repeats` after a warm-up."""
+    src, dst = gpu.alloc(nbytes, np.uint8), gpu.alloc(nbytes, np.uint8)
+    gpu.memset(src, 1)
+    gpu.copy_d2d(dst.ptr, src.ptr, nbytes)
+    ms = statistics.median(gpu.timed_ms(lambda: gpu.copy_d2d(dst.ptr, src.ptr, nbytes), repeats))
+    return {"bytes_moved": 2 * nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
+
+
+def time_graph(gpu, launches, replays: int = 7) -> float:
+    """Capture launches(stream) in a graph; median ms per replay after two warm replays."""
+    graph = gpu.capture(launches)
+    for _ in range(2):
+        gpu.replay(graph)
+    gpu.sync()
+    return statistics.median(gpu.timed_ms(lambda: gpu.replay(graph), replays))
+
+
+def _row(extra: dict, nbytes: float, us: float, ceiling_gbps: float) -> dict:
+    gbps = nbytes / us / 1e3
+    return {**extra, "latency_us": round(us, 2), "touched_mb": round(nbytes / 1e6, 3),
+            "ideal_us": round(nbytes / ceiling_gbps / 1e3, 2), "gbps": round(gbps, 1),
+            "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1)}
+
+
+def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
+                   splits: int | None = None, router: bool = True) -> list[dict]:
+    from ddtree.plugins import randfill
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    inter = TP_SHAPES[tp]["inter"]
+    shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
+    E, H, I = EXPERTS, HIDDEN, inter
+    weights = {"gate_up": gpu.alloc((E, I // 8, H // 64, 32, 4), np.int32),
+               "gate_up_scale": gpu.alloc((E, I // 8, H // 64, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 16, I // 64, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 16, I // 64, 8, 4), np.uint16)}
+    for i, (key, arr) in enumerate(weights.items()):
+        randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
+    router_w = gpu.alloc((E, H), np.uint16)
+    randfill.fill_device(gpu, router_w, seed + 7, randfill.WEIGHT_BF16)
+    bias = gpu.upload(np.zeros(E, np.float32))
+    moe = FusedMoE(gpu, shape, weights, router=router_w, bias=bias)
+    x = gpu.alloc((shape.max_tokens, H), np.uint16)
+    randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
+    out = gpu.alloc((shape.max_tokens, H), np.uint16)
+    expert_bytes = sum(a.nbytes for a in weights.values()) / E
+    rng = np.random.default_rng(seed)
+    rows = []
+    for M in ms:
+        if splits is not None:
+            moe.override(M, splits)
+        routes, distinct = [], []
+        for _ in range(launches):
+            ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(M)]).astype(np.int32)
+            w = np.full((M, TOPK), 2.827 / TOPK, np.float32)
+            routes.append((gpu.upload(ids), gpu.upload(w)))
+            distinct.append(len(np.unique(ids)))
+        touched = float(np.mean(distinct)) * expert_bytes + 2 * M * H * 2     # weights + x in + out
+        moe.run(x, out, M, topk=routes[0])             # compile, set smem limits, outside capture
+        gpu.sync()
+
+        def launch_all(stream):
+            for r in routes:
+                moe.run(x, out, M, topk=r, stream=stream)
+        us = time_graph(gpu, launch_all) * 1e3 / launches
+        p = moe.plan(M)
+        plan = {"gate_up_splits": p.gu_splits, "gate_up_blocks_x": p.gu_nb, "down_blocks_x": p.dn_nb}
+        rows.append(_row({"tp": tp, "part": "experts", "M": M, "distinct_experts": round(float(np.mean(distinct)), 1),
+                          "plan": plan}, touched, us, ceiling_gbps))
+        if router:
+            moe.route(x, M)
+            gpu.sync()
+            us_r = time_graph(gpu, lambda s: [moe.route(x, M, stream=s) for _ in range(launches)]) * 1e3 / launches
+            rows.append(_row({"tp": tp, "part": "router", "M": M}, E * H * 2 + M * H * 2, us_r, ceiling_gbps))
+        _say(f"  moe tp{tp} M={M:4d} {rows[-1 - router]['latency_us']:9.1f} us  "
+             f"{rows[-1 - router]['gbps']:7.0f} GB/s  {rows[-1 - router]['pct_of_ceiling']:5.1f}%"
+             + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))
+    gpu.free_all()
+    return rows
+
+
+def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int, names: list[str] | None) -> list[dict]:
+    from ddtree.plugins import randfill
+    from ddtree.plugins.gemm import SkinnyGemm
+    rows = []
+    max_m = max(ms)
+    for name, N, K, residual in GEMM_SHAPES[tp]:
+        if names and name not in names:
+            continue
+        wbytes = N * K * 2
+        copies = max(1, -(-4 * gpu.l2_bytes // wbytes))
+        ws = [gpu.alloc((N, K), np.uint16) for _ in range(copies)]
+        for i, w in enumerate(ws):
+            randfill.fill_device(gpu, w, seed + i, randfill.WEIGHT_BF16)
+        x = gpu.alloc((max_m, K), np.uint16)
+        randfill.fill_device(gpu, x, seed + 1000, randfill.ACT_BF16)
+        out = gpu.alloc((max_m, N), np.uint16)
+        gpu.memset(out, 0)
+        gemm = SkinnyGemm(gpu, N, K, max_m)
+        for M in ms:
+            res = out if residual else None
+            gemm.run(x, ws[0], out, M, residual=res)
+            gpu.sync()
+            launches = copies * max(1, -(-8 // copies))
+            us = time_graph(gpu, lambda s: [gemm.run(x, ws[i % copies], out, M, residual=res, stream=s)
+                                            for i in range(launches)]) * 1e3 / launches
+            nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
+            p = gemm.plan(M)
+            rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),
+                              "residual": residual, "plan": {"mt": p.mt, "splits": p.splits, "blocks": p.blocks}},
+                             nbytes, us, ceiling_gbps))
+            _say(f"  gemm tp{tp} {name:15s} M={M:4d} {us:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
+                 f"{rows[-1]['pct_of_ceiling']:5.1f}%")
+        gpu.free_all()
+    return rows
+
+
+def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> None:
+    if as_json:
+        json.dump({"bench": bench, "device": gpu.name, "rows": rows, "ceiling": ceiling}, sys.stdout)
+        sys.stdout.write("\n")
+
+
+@click.command("moe")
+@click.option("--tp", "tps", default="1,8", show_default=True, help="tensor-parallel shapes: 1 (I=2048), 8 (I=256)")
+@click.option("--m", "m_list", default="1,2,4,8,16,32,64,128,256", show_default=True, help="token counts")
+@click.option("--launches", default=16, show_default=True, help="launches per captured graph")
+@click.option("--splits", type=int, default=None, help="force the gate_up k-splits (sweeps)")
+@click.option("--no-router", is_flag=True, help="skip the router rows")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+def moe_command(tps, m_list, launches, splits, no_router, seed, as_json):
+    """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
+    from ddtree.plugins.device import Gpu
+    gpu = Gpu()
+    ceiling = measure_ceiling(gpu)
+    gpu.free_all()
+    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    rows = []
+    for tp in _ints(tps):
+        if tp not in TP_SHAPES:
+            raise click.BadParameter(f"--tp must be among {sorted(TP_SHAPES)}, got {tp}")
+        rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, splits, not no_router)
+    _emit("moe", gpu, rows, ceiling, as_json)
+
+
+@click.command("gemm")
+@click.option("--tp", "tps", default="1,8", show_default=True, help="tensor-parallel shapes: 1, 8")
+@click.option("--m", "m_list", default="1,2,4,8,16,32,64,128,256", show_default=True, help="token counts")
+@click.option("--names", default="", help="comma-separated subset of shape names (default all)")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+def gemm_command(tps, m_list, names, seed, as_json):
+    """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
+    from ddtree.plugins.device import Gpu
+    gpu = Gpu()
+    ceiling = measure_ceiling(gpu)
+    gpu.free_all()
+    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    rows = []
+    wanted = [n for n in names.split(",") if n]
+    for tp in _ints(tps):
+        if tp not in GEMM_SHAPES:
+            raise click.BadParameter(f"--tp must be among {sorted(GEMM_SHAPES)}, got {tp}")
+        known = {n for n, *_ in GEMM_SHAPES[tp]}
+        if any(n not in known for n in wanted):
+            raise click.BadParameter(f"--names: unknown {sorted(set(wanted) - known)}; known {sorted(known)}")
+        rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted)
+    _emit("gemm", gpu, rows, ceiling, as_json)

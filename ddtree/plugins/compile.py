@@ -1,0 +1,104 @@
+"""Ahead-of-time compilation of ddtree/plugins/kernels/*.cu to cubins with NVRTC (cuda.core).
+
+Cubins are cached on disk by (source hash, arch, options, NVRTC version): the hash covers the .cu file
+and every header in the kernels directory, so editing common.cuh recompiles everything. Compiling
+needs no GPU and no driver (cuda.core + the pip NVRTC); loading and launching happen in device.py.
+The kernels include no CUDA headers, so no toolkit include directory is needed either.
+
+    ddtree.plugins.compile.compile_all(("sm_90", "sm_120"))   # -> {(source, arch): Path to .cubin}
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+DEFAULT_ARCHS = ("sm_90", "sm_120")
+
+# Per-source compile-time constants. The launchers read the same numbers for grid and shared-memory
+# sizes, so this table is the single source of truth.
+SOURCES: dict[str, dict[str, int]] = {
+    "moe.cu": {"DD_WARPS": 8, "DD_STAGES": 8},
+    "gemm.cu": {"DD_WARPS": 4, "DD_STAGES": 6},
+    "fill.cu": {},
+}
+CXX_STD = "c++17"
+
+
+def cache_dir() -> Path:
+    """$DDTREE_KERNEL_CACHE, else $XDG_CACHE_HOME/ddtree/cubins, else ~/.cache/ddtree/cubins."""
+    if os.environ.get("DDTREE_KERNEL_CACHE"):
+        return Path(os.environ["DDTREE_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ddtree" / "cubins"
+
+
+def _check(source: str, arch: str) -> None:
+    if source not in SOURCES:
+        raise ValueError(f"unknown kernel source {source!r}; known: {sorted(SOURCES)}")
+    if not arch.startswith("sm_") or not arch[3:].rstrip("a").isdigit():
+        raise ValueError(f"arch must look like 'sm_90' or 'sm_120a', got {arch!r}")
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+def source_hash(source: str) -> str:
+    """sha256 over the source file and every header next to it (sorted by name)."""
+    h = hashlib.sha256()
+    for path in [KERNEL_DIR / source] + sorted(KERNEL_DIR.glob("*.cuh")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _options(source: str, arch: str, defines: dict[str, int] | None):
+    from cuda.core import ProgramOptions
+    macros = {**SOURCES[source], **(defines or {})}
+    return ProgramOptions(name=source, arch=arch, std=CXX_STD, include_path=[str(KERNEL_DIR)],
+                          define_macro=[(k, str(v)) for k, v in sorted(macros.items())] or None)
+
+
+def cubin_key(source: str, arch: str, defines: dict[str, int] | None = None) -> str:
+    macros = {**SOURCES[source], **(defines or {})}
+    ident = f"{source_hash(source)}|{arch}|{CXX_STD}|{sorted(macros.items())}|nvrtc{nvrtc_version()}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
+                  cache: Path | None = None) -> Path:
+    """Compile one kernel source for one arch (or reuse the cached cubin); returns the .cubin path."""
+    _check(source, arch)
+    cache = Path(cache) if cache is not None else cache_dir()
+    path = cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
+    if path.exists():
+        return path
+    from cuda.core import Program
+    log = []
+
+    class _Log:
+        def write(self, s):
+            log.append(s)
+
+    program = Program((KERNEL_DIR / source).read_text(), "c++", options=_options(source, arch, defines))
+    try:
+        code = program.compile("cubin", logs=_Log())
+    except Exception as exc:   # NVRTC errors: show the log with the file name
+        raise RuntimeError(f"NVRTC failed on {KERNEL_DIR / source} for {arch}:\n{''.join(log)}\n{exc}") from exc
+    finally:
+        program.close()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(bytes(code.code))
+    tmp.replace(path)                       # atomic: concurrent compilers never see half a file
+    return path
+
+
+def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None) -> dict[tuple[str, str], Path]:
+    """Every kernel source for every arch -> {(source, arch): cubin path}."""
+    return {(src, arch): compile_cubin(src, arch, cache=cache) for src in SOURCES for arch in archs}

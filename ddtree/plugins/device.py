@@ -1,0 +1,183 @@
+"""Thin GPU runtime over cuda.core (modules, launches, graphs, events) and cuda.bindings.driver
+(raw device memory). Imported only where a GPU is used: `import ddtree` never needs cuda-python.
+
+    gpu = Gpu()                                   # device 0, current, one non-blocking stream
+    x = gpu.upload(np_array)                      # DeviceArray (ptr, shape, dtype)
+    k = gpu.kernel("moe.cu", "moe_route")         # cubin for this GPU's arch, compiled once and cached
+    gpu.launch(k, grid, block, smem, x, np.int32(n), ...)
+    y = x.numpy()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.plugins.compile import compile_cubin
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result, what: str = "CUDA call"):
+    """Unwrap a cuda.bindings (err, *values) tuple, raising with the call's name on failure."""
+    driver = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else (tuple(values) or None)
+
+
+def ptr(obj) -> np.uint64:
+    """A kernel pointer argument: DeviceArray, int address, or None (null)."""
+    if obj is None:
+        return np.uint64(0)
+    if isinstance(obj, DeviceArray):
+        return np.uint64(obj.ptr)
+    return np.uint64(int(obj))
+
+
+@dataclass
+class DeviceArray:
+    """Raw device allocation with a numpy shape/dtype view of it (freed by Gpu.free or at exit)."""
+    gpu: "Gpu"
+    ptr: int
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def numpy(self) -> np.ndarray:
+        return self.gpu.download(self)
+
+    def view(self, offset_elems: int, shape) -> "DeviceArray":
+        """A sub-array starting offset_elems into this one (no copy, not owning)."""
+        return DeviceArray(self.gpu, self.ptr + offset_elems * np.dtype(self.dtype).itemsize, tuple(shape), self.dtype)
+
+
+class Gpu:
+    def __init__(self, device_id: int = 0):
+        from cuda.core import Device
+        self.dev = Device(device_id)
+        self.dev.set_current()
+        self.stream = self.dev.create_stream()
+        props = self.dev.properties
+        self.arch = f"sm_{props.compute_capability_major}{props.compute_capability_minor}"
+        self.name = self.dev.name
+        self.sm_count = props.multiprocessor_count
+        self.smem_optin = props.max_shared_memory_per_block_optin
+        self.l2_bytes = props.l2_cache_size
+        self._modules: dict[str, object] = {}
+        self._kernels: dict[tuple[str, str], object] = {}
+        self._smem_set: dict[tuple[str, str], int] = {}
+        self._allocs: list[int] = []
+
+    # ---- modules and launches -------------------------------------------------------------
+    def kernel(self, source: str, name: str):
+        key = (source, name)
+        if key not in self._kernels:
+            if source not in self._modules:
+                from cuda.core import ObjectCode
+                path = compile_cubin(source, self.arch)
+                self._modules[source] = ObjectCode.from_cubin(path.read_bytes(), name=source)
+            self._kernels[key] = self._modules[source].get_kernel(name)
+        return self._kernels[key]
+
+    def allow_smem(self, source: str, name: str, nbytes: int) -> None:
+        """Raise a kernel's dynamic shared-memory limit (needed above 48 KB); checked against the device."""
+        if nbytes > self.smem_optin:
+            raise ValueError(f"{source}:{name} needs {nbytes} B of shared memory; {self.name} allows {self.smem_optin}")
+        if self._smem_set.get((source, name), 0) >= nbytes or nbytes <= 48 * 1024:
+            return
+        driver = _driver()
+        handle = self.kernel(source, name).handle
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if isinstance(handle, driver.CUkernel):
+            check(driver.cuKernelSetAttribute(attr, nbytes, handle, self.dev.device_id), "cuKernelSetAttribute")
+        else:
+            check(driver.cuFuncSetAttribute(handle, attr, nbytes), "cuFuncSetAttribute")
+        self._smem_set[(source, name)] = nbytes
+
+    def launch(self, kernel, grid, block, smem: int, *args, stream=None) -> None:
+        from cuda.core import LaunchConfig, launch
+        config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem))
+        launch(stream if stream is not None else self.stream, config, kernel, *args)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def alloc(self, shape, dtype) -> DeviceArray:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        address = int(check(_driver().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes} B)"))
+        self._allocs.append(address)
+        return DeviceArray(self, address, shape, np.dtype(dtype))
+
+    def zeros(self, shape, dtype) -> DeviceArray:
+        a = self.alloc(shape, dtype)
+        self.memset(a, 0)
+        return a
+
+    def upload(self, array: np.ndarray) -> DeviceArray:
+        array = np.ascontiguousarray(array)
+        a = self.alloc(array.shape, array.dtype)
+        check(_driver().cuMemcpyHtoD(a.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+        return a
+
+    def copy_in(self, dst: DeviceArray, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array, dtype=dst.dtype)
+        if array.nbytes > dst.nbytes:
+            raise ValueError(f"copy_in: {array.nbytes} B do not fit in {dst.nbytes} B")
+        self.sync()
+        check(_driver().cuMemcpyHtoD(dst.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+
+    def download(self, a: DeviceArray) -> np.ndarray:
+        self.sync()
+        out = np.empty(a.shape, dtype=a.dtype)
+        check(_driver().cuMemcpyDtoH(out.ctypes.data, a.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def memset(self, a: DeviceArray, byte: int) -> None:
+        check(_driver().cuMemsetD8Async(a.ptr, byte, a.nbytes, self.stream.handle), "cuMemsetD8Async")
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        s = (stream if stream is not None else self.stream).handle
+        check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, s), "cuMemcpyDtoDAsync")
+
+    def free_all(self) -> None:
+        self.sync()
+        for address in self._allocs:
+            check(_driver().cuMemFree(address), "cuMemFree")
+        self._allocs.clear()
+
+    # ---- sync, timing, graphs -------------------------------------------------------------
+    def sync(self) -> None:
+        self.stream.sync()
+
+    def timed_ms(self, fn, repeats: int = 1) -> list[float]:
+        """Run fn() `repeats` times on the stream, each between two timing events; ms per run."""
+        from cuda.core import EventOptions
+        opts = EventOptions(timing_enabled=True)
+        times = []
+        for _ in range(repeats):
+            start = self.stream.record(options=opts)
+            fn()
+            end = self.stream.record(options=opts)
+            end.sync()
+            times.append(end - start)
+        return times
+
+    def capture(self, fn):
+        """Record fn(stream_like) into a CUDA graph; returns the executable graph (launch with replay)."""
+        builder = self.stream.create_graph_builder()
+        builder.begin_building()
+        fn(builder)
+        graph = builder.end_building().complete()
+        graph.upload(self.stream)
+        return graph
+
+    def replay(self, graph) -> None:
+        graph.launch(self.stream)

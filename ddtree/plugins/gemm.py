@@ -1,0 +1,104 @@
+"""Launcher for the BF16 skinny GEMM (kernels/gemm.cu): out[M, N] = x[M, K] @ w[N, K]^T (+ residual).
+
+For attention projections, shared experts, dense layer 0, the router (fp32 out) and lm_head, M <= 256.
+All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.plugins.compile import SOURCES
+from ddtree.plugins.device import DeviceArray, Gpu, ptr
+
+SOURCE = "gemm.cu"
+WARPS = SOURCES[SOURCE]["DD_WARPS"]
+STAGES = SOURCES[SOURCE]["DD_STAGES"]
+RING_BYTES = WARPS * STAGES * 4 * 32 * 16          # per block: [warp][stage][4][lane] uint4
+X_SMEM_BUDGET = 64 * 1024                          # token rows of one k-split
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    mt: int          # 8-token sub-tiles per block (1, 2, 4, 8)
+    mb: int          # token blocks
+    tpw: int         # 16-row weight tiles per warp
+    nb: int          # n-blocks
+    splits: int      # k-splits (S)
+    smem: int        # dynamic shared memory bytes
+
+    @property
+    def blocks(self) -> int:
+        return self.mb * self.nb * self.splits
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, splits: int | None = None,
+              tpw: int = 1) -> GemmPlan:
+    """Pick token blocking and split-K so the grid covers the SMs a few times over without exceeding
+    the shared-memory budget. `splits` forces S (must divide K / 64)."""
+    kc = K // 64
+    mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
+    mb = -(-M // (8 * mt))
+    nb = -(-(N // 16) // (WARPS * tpw))
+    budget = min(X_SMEM_BUDGET, smem_limit - RING_BYTES)
+
+    def x_bytes(s):
+        return 8 * mt * ((kc // s) * 64 + 32) * 2
+
+    if splits is None:
+        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget]
+        if not fits:
+            raise ValueError(f"skinny GEMM: K = {K} leaves no k-split that fits {budget} B of shared memory")
+        want = [s for s in fits if mb * nb * s >= 2 * sm_count and kc // s >= 4]
+        splits = want[0] if want else max([s for s in fits if kc // s >= 4] or [fits[0]])
+    elif kc % splits:
+        raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
+    return GemmPlan(mt, mb, tpw, nb, splits, x_bytes(splits) + RING_BYTES)
+
+
+class SkinnyGemm:
+    """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
+
+    def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False):
+        if N % 16 or K % 64:
+            raise ValueError(f"skinny GEMM needs N % 16 == 0 and K % 64 == 0, got N = {N}, K = {K}")
+        if not 1 <= max_tokens <= 256:
+            raise ValueError(f"skinny GEMM: max_tokens must be in [1, 256], got {max_tokens}")
+        self.gpu, self.N, self.K, self.max_tokens, self.out_f32 = gpu, N, K, max_tokens, out_f32
+        self.smem_limit = gpu.smem_optin
+        plans = [self.plan(m) for m in range(1, max_tokens + 1)]
+        part = max(p.nb * p.mb * p.splits * WARPS * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
+        self.partial = gpu.alloc(max(part, 4), np.float32)
+        self.counters = gpu.zeros(max(p.nb * p.mb for p in plans), np.uint32)
+        self._overrides: dict[int, GemmPlan] = {}
+
+    def plan(self, M: int) -> GemmPlan:
+        if M in getattr(self, "_overrides", {}):
+            return self._overrides[M]
+        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit)
+
+    def override(self, M: int, splits: int, tpw: int = 1) -> GemmPlan:
+        """Benchmark sweeps: force a plan for M (must fit the workspaces allocated for max_tokens)."""
+        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, splits=splits, tpw=tpw)
+        need = p.nb * p.mb * p.splits * WARPS * p.tpw * p.mt * 32 * 4
+        if p.splits > 1 and need > self.partial.nbytes // 4 or p.nb * p.mb > self.counters.shape[0]:
+            raise ValueError(f"plan {p} does not fit the workspaces sized for max_tokens {self.max_tokens}")
+        self._overrides[M] = p
+        return p
+
+    def run(self, x: DeviceArray | int, w: DeviceArray | int, out: DeviceArray | int, M: int,
+            residual: DeviceArray | int | None = None, stream=None) -> None:
+        if not 1 <= M <= self.max_tokens:
+            raise ValueError(f"skinny GEMM: M = {M} outside [1, {self.max_tokens}]")
+        p = self.plan(M)
+        name = f"gemm_bf16_mt{p.mt}"
+        self.gpu.allow_smem(SOURCE, name, p.smem)
+        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), WARPS * 32, p.smem,
+                        ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),
+                        np.int32(M), np.int32(self.N), np.int32(self.K), np.int32(p.splits), np.int32(p.tpw),
+                        np.int32(1 if self.out_f32 else 0), stream=stream)

@@ -1,0 +1,117 @@
+// Shared device helpers for ddtree kernels (compiled with NVRTC for sm_90 and sm_120).
+//
+// No CUDA headers: bf16 values travel as their uint16 bit patterns (like ddtree/model/bf16.py), and
+// the few instructions we need (bf16 conversion, mma.sync, cp.async) are written as inline PTX, so
+// the kernels compile with a bare NVRTC and no toolkit include directory.
+//
+// Fragment conventions of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"):
+//   lane = 4 * g + t  (g = groupID 0..7, t = thread in group 0..3)
+//   A (16x16, row-major) regs: a0 = (row g,   k 2t..2t+1)   a1 = (row g+8, k 2t..2t+1)
+//                              a2 = (row g,   k 2t+8..+9)   a3 = (row g+8, k 2t+8..+9)
+//   B (16x8, k x n)      regs: b0 = (k 2t..2t+1, col g)     b1 = (k 2t+8..2t+9, col g)
+//   C (16x8)                  c0,c1 = (row g, cols 2t, 2t+1)   c2,c3 = (row g+8, cols 2t, 2t+1)
+// Our kernels put weight rows in A (16 output channels) and up to 8 tokens in B, and read k in the
+// permuted order described in ddtree/plugins/layout.py so that every lane loads 16 contiguous bytes.
+#pragma once
+
+typedef unsigned short bf16_t;     // bf16 bit pattern
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef DD_WARPS
+#define DD_WARPS 8                 // warps per block of the streaming GEMMs
+#endif
+#ifndef DD_STAGES
+#define DD_STAGES 8                // cp.async ring depth per warp
+#endif
+
+#define DD_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ float bf16lo_to_f32(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float bf16hi_to_f32(u32 p) { return __uint_as_float(p & 0xffff0000u); }
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {        // round to nearest even
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// D = A * B + C, bf16 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One repacked INT4 word -> the four A registers of one m16n8k16 step.
+// Register j takes nibbles j (low half) and j + 4 (high half): (w >> 4j) & 0x000F000F puts them in the
+// mantissas of two bf16 equal to 128 + u (magic 0x4300), and an fma with -136 leaves u - 8 exactly.
+__device__ __forceinline__ void dequant_int4_word(u32 w, u32 (&a)[4]) {
+    const u32 one = 0x3F803F80u, minus136 = 0xC308C308u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 v = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[j]) : "r"(v), "r"(one), "r"(minus136));
+    }
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+// Weights are streamed once: bypass L1 and mark them evict-first in L2.
+__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Split-K / combine hand-off without a second launch: every contributing block publishes its
+// partial results, then takes a ticket; the block that takes the last ticket reads all partials in a
+// fixed order (so the sum is deterministic) and resets the counter for the next graph replay.
+// Must be called by every thread of the block; returns true in the last block.
+__device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 prev = atomicAdd(counter, 1u);
+        s_last = (prev == expected - 1);
+        if (s_last) atomicExch(counter, 0u);
+    }
+    __syncthreads();
+    if (s_last) __threadfence();
+    return s_last;
+}

@@ -1,0 +1,144 @@
+// BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]).
+//
+// Weight rows are the A operand (16 output channels per mma), tokens the B operand (8 per mma), so the
+// weight matrix is streamed exactly once per token block of 8 * MT tokens. Each warp owns `tpw`
+// 16-row tiles and streams them through a private cp.async ring (evict-first: read once); the block's
+// token rows for its k-split sit in shared memory. k is read in the permuted order of
+// ddtree/plugins/layout.py (lane t owns k = 32h + 8t .. +8 of each 64-wide chunk), which works on the
+// plain row-major [N, K] weight: one 16-byte load per (row, h) per lane, full 32-byte sectors.
+// Split-K partials are reduced by the last block to arrive (fixed order, deterministic).
+#include "common.cuh"
+
+struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8) x (h0 | h1)][lane]
+    uint4 w[DD_STAGES][4][32];      // 16 rows x 64 k bf16 = 2 KB per stage
+};
+
+// Grid (MB = ceil(M / (8 MT)), S, NB), block DD_WARPS * 32 (token blocks fastest, so the blocks that
+// share a weight tile run together and re-reads hit L2),
+// dynamic smem = 8 MT * (K/S + 32) * 2 + DD_WARPS * sizeof(Bf16Ring).
+//   x [M, K] bf16   w [N, K] bf16   residual [M, N] bf16 or null (may alias out)
+//   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1)
+//   partial [NB, MB, S, DD_WARPS * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
+template <int MT>
+__device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                                            const bf16_t* residual, void* out, float4* __restrict__ partial,
+                                            u32* __restrict__ counters, int M, int N, int K, int S, int tpw,
+                                            int out_f32) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
+    const int kspan = CPS * 64, xstride = kspan + 32;    // +64 B per row: conflict-free uint4 reads
+    const int row0 = blockIdx.x * 8 * MT, NT = N >> 4, nb = blockIdx.z;
+    bf16_t* xs = (bf16_t*)smem;                          // [8 MT][xstride]
+    Bf16Ring& ring = ((Bf16Ring*)(smem + 8 * MT * xstride * 2))[warp];
+
+    const int vec_per_row = kspan >> 3;
+    for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
+        int row = i / vec_per_row, v = i - row * vec_per_row;
+        bf16_t* dst = xs + row * xstride + v * 8;
+        if (row0 + row < M) cp_async16(dst, x + (size_t)(row0 + row) * K + c0 * 64 + v * 8);
+        else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_commit();
+
+    const int ntb = DD_WARPS * tpw, nt_begin = (nb * DD_WARPS + warp) * tpw;
+    const int my_tiles = max(0, min(tpw, NT - nt_begin));
+    const int items = my_tiles * CPS;
+    const bf16_t* wbase = w + (size_t)(nt_begin * 16 + g) * K + 8 * t;
+    const u64 policy = evict_first_policy();
+    auto issue = [&](int it) {
+        if (it < items) {
+            int r = it / CPS, c = it - r * CPS, st = it % DD_STAGES;
+            const bf16_t* src = wbase + (size_t)r * 16 * K + (c0 + c) * 64;
+            cp_async16_stream(&ring.w[st][0][lane], src, policy);               // row g,   h 0
+            cp_async16_stream(&ring.w[st][1][lane], src + (size_t)8 * K, policy);   // row g+8, h 0
+            cp_async16_stream(&ring.w[st][2][lane], src + 32, policy);          // row g,   h 1
+            cp_async16_stream(&ring.w[st][3][lane], src + (size_t)8 * K + 32, policy);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int st = 0; st < DD_STAGES - 1; ++st) issue(st);
+    cp_async_wait<DD_STAGES - 2>();
+    __syncthreads();
+
+    const size_t part_base = ((size_t)nb * gridDim.x + blockIdx.x) * S;
+    // acc[mt] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = tile row g, m = token 8 mt + 2t
+    auto finish = [&](int r, const float (&v)[MT][4]) {
+        const int n = (nt_begin + r) * 16 + g;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int m = row0 + mt * 8 + 2 * t + q;
+                if (m >= M) continue;
+                float lo = v[mt][q], hi = v[mt][2 + q];
+                const size_t o = (size_t)m * N + n;
+                if (residual) { lo += bf16_to_f32(residual[o]); hi += bf16_to_f32(residual[o + 8]); }
+                if (out_f32) { ((float*)out)[o] = lo; ((float*)out)[o + 8] = hi; }
+                else { ((bf16_t*)out)[o] = f32_to_bf16(lo); ((bf16_t*)out)[o + 8] = f32_to_bf16(hi); }
+            }
+        }
+    };
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+    for (int it = 0; it < items; ++it) {
+        cp_async_wait<DD_STAGES - 2>();
+        issue(it + DD_STAGES - 1);
+        const int r = it / CPS, c = it - r * CPS, st = it % DD_STAGES;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 row_g = ring.w[st][2 * h][lane], row_g8 = ring.w[st][2 * h + 1][lane];
+            const u32 a_u0[4] = {row_g.x, row_g8.x, row_g.y, row_g8.y};   // k 32h + 8t + 0..3
+            const u32 a_u1[4] = {row_g.z, row_g8.z, row_g.w, row_g8.w};   // k 32h + 8t + 4..7
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
+                mma_bf16_16816(acc[mt], a_u0, xb.x, xb.y);
+                mma_bf16_16816(acc[mt], a_u1, xb.z, xb.w);
+            }
+        }
+        if (c == CPS - 1) {
+            if (S == 1) {
+                finish(r, acc);
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    size_t idx = (((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane;
+                    partial[idx] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+        }
+    }
+    cp_async_wait<0>();
+
+    if (S == 1) return;
+    if (!arrive_last(&counters[(size_t)nb * gridDim.x + blockIdx.x], (u32)S)) return;
+    for (int r = 0; r < my_tiles; ++r) {
+        float sum[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
+            for (int s = 0; s < S; ++s) {                // fixed order: deterministic
+                float4 v = ld_cg_f4(&partial[(((part_base + s) * ntb + warp * tpw + r) * MT + mt) * 32 + lane]);
+                sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
+            }
+        }
+        finish(r, sum);
+    }
+}
+
+#define DD_DEFINE_GEMM(MT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                       \
+    gemm_bf16_mt##MT(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out,            \
+                     float4* partial, u32* counters, int M, int N, int K, int S, int tpw, int out_f32) { \
+        skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32);            \
+    }
+DD_DEFINE_GEMM(1)
+DD_DEFINE_GEMM(2)
+DD_DEFINE_GEMM(4)
+DD_DEFINE_GEMM(8)

@@ -1,0 +1,359 @@
+// Fused W4A16 MoE for 1 <= M <= 256 tokens (kimi-k2.md section 5.4; hardware-and-kernels.md section 5).
+//
+//   moe_route    router top-k (sigmoid, +bias for selection, grouped top-k, lowest id wins ties,
+//                normalise, x routed_scaling_factor) and token->expert alignment, one block, no host sync
+//   moe_gate_up  act[pair, I] = silu(x W_gate^T) * (x W_up^T), INT4 weights, split-K with a ticket
+//   moe_down     y[pair, H] = act W_down^T; the last expert to finish a token's rows writes
+//                out[token] = sum_k w_k y[pair_k] (+ shared expert)
+//
+// A "pair" is (token m, choice k) = m * topk + k. Pairs are grouped by expert into tiles of 8 slots
+// (the n = 8 side of mma.m16n8k16); tile_pairs[tile][slot] = pair or -1 for padding.
+// Weights use the repacked layout of ddtree/plugins/layout.py: per (16-row tile, 64-k chunk) one
+// uint4 per lane (4 mma steps) and one uint2 of bf16 scales per row group g.
+#include "common.cuh"
+
+#ifndef DD_MAX_E
+#define DD_MAX_E 1024
+#endif
+#define DD_ROUTE_EPL 16             // experts per lane in the top-k warp: E <= 512
+#define DD_MAX_PAIRS 4096
+
+// --------------------------------------------------------------------------------------------
+// routing
+// --------------------------------------------------------------------------------------------
+
+// (value, index) argmax across the warp; ties -> lower index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        int oi = __shfl_xor_sync(0xffffffffu, i, off);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// One warp routes one token: the lane holds experts lane + 32 j.
+__device__ void route_token(const float* logits, const float* bias, int m, int E, int topk, int n_group,
+                            int topk_group, float scaling, int* topk_ids, float* topk_w, int lane) {
+    float score[DD_ROUTE_EPL], choice[DD_ROUTE_EPL];
+#pragma unroll
+    for (int j = 0; j < DD_ROUTE_EPL; ++j) {
+        int e = lane + 32 * j;
+        if (e < E) {
+            float l = logits[(size_t)m * E + e];
+            score[j] = 1.0f / (1.0f + expf(-l));                     // g = sigmoid(logit), fp32
+            choice[j] = score[j] + (bias ? bias[e] : 0.0f);         // selection only
+        } else {
+            score[j] = 0.0f;
+            choice[j] = DD_NEG_INF;
+        }
+    }
+    if (n_group > 1) {                                               // keep the best topk_group groups
+        int per_group = E / n_group;
+        float group_score = DD_NEG_INF;                              // lane gi holds group gi's score
+        for (int gi = 0; gi < n_group; ++gi) {
+            float v1 = DD_NEG_INF; int i1 = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < DD_ROUTE_EPL; ++j) {
+                int e = lane + 32 * j;
+                if (e < E && e / per_group == gi && choice[j] > v1) { v1 = choice[j]; i1 = e; }
+            }
+            warp_argmax(v1, i1);
+            float v2 = DD_NEG_INF; int i2 = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < DD_ROUTE_EPL; ++j) {
+                int e = lane + 32 * j;
+                if (e < E && e / per_group == gi && e != i1 && choice[j] > v2) { v2 = choice[j]; i2 = e; }
+            }
+            warp_argmax(v2, i2);
+            if (lane == gi) group_score = v1 + v2;
+        }
+        u32 kept = 0;
+        for (int r = 0; r < topk_group; ++r) {
+            float v = (kept >> lane) & 1u ? DD_NEG_INF : group_score;
+            int i = lane < n_group ? lane : 0x7fffffff;
+            if ((kept >> lane) & 1u) i = 0x7fffffff;
+            warp_argmax(v, i);
+            kept |= 1u << i;
+        }
+#pragma unroll
+        for (int j = 0; j < DD_ROUTE_EPL; ++j) {
+            int e = lane + 32 * j;
+            if (e < E && !((kept >> (e / per_group)) & 1u)) choice[j] = DD_NEG_INF;
+        }
+    }
+    float my_w = 0.0f, sum = 0.0f;
+    int my_id = 0;
+    for (int k = 0; k < topk; ++k) {
+        float v = DD_NEG_INF; int i = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < DD_ROUTE_EPL; ++j)                      // e grows with j: strict > keeps the lowest id
+            if (choice[j] > v) { v = choice[j]; i = lane + 32 * j; }
+        warp_argmax(v, i);
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DD_ROUTE_EPL; ++j)
+            if (lane + 32 * j == i) { s = score[j]; choice[j] = DD_NEG_INF; }
+        s = __shfl_sync(0xffffffffu, s, i & 31);
+        sum += s;
+        if (lane == k) { my_w = s; my_id = i; }
+    }
+    if (lane < topk) {
+        topk_ids[m * topk + lane] = my_id;
+        topk_w[m * topk + lane] = my_w / (sum + 1e-20f) * scaling;
+    }
+}
+
+// Launch: grid 1, block 1024. logits == nullptr: topk_ids/topk_w are inputs (given routing).
+// Outputs tile_expert [max_tiles], tile_pairs [max_tiles, 8], num_tiles [1].
+extern "C" __global__ void __launch_bounds__(1024)
+moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int topk,
+          int n_group, int topk_group, float scaling, int* topk_ids, float* topk_w,
+          int* __restrict__ tile_expert, int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+    __shared__ int count[DD_MAX_E];
+    __shared__ int tile_start[DD_MAX_E + 1];
+    __shared__ short rank[DD_MAX_PAIRS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int P = M * topk;
+
+    if (logits) {
+        for (int m = warp; m < M; m += nwarps)
+            route_token(logits, bias, m, E, topk, n_group, topk_group, scaling, topk_ids, topk_w, lane);
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();                                 // topk_ids (global) and count visible to the block
+
+    for (int p = threadIdx.x; p < P; p += blockDim.x)
+        rank[p] = (short)atomicAdd(&count[topk_ids[p]], 1);
+    __syncthreads();
+
+    if (warp == 0) {                                 // exclusive scan of tiles per expert
+        int carry = 0;
+        for (int base = 0; base < E; base += 32) {
+            int e = base + lane;
+            int n = e < E ? (count[e] + 7) >> 3 : 0;
+            int incl = n;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                int o = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += o;
+            }
+            if (e < E) tile_start[e] = carry + incl - n;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
+    }
+    __syncthreads();
+
+    const int tiles = tile_start[E];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
+    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        int e = topk_ids[p], r = rank[p];
+        tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// W4A16 expert GEMMs
+// --------------------------------------------------------------------------------------------
+
+struct W4Ring {                     // one warp's cp.async ring: lane-private slots, no warp sync needed
+    uint4 w[DD_STAGES][32];         // 16 rows x 64 k of INT4 = 512 B per stage
+    uint2 s[DD_STAGES][32];         // the lane's 4 bf16 scales (rows g, g+8 x two k32 groups)
+};
+
+// Shared main loop. The block owns one tile (8 slots of one expert), n-block blockIdx.x and k-split
+// blockIdx.y; warp w streams n-tiles [nt_begin, nt_begin + tpw) over the split's chunks and hands each
+// finished 16x8 accumulator to `epi(r, acc)`.
+//   x_rows  activation rows [*, K] bf16: MODE 0 reads row pair / topk (the token), MODE 1 row pair
+template <int MODE, class Epi>
+__device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, const uint4* __restrict__ wq,
+                                            const uint2* __restrict__ wscale, const int* pairs, int e, int K,
+                                            int NT, int topk, int S, int tpw, Epi epi) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
+    const int kspan = CPS * 64, xstride = kspan + 32;   // +64 B per row: conflict-free uint4 reads
+    bf16_t* xs = (bf16_t*)smem;                          // [8][xstride]
+    W4Ring& ring = ((W4Ring*)(smem + 8 * xstride * 2))[warp];
+
+    // 1. the 8 slots' activation rows for this k-split -> smem (zeros for padding slots)
+    const int vec_per_row = kspan >> 3;
+    for (int i = threadIdx.x; i < 8 * vec_per_row; i += blockDim.x) {
+        int slot = i / vec_per_row, v = i - slot * vec_per_row;
+        bf16_t* dst = xs + slot * xstride + v * 8;
+        int p = pairs[slot];
+        if (p < 0) {
+            *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+        } else {
+            size_t row = MODE == 0 ? (size_t)(p / topk) : (size_t)p;
+            cp_async16(dst, x_rows + row * K + c0 * 64 + v * 8);
+        }
+    }
+    cp_async_commit();
+
+    // 2. this warp's items = (n-tile r, chunk c), streamed through the ring
+    const int nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
+    const int my_tiles = max(0, min(tpw, NT - nt_begin));
+    const int items = my_tiles * CPS;
+    const uint4* wsrc = wq + ((size_t)e * NT + nt_begin) * KC * 32 + lane;
+    const uint2* ssrc = wscale + ((size_t)e * NT + nt_begin) * KC * 8 + g;
+    const u64 policy = evict_first_policy();
+    auto issue = [&](int it) {
+        if (it < items) {
+            int r = it / CPS, c = it - r * CPS;
+            size_t chunk = (size_t)r * KC + c0 + c;
+            cp_async16_stream(&ring.w[it % DD_STAGES][lane], wsrc + chunk * 32, policy);
+            cp_async8(&ring.s[it % DD_STAGES][lane], ssrc + chunk * 8);
+        }
+        cp_async_commit();                               // empty groups keep the counting uniform
+    };
+#pragma unroll
+    for (int st = 0; st < DD_STAGES - 1; ++st) issue(st);
+    cp_async_wait<DD_STAGES - 2>();                      // activation rows + stage 0 landed
+    __syncthreads();
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int it = 0; it < items; ++it) {
+        cp_async_wait<DD_STAGES - 2>();                  // stage `it` landed
+        issue(it + DD_STAGES - 1);                       // refills the slot consumed last iteration
+        const int r = it / CPS, c = it - r * CPS;
+        const uint4 w = ring.w[it % DD_STAGES][lane];
+        const uint2 sc = ring.s[it % DD_STAGES][lane];
+        const bf16_t* xrow = xs + g * xstride + c * 64 + 8 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                    // two k32 scale groups per chunk
+            const uint4 xb = *(const uint4*)(xrow + 32 * h);
+            float part[4] = {0.f, 0.f, 0.f, 0.f};        // unscaled: integer weights are exact in bf16
+            u32 a[4];
+            dequant_int4_word(h == 0 ? w.x : w.z, a);
+            mma_bf16_16816(part, a, xb.x, xb.y);
+            dequant_int4_word(h == 0 ? w.y : w.w, a);
+            mma_bf16_16816(part, a, xb.z, xb.w);
+            const u32 sp = h == 0 ? sc.x : sc.y;         // (row g, row g+8) scales of this group
+            const float s_row_g = bf16lo_to_f32(sp), s_row_g8 = bf16hi_to_f32(sp);
+            acc[0] += s_row_g * part[0];
+            acc[1] += s_row_g * part[1];
+            acc[2] += s_row_g8 * part[2];
+            acc[3] += s_row_g8 * part[3];
+        }
+        if (c == CPS - 1) {
+            epi(r, acc);
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// Grid (NB, S, max_tiles), block DD_WARPS * 32, dynamic smem = 8 * (K/S + 32) * 2 + DD_WARPS * sizeof(W4Ring).
+// Fused tile f holds gate rows 8f..8f+7 (A rows 0-7) and up rows 8f..8f+7 (A rows 8-15), so a lane's
+// acc = {gate(slot 2t), gate(slot 2t+1), up(slot 2t), up(slot 2t+1)} for intermediate j = 8f + g.
+//   x        [M, K] bf16        wq [E, NT, K/64, 32] uint4     wscale [E, NT, K/64, 8] uint2
+//   act      [M * topk, I] bf16 (I = 8 NT)
+//   partial  [max_tiles, NB, S, DD_WARPS * tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
+extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)
+moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
+            const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
+            const int* __restrict__ num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial,
+            u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw) {
+    const int z = blockIdx.z;
+    if (z >= *num_tiles) return;
+    __shared__ int pairs[8];
+    if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int I = NT * 8, ntb = DD_WARPS * tpw, nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
+    const size_t part_base = ((size_t)z * gridDim.x + blockIdx.x) * S;   // [.., S, ntb, 32]
+
+    auto finish = [&](int r, const float* v) {           // v = {gate 2t, gate 2t+1, up 2t, up 2t+1}
+        const int j = (nt_begin + r) * 8 + g;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            int p = pairs[2 * t + q];
+            if (p >= 0) act[(size_t)p * I + j] = f32_to_bf16(silu(v[q]) * v[2 + q]);
+        }
+    };
+    auto epi = [&](int r, const float (&acc)[4]) {
+        if (S == 1) {
+            finish(r, acc);
+        } else {
+            size_t idx = ((part_base + blockIdx.y) * ntb + warp * tpw + r) * 32 + lane;
+            partial[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        }
+    };
+    w4_mainloop<0>(x, wq, wscale, pairs, tile_expert[z], K, NT, topk, S, tpw, epi);
+
+    if (S == 1) return;
+    if (!arrive_last(&counters[(size_t)z * gridDim.x + blockIdx.x], (u32)S)) return;
+    const int my_tiles = max(0, min(tpw, NT - nt_begin));
+    for (int r = 0; r < my_tiles; ++r) {
+        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < S; ++s) {                    // fixed order: deterministic
+            float4 v = ld_cg_f4(&partial[((part_base + s) * ntb + warp * tpw + r) * 32 + lane]);
+            sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+        }
+        finish(r, sum);
+    }
+}
+
+// Grid (NB, 1, max_tiles), block DD_WARPS * 32, dynamic smem = 8 * (I + 32) * 2 + DD_WARPS * sizeof(W4Ring).
+//   act [M * topk, I] bf16   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
+//   y   [M * topk, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
+//   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk expert tiles)
+extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)
+moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
+         const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
+         const int* __restrict__ num_tiles, float* __restrict__ y, const float* __restrict__ topk_w,
+         const bf16_t* __restrict__ shared_out, bf16_t* __restrict__ out, u32* __restrict__ counters,
+         int K, int NT, int topk, int tpw) {
+    const int z = blockIdx.z;
+    if (z >= *num_tiles) return;
+    __shared__ int pairs[8];
+    __shared__ int finished_token[8];
+    if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int H = NT * 16, nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
+
+    auto epi = [&](int r, const float (&acc)[4]) {      // acc = {(n, 2t), (n, 2t+1), (n+8, 2t), (n+8, 2t+1)}
+        const int n = (nt_begin + r) * 16 + g;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            int p = pairs[2 * t + q];
+            if (p >= 0) {
+                y[(size_t)p * H + n] = acc[q];
+                y[(size_t)p * H + n + 8] = acc[2 + q];
+            }
+        }
+    };
+    w4_mainloop<1>(act, wq, wscale, pairs, tile_expert[z], K, NT, topk, 1, tpw, epi);
+
+    // combine: the last of a token's topk expert tiles to finish this n-block writes its rows
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        int p = pairs[threadIdx.x], tok = -1;
+        if (p >= 0) {
+            u32* c = &counters[(size_t)(p / topk) * gridDim.x + blockIdx.x];
+            if (atomicAdd(c, 1u) == (u32)topk - 1) { atomicExch(c, 0u); tok = p / topk; }
+        }
+        finished_token[threadIdx.x] = tok;
+    }
+    __syncthreads();
+    __threadfence();
+    const int n0 = blockIdx.x * DD_WARPS * tpw * 16, n1 = min(H, n0 + DD_WARPS * tpw * 16);
+    for (int slot = 0; slot < 8; ++slot) {
+        const int tok = finished_token[slot];
+        if (tok < 0) continue;
+        for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {
+            float v = 0.f;
+            for (int k = 0; k < topk; ++k)               // fixed order: deterministic
+                v += topk_w[tok * topk + k] * ld_cg_f32(&y[(size_t)(tok * topk + k) * H + n]);
+            if (shared_out) v += bf16_to_f32(shared_out[(size_t)tok * H + n]);
+            out[(size_t)tok * H + n] = f32_to_bf16(v);
+        }
+    }
+}

@@ -1,0 +1,210 @@
+"""GPU tests of the MoE and skinny-GEMM kernels against float64 numpy references.
+
+Error rule (bf16 outputs, fp32 accumulation): ||y - ref|| / ||ref|| <= 1e-2 and, per element,
+|y - ref| <= 4e-3 |ref| + atol * rms(ref) (bf16 rounding of the output is <= 2^-9 |ref|). Outputs are
+poisoned with NaN before each run, so an unwritten element fails.
+"""
+import numpy as np
+import pytest
+
+from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
+from ddtree.model.int4 import pack_int4, quantize_int4
+from ddtree.plugins import layout, randfill, reference
+
+from moe_cases import CASES, FIXTURES, TOKENS, TOPK, tensor_specs
+
+pytestmark = pytest.mark.gpu
+MS = [1, 2, 3, 8, 16, 64, 256]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from ddtree.plugins.device import Gpu
+    g = Gpu()
+    yield g
+    g.free_all()
+
+
+def assert_close(y, ref, atol_rms=2e-2, what=""):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(y).all(), f"{what}: non-finite output (unwritten or overflow)"
+    rms = np.sqrt(np.mean(ref ** 2))
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    excess = np.abs(y - ref) - (4e-3 * np.abs(ref) + atol_rms * rms)
+    assert rel <= 1e-2, f"{what}: relative error {rel:.3e}"
+    assert excess.max() <= 0, f"{what}: element {np.unravel_index(excess.argmax(), y.shape)} off by " \
+                              f"{np.abs(y - ref).max():.3e} (rms {rms:.3e})"
+    return rel
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE with given top-k ids, TP8 and TP1 per-rank shapes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def moe_case(gpu, request):
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    case = CASES[request.param]
+    specs = tensor_specs(case["experts"], case["hidden"], case["inter"], case["seed"])
+    dev = {}
+    for key, (shape, dtype, seed, preset) in specs.items():
+        dev[key] = gpu.alloc(shape, dtype)
+        randfill.fill_device(gpu, dev[key], seed, preset)
+    # the device fill must equal the numpy stream the fixture was computed from
+    head = dev["down_scale"].numpy().reshape(-1)[:4096]
+    np.testing.assert_array_equal(head, randfill.hash_array(specs["down_scale"][0], np.uint16, specs["down_scale"][2],
+                                                            specs["down_scale"][3]).reshape(-1)[:4096])
+    fx = np.load(FIXTURES / f"moe_{request.param}.npz")
+    shape = MoEShape(case["hidden"], case["inter"], case["experts"], TOPK, max_tokens=TOKENS)
+    moe = FusedMoE(gpu, shape, {k: dev[k] for k in ("gate_up", "gate_up_scale", "down", "down_scale")})
+    out = gpu.alloc((TOKENS, case["hidden"]), np.uint16)
+    shared_ref = bf16_to_f32(randfill.hash_array(*specs["shared"][:2], *specs["shared"][2:]))
+    return dict(name=request.param, moe=moe, dev=dev, out=out, ids=fx["ids"], w=fx["weights"],
+                y_ref=fx["y_ref"].astype(np.float64), shared_ref=shared_ref)
+
+
+@pytest.mark.parametrize("M", MS)
+def test_moe_given_routing(gpu, moe_case, M):
+    c = moe_case
+    with_shared = M in (3, 64)
+    ids, w = gpu.upload(c["ids"][:M]), gpu.upload(c["w"][:M])
+    gpu.memset(c["out"], 0xFF)                                      # bf16 0xFFFF = NaN
+    c["moe"].run(c["dev"]["x"], c["out"], M, shared=c["dev"]["shared"] if with_shared else None, topk=(ids, w))
+    y = bf16_to_f32(c["out"].numpy()[:M])
+    ref = c["y_ref"][:M] + (c["shared_ref"][:M] if with_shared else 0.0)
+    assert_close(y, ref, what=f"moe {c['name']} M={M}")
+    if M == 64:                                                     # split-K tickets reset: same bits again
+        c["moe"].run(c["dev"]["x"], c["out"], M, shared=c["dev"]["shared"], topk=(ids, w))
+        np.testing.assert_array_equal(bf16_to_f32(c["out"].numpy()[:M]), y)
+
+
+def test_moe_alignment_lists(gpu, moe_case):
+    """Tile lists from the route kernel: each pair once, in a tile of its expert, minimal tile count."""
+    c, M = moe_case, 64
+    ids = c["ids"][:M]
+    c["moe"].run(c["dev"]["x"], c["out"], M, topk=(gpu.upload(ids), gpu.upload(c["w"][:M])))
+    n = int(c["moe"].num_tiles.numpy()[0])
+    counts = np.bincount(ids.reshape(-1), minlength=c["moe"].shape.experts)
+    assert n == int(np.sum((counts + 7) // 8))
+    experts = c["moe"].tile_expert.numpy()[:n]
+    pairs = c["moe"].tile_pairs.numpy()[:n]
+    flat = pairs.reshape(-1)
+    assert sorted(flat[flat >= 0].tolist()) == list(range(M * TOPK))
+    for z in range(n):
+        for p in pairs[z][pairs[z] >= 0]:
+            assert ids.reshape(-1)[p] == experts[z]
+
+
+# ---------------------------------------------------------------------------------------------
+# router: fp32 logits (skinny GEMM), sigmoid, bias for selection, grouped top-k, normalise, scale
+# ---------------------------------------------------------------------------------------------
+
+ROUTERS = {
+    "kimi": dict(experts=384, hidden=7168, topk=8, n_group=1, topk_group=1, scaling=2.827),
+    "grouped": dict(experts=64, hidden=512, topk=6, n_group=8, topk_group=3, scaling=1.5),
+}
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 256])
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_router(gpu, name, M):
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    r = ROUTERS[name]
+    E, H = r["experts"], r["hidden"]
+    shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=256)
+    weights = {"gate_up": gpu.alloc((E, 8, H // 64, 32, 4), np.int32),          # unused by route()
+               "gate_up_scale": gpu.alloc((E, 8, H // 64, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 16, 1, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 16, 1, 8, 4), np.uint16)}
+    w_router = randfill.hash_array((E, H), np.uint16, 501, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((M, H), np.uint16, 502 + M, randfill.ACT_BF16)
+    bias = (np.random.default_rng(M).standard_normal(E) * 0.05).astype(np.float32)
+    moe = FusedMoE(gpu, shape, weights, router=gpu.upload(w_router), bias=gpu.upload(bias))
+    moe.route(gpu.upload(x), M)
+    logits = moe.logits.numpy()[:M]
+    ids, w = moe.topk_ids.numpy()[:M], moe.topk_w.numpy()[:M]
+
+    logits_ref = reference.gemm(x, w_router)                           # [M, E] float64
+    assert np.abs(logits - logits_ref).max() <= 1e-5 * np.abs(logits_ref).max() + 1e-6
+    ids_ref, w_ref, margin = reference.route(logits_ref, bias, r["topk"], r["n_group"], r["topk_group"], r["scaling"])
+    decided = margin > 1e-4                                            # near-ties may legitimately flip
+    assert decided.mean() > 0.9
+    for m in np.nonzero(decided)[0]:
+        assert sorted(ids[m]) == sorted(ids_ref[m]), f"token {m}: {ids[m]} vs {ids_ref[m]}"
+        order = np.argsort(ids[m])
+        np.testing.assert_allclose(w[m][order], w_ref[m][np.argsort(ids_ref[m])], rtol=1e-5)
+    choice = reference.sigmoid(logits_ref) + bias                     # ids come in selection order
+    picked = np.take_along_axis(choice, ids.astype(np.int64), axis=1)[decided]
+    assert np.all(np.diff(picked, axis=1) <= 1e-6)
+
+
+def test_moe_end_to_end_from_checkpoint_tensors(gpu):
+    """Tiny expert set from compressed-tensors tensors through layout.repack_experts, routed on the GPU."""
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    rng = np.random.default_rng(7)
+    E, H, I, k, M = 8, 128, 64, 2, 5
+    experts = []
+    for _ in range(E):
+        triple = []
+        for shp in ((I, H), (I, H), (H, I)):
+            q, s = quantize_int4(rng.standard_normal(shp).astype(np.float32) * 0.2)
+            triple.append((pack_int4(q), s, np.array(shp, np.int32)))
+        experts.append(tuple(triple))
+    packed = layout.repack_experts(experts)
+    router = f32_to_bf16(rng.standard_normal((E, H)).astype(np.float32) * 0.1)
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    x = f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))
+    shared = f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))
+    moe = FusedMoE(gpu, MoEShape(H, I, E, k, scaling=2.5, max_tokens=8), {key: gpu.upload(v) for key, v in packed.items()},
+                   router=gpu.upload(router), bias=gpu.upload(bias))
+    out = gpu.alloc((M, H), np.uint16)
+    gpu.memset(out, 0xFF)
+    moe.run(gpu.upload(x), out, M, shared=gpu.upload(shared))
+    ids_ref, w_ref, margin = reference.route(reference.gemm(x, router), bias, k, scaling=2.5)
+    assert margin.min() > 1e-3
+    ref = reference.moe_given_routing(x, ids_ref, w_ref, packed, shared=shared)
+    assert_close(bf16_to_f32(out.numpy()), ref, what="tiny end to end")
+
+
+# ---------------------------------------------------------------------------------------------
+# BF16 skinny GEMM
+# ---------------------------------------------------------------------------------------------
+
+GEMMS = {"q_a": (1536, 7168, False, False), "shared_down": (7168, 2048, True, False),
+         "router_f32": (384, 7168, False, True)}
+
+
+@pytest.fixture(scope="module", params=sorted(GEMMS))
+def gemm_case(gpu, request):
+    from ddtree.plugins.gemm import SkinnyGemm
+    N, K, residual, out_f32 = GEMMS[request.param]
+    w = randfill.hash_array((N, K), np.uint16, 601, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((256, K), np.uint16, 602, randfill.ACT_BF16)
+    res = randfill.hash_array((256, N), np.uint16, 603, randfill.ACT_BF16) if residual else None
+    ref = reference.gemm(x, w, res)
+    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 256, out_f32=out_f32), w=gpu.upload(w),
+                x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=ref,
+                out=gpu.alloc((256, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32)
+
+
+@pytest.mark.parametrize("M", MS)
+def test_skinny_gemm(gpu, gemm_case, M):
+    c = gemm_case
+    gpu.memset(c["out"], 0xFF)
+    c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
+    y = c["out"].numpy()[:M]
+    y = y.astype(np.float64) if c["out_f32"] else bf16_to_f32(y)
+    assert_close(y, c["ref"][:M], atol_rms=2e-3, what=f"gemm {c['name']} M={M}")
+    if c["out_f32"]:
+        assert np.abs(y - c["ref"][:M]).max() <= 1e-5 * np.abs(c["ref"][:M]).max()
+
+
+def test_skinny_gemm_in_place_residual(gpu):
+    from ddtree.plugins.gemm import SkinnyGemm
+    N, K, M = 512, 1024, 8
+    w = randfill.hash_array((N, K), np.uint16, 611, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((M, K), np.uint16, 612, randfill.ACT_BF16)
+    h = randfill.hash_array((M, N), np.uint16, 613, randfill.ACT_BF16)
+    h_dev = gpu.upload(h)
+    SkinnyGemm(gpu, N, K, 16).run(gpu.upload(x), gpu.upload(w), h_dev, M, residual=h_dev)   # h += x @ w.T
+    assert_close(bf16_to_f32(h_dev.numpy()), reference.gemm(x, w, h), atol_rms=2e-3, what="in-place residual")
