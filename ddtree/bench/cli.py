@@ -5,3 +5,9 @@ import click
 @click.group("bench")
 def bench():
     """Benchmarks against the bandwidth roofline (`--json` for machine output)."""
+
+
+from ddtree.bench.kernels import gemm_command, moe_command  # noqa: E402
+
+bench.add_command(moe_command)
+bench.add_command(gemm_command)
