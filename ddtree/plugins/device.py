@@ -98,7 +98,8 @@ class Gpu:
         handle = self.kernel(source, name).handle
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         if isinstance(handle, driver.CUkernel):
-            check(driver.cuKernelSetAttribute(attr, nbytes, handle, self.dev.device_id), "cuKernelSetAttribute")
+            check(driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(self.dev.device_id)),
+                  "cuKernelSetAttribute")
         else:
             check(driver.cuFuncSetAttribute(handle, attr, nbytes), "cuFuncSetAttribute")
         self._smem_set[(source, name)] = nbytes
