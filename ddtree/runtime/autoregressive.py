@@ -16,6 +16,7 @@ import time
 import click
 import numpy as np
 
+from ddtree.model.tokenizer import load_tokenizer
 from ddtree.reference.model import Target, causal_visible
 from ddtree.tree.sampling import SamplingParams, sample
 
@@ -52,17 +53,9 @@ def generate_ar(target: Target, prompt_ids, max_new_tokens: int, params: Samplin
     return tokens, stats
 
 
-def _encode_bytes(text: str, bos: int) -> list[int]:
-    return [bos] + list(text.encode("utf-8"))
-
-
-def _decode_bytes(tokens: list[int]) -> str:
-    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", default="Hello", show_default=True, help="Prompt text (byte-tokenizer checkpoints).")
+@click.option("--prompt", default="Hello", show_default=True, help="Prompt text ([BOS] is put in front).")
 @click.option("--prompt-ids", default=None, help="Comma-separated token ids instead of --prompt.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
@@ -73,24 +66,22 @@ def _decode_bytes(tokens: list[int]) -> str:
 def main(checkpoint, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, as_json):
     """Generate tokens from CHECKPOINT with the float64 numpy reference (plain autoregressive)."""
     target = Target.from_checkpoint(checkpoint)
-    cfg = target.config
+    tokenizer = load_tokenizer(checkpoint, target.config)
     if prompt_ids is not None:
         ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
-    elif cfg.tokenizer == "bytes":
-        ids = _encode_bytes(prompt, cfg.bos_token_id)
     else:
-        raise click.UsageError(f"{checkpoint}: tokenizer '{cfg.tokenizer}' is not wired here; pass --prompt-ids")
+        ids = [tokenizer.bos_id] + tokenizer.encode(prompt)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    tokens, stats = generate_ar(target, ids, max_new_tokens, params, cfg.eos_token_ids)
-    text = _decode_bytes(tokens) if cfg.tokenizer == "bytes" else ""
+    eos_ids = set(target.config.eos_token_ids) | set(tokenizer.stop_ids)
+    tokens, stats = generate_ar(target, ids, max_new_tokens, params, sorted(eos_ids))
+    text = tokenizer.decode(tokens)
     click.echo(f"{len(tokens)} tokens in {stats['wall_s']:.2f} s ({stats['tokens_per_s']:.1f} tok/s)", err=True)
     if as_json:
         json.dump({"text": text, "tokens": tokens, "stats": stats}, sys.stdout)
         sys.stdout.write("\n")
     else:
         click.echo(f"tokens: {tokens}")
-        if text:
-            click.echo(f"text:   {text!r}")
+        click.echo(f"text:   {text!r}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddtree.model.synthetic import synth
+from ddtree.model.tokenizer import ByteTokenizer
 from ddtree.reference.model import Target, causal_visible
 from ddtree.runtime.autoregressive import generate_ar, main
 from ddtree.tree.sampling import SamplingParams, sample
@@ -70,3 +71,4 @@ def test_cli_json(tiny):
                           eos_ids=target.config.eos_token_ids)
     assert out["tokens"] == want
     assert out["stats"]["new_tokens"] == len(want)
+    assert out["text"] == ByteTokenizer(target.config.vocab_size).decode(want)
