@@ -69,7 +69,7 @@ def _row(extra: dict, nbytes: float, us: float, ceiling_gbps: float) -> dict:
 
 
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
-                   splits: int | None = None, router: bool = True) -> list[dict]:
+                   overrides: dict | None = None, router: bool = True) -> list[dict]:
     from ddtree.plugins import randfill
     from ddtree.plugins.moe import FusedMoE, MoEShape
     inter = TP_SHAPES[tp]["inter"]
@@ -92,8 +92,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     rng = np.random.default_rng(seed)
     rows = []
     for M in ms:
-        if splits is not None:
-            moe.override(M, splits)
+        if overrides:
+            moe.override(M, **overrides)
         routes, distinct = [], []
         for _ in range(launches):
             ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(M)]).astype(np.int32)
@@ -109,7 +109,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                 moe.run(x, out, M, topk=r, stream=stream)
         us = time_graph(gpu, launch_all) * 1e3 / launches
         p = moe.plan(M)
-        plan = {"gate_up_splits": p.gu_splits, "gate_up_blocks_x": p.gu_nb, "down_blocks_x": p.dn_nb}
+        plan = {"gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
+                "down_warps": p.dn_warps, "down_blocks_x": p.dn_nb}
         rows.append(_row({"tp": tp, "part": "experts", "M": M, "distinct_experts": round(float(np.mean(distinct)), 1),
                           "plan": plan}, touched, us, ceiling_gbps))
         if router:
@@ -171,10 +172,11 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--m", "m_list", default="1,2,4,8,16,32,64,128,256", show_default=True, help="token counts")
 @click.option("--launches", default=16, show_default=True, help="launches per captured graph")
 @click.option("--splits", type=int, default=None, help="force the gate_up k-splits (sweeps)")
+@click.option("--warps", type=int, default=None, help="force the warps per block of both GEMMs (sweeps)")
 @click.option("--no-router", is_flag=True, help="skip the router rows")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def moe_command(tps, m_list, launches, splits, no_router, seed, as_json):
+def moe_command(tps, m_list, launches, splits, warps, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
     from ddtree.plugins.device import Gpu
     gpu = Gpu()
@@ -185,7 +187,8 @@ def moe_command(tps, m_list, launches, splits, no_router, seed, as_json):
     for tp in _ints(tps):
         if tp not in TP_SHAPES:
             raise click.BadParameter(f"--tp must be among {sorted(TP_SHAPES)}, got {tp}")
-        rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, splits, not no_router)
+        overrides = {k: v for k, v in (("gu_splits", splits), ("gu_warps", warps), ("dn_warps", warps)) if v}
+        rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router)
     _emit("moe", gpu, rows, ceiling, as_json)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.compile import compile_cubin
+from ddtree.plugins.compile import compile_cubin, defines_for
 
 
 def _driver():
@@ -78,6 +78,10 @@ class Gpu:
         self._allocs: list[int] = []
 
     # ---- modules and launches -------------------------------------------------------------
+    def defines(self, source: str) -> dict[str, int]:
+        """Compile-time constants of `source` on this GPU (ring depth, warps): launchers size smem with them."""
+        return defines_for(source, self.arch)
+
     def kernel(self, source: str, name: str):
         key = (source, name)
         if key not in self._kernels:

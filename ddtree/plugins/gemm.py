@@ -9,14 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.compile import SOURCES
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 
 SOURCE = "gemm.cu"
-WARPS = SOURCES[SOURCE]["DD_WARPS"]
-STAGES = SOURCES[SOURCE]["DD_STAGES"]
-RING_BYTES = WARPS * STAGES * 4 * 32 * 16          # per block: [warp][stage][4][lane] uint4
-X_SMEM_BUDGET = 64 * 1024                          # token rows of one k-split
+X_SMEM_MAX = 64 * 1024                             # token rows of one k-split, at most
 
 
 @dataclass(frozen=True)
@@ -37,28 +33,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, splits: int | None = None,
-              tpw: int = 1) -> GemmPlan:
-    """Pick token blocking and split-K so the grid covers the SMs a few times over without exceeding
-    the shared-memory budget. `splits` forces S (must divide K / 64)."""
+def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int, stages: int,
+              splits: int | None = None, tpw: int = 1) -> GemmPlan:
+    """Token blocking and split-K. Small M: keep the token rows small enough that two blocks (two rings of
+    weights in flight) fit per SM; the partial sums split-K adds are tiny there. `splits` forces S."""
     kc = K // 64
     mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     mb = -(-M // (8 * mt))
-    nb = -(-(N // 16) // (WARPS * tpw))
-    budget = min(X_SMEM_BUDGET, smem_limit - RING_BYTES)
+    nb = -(-(N // 16) // (warps * tpw))
+    ring = warps * stages * 4 * 32 * 16
 
     def x_bytes(s):
         return 8 * mt * ((kc // s) * 64 + 32) * 2
 
+    two_blocks = (smem_limit + 1024) // 2 - ring - 1024
+    budget = two_blocks if M <= 32 and two_blocks >= x_bytes(kc) // kc * 2 else min(X_SMEM_MAX, smem_limit - ring)
     if splits is None:
-        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget]
+        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget and kc // s >= 2]
         if not fits:
-            raise ValueError(f"skinny GEMM: K = {K} leaves no k-split that fits {budget} B of shared memory")
-        want = [s for s in fits if mb * nb * s >= 2 * sm_count and kc // s >= 4]
-        splits = want[0] if want else max([s for s in fits if kc // s >= 4] or [fits[0]])
+            fits = [s for s in _divisors(kc) if x_bytes(s) <= smem_limit - ring]
+        if not fits:
+            raise ValueError(f"skinny GEMM: K = {K} leaves no k-split that fits {smem_limit - ring} B of shared memory")
+        want = [s for s in fits if mb * nb * s >= 2 * sm_count]
+        splits = want[0] if want else fits[-1]
     elif kc % splits:
         raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
-    return GemmPlan(mt, mb, tpw, nb, splits, x_bytes(splits) + RING_BYTES)
+    return GemmPlan(mt, mb, tpw, nb, splits, x_bytes(splits) + ring)
 
 
 class SkinnyGemm:
@@ -71,8 +71,10 @@ class SkinnyGemm:
             raise ValueError(f"skinny GEMM: max_tokens must be in [1, 256], got {max_tokens}")
         self.gpu, self.N, self.K, self.max_tokens, self.out_f32 = gpu, N, K, max_tokens, out_f32
         self.smem_limit = gpu.smem_optin
+        defs = gpu.defines(SOURCE)
+        self.warps, self.stages = defs["DD_WARPS"], defs["DD_STAGES"]
         plans = [self.plan(m) for m in range(1, max_tokens + 1)]
-        part = max(p.nb * p.mb * p.splits * WARPS * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
+        part = max(p.nb * p.mb * p.splits * self.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
         self.partial = gpu.alloc(max(part, 4), np.float32)
         self.counters = gpu.zeros(max(p.nb * p.mb for p in plans), np.uint32)
         self._overrides: dict[int, GemmPlan] = {}
@@ -80,12 +82,12 @@ class SkinnyGemm:
     def plan(self, M: int) -> GemmPlan:
         if M in getattr(self, "_overrides", {}):
             return self._overrides[M]
-        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit)
+        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages)
 
     def override(self, M: int, splits: int, tpw: int = 1) -> GemmPlan:
         """Benchmark sweeps: force a plan for M (must fit the workspaces allocated for max_tokens)."""
-        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, splits=splits, tpw=tpw)
-        need = p.nb * p.mb * p.splits * WARPS * p.tpw * p.mt * 32 * 4
+        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages, splits, tpw)
+        need = p.nb * p.mb * p.splits * self.warps * p.tpw * p.mt * 32 * 4
         if p.splits > 1 and need > self.partial.nbytes // 4 or p.nb * p.mb > self.counters.shape[0]:
             raise ValueError(f"plan {p} does not fit the workspaces sized for max_tokens {self.max_tokens}")
         self._overrides[M] = p
@@ -98,7 +100,7 @@ class SkinnyGemm:
         p = self.plan(M)
         name = f"gemm_bf16_mt{p.mt}"
         self.gpu.allow_smem(SOURCE, name, p.smem)
-        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), WARPS * 32, p.smem,
+        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), self.warps * 32, p.smem,
                         ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),
                         np.int32(M), np.int32(self.N), np.int32(self.K), np.int32(p.splits), np.int32(p.tpw),
                         np.int32(1 if self.out_f32 else 0), stream=stream)

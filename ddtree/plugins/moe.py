@@ -15,14 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.compile import SOURCES
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm
 
 SOURCE = "moe.cu"
-WARPS = SOURCES[SOURCE]["DD_WARPS"]
-STAGES = SOURCES[SOURCE]["DD_STAGES"]
-RING_BYTES = WARPS * STAGES * (32 * 16 + 32 * 8)   # per block: W4Ring per warp
+STAGE_BYTES = 2 * (32 * 16 + 32 * 8)               # W4Stage: one warp's ring slot (two tiles + scales)
 MAX_EXPERTS, MAX_PAIRS, MAX_TOPK = 512, 4096, 32
 
 
@@ -59,43 +56,46 @@ class MoEShape:
 @dataclass(frozen=True)
 class MoEPlan:
     tiles: int        # grid z: max tiles (blocks past the real count exit at once)
-    gu_tpw: int
+    gu_warps: int
+    gu_tpw: int       # pairs of 16-row tiles per warp
     gu_nb: int
     gu_splits: int
     gu_smem: int
+    dn_warps: int
     dn_tpw: int
     dn_nb: int
     dn_smem: int
 
 
-def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, gu_splits: int | None = None,
-             gu_tpw: int = 1, dn_tpw: int | None = None) -> MoEPlan:
-    """Split-K for gate_up so that even M = 1 (8 tiles) puts a couple of blocks on every SM."""
+def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: int, gu_splits: int | None = None,
+             gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None, dn_tpw: int = 1) -> MoEPlan:
+    """Split-K for gate_up so that even M = 1 (8 tiles) covers the SMs; the deepest ring that fits."""
     tiles = shape.max_tiles(M)
     busy_tiles = min(tiles, max(M * shape.topk // 8, min(M * shape.topk, shape.experts)))   # typical
-    gu_nt, kc = shape.inter // 8, shape.hidden // 64
-    gu_nb = -(-gu_nt // (WARPS * gu_tpw))
+    kc, ring = shape.hidden // 64, stages * STAGE_BYTES
 
-    def gu_bytes(s):
-        return 8 * ((kc // s) * 64 + 32) * 2 + RING_BYTES
+    def x_bytes(kspan):
+        return 8 * (kspan + 32) * 2
 
+    gu_warps = gu_warps or max([w for w in (8, 6, 4) if x_bytes(min(shape.hidden, 512)) + w * ring <= smem_limit]
+                               or [4])
+    gu_nb = -(-(shape.inter // 8) // (gu_warps * 2 * gu_tpw))
     if gu_splits is None:
-        fits = [s for s in range(1, kc + 1) if kc % s == 0 and gu_bytes(s) <= min(smem_limit, 112 * 1024)
-                and kc // s >= 8]
+        fits = [s for s in range(1, kc + 1) if kc % s == 0 and x_bytes(kc // s * 64) + gu_warps * ring <= smem_limit
+                and kc // s >= min(8, kc)]
         if not fits:
-            raise ValueError(f"MoE gate_up: hidden {shape.hidden} has no k-split that fits shared memory")
-        want = [s for s in fits if busy_tiles * gu_nb * s >= 3 * sm_count // 2]
+            raise ValueError(f"MoE gate_up: hidden {shape.hidden} has no k-split that fits {smem_limit} B of smem")
+        want = [s for s in fits if busy_tiles * gu_nb * s >= sm_count]
         gu_splits = want[0] if want else fits[-1]
     elif kc % gu_splits:
         raise ValueError(f"MoE gate_up: splits {gu_splits} must divide hidden / 64 = {kc}")
-    dn_kc = shape.inter // 64
-    if dn_tpw is None:
-        dn_tpw = 2 if dn_kc <= 8 else 1
-    dn_nb = -(-(shape.hidden // 16) // (WARPS * dn_tpw))
-    dn_smem = 8 * (shape.inter + 32) * 2 + RING_BYTES
-    if max(gu_bytes(gu_splits), dn_smem) > smem_limit:
-        raise ValueError(f"MoE: shared memory {max(gu_bytes(gu_splits), dn_smem)} B exceeds the device's {smem_limit}")
-    return MoEPlan(tiles, gu_tpw, gu_nb, gu_splits, gu_bytes(gu_splits), dn_tpw, dn_nb, dn_smem)
+    gu_smem = x_bytes(kc // gu_splits * 64) + gu_warps * ring
+    dn_warps = dn_warps or max([w for w in (8, 6, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4])
+    dn_nb = -(-(shape.hidden // 16) // (dn_warps * 2 * dn_tpw))
+    dn_smem = x_bytes(shape.inter) + dn_warps * ring
+    if max(gu_smem, dn_smem) > smem_limit:
+        raise ValueError(f"MoE: shared memory {max(gu_smem, dn_smem)} B exceeds the device's {smem_limit}")
+    return MoEPlan(tiles, gu_warps, gu_tpw, gu_nb, gu_splits, gu_smem, dn_warps, dn_tpw, dn_nb, dn_smem)
 
 
 class FusedMoE:
@@ -112,6 +112,7 @@ class FusedMoE:
                 raise ValueError(f"FusedMoE: weights[{key!r}] must be {list(shp)}, got {got}")
         self.gpu, self.shape, self.w, self.router, self.bias = gpu, shape, weights, router, bias
         self._overrides: dict[int, MoEPlan] = {}
+        self.stages = gpu.defines(SOURCE)["DD_STAGES"]
         mx = shape.max_tokens
         plans = [self.plan(m) for m in range(1, mx + 1)]
         P = mx * shape.topk
@@ -122,7 +123,7 @@ class FusedMoE:
         self.num_tiles = gpu.zeros(1, np.int32)
         self.act = gpu.alloc((P, I), np.uint16)
         self.y = gpu.alloc((P, H), np.float32)
-        part = max(p.tiles * p.gu_nb * p.gu_splits * WARPS * p.gu_tpw * 32 * 4 for p in plans)
+        part = max(p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 for p in plans)
         self.gu_partial = gpu.alloc(part, np.float32)
         self.gu_counters = gpu.zeros(max(p.tiles * p.gu_nb for p in plans), np.uint32)
         self.dn_counters = gpu.zeros(mx * max(p.dn_nb for p in plans), np.uint32)
@@ -134,12 +135,12 @@ class FusedMoE:
     def plan(self, M: int) -> MoEPlan:
         if M in self._overrides:
             return self._overrides[M]
-        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin)
+        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages)
 
-    def override(self, M: int, gu_splits: int, gu_tpw: int = 1, dn_tpw: int | None = None) -> MoEPlan:
-        """Benchmark sweeps: force a plan for M (checked against the allocated workspaces)."""
-        p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, gu_splits, gu_tpw, dn_tpw)
-        if (p.tiles * p.gu_nb * p.gu_splits * WARPS * p.gu_tpw * 32 * 4 > self.gu_partial.shape[0]
+    def override(self, M: int, **kw) -> MoEPlan:
+        """Benchmark sweeps: force plan_moe keywords for M (checked against the allocated workspaces)."""
+        p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages, **kw)
+        if (p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 > self.gu_partial.shape[0]
                 or p.tiles * p.gu_nb > self.gu_counters.shape[0]
                 or self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]):
             raise ValueError(f"plan {p} does not fit the workspaces sized at construction")
@@ -179,12 +180,12 @@ class FusedMoE:
         s, p, g = self.shape, self.plan(M), self.gpu
         g.allow_smem(SOURCE, "moe_gate_up", p.gu_smem)
         g.allow_smem(SOURCE, "moe_down", p.dn_smem)
-        g.launch(g.kernel(SOURCE, "moe_gate_up"), (p.gu_nb, p.gu_splits, p.tiles), WARPS * 32, p.gu_smem,
+        g.launch(g.kernel(SOURCE, "moe_gate_up"), (p.gu_nb, p.gu_splits, p.tiles), p.gu_warps * 32, p.gu_smem,
                  ptr(x), ptr(self.w["gate_up"]), ptr(self.w["gate_up_scale"]), ptr(self.tile_expert),
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.act), ptr(self.gu_partial),
                  ptr(self.gu_counters), np.int32(s.hidden), np.int32(s.inter // 8), np.int32(s.topk),
                  np.int32(p.gu_splits), np.int32(p.gu_tpw), stream=stream)
-        g.launch(g.kernel(SOURCE, "moe_down"), (p.dn_nb, 1, p.tiles), WARPS * 32, p.dn_smem,
+        g.launch(g.kernel(SOURCE, "moe_down"), (p.dn_nb, 1, p.tiles), p.dn_warps * 32, p.dn_smem,
                  ptr(self.act), ptr(self.w["down"]), ptr(self.w["down_scale"]), ptr(self.tile_expert),
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.y), ptr(weights), ptr(shared), ptr(out),
                  ptr(self.dn_counters), np.int32(s.inter), np.int32(s.hidden // 16), np.int32(s.topk),

@@ -44,21 +44,24 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int ntb = DD_WARPS * tpw, nt_begin = (nb * DD_WARPS + warp) * tpw;
     const int my_tiles = max(0, min(tpw, NT - nt_begin));
     const int items = my_tiles * CPS;
-    const bf16_t* wbase = w + (size_t)(nt_begin * 16 + g) * K + 8 * t;
+    const bf16_t* wp = w + (size_t)(nt_begin * 16 + g) * K + c0 * 64 + 8 * t;   // (tile r, chunk c0 + c)
+    const size_t row8 = (size_t)8 * K;
     const u64 policy = evict_first_policy();
-    auto issue = [&](int it) {
-        if (it < items) {
-            int r = it / CPS, c = it - r * CPS, st = it % DD_STAGES;
-            const bf16_t* src = wbase + (size_t)r * 16 * K + (c0 + c) * 64;
-            cp_async16_stream(&ring.w[st][0][lane], src, policy);               // row g,   h 0
-            cp_async16_stream(&ring.w[st][1][lane], src + (size_t)8 * K, policy);   // row g+8, h 0
-            cp_async16_stream(&ring.w[st][2][lane], src + 32, policy);          // row g,   h 1
-            cp_async16_stream(&ring.w[st][3][lane], src + (size_t)8 * K + 32, policy);
+    int issue_r = 0, issue_c = 0, issue_st = 0;
+    auto issue = [&]() {                                 // counters instead of divisions
+        if (issue_r < my_tiles) {
+            cp_async16_stream(&ring.w[issue_st][0][lane], wp, policy);             // row g,   h 0
+            cp_async16_stream(&ring.w[issue_st][1][lane], wp + row8, policy);      // row g+8, h 0
+            cp_async16_stream(&ring.w[issue_st][2][lane], wp + 32, policy);        // row g,   h 1
+            cp_async16_stream(&ring.w[issue_st][3][lane], wp + row8 + 32, policy); // row g+8, h 1
+            wp += 64;
+            if (++issue_c == CPS) { issue_c = 0; ++issue_r; wp += (size_t)16 * K - (size_t)CPS * 64; }
         }
         cp_async_commit();
+        if (++issue_st == DD_STAGES) issue_st = 0;
     };
-#pragma unroll
-    for (int st = 0; st < DD_STAGES - 1; ++st) issue(st);
+#pragma unroll 1
+    for (int st = 0; st < DD_STAGES - 1; ++st) issue();
     cp_async_wait<DD_STAGES - 2>();
     __syncthreads();
 
@@ -84,10 +87,10 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     float acc[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+    int r = 0, c = 0, st = 0;
     for (int it = 0; it < items; ++it) {
         cp_async_wait<DD_STAGES - 2>();
-        issue(it + DD_STAGES - 1);
-        const int r = it / CPS, c = it - r * CPS, st = it % DD_STAGES;
+        issue();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint4 row_g = ring.w[st][2 * h][lane], row_g8 = ring.w[st][2 * h + 1][lane];
@@ -100,7 +103,8 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 mma_bf16_16816(acc[mt], a_u1, xb.z, xb.w);
             }
         }
-        if (c == CPS - 1) {
+        if (++st == DD_STAGES) st = 0;
+        if (++c == CPS) {
             if (S == 1) {
                 finish(r, acc);
             } else {
@@ -112,6 +116,8 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+            c = 0;
+            ++r;
         }
     }
     cp_async_wait<0>();

@@ -160,14 +160,15 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
 // W4A16 expert GEMMs
 // --------------------------------------------------------------------------------------------
 
-struct W4Ring {                     // one warp's cp.async ring: lane-private slots, no warp sync needed
-    uint4 w[DD_STAGES][32];         // 16 rows x 64 k of INT4 = 512 B per stage
-    uint2 s[DD_STAGES][32];         // the lane's 4 bf16 scales (rows g, g+8 x two k32 groups)
+struct W4Stage {                    // one warp's ring slot: lane-private, so no warp sync is needed
+    uint4 w[2][32];                 // two 16-row tiles x 64 k of INT4 = 2 x 512 B
+    uint2 s[2][32];                 // the lane's 4 bf16 scales per tile (rows g, g+8 x two k32 groups)
 };
 
 // Shared main loop. The block owns one tile (8 slots of one expert), n-block blockIdx.x and k-split
-// blockIdx.y; warp w streams n-tiles [nt_begin, nt_begin + tpw) over the split's chunks and hands each
-// finished 16x8 accumulator to `epi(r, acc)`.
+// blockIdx.y; warp w streams `tpw` pairs of 16-row n-tiles, tiles [nt_begin, nt_begin + 2 tpw), over the
+// split's chunks (two tiles per ring slot share the activation fragments and the loop overhead) and
+// hands each finished 16x8 accumulator to `epi(local tile, acc)`.
 //   x_rows  activation rows [*, K] bf16: MODE 0 reads row pair / topk (the token), MODE 1 row pair
 template <int MODE, class Epi>
 __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, const uint4* __restrict__ wq,
@@ -175,10 +176,11 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
                                             int NT, int topk, int S, int tpw, Epi epi) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nwarps = blockDim.x >> 5;
     const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;   // +64 B per row: conflict-free uint4 reads
     bf16_t* xs = (bf16_t*)smem;                          // [8][xstride]
-    W4Ring& ring = ((W4Ring*)(smem + 8 * xstride * 2))[warp];
+    W4Stage* ring = (W4Stage*)(smem + 8 * xstride * 2) + warp * DD_STAGES;
 
     // 1. the 8 slots' activation rows for this k-split -> smem (zeros for padding slots)
     const int vec_per_row = kspan >> 3;
@@ -195,66 +197,89 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     }
     cp_async_commit();
 
-    // 2. this warp's items = (n-tile r, chunk c), streamed through the ring
-    const int nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
-    const int my_tiles = max(0, min(tpw, NT - nt_begin));
-    const int items = my_tiles * CPS;
-    const uint4* wsrc = wq + ((size_t)e * NT + nt_begin) * KC * 32 + lane;
-    const uint2* ssrc = wscale + ((size_t)e * NT + nt_begin) * KC * 8 + g;
+    // 2. this warp's items = (tile pair r, chunk c), streamed through the ring; counters, no divisions
+    const int nt_begin = 2 * (blockIdx.x * nwarps + warp) * tpw;
+    const int my_pairs = max(0, min(tpw, (NT - nt_begin) / 2));
+    const int items = my_pairs * CPS;
+    const size_t tile_w = (size_t)KC * 32, tile_s = (size_t)KC * 8;   // one tile's stride (uint4 / uint2)
+    const uint4* wp = wq + ((size_t)e * NT + nt_begin) * tile_w + c0 * 32 + lane;
+    const uint2* sp = wscale + ((size_t)e * NT + nt_begin) * tile_s + c0 * 8 + g;
     const u64 policy = evict_first_policy();
-    auto issue = [&](int it) {
-        if (it < items) {
-            int r = it / CPS, c = it - r * CPS;
-            size_t chunk = (size_t)r * KC + c0 + c;
-            cp_async16_stream(&ring.w[it % DD_STAGES][lane], wsrc + chunk * 32, policy);
-            cp_async8(&ring.s[it % DD_STAGES][lane], ssrc + chunk * 8);
+    int issue_r = 0, issue_c = 0, issue_st = 0;
+    auto issue = [&]() {
+        if (issue_r < my_pairs) {
+            W4Stage& st = ring[issue_st];
+            cp_async16_stream(&st.w[0][lane], wp, policy);
+            cp_async16_stream(&st.w[1][lane], wp + tile_w, policy);
+            cp_async8(&st.s[0][lane], sp);
+            cp_async8(&st.s[1][lane], sp + tile_s);
+            wp += 32;
+            sp += 8;
+            if (++issue_c == CPS) {                      // next tile pair, back to chunk c0
+                issue_c = 0;
+                ++issue_r;
+                wp += 2 * tile_w - (size_t)CPS * 32;
+                sp += 2 * tile_s - (size_t)CPS * 8;
+            }
         }
         cp_async_commit();                               // empty groups keep the counting uniform
+        if (++issue_st == DD_STAGES) issue_st = 0;
     };
-#pragma unroll
-    for (int st = 0; st < DD_STAGES - 1; ++st) issue(st);
+#pragma unroll 1
+    for (int st = 0; st < DD_STAGES - 1; ++st) issue();
     cp_async_wait<DD_STAGES - 2>();                      // activation rows + stage 0 landed
     __syncthreads();
 
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    int r = 0, c = 0, st = 0;
+    const bf16_t* xrow = xs + g * xstride + 8 * t;
     for (int it = 0; it < items; ++it) {
         cp_async_wait<DD_STAGES - 2>();                  // stage `it` landed
-        issue(it + DD_STAGES - 1);                       // refills the slot consumed last iteration
-        const int r = it / CPS, c = it - r * CPS;
-        const uint4 w = ring.w[it % DD_STAGES][lane];
-        const uint2 sc = ring.s[it % DD_STAGES][lane];
-        const bf16_t* xrow = xs + g * xstride + c * 64 + 8 * t;
+        issue();                                         // refills the slot consumed last iteration
+        const uint4 w0 = ring[st].w[0][lane], w1 = ring[st].w[1][lane];
+        const uint2 s0 = ring[st].s[0][lane], s1 = ring[st].s[1][lane];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {                    // two k32 scale groups per chunk
-            const uint4 xb = *(const uint4*)(xrow + 32 * h);
-            float part[4] = {0.f, 0.f, 0.f, 0.f};        // unscaled: integer weights are exact in bf16
-            u32 a[4];
-            dequant_int4_word(h == 0 ? w.x : w.z, a);
-            mma_bf16_16816(part, a, xb.x, xb.y);
-            dequant_int4_word(h == 0 ? w.y : w.w, a);
-            mma_bf16_16816(part, a, xb.z, xb.w);
-            const u32 sp = h == 0 ? sc.x : sc.y;         // (row g, row g+8) scales of this group
-            const float s_row_g = bf16lo_to_f32(sp), s_row_g8 = bf16hi_to_f32(sp);
-            acc[0] += s_row_g * part[0];
-            acc[1] += s_row_g * part[1];
-            acc[2] += s_row_g8 * part[2];
-            acc[3] += s_row_g8 * part[3];
+            const uint4 xb = *(const uint4*)(xrow + c * 64 + 32 * h);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const uint4 w = j == 0 ? w0 : w1;
+                const uint2 sc = j == 0 ? s0 : s1;
+                float part[4] = {0.f, 0.f, 0.f, 0.f};    // unscaled: integer weights are exact in bf16
+                u32 a[4];
+                dequant_int4_word(h == 0 ? w.x : w.z, a);
+                mma_bf16_16816(part, a, xb.x, xb.y);
+                dequant_int4_word(h == 0 ? w.y : w.w, a);
+                mma_bf16_16816(part, a, xb.z, xb.w);
+                const u32 sp2 = h == 0 ? sc.x : sc.y;    // (row g, row g+8) scales of this group
+                const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
+                acc[j][0] += s_row_g * part[0];
+                acc[j][1] += s_row_g * part[1];
+                acc[j][2] += s_row_g8 * part[2];
+                acc[j][3] += s_row_g8 * part[3];
+            }
         }
-        if (c == CPS - 1) {
-            epi(r, acc);
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+        if (++st == DD_STAGES) st = 0;
+        if (++c == CPS) {
+            epi(2 * r, acc[0]);
+            epi(2 * r + 1, acc[1]);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+            c = 0;
+            ++r;
         }
     }
     cp_async_wait<0>();
 }
 
-// Grid (NB, S, max_tiles), block DD_WARPS * 32, dynamic smem = 8 * (K/S + 32) * 2 + DD_WARPS * sizeof(W4Ring).
+// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 8 * (K/S + 32) * 2 + nwarps * DD_STAGES * sizeof(W4Stage).
+// Each warp owns 2 tpw consecutive n-tiles (NT must be even).
 // Fused tile f holds gate rows 8f..8f+7 (A rows 0-7) and up rows 8f..8f+7 (A rows 8-15), so a lane's
 // acc = {gate(slot 2t), gate(slot 2t+1), up(slot 2t), up(slot 2t+1)} for intermediate j = 8f + g.
 //   x        [M, K] bf16        wq [E, NT, K/64, 32] uint4     wscale [E, NT, K/64, 8] uint2
 //   act      [M * topk, I] bf16 (I = 8 NT)
-//   partial  [max_tiles, NB, S, DD_WARPS * tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
-extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)
+//   partial  [max_tiles, NB, S, nwarps * 2 tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
+extern "C" __global__ void __launch_bounds__(512)
 moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
             const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
             const int* __restrict__ num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial,
@@ -265,7 +290,8 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
     if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int I = NT * 8, ntb = DD_WARPS * tpw, nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
+    const int tiles_pw = 2 * tpw, ntb = (blockDim.x >> 5) * tiles_pw;
+    const int I = NT * 8, nt_begin = (blockIdx.x * (blockDim.x >> 5) + warp) * tiles_pw;
     const size_t part_base = ((size_t)z * gridDim.x + blockIdx.x) * S;   // [.., S, ntb, 32]
 
     auto finish = [&](int r, const float* v) {           // v = {gate 2t, gate 2t+1, up 2t, up 2t+1}
@@ -280,7 +306,7 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
         if (S == 1) {
             finish(r, acc);
         } else {
-            size_t idx = ((part_base + blockIdx.y) * ntb + warp * tpw + r) * 32 + lane;
+            size_t idx = ((part_base + blockIdx.y) * ntb + warp * tiles_pw + r) * 32 + lane;
             partial[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         }
     };
@@ -288,22 +314,22 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
 
     if (S == 1) return;
     if (!arrive_last(&counters[(size_t)z * gridDim.x + blockIdx.x], (u32)S)) return;
-    const int my_tiles = max(0, min(tpw, NT - nt_begin));
+    const int my_tiles = 2 * max(0, min(tpw, (NT - nt_begin) / 2));
     for (int r = 0; r < my_tiles; ++r) {
         float sum[4] = {0.f, 0.f, 0.f, 0.f};
         for (int s = 0; s < S; ++s) {                    // fixed order: deterministic
-            float4 v = ld_cg_f4(&partial[((part_base + s) * ntb + warp * tpw + r) * 32 + lane]);
+            float4 v = ld_cg_f4(&partial[((part_base + s) * ntb + warp * tiles_pw + r) * 32 + lane]);
             sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
         }
         finish(r, sum);
     }
 }
 
-// Grid (NB, 1, max_tiles), block DD_WARPS * 32, dynamic smem = 8 * (I + 32) * 2 + DD_WARPS * sizeof(W4Ring).
+// Grid (NB, 1, max_tiles), block nwarps * 32, dynamic smem = 8 * (I + 32) * 2 + nwarps * DD_STAGES * sizeof(W4Stage).
 //   act [M * topk, I] bf16   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
 //   y   [M * topk, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
 //   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk expert tiles)
-extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(512)
 moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
          const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
          const int* __restrict__ num_tiles, float* __restrict__ y, const float* __restrict__ topk_w,
@@ -316,7 +342,8 @@ moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uin
     if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int H = NT * 16, nt_begin = (blockIdx.x * DD_WARPS + warp) * tpw;
+    const int tiles_pb = (blockDim.x >> 5) * 2 * tpw;
+    const int H = NT * 16, nt_begin = (blockIdx.x * (blockDim.x >> 5) + warp) * 2 * tpw;
 
     auto epi = [&](int r, const float (&acc)[4]) {      // acc = {(n, 2t), (n, 2t+1), (n+8, 2t), (n+8, 2t+1)}
         const int n = (nt_begin + r) * 16 + g;
@@ -344,7 +371,7 @@ moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uin
     }
     __syncthreads();
     __threadfence();
-    const int n0 = blockIdx.x * DD_WARPS * tpw * 16, n1 = min(H, n0 + DD_WARPS * tpw * 16);
+    const int n0 = blockIdx.x * tiles_pb * 16, n1 = min(H, n0 + tiles_pb * 16);
     for (int slot = 0; slot < 8; ++slot) {
         const int tok = finished_token[slot];
         if (tok < 0) continue;
