@@ -1,6 +1,11 @@
 """Markers: `gpu` and `trt` tests skip themselves when the hardware or wheels are missing."""
 import functools
 import importlib.util
+import os
+
+# small float64 GEMMs of the reference run ~10x faster on one OpenBLAS thread (see ddtree/__init__.py);
+# set here too, before any test module imports numpy
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest
 
