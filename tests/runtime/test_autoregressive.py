@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from ddtree.model.synthetic import synth
 from ddtree.model.tokenizer import ByteTokenizer
 from ddtree.reference.model import Target, causal_visible
-from ddtree.runtime.autoregressive import generate_ar, main
+from ddtree.cli import main
+from ddtree.runtime.autoregressive import generate_ar
 from ddtree.tree.sampling import SamplingParams, sample
 
 PROMPT = [256, 100, 101, 102, 32, 102, 105, 98]        # BOS "def fib"
@@ -36,7 +37,7 @@ def test_generate_ar_equals_full_recomputation(tiny, params):
     _, target = tiny
     tokens, stats = generate_ar(target, PROMPT, 10, params, eos_ids=())
     assert tokens == recompute_each_step(target, PROMPT, 10, params)
-    assert stats["new_tokens"] == stats["steps"] == 10
+    assert stats["new_tokens"] == 10 and stats["steps"] == 9          # the prefill is not a step
     assert stats["mean_accept_len"] == 1.0
 
 
@@ -63,7 +64,8 @@ def test_stops_after_eos_and_keeps_it(tiny):
 
 def test_cli_json(tiny):
     path, target = tiny
-    result = CliRunner().invoke(main, [str(path), "--prompt", "def fib", "--max-new-tokens", "6",
+    result = CliRunner().invoke(main, ["run", "--mode", "ar", "--model", str(path), "--drafter",
+                                       str(path.parent / "drafter"), "def fib", "--max-new-tokens", "6",
                                        "--temperature", "0.7", "--seed", "5", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
