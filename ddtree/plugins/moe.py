@@ -77,7 +77,8 @@ def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: in
     def x_bytes(kspan):
         return 8 * (kspan + 32) * 2
 
-    gu_warps = gu_warps or max([w for w in (8, 6, 4) if x_bytes(min(shape.hidden, 512)) + w * ring <= smem_limit]
+    # as many warps per block as fit with a modest k-split: the dequant + mma chains need occupancy
+    gu_warps = gu_warps or max([w for w in (16, 8, 4) if x_bytes(min(shape.hidden, 2048)) + w * ring <= smem_limit]
                                or [4])
     gu_nb = -(-(shape.inter // 8) // (gu_warps * 2 * gu_tpw))
     if gu_splits is None:
@@ -90,7 +91,7 @@ def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: in
     elif kc % gu_splits:
         raise ValueError(f"MoE gate_up: splits {gu_splits} must divide hidden / 64 = {kc}")
     gu_smem = x_bytes(kc // gu_splits * 64) + gu_warps * ring
-    dn_warps = dn_warps or max([w for w in (8, 6, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4])
+    dn_warps = dn_warps or max([w for w in (8, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4])
     dn_nb = -(-(shape.hidden // 16) // (dn_warps * 2 * dn_tpw))
     dn_smem = x_bytes(shape.inter) + dn_warps * ring
     if max(gu_smem, dn_smem) > smem_limit:
@@ -138,12 +139,16 @@ class FusedMoE:
         return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages)
 
     def override(self, M: int, **kw) -> MoEPlan:
-        """Benchmark sweeps: force plan_moe keywords for M (checked against the allocated workspaces)."""
+        """Benchmark sweeps: force plan_moe keywords for M (grows the workspaces if the plan needs more;
+        call it before capturing a graph)."""
         p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages, **kw)
-        if (p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 > self.gu_partial.shape[0]
-                or p.tiles * p.gu_nb > self.gu_counters.shape[0]
-                or self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]):
-            raise ValueError(f"plan {p} does not fit the workspaces sized at construction")
+        part = p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4
+        if part > self.gu_partial.shape[0]:
+            self.gu_partial = self.gpu.alloc(part, np.float32)
+        if p.tiles * p.gu_nb > self.gu_counters.shape[0]:
+            self.gu_counters = self.gpu.zeros(p.tiles * p.gu_nb, np.uint32)
+        if self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]:
+            self.dn_counters = self.gpu.zeros(self.shape.max_tokens * p.dn_nb, np.uint32)
         self._overrides[M] = p
         return p
 

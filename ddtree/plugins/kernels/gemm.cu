@@ -1,4 +1,5 @@
 // BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]).
+// Any N (the last 16-row tile is predicated), K % 64 == 0.
 //
 // Weight rows are the A operand (16 output channels per mma), tokens the B operand (8 per mma), so the
 // weight matrix is streamed exactly once per token block of 8 * MT tokens. Each warp owns `tpw`
@@ -28,7 +29,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;    // +64 B per row: conflict-free uint4 reads
-    const int row0 = blockIdx.x * 8 * MT, NT = N >> 4, nb = blockIdx.z;
+    const int row0 = blockIdx.x * 8 * MT, NT = (N + 15) >> 4, nb = blockIdx.z;
     bf16_t* xs = (bf16_t*)smem;                          // [8 MT][xstride]
     Bf16Ring& ring = ((Bf16Ring*)(smem + 8 * MT * xstride * 2))[warp];
 
@@ -50,10 +51,15 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     int issue_r = 0, issue_c = 0, issue_st = 0;
     auto issue = [&]() {                                 // counters instead of divisions
         if (issue_r < my_tiles) {
-            cp_async16_stream(&ring.w[issue_st][0][lane], wp, policy);             // row g,   h 0
-            cp_async16_stream(&ring.w[issue_st][1][lane], wp + row8, policy);      // row g+8, h 0
-            cp_async16_stream(&ring.w[issue_st][2][lane], wp + 32, policy);        // row g,   h 1
-            cp_async16_stream(&ring.w[issue_st][3][lane], wp + row8 + 32, policy); // row g+8, h 1
+            const int n = (nt_begin + issue_r) * 16 + g;   // rows >= N (last tile) are not loaded
+            if (n < N) {
+                cp_async16_stream(&ring.w[issue_st][0][lane], wp, policy);             // row g,   h 0
+                cp_async16_stream(&ring.w[issue_st][2][lane], wp + 32, policy);        // row g,   h 1
+            }
+            if (n + 8 < N) {
+                cp_async16_stream(&ring.w[issue_st][1][lane], wp + row8, policy);      // row g+8, h 0
+                cp_async16_stream(&ring.w[issue_st][3][lane], wp + row8 + 32, policy); // row g+8, h 1
+            }
             wp += 64;
             if (++issue_c == CPS) { issue_c = 0; ++issue_r; wp += (size_t)16 * K - (size_t)CPS * 64; }
         }
@@ -77,9 +83,16 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 if (m >= M) continue;
                 float lo = v[mt][q], hi = v[mt][2 + q];
                 const size_t o = (size_t)m * N + n;
-                if (residual) { lo += bf16_to_f32(residual[o]); hi += bf16_to_f32(residual[o + 8]); }
-                if (out_f32) { ((float*)out)[o] = lo; ((float*)out)[o + 8] = hi; }
-                else { ((bf16_t*)out)[o] = f32_to_bf16(lo); ((bf16_t*)out)[o + 8] = f32_to_bf16(hi); }
+                if (n < N) {
+                    if (residual) lo += bf16_to_f32(residual[o]);
+                    if (out_f32) ((float*)out)[o] = lo;
+                    else ((bf16_t*)out)[o] = f32_to_bf16(lo);
+                }
+                if (n + 8 < N) {
+                    if (residual) hi += bf16_to_f32(residual[o + 8]);
+                    if (out_f32) ((float*)out)[o + 8] = hi;
+                    else ((bf16_t*)out)[o + 8] = f32_to_bf16(hi);
+                }
             }
         }
     };
