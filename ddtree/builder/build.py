@@ -1,0 +1,103 @@
+"""`build_engine`: a Kimi K2.x checkpoint + DFlash drafter -> an engine directory, in stages.
+
+    check     read both configs, verify every tensor's dtype/shape, make the TP plan, check --arch,
+              NVRTC, the output folder and the free disk, all before writing anything
+    kernels   cubins for every --arch (plugins/compile.py, cached across builds)
+    weights   rank<r>/*.safetensors streamed tensor by tensor (builder/weights.py)
+    config    config.json and the tokenizer files
+    manifest  size + sha256 of every file
+The engine is built in a hidden folder next to --out and renamed into place only when complete.
+Progress goes to a `ui` object: `ui.stage(name, total)` is a context manager yielding `advance(n)`;
+the default `Quiet` ui shows nothing. Memory: a few tensors (at most ~32 MB row blocks) at a time.
+"""
+from __future__ import annotations
+
+import resource
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from ddtree.builder import engine_dir as ed
+from ddtree.builder.manifest import write_manifest
+from ddtree.builder.plan import make_plan
+from ddtree.builder.weights import rank_bytes, source_bytes, write_rank_weights
+from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint
+from ddtree.plugins import compile as kernel_compile
+from ddtree.tree.build import MAX_BUDGET
+
+DEFAULT_BUDGETS = (16, 32, 64)
+
+
+class Quiet:
+    @contextmanager
+    def stage(self, name: str, total: int | None = None):
+        yield lambda n=1: None
+
+
+def check_budgets(budgets) -> list[int]:
+    budgets = sorted(set(int(b) for b in budgets))
+    bad = [b for b in budgets if not 1 <= b <= MAX_BUDGET]
+    if not budgets or bad:
+        raise ed.BuildError(f"--budgets: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
+    return budgets
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
+
+
+def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BUDGETS, force: bool = False,
+                 experts: str = "tp", kernel_cache=None, ui=None) -> dict:
+    """Build the engine at `out`; returns a summary (engine path, sizes, per-stage seconds)."""
+    ui = ui or Quiet()
+    out = Path(out)
+    stages: dict[str, float] = {}
+
+    @contextmanager
+    def stage(name, total=None):
+        t0 = time.perf_counter()
+        with ui.stage(name, total) as advance:
+            yield advance
+        stages[name] = round(time.perf_counter() - t0, 3)
+
+    with stage("check"):
+        archs = ed.check_archs(archs)
+        budgets = check_budgets(budgets)
+        ed.check_out(out, force)
+        ckpt, dckpt = Checkpoint(model_dir), DrafterCheckpoint(drafter_dir)
+        ckpt.verify()
+        dckpt.verify()
+        dckpt.config.check_target(ckpt.config)
+        plan = make_plan(ckpt.config, dckpt.config, tp, experts)
+        tok_files = ed.tokenizer_files(Path(model_dir), ckpt.config)
+        nvrtc = ed.require_nvrtc()
+        weights_bytes = tp * rank_bytes(plan)
+        need = (weights_bytes + len(archs) * ed.KERNEL_BYTES_ESTIMATE
+                + sum(f.stat().st_size for f in tok_files) + (1 << 20))
+        ed.check_disk(out, need)
+    stage_dir = ed.staging_dir(out)
+    try:
+        with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
+            kernels = ed.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1))
+        with stage("weights", source_bytes(plan)) as advance:
+            files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance)
+        with stage("config"):
+            tok = ed.copy_tokenizer(tok_files, stage_dir)
+            sources = {"model": str(Path(model_dir).absolute()), "drafter": str(Path(drafter_dir).absolute()),
+                       "nvrtc": nvrtc}
+            ed.write_engine_config(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), archs, budgets, files,
+                                   kernels, tok, sources)
+        with stage("manifest", None):
+            manifest = write_manifest(stage_dir)
+        ed.move_into_place(stage_dir, out)
+    except BaseException:
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+        dckpt.close()
+    total = sum(f["size"] for f in manifest["files"].values())
+    return {"engine": str(out), "tp": tp, "experts": experts, "archs": archs, "budgets": budgets,
+            "files": len(manifest["files"]) + 1, "bytes": total, "weights_bytes": weights_bytes,
+            "stages": stages, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}

@@ -1,0 +1,84 @@
+"""`ddtree inspect DIR`: what an engine directory holds, and whether every file matches its manifest.
+
+Prints the layout (model, drafter, tp, expert placement, archs and kernels, budgets, dtypes), the
+size of each rank and of the kernels, then re-hashes every file against manifest.json. Any missing,
+unlisted, resized or altered file is named and the command exits 1. --json prints one object:
+{"engine", "format", "ok", "problems", "tp", "experts", "archs", "budgets", "block_size", "model",
+ "drafter", "ranks": [{"name", "files", "bytes"}], "kernels": {arch: {file: bytes}}, "files", "bytes"}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from ddtree.builder.manifest import engine_files, verify_manifest
+from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
+from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
+
+
+def describe(engine: Path) -> dict:
+    meta = read_engine_config(engine)
+    cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
+    files = engine_files(engine)
+    size = {rel: (engine / rel).stat().st_size for rel in files}
+    ranks = []
+    for r in range(int(meta["tp"])):
+        mine = [rel for rel in files if rel.startswith(f"rank{r}/")]
+        ranks.append({"name": f"rank{r}", "files": len(mine), "bytes": sum(size[f] for f in mine)})
+    kernels = {arch: {rel: size[rel] for rel in files if rel.startswith(f"kernels/{arch}/")} for arch in meta["archs"]}
+    return {"engine": str(engine), "format": meta["format"], "tp": meta["tp"], "experts": meta["experts"],
+            "archs": meta["archs"], "budgets": meta["budgets"], "block_size": meta["block_size"],
+            "dtypes": meta.get("dtypes", {}),
+            "model": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+                      "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
+                      "vocab": cfg.vocab_size},
+            "drafter": {"layers": dcfg.num_hidden_layers, "heads": dcfg.num_attention_heads,
+                        "kv_heads": dcfg.num_key_value_heads, "block_size": dcfg.block_size,
+                        "target_layer_ids": list(dcfg.target_layer_ids)},
+            "plan": meta["plan"].get("per_rank", {}), "ranks": ranks, "kernels": kernels,
+            "files": len(files) + 1, "bytes": sum(size.values())}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("engine", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def inspect_command(engine, as_json):
+    """Show an engine directory's layout and verify every file's sha256 against its manifest."""
+    err = Console(stderr=True, highlight=False)
+    try:
+        info = describe(engine)
+        problems = verify_manifest(engine)
+    except (EngineFormatError, ConfigError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+    info["ok"], info["problems"] = not problems, problems
+    m, d = info["model"], info["drafter"]
+    err.print(f"{engine}  ({info['format']}, {info['files']} files, {_mib(info['bytes'])})")
+    err.print(f"  model    {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, "
+              f"{m['routed_experts']} experts (top {m['experts_per_token']}), vocab {m['vocab']}")
+    err.print(f"  drafter  {d['layers']} layers, {d['heads']}/{d['kv_heads']} heads, block {d['block_size']}, "
+              f"taps {d['target_layer_ids']}")
+    err.print(f"  tp {info['tp']} (experts: {info['experts']}), budgets {info['budgets']}, "
+              f"per rank {json.dumps(info['plan'])}")
+    for r in info["ranks"]:
+        err.print(f"  {r['name']:<8} {r['files']} files, {_mib(r['bytes'])}")
+    for arch, cubins in info["kernels"].items():
+        err.print(f"  kernels/{arch}: {', '.join(Path(f).name for f in cubins) or 'none'} "
+                  f"({_mib(sum(cubins.values()))})")
+    if problems:
+        for p in problems:
+            err.print(f"  [red]BAD[/red] {p}")
+    else:
+        err.print(f"  checksums: all {info['files'] - 1} files match manifest.json")
+    if as_json:
+        sys.stdout.write(json.dumps(info) + "\n")
+    if problems:
+        raise click.ClickException(f"{len(problems)} file(s) do not match the manifest: "
+                                   + "; ".join(problems[:5]))
