@@ -10,6 +10,8 @@ import sys
 import click
 
 from ddtree.bench.cli import bench
+from ddtree.builder.build_cli import build_command
+from ddtree.builder.inspect_cli import inspect_command
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
 
@@ -18,12 +20,6 @@ def emit_json(obj) -> None:
     """The one JSON object a --json command prints on stdout."""
     json.dump(obj, sys.stdout)
     sys.stdout.write("\n")
-
-
-@click.command("build", context_settings={"help_option_names": ["-h", "--help"]})
-def build_command():
-    """Checkpoint + DFlash drafter -> engine directory (not built yet)."""
-    raise click.ClickException("ddtree-build is not built yet (issues 9 and 10)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,4 +31,5 @@ def main():
 main.add_command(synth)
 main.add_command(bench)
 main.add_command(build_command, "build")
+main.add_command(inspect_command, "inspect")
 main.add_command(run_command, "run")

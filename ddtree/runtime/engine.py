@@ -42,12 +42,21 @@ class DDTreeEngine:
 
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu") -> "DDTreeEngine":
-        """Checkpoint dirs (default: the embedded tiny model) -> engine. cpu = float64 numpy reference."""
+        """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
+        (ranks simulated on CPU), -> engine. cpu = float64 numpy."""
         if device not in DEVICES:
             raise ValueError(f"device '{device}' is not one of {DEVICES}")
         if device == "cuda":
             raise NotImplementedError("device 'cuda': the GPU runtime is not available yet "
                                       "(the CUDA executor lands with the kernel issues); use device 'cpu'")
+        from ddtree.runtime.engine_format import is_engine_dir
+        if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
+            if drafter_dir is not None:
+                raise ValueError(f"{model_dir} is an engine directory with its drafter built in; "
+                                 "do not pass a drafter dir")
+            from ddtree.runtime.engine_executor import EngineExecutor
+            executor = EngineExecutor(model_dir)
+            return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
         if model_dir is None or drafter_dir is None:
             from ddtree.data import tiny_model_dirs
             default_model, default_drafter = tiny_model_dirs()

@@ -38,9 +38,9 @@ def _summary(stats: dict, label: str) -> str:
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.File("r"), default=None, help="Read the prompt from a file ('-' = stdin).")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Target checkpoint dir (default: the embedded tiny model).")
+              help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
 @click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="DFlash drafter dir (default: the embedded tiny drafter).")
+              help="DFlash drafter dir (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="0 = greedy.")
@@ -62,7 +62,7 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
     text = _read_prompt(prompt, prompt_file)
     try:
         engine = DDTreeEngine.load(model_dir, drafter_dir, device)
-    except NotImplementedError as e:
+    except (NotImplementedError, ValueError) as e:
         raise click.ClickException(str(e))
     dmax = engine.drafter_config.block_size
     if block_size is not None and block_size > dmax:
