@@ -75,13 +75,13 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     inter = TP_SHAPES[tp]["inter"]
     shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
     E, H, I = EXPERTS, HIDDEN, inter
-    weights = {"gate_up": gpu.alloc((E, I // 8, H // 64, 32, 4), np.int32),
-               "gate_up_scale": gpu.alloc((E, I // 8, H // 64, 8, 4), np.uint16),
-               "down": gpu.alloc((E, H // 16, I // 64, 32, 4), np.int32),
-               "down_scale": gpu.alloc((E, H // 16, I // 64, 8, 4), np.uint16)}
+    weights = {"gate_up": gpu.alloc((E, I // 16, H // 64, 2, 32, 4), np.int32),
+               "gate_up_scale": gpu.alloc((E, I // 16, H // 64, 2, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 32, I // 64, 2, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 32, I // 64, 2, 8, 4), np.uint16)}
     for i, (key, arr) in enumerate(weights.items()):
         randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
-    router_w = gpu.alloc((E, H), np.uint16)
+    router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
     randfill.fill_device(gpu, router_w, seed + 7, randfill.WEIGHT_BF16)
     bias = gpu.upload(np.zeros(E, np.float32))
     moe = FusedMoE(gpu, shape, weights, router=router_w, bias=bias)
@@ -135,7 +135,7 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
             continue
         wbytes = N * K * 2
         copies = max(1, -(-4 * gpu.l2_bytes // wbytes))
-        ws = [gpu.alloc((N, K), np.uint16) for _ in range(copies)]
+        ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]   # tile_bf16 layout
         for i, w in enumerate(ws):
             randfill.fill_device(gpu, w, seed + i, randfill.WEIGHT_BF16)
         x = gpu.alloc((max_m, K), np.uint16)

@@ -1,6 +1,7 @@
 """Launcher for the BF16 skinny GEMM (kernels/gemm.cu): out[M, N] = x[M, K] @ w[N, K]^T (+ residual).
 
 For attention projections, shared experts, dense layer 0, the router (fp32 out) and lm_head, M <= 256.
+The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time.
 All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
 """
 from __future__ import annotations

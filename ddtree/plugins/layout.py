@@ -4,10 +4,12 @@ Input is the compressed-tensors format of ddtree/model/int4.py: weight_packed [N
 u = q + 8 per word along K, lowest nibble first), weight_scale [N, K/32] bf16 bits, y = x @ W.T.
 The layout applies per rank, after the tensor-parallel slice.
 
-Kernel layout of one matrix W [N, K] (N % 16 == 0, K % 64 == 0):
-  words  [N/16, K/64, 32, 4] int32    one uint4 per lane per (16-row tile, 64-wide k chunk)
-  scales [N/16, K/64, 8, 4]  bf16     per row group g: (row g, k32 group 0), (row g+8, group 0),
-                                      (row g, group 1), (row g+8, group 1)
+Kernel layout of one INT4 matrix W [N, K] (N % 32 == 0, K % 64 == 0):
+  words  [N/32, K/64, 2, 32, 4] int32   one uint4 per lane per (16-row tile, 64-wide k chunk); the two
+                                        tiles of a pair sit together per chunk, so a warp that streams
+                                        a tile pair reads one contiguous 1 KB block per step
+  scales [N/32, K/64, 2, 8, 4]  bf16    per tile and row group g: (row g, k32 group 0), (row g+8,
+                                        group 0), (row g, group 1), (row g+8, group 1)
 Lane = 4 g + t (the mma.m16n8k16 fragment indices). Word s = 2 h + u of lane (g, t) holds the eight
 weights a lane feeds to mma step s: rows g and g + 8 at chunk columns p .. p + 3 with p = 32 h + 8 t + 4 u.
 The mma's logical k (2t, 2t+1, 2t+8, 2t+9) is mapped to these physical columns, and the kernels read
@@ -22,6 +24,10 @@ can scale the fp32 partial sums instead of the weights.
 
 Gate and up are fused row-wise: fused tile f = gate rows 8f..8f+7 then up rows 8f..8f+7, so one
 mma tile yields gate and up of the same intermediate index in one lane (SiLU(gate) * up in registers).
+
+BF16 weights for the skinny GEMM (tile_bf16): W [N, K] -> [ceil(N/16), K/64, 4, 32, 8] bf16, rows
+zero-padded to a multiple of 16; block j = 2 h + rh of lane (g, t) holds W[16 tile + 8 rh + g,
+64 chunk + 32 h + 8 t .. +8], i.e. the same fragment order, 2 KB contiguous per (tile, chunk).
 """
 from __future__ import annotations
 
@@ -38,8 +44,8 @@ def _check_matrix(name: str, q: np.ndarray, scale: np.ndarray) -> tuple[int, int
     if q.ndim != 2:
         raise ValueError(f"{name}: expected 2-D [N, K] weights, got shape {list(q.shape)}")
     n, k = q.shape
-    if n % 16 or k % 64:
-        raise ValueError(f"{name}: the MoE kernel layout needs N % 16 == 0 and K % 64 == 0, got [N, K] = [{n}, {k}]")
+    if n % 32 or k % 64:
+        raise ValueError(f"{name}: the MoE kernel layout needs N % 32 == 0 and K % 64 == 0, got [N, K] = [{n}, {k}]")
     if scale.dtype != np.uint16 or scale.shape != (n, k // GROUP):
         raise ValueError(f"{name}: expected bf16 (uint16) scales [{n}, {k // GROUP}], "
                          f"got {scale.dtype} {list(scale.shape)}")
@@ -47,33 +53,56 @@ def _check_matrix(name: str, q: np.ndarray, scale: np.ndarray) -> tuple[int, int
 
 
 def repack_q(q: np.ndarray, scale: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """q [N, K] int8 in [-8, 7], scale [N, K/32] bf16 bits -> (words [N/16, K/64, 32, 4] int32,
-    scales [N/16, K/64, 8, 4] uint16)."""
+    """q [N, K] int8 in [-8, 7], scale [N, K/32] bf16 bits -> (words [N/32, K/64, 2, 32, 4] int32,
+    scales [N/32, K/64, 2, 8, 4] uint16)."""
     n, k = _check_matrix(name, q, scale)
     u = (q.astype(np.int16) + 8).astype(np.uint32)
     # [tile, rh, g, chunk, h, t, u, j] with row = 16 tile + 8 rh + g and column = 64 chunk + 32 h + 8 t + 4 u + j
     u = u.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 4)
     u = u.transpose(0, 3, 2, 5, 4, 6, 1, 7)                      # [tile, chunk, g, t, h, u, rh, j]
     words = np.bitwise_or.reduce(u << (4 * _NIBBLE), axis=(-2, -1))   # [tile, chunk, g, t, h, u]
-    words = words.reshape(n // 16, k // 64, 32, 4).view(np.int32)
-    s = scale.reshape(n // 16, 2, 8, k // 64, 2)                 # [tile, rh, g, chunk, h]
-    s = s.transpose(0, 3, 2, 4, 1).reshape(n // 16, k // 64, 8, 4)   # [tile, chunk, g, 2 h + rh]
+    words = words.reshape(n // 32, 2, k // 64, 32, 4).transpose(0, 2, 1, 3, 4).view(np.int32)
+    s = scale.reshape(n // 32, 2, 2, 8, k // 64, 2)              # [pair, tile, rh, g, chunk, h]
+    s = s.transpose(0, 4, 1, 3, 5, 2).reshape(n // 32, k // 64, 2, 8, 4)   # [pair, chunk, tile, g, 2 h + rh]
     return np.ascontiguousarray(words), np.ascontiguousarray(s)
 
 
 def unpack_q(words: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of repack_q: -> (q [N, K] int8, scale [N, K/32] bf16 bits)."""
-    if words.ndim != 4 or words.shape[2:] != (32, 4) or words.dtype != np.int32:
-        raise ValueError(f"unpack_q: expected int32 words [N/16, K/64, 32, 4], got {words.dtype} {list(words.shape)}")
-    nt, kc = words.shape[:2]
-    if scales.shape != (nt, kc, 8, 4) or scales.dtype != np.uint16:
-        raise ValueError(f"unpack_q: expected uint16 scales [{nt}, {kc}, 8, 4], got {scales.dtype} {list(scales.shape)}")
+    if words.ndim != 5 or words.shape[2:] != (2, 32, 4) or words.dtype != np.int32:
+        raise ValueError(f"unpack_q: expected int32 words [N/32, K/64, 2, 32, 4], got {words.dtype} {list(words.shape)}")
+    pairs, kc = words.shape[:2]
+    if scales.shape != (pairs, kc, 2, 8, 4) or scales.dtype != np.uint16:
+        raise ValueError(f"unpack_q: expected uint16 scales [{pairs}, {kc}, 2, 8, 4], got {scales.dtype} "
+                         f"{list(scales.shape)}")
+    nt = 2 * pairs
+    words = words.transpose(0, 2, 1, 3, 4).reshape(nt, kc, 32, 4)              # [tile, chunk, lane, word]
+    scales = scales.transpose(0, 2, 1, 3, 4).reshape(nt, kc, 8, 4)             # [tile, chunk, g, 2 h + rh]
     w = words.view(np.uint32).reshape(nt, kc, 8, 4, 2, 2, 1, 1)  # [tile, chunk, g, t, h, u, rh, j]
     u = (w >> (4 * _NIBBLE)) & 0xF                              # [tile, chunk, g, t, h, u, 2, 4]
     u = u.transpose(0, 6, 2, 1, 4, 3, 5, 7).reshape(nt * 16, kc * 64)
     q = (u.astype(np.int16) - 8).astype(np.int8)
     s = scales.reshape(nt, kc, 8, 2, 2).transpose(0, 4, 2, 1, 3).reshape(nt * 16, kc * 2)
     return q, np.ascontiguousarray(s)
+
+
+def tile_bf16(w: np.ndarray, name: str = "weight") -> np.ndarray:
+    """Skinny-GEMM weight: W [N, K] bf16 bits -> [ceil(N/16), K/64, 4, 32, 8] uint16 (rows zero-padded)."""
+    if w.ndim != 2 or w.dtype != np.uint16 or w.shape[1] % 64:
+        raise ValueError(f"{name}: tile_bf16 needs a 2-D bf16 (uint16) [N, K] with K % 64 == 0, "
+                         f"got {w.dtype} {list(w.shape)}")
+    n, k = w.shape
+    padded = np.zeros((-(-n // 16) * 16, k), dtype=np.uint16)
+    padded[:n] = w
+    t = padded.reshape(-1, 2, 8, k // 64, 2, 4, 8)              # [tile, rh, g, chunk, h, t, e]
+    return np.ascontiguousarray(t.transpose(0, 3, 4, 1, 2, 5, 6).reshape(-1, k // 64, 4, 32, 8))
+
+
+def untile_bf16(tiled: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of tile_bf16 (drops the padding rows)."""
+    nt, kc = tiled.shape[:2]
+    t = tiled.reshape(nt, kc, 2, 2, 8, 4, 8).transpose(0, 3, 4, 1, 2, 5, 6)   # [tile, rh, g, chunk, h, t, e]
+    return np.ascontiguousarray(t.reshape(nt * 16, kc * 64)[:n])
 
 
 def fuse_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -121,6 +150,6 @@ def unrepack_expert(packed: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray
 
 
 def repack_experts(experts: list[tuple[tuple, tuple, tuple]], name: str = "experts") -> dict[str, np.ndarray]:
-    """[(gate, up, down) triples per expert] -> stacked {"gate_up": [E, 2I/16, H/64, 32, 4], ...}."""
+    """[(gate, up, down) triples per expert] -> stacked {"gate_up": [E, 2I/32, H/64, 2, 32, 4], ...}."""
     parts = [repack_expert(g, u, d, f"{name}.{e}") for e, (g, u, d) in enumerate(experts)]
     return {key: np.stack([p[key] for p in parts]) for key in parts[0]}

@@ -103,10 +103,11 @@ class FusedMoE:
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
                  router: DeviceArray | None = None, bias: DeviceArray | None = None):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
-        (layout.repack_experts); router [E, H] bf16 and bias [E] fp32 are needed only for routed runs."""
+        (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
+        needed only for routed runs."""
         E, H, I = shape.experts, shape.hidden, shape.inter
-        want = {"gate_up": (E, I // 8, H // 64, 32, 4), "gate_up_scale": (E, I // 8, H // 64, 8, 4),
-                "down": (E, H // 16, I // 64, 32, 4), "down_scale": (E, H // 16, I // 64, 8, 4)}
+        want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
+                "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
         for key, shp in want.items():
             if key not in weights or tuple(weights[key].shape) != shp:
                 got = tuple(weights[key].shape) if key in weights else "missing"

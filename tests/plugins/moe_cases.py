@@ -28,10 +28,10 @@ def tensor_specs(experts: int, hidden: int, inter: int, seed: int) -> dict:
     """name -> (shape, dtype, stream seed, randfill preset), in the kernel layout."""
     E, H, I = experts, hidden, inter
     return {
-        "gate_up": ((E, I // 8, H // 64, 32, 4), np.int32, 16 * seed + 0, randfill.INT4_WORDS),
-        "gate_up_scale": ((E, I // 8, H // 64, 8, 4), np.uint16, 16 * seed + 1, randfill.SCALES_BF16),
-        "down": ((E, H // 16, I // 64, 32, 4), np.int32, 16 * seed + 2, randfill.INT4_WORDS),
-        "down_scale": ((E, H // 16, I // 64, 8, 4), np.uint16, 16 * seed + 3, randfill.SCALES_BF16),
+        "gate_up": ((E, I // 16, H // 64, 2, 32, 4), np.int32, 16 * seed + 0, randfill.INT4_WORDS),
+        "gate_up_scale": ((E, I // 16, H // 64, 2, 8, 4), np.uint16, 16 * seed + 1, randfill.SCALES_BF16),
+        "down": ((E, H // 32, I // 64, 2, 32, 4), np.int32, 16 * seed + 2, randfill.INT4_WORDS),
+        "down_scale": ((E, H // 32, I // 64, 2, 8, 4), np.uint16, 16 * seed + 3, randfill.SCALES_BF16),
         "x": ((TOKENS, H), np.uint16, 16 * seed + 4, randfill.ACT_BF16),
         "shared": ((TOKENS, H), np.uint16, 16 * seed + 5, randfill.ACT_BF16),
     }

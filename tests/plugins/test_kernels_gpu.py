@@ -112,14 +112,14 @@ def test_router(gpu, name, M):
     r = ROUTERS[name]
     E, H = r["experts"], r["hidden"]
     shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=256)
-    weights = {"gate_up": gpu.alloc((E, 8, H // 64, 32, 4), np.int32),          # unused by route()
-               "gate_up_scale": gpu.alloc((E, 8, H // 64, 8, 4), np.uint16),
-               "down": gpu.alloc((E, H // 16, 1, 32, 4), np.int32),
-               "down_scale": gpu.alloc((E, H // 16, 1, 8, 4), np.uint16)}
+    weights = {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),       # unused by route()
+               "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}
     w_router = randfill.hash_array((E, H), np.uint16, 501, randfill.WEIGHT_BF16)
     x = randfill.hash_array((M, H), np.uint16, 502 + M, randfill.ACT_BF16)
     bias = (np.random.default_rng(M).standard_normal(E) * 0.05).astype(np.float32)
-    moe = FusedMoE(gpu, shape, weights, router=gpu.upload(w_router), bias=gpu.upload(bias))
+    moe = FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))
     moe.route(gpu.upload(x), M)
     logits = moe.logits.numpy()[:M]
     ids, w = moe.topk_ids.numpy()[:M], moe.topk_w.numpy()[:M]
@@ -156,7 +156,7 @@ def test_moe_end_to_end_from_checkpoint_tensors(gpu):
     x = f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))
     shared = f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))
     moe = FusedMoE(gpu, MoEShape(H, I, E, k, scaling=2.5, max_tokens=8), {key: gpu.upload(v) for key, v in packed.items()},
-                   router=gpu.upload(router), bias=gpu.upload(bias))
+                   router=gpu.upload(layout.tile_bf16(router)), bias=gpu.upload(bias))
     out = gpu.alloc((M, H), np.uint16)
     gpu.memset(out, 0xFF)
     moe.run(gpu.upload(x), out, M, shared=gpu.upload(shared))
@@ -171,7 +171,7 @@ def test_moe_end_to_end_from_checkpoint_tensors(gpu):
 # ---------------------------------------------------------------------------------------------
 
 GEMMS = {"q_a": (1536, 7168, False, False), "shared_down": (7168, 2048, True, False),
-         "router_f32": (384, 7168, False, True)}
+         "router_f32": (384, 7168, False, True), "ragged_n": (200, 512, True, False)}
 
 
 @pytest.fixture(scope="module", params=sorted(GEMMS))
@@ -182,7 +182,7 @@ def gemm_case(gpu, request):
     x = randfill.hash_array((256, K), np.uint16, 602, randfill.ACT_BF16)
     res = randfill.hash_array((256, N), np.uint16, 603, randfill.ACT_BF16) if residual else None
     ref = reference.gemm(x, w, res)
-    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 256, out_f32=out_f32), w=gpu.upload(w),
+    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 256, out_f32=out_f32), w=gpu.upload(layout.tile_bf16(w)),
                 x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=ref,
                 out=gpu.alloc((256, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32)
 
@@ -206,5 +206,5 @@ def test_skinny_gemm_in_place_residual(gpu):
     x = randfill.hash_array((M, K), np.uint16, 612, randfill.ACT_BF16)
     h = randfill.hash_array((M, N), np.uint16, 613, randfill.ACT_BF16)
     h_dev = gpu.upload(h)
-    SkinnyGemm(gpu, N, K, 16).run(gpu.upload(x), gpu.upload(w), h_dev, M, residual=h_dev)   # h += x @ w.T
+    SkinnyGemm(gpu, N, K, 16).run(gpu.upload(x), gpu.upload(layout.tile_bf16(w)), h_dev, M, residual=h_dev)
     assert_close(bf16_to_f32(h_dev.numpy()), reference.gemm(x, w, h), atol_rms=2e-3, what="in-place residual")

@@ -51,11 +51,12 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
 // One repacked INT4 word -> the four A registers of one m16n8k16 step.
 // Register j takes nibbles j (low half) and j + 4 (high half): (w >> 4j) & 0x000F000F puts them in the
 // mantissas of two bf16 equal to 128 + u (magic 0x4300), and an fma with -136 leaves u - 8 exactly.
-__device__ __forceinline__ void dequant_int4_word(u32 w, u32 (&a)[4]) {
+// `mask` = 0x000F000F (a parameter so the caller can keep it in one register).
+__device__ __forceinline__ void dequant_int4_word(u32 w, u32 (&a)[4], u32 mask) {
     const u32 one = 0x3F803F80u, minus136 = 0xC308C308u;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        u32 v = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+        u32 v = ((w >> (4 * j)) & mask) | 0x43004300u;
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[j]) : "r"(v), "r"(one), "r"(minus136));
     }
 }

@@ -1,12 +1,12 @@
 // BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]).
-// Any N (the last 16-row tile is predicated), K % 64 == 0.
+// Any N, K % 64 == 0. The weight comes tiled (ddtree/plugins/layout.py tile_bf16: rows padded to 16,
+// per (16-row tile, 64-k chunk) 2 KB in fragment order), so each warp streams contiguous memory.
 //
 // Weight rows are the A operand (16 output channels per mma), tokens the B operand (8 per mma), so the
 // weight matrix is streamed exactly once per token block of 8 * MT tokens. Each warp owns `tpw`
 // 16-row tiles and streams them through a private cp.async ring (evict-first: read once); the block's
 // token rows for its k-split sit in shared memory. k is read in the permuted order of
-// ddtree/plugins/layout.py (lane t owns k = 32h + 8t .. +8 of each 64-wide chunk), which works on the
-// plain row-major [N, K] weight: one 16-byte load per (row, h) per lane, full 32-byte sectors.
+// ddtree/plugins/layout.py (lane t owns k = 32h + 8t .. +8 of each 64-wide chunk).
 // Split-K partials are reduced by the last block to arrive (fixed order, deterministic).
 #include "common.cuh"
 
@@ -17,7 +17,7 @@ struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8
 // Grid (MB = ceil(M / (8 MT)), S, NB), block DD_WARPS * 32 (token blocks fastest, so the blocks that
 // share a weight tile run together and re-reads hit L2),
 // dynamic smem = 8 MT * (K/S + 32) * 2 + DD_WARPS * sizeof(Bf16Ring).
-//   x [M, K] bf16   w [N, K] bf16   residual [M, N] bf16 or null (may alias out)
+//   x [M, K] bf16   w [ceil(N/16), K/64, 4, 32] uint4 (tile_bf16)   residual [M, N] bf16 or null (may alias out)
 //   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1)
 //   partial [NB, MB, S, DD_WARPS * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
 template <int MT>
@@ -45,23 +45,18 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int ntb = DD_WARPS * tpw, nt_begin = (nb * DD_WARPS + warp) * tpw;
     const int my_tiles = max(0, min(tpw, NT - nt_begin));
     const int items = my_tiles * CPS;
-    const bf16_t* wp = w + (size_t)(nt_begin * 16 + g) * K + c0 * 64 + 8 * t;   // (tile r, chunk c0 + c)
-    const size_t row8 = (size_t)8 * K;
+    // tiled weights: (tile, chunk) = 2 KB contiguous = [4][32 lanes] uint4, so a warp streams 2 KB per step
+    const uint4* wp = (const uint4*)w + ((size_t)nt_begin * KC + c0) * 128 + lane;
+    const size_t skip = (size_t)(KC - CPS) * 128;
     const u64 policy = evict_first_policy();
     int issue_r = 0, issue_c = 0, issue_st = 0;
     auto issue = [&]() {                                 // counters instead of divisions
         if (issue_r < my_tiles) {
-            const int n = (nt_begin + issue_r) * 16 + g;   // rows >= N (last tile) are not loaded
-            if (n < N) {
-                cp_async16_stream(&ring.w[issue_st][0][lane], wp, policy);             // row g,   h 0
-                cp_async16_stream(&ring.w[issue_st][2][lane], wp + 32, policy);        // row g,   h 1
-            }
-            if (n + 8 < N) {
-                cp_async16_stream(&ring.w[issue_st][1][lane], wp + row8, policy);      // row g+8, h 0
-                cp_async16_stream(&ring.w[issue_st][3][lane], wp + row8 + 32, policy); // row g+8, h 1
-            }
-            wp += 64;
-            if (++issue_c == CPS) { issue_c = 0; ++issue_r; wp += (size_t)16 * K - (size_t)CPS * 64; }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)                  // j = 2 h + (row g | row g+8)
+                cp_async16_stream(&ring.w[issue_st][j][lane], wp + 32 * j, policy);
+            wp += 128;
+            if (++issue_c == CPS) { issue_c = 0; ++issue_r; wp += skip; }
         }
         cp_async_commit();
         if (++issue_st == DD_STAGES) issue_st = 0;

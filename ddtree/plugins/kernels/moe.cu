@@ -9,7 +9,8 @@
 // A "pair" is (token m, choice k) = m * topk + k. Pairs are grouped by expert into tiles of 8 slots
 // (the n = 8 side of mma.m16n8k16); tile_pairs[tile][slot] = pair or -1 for padding.
 // Weights use the repacked layout of ddtree/plugins/layout.py: per (16-row tile, 64-k chunk) one
-// uint4 per lane (4 mma steps) and one uint2 of bf16 scales per row group g.
+// uint4 per lane (4 mma steps) and one uint2 of bf16 scales per row group g; tiles interleaved in
+// pairs per chunk, so a warp streams one contiguous 1 KB block per step.
 #include "common.cuh"
 
 #ifndef DD_MAX_E
@@ -201,29 +202,40 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     const int nt_begin = 2 * (blockIdx.x * nwarps + warp) * tpw;
     const int my_pairs = max(0, min(tpw, (NT - nt_begin) / 2));
     const int items = my_pairs * CPS;
-    const size_t tile_w = (size_t)KC * 32, tile_s = (size_t)KC * 8;   // one tile's stride (uint4 / uint2)
-    const uint4* wp = wq + ((size_t)e * NT + nt_begin) * tile_w + c0 * 32 + lane;
-    const uint2* sp = wscale + ((size_t)e * NT + nt_begin) * tile_s + c0 * 8 + g;
+    // a tile pair's chunk is 1 KB of weights (64 uint4) + 128 B of scales (16 uint2), pairs contiguous
+    const size_t pair_base = (size_t)e * (NT / 2) + nt_begin / 2;
+    const uint4* wp = wq + (pair_base * KC + c0) * 64 + lane;
+    const uint2* sp = wscale + (pair_base * KC + c0) * 16 + g;
+    const size_t skip_w = (size_t)(KC - CPS) * 64, skip_s = (size_t)(KC - CPS) * 16;
     const u64 policy = evict_first_policy();
+    // lane-private slot pointers, advanced instead of recomputed (the loop is issue-bound)
+    uint4* issue_w = &ring[0].w[0][lane];
+    uint2* issue_s = &ring[0].s[0][lane];
     int issue_r = 0, issue_c = 0, issue_st = 0;
+    constexpr int SLOT_W = sizeof(W4Stage) / sizeof(uint4), SLOT_S = sizeof(W4Stage) / sizeof(uint2);
     auto issue = [&]() {
         if (issue_r < my_pairs) {
-            W4Stage& st = ring[issue_st];
-            cp_async16_stream(&st.w[0][lane], wp, policy);
-            cp_async16_stream(&st.w[1][lane], wp + tile_w, policy);
-            cp_async8(&st.s[0][lane], sp);
-            cp_async8(&st.s[1][lane], sp + tile_s);
-            wp += 32;
-            sp += 8;
+            cp_async16_stream(issue_w, wp, policy);
+            cp_async16_stream(issue_w + 32, wp + 32, policy);
+            cp_async8(issue_s, sp);
+            cp_async8(issue_s + 32, sp + 8);
+            wp += 64;
+            sp += 16;
             if (++issue_c == CPS) {                      // next tile pair, back to chunk c0
                 issue_c = 0;
                 ++issue_r;
-                wp += 2 * tile_w - (size_t)CPS * 32;
-                sp += 2 * tile_s - (size_t)CPS * 8;
+                wp += skip_w;
+                sp += skip_s;
             }
         }
         cp_async_commit();                               // empty groups keep the counting uniform
-        if (++issue_st == DD_STAGES) issue_st = 0;
+        issue_w += SLOT_W;
+        issue_s += SLOT_S;
+        if (++issue_st == DD_STAGES) {
+            issue_st = 0;
+            issue_w -= DD_STAGES * SLOT_W;
+            issue_s -= DD_STAGES * SLOT_S;
+        }
     };
 #pragma unroll 1
     for (int st = 0; st < DD_STAGES - 1; ++st) issue();
@@ -232,12 +244,20 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     int r = 0, c = 0, st = 0;
+    const uint4* slot_w = &ring[0].w[0][lane];
+    const uint2* slot_s = &ring[0].s[0][lane];
+    // The dequant mask goes through shared memory so that ptxas cannot see the constant: otherwise it
+    // re-materialises it with a MOV before every lop3 (seen in the SASS; the loop is issue-bound).
+    __shared__ u32 s_mask;
+    if (threadIdx.x == 0) s_mask = 0x000F000Fu;
+    __syncthreads();
+    const u32 nibble_mask = *(volatile u32*)&s_mask;
     const bf16_t* xrow = xs + g * xstride + 8 * t;
     for (int it = 0; it < items; ++it) {
         cp_async_wait<DD_STAGES - 2>();                  // stage `it` landed
         issue();                                         // refills the slot consumed last iteration
-        const uint4 w0 = ring[st].w[0][lane], w1 = ring[st].w[1][lane];
-        const uint2 s0 = ring[st].s[0][lane], s1 = ring[st].s[1][lane];
+        const uint4 w0 = slot_w[0], w1 = slot_w[32];
+        const uint2 s0 = slot_s[0], s1 = slot_s[32];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {                    // two k32 scale groups per chunk
             const uint4 xb = *(const uint4*)(xrow + c * 64 + 32 * h);
@@ -247,9 +267,9 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
                 const uint2 sc = j == 0 ? s0 : s1;
                 float part[4] = {0.f, 0.f, 0.f, 0.f};    // unscaled: integer weights are exact in bf16
                 u32 a[4];
-                dequant_int4_word(h == 0 ? w.x : w.z, a);
+                dequant_int4_word(h == 0 ? w.x : w.z, a, nibble_mask);
                 mma_bf16_16816(part, a, xb.x, xb.y);
-                dequant_int4_word(h == 0 ? w.y : w.w, a);
+                dequant_int4_word(h == 0 ? w.y : w.w, a, nibble_mask);
                 mma_bf16_16816(part, a, xb.z, xb.w);
                 const u32 sp2 = h == 0 ? sc.x : sc.y;    // (row g, row g+8) scales of this group
                 const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
@@ -259,7 +279,13 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
                 acc[j][3] += s_row_g8 * part[3];
             }
         }
-        if (++st == DD_STAGES) st = 0;
+        slot_w += SLOT_W;
+        slot_s += SLOT_S;
+        if (++st == DD_STAGES) {
+            st = 0;
+            slot_w -= DD_STAGES * SLOT_W;
+            slot_s -= DD_STAGES * SLOT_S;
+        }
         if (++c == CPS) {
             epi(2 * r, acc[0]);
             epi(2 * r + 1, acc[1]);
@@ -279,7 +305,9 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
 //   x        [M, K] bf16        wq [E, NT, K/64, 32] uint4     wscale [E, NT, K/64, 8] uint2
 //   act      [M * topk, I] bf16 (I = 8 NT)
 //   partial  [max_tiles, NB, S, nwarps * 2 tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
-extern "C" __global__ void __launch_bounds__(512)
+// __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas re-materialised the dequant
+// mask before every lop3 (one extra MOV each, seen in the SASS) and the loop is issue-bound.
+extern "C" __global__ void __launch_bounds__(512, 1)
 moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
             const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
             const int* __restrict__ num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial,
@@ -329,7 +357,7 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
 //   act [M * topk, I] bf16   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
 //   y   [M * topk, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
 //   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk expert tiles)
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 1)
 moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
          const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
          const int* __restrict__ num_tiles, float* __restrict__ y, const float* __restrict__ topk_w,
