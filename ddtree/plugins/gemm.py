@@ -36,7 +36,8 @@ def _divisors(n: int) -> list[int]:
 
 def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int, stages: int,
               splits: int | None = None, tpw: int = 1) -> GemmPlan:
-    """Token blocking and split-K: the fewest k-splits that still give two blocks per SM, with the block's
+    """Token blocking and split-K: the k-split with the fewest whole waves of resident blocks times the
+    work per block (so small grids fill the SMs and big ones avoid a ragged last wave), with the block's
     token rows (one k-split) in at most 64 KB of shared memory. `splits` forces S (must divide K / 64)."""
     kc = K // 64
     mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
@@ -49,11 +50,15 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
 
     budget = min(X_SMEM_MAX, smem_limit - ring - 1024)
     if splits is None:
-        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget]
+        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget and (kc // s >= 4 or s == 1)]
+        fits = fits or [s for s in _divisors(kc) if x_bytes(s) <= budget]
         if not fits:
             raise ValueError(f"skinny GEMM: K = {K} leaves no k-split that fits {budget} B of shared memory")
-        want = [s for s in fits if mb * nb * s >= 2 * sm_count and kc // s >= 4]
-        splits = want[0] if want else max([s for s in fits if kc // s >= 4] or [fits[0]])
+
+        def waves_cost(s):          # whole waves of resident blocks x (chunks per warp + a ramp of ~6)
+            per_sm = max(1, min(2, (smem_limit + 1024) // (x_bytes(s) + ring + 1024)))
+            return -(-(mb * nb * s) // (per_sm * sm_count)) * (kc // s + 6)
+        splits = min(fits, key=lambda s: (waves_cost(s), s))
     elif kc % splits:
         raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
     return GemmPlan(mt, mb, tpw, nb, splits, x_bytes(splits) + ring)
