@@ -23,6 +23,8 @@ from ddtree.builder.manifest import write_manifest
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_bytes, source_bytes, write_rank_weights
 from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint
+from ddtree.model.config import ConfigError
+from ddtree.model.safetensors_io import CheckpointError
 from ddtree.plugins import compile as kernel_compile
 from ddtree.tree.build import MAX_BUDGET
 
@@ -41,6 +43,16 @@ def check_budgets(budgets) -> list[int]:
     if not budgets or bad:
         raise ed.BuildError(f"--budgets: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
     return budgets
+
+
+def _open(reader, path, flag: str):
+    """Open and verify a checkpoint (every tensor's dtype and shape against its config)."""
+    try:
+        ckpt = reader(path)
+        ckpt.verify()
+    except (ConfigError, CheckpointError) as e:
+        raise ed.BuildError(f"{flag} {path}: {e}") from e
+    return ckpt
 
 
 def peak_rss_bytes() -> int:
@@ -65,9 +77,8 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         archs = ed.check_archs(archs)
         budgets = check_budgets(budgets)
         ed.check_out(out, force)
-        ckpt, dckpt = Checkpoint(model_dir), DrafterCheckpoint(drafter_dir)
-        ckpt.verify()
-        dckpt.verify()
+        ckpt = _open(Checkpoint, model_dir, "--model")
+        dckpt = _open(DrafterCheckpoint, drafter_dir, "--drafter")
         dckpt.config.check_target(ckpt.config)
         plan = make_plan(ckpt.config, dckpt.config, tp, experts)
         tok_files = ed.tokenizer_files(Path(model_dir), ckpt.config)

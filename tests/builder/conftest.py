@@ -1,15 +1,13 @@
 """Shared fixtures of the builder tests: a tiny synthetic checkpoint (the real on-disk formats),
-engines built from it at tp 1, 2, 4 (and expert-parallel at tp 2), and one kernel cache per
+engines built from it on demand, and one kernel cache per
 session so the cubins are compiled once (building with --arch needs the `cuda` extra's NVRTC)."""
 import os
+from pathlib import Path
 
 import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.model.synthetic import synth
-
-ENGINES = [(1, "tp"), (2, "tp"), (4, "tp"), (2, "ep")]
-
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
@@ -31,9 +29,15 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_ckpt, tmp_path_factory):
-    """(tp, experts) -> engine dir built from tiny_ckpt."""
+def engine_dir(tiny_ckpt, tmp_path_factory):
+    """engine_dir(tp, experts) -> engine dir built from tiny_ckpt (once per session)."""
     root = tmp_path_factory.mktemp("engines")
-    target, drafter = tiny_ckpt
-    return {(tp, mode): build_engine(target, drafter, tp, ["sm_120"], root / f"tp{tp}-{mode}", experts=mode)["engine"]
-            for tp, mode in ENGINES}
+    built = {}
+
+    def get(tp: int, experts: str = "tp"):
+        if (tp, experts) not in built:
+            out = root / f"tp{tp}-{experts}"
+            built[tp, experts] = Path(build_engine(*tiny_ckpt, tp, ["sm_120"], out, experts=experts)["engine"])
+        return built[tp, experts]
+
+    return get

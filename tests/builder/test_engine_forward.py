@@ -12,8 +12,8 @@ from ddtree.reference.drafter import Drafter
 from ddtree.reference.model import Target, causal_visible
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.engine_executor import EngineExecutor
-from tests.builder.conftest import ENGINES
 
+ENGINES = [(1, "tp"), (2, "tp"), (4, "tp"), (2, "ep")]
 RTOL = 1e-10
 PROMPT = np.array([256] + list(b"def fib(n): return"))
 TREE_TOKENS = np.array([33, 10, 65, 66, 67, 68, 69, 70, 259])
@@ -51,8 +51,8 @@ def reference(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def executors(engines):
-    return {key: EngineExecutor(path) for key, path in engines.items()}
+def executors(engine_dir):
+    return {key: EngineExecutor(engine_dir(*key)) for key in ENGINES}
 
 
 @pytest.mark.parametrize("key", ENGINES, ids=[f"tp{t}-{m}" for t, m in ENGINES])
@@ -107,9 +107,9 @@ def test_drafter_matches_reference(reference, executors, key):
 
 
 @pytest.mark.parametrize("key", ENGINES, ids=[f"tp{t}-{m}" for t, m in ENGINES])
-def test_ddtree_on_engine_equals_ddtree_on_checkpoint(tiny_ckpt, engines, key):
+def test_ddtree_on_engine_equals_ddtree_on_checkpoint(tiny_ckpt, engine_dir, key):
     on_ckpt = DDTreeEngine.load(*tiny_ckpt)
-    on_engine = DDTreeEngine.load(engines[key])
+    on_engine = DDTreeEngine.load(engine_dir(*key))
     assert on_engine.executor.tp == key[0]
     for params in (dict(), dict(temperature=0.8, top_k=40, top_p=0.9, seed=7), dict(temperature=1.0, seed=2**33)):
         want = on_ckpt.generate("def fib(n):", max_new_tokens=24, budget=8, **params)
@@ -119,8 +119,8 @@ def test_ddtree_on_engine_equals_ddtree_on_checkpoint(tiny_ckpt, engines, key):
     assert ar.tokens == on_ckpt.generate("def fib(n):", max_new_tokens=24, budget=8).tokens
 
 
-def test_run_cli_with_engine_dir(tiny_ckpt, engines):
-    engine = str(engines[(2, "tp")])
+def test_run_cli_with_engine_dir(tiny_ckpt, engine_dir):
+    engine = str(engine_dir(2))
     r = CliRunner().invoke(main, ["run", "--model", engine, "hello", "--mode", "both", "--json",
                                   "--max-new-tokens", "16", "--budget", "4"])
     assert r.exit_code == 0, r.output

@@ -1,0 +1,127 @@
+"""`ddtree-build` and `ddtree inspect` end to end: JSON output, the engine dir's layout, checksum
+verification that names a corrupted file, and the build's errors (each names the flag or field)."""
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+from click.testing import CliRunner
+
+from ddtree.builder import engine_dir as ed
+from ddtree.cli import main
+from ddtree.runtime.engine_format import ENGINE_FORMAT
+
+STAGES = {"check", "kernels", "weights", "config", "manifest"}
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def build_args(ckpt, out, *extra):
+    return ["build", "--model", ckpt[0], "--drafter", ckpt[1], "--tp", "2", "--arch", "sm_120", "--arch", "sm_90",
+            "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "engines" / "tiny-tp2"
+    r = invoke(*build_args(tiny_ckpt, out, "--budgets", "8,16", "--json"))
+    assert r.exit_code == 0, r.output
+    return out, json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_build_json_and_layout(built):
+    out, summary, stderr = built
+    assert summary["engine"] == str(out) and summary["tp"] == 2 and summary["archs"] == ["sm_120", "sm_90"]
+    assert set(summary["stages"]) == STAGES and summary["budgets"] == [8, 16]
+    for stage in STAGES:
+        assert f"{stage} done" in stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["format"] == ENGINE_FORMAT and config["tp"] == 2 and config["block_size"] == 4
+    assert config["budgets"] == [8, 16] and config["experts"] == "tp" and config["dtypes"]["dense"] == "bf16"
+    for arch in ("sm_120", "sm_90"):
+        cubins = sorted(p.name for p in (out / "kernels" / arch).iterdir())
+        assert cubins == ["fill.cubin", "gemm.cubin", "moe.cubin"]
+        assert (out / "kernels" / arch / "moe.cubin").read_bytes()[:4] == b"\x7fELF"
+    for r in (0, 1):
+        assert sorted(p.name for p in (out / f"rank{r}").iterdir()) == sorted(config["weight_files"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files and summary["files"] == len(files) + 1
+    assert not list(out.parent.glob(".*building*"))                  # the staging folder is gone
+
+
+def test_inspect_passes_then_names_a_flipped_byte(built, tmp_path):
+    src, _, _ = built
+    engine = tmp_path / "copy"
+    shutil.copytree(src, engine)
+    r = invoke("inspect", engine, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info["ok"] and info["problems"] == [] and info["tp"] == 2
+    assert [x["name"] for x in info["ranks"]] == ["rank0", "rank1"] and set(info["kernels"]) == {"sm_120", "sm_90"}
+    assert "checksums: all" in r.stderr
+    victim = engine / "rank1" / "layer-002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    r = invoke("inspect", engine, "--json")
+    assert r.exit_code == 1
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not info["ok"] and len(info["problems"]) == 1
+    assert info["problems"][0].startswith("rank1/layer-002.safetensors: sha256 mismatch")
+    assert "rank1/layer-002.safetensors" in r.stderr
+    (engine / "kernels" / "sm_90" / "fill.cubin").unlink()
+    (engine / "rank0" / "stray.bin").write_bytes(b"x")
+    problems = json.loads(invoke("inspect", engine, "--json").stdout.strip().splitlines()[-1])["problems"]
+    assert any(p.startswith("kernels/sm_90/fill.cubin: listed in manifest.json but missing") for p in problems)
+    assert any(p.startswith("rank0/stray.bin: present but not listed") for p in problems)
+
+
+def test_output_exists_needs_force(built, tiny_ckpt, tmp_path):
+    out, _, _ = built
+    r = invoke(*build_args(tiny_ckpt, out))
+    assert r.exit_code != 0 and "already exists (use --force" in r.output
+    not_engine = tmp_path / "precious"
+    not_engine.mkdir()
+    (not_engine / "notes.txt").write_text("keep me")
+    r = invoke(*build_args(tiny_ckpt, not_engine, "--force"))
+    assert r.exit_code != 0 and "is not a ddtree engine directory" in r.output
+    assert (not_engine / "notes.txt").read_text() == "keep me"
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    r = invoke(*build_args(tiny_ckpt, again, "--force", "--tp", "4"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((again / "config.json").read_text())["tp"] == 4 and (again / "rank3").is_dir()
+    assert invoke("inspect", again).exit_code == 0
+
+
+def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "e"
+    cases = [
+        (build_args(tiny_ckpt, out, "--tp", "8"), "num_attention_heads 4 is not divisible by 8"),
+        (build_args(tiny_ckpt, out, "--arch", "sm_42"), "--arch sm_42: unknown architecture"),
+        (build_args(tiny_ckpt, out, "--budgets", "16,300"), "--budgets: each budget must be in 1..255"),
+        (["build", "--model", tiny_ckpt[0], "--tp", "2", "--arch", "sm_120", "--out", out], "Missing option '--drafter'"),
+        (["build", "--model", tiny_ckpt[0], "--drafter", tmp_path, "--arch", "sm_120", "--out", out],
+         f"--drafter {tmp_path}: {tmp_path}/config.json: config.json not found"),
+    ]
+    for args, message in cases:
+        r = invoke(*args)
+        assert r.exit_code != 0 and message in r.output, (args, r.output)
+    assert not out.exists()
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(ed.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1000, 1000))
+    r = invoke(*build_args(tiny_ckpt, out))
+    assert r.exit_code != 0 and "not enough disk space" in r.output and "GB free" in r.output
+    assert not out.exists()
+    monkeypatch.undo()
+
+    def no_nvrtc():
+        raise ImportError("No module named 'cuda'")
+    monkeypatch.setattr("ddtree.plugins.compile.nvrtc_version", no_nvrtc)
+    r = invoke(*build_args(tiny_ckpt, out))
+    assert r.exit_code != 0 and "needs NVRTC from the 'cuda' extra" in r.output
+    assert not out.exists() and not list(tmp_path.glob(".*building*"))
