@@ -68,7 +68,8 @@ class MoEPlan:
 
 
 def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: int, gu_splits: int | None = None,
-             gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None, dn_tpw: int = 1) -> MoEPlan:
+             gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None,
+             dn_tpw: int | None = None) -> MoEPlan:
     """Split-K for gate_up so that even M = 1 (8 tiles) covers the SMs; the deepest ring that fits."""
     tiles = shape.max_tiles(M)
     busy_tiles = min(tiles, max(M * shape.topk // 8, min(M * shape.topk, shape.experts)))   # typical
@@ -91,7 +92,12 @@ def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: in
     elif kc % gu_splits:
         raise ValueError(f"MoE gate_up: splits {gu_splits} must divide hidden / 64 = {kc}")
     gu_smem = x_bytes(kc // gu_splits * 64) + gu_warps * ring
-    dn_warps = dn_warps or max([w for w in (8, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4])
+    # down: with a short K (I <= 512: TP8) each warp has few chunks per tile, so fewer warps with two tile
+    # pairs each keep the rings busy (H200 sweep, TP8: -15 % at M = 16..64); TP1: 8 warps x one pair
+    short_k = shape.inter // 64 <= 8
+    dn_tpw = dn_tpw or (2 if short_k else 1)
+    dn_warps = dn_warps or (4 if short_k else
+                            max([w for w in (8, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4]))
     dn_nb = -(-(shape.hidden // 16) // (dn_warps * 2 * dn_tpw))
     dn_smem = x_bytes(shape.inter) + dn_warps * ring
     if max(gu_smem, dn_smem) > smem_limit:
