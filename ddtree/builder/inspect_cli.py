@@ -65,8 +65,8 @@ def inspect_command(engine, as_json):
               f"{m['routed_experts']} experts (top {m['experts_per_token']}), vocab {m['vocab']}")
     err.print(f"  drafter  {d['layers']} layers, {d['heads']}/{d['kv_heads']} heads, block {d['block_size']}, "
               f"taps {d['target_layer_ids']}")
-    err.print(f"  tp {info['tp']} (experts: {info['experts']}), budgets {info['budgets']}, "
-              f"per rank {json.dumps(info['plan'])}")
+    err.print(f"  tp {info['tp']} (experts: {info['experts']}), budgets {info['budgets']}, block {info['block_size']}")
+    err.print("  per rank " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in info["plan"].items()))
     for r in info["ranks"]:
         err.print(f"  {r['name']:<8} {r['files']} files, {_mib(r['bytes'])}")
     for arch, cubins in info["kernels"].items():
