@@ -7,6 +7,7 @@
     config    config.json and the tokenizer files
     manifest  size + sha256 of every file
 The engine is built in a hidden folder next to --out and renamed into place only when complete.
+With jobs > 1 the expert repacking runs in worker processes (builder/experts.py).
 Progress goes to a `ui` object: `ui.stage(name, total)` is a context manager yielding `advance(n)`;
 the default `Quiet` ui shows nothing. Memory: a few tensors (at most ~32 MB row blocks) at a time.
 """
@@ -60,9 +61,12 @@ def peak_rss_bytes() -> int:
 
 
 def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BUDGETS, force: bool = False,
-                 experts: str = "tp", kernel_cache=None, ui=None) -> dict:
-    """Build the engine at `out`; returns a summary (engine path, sizes, per-stage seconds)."""
+                 experts: str = "tp", kernel_cache=None, ui=None, jobs: int = 1) -> dict:
+    """Build the engine at `out`; returns a summary (engine path, sizes, per-stage seconds).
+    `jobs` worker processes repack the routed experts (1: all in this process)."""
     ui = ui or Quiet()
+    if jobs < 1:
+        raise ed.BuildError(f"--jobs {jobs}: must be >= 1")
     out = Path(out)
     stages: dict[str, float] = {}
 
@@ -92,7 +96,7 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
             kernels = ed.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1))
         with stage("weights", source_bytes(plan)) as advance:
-            files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance)
+            files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance, jobs=jobs)
         with stage("config"):
             tok = ed.copy_tokenizer(tok_files, stage_dir)
             sources = {"model": str(Path(model_dir).absolute()), "drafter": str(Path(drafter_dir).absolute()),

@@ -1,7 +1,7 @@
 """`ddtree-build` (also `ddtree build`): checkpoint + DFlash drafter -> engine directory.
 
     ddtree-build --model DIR --drafter DIR --tp N --arch sm_120 [--arch sm_90] --out engines/NAME
-                 [--budgets 16,32,64] [--experts tp|ep] [--force] [--json]
+                 [--budgets 16,32,64] [--experts tp|ep] [--jobs N] [--force] [--json]
 Progress (one line per stage with its elapsed time) goes to stderr; --json prints one summary
 object on stdout: {"engine", "tp", "experts", "archs", "budgets", "files", "bytes", "weights_bytes",
 "stages": {stage: seconds}, "peak_rss_mb"}.
@@ -70,9 +70,11 @@ def parse_budgets(text: str) -> list[int]:
               help="Tree budgets the engine is built for (comma-separated).")
 @click.option("--experts", type=click.Choice(EXPERT_MODES), default="tp", show_default=True,
               help="Routed experts: tp = split each expert's intermediate dim; ep = whole experts per rank.")
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="Worker processes for repacking the INT4 experts (each holds a few experts in memory).")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory at --out.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
-def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, force, as_json):
+def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs, force, as_json):
     """Build an engine directory from a Kimi K2.x checkpoint and a DFlash drafter."""
     console = Console(stderr=True)
     ui = RichStages(console)
@@ -81,7 +83,7 @@ def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, forc
     try:
         with ui.progress:
             summary = build_engine(model_dir, drafter_dir, tp, archs, out, parse_budgets(budgets), force, experts,
-                                   ui=ui)
+                                   ui=ui, jobs=jobs)
     except ERRORS as e:
         raise click.ClickException(str(e))
     console.print(f"engine {summary['engine']}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "

@@ -21,28 +21,23 @@ layout.repack_expert returns for one [I_r, H] expert (today: words [2 I_r/32, H/
   model.layers.L.mlp.experts.down.words        I32  [E_r, *layout of down [H, I_r]]
   model.layers.L.mlp.experts.down.scales       BF16 [E_r, *its scales]
 with (E_r, I_r) = (E, I/tp) for experts="tp" and (E/tp, I) for "ep" (rank r: experts r E/tp ..).
-The TP slice of an INT4 expert is taken in the packed format (gate/up: rows; down: packed columns,
-I_r/8 words and I_r/32 scales per row), then repacked: each expert is read once for all ranks.
+Experts are sliced and repacked by builder/experts.py (each read once for all ranks).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ddtree.builder.experts import ExpertRepacker, expert_specs
 from ddtree.builder.plan import ROWS, TPPlan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader, header_bytes
-from ddtree.model.safetensors_io import CheckpointError
-from ddtree.model.tensors import EXPERT_PROJS, TensorSpec, drafter_tensor_specs, expert_name, target_tensor_specs
-from ddtree.plugins import layout
+from ddtree.model.tensors import TensorSpec, drafter_tensor_specs, expert_name, target_tensor_specs
 
 BLOCK_BYTES = 32 << 20              # row blocks read from the checkpoint at a time
 DRAFTER_PREFIX = "drafter."
-EXPERT_TENSORS = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales",   # layout key -> name suffix
-                  "down": "down.words", "down_scale": "down.scales"}
 Progress = Callable[[int], None]    # called with the checkpoint bytes just consumed
 
 
@@ -71,25 +66,6 @@ def rank_spec(spec: TensorSpec, axis: int | None, tp: int) -> TensorSpec:
     shape = list(spec.shape)
     shape[axis] //= tp
     return TensorSpec(spec.dtype, tuple(shape))
-
-
-@functools.lru_cache(maxsize=None)
-def expert_layout(hidden: int, inter: int) -> dict[str, TensorSpec]:
-    """Layout key -> TensorSpec of one expert [I_r, H] in the kernel layout, found by repacking a
-    zero expert (so the shapes follow plugins/layout.py, whatever its tiling)."""
-    def zero(n, k):
-        return np.zeros((n, k // 8), np.int32), np.zeros((n, k // layout.GROUP), np.uint16), np.array([n, k])
-    packed = layout.repack_expert(zero(inter, hidden), zero(inter, hidden), zero(hidden, inter), name="layout probe")
-    kinds = {np.dtype(np.int32): "I32", np.dtype(np.uint16): "BF16"}
-    return {key: TensorSpec(kinds[a.dtype], a.shape) for key, a in packed.items()}
-
-
-def expert_specs(plan: TPPlan, layer: int) -> dict[str, TensorSpec]:
-    """The four stacked expert tensors of one layer: [E_r, *one expert's layout shape]."""
-    one = expert_layout(plan.cfg.hidden_size, plan.moe_inter)
-    p = f"model.layers.{layer}.mlp.experts."
-    return {p + suffix: TensorSpec(one[key].dtype, (plan.experts_per_rank, *one[key].shape))
-            for key, suffix in EXPERT_TENSORS.items()}
 
 
 def _target_file(name: str) -> str:
@@ -172,57 +148,13 @@ def _stream_dense(e: Dense, reader: TensorReader, writers: list[RankFileWriter],
         progress(block.nbytes)
 
 
-def _read_expert(reader: TensorReader, layer: int, e: int, H: int, I: int) -> dict[str, tuple]:
-    """{'gate'|'up'|'down': (weight_packed, weight_scale, weight_shape)} of one checkpoint expert."""
-    out = {}
-    for proj in EXPERT_PROJS:
-        m = expert_name(layer, e, proj)
-        shape = reader.read(f"{m}.weight_shape").astype(np.int64).reshape(-1)
-        want = [H, I] if proj == "down_proj" else [I, H]
-        if shape.tolist() != want:
-            raise CheckpointError(f"{reader.ckpt.shard_of(m + '.weight_shape')}: tensor '{m}.weight_shape' is "
-                                  f"{shape.tolist()}, the config expects {want}")
-        out[proj.split("_")[0]] = (reader.read(f"{m}.weight_packed"), reader.read(f"{m}.weight_scale"), shape)
-    return out
-
-
-def tp_slice_expert(expert: dict[str, tuple], rank: int, inter: int, group: int = 32) -> tuple:
-    """Rank `rank`'s (gate, up, down) triples: gate/up rows and down input columns [rank I_r, (rank+1) I_r),
-    cut in the packed format (8 values per int32 word, one scale per `group` columns)."""
-    rows = slice(rank * inter, (rank + 1) * inter)
-    words = slice(rank * inter // 8, (rank + 1) * inter // 8)
-    groups = slice(rank * inter // group, (rank + 1) * inter // group)
-    gate, up, down = (expert[k] for k in ("gate", "up", "down"))
-    H = int(down[2][0])
-    return ((gate[0][rows], gate[1][rows], np.array([inter, H])),
-            (up[0][rows], up[1][rows], np.array([inter, H])),
-            (down[0][:, words], down[1][:, groups], np.array([H, inter])))
-
-
-def _stream_experts(x: Experts, plan: TPPlan, reader: TensorReader, writers: list[RankFileWriter],
-                    progress: Progress) -> None:
-    cfg, L = plan.cfg, x.layer
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    prefix = f"model.layers.{L}.mlp.experts."
-    for e in range(cfg.n_routed_experts):
-        expert = _read_expert(reader, L, e, H, I)
-        if plan.experts == "tp":
-            targets = [(r, e, tp_slice_expert(expert, r, plan.moe_inter)) for r in range(plan.tp)]
-        else:
-            r = e // plan.experts_per_rank
-            targets = [(r, e - r * plan.experts_per_rank, (expert["gate"], expert["up"], expert["down"]))]
-        for r, row, (g, u, d) in targets:
-            packed = layout.repack_expert(g, u, d, name=f"{prefix}{e} (rank {r})")
-            for key, suffix in EXPERT_TENSORS.items():
-                writers[r].write(prefix + suffix, row, packed[key][None])
-        progress(sum(a.nbytes for t in expert.values() for a in t))
-
-
 def write_rank_weights(plan: TPPlan, ckpt, dckpt, out_dir, progress: Progress | None = None,
-                       on_file: Callable[[str], None] | None = None) -> list[str]:
-    """Write rank0..rank{tp-1}/*.safetensors under out_dir; returns the file names (per rank)."""
+                       on_file: Callable[[str], None] | None = None, jobs: int = 1) -> list[str]:
+    """Write rank0..rank{tp-1}/*.safetensors under out_dir; returns the file names (per rank).
+    `jobs` > 1 repacks the routed experts in that many worker processes (builder/experts.py)."""
     progress = progress or (lambda n: None)
     readers = {False: TensorReader(ckpt), True: TensorReader(dckpt)}
+    repacker = ExpertRepacker(plan, ckpt, readers[False], jobs)
     names = []
     try:
         for fname, entries in file_plan(plan):
@@ -232,7 +164,7 @@ def write_rank_weights(plan: TPPlan, ckpt, dckpt, out_dir, progress: Progress | 
             try:
                 for e in entries:
                     if isinstance(e, Experts):
-                        _stream_experts(e, plan, readers[False], writers, progress)
+                        repacker.write_layer(e.layer, writers, progress)
                     else:
                         _stream_dense(e, readers[e.drafter], writers, progress)
                 for w in writers:
@@ -245,6 +177,7 @@ def write_rank_weights(plan: TPPlan, ckpt, dckpt, out_dir, progress: Progress | 
             if on_file:
                 on_file(fname)
     finally:
+        repacker.close()
         for rd in readers.values():
             rd.close()
     return names

@@ -125,3 +125,14 @@ def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
     r = invoke(*build_args(tiny_ckpt, out))
     assert r.exit_code != 0 and "needs NVRTC from the 'cuda' extra" in r.output
     assert not out.exists() and not list(tmp_path.glob(".*building*"))
+
+
+def test_parallel_expert_repack_writes_identical_files(built, tiny_ckpt, tmp_path):
+    out, _, _ = built
+    r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs2", "--budgets", "8,16", "--jobs", "2", "--experts", "tp"))
+    assert r.exit_code == 0, r.output
+    one = json.loads((out / "manifest.json").read_text())["files"]
+    two = json.loads((tmp_path / "jobs2" / "manifest.json").read_text())["files"]
+    assert two == one                         # every file bit for bit, config.json included
+    r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs0", "--jobs", "0"))
+    assert r.exit_code != 0 and "--jobs 0: must be >= 1" in r.output
