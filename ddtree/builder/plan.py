@@ -10,11 +10,13 @@ Target, per decoder layer
   q_a_proj, q_a_layernorm                     replicated: every rank computes the full query latent
                                               c_q [q, 1536] itself. Splitting q_a would need an
                                               all-gather before q_a_layernorm (an RMSNorm over all
-                                              1536 dims); replicated costs 22 MB per rank and no message.
+                                              1536 dims); replicated costs 22 MB per layer per rank
+                                              (1.3 GB over 61 layers at bf16) and no message.
   kv_a_proj_with_mqa, kv_a_layernorm          replicated: every rank computes c_kv and k_pe and keeps
                                               the whole latent cache (576 values per token and layer),
                                               as vLLM does. MLA decode is MQA with one shared latent
-                                              key, so splitting heads does not split the cache.
+                                              key, so splitting heads does not split the cache; a split
+                                              kv_a would need an all-gather of [q, 576] per layer.
   q_b_proj, kv_b_proj                         split by head (rows): N/tp heads per rank
   o_proj                                      split by head (columns), row-parallel:
                                               partial [q, H] -> ALL-REDUCE #1
