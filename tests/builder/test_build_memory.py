@@ -4,6 +4,7 @@ measured by the kernel for that one child process (wait4), under 1 GiB. Reading 
 or holding a rank's file in memory, would break the bound."""
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -28,8 +29,16 @@ def run_measured(args, log_dir):
             (log_dir / "out.txt").read_text(), (log_dir / "err.txt").read_text())
 
 
+@pytest.fixture
+def scratch(tmp_path):
+    """tmp_path, emptied afterwards: pytest keeps old tmp dirs, and these hold 4.5 GB."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_build_of_a_2gb_checkpoint_stays_under_1gb_rss(tmp_path):
+def test_build_of_a_2gb_checkpoint_stays_under_1gb_rss(scratch):
+    tmp_path = scratch
     target, drafter = write_big_checkpoint(tmp_path / "ckpt")
     ckpt_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.safetensors"))
     assert ckpt_bytes > 2 * 10**9
