@@ -129,3 +129,17 @@ def test_run_cli_with_engine_dir(tiny_ckpt, engine_dir):
     assert out["identical"] is True and out["tokens"] == want.tokens
     r = CliRunner().invoke(main, ["run", "--model", engine, "--drafter", str(tiny_ckpt[1]), "x"])
     assert r.exit_code != 0 and "drafter built in" in r.output
+
+
+def test_grouped_routing_and_flat_layout(tmp_path):
+    """n_group > 1 routing and the K2-Thinking (flat, `model.`) layout, expert-parallel at tp 4."""
+    from ddtree.builder.build import build_engine
+    from ddtree.model.synthetic import synth
+    target_dir, drafter_dir = synth(tmp_path / "ckpt", "tiny-grouped", seed=4, layout="k2-thinking", shard_mb=2)
+    engine = build_engine(target_dir, drafter_dir, 4, ["sm_120"], tmp_path / "engine", experts="ep")["engine"]
+    target, ex = Target.from_checkpoint(target_dir), EngineExecutor(engine)
+    assert target.config.n_group == 4 and ex.layouts[3].expert_start == 12
+    P = len(PROMPT)
+    want, _ = target.forward(PROMPT, np.arange(P), causal_visible(0, P), target.new_cache())
+    got, _ = ex.target_forward(PROMPT, np.arange(P), causal_visible(0, P), ex.new_target_cache())
+    close(got, want)
