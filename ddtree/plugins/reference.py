@@ -9,43 +9,17 @@ import numpy as np
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.int4 import dequantize_int4
 from ddtree.plugins import layout
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+from ddtree.reference.moe import route_logits, sigmoid
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)
 
 
-def topk_lowest_id(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest along the last axis, in descending order, ties -> lower index."""
-    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
-
-
 def route(logits: np.ndarray, bias: np.ndarray | None, topk: int, n_group: int = 1, topk_group: int = 1,
           scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """logits [M, E] -> (ids [M, k] in selection order, weights [M, k], margin [M]).
-
-    margin = the k-th minus the (k+1)-th selection score among selectable experts: a kernel whose
-    logits differ by rounding may pick differently only where the margin is that small."""
-    scores = sigmoid(logits.astype(np.float64))                          # [M, E]
-    choice = scores + (0.0 if bias is None else bias.astype(np.float64))
-    M, E = choice.shape
-    if n_group > 1:
-        grouped = choice.reshape(M, n_group, E // n_group)               # [M, G, E/G]
-        group_score = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)  # [M, G] top-2 sum
-        kept = np.zeros((M, n_group), dtype=bool)
-        np.put_along_axis(kept, topk_lowest_id(group_score, topk_group), True, axis=-1)
-        choice = np.where(np.repeat(kept, E // n_group, axis=-1), choice, -np.inf)
-    order = topk_lowest_id(choice, topk + 1)                             # [M, k+1]
-    ranked = np.take_along_axis(choice, order, axis=-1)
-    margin = ranked[:, topk - 1] - ranked[:, topk] if topk < E else np.full(M, np.inf)
-    ids = order[:, :topk]
-    picked = np.take_along_axis(scores, ids, axis=-1)
-    weights = picked / (picked.sum(axis=-1, keepdims=True) + 1e-20) * scaling
-    return ids, weights, margin
+    """logits [M, E] -> (ids [M, k] in selection order, weights [M, k], margin [M]): the reference's rule."""
+    return route_logits(logits, bias, topk, n_group, topk_group, scaling)
 
 
 def expert_dense(words: np.ndarray, scales: np.ndarray) -> np.ndarray:

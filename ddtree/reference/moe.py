@@ -48,28 +48,41 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))    # overflow-free form of 1 / (1 + e^-x)
 
 
-def route(x: np.ndarray, w: MoEWeights, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
-    """x [n, H] -> experts [n, k] int64 (selection order), weights [n, k] float64."""
-    n, k = len(x), cfg.num_experts_per_tok
-    logits = x.astype(np.float64) @ w.router.astype(np.float64).T     # [n, E] float64 whatever x is
-    scores = sigmoid(logits)                                          # [n, E] g
-    choice = scores + w.bias.astype(np.float64)                       # [n, E] c, selection only
-    if cfg.n_group > 1:
-        per_group = cfg.n_routed_experts // cfg.n_group
+def route_logits(logits: np.ndarray, bias: np.ndarray | None, k: int, n_group: int = 1, topk_group: int = 1,
+                 scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Router logits [n, E] -> experts [n, k] int64 (selection order), weights [n, k] float64, and
+    margin [n] = k-th minus (k+1)-th selection score (a rounding-level margin marks a near-tie that a
+    lower-precision router may resolve the other way). The one routing rule every backend checks against."""
+    n, E = logits.shape
+    scores = sigmoid(logits.astype(np.float64))                       # [n, E] g
+    choice = scores + (0.0 if bias is None else bias.astype(np.float64))   # [n, E] c, selection only
+    if n_group > 1:
+        per_group = E // n_group
         if per_group < 2:
-            raise ValueError(f"MoE routing: n_group {cfg.n_group} leaves {per_group} expert per group; "
+            raise ValueError(f"MoE routing: n_group {n_group} leaves {per_group} expert per group; "
                              "the group score needs >= 2")
-        grouped = choice.reshape(n, cfg.n_group, per_group)           # [n, G, E/G]
+        grouped = choice.reshape(n, n_group, per_group)               # [n, G, E/G]
         top2 = -np.sort(-grouped, axis=-1)[..., :2]                   # [n, G, 2]
         group_score = top2.sum(axis=-1)                               # [n, G]
-        kept_groups = topk_lowest_id(group_score, cfg.topk_group)     # [n, topk_group]
-        group_kept = np.zeros((n, cfg.n_group), dtype=bool)
+        kept_groups = topk_lowest_id(group_score, topk_group)         # [n, topk_group]
+        group_kept = np.zeros((n, n_group), dtype=bool)
         np.put_along_axis(group_kept, kept_groups, True, axis=-1)
         expert_kept = np.repeat(group_kept, per_group, axis=-1)       # [n, E]
         choice = np.where(expert_kept, choice, -np.inf)
-    experts = topk_lowest_id(choice, k)                               # [n, k]
+    order = topk_lowest_id(choice, min(k + 1, E))                     # [n, k(+1)]
+    ranked = np.take_along_axis(choice, order, axis=-1)
+    margin = ranked[:, k - 1] - ranked[:, k] if k < E else np.full(n, np.inf)
+    experts = order[:, :k]                                            # [n, k]
     picked = np.take_along_axis(scores, experts, axis=-1)             # [n, k] unbiased g
-    weights = picked / (picked.sum(axis=-1, keepdims=True) + NORM_EPS) * cfg.routed_scaling_factor
+    weights = picked / (picked.sum(axis=-1, keepdims=True) + NORM_EPS) * scaling
+    return experts, weights, margin
+
+
+def route(x: np.ndarray, w: MoEWeights, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, H] -> experts [n, k] int64 (selection order), weights [n, k] float64."""
+    logits = x.astype(np.float64) @ w.router.astype(np.float64).T     # [n, E] float64 whatever x is
+    experts, weights, _ = route_logits(logits, w.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                       cfg.routed_scaling_factor)
     return experts, weights
 
 

@@ -26,9 +26,9 @@ from ddtree.plugins import layout
 from ddtree.reference.drafter import rotate_half_rope
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.mla import masked_softmax
+from ddtree.reference.moe import route_logits
 from ddtree.reference.rope import Rope
 
-NORM_EPS = 1e-20            # the router's guard against a zero weight sum (kimi-k2.md 5.4)
 GROUP = 32                  # INT4 scale group of the kernel layout
 
 
@@ -117,19 +117,10 @@ def rank_attention(h: np.ndarray, pos: np.ndarray, visible: np.ndarray, cache, l
 
 def route(x: np.ndarray, router: np.ndarray, bias: np.ndarray, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
     """noaux_tc sigmoid routing (replicated on every rank): x [n, H] -> ids [n, k], weights [n, k]."""
-    n, k = len(x), cfg.num_experts_per_tok
-    scores = 0.5 * (1.0 + np.tanh(0.5 * (x.astype(np.float64) @ router.astype(np.float64).T)))   # [n, E]
-    choice = scores + bias.astype(np.float64)                             # selection only
-    if cfg.n_group > 1:
-        per = cfg.n_routed_experts // cfg.n_group
-        group_score = -np.sort(-choice.reshape(n, cfg.n_group, per), axis=-1)[..., :2].sum(axis=-1)
-        kept = np.argsort(-group_score, axis=-1, kind="stable")[:, : cfg.topk_group]    # [n, topk_group]
-        keep = np.zeros((n, cfg.n_group), dtype=bool)
-        np.put_along_axis(keep, kept, True, axis=-1)
-        choice = np.where(np.repeat(keep, per, axis=-1), choice, -np.inf)
-    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]              # ties -> lower expert id
-    picked = np.take_along_axis(scores, ids, axis=-1)
-    return ids, picked / (picked.sum(axis=-1, keepdims=True) + NORM_EPS) * cfg.routed_scaling_factor
+    logits = x.astype(np.float64) @ router.astype(np.float64).T          # [n, E]
+    ids, weights, _ = route_logits(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                   cfg.routed_scaling_factor)
+    return ids, weights
 
 
 def expert_weights(w: dict, layer: int, local: int, dtype=np.float64, cache: dict | None = None):
