@@ -57,7 +57,13 @@ def _open(reader, path, flag: str):
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
+    """This process's peak RSS: VmHWM where /proc exists (ru_maxrss would include the RSS of the
+    process that spawned us, carried across exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # Linux reports KiB
 
 
 def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BUDGETS, force: bool = False,

@@ -20,12 +20,17 @@ LIMIT_BYTES = 1 << 30
 
 def run_measured(args, log_dir):
     """Run `ddtree-build ARGS` in a child process -> (exit code, peak RSS bytes, stdout, stderr)."""
-    code = "import sys; from ddtree.cli import build_command; sys.argv[0] = 'ddtree-build'; build_command()"
+    # The child's own VmHWM, written at exit. Not wait4's ru_maxrss: Linux carries the spawning
+    # process's (pytest's, often > 1 GiB) high-water mark into it across exec; VmHWM is per address space.
+    hwm = log_dir / "vmhwm.txt"
+    code = ("import atexit, sys; atexit.register(lambda: open(%r, 'w').write(next(l.split()[1] for l in "
+            "open('/proc/self/status') if l.startswith('VmHWM'))));"
+            "from ddtree.cli import build_command; sys.argv[0] = 'ddtree-build'; build_command()" % str(hwm))
     with open(log_dir / "out.txt", "w") as out, open(log_dir / "err.txt", "w") as err:
         pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code, *map(str, args)], os.environ,
                              file_actions=[(os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)])
-        _, status, usage = os.wait4(pid, 0)
-    return (os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024,       # Linux: ru_maxrss in KiB
+        _, status, _ = os.wait4(pid, 0)
+    return (os.waitstatus_to_exitcode(status), int(hwm.read_text()) * 1024,   # VmHWM in KiB
             (log_dir / "out.txt").read_text(), (log_dir / "err.txt").read_text())
 
 
