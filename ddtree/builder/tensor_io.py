@@ -13,14 +13,12 @@ exactly once or close() fails naming the tensor; the file appears under its name
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from ddtree.model.safetensors_io import NUMPY_DTYPE, CheckpointError, SafetensorsFile
+from ddtree.model.safetensors_io import NUMPY_DTYPE, CheckpointError, SafetensorsFile, header_bytes
 from ddtree.model.tensors import TensorSpec
 
 
@@ -74,18 +72,6 @@ class TensorReader:
         for _, fd in self._files.values():
             os.close(fd)
         self._files.clear()
-
-
-def header_bytes(specs: dict[str, TensorSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """safetensors header (u64 length + JSON padded to 8 bytes) and each tensor's data offset."""
-    header, offsets, off = {"__metadata__": metadata}, {}, 0
-    for name, s in specs.items():
-        header[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
-        offsets[name] = off
-        off += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offsets
 
 
 class RankFileWriter:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from ddtree.builder.experts import ExpertRepacker, expert_specs
 from ddtree.builder.plan import ROWS, TPPlan

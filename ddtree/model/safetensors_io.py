@@ -19,7 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ddtree.model.tensors import DTYPE_SIZE, TensorSpec
+from ddtree.model.tensors import TensorSpec
 
 # safetensors dtype -> numpy dtype as we hold it in memory (BF16 as raw uint16 bits)
 NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
@@ -107,16 +107,19 @@ class SafetensorsFile:
             self._mm = None
 
 
-def _header_bytes(specs: dict[str, TensorSpec], metadata: dict | None) -> bytes:
-    header, off = {}, 0
+def header_bytes(specs: dict[str, TensorSpec], metadata: dict | None) -> tuple[bytes, dict[str, int]]:
+    """u64 length + JSON header (space padded so the data buffer is 8-byte aligned, as safetensors
+    does) for tensors laid out in `specs` order, and each tensor's offset in the data buffer."""
+    header, offsets, off = {}, {}, 0
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     for name, s in specs.items():
         header[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+        offsets[name] = off
         off += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)                 # align the data buffer to 8 bytes, as safetensors does
-    return struct.pack("<Q", len(raw)) + raw
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
 
 
 def check_array(name: str, spec: TensorSpec, arr: np.ndarray, where: str) -> np.ndarray:
@@ -137,7 +140,7 @@ def write_safetensors(path, specs: dict[str, TensorSpec], chunks: Iterable[tuple
     written = {n: 0 for n in names}
     idx = 0
     with open(tmp, "wb") as f:
-        f.write(_header_bytes(specs, metadata or {"format": "pt"}))
+        f.write(header_bytes(specs, metadata or {"format": "pt"})[0])
         for name, block in chunks:
             while idx < len(names) and written[names[idx]] == specs[names[idx]].nbytes and names[idx] != name:
                 idx += 1
