@@ -1,0 +1,146 @@
+"""All graphs of one rank, and the engine directory's graphs/ folder.
+
+    graphs/index.json              {"format", "act", "dims", "kinds": {kind: {"layers", "weight_prefix",
+                                    "inputs", "outputs"}}, "ranks": [{kind: "graphs/rank<r>/<kind>.onnx"}]}
+    graphs/rank<r>/<kind>.onnx     kinds: embed, dense_layer, moe_layer, head, draft_fc, draft_layer
+                                   (draft_layer_full / draft_layer_sliding when the drafter mixes both),
+                                   draft_head, tree_b<B> per budget, accept
+A layer graph serves several layers: its weight inputs are named after its first layer, and
+`layer_weight_name` gives layer L's tensor for each input. Graph metadata (onnx metadata_props)
+repeats kind, layers, weight prefix, rank and world size, so a lone .onnx file explains itself.
+Symbolic dims: q tokens per call, W = ceil(q / 32) mask words, S cache capacity, n new drafter
+context tokens, nodes tree nodes; `dim_ranges` gives the TensorRT optimisation profile of each.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from ddtree.graphs.export_drafter import (export_accept, export_draft_fc, export_draft_head, export_draft_layer,
+                                          export_tree, sliding_window)
+from ddtree.graphs.export_target import export_embed, export_head, export_layer
+from ddtree.graphs.onnx_graph import GraphBuilder
+from ddtree.model.safetensors_io import SafetensorsFile
+from ddtree.model.tensors import TensorSpec
+from ddtree.runtime.ranks import RankLayout
+
+GRAPHS_FORMAT = "ddtree-graphs/1"
+MAX_TOKENS = 256                 # tokens per target call and new drafter context per call (the kernels' M)
+ENGINE_ACT = "bfloat16"          # activation dtype of the engine's graphs and plans
+
+
+@dataclass
+class LayerGraph:
+    kind: str
+    model: onnx.ModelProto
+    layers: list[int] = field(default_factory=list)      # decoder (or drafter) layers this graph serves
+    weight_prefix: str | None = None                      # "model.layers.1." / "drafter.layers.0."
+
+
+def layer_weight_name(name: str, prefix: str | None, layer: int) -> str:
+    """The rank tensor that feeds graph input `name` for `layer` (inputs outside the prefix are shared)."""
+    if prefix is None or not name.startswith(prefix):
+        return name
+    family = prefix[: prefix.rstrip(".").rfind(".") + 1]                 # "model.layers."
+    return f"{family}{layer}.{name[len(prefix):]}"
+
+
+def dim_ranges(cfg) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) per symbolic dim: the plans' optimisation profile."""
+    S = cfg.max_position_embeddings
+    return {"q": (1, 64, MAX_TOKENS), "W": (1, 2, -(-MAX_TOKENS // 32)), "S": (1, min(4096, S), S),
+            "n": (0, 16, MAX_TOKENS), "nodes": (1, 33, 256)}
+
+
+def draft_topk(budgets, vocab_per_rank: int) -> int:
+    """Candidates per rank and depth: enough for the largest budget (a tree of B nodes uses ranks < B)."""
+    return min(max(budgets), vocab_per_rank)
+
+
+def _drafter_groups(dcfg) -> dict[str, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for L in range(dcfg.num_hidden_layers):
+        groups.setdefault(sliding_window(dcfg, L), []).append(L)
+    if len(groups) == 1:
+        return {"draft_layer": next(iter(groups.values()))}
+    return {("draft_layer_sliding" if w else "draft_layer_full"): layers for w, layers in groups.items()}
+
+
+def export_rank(cfg, dcfg, plan: dict, rank: int, specs: dict[str, TensorSpec], budgets, act: str = ENGINE_ACT
+                ) -> dict[str, LayerGraph]:
+    """Every graph of rank `rank`: kind -> LayerGraph. `plan` is the engine config's "plan" entry,
+    `specs` the rank's tensors (name -> TensorSpec, as in its safetensors headers)."""
+    lay = RankLayout.from_plan(plan, rank)
+    inter = plan["per_rank"]["moe_intermediate"]
+    k = draft_topk(budgets, lay.vocab_stop - lay.vocab_start)
+    out: dict[str, LayerGraph] = {}
+
+    def make(kind: str, fn, *args, layers=(), prefix=None):
+        g = GraphBuilder(f"{kind}.rank{rank}", act)
+        fn(g, *args)
+        g.metadata.update({"ddtree.kind": kind, "ddtree.rank": str(rank), "ddtree.world_size": str(lay.tp),
+                           "ddtree.layers": ",".join(map(str, layers)), "ddtree.weight_prefix": prefix or ""})
+        out[kind] = LayerGraph(kind, g.export(), list(layers), prefix)
+
+    make("embed", export_embed, cfg, specs, lay)
+    dense = [L for L in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(L)]
+    for kind, layers in (("dense_layer", dense), ("moe_layer", cfg.moe_layers)):
+        if layers:
+            make(kind, export_layer, cfg, specs, layers[0], lay, inter, layers=layers,
+                 prefix=f"model.layers.{layers[0]}.")
+    make("head", export_head, cfg, specs, lay)
+    make("draft_fc", export_draft_fc, dcfg, specs, lay)
+    for kind, layers in _drafter_groups(dcfg).items():
+        make(kind, export_draft_layer, dcfg, specs, layers[0], lay, layers=layers,
+             prefix=f"drafter.layers.{layers[0]}.")
+    make("draft_head", export_draft_head, dcfg, specs, lay, k)
+    for B in sorted(set(budgets)):
+        make(f"tree_b{B}", export_tree, dcfg, lay, k, B)
+    make("accept", export_accept, lay)
+    return out
+
+
+def rank_specs(engine_dir, weight_files, rank: int = 0) -> dict[str, TensorSpec]:
+    """name -> TensorSpec of one rank's tensors, from its safetensors headers."""
+    specs = {}
+    for fname in weight_files:
+        f = SafetensorsFile(Path(engine_dir) / f"rank{rank}" / fname)
+        specs.update(f.entries)
+        f.close()
+    return specs
+
+
+def io_of(model: onnx.ModelProto) -> tuple[list[dict], list[dict]]:
+    """Graph inputs and outputs as [{"name", "dtype", "shape"}] (symbolic dims as their names)."""
+    def one(v):
+        t = v.type.tensor_type
+        shape = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+        return {"name": v.name, "dtype": onnx.TensorProto.DataType.Name(t.elem_type), "shape": shape}
+    return [one(v) for v in model.graph.input], [one(v) for v in model.graph.output]
+
+
+def write_graphs(out_dir, cfg, dcfg, plan: dict, specs: dict[str, TensorSpec], budgets, on_rank=None) -> dict:
+    """Export every rank's graphs (engine activation dtype) under out_dir/graphs; returns the index."""
+    root = Path(out_dir) / "graphs"
+    index = {"format": GRAPHS_FORMAT, "act": ENGINE_ACT, "opset": None, "dims": dim_ranges(cfg),
+             "kinds": {}, "ranks": []}
+    for r in range(plan["tp"]):
+        graphs = export_rank(cfg, dcfg, plan, r, specs, budgets)
+        (root / f"rank{r}").mkdir(parents=True, exist_ok=True)
+        files = {}
+        for kind, lg in graphs.items():
+            rel = f"graphs/rank{r}/{kind}.onnx"
+            onnx.save(lg.model, Path(out_dir) / rel)
+            files[kind] = rel
+            inputs, outputs = io_of(lg.model)
+            index["kinds"][kind] = {"layers": lg.layers, "weight_prefix": lg.weight_prefix,
+                                    "inputs": inputs, "outputs": outputs}
+            index["opset"] = lg.model.opset_import[0].version
+        index["ranks"].append(files)
+        if on_rank:
+            on_rank(r)
+    (root / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return index

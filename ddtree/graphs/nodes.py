@@ -1,0 +1,140 @@
+"""The `ddtree` custom-domain ONNX nodes: their typed attributes, inputs, outputs and in-place outputs.
+
+One table serves three consumers: the exporters (graphs/export_*.py) write these nodes, the numpy
+implementations (graphs/numpy_ops.py) run them under onnx.reference, and the TensorRT-RTX plugin
+creators (plugins/trt/) turn the attributes into plugin fields. The TensorRT ONNX parser maps a node
+to a plugin by op type = plugin name and domain = plugin namespace, and passes every attribute as a
+PluginField typed by the creator's declared fields: int -> INT32, float -> FLOAT32, str -> CHAR
+(NUL-terminated), ints -> INT32 array. So float attributes are float32 everywhere (ONNX stores them
+so, the kernels use them so), and the numpy implementations use exactly those float32 values.
+
+Every node carries `rank` and `world_size`. Letters: q new tokens, S cache capacity (tokens),
+W = ceil(q / 32) mask words, N_r heads on this rank, R kv_lora_rank, Dn/Dr/Dv nope/rope/value head
+dims, H hidden, E router experts, b drafter block, n new context tokens, D = b - 1 draft depths,
+k candidates per rank, V_r vocab ids on this rank, B tree budget, tp = world_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DOMAIN = "ddtree"
+PLUGIN_VERSION = "1"
+FIELD_KINDS = ("int", "float", "str", "ints")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    op: str
+    fields: dict[str, str]            # attribute name -> kind (FIELD_KINDS), in plugin-field order
+    inputs: tuple[str, ...]           # input names with shapes (documentation and arity)
+    outputs: tuple[str, ...]
+    aliases: dict[int, int]           # output index -> input index it updates in place (TensorRT aliasing)
+    kernel: str                       # the CUDA kernel the plugin launches, or the one it is missing
+    kernel_exists: bool
+
+    def check_attrs(self, attrs: dict, where: str) -> None:
+        """Every declared field present with a value of its kind, and nothing else."""
+        missing = [f for f in self.fields if f not in attrs]
+        extra = [a for a in attrs if a not in self.fields]
+        if missing or extra:
+            raise ValueError(f"{where}: ddtree::{self.op} attributes: missing {missing}, unexpected {extra}")
+        for name, kind in self.fields.items():
+            v = attrs[name]
+            ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": isinstance(v, float),
+                  "str": isinstance(v, str), "ints": isinstance(v, (list, tuple))
+                  and all(isinstance(x, int) for x in v)}[kind]
+            if not ok:
+                raise ValueError(f"{where}: ddtree::{self.op} attribute {name}={v!r} must be of kind {kind}")
+
+
+RANKS = {"rank": "int", "world_size": "int"}
+ROPE = {"rope_type": "str", "rope_theta": "float", "rope_factor": "float", "rope_original_max_position": "int",
+        "rope_beta_fast": "float", "rope_beta_slow": "float", "rope_mscale": "float", "rope_mscale_all_dim": "float"}
+
+NODES: dict[str, NodeSpec] = {s.op: s for s in (
+    NodeSpec(
+        "AllReduce", dict(RANKS),
+        inputs=("partial [q, H]",), outputs=("sum [q, H]",), aliases={},
+        kernel="cross-rank all-reduce (one-shot PCIe peer-to-peer or NCCL); only world_size 1 runs today",
+        kernel_exists=False),
+    NodeSpec(
+        "MlaTreeAttention",
+        {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_nope_head_dim": "int", "qk_rope_head_dim": "int",
+         "v_head_dim": "int", "softmax_scale": "float", **ROPE},
+        inputs=("q_nope [q, N_r, Dn]", "q_pe [q, N_r, Dr] (not yet roped)",
+                "kv_new [q, R + Dr]: normed c_kv then k_pe (not yet roped)", "kv_b_proj [N_r (Dn + Dv), R]",
+                "pos [q] int32", "cache [S, R + Dr]", "cache_len [1] int32 (T)", "tree_mask [q, W] int32 bits"),
+        outputs=("o [q, N_r Dv]", "cache_out [S, R + Dr]: entries T..T+q-1 written"), aliases={1: 5},
+        kernel="tree-masked MLA attention (ddtree/plugins/kernels/mla_tree.cu)", kernel_exists=False),
+    NodeSpec(
+        "MarlinMoE",
+        {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",
+         "expert_start": "int", "topk": "int", "n_group": "int", "topk_group": "int",
+         "routed_scaling_factor": "float", "group_size": "int"},
+        inputs=("x [q, H] (post-attention normed)", "router_logits [q, E] float32", "bias [E] float32",
+                "gate_up.words [E_r, ...] int32", "gate_up.scales [E_r, ...] bf16", "down.words [E_r, ...] int32",
+                "down.scales [E_r, ...] bf16", "shared [q, H] (shared expert output, added)"),
+        outputs=("y [q, H]",), aliases={},
+        kernel="fused W4A16 MoE (ddtree/plugins/kernels/moe.cu: moe_route, moe_gate_up, moe_down)",
+        kernel_exists=True),
+    NodeSpec(
+        "DraftAttention",
+        {**RANKS, "heads": "int", "kv_heads": "int", "head_dim": "int", "sliding_window": "int",
+         "attention_factor": "float", **ROPE},
+        inputs=("q [b, Hq_r, d] (q-normed, not yet roped)", "k [b, Hk_r, d] (k-normed, not yet roped)",
+                "v [b, Hk_r, d]", "ctx_k [n, Hk_r, d] (k-normed, not yet roped)", "ctx_v [n, Hk_r, d]",
+                "pos [b] int32", "cache_k [S, Hk_r, d]", "cache_v [S, Hk_r, d]", "cache_len [1] int32 (T)"),
+        outputs=("o [b, Hq_r d]", "cache_k_out [S, Hk_r, d]", "cache_v_out [S, Hk_r, d]"), aliases={1: 6, 2: 7},
+        kernel="DFlash draft attention (ddtree/plugins/kernels/draft_attention.cu)", kernel_exists=False),
+    NodeSpec(
+        "VocabWinner", {**RANKS, "vocab_start": "int", "vocab_size": "int"},
+        inputs=("logits [q, V_r]", "sample_pos [q] int32", "temperature [1] float32",
+                "seed [2] int32 (low word, high word)"),
+        outputs=("value [q]", "id [q] int32 (global id)"), aliases={},
+        kernel="vocab-parallel sampling winner (Philox + Gumbel argmax; ddtree/plugins/kernels/sample.cu)",
+        kernel_exists=False),
+    NodeSpec(
+        "VocabTopK", {**RANKS, "vocab_start": "int", "vocab_size": "int", "k": "int"},
+        inputs=("logits [D, V_r] float32",),
+        outputs=("values [D, k] float32 (raw logits)", "ids [D, k] int32 (global)", "row_max [D] float32",
+                 "row_sumexp [D] float32 (sum of exp(x - row_max))"), aliases={},
+        kernel="vocab-parallel top-k with log-sum-exp parts (ddtree/plugins/kernels/sample.cu)",
+        kernel_exists=False),
+    NodeSpec(
+        "TreeBuild", {**RANKS, "budget": "int"},
+        inputs=("root [1] int32", "values [tp, D, k] float32", "ids [tp, D, k] int32", "row_max [tp, D] float32",
+                "row_sumexp [tp, D] float32"),
+        outputs=("tokens [B + 1] int32", "parents [B + 1] int32", "depth [B + 1] int32",
+                 "visibility [B + 1, ceil((B + 1) / 32)] int32 bits"), aliases={},
+        kernel="GPU best-first tree build (ddtree/plugins/kernels/tree_build.cu)", kernel_exists=False),
+    NodeSpec(
+        "AcceptWalk", dict(RANKS),
+        inputs=("tokens [n] int32", "parents [n] int32", "win_value [tp, n]", "win_id [tp, n] int32"),
+        outputs=("target_tokens [n] int32", "accepted [n] int32 (node indices, -1 after the path)",
+                 "accepted_count [1] int32", "bonus [1] int32"), aliases={},
+        kernel="GPU acceptance walk (ddtree/plugins/kernels/tree_build.cu)", kernel_exists=False),
+)}
+
+
+def node_spec(op: str) -> NodeSpec:
+    if op not in NODES:
+        raise KeyError(f"ddtree::{op} is not a ddtree node (known: {', '.join(NODES)})")
+    return NODES[op]
+
+
+def rope_attrs(rope) -> dict:
+    """A RopeConfig as node attributes (floats are stored as float32 by ONNX)."""
+    return {"rope_type": rope.type, "rope_theta": float(rope.theta), "rope_factor": float(rope.factor),
+            "rope_original_max_position": int(rope.original_max_position_embeddings),
+            "rope_beta_fast": float(rope.beta_fast), "rope_beta_slow": float(rope.beta_slow),
+            "rope_mscale": float(rope.mscale), "rope_mscale_all_dim": float(rope.mscale_all_dim)}
+
+
+def rope_config(attrs: dict):
+    """Node attributes -> RopeConfig (the numpy ops' view of the float32 attribute values)."""
+    from ddtree.model.config import RopeConfig
+    return RopeConfig(theta=float(attrs["rope_theta"]), type=str(attrs["rope_type"]),
+                      factor=float(attrs["rope_factor"]),
+                      original_max_position_embeddings=int(attrs["rope_original_max_position"]),
+                      beta_fast=float(attrs["rope_beta_fast"]), beta_slow=float(attrs["rope_beta_slow"]),
+                      mscale=float(attrs["rope_mscale"]), mscale_all_dim=float(attrs["rope_mscale_all_dim"]))

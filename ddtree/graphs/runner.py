@@ -1,0 +1,237 @@
+"""Run an engine's per-rank graphs on CPU with onnx.reference: one thread per rank, AllReduce nodes
+meeting in a RankGroup (graphs/numpy_ops.py), weights fed from the engine's rank<r>/*.safetensors.
+
+    ranks = GraphRanks.from_engine(engine_dir, act="float64")   # graphs exported in memory at float64
+    ranks = GraphRanks.from_engine(engine_dir)                  # the engine's own graphs/ (bfloat16)
+    caches = ranks.new_target_caches(capacity)
+    out = ranks.target_forward(ids, pos, tree_mask, caches, taps=(1, 2))   # logits, taps, winners
+    d = ranks.drafter_forward(block_ids, pos, ctx_taps, ranks.new_drafter_caches(capacity))
+    tree = ranks.tree_build(root, d.candidates, budget);  walk = ranks.accept(tree, out.winners)
+
+Every rank computes the replicated parts (norms, latent cache, tree build, walk) itself, exactly as
+the GPU ranks will; the runner returns rank 0's copy after checking the ranks agree where they must.
+The all-gathers between graphs (vocab-split logits for the caller, draft candidates, sampling
+winners) are stacks of the ranks' outputs.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx.reference import ReferenceEvaluator
+
+from ddtree.graphs.export import LayerGraph, export_rank, layer_weight_name, rank_specs
+from ddtree.graphs.numpy_ops import RankGroup, ops_for
+from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.model.safetensors_io import SafetensorsFile
+from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
+
+ACT_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+
+
+def load_stored_weights(engine_dir, rank: int, files) -> dict[str, np.ndarray]:
+    """rank<r>/*.safetensors as the graphs take them: BF16 as ml_dtypes.bfloat16, others as stored."""
+    out = {}
+    for fname in files:
+        path = Path(engine_dir) / f"rank{rank}" / fname
+        if not path.is_file():
+            raise EngineFormatError(f"{path}: weight file listed in config.json is missing")
+        f = SafetensorsFile(path)
+        try:
+            for name, spec in f.entries.items():
+                a = f.read(name)
+                out[name] = a.view(ml_dtypes.bfloat16) if spec.dtype == "BF16" else a
+        finally:
+            f.close()
+    return out
+
+
+def mask_words(visible_new: np.ndarray) -> np.ndarray:
+    """[q, q] bool visibility among the new tokens -> tree_mask [q, ceil(q/32)] int32 bits."""
+    from ddtree.tree.build import pack_visibility
+    return pack_visibility(np.asarray(visible_new, dtype=bool)).view(np.int32)
+
+
+@dataclass
+class TargetCaches:
+    layers: list[list[np.ndarray]]          # [rank][layer] -> [S, R + Dr]
+    length: int = 0
+
+
+@dataclass
+class DraftCaches:
+    k: list[list[np.ndarray]]               # [rank][layer] -> [S, Hk_r, d]
+    v: list[list[np.ndarray]]
+    length: int = 0
+
+
+@dataclass
+class TargetOut:
+    logits: np.ndarray                      # [q, V] the ranks' slices side by side
+    taps: dict[int, np.ndarray]             # layer -> h [q, H]
+    winners: tuple[np.ndarray, np.ndarray]  # (value [tp, q], id [tp, q]): each rank's sampling winner
+
+
+@dataclass
+class DraftOut:
+    logits: np.ndarray                      # [D, V]
+    candidates: dict[str, np.ndarray]       # topk_values/topk_ids [tp, D, k], row_max/row_sumexp [tp, D]
+
+
+class GraphRanks:
+    def __init__(self, cfg: KimiConfig, dcfg: DrafterConfig, graphs: list[dict[str, LayerGraph]],
+                 weights: list[dict[str, np.ndarray]], act: str):
+        self.cfg, self.dcfg, self.graphs, self.weights, self.act = cfg, dcfg, graphs, weights, act
+        self.tp = len(graphs)
+        self.group = RankGroup(self.tp) if self.tp > 1 else None
+        ops = ops_for(self.group)
+        self.evaluators = [{kind: ReferenceEvaluator(lg.model, new_ops=ops) for kind, lg in g.items()} for g in graphs]
+        self.pool = ThreadPoolExecutor(self.tp) if self.tp > 1 else None
+        self.layer_kind = {L: kind for kind, lg in graphs[0].items() if lg.weight_prefix for L in lg.layers
+                           if kind in ("dense_layer", "moe_layer")}
+        self.draft_kind = {L: kind for kind, lg in graphs[0].items() if kind.startswith("draft_layer")
+                           for L in lg.layers}
+
+    @classmethod
+    def from_engine(cls, engine_dir, act: str | None = None) -> "GraphRanks":
+        """act None: the engine's graphs/ as written; else every graph exported now at `act`."""
+        meta = read_engine_config(engine_dir)
+        cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
+        tp, files = int(meta["tp"]), meta["weight_files"]
+        if act is None:
+            graphs = load_graphs(engine_dir)
+            act = json.loads((Path(engine_dir) / "graphs" / "index.json").read_text())["act"]
+        else:
+            specs = rank_specs(engine_dir, files)
+            graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in range(tp)]
+        weights = [load_stored_weights(engine_dir, r, files) for r in range(tp)]
+        return cls(cfg, dcfg, graphs, weights, act)
+
+    # running ---------------------------------------------------------------------------------------
+    def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
+        """Run graph `kind` on every rank (feeds: one dict for all ranks or one per rank); bind layer
+        `layer`'s weights to the graph's weight inputs. Returns each rank's {output name: array}."""
+        per_rank = feeds if isinstance(feeds, list) else [feeds] * self.tp
+
+        def one(r: int) -> dict[str, np.ndarray]:
+            try:
+                lg, ev = self.graphs[r][kind], self.evaluators[r][kind]
+                inputs = dict(per_rank[r])
+                for name in ev.input_names:
+                    if name not in inputs:
+                        inputs[name] = self._weight(r, layer_weight_name(name, lg.weight_prefix, layer), kind)
+                return dict(zip(ev.output_names, ev.run(None, inputs)))
+            except BaseException:
+                if self.group is not None:
+                    self.group.abort()
+                raise
+
+        if self.pool is None:
+            return [one(0)]
+        try:
+            return list(self.pool.map(one, range(self.tp)))
+        finally:
+            if self.group.barrier.broken:
+                self.group.barrier.reset()
+
+    def _weight(self, rank: int, name: str, kind: str) -> np.ndarray:
+        if name not in self.weights[rank]:
+            raise KeyError(f"graph {kind} (rank {rank}): input '{name}' is neither fed nor a tensor of "
+                           f"rank{rank}/*.safetensors")
+        return self.weights[rank][name]
+
+    def _act(self, a) -> np.ndarray:
+        return np.asarray(a).astype(ACT_NUMPY[self.act])
+
+    def _same(self, outs: list[dict], name: str) -> np.ndarray:
+        """A replicated output: equal on every rank (bitwise), returned once."""
+        first = outs[0][name]
+        for r, o in enumerate(outs[1:], 1):
+            if not np.array_equal(o[name], first):
+                raise AssertionError(f"replicated output '{name}' differs between rank 0 and rank {r}")
+        return first
+
+    # caches ----------------------------------------------------------------------------------------
+    def new_target_caches(self, capacity: int) -> TargetCaches:
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        return TargetCaches([[self._act(np.zeros((capacity, width))) for _ in range(self.cfg.num_hidden_layers)]
+                             for _ in range(self.tp)])
+
+    def new_drafter_caches(self, capacity: int) -> DraftCaches:
+        d = self.dcfg
+        shape = (capacity, d.num_key_value_heads // self.tp, d.head_dim)
+        zeros = lambda: [[self._act(np.zeros(shape)) for _ in range(d.num_hidden_layers)] for _ in range(self.tp)]  # noqa: E731
+        return DraftCaches(zeros(), zeros())
+
+    # the model, graph by graph -----------------------------------------------------------------------
+    def target_forward(self, ids, pos, tree_mask, caches: TargetCaches, taps=(), temperature: float = 0.0,
+                       seed: int = 0) -> TargetOut:
+        """ids [q], pos [q], tree_mask [q, W] int32 bits among the new tokens (the cache prefix is all
+        visible) -> logits, taps, per-rank sampling winners at positions pos + 1."""
+        T = caches.length
+        h = [o["h"] for o in self.run("embed", {"ids": np.asarray(ids, np.int32)})]
+        common = {"pos": np.asarray(pos, np.int32), "cache_len": np.array([T], np.int32),
+                  "tree_mask": np.asarray(tree_mask, np.int32)}
+        tapped = {}
+        for L in range(self.cfg.num_hidden_layers):
+            outs = self.run(self.layer_kind[L], [{**common, "h": h[r], "cache": caches.layers[r][L]}
+                                                 for r in range(self.tp)], layer=L)
+            h = [o["h_out"] for o in outs]
+            for r, o in enumerate(outs):
+                caches.layers[r][L] = o["cache_out"]
+            if L in taps:
+                tapped[L] = self._same(outs, "h_out")
+        caches.length = T + len(h[0])
+        outs = self.run("head", [{"h": h[r], "sample_pos": np.asarray(pos, np.int32) + 1,
+                                  "temperature": np.array([temperature], np.float32),
+                                  "seed": np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32)}
+                                 for r in range(self.tp)])
+        logits = np.concatenate([o["logits"] for o in outs], axis=1)
+        winners = (np.stack([o["win_value"] for o in outs]), np.stack([o["win_id"] for o in outs]))
+        return TargetOut(logits, tapped, winners)
+
+    def drafter_forward(self, block_ids, pos, ctx_taps, caches: DraftCaches) -> DraftOut:
+        """block_ids [b], pos [b], ctx_taps [n, K H] of the tokens committed since the last call."""
+        T = caches.length
+        ctx = [o["ctx"] for o in self.run("draft_fc", {"ctx_taps": self._act(ctx_taps)})]
+        h = [o["h"] for o in self.run("embed", {"ids": np.asarray(block_ids, np.int32)})]
+        common = {"pos": np.asarray(pos, np.int32), "cache_len": np.array([T], np.int32)}
+        for L in range(self.dcfg.num_hidden_layers):
+            outs = self.run(self.draft_kind[L], [{**common, "h": h[r], "ctx": ctx[r], "cache_k": caches.k[r][L],
+                                                  "cache_v": caches.v[r][L]} for r in range(self.tp)], layer=L)
+            h = [o["h_out"] for o in outs]
+            for r, o in enumerate(outs):
+                caches.k[r][L], caches.v[r][L] = o["cache_k_out"], o["cache_v_out"]
+        caches.length = T + len(ctx_taps)
+        outs = self.run("draft_head", [{"h": h[r]} for r in range(self.tp)])
+        cands = {k: np.stack([o[k] for o in outs]) for k in ("topk_values", "topk_ids", "row_max", "row_sumexp")}
+        return DraftOut(np.concatenate([o["logits"] for o in outs], axis=1), cands)
+
+    def tree_build(self, root: int, candidates: dict, budget: int) -> dict[str, np.ndarray]:
+        outs = self.run(f"tree_b{budget}", {"root": np.array([root], np.int32), **candidates})
+        return {k: self._same(outs, k) for k in ("tokens", "parents", "depth", "visibility")}
+
+    def accept(self, tokens, parents, winners) -> dict[str, np.ndarray]:
+        outs = self.run("accept", {"tokens": np.asarray(tokens, np.int32), "parents": np.asarray(parents, np.int32),
+                                   "win_value": winners[0], "win_id": winners[1]})
+        return {k: self._same(outs, k) for k in ("target_tokens", "accepted", "accepted_count", "bonus")}
+
+
+def load_graphs(engine_dir) -> list[dict[str, LayerGraph]]:
+    """The engine's graphs/rank<r>/*.onnx with their index entries."""
+    root = Path(engine_dir) / "graphs"
+    index_path = root / "index.json"
+    if not index_path.is_file():
+        raise EngineFormatError(f"{index_path}: missing (build the engine with graphs: ddtree-build without "
+                                "--no-graphs)")
+    index = json.loads(index_path.read_text())
+    out = []
+    for files in index["ranks"]:
+        out.append({kind: LayerGraph(kind, onnx.load(Path(engine_dir) / rel), index["kinds"][kind]["layers"],
+                                     index["kinds"][kind]["weight_prefix"]) for kind, rel in files.items()})
+    return out

@@ -1,0 +1,163 @@
+"""Python IPluginV3 plugins and IPluginCreatorV3One creators for every `ddtree` node (graphs/nodes.py).
+
+One generic plugin class is parameterised by a NodeSpec: its fields are the node's attributes
+(plugins/trt/fields.py), its output dtypes and symbolic shapes follow the rules below, outputs that
+update an input in place (caches) are aliased through IPluginV3OneBuildV2 (the builder must enable
+PreviewFeature.ALIASED_PLUGIN_IO_10_03), and enqueue runs plugins/trt/kernels.py. Creators register
+under namespace "ddtree" (= the nodes' ONNX domain), plugin name = op type, version "1".
+
+Building a plan calls create_plugin(BUILD), the shape/type/format methods, configure_plugin and
+get_fields_to_serialize; running one calls create_plugin(RUNTIME) with the stored fields, then
+attach_to_context, on_shape_change and enqueue (tensorrt-rtx.md 3.2-3.3). Register the creators
+(`register_creators()`) in any process that builds or deserialises ddtree plans.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.graphs.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
+from ddtree.plugins.trt import kernels
+from ddtree.plugins.trt.fields import attrs_from_fields, field_arrays
+from ddtree.plugins.trt.loader import import_trt
+
+trt = import_trt()
+
+FIELD_TYPES = {"int": trt.PluginFieldType.INT32, "float": trt.PluginFieldType.FLOAT32,
+               "str": trt.PluginFieldType.CHAR, "ints": trt.PluginFieldType.INT32}
+DTYPE_NAMES = {trt.DataType.BF16: "bfloat16", trt.DataType.FLOAT: "float32", trt.DataType.INT32: "int32"}
+I32, F32 = trt.DataType.INT32, trt.DataType.FLOAT
+
+
+def output_types(op: str, t: list) -> list:
+    """Output dtypes from input dtypes (input indices as in NodeSpec.inputs)."""
+    return {"AllReduce": lambda: [t[0]], "MlaTreeAttention": lambda: [t[0], t[5]], "MarlinMoE": lambda: [t[0]],
+            "DraftAttention": lambda: [t[0], t[6], t[7]], "VocabWinner": lambda: [t[0], I32],
+            "VocabTopK": lambda: [F32, I32, F32, F32], "TreeBuild": lambda: [I32] * 4,
+            "AcceptWalk": lambda: [I32] * 4}[op]()
+
+
+def _dims(*exprs):
+    d = trt.DimsExprs(len(exprs))
+    for i, e in enumerate(exprs):
+        d[i] = e
+    return d
+
+
+def output_shapes(op: str, a: dict, inputs: list, eb) -> list:
+    """Symbolic output shapes (DimsExprs) from the input shapes and the attributes."""
+    c = eb.constant
+    if op == "AllReduce" or op == "MarlinMoE":
+        return [trt.DimsExprs(inputs[0])]
+    if op == "MlaTreeAttention":
+        return [_dims(inputs[0][0], c(a["heads"] * a["v_head_dim"])), trt.DimsExprs(inputs[5])]
+    if op == "DraftAttention":
+        return [_dims(inputs[0][0], c(a["heads"] * a["head_dim"])), trt.DimsExprs(inputs[6]),
+                trt.DimsExprs(inputs[7])]
+    if op == "VocabWinner":
+        return [_dims(inputs[0][0]), _dims(inputs[0][0])]
+    if op == "VocabTopK":
+        rows = inputs[0][0]
+        return [_dims(rows, c(a["k"])), _dims(rows, c(a["k"])), _dims(rows), _dims(rows)]
+    if op == "TreeBuild":
+        n = a["budget"] + 1
+        return [_dims(c(n)), _dims(c(n)), _dims(c(n)), _dims(c(n), c(-(-n // 32)))]
+    if op == "AcceptWalk":
+        n = inputs[0][0]
+        return [_dims(n), _dims(n), _dims(c(1)), _dims(c(1))]
+    raise KeyError(op)
+
+
+class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime):
+    def __init__(self, spec: NodeSpec, attrs: dict, phase=None):
+        trt.IPluginV3.__init__(self)
+        trt.IPluginV3OneCore.__init__(self)
+        trt.IPluginV3OneBuildV2.__init__(self)
+        trt.IPluginV3OneRuntime.__init__(self)
+        self.spec, self.attrs, self.phase = spec, dict(attrs), phase
+        self.num_outputs = len(spec.outputs)
+        self.plugin_namespace = DOMAIN
+        self.plugin_name = spec.op
+        self.plugin_version = PLUGIN_VERSION
+        self.timing_cache_id = ""
+        self.state: dict = {}                       # runtime: the kernel launcher and its workspaces
+
+    # core / build ----------------------------------------------------------------------------------
+    def get_capability_interface(self, capability_type):
+        return self
+
+    def get_output_data_types(self, input_types):
+        return output_types(self.spec.op, list(input_types))
+
+    def get_output_shapes(self, inputs, shape_inputs, expr_builder):
+        return output_shapes(self.spec.op, self.attrs, list(inputs), expr_builder)
+
+    def get_aliased_input(self, output_index: int) -> int:
+        return self.spec.aliases.get(output_index, -1)
+
+    def supports_format_combination(self, pos, in_out, num_inputs):
+        return in_out[pos].desc.format == trt.TensorFormat.LINEAR
+
+    def configure_plugin(self, inputs, outputs):
+        pass
+
+    def get_workspace_size(self, inputs, outputs):
+        return 0
+
+    def get_valid_tactics(self):
+        return []
+
+    def set_tactic(self, tactic):
+        pass
+
+    def get_fields_to_serialize(self):
+        return trt.PluginFieldCollection([trt.PluginField(name, arr, FIELD_TYPES[kind])
+                                          for name, arr, kind in field_arrays(self.spec, self.attrs)])
+
+    def clone(self):
+        return DdtreePlugin(self.spec, self.attrs, self.phase)
+
+    # runtime ---------------------------------------------------------------------------------------
+    def attach_to_context(self, context):
+        return self.clone()
+
+    def on_shape_change(self, inputs, outputs):
+        pass
+
+    def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+        dims = [tuple(d.dims) for d in input_desc]
+        types = [DTYPE_NAMES.get(d.type, str(d.type)) for d in input_desc]
+        kernels.run_node(self.spec, self.attrs, self.state, dims, types, [int(p) for p in inputs],
+                         [int(p) for p in outputs], int(stream))
+
+
+class DdtreeCreator(trt.IPluginCreatorV3One):
+    def __init__(self, spec: NodeSpec):
+        trt.IPluginCreatorV3One.__init__(self)
+        self.spec = spec
+        self.name = spec.op
+        self.plugin_namespace = DOMAIN
+        self.plugin_version = PLUGIN_VERSION
+        self.field_names = trt.PluginFieldCollection([
+            trt.PluginField(name, np.array([], dtype=np.int8 if kind == "str" else
+                                          np.float32 if kind == "float" else np.int32), FIELD_TYPES[kind])
+            for name, kind in spec.fields.items()])
+
+    def create_plugin(self, name, field_collection, phase):
+        fields = [(f.name, np.array(f.data, copy=True)) for f in field_collection]
+        attrs = attrs_from_fields(self.spec, fields, f"ddtree::{self.spec.op} plugin {name!r}")
+        return DdtreePlugin(self.spec, attrs, phase)
+
+
+_CREATORS: dict[str, DdtreeCreator] = {}
+
+
+def register_creators() -> dict[str, DdtreeCreator]:
+    """Register one creator per ddtree node with TensorRT's plugin registry (once per process)."""
+    registry = trt.get_plugin_registry()
+    for op, spec in NODES.items():
+        if op not in _CREATORS:
+            creator = DdtreeCreator(spec)
+            if not registry.register_creator(creator, DOMAIN):
+                raise RuntimeError(f"TensorRT refused to register the ddtree::{op} plugin creator")
+            _CREATORS[op] = creator
+    return _CREATORS
