@@ -27,7 +27,7 @@ def gpu_available() -> bool:
 
 @functools.cache
 def trt_available() -> bool:
-    return importlib.util.find_spec("tensorrt_rtx") is not None
+    return importlib.util.find_spec("tensorrt_rtx_bindings") is not None   # the tensorrt-rtx-cu13-bindings wheel
 
 
 def pytest_collection_modifyitems(config, items):

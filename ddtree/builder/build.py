@@ -5,6 +5,8 @@
     kernels   cubins for every --arch (plugins/compile.py, cached across builds)
     weights   rank<r>/*.safetensors streamed tensor by tensor (builder/weights.py)
     config    config.json and the tokenizer files
+    graphs    per-rank ONNX graphs of every layer kind (graphs/; skipped with graphs=False)
+    plans     with trt=True: SM120 TensorRT-RTX plans rank<r>/<kind>.plan + plans.json (builder/trt_build.py)
     manifest  size + sha256 of every file
 The engine is built in a hidden folder next to --out and renamed into place only when complete.
 With jobs > 1 the expert repacking runs in worker processes (builder/experts.py).
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ddtree.builder import engine_dir as ed
+from ddtree.builder import trt_build
 from ddtree.builder.manifest import write_manifest
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_bytes, source_bytes, write_rank_weights
@@ -67,9 +70,11 @@ def peak_rss_bytes() -> int:
 
 
 def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BUDGETS, force: bool = False,
-                 experts: str = "tp", kernel_cache=None, ui=None, jobs: int = 1) -> dict:
+                 experts: str = "tp", kernel_cache=None, ui=None, jobs: int = 1, graphs: bool = True,
+                 trt: bool = False) -> dict:
     """Build the engine at `out`; returns a summary (engine path, sizes, per-stage seconds).
-    `jobs` worker processes repack the routed experts (1: all in this process)."""
+    `jobs` worker processes repack the routed experts (1: all in this process). `graphs` exports the
+    per-rank ONNX graphs (graphs/); `trt` also builds the SM120 TensorRT-RTX plans (builder/trt_build.py)."""
     ui = ui or Quiet()
     if jobs < 1:
         raise ed.BuildError(f"--jobs {jobs}: must be >= 1")
@@ -93,6 +98,10 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         plan = make_plan(ckpt.config, dckpt.config, tp, experts)
         tok_files = ed.tokenizer_files(Path(model_dir), ckpt.config)
         nvrtc = ed.require_nvrtc()
+        if graphs or trt:
+            trt_build.require_graphs()
+        if trt:
+            trt_build.require_trt()
         weights_bytes = tp * rank_bytes(plan)
         need = (weights_bytes + len(archs) * ed.KERNEL_BYTES_ESTIMATE
                 + sum(f.stat().st_size for f in tok_files) + (1 << 20))
@@ -109,6 +118,12 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
                        "nvrtc": nvrtc}
             ed.write_engine_config(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), archs, budgets, files,
                                    kernels, tok, sources)
+        if graphs or trt:
+            with stage("graphs", tp) as advance:
+                trt_build.export_graphs(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), files, budgets, advance)
+        if trt:
+            with stage("plans") as advance:
+                plans = trt_build.build_plans(stage_dir, on_plan=lambda name: advance(1))
         with stage("manifest", None):
             manifest = write_manifest(stage_dir)
         ed.move_into_place(stage_dir, out)
@@ -121,4 +136,5 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
     total = sum(f["size"] for f in manifest["files"].values())
     return {"engine": str(out), "tp": tp, "experts": experts, "archs": archs, "budgets": budgets,
             "files": len(manifest["files"]) + 1, "bytes": total, "weights_bytes": weights_bytes,
-            "stages": stages, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}
+            "stages": stages, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
+            "plans": len(plans["plans"]) if trt else 0}

@@ -1,10 +1,11 @@
 """`ddtree-build` (also `ddtree build`): checkpoint + DFlash drafter -> engine directory.
 
     ddtree-build --model DIR --drafter DIR --tp N --arch sm_120 [--arch sm_90] --out engines/NAME
-                 [--budgets 16,32,64] [--experts tp|ep] [--jobs N] [--force] [--json]
+                 [--budgets 16,32,64] [--experts tp|ep] [--jobs N] [--trt | --no-graphs] [--force] [--json]
 Progress (one line per stage with its elapsed time) goes to stderr; --json prints one summary
 object on stdout: {"engine", "tp", "experts", "archs", "budgets", "files", "bytes", "weights_bytes",
-"stages": {stage: seconds}, "peak_rss_mb"}.
+"stages": {stage: seconds}, "peak_rss_mb", "plans"}. --trt adds SM120 TensorRT-RTX plans
+(rank<r>/<kind>.plan, plans.json); without the 'trt' extra it fails naming what to install.
 """
 from __future__ import annotations
 
@@ -72,18 +73,23 @@ def parse_budgets(text: str) -> list[int]:
               help="Routed experts: tp = split each expert's intermediate dim; ep = whole experts per rank.")
 @click.option("--jobs", type=int, default=1, show_default=True,
               help="Worker processes for repacking the INT4 experts (each holds a few experts in memory).")
+@click.option("--trt", is_flag=True,
+              help="Also build SM120 TensorRT-RTX plans per rank and layer kind (needs the 'trt' extra).")
+@click.option("--no-graphs", is_flag=True, help="Skip the per-rank ONNX graphs (graphs/); not with --trt.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory at --out.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
-def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs, force, as_json):
+def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs, trt, no_graphs, force, as_json):
     """Build an engine directory from a Kimi K2.x checkpoint and a DFlash drafter."""
     console = Console(stderr=True)
     ui = RichStages(console)
     console.print(f"ddtree-build: {model_dir} + {drafter_dir} -> {out} (tp {tp}, experts {experts}, "
                   f"archs {', '.join(archs)})")
+    if trt and no_graphs:
+        raise click.UsageError("--trt builds its plans from the graphs; drop --no-graphs")
     try:
         with ui.progress:
             summary = build_engine(model_dir, drafter_dir, tp, archs, out, parse_budgets(budgets), force, experts,
-                                   ui=ui, jobs=jobs)
+                                   ui=ui, jobs=jobs, graphs=not no_graphs, trt=trt)
     except ERRORS as e:
         raise click.ClickException(str(e))
     console.print(f"engine {summary['engine']}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "

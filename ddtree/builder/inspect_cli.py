@@ -4,7 +4,8 @@ Prints the layout (model, drafter, tp, expert placement, archs and kernels, budg
 size of each rank and of the kernels, then re-hashes every file against manifest.json. Any missing,
 unlisted, resized or altered file is named and the command exits 1. --json prints one object:
 {"engine", "format", "ok", "problems", "tp", "experts", "archs", "budgets", "block_size", "model",
- "drafter", "ranks": [{"name", "files", "bytes"}], "kernels": {arch: {file: bytes}}, "files", "bytes"}.
+ "drafter", "ranks": [{"name", "files", "bytes"}], "kernels": {arch: {file: bytes}}, "files", "bytes",
+ "plans": plans.json (TensorRT-RTX plans with every input and output) or null}.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import click
 from rich.console import Console
 
 from ddtree.builder.manifest import engine_files, verify_manifest
+from ddtree.builder.trt_build import describe_plans, plan_lines
 from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
 from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
 
@@ -55,6 +57,7 @@ def inspect_command(engine, as_json):
     err = Console(stderr=True, highlight=False)
     try:
         info = describe(engine)
+        info["plans"] = describe_plans(engine)
         problems = verify_manifest(engine)
     except (EngineFormatError, ConfigError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))
@@ -72,6 +75,8 @@ def inspect_command(engine, as_json):
     for arch, cubins in info["kernels"].items():
         err.print(f"  kernels/{arch}: {', '.join(Path(f).name for f in cubins) or 'none'} "
                   f"({_mib(sum(cubins.values()))})")
+    for line in plan_lines(info["plans"]):
+        err.print(line, markup=False)
     if problems:
         for p in problems:
             err.print(f"  [red]BAD[/red] {p}")

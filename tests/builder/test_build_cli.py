@@ -11,7 +11,7 @@ from ddtree.builder import engine_dir as ed
 from ddtree.cli import main
 from ddtree.runtime.engine_format import ENGINE_FORMAT
 
-STAGES = {"check", "kernels", "weights", "config", "manifest"}
+STAGES = {"check", "kernels", "weights", "config", "graphs", "manifest"}
 
 
 def invoke(*args):
