@@ -16,6 +16,7 @@ winners) are stacks of the ranks' outputs.
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +134,14 @@ class GraphRanks:
 
         if self.pool is None:
             return [one(0)]
-        try:
-            return list(self.pool.map(one, range(self.tp)))
-        finally:
-            if self.group.barrier.broken:
-                self.group.barrier.reset()
+        futures = [self.pool.submit(one, r) for r in range(self.tp)]
+        errors = [f.exception() for f in futures]
+        if any(errors):
+            self.group.barrier.reset()
+            # the rank that failed first, not the ones its abort released
+            raise next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)),
+                       next(e for e in errors if e))
+        return [f.result() for f in futures]
 
     def _weight(self, rank: int, name: str, kind: str) -> np.ndarray:
         if name not in self.weights[rank]:

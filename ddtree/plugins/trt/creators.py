@@ -110,8 +110,12 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
         pass
 
     def get_fields_to_serialize(self):
-        return trt.PluginFieldCollection([trt.PluginField(name, arr, FIELD_TYPES[kind])
-                                          for name, arr, kind in field_arrays(self.spec, self.attrs)])
+        # a PluginField points at its array's buffer without holding it: keep the arrays (and the
+        # collection) alive on the plugin, or TensorRT serialises freed memory
+        self._field_arrays = field_arrays(self.spec, self.attrs)
+        self._fields = trt.PluginFieldCollection([trt.PluginField(name, arr, FIELD_TYPES[kind])
+                                                  for name, arr, kind in self._field_arrays])
+        return self._fields
 
     def clone(self):
         return DdtreePlugin(self.spec, self.attrs, self.phase)
@@ -137,10 +141,10 @@ class DdtreeCreator(trt.IPluginCreatorV3One):
         self.name = spec.op
         self.plugin_namespace = DOMAIN
         self.plugin_version = PLUGIN_VERSION
-        self.field_names = trt.PluginFieldCollection([
-            trt.PluginField(name, np.array([], dtype=np.int8 if kind == "str" else
-                                          np.float32 if kind == "float" else np.int32), FIELD_TYPES[kind])
-            for name, kind in spec.fields.items()])
+        self._empty = {name: np.array([], dtype=np.int8 if kind == "str" else np.float32 if kind == "float"
+                                      else np.int32) for name, kind in spec.fields.items()}   # kept alive, as above
+        self.field_names = trt.PluginFieldCollection([trt.PluginField(name, self._empty[name], FIELD_TYPES[kind])
+                                                      for name, kind in spec.fields.items()])
 
     def create_plugin(self, name, field_collection, phase):
         fields = [(f.name, np.array(f.data, copy=True)) for f in field_collection]

@@ -1,0 +1,74 @@
+"""Fixtures of the graph tests: tiny synthetic checkpoints (the real formats), engines built from them
+(each with its graphs/ folder), and the float64 reference oracles."""
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddtree.builder.build import build_engine
+from ddtree.model.checkpoint import Checkpoint
+from ddtree.model.synthetic import synth
+from ddtree.reference.drafter import Drafter
+from ddtree.reference.model import Target
+from ddtree.reference.weights import load_dense_weights
+
+PRESET_SEEDS = {"tiny": 21, "tiny-grouped": 5}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graphs_kernel_cache(tmp_path_factory):
+    """Engines compile their cubins once per session, into a temporary cache."""
+    old = os.environ.get("DDTREE_KERNEL_CACHE")
+    os.environ["DDTREE_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("graph-cubins"))
+    yield
+    if old is None:
+        os.environ.pop("DDTREE_KERNEL_CACHE", None)
+    else:
+        os.environ["DDTREE_KERNEL_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset) -> (target dir, drafter dir), written once per session."""
+    made = {}
+
+    def get(preset: str):
+        if preset not in made:
+            made[preset] = synth(tmp_path_factory.mktemp(f"ckpt-{preset}"), preset, seed=PRESET_SEEDS[preset])
+        return made[preset]
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoint, tmp_path_factory):
+    """engine(preset, tp, experts) -> engine dir with graphs/ (built once per session)."""
+    root = tmp_path_factory.mktemp("graph-engines")
+    built = {}
+
+    def get(preset: str, tp: int, experts: str = "tp"):
+        key = (preset, tp, experts)
+        if key not in built:
+            out = root / f"{preset}-tp{tp}-{experts}"
+            built[key] = Path(build_engine(*checkpoint(preset), tp, ["sm_120"], out, experts=experts)["engine"])
+        return built[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def oracles(checkpoint):
+    """oracles(preset) -> (target, target with the graphs' float32 constants, drafter), float64."""
+    made = {}
+
+    def get(preset: str):
+        if preset not in made:
+            tdir, ddir = checkpoint(preset)
+            ckpt = Checkpoint(tdir)
+            target = Target(ckpt.config, load_dense_weights(ckpt, np.float64))
+            cfg32 = replace(ckpt.config, routed_scaling_factor=float(np.float32(ckpt.config.routed_scaling_factor)))
+            target32 = Target(cfg32, load_dense_weights(ckpt, np.float64))
+            target32.mla.scale = float(np.float32(target32.mla.scale))     # the MlaTreeAttention attribute
+            made[preset] = (target, target32, Drafter.from_checkpoint(ddir, target))
+        return made[preset]
+    return get

@@ -1,0 +1,124 @@
+"""The pieces around the graphs: the cross-rank AllReduce, weight binding by layer, node attribute
+checks, plugin fields, the plugins' enqueue where a kernel is missing, the TensorRT-RTX parser
+link and the error of --trt without the wheels. None of it needs TensorRT."""
+import sys
+import threading
+
+import numpy as np
+import onnx
+import pytest
+
+from ddtree.builder.build import build_engine
+from ddtree.builder.engine_dir import BuildError
+from ddtree.graphs.export import layer_weight_name
+from ddtree.graphs.nodes import NODES, node_spec
+from ddtree.graphs.numpy_ops import RankGroup
+from ddtree.graphs.onnx_graph import GraphBuilder
+from ddtree.graphs.runner import GraphRanks
+from ddtree.plugins.trt.fields import attrs_from_fields, field_arrays, node_attrs
+from ddtree.plugins.trt.kernels import MissingKernelError, run_node
+from ddtree.plugins.trt.loader import TrtUnavailable, ensure_parser_link
+
+
+def test_rank_group_sums_in_rank_order_on_every_rank():
+    group, parts = RankGroup(3), [np.array([1e16, 1.0]), np.array([-1e16, 1.0]), np.array([1.0, 1.0])]
+    results = [None] * 3
+
+    def rank(r):
+        results[r] = group.all_reduce(r, parts[r])
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = (parts[0] + parts[1]) + parts[2]                  # rank order: ((1e16 - 1e16) + 1) = 1, not 0
+    for got in results:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_failing_rank_releases_the_others(engine):
+    g = GraphRanks.from_engine(engine("tiny", 2), act="float64")
+    del g.weights[1]["model.embed_tokens.weight"]          # rank 1 fails; rank 0 waits in its AllReduce
+    with pytest.raises(KeyError, match="model.embed_tokens.weight.*rank1"):
+        g.run("embed", {"ids": np.array([1, 2], np.int32)})
+    g.weights[1]["model.embed_tokens.weight"] = g.weights[0]["model.embed_tokens.weight"]
+    out = g.run("embed", {"ids": np.array([1, 2], np.int32)})          # the group is usable again
+    assert out[0]["h"].shape == (2, g.cfg.hidden_size)
+
+
+def test_layer_weight_names():
+    assert layer_weight_name("model.layers.1.mlp.gate.weight", "model.layers.1.", 7) == "model.layers.7.mlp.gate.weight"
+    assert layer_weight_name("drafter.layers.0.self_attn.q_proj.weight", "drafter.layers.0.", 3) == \
+        "drafter.layers.3.self_attn.q_proj.weight"
+    assert layer_weight_name("lm_head.weight", "model.layers.1.", 7) == "lm_head.weight"
+    assert layer_weight_name("model.layers.11.x", "model.layers.1.", 7) == "model.layers.11.x"
+
+
+def test_node_attributes_are_checked():
+    g = GraphBuilder("t", "float64")
+    x = g.input("x", onnx.TensorProto.DOUBLE, ["q", 4])
+    with pytest.raises(ValueError, match=r"missing \['world_size'\]"):
+        g.node("AllReduce", [x], {"rank": 0}, [("y", onnx.TensorProto.DOUBLE, ["q", 4])], "ar")
+    with pytest.raises(ValueError, match="budget=2.5 must be of kind int"):
+        node_spec("TreeBuild").check_attrs({"rank": 0, "world_size": 1, "budget": 2.5}, "here")
+    with pytest.raises(KeyError, match="Nope is not a ddtree node"):
+        node_spec("Nope")
+
+
+def test_fields_round_trip_every_exported_node(engine):
+    """Node attributes -> the parser's field arrays -> attributes (floats are float32 values)."""
+    g = GraphRanks.from_engine(engine("tiny", 2))
+    seen = set()
+    for graphs in g.graphs:
+        for lg in graphs.values():
+            for node in lg.model.graph.node:
+                if node.domain != "ddtree":
+                    continue
+                spec, attrs = NODES[node.op_type], node_attrs(node)
+                fields = [(name, arr) for name, arr, _ in field_arrays(spec, attrs)]
+                assert attrs_from_fields(spec, fields, node.name) == attrs
+                seen.add(node.op_type)
+    assert seen == set(NODES)
+
+
+@pytest.mark.parametrize("op", [op for op, s in NODES.items() if not s.kernel_exists and op != "AllReduce"])
+def test_plugins_without_a_kernel_fail_naming_it(op):
+    spec = NODES[op]
+    attrs = {name: {"int": 1, "float": 1.0, "str": "yarn", "ints": [1]}[kind] for name, kind in spec.fields.items()}
+    with pytest.raises(MissingKernelError, match=f"ddtree::{op} plugin cannot run: the .*{spec.kernel.split()[0]}"):
+        run_node(spec, attrs, {}, [(1,)] * len(spec.inputs), ["float32"] * len(spec.inputs), [0] * len(spec.inputs),
+                 [0] * len(spec.outputs), 0)
+
+
+def test_all_reduce_and_expert_parallel_moe_plugins_fail_clearly():
+    ar = NODES["AllReduce"]
+    with pytest.raises(MissingKernelError, match="cross-rank all-reduce.*world_size 2"):
+        run_node(ar, {"rank": 0, "world_size": 2}, {}, [(4, 8)], ["bfloat16"], [0], [0], 0)
+    moe = NODES["MarlinMoE"]
+    attrs = {"rank": 1, "world_size": 2, "hidden": 128, "inter": 512, "experts": 4, "n_routed_experts": 8,
+             "expert_start": 4, "topk": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "group_size": 32}
+    with pytest.raises(MissingKernelError, match="expert-parallel"):
+        run_node(moe, attrs, {}, [(1,)] * 8, ["bfloat16"] * 8, [0] * 8, [0], 0)
+
+
+def test_parser_link_is_created_once_and_checked(tmp_path, capsys):
+    (tmp_path / "libtensorrt_rtx.so.1").write_bytes(b"lib")
+    link = ensure_parser_link(tmp_path)
+    assert link.is_symlink() and link.resolve() == (tmp_path / "libtensorrt_rtx.so.1").resolve()
+    assert "created" in capsys.readouterr().err
+    ensure_parser_link(tmp_path)                                   # present: nothing to do, nothing said
+    assert capsys.readouterr().err == ""
+    link.unlink()
+    (tmp_path / "other").write_bytes(b"x")
+    link.symlink_to("other")
+    with pytest.raises(TrtUnavailable, match="is not libtensorrt_rtx.so.1"):
+        ensure_parser_link(tmp_path)
+    with pytest.raises(TrtUnavailable, match="missing from the tensorrt-rtx-cu13-libs wheel"):
+        ensure_parser_link(tmp_path / "nowhere")
+
+
+def test_trt_without_the_wheels_says_what_to_install(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx_libs", None)             # import fails as if not installed
+    with pytest.raises(BuildError, match=r"--trt: TensorRT-RTX is not installed: pip install -e '\.\[trt\]'"):
+        build_engine(*checkpoint("tiny"), 1, ["sm_120"], tmp_path / "e", trt=True)
+    assert not (tmp_path / "e").exists()

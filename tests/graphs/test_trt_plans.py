@@ -1,0 +1,106 @@
+"""`ddtree-build --trt` on this CPU-only machine: SM120 TensorRT-RTX plans per rank and graph kind.
+Every ddtree op type is a plugin layer of some plan; each plan's inputs and outputs are its ONNX
+graph's; `ddtree inspect` lists them; every plugin's serialised fields rebuild it (RUNTIME phase)
+with exactly the attributes of its ONNX node. Plans cannot run here (no SM120 GPU)."""
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from ddtree.cli import main
+from ddtree.graphs.export import io_of
+from ddtree.graphs.nodes import NODES
+from ddtree.plugins.trt.fields import node_attrs
+
+pytestmark = pytest.mark.trt
+
+
+@pytest.fixture(scope="module")
+def trt_engine(checkpoint, tmp_path_factory):
+    """A tp = 2 engine built through the CLI with --trt."""
+    out = tmp_path_factory.mktemp("trt") / "tiny-tp2"
+    target, drafter = checkpoint("tiny")
+    r = CliRunner().invoke(main, ["build", "--model", str(target), "--drafter", str(drafter), "--tp", "2",
+                                  "--arch", "sm_120", "--out", str(out), "--trt", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    return out, summary, json.loads((out / "plans.json").read_text())
+
+
+def test_plans_cover_every_ddtree_op(trt_engine):
+    out, summary, plans = trt_engine
+    index = json.loads((out / "graphs" / "index.json").read_text())
+    assert summary["plans"] == len(plans["plans"]) == 2 * len(index["kinds"])
+    assert plans["compute_capability"] == "12.0"
+    seen = set()
+    for name, p in plans["plans"].items():
+        blob = (out / name).read_bytes()
+        graph = onnx.load(out / p["graph"])
+        ops_in_graph = {n.op_type for n in graph.graph.node if n.domain == "ddtree"}
+        assert set(p["plugins"]) == ops_in_graph, name            # every ddtree node became a plugin layer
+        for op in p["plugins"]:
+            assert op.encode() in blob, f"{name}: plugin {op} is not in the plan"
+        seen |= set(p["plugins"])
+    assert seen == set(NODES)
+
+
+def test_plan_io_matches_its_graph(trt_engine):
+    out, _, plans = trt_engine
+    manifest = json.loads((out / "manifest.json").read_text())["files"]
+    assert "plans.json" in manifest
+    for name, p in plans["plans"].items():
+        assert name in manifest and manifest[name]["size"] == p["bytes"] == (out / name).stat().st_size
+        inputs, outputs = io_of(onnx.load(out / p["graph"]))
+        for recorded, declared in ((p["inputs"], inputs), (p["outputs"], outputs)):
+            assert [t["name"] for t in recorded] == [t["name"] for t in declared], name
+            for r, d in zip(recorded, declared):
+                assert r["dtype"] == d["dtype"], (name, r["name"])
+                assert r["shape"] == [-1 if isinstance(s, str) else s for s in d["shape"]], (name, r["name"])
+        blob = (out / name).read_bytes()
+        for t in p["inputs"] + p["outputs"]:
+            assert t["name"].encode() in blob, f"{name}: tensor {t['name']} is not in the plan"
+
+
+def test_inspect_lists_plan_io(trt_engine):
+    out, _, plans = trt_engine
+    r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info["ok"] and info["plans"] == plans
+    assert "moe_layer" in r.stderr and "tree_mask int32[-1, -1]" in r.stderr and "MlaTreeAttention" in r.stderr
+
+
+def test_plugin_fields_round_trip_through_runtime_creation(trt_engine, monkeypatch):
+    """The plugins TensorRT's parser creates (BUILD) from each node -> get_fields_to_serialize ->
+    creator.create_plugin(RUNTIME) -> the node's attributes, exactly."""
+    from ddtree.builder.trt_build import build_plan
+    from ddtree.plugins.trt import creators
+    out, _, plans = trt_engine
+    created = []
+    original = creators.DdtreeCreator.create_plugin
+
+    def recording(self, name, fields, phase):
+        plugin = original(self, name, fields, phase)
+        created.append((name, phase, plugin))
+        return plugin
+    monkeypatch.setattr(creators.DdtreeCreator, "create_plugin", recording)
+    registered = creators.register_creators()
+    dims = json.loads((out / "graphs" / "index.json").read_text())["dims"]
+    checked = set()
+    for p in plans["plans"].values():
+        created.clear()
+        build_plan(creators.trt, out / p["graph"], dims)
+        nodes = {n.name: n for n in onnx.load(out / p["graph"]).graph.node if n.domain == "ddtree"}
+        parsed = list(created)
+        assert {name for name, _, _ in parsed} == set(nodes)
+        for name, phase, plugin in parsed:
+            assert phase == creators.trt.TensorRTPhase.BUILD
+            want = node_attrs(nodes[name])
+            assert plugin.attrs == want
+            fields = plugin.get_fields_to_serialize()
+            runtime = registered[plugin.spec.op].create_plugin(name, fields, creators.trt.TensorRTPhase.RUNTIME)
+            assert runtime.attrs == want and runtime.phase == creators.trt.TensorRTPhase.RUNTIME
+            assert [type(v) for v in runtime.attrs.values()] == [type(v) for v in want.values()]
+            checked.add(plugin.spec.op)
+    assert checked == set(NODES)
