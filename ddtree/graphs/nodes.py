@@ -55,7 +55,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
     NodeSpec(
         "AllReduce", dict(RANKS),
         inputs=("partial [q, H]",), outputs=("sum [q, H]",), aliases={},
-        kernel="cross-rank all-reduce (one-shot PCIe peer-to-peer or NCCL); only world_size 1 runs today",
+        kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL; world_size 1 is a device copy",
         kernel_exists=False),
     NodeSpec(
         "MlaTreeAttention",
@@ -65,7 +65,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "kv_new [q, R + Dr]: normed c_kv then k_pe (not yet roped)", "kv_b_proj [N_r (Dn + Dv), R]",
                 "pos [q] int32", "cache [S, R + Dr]", "cache_len [1] int32 (T)", "tree_mask [q, W] int32 bits"),
         outputs=("o [q, N_r Dv]", "cache_out [S, R + Dr]: entries T..T+q-1 written"), aliases={1: 5},
-        kernel="tree-masked MLA attention (ddtree/plugins/kernels/mla_tree.cu)", kernel_exists=False),
+        kernel="tree-masked MLA attention, ddtree/plugins/kernels/mla_tree.cu", kernel_exists=False),
     NodeSpec(
         "MarlinMoE",
         {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",
@@ -75,7 +75,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "gate_up.words [E_r, ...] int32", "gate_up.scales [E_r, ...] bf16", "down.words [E_r, ...] int32",
                 "down.scales [E_r, ...] bf16", "shared [q, H] (shared expert output, added)"),
         outputs=("y [q, H]",), aliases={},
-        kernel="fused W4A16 MoE (ddtree/plugins/kernels/moe.cu: moe_route, moe_gate_up, moe_down)",
+        kernel="fused W4A16 MoE, ddtree/plugins/kernels/moe.cu: moe_route, moe_gate_up, moe_down",
         kernel_exists=True),
     NodeSpec(
         "DraftAttention",
@@ -85,20 +85,20 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "v [b, Hk_r, d]", "ctx_k [n, Hk_r, d] (k-normed, not yet roped)", "ctx_v [n, Hk_r, d]",
                 "pos [b] int32", "cache_k [S, Hk_r, d]", "cache_v [S, Hk_r, d]", "cache_len [1] int32 (T)"),
         outputs=("o [b, Hq_r d]", "cache_k_out [S, Hk_r, d]", "cache_v_out [S, Hk_r, d]"), aliases={1: 6, 2: 7},
-        kernel="DFlash draft attention (ddtree/plugins/kernels/draft_attention.cu)", kernel_exists=False),
+        kernel="DFlash draft attention, ddtree/plugins/kernels/draft_attention.cu", kernel_exists=False),
     NodeSpec(
         "VocabWinner", {**RANKS, "vocab_start": "int", "vocab_size": "int"},
         inputs=("logits [q, V_r]", "sample_pos [q] int32", "temperature [1] float32",
                 "seed [2] int32 (low word, high word)"),
         outputs=("value [q]", "id [q] int32 (global id)"), aliases={},
-        kernel="vocab-parallel sampling winner (Philox + Gumbel argmax; ddtree/plugins/kernels/sample.cu)",
+        kernel="vocab-parallel sampling winner (Philox + Gumbel argmax), ddtree/plugins/kernels/sample.cu",
         kernel_exists=False),
     NodeSpec(
         "VocabTopK", {**RANKS, "vocab_start": "int", "vocab_size": "int", "k": "int"},
         inputs=("logits [D, V_r] float32",),
         outputs=("values [D, k] float32 (raw logits)", "ids [D, k] int32 (global)", "row_max [D] float32",
                  "row_sumexp [D] float32 (sum of exp(x - row_max))"), aliases={},
-        kernel="vocab-parallel top-k with log-sum-exp parts (ddtree/plugins/kernels/sample.cu)",
+        kernel="vocab-parallel top-k with log-sum-exp parts, ddtree/plugins/kernels/sample.cu",
         kernel_exists=False),
     NodeSpec(
         "TreeBuild", {**RANKS, "budget": "int"},
@@ -106,13 +106,13 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "row_sumexp [tp, D] float32"),
         outputs=("tokens [B + 1] int32", "parents [B + 1] int32", "depth [B + 1] int32",
                  "visibility [B + 1, ceil((B + 1) / 32)] int32 bits"), aliases={},
-        kernel="GPU best-first tree build (ddtree/plugins/kernels/tree_build.cu)", kernel_exists=False),
+        kernel="GPU best-first tree build, ddtree/plugins/kernels/tree_build.cu", kernel_exists=False),
     NodeSpec(
         "AcceptWalk", dict(RANKS),
         inputs=("tokens [n] int32", "parents [n] int32", "win_value [tp, n]", "win_id [tp, n] int32"),
         outputs=("target_tokens [n] int32", "accepted [n] int32 (node indices, -1 after the path)",
                  "accepted_count [1] int32", "bonus [1] int32"), aliases={},
-        kernel="GPU acceptance walk (ddtree/plugins/kernels/tree_build.cu)", kernel_exists=False),
+        kernel="GPU acceptance walk, ddtree/plugins/kernels/tree_build.cu", kernel_exists=False),
 )}
 
 

@@ -104,3 +104,28 @@ def test_plugin_fields_round_trip_through_runtime_creation(trt_engine, monkeypat
             assert [type(v) for v in runtime.attrs.values()] == [type(v) for v in want.values()]
             checked.add(plugin.spec.op)
     assert checked == set(NODES)
+
+
+def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
+    """TensorRT sees the in-place caches: without the aliasing preview feature the layer plans do not build."""
+    from ddtree.builder.trt_build import PlanBuildError, build_plan
+    from ddtree.plugins.trt.creators import trt
+    out, _, plans = trt_engine
+    dims = json.loads((out / "graphs" / "index.json").read_text())["dims"]
+    original = trt.IBuilderConfig.set_preview_feature
+    monkeypatch.setattr(trt.IBuilderConfig, "set_preview_feature", lambda self, feature, on: original(self, feature, False))
+    for kind, node in (("moe_layer", "attn.mla"), ("draft_layer", "draft.attention")):
+        with pytest.raises(PlanBuildError, match=f"Aliased I/O used by plugin {node}"):
+            build_plan(trt, out / plans["plans"][f"rank0/{kind}.plan"]["graph"], dims)
+
+
+def test_plugin_enqueue_without_a_kernel_names_it():
+    """The plugin's enqueue (as TensorRT calls it, with tensor descriptors) fails with the missing kernel."""
+    from ddtree.plugins.trt.creators import DdtreePlugin, trt
+    from ddtree.plugins.trt.kernels import MissingKernelError
+    desc = trt.PluginTensorDesc()
+    desc.dims, desc.type = trt.Dims([4, 8]), trt.DataType.BF16
+    spec = NODES["MlaTreeAttention"]
+    plugin = DdtreePlugin(spec, {name: {"int": 1, "float": 1.0, "str": "yarn"}[kind] for name, kind in spec.fields.items()})
+    with pytest.raises(MissingKernelError, match="tree-masked MLA attention, ddtree/plugins/kernels/mla_tree.cu"):
+        plugin.enqueue([desc] * 8, [desc] * 2, [0] * 8, [0] * 2, 0, 0)

@@ -24,8 +24,8 @@ class MissingKernelError(RuntimeError):
 
 
 def missing(spec: NodeSpec, why: str = "") -> MissingKernelError:
-    return MissingKernelError(f"ddtree::{spec.op} plugin cannot run: the {spec.kernel} kernel does not exist yet"
-                              f"{why}; plans that contain this node build, but do not execute")
+    return MissingKernelError(f"ddtree::{spec.op} plugin cannot run: its CUDA kernel ({spec.kernel}) does not "
+                              f"exist yet{why}; plans that contain this node build, but do not execute")
 
 
 def current_device() -> int:
