@@ -1,8 +1,8 @@
 """GPU: what the MarlinMoE and AllReduce plugins' enqueue launches (plugins/trt/kernels.py, called with
 device pointers and a stream as TensorRT would) equals the ddtree nodes' numpy implementations run
 by onnx.reference on the same inputs. No TensorRT needed (plans themselves run only on SM120)."""
+import ml_dtypes
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
@@ -47,7 +47,6 @@ def numpy_moe(inputs: list[np.ndarray], attrs: dict) -> np.ndarray:
         [helper.make_tensor_value_info(n, t, a.shape) for n, t, a in zip(names, types, inputs)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, inputs[0].shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
-    import ml_dtypes
     feeds = {n: (a.view(ml_dtypes.bfloat16) if t == TensorProto.BFLOAT16 else a)
              for n, t, a in zip(names, types, inputs)}
     return ReferenceEvaluator(model, new_ops=ops_for(None)).run(None, feeds)[0]
