@@ -92,12 +92,10 @@ def export_draft_head(g: GraphBuilder, dcfg, specs: dict, lay, k: int) -> None:
     attrs = {"rank": lay.rank, "world_size": lay.tp, "vocab_start": lay.vocab_start, "vocab_size": dcfg.vocab_size,
              "k": k}
     outs = g.node("VocabTopK", [g.cast(logits, FLOAT)], attrs,
-                  [("topk_values_", FLOAT, [D, k]), ("topk_ids_", INT32, [D, k]), ("row_max_", FLOAT, [D]),
-                   ("row_sumexp_", FLOAT, [D])], "draft.topk")
+                  [("topk_values", FLOAT, [D, k]), ("topk_ids", INT32, [D, k]), ("row_max", FLOAT, [D]),
+                   ("row_sumexp", FLOAT, [D])], "draft.topk")
     g.output(logits, "logits", g.acc, [D, V_r])
-    for out, name, dt, shape in zip(outs, ("topk_values", "topk_ids", "row_max", "row_sumexp"),
-                                    (FLOAT, INT32, FLOAT, FLOAT), ([D, k], [D, k], [D], [D])):
-        g.output(out, name, dt, shape)
+    g.outputs(outs)
 
 
 def export_tree(g: GraphBuilder, dcfg, lay, k: int, budget: int) -> None:
@@ -107,10 +105,9 @@ def export_tree(g: GraphBuilder, dcfg, lay, k: int, budget: int) -> None:
     cands = [g.input("topk_values", FLOAT, [tp, D, k]), g.input("topk_ids", INT32, [tp, D, k]),
              g.input("row_max", FLOAT, [tp, D]), g.input("row_sumexp", FLOAT, [tp, D])]
     outs = g.node("TreeBuild", [root, *cands], {"rank": lay.rank, "world_size": tp, "budget": budget},
-                  [("tokens_", INT32, [n]), ("parents_", INT32, [n]), ("depth_", INT32, [n]),
-                   ("visibility_", INT32, [n, words])], "tree.build")
-    for out, name, shape in zip(outs, ("tokens", "parents", "depth", "visibility"), ([n], [n], [n], [n, words])):
-        g.output(out, name, INT32, shape)
+                  [("tokens", INT32, [n]), ("parents", INT32, [n]), ("depth", INT32, [n]),
+                   ("visibility", INT32, [n, words])], "tree.build")
+    g.outputs(outs)
 
 
 def export_accept(g: GraphBuilder, lay) -> None:
@@ -118,8 +115,6 @@ def export_accept(g: GraphBuilder, lay) -> None:
     tokens, parents = g.input("tokens", INT32, ["nodes"]), g.input("parents", INT32, ["nodes"])
     win_value, win_id = g.input("win_value", g.acc, [tp, "nodes"]), g.input("win_id", INT32, [tp, "nodes"])
     outs = g.node("AcceptWalk", [tokens, parents, win_value, win_id], {"rank": lay.rank, "world_size": tp},
-                  [("target_tokens_", INT32, ["nodes"]), ("accepted_", INT32, ["nodes"]),
-                   ("accepted_count_", INT32, [1]), ("bonus_", INT32, [1])], "tree.accept")
-    for out, name, shape in zip(outs, ("target_tokens", "accepted", "accepted_count", "bonus"),
-                                (["nodes"], ["nodes"], [1], [1])):
-        g.output(out, name, INT32, shape)
+                  [("target_tokens", INT32, ["nodes"]), ("accepted", INT32, ["nodes"]),
+                   ("accepted_count", INT32, [1]), ("bonus", INT32, [1])], "tree.accept")
+    g.outputs(outs)

@@ -91,7 +91,7 @@ def _moe(g: GraphBuilder, cfg, specs: dict, p: str, x, lay, inter: int):
              "experts": lay.expert_stop - lay.expert_start, "n_routed_experts": E,
              "expert_start": lay.expert_start, "topk": cfg.num_experts_per_tok,
              "n_group": cfg.n_group, "topk_group": cfg.topk_group,
-             "routed_scaling_factor": float(cfg.routed_scaling_factor), "group_size": 32}
+             "routed_scaling_factor": float(cfg.routed_scaling_factor), "group_size": cfg.quant.group_size}
     return g.node("MarlinMoE", [x, router_logits, w[m + "gate.e_score_correction_bias"],
                                 *(w[m + f"experts.{s}"] for s in ("gate_up.words", "gate_up.scales", "down.words",
                                                                    "down.scales")), shared], attrs,
@@ -132,7 +132,6 @@ def export_head(g: GraphBuilder, cfg, specs: dict, lay) -> None:
     logits = g.linear_acc(g.rms_norm(h, norm, cfg.rms_norm_eps), lm_head)                # [q, V_r] acc
     value, winner = g.node("VocabWinner", [logits, sample_pos, temperature, seed],
                            {"rank": rank, "world_size": tp, "vocab_start": vocab_start, "vocab_size": cfg.vocab_size},
-                           [("win_value_", g.acc, ["q"]), ("win_id_", INT32, ["q"])], "head.winner")
+                           [("win_value", g.acc, ["q"]), ("win_id", INT32, ["q"])], "head.winner")
     g.output(logits, "logits", g.acc, ["q", V_r])
-    g.output(value, "win_value", g.acc, ["q"])
-    g.output(winner, "win_id", INT32, ["q"])
+    g.outputs([value, winner])

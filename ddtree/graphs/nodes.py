@@ -71,7 +71,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
         {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",
          "expert_start": "int", "topk": "int", "n_group": "int", "topk_group": "int",
          "routed_scaling_factor": "float", "group_size": "int"},
-        inputs=("x [q, H] (post-attention normed)", "router_logits [q, E] float32", "bias [E] float32",
+        inputs=("x [q, H] (post-attention normed)", "router_logits [q, E] (float32 in plans)", "bias [E] float32",
                 "gate_up.words [E_r, ...] int32", "gate_up.scales [E_r, ...] bf16", "down.words [E_r, ...] int32",
                 "down.scales [E_r, ...] bf16", "shared [q, H] (shared expert output, added)"),
         outputs=("y [q, H]",), aliases={},
@@ -88,7 +88,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
         kernel="DFlash draft attention, ddtree/plugins/kernels/draft_attention.cu", kernel_exists=False),
     NodeSpec(
         "VocabWinner", {**RANKS, "vocab_start": "int", "vocab_size": "int"},
-        inputs=("logits [q, V_r]", "sample_pos [q] int32", "temperature [1] float32",
+        inputs=("logits [q, V_r] (float32 in plans)", "sample_pos [q] int32", "temperature [1] float32",
                 "seed [2] int32 (low word, high word)"),
         outputs=("value [q]", "id [q] int32 (global id)"), aliases={},
         kernel="vocab-parallel sampling winner (Philox + Gumbel argmax), ddtree/plugins/kernels/sample.cu",

@@ -84,7 +84,7 @@ class AllReduce(DdtreeOp):
         g = self.group
         if g is None or g.size != a["world_size"]:
             raise RuntimeError(f"ddtree::AllReduce rank {a['rank']} of {a['world_size']}: no rank group of that "
-                               "size is bound (run the ranks' graphs with graphs.runner.RankRunner)")
+                               "size is bound (run the ranks' graphs with graphs.runner.GraphRanks)")
         return (g.all_reduce(a["rank"], x),)
 
 
@@ -119,9 +119,9 @@ class MarlinMoE(DdtreeOp):
         start, stop = a["expert_start"], a["expert_start"] + a["experts"]
         ids, gates, _ = route_logits(f64(router_logits), f64(bias), a["topk"], a["n_group"], a["topk_group"],
                                      float(a["routed_scaling_factor"]))           # [q, k] each
-        p = "model.layers.0.mlp.experts."
+        p = "model.layers.0.mlp.experts."                                     # ranks.expert_weights reads a rank's
         w = {p + "gate_up.words": np.asarray(gu_words), p + "gate_up.scales": bits_u16(gu_scales),
-             p + "down.words": np.asarray(down_words), p + "down.scales": bits_u16(down_scales)}
+             p + "down.words": np.asarray(down_words), p + "down.scales": bits_u16(down_scales)}   # dict by name
         xf = f64(x)
         routed = np.zeros_like(xf)                                            # [q, H]
         for e in np.unique(ids):
@@ -222,7 +222,9 @@ class AcceptWalk(DdtreeOp):
 
 
 OPS = (AllReduce, MlaTreeAttention, MarlinMoE, DraftAttention, VocabWinner, VocabTopK, TreeBuild, AcceptWalk)
-assert {op.__name__ for op in OPS} == set(NODES), "every ddtree node has a numpy implementation"
+if {op.__name__ for op in OPS} != set(NODES):
+    raise ImportError(f"graphs/numpy_ops.py: numpy implementations {sorted(op.__name__ for op in OPS)} do not match "
+                      f"the ddtree nodes {sorted(NODES)}")
 
 
 def ops_for(group: RankGroup | None) -> list[type[OpRun]]:

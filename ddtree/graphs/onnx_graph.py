@@ -66,6 +66,11 @@ class GraphBuilder:
         self.graph.outputs.append(x)
         return x
 
+    def outputs(self, xs) -> None:
+        """Expose `ddtree` node outputs (already named and typed) as graph outputs."""
+        for x in xs:
+            self.output(x, x.name, x.dtype, x.shape)
+
     # ops ---------------------------------------------------------------------------------------
     def op(self, op: str, inputs, attrs=None, dtype=None, shape=None, name: str | None = None) -> gs.Variable:
         out = gs.Variable(name or self._fresh(op.lower()), dtype=dtype, shape=shape)
