@@ -25,7 +25,7 @@ from ddtree.graphs.export_target import export_embed, export_head, export_layer
 from ddtree.graphs.onnx_graph import GraphBuilder
 from ddtree.model.safetensors_io import SafetensorsFile
 from ddtree.model.tensors import TensorSpec
-from ddtree.runtime.ranks import RankLayout
+from ddtree.graphs.ranks import RankLayout
 
 GRAPHS_FORMAT = "ddtree-graphs/1"
 MAX_TOKENS = 256                 # tokens per target call and new drafter context per call (the kernels' M)

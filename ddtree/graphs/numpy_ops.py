@@ -4,7 +4,7 @@ Each op computes in float64 and returns its outputs in the dtype of its activati
 float64 graph reproduces the float64 reference and a bfloat16 graph rounds where a GPU would. The
 math is not re-derived here: the ops call the reference (MLA absorbed attention, rope, the drafter's
 rotate-half rope, masked softmax, the routing rule reference.moe.route_logits), the per-rank
-functions of runtime/ranks.py (experts in the kernel layout, the all-reduce sum) and tree/ (tree
+functions of graphs/ranks.py (experts in the kernel layout, the all-reduce sum) and tree/ (tree
 build, visibility bits, acceptance walk, Gumbel noise); what is left is the plumbing between the
 node's tensors and those functions.
 
@@ -26,7 +26,7 @@ from ddtree.reference.layers import swiglu
 from ddtree.reference.mla import MLA, MLAWeights, masked_softmax
 from ddtree.reference.moe import route_logits
 from ddtree.reference.rope import rope_frequencies
-from ddtree.runtime import ranks
+from ddtree.graphs import ranks
 from ddtree.tree.build import Tree, build_tree, pack_visibility, unpack_visibility
 from ddtree.tree.sampling import gumbel
 from ddtree.tree.walk import accept_walk

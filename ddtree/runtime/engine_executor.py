@@ -1,9 +1,9 @@
 """An executor over a built engine directory, with the ranks simulated in one process on CPU.
 
 Same primitives as NumpyExecutor (interfaces.md section 6). Each rank's weights are its own
-rank<r>/*.safetensors; every layer runs as the per-rank functions of runtime/ranks.py, one call per
+rank<r>/*.safetensors; every layer runs as the per-rank functions of graphs/ranks.py, one call per
 rank, and the partial results are summed at the all-reduce points. The logits stay vocab-split
-per rank: `sample` and `tree_build` run the vocab-parallel algorithms of runtime/vocab_parallel.py.
+per rank: `sample` and `tree_build` run the vocab-parallel algorithms of graphs/vocab_parallel.py.
 target_forward / drafter_forward still return the full logits [q, V] (an all-gather of the slices),
 because the loop's interface hands logits from one primitive to the next; a GPU executor keeps
 them split and gathers only the winners.
@@ -24,7 +24,7 @@ from ddtree.model.safetensors_io import SafetensorsFile
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import DraftCache
 from ddtree.reference.rope import Rope, rope_frequencies
-from ddtree.runtime import ranks, vocab_parallel
+from ddtree.graphs import ranks, vocab_parallel
 from ddtree.runtime.engine_format import EngineFormatError, rank_dir, read_engine_config
 from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams

@@ -15,7 +15,7 @@ from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, expert_name
 from ddtree.plugins import layout
 from ddtree.runtime.engine_format import read_engine_config
-from ddtree.runtime.ranks import RankLayout
+from ddtree.graphs.ranks import RankLayout
 
 
 def rank_tensors(engine, tp):

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree.graphs.runner import GraphRanks, mask_words
 from ddtree.reference.model import causal_visible
-from ddtree.runtime import vocab_parallel
+from ddtree.graphs import vocab_parallel
 from ddtree.tree.build import build_tree
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import accept_walk, sample_positions
