@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 
 from ddtree.graphs.export_drafter import (export_accept, export_draft_fc, export_draft_head, export_draft_layer,
-                                          export_tree, sliding_window)
+                                          export_tree)
 from ddtree.graphs.export_target import export_embed, export_head, export_layer
 from ddtree.graphs.onnx_graph import GraphBuilder
 from ddtree.model.safetensors_io import SafetensorsFile
@@ -63,7 +63,7 @@ def draft_topk(budgets, vocab_per_rank: int) -> int:
 def _drafter_groups(dcfg) -> dict[str, list[int]]:
     groups: dict[int, list[int]] = {}
     for L in range(dcfg.num_hidden_layers):
-        groups.setdefault(sliding_window(dcfg, L), []).append(L)
+        groups.setdefault(dcfg.window(L), []).append(L)
     if len(groups) == 1:
         return {"draft_layer": next(iter(groups.values()))}
     return {("draft_layer_sliding" if w else "draft_layer_full"): layers for w, layers in groups.items()}

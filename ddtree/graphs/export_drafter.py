@@ -34,13 +34,6 @@ def export_draft_fc(g: GraphBuilder, dcfg, specs: dict, lay) -> None:
     g.output(g.rms_norm(fc_out, norm, dcfg.rms_norm_eps), "ctx", g.act, ["n", H])
 
 
-def sliding_window(dcfg, layer: int) -> int:
-    """The layer's window in tokens, 0 for full attention (ranks._window_bias's rule)."""
-    sliding = dcfg.sliding_window is not None and (
-        dcfg.layer_types is None or dcfg.layer_types[layer] == "sliding_attention")
-    return int(dcfg.sliding_window) if sliding else 0
-
-
 def export_draft_layer(g: GraphBuilder, dcfg, specs: dict, layer: int, lay) -> None:
     p, a = f"drafter.layers.{layer}.", f"drafter.layers.{layer}.self_attn."
     H, d, b, eps = dcfg.hidden_size, dcfg.head_dim, dcfg.block_size, dcfg.rms_norm_eps
@@ -65,7 +58,7 @@ def export_draft_layer(g: GraphBuilder, dcfg, specs: dict, layer: int, lay) -> N
     k, v = heads_of(x, "k_proj", kv_heads, "k_norm"), heads_of(x, "v_proj", kv_heads, None)
     ctx_k, ctx_v = heads_of(ctx, "k_proj", kv_heads, "k_norm"), heads_of(ctx, "v_proj", kv_heads, None)
     attrs = {"rank": lay.rank, "world_size": lay.tp, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
-             "sliding_window": sliding_window(dcfg, layer), "attention_factor": float(dcfg.attention_factor),
+             "sliding_window": dcfg.window(layer), "attention_factor": float(dcfg.attention_factor),
              **rope_attrs(dcfg.rope)}
     o, k_out, v_out = g.node("DraftAttention", [q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len], attrs,
                              [("attn_o", g.act, [b, heads * d]), ("cache_k_new", g.act, ["S", kv_heads, d]),

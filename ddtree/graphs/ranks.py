@@ -23,7 +23,7 @@ from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.model.int4 import dequantize_int4
 from ddtree.plugins import layout
-from ddtree.reference.drafter import rotate_half_rope
+from ddtree.reference.drafter import block_attention, rotate_half_rope
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.mla import masked_softmax
 from ddtree.reference.moe import route_logits
@@ -196,14 +196,6 @@ def _draft_kv(x, pos, a, w, dcfg, freqs, dtype):
     return k, v
 
 
-def _window_bias(dcfg: DrafterConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    sliding = dcfg.sliding_window is not None and (
-        dcfg.layer_types is None or dcfg.layer_types[layer] == "sliding_attention")
-    if not sliding:
-        return np.zeros((len(q_pos), len(k_pos)))
-    return np.where((q_pos[:, None] - k_pos[None, :]) >= dcfg.sliding_window, -np.inf, 0.0)
-
-
 def rank_draft_attention(h: np.ndarray, ctx: np.ndarray, pos: np.ndarray, ctx_pos: np.ndarray, cache, layer: int,
                          w: dict, dcfg: DrafterConfig, freqs: np.ndarray, dtype=np.float64) -> np.ndarray:
     """Block residual h [b, H], new context ctx [n, H] -> partial attention output [b, H] over this
@@ -217,15 +209,10 @@ def rank_draft_attention(h: np.ndarray, ctx: np.ndarray, pos: np.ndarray, ctx_po
     q = rotate_half_rope(rms_norm(q, weight(w, f"{a}.q_norm.weight", dtype), dcfg.rms_norm_eps), pos, freqs,
                          dcfg.attention_factor)
     k_blk, v_blk = _draft_kv(x, pos, a, w, dcfg, freqs, dtype)                            # [b, Hk_r, d]
-    group = q.shape[1] // k_blk.shape[1]                                                  # GQA group (whole on a rank)
-    k = np.repeat(np.concatenate([cache.k[layer], k_blk]), group, axis=1)                 # [T + b, Hq_r, d]
-    v = np.repeat(np.concatenate([cache.v[layer], v_blk]), group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k) * d ** -0.5                                  # [Hq_r, b, T + b]
-    scores = scores + _window_bias(dcfg, layer, pos, np.concatenate([np.arange(cache.length), pos]))
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    attn = np.einsum("hqk,khd->qhd", probs, v).reshape(b, -1)                             # [b, Hq_r d]
+    k = np.concatenate([cache.k[layer], k_blk])                                           # [T + b, Hk_r, d]
+    v = np.concatenate([cache.v[layer], v_blk])                                           # (GQA groups whole on a rank)
+    k_pos = np.concatenate([np.arange(cache.length), pos])
+    attn = block_attention(q, k, v, pos, k_pos, dcfg, layer)                              # [b, Hq_r d]
     return attn @ weight(w, f"{a}.o_proj.weight", dtype).T                                # [b, H] partial
 
 

@@ -348,6 +348,12 @@ class DrafterConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    def window(self, layer: int) -> int:
+        """Sliding-window size of draft layer `layer` in tokens, 0 for full attention."""
+        sliding = self.sliding_window is not None and (
+            self.layer_types is None or self.layer_types[layer] == "sliding_attention")
+        return int(self.sliding_window) if sliding else 0
+
     def check_target(self, target: KimiConfig) -> None:
         """The drafter must tap layers the target has, below its last (interfaces.md 2)."""
         n = target.num_hidden_layers

@@ -74,6 +74,28 @@ def rotate_half_rope(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, factor: 
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def window_bias(c: DrafterConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """[q, k]: 0 where visible, -inf outside a sliding window (only layers typed 'sliding_attention')."""
+    window = c.window(layer)
+    if not window:
+        return np.zeros((len(q_pos), len(k_pos)))
+    return np.where((q_pos[:, None] - k_pos[None, :]) >= window, -np.inf, 0.0)
+
+
+def block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                    c: DrafterConfig, layer: int) -> np.ndarray:
+    """Non-causal GQA attention of the block: q [b, Hq, d] over k, v [T+b, Hk, d] -> [b, Hq*d]."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)                                              # [T+b, Hq, d]
+    v = np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5               # [Hq, b, T+b]
+    scores = scores + window_bias(c, layer, q_pos, k_pos)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v).reshape(len(q), -1)
+
+
 class Drafter:
     """DFlash drafter over a target's embedding and lm_head (it has neither of its own)."""
 
@@ -96,7 +118,6 @@ class Drafter:
                 w[f"{a}.k_norm.weight"], w[f"{p}.post_attention_layernorm.weight"],
                 w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"], w[f"{p}.mlp.down_proj.weight"]))
         self.freqs = rope_frequencies(c.rope, c.head_dim)                 # [d/2]
-        self.scale = c.head_dim ** -0.5
 
     @classmethod
     def from_checkpoint(cls, path_or_ckpt, target, dtype=np.float64) -> "Drafter":
@@ -135,7 +156,6 @@ class Drafter:
         ctx_pos = np.arange(T0, T0 + n)
         ctx = rms_norm(ctx_taps @ self.fc.T, self.hidden_norm, c.rms_norm_eps)     # [n, H]
         h = self.embed[block_ids].astype(self.dtype)                                 # [b, H]
-        group = c.num_attention_heads // c.num_key_value_heads
         for L, lw in enumerate(self.layers):
             if n:
                 cache.append(L, *self._kv(lw, ctx, ctx_pos))                         # committed context only
@@ -145,25 +165,9 @@ class Drafter:
             k_blk, v_blk = self._kv(lw, x, pos)                                      # [b, Hk, d]
             k = np.concatenate([cache.k[L], k_blk])                                  # [T+b, Hk, d]
             v = np.concatenate([cache.v[L], v_blk])
-            k = np.repeat(k, group, axis=1)                                          # [T+b, Hq, d] GQA
-            v = np.repeat(v, group, axis=1)
-            scores = np.einsum("qhd,khd->hqk", q, k) * self.scale                    # [Hq, b, T+b]
-            scores = scores + self._window_bias(pos, np.concatenate([np.arange(cache.length), pos]), L)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            attn = np.einsum("hqk,khd->qhd", p, v).reshape(b, -1)                    # [b, Hq*d]
+            k_pos = np.concatenate([np.arange(cache.length), pos])                   # [T+b]
+            attn = block_attention(q, k, v, pos, k_pos, c, L)                        # [b, Hq*d]
             h = h + attn @ lw.o.T
             h = h + swiglu(rms_norm(h, lw.post_norm, c.rms_norm_eps), lw.gate, lw.up, lw.down)
         out = rms_norm(h, self.final_norm, c.rms_norm_eps)                            # [b, H]
         return out[1:] @ self.lm_head.T                                               # [b-1, V]
-
-    def _window_bias(self, q_pos: np.ndarray, k_pos: np.ndarray, layer: int) -> np.ndarray:
-        """0 where visible, -inf outside a sliding window (only layers typed 'sliding_attention')."""
-        c = self.config
-        sliding = c.sliding_window is not None and (
-            c.layer_types is None or c.layer_types[layer] == "sliding_attention")
-        if not sliding:
-            return np.zeros((len(q_pos), len(k_pos)))
-        far = (q_pos[:, None] - k_pos[None, :]) >= c.sliding_window
-        return np.where(far, -np.inf, 0.0)
