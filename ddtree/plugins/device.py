@@ -108,9 +108,11 @@ class Gpu:
             check(driver.cuFuncSetAttribute(handle, attr, nbytes), "cuFuncSetAttribute")
         self._smem_set[(source, name)] = nbytes
 
-    def launch(self, kernel, grid, block, smem: int, *args, stream=None) -> None:
+    def launch(self, kernel, grid, block, smem: int, *args, stream=None, pdl: bool = False) -> None:
+        """pdl: programmatic dependent launch (the kernel may start before the previous one in the stream
+        ends; it must call griddepcontrol.wait before reading that kernel's results)."""
         from cuda.core import LaunchConfig, launch
-        config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem))
+        config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem), programmatic_stream_serialization=pdl)
         launch(stream if stream is not None else self.stream, config, kernel, *args)
 
     # ---- memory ---------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 For attention projections, shared experts, dense layer 0, the router (fp32 out) and lm_head, M <= 256.
 The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time.
 All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
+With pdl (default on sm_90+) a launch may start while the previous kernel in the stream drains: it
+fills its weight ring, then waits for that kernel before reading x.
 """
 from __future__ import annotations
 
@@ -14,12 +16,19 @@ from ddtree.plugins.device import DeviceArray, Gpu, ptr
 
 SOURCE = "gemm.cu"
 X_SMEM_MAX = 64 * 1024                             # token rows of one k-split, at most
+MAX_WARPS = 8                                      # DD_GEMM_MAX_WARPS in gemm.cu
+
+
+def supports_pdl(gpu) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs sm_90 or newer."""
+    return int(gpu.arch[3:].rstrip("a")) >= 90
 
 
 @dataclass(frozen=True)
 class GemmPlan:
     mt: int          # 8-token sub-tiles per block (1, 2, 4, 8)
     mb: int          # token blocks
+    warps: int       # warps per block
     tpw: int         # 16-row weight tiles per warp
     nb: int          # n-blocks
     splits: int      # k-splits (S)
@@ -35,12 +44,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int, stages: int,
-              splits: int | None = None, tpw: int = 1) -> GemmPlan:
+              splits: int | None = None, tpw: int | None = None, x_budget: int = X_SMEM_MAX) -> GemmPlan:
     """Token blocking and split-K: the k-split with the fewest whole waves of resident blocks times the
     work per block (so small grids fill the SMs and big ones avoid a ragged last wave), with the block's
-    token rows (one k-split) in at most 64 KB of shared memory. `splits` forces S (must divide K / 64)."""
+    token rows (one k-split) in at most 64 KB of shared memory. `splits` forces S (must divide K / 64).
+    Two weight tiles per warp at 9..16 tokens for weights >= 64 MB (H200 sweep: the blocks' token-row loads
+    and ramps amortised over twice the weights, +5..9 points; smaller weights lose the grid to it)."""
     kc = K // 64
     mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
+    if tpw is None:
+        tpw = 2 if mt == 2 and N * K * 2 >= 64 << 20 else 1
     mb = -(-M // (8 * mt))
     nb = -(-(-(-N // 16)) // (warps * tpw))
     ring = warps * stages * 4 * 32 * 16
@@ -48,7 +61,9 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     def x_bytes(s):
         return 8 * mt * ((kc // s) * 64 + 32) * 2
 
-    budget = min(X_SMEM_MAX, smem_limit - ring - 1024)
+    budget = min(x_budget, smem_limit - ring - 1024)
+    if not 1 <= warps <= MAX_WARPS:
+        raise ValueError(f"skinny GEMM: warps per block must be in [1, {MAX_WARPS}], got {warps}")
     if splits is None:
         fits = [s for s in _divisors(kc) if x_bytes(s) <= budget and (kc // s >= 4 or s == 1)]
         fits = fits or [s for s in _divisors(kc) if x_bytes(s) <= budget]
@@ -61,23 +76,24 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
         splits = min(fits, key=lambda s: (waves_cost(s), s))
     elif kc % splits:
         raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
-    return GemmPlan(mt, mb, tpw, nb, splits, x_bytes(splits) + ring)
+    return GemmPlan(mt, mb, warps, tpw, nb, splits, x_bytes(splits) + ring)
 
 
 class SkinnyGemm:
     """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
 
-    def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False):
+    def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True):
         if N < 1 or K % 64:
             raise ValueError(f"skinny GEMM needs K % 64 == 0 (any N >= 1), got N = {N}, K = {K}")
         if not 1 <= max_tokens <= 256:
             raise ValueError(f"skinny GEMM: max_tokens must be in [1, 256], got {max_tokens}")
         self.gpu, self.N, self.K, self.max_tokens, self.out_f32 = gpu, N, K, max_tokens, out_f32
+        self.pdl = pdl and supports_pdl(gpu)
         self.smem_limit = gpu.smem_optin
         defs = gpu.defines(SOURCE)
         self.warps, self.stages = defs["DD_WARPS"], defs["DD_STAGES"]
         plans = [self.plan(m) for m in range(1, max_tokens + 1)]
-        part = max(p.nb * p.mb * p.splits * self.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
+        part = max(p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
         self.partial = gpu.alloc(max(part, 4), np.float32)
         self.counters = gpu.zeros(max(p.nb * p.mb for p in plans), np.uint32)
         self._overrides: dict[int, GemmPlan] = {}
@@ -87,12 +103,18 @@ class SkinnyGemm:
             return self._overrides[M]
         return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages)
 
-    def override(self, M: int, splits: int, tpw: int = 1) -> GemmPlan:
-        """Benchmark sweeps: force a plan for M (must fit the workspaces allocated for max_tokens)."""
-        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages, splits, tpw)
-        need = p.nb * p.mb * p.splits * self.warps * p.tpw * p.mt * 32 * 4
-        if p.splits > 1 and need > self.partial.nbytes // 4 or p.nb * p.mb > self.counters.shape[0]:
-            raise ValueError(f"plan {p} does not fit the workspaces sized for max_tokens {self.max_tokens}")
+    def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
+                 x_budget: int = X_SMEM_MAX) -> GemmPlan:
+        """Benchmark sweeps: force a plan for M (grows the workspaces if needed; call before capturing)."""
+        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps or self.warps, self.stages,
+                      splits, tpw, x_budget)
+        if p.smem > self.smem_limit:
+            raise ValueError(f"skinny GEMM plan {p} needs {p.smem} B of shared memory; the device allows {self.smem_limit}")
+        need = p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4
+        if p.splits > 1 and need > self.partial.shape[0]:
+            self.partial = self.gpu.alloc(need, np.float32)
+        if p.nb * p.mb > self.counters.shape[0]:
+            self.counters = self.gpu.zeros(p.nb * p.mb, np.uint32)
         self._overrides[M] = p
         return p
 
@@ -103,7 +125,7 @@ class SkinnyGemm:
         p = self.plan(M)
         name = f"gemm_bf16_mt{p.mt}"
         self.gpu.allow_smem(SOURCE, name, p.smem)
-        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), self.warps * 32, p.smem,
+        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
                         ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),
                         np.int32(M), np.int32(self.N), np.int32(self.K), np.int32(p.splits), np.int32(p.tpw),
-                        np.int32(1 if self.out_f32 else 0), stream=stream)
+                        np.int32(1 if self.out_f32 else 0), stream=stream, pdl=self.pdl)

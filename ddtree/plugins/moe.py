@@ -7,7 +7,9 @@
 Letters: M tokens, H hidden, I expert intermediate (per rank), E experts, P = M * topk pairs.
 Weights are in the layout of ddtree/plugins/layout.py, stacked over experts. Every workspace is
 allocated here for max_tokens; run() only launches, so it can be captured in a CUDA graph, and no
-step reads anything back to the host (the tile count stays on the device).
+step reads anything back to the host (the tile count stays on the device). With pdl (default) the
+kernels use programmatic dependent launch: each may start while the previous one drains (moe_down
+streams its first weights meanwhile); requires sm_90 or newer.
 """
 from __future__ import annotations
 
@@ -16,11 +18,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
-from ddtree.plugins.gemm import SkinnyGemm
+from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
 
 SOURCE = "moe.cu"
-STAGE_BYTES = 2 * (32 * 16 + 32 * 8)               # W4Stage: one warp's ring slot (two tiles + scales)
+STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
+RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) compiled in moe.cu (DD_MOE_RING)
+# Default ring per arch. H200 sweep (NOTES.md): two 1 KB chunks per slot (one 2.3 KB request per warp) beat
+# deeper one-chunk rings at equal or more bytes in flight; 4 x 2 fits 16 gate_up warps at k-split 2 in
+# 227 KB. sm_120 (99 KB per block): 3 x 2 keeps the smem of the former 6 x 1 ring.
+DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
+ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
 MAX_EXPERTS, MAX_PAIRS, MAX_TOPK = 512, 4096, 32
+
+
+class RingMismatch(ValueError):
+    """A kernel's k span (chunks per split) is not a multiple of its ring's chunks per slot."""
+
+    def __init__(self, which: str, message: str):
+        super().__init__(message)
+        self.which = which
 
 
 @dataclass(frozen=True)
@@ -61,22 +77,53 @@ class MoEPlan:
     gu_nb: int
     gu_splits: int
     gu_smem: int
+    gu_ring: tuple    # (slots, chunks per slot) of each warp's cp.async ring
     dn_warps: int
     dn_tpw: int
     dn_nb: int
+    dn_splits: int    # down k-splits: partial rows y[s] summed by the combine
     dn_smem: int
+    dn_ring: tuple
+
+    @property
+    def gate_up_kernel(self) -> str:
+        return "moe_gate_up_r%dc%d" % self.gu_ring
+
+    @property
+    def down_kernel(self) -> str:
+        return "moe_down_r%dc%d" % self.dn_ring
 
 
-def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: int, gu_splits: int | None = None,
-             gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None,
-             dn_tpw: int | None = None) -> MoEPlan:
-    """Split-K for gate_up so that even M = 1 (8 tiles) covers the SMs; the deepest ring that fits."""
+def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, **knobs) -> MoEPlan:
+    """Split-K for gate_up so that even M = 1 (8 tiles) covers the SMs; as many warps as fit.
+    `ring` = (slots, chunks per slot) of both kernels unless knobs gu_ring / dn_ring pick another of RINGS;
+    a kernel whose k span is not a whole number of `ring` slots (small shapes) gets ONE_CHUNK_RING.
+    Other knobs (sweeps and tests): gu_splits, gu_warps, gu_tpw, dn_warps, dn_tpw, dn_splits."""
+    try:
+        return _plan_moe(shape, M, sm_count, smem_limit, ring, **knobs)
+    except RingMismatch as exc:
+        if knobs.get(exc.which):                   # a forced ring that does not fit the shape: say so
+            raise
+        return plan_moe(shape, M, sm_count, smem_limit, ring, **{**knobs, exc.which: ONE_CHUNK_RING})
+
+
+def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, gu_splits: int | None = None,
+              gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None,
+              dn_tpw: int | None = None, dn_splits: int | None = None, gu_ring: tuple | None = None,
+              dn_ring: tuple | None = None) -> MoEPlan:
+    short_k = shape.inter // 64 <= 8              # TP8: I = 256, 4 chunks per tile pair in the down kernel
+    # H200 parts timing: with so few chunks per warp the down kernel is faster on one-chunk slots (TP8 M = 16:
+    # 48 vs 54 us), while gate_up (K = 7168) gains from two-chunk slots at every shape
+    gu_ring, dn_ring = tuple(gu_ring or ring), tuple(dn_ring or (ONE_CHUNK_RING if short_k else ring))
+    for ring_choice in (gu_ring, dn_ring):
+        if ring_choice not in RINGS:
+            raise ValueError(f"MoE: ring {ring_choice} is not compiled; choose from {RINGS}")
     tiles = shape.max_tiles(M)
     busy_tiles = min(tiles, max(M * shape.topk // 8, min(M * shape.topk, shape.experts)))   # typical
-    kc, ring = shape.hidden // 64, stages * STAGE_BYTES
+    kc, ring = shape.hidden // 64, gu_ring[0] * gu_ring[1] * STAGE_BYTES
 
-    def x_bytes(kspan):
-        return 8 * (kspan + 32) * 2
+    def x_bytes(kspan):           # 8 token rows (+64 B pad each) + the bias correction (2 float4 per 64 k)
+        return 8 * (kspan + 32) * 2 + 2 * kspan
 
     # as many warps per block as fit with a modest k-split: the dequant + mma chains need occupancy
     gu_warps = gu_warps or max([w for w in (16, 8, 4) if x_bytes(min(shape.hidden, 2048)) + w * ring <= smem_limit]
@@ -87,30 +134,45 @@ def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, stages: in
                 and kc // s >= min(8, kc)]
         if not fits:
             raise ValueError(f"MoE gate_up: hidden {shape.hidden} has no k-split that fits {smem_limit} B of smem")
+        fits = [s for s in fits if (kc // s) % gu_ring[1] == 0]
+        if not fits:
+            raise RingMismatch("gu_ring", f"MoE gate_up: no k-split of hidden / 64 = {kc} chunks is a multiple "
+                                          f"of the ring's {gu_ring[1]} chunks per slot")
         want = [s for s in fits if busy_tiles * gu_nb * s >= 0.9 * sm_count]   # H200 sweep: S=2 beat S=4 at M=1
         gu_splits = want[0] if want else fits[-1]
     elif kc % gu_splits:
         raise ValueError(f"MoE gate_up: splits {gu_splits} must divide hidden / 64 = {kc}")
+    elif (kc // gu_splits) % gu_ring[1]:
+        raise RingMismatch("gu_ring", f"MoE gate_up: splits {gu_splits} must divide hidden / 64 = {kc} into a "
+                                      f"multiple of {gu_ring[1]} chunks")
     gu_smem = x_bytes(kc // gu_splits * 64) + gu_warps * ring
     # down: with a short K (I <= 512: TP8) each warp has few chunks per tile, so fewer warps with two tile
     # pairs each keep the rings busy (H200 sweep, TP8: -15 % at M = 16..64); TP1: 8 warps x one pair
-    short_k = shape.inter // 64 <= 8
+    dn_ring_bytes = dn_ring[0] * dn_ring[1] * STAGE_BYTES
     dn_tpw = dn_tpw or (2 if short_k else 1)
     dn_warps = dn_warps or (4 if short_k else
-                            max([w for w in (8, 4) if x_bytes(shape.inter) + w * ring <= smem_limit] or [4]))
+                            max([w for w in (8, 4) if x_bytes(shape.inter) + w * dn_ring_bytes <= smem_limit] or [4]))
     dn_nb = -(-(shape.hidden // 16) // (dn_warps * 2 * dn_tpw))
-    dn_smem = x_bytes(shape.inter) + dn_warps * ring
+    dn_splits = dn_splits or 1
+    ic = shape.inter // 64
+    if ic % dn_splits:
+        raise ValueError(f"MoE down: splits {dn_splits} must divide inter / 64 = {ic}")
+    if (ic // dn_splits) % dn_ring[1]:
+        raise RingMismatch("dn_ring", f"MoE down: splits {dn_splits} must divide inter / 64 = {ic} into a "
+                                      f"multiple of {dn_ring[1]} chunks")
+    dn_smem = x_bytes(shape.inter // dn_splits) + dn_warps * dn_ring_bytes
     if max(gu_smem, dn_smem) > smem_limit:
         raise ValueError(f"MoE: shared memory {max(gu_smem, dn_smem)} B exceeds the device's {smem_limit}")
-    return MoEPlan(tiles, gu_warps, gu_tpw, gu_nb, gu_splits, gu_smem, dn_warps, dn_tpw, dn_nb, dn_smem)
+    return MoEPlan(tiles, gu_warps, gu_tpw, gu_nb, gu_splits, gu_smem, gu_ring, dn_warps, dn_tpw, dn_nb, dn_splits,
+                   dn_smem, dn_ring)
 
 
 class FusedMoE:
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
-                 router: DeviceArray | None = None, bias: DeviceArray | None = None):
+                 router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
         (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
-        needed only for routed runs."""
+        needed only for routed runs. pdl: programmatic dependent launch (sm_90+)."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -119,8 +181,9 @@ class FusedMoE:
                 got = tuple(weights[key].shape) if key in weights else "missing"
                 raise ValueError(f"FusedMoE: weights[{key!r}] must be {list(shp)}, got {got}")
         self.gpu, self.shape, self.w, self.router, self.bias = gpu, shape, weights, router, bias
+        self.pdl = pdl and supports_pdl(gpu)
         self._overrides: dict[int, MoEPlan] = {}
-        self.stages = gpu.defines(SOURCE)["DD_STAGES"]
+        self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
         plans = [self.plan(m) for m in range(1, mx + 1)]
         P = mx * shape.topk
@@ -130,7 +193,7 @@ class FusedMoE:
         self.tile_pairs = gpu.alloc((shape.max_tiles(mx), 8), np.int32)
         self.num_tiles = gpu.zeros(1, np.int32)
         self.act = gpu.alloc((P, I), np.uint16)
-        self.y = gpu.alloc((P, H), np.float32)
+        self.y = gpu.alloc(max(p.dn_splits * m * shape.topk * H for m, p in enumerate(plans, 1)), np.float32)
         part = max(p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 for p in plans)
         self.gu_partial = gpu.alloc(part, np.float32)
         self.gu_counters = gpu.zeros(max(p.tiles * p.gu_nb for p in plans), np.uint32)
@@ -138,17 +201,17 @@ class FusedMoE:
         self.logits = None
         if router is not None:
             self.logits = gpu.alloc((mx, E), np.float32)
-            self.router_gemm = SkinnyGemm(gpu, E, H, mx, out_f32=True)
+            self.router_gemm = SkinnyGemm(gpu, E, H, mx, out_f32=True, pdl=pdl)
 
     def plan(self, M: int) -> MoEPlan:
         if M in self._overrides:
             return self._overrides[M]
-        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages)
+        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring)
 
     def override(self, M: int, **kw) -> MoEPlan:
         """Benchmark sweeps: force plan_moe keywords for M (grows the workspaces if the plan needs more;
         call it before capturing a graph)."""
-        p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.stages, **kw)
+        p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, **kw)
         part = p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4
         if part > self.gu_partial.shape[0]:
             self.gu_partial = self.gpu.alloc(part, np.float32)
@@ -156,6 +219,8 @@ class FusedMoE:
             self.gu_counters = self.gpu.zeros(p.tiles * p.gu_nb, np.uint32)
         if self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]:
             self.dn_counters = self.gpu.zeros(self.shape.max_tokens * p.dn_nb, np.uint32)
+        if p.dn_splits * M * self.shape.topk * self.shape.hidden > self.y.shape[0]:
+            self.y = self.gpu.alloc(p.dn_splits * M * self.shape.topk * self.shape.hidden, np.float32)
         self._overrides[M] = p
         return p
 
@@ -171,7 +236,7 @@ class FusedMoE:
         self.gpu.launch(self.gpu.kernel(SOURCE, "moe_route"), 1, 1024, 0,
                         ptr(logits), ptr(self.bias), np.int32(M), np.int32(s.experts), np.int32(s.topk),
                         np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), ptr(ids), ptr(weights),
-                        ptr(self.tile_expert), ptr(self.tile_pairs), ptr(self.num_tiles), stream=stream)
+                        ptr(self.tile_expert), ptr(self.tile_pairs), ptr(self.num_tiles), stream=stream, pdl=self.pdl)
 
     def run(self, x: DeviceArray | int, out: DeviceArray | int, M: int, shared: DeviceArray | int | None = None,
             topk: tuple | None = None, stream=None) -> None:
@@ -189,16 +254,25 @@ class FusedMoE:
 
     def experts(self, x, out, M, ids, weights, shared=None, stream=None) -> None:
         """gate_up + down/combine, after the route kernel filled the tile lists."""
+        self.gate_up(x, M, stream)
+        self.down(out, M, weights, shared, stream)
+
+    def gate_up(self, x, M, stream=None) -> None:
+        """act[pair] = silu(x W_gate^T) * (x W_up^T) for every routed pair (after the route kernel)."""
         s, p, g = self.shape, self.plan(M), self.gpu
-        g.allow_smem(SOURCE, "moe_gate_up", p.gu_smem)
-        g.allow_smem(SOURCE, "moe_down", p.dn_smem)
-        g.launch(g.kernel(SOURCE, "moe_gate_up"), (p.gu_nb, p.gu_splits, p.tiles), p.gu_warps * 32, p.gu_smem,
+        g.allow_smem(SOURCE, p.gate_up_kernel, p.gu_smem)
+        g.launch(g.kernel(SOURCE, p.gate_up_kernel), (p.gu_nb, p.gu_splits, p.tiles), p.gu_warps * 32, p.gu_smem,
                  ptr(x), ptr(self.w["gate_up"]), ptr(self.w["gate_up_scale"]), ptr(self.tile_expert),
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.act), ptr(self.gu_partial),
                  ptr(self.gu_counters), np.int32(s.hidden), np.int32(s.inter // 8), np.int32(s.topk),
-                 np.int32(p.gu_splits), np.int32(p.gu_tpw), stream=stream)
-        g.launch(g.kernel(SOURCE, "moe_down"), (p.dn_nb, 1, p.tiles), p.dn_warps * 32, p.dn_smem,
+                 np.int32(p.gu_splits), np.int32(p.gu_tpw), stream=stream, pdl=self.pdl)
+
+    def down(self, out, M, weights, shared=None, stream=None) -> None:
+        """out[M, H] = sum_k weights[:, k] * act[pair_k] W_down^T (+ shared), after gate_up."""
+        s, p, g = self.shape, self.plan(M), self.gpu
+        g.allow_smem(SOURCE, p.down_kernel, p.dn_smem)
+        g.launch(g.kernel(SOURCE, p.down_kernel), (p.dn_nb, p.dn_splits, p.tiles), p.dn_warps * 32, p.dn_smem,
                  ptr(self.act), ptr(self.w["down"]), ptr(self.w["down_scale"]), ptr(self.tile_expert),
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.y), ptr(weights), ptr(shared), ptr(out),
                  ptr(self.dn_counters), np.int32(s.inter), np.int32(s.hidden // 16), np.int32(s.topk),
-                 np.int32(p.dn_tpw), stream=stream)
+                 np.int32(p.dn_tpw), np.int32(M * s.topk), stream=stream, pdl=self.pdl)

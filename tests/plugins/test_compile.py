@@ -4,9 +4,10 @@ import subprocess
 import sys
 
 from ddtree.plugins import compile as kc
+from ddtree.plugins.moe import RINGS
 
 # every extern "C" kernel the launchers look up, per source
-KERNELS = {"moe.cu": ["moe_route", "moe_gate_up", "moe_down"],
+KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down") for r, c in RINGS],
            "gemm.cu": ["gemm_bf16_mt1", "gemm_bf16_mt2", "gemm_bf16_mt4", "gemm_bf16_mt8"],
            "fill.cu": ["fill_hash_u32"]}
 

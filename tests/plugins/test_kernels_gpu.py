@@ -208,3 +208,104 @@ def test_skinny_gemm_in_place_residual(gpu):
     h_dev = gpu.upload(h)
     SkinnyGemm(gpu, N, K, 16).run(gpu.upload(x), gpu.upload(layout.tile_bf16(w)), h_dev, M, residual=h_dev)
     assert_close(bf16_to_f32(h_dev.numpy()), reference.gemm(x, w, h), atol_rms=2e-3, what="in-place residual")
+
+
+# ---------------------------------------------------------------------------------------------
+# forced plans (down split-K, block shapes, PDL off) and back-to-back launches in one graph
+# ---------------------------------------------------------------------------------------------
+
+MOE_VARIANTS = {
+    "down_split2": dict(dn_splits=2),
+    "down_split4_w4": dict(dn_splits=4, dn_warps=4, dn_tpw=1),
+    "down_w4_tpw2": dict(dn_warps=4, dn_tpw=2),
+    "gate_up_s4_w8": dict(gu_splits=4, gu_warps=8),
+    "gate_up_tpw2": dict(gu_tpw=2),
+    "ring_6x1": dict(gu_ring=(6, 1), dn_ring=(6, 1)),
+    "ring_3x2_down_split2": dict(gu_ring=(3, 2), dn_ring=(3, 2), dn_splits=2, gu_warps=8),
+    "ring_2x4_w12": dict(gu_ring=(2, 4), gu_warps=12, dn_ring=(2, 4), dn_warps=4),
+    "no_pdl": dict(),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_forced_plans(gpu, moe_case, variant):
+    from ddtree.plugins.moe import FusedMoE
+    c = moe_case
+    moe = FusedMoE(gpu, c["moe"].shape, {k: c["dev"][k] for k in ("gate_up", "gate_up_scale", "down", "down_scale")},
+                   pdl=variant != "no_pdl")
+    for M in (1, 16, 64):
+        try:
+            moe.override(M, **MOE_VARIANTS[variant])
+        except ValueError as exc:                                  # e.g. 12 warps x 2x4 rings on a 99 KB sm_120
+            assert "fits" in str(exc) and gpu.smem_optin < 200 * 1024, exc
+            pytest.skip(f"{variant}: {exc}")
+        ids, w = gpu.upload(c["ids"][:M]), gpu.upload(c["w"][:M])
+        gpu.memset(c["out"], 0xFF)
+        moe.run(c["dev"]["x"], c["out"], M, shared=c["dev"]["shared"], topk=(ids, w))
+        ref = c["y_ref"][:M] + c["shared_ref"][:M]
+        assert_close(bf16_to_f32(c["out"].numpy()[:M]), ref, what=f"moe {c['name']} {variant} M={M}")
+
+
+def test_moe_graph_back_to_back(gpu, moe_case):
+    """Three MoE calls in one graph (PDL: each launch overlaps the previous one's tail); the second reuses
+    every workspace the first is still draining, the third rewrites the first's output buffer."""
+    c = moe_case
+    H, moe = c["dev"]["x"].shape[1], c["moe"]
+    calls = [(0, 16), (16, 3), (19, 1)]                            # (first token, M)
+    outs = [gpu.alloc((16, H), np.uint16) for _ in range(2)]
+    routes = [(gpu.upload(c["ids"][t0:t0 + m]), gpu.upload(c["w"][t0:t0 + m])) for t0, m in calls]
+
+    def chain(stream):
+        for i, (t0, m) in enumerate(calls):
+            moe.run(c["dev"]["x"].view(t0 * H, (m, H)), outs[i % 2], m, topk=routes[i], stream=stream)
+    graph = gpu.capture(chain)
+    for _ in range(2):
+        for o in outs:
+            gpu.memset(o, 0xFF)
+        gpu.replay(graph)
+        got = [bf16_to_f32(o.numpy()) for o in outs]
+        assert_close(got[1][:3], c["y_ref"][16:19], what=f"moe {c['name']} graph call 2")
+        assert np.isnan(got[1][3:]).all()                          # call 2 wrote its three rows only
+        assert_close(got[0][:1], c["y_ref"][19:20], what=f"moe {c['name']} graph call 3")
+        assert_close(got[0][1:], c["y_ref"][1:16], what=f"moe {c['name']} graph call 1 (rows call 3 kept)")
+
+
+@pytest.mark.parametrize("plan", [dict(warps=8), dict(warps=8, tpw=2), dict(warps=2, tpw=4), dict(splits=1)])
+def test_skinny_gemm_forced_plans(gpu, gemm_case, plan):
+    c = gemm_case
+    try:
+        for M in (1, 16, 64):
+            try:
+                c["gemm"].override(M, **plan)
+            except ValueError as exc:                              # splits=1 can exceed the smem budget
+                assert "shared memory" in str(exc)
+                continue
+            gpu.memset(c["out"], 0xFF)
+            c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
+            y = c["out"].numpy()[:M]
+            y = y.astype(np.float64) if c["out_f32"] else bf16_to_f32(y)
+            assert_close(y, c["ref"][:M], atol_rms=2e-3, what=f"gemm {c['name']} {plan} M={M}")
+    finally:
+        c["gemm"]._overrides.clear()
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_skinny_gemm_chain_in_graph(gpu, pdl):
+    """y2 = (x w1^T) w2^T with the second GEMM reading the first's output: with PDL it starts early and
+    must wait before reading (its input is poisoned before every replay)."""
+    from ddtree.plugins.gemm import SkinnyGemm
+    M, K1, N1, N2 = 16, 7168, 1536, 4096
+    w1 = randfill.hash_array((N1, K1), np.uint16, 621, randfill.WEIGHT_BF16)
+    w2 = randfill.hash_array((N2, N1), np.uint16, 622, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((M, K1), np.uint16, 623, randfill.ACT_BF16)
+    g1, g2 = SkinnyGemm(gpu, N1, K1, M, pdl=pdl), SkinnyGemm(gpu, N2, N1, M, pdl=pdl)
+    w1d, w2d, xd = gpu.upload(layout.tile_bf16(w1)), gpu.upload(layout.tile_bf16(w2)), gpu.upload(x)
+    y1, y2 = gpu.alloc((M, N1), np.uint16), gpu.alloc((M, N2), np.uint16)
+    graph = gpu.capture(lambda s: (g1.run(xd, w1d, y1, M, stream=s), g2.run(y1, w2d, y2, M, stream=s)))
+    for _ in range(3):
+        gpu.memset(y1, 0xFF)
+        gpu.memset(y2, 0xFF)
+        gpu.replay(graph)
+        h = y1.numpy()
+        assert_close(bf16_to_f32(h), reference.gemm(x, w1), atol_rms=2e-3, what="chain y1")
+        assert_close(bf16_to_f32(y2.numpy()), reference.gemm(h, w2), atol_rms=2e-3, what="chain y2")

@@ -19,10 +19,10 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #ifndef DD_WARPS
-#define DD_WARPS 8                 // warps per block of the streaming GEMMs
+#define DD_WARPS 8                 // default warps per block of the skinny GEMM (its launcher's plan default)
 #endif
 #ifndef DD_STAGES
-#define DD_STAGES 8                // cp.async ring depth per warp
+#define DD_STAGES 8                // cp.async ring depth per warp of the skinny GEMM (the MoE rings are templates)
 #endif
 
 #define DD_NEG_INF (-__int_as_float(0x7f800000))
@@ -48,17 +48,15 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One repacked INT4 word -> the four A registers of one m16n8k16 step.
+// One repacked INT4 word -> the four A registers of one m16n8k16 step, biased by +136.
 // Register j takes nibbles j (low half) and j + 4 (high half): (w >> 4j) & 0x000F000F puts them in the
-// mantissas of two bf16 equal to 128 + u (magic 0x4300), and an fma with -136 leaves u - 8 exactly.
+// mantissas of two bf16 equal to 128 + u = (u - 8) + 136 (magic 0x4300), exactly. The -136 is not
+// subtracted here (that was one fma.bf16x2 per register): the caller starts the mma accumulator at
+// -136 * sum(x over the k group), so the mma itself removes the bias (w4_mainloop in moe.cu).
 // `mask` = 0x000F000F (a parameter so the caller can keep it in one register).
-__device__ __forceinline__ void dequant_int4_word(u32 w, u32 (&a)[4], u32 mask) {
-    const u32 one = 0x3F803F80u, minus136 = 0xC308C308u;
+__device__ __forceinline__ void int4_word_biased(u32 w, u32 (&a)[4], u32 mask) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 v = ((w >> (4 * j)) & mask) | 0x43004300u;
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[j]) : "r"(v), "r"(one), "r"(minus136));
-    }
+    for (int j = 0; j < 4; ++j) a[j] = ((w >> (4 * j)) & mask) | 0x43004300u;
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -98,6 +96,21 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
 }
+
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Programmatic dependent launch (PTX griddepcontrol, sm_90+; both are no-ops when the kernel was launched
+// without the programmatic-serialization attribute). wait: block until the previous kernel in the stream
+// has completed and its writes are visible. trigger: let the next kernel's blocks be scheduled (they run
+// their own prologue, then wait). Every kernel here triggers only after its own wait, so a kernel that
+// starts early can still rely on everything *two* launches back being complete and visible (read such
+// data with ld.global.cg before the wait).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // Split-K / combine hand-off without a second launch: every contributing block publishes its
 // partial results, then takes a ticket; the block that takes the last ticket reads all partials in a

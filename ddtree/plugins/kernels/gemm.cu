@@ -8,18 +8,22 @@
 // token rows for its k-split sit in shared memory. k is read in the permuted order of
 // ddtree/plugins/layout.py (lane t owns k = 32h + 8t .. +8 of each 64-wide chunk).
 // Split-K partials are reduced by the last block to arrive (fixed order, deterministic).
+// Programmatic dependent launch: the weight ring is filled before griddepcontrol.wait (weights never
+// depend on the previous kernel), the token rows and the residual are read after it.
 #include "common.cuh"
+
+#define DD_GEMM_MAX_WARPS 8
 
 struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8) x (h0 | h1)][lane]
     uint4 w[DD_STAGES][4][32];      // 16 rows x 64 k bf16 = 2 KB per stage
 };
 
-// Grid (MB = ceil(M / (8 MT)), S, NB), block DD_WARPS * 32 (token blocks fastest, so the blocks that
-// share a weight tile run together and re-reads hit L2),
-// dynamic smem = 8 MT * (K/S + 32) * 2 + DD_WARPS * sizeof(Bf16Ring).
+// Grid (MB = ceil(M / (8 MT)), S, NB), block warps * 32 (token blocks fastest, so the blocks that
+// share a weight tile run together and re-reads hit L2; warps <= DD_GEMM_MAX_WARPS),
+// dynamic smem = 8 MT * (K/S + 32) * 2 + warps * sizeof(Bf16Ring).
 //   x [M, K] bf16   w [ceil(N/16), K/64, 4, 32] uint4 (tile_bf16)   residual [M, N] bf16 or null (may alias out)
 //   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1)
-//   partial [NB, MB, S, DD_WARPS * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
+//   partial [NB, MB, S, warps * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
 template <int MT>
 __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                             const bf16_t* residual, void* out, float4* __restrict__ partial,
@@ -27,22 +31,14 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                                             int out_f32) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warps = blockDim.x >> 5;
     const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;    // +64 B per row: conflict-free uint4 reads
     const int row0 = blockIdx.x * 8 * MT, NT = (N + 15) >> 4, nb = blockIdx.z;
     bf16_t* xs = (bf16_t*)smem;                          // [8 MT][xstride]
     Bf16Ring& ring = ((Bf16Ring*)(smem + 8 * MT * xstride * 2))[warp];
 
-    const int vec_per_row = kspan >> 3;
-    for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
-        int row = i / vec_per_row, v = i - row * vec_per_row;
-        bf16_t* dst = xs + row * xstride + v * 8;
-        if (row0 + row < M) cp_async16(dst, x + (size_t)(row0 + row) * K + c0 * 64 + v * 8);
-        else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
-    }
-    cp_async_commit();
-
-    const int ntb = DD_WARPS * tpw, nt_begin = (nb * DD_WARPS + warp) * tpw;
+    const int ntb = warps * tpw, nt_begin = (nb * warps + warp) * tpw;
     const int my_tiles = max(0, min(tpw, NT - nt_begin));
     const int items = my_tiles * CPS;
     // tiled weights: (tile, chunk) = 2 KB contiguous = [4][32 lanes] uint4, so a warp streams 2 KB per step
@@ -62,8 +58,18 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         if (++issue_st == DD_STAGES) issue_st = 0;
     };
 #pragma unroll 1
-    for (int st = 0; st < DD_STAGES - 1; ++st) issue();
-    cp_async_wait<DD_STAGES - 2>();
+    for (int st = 0; st < DD_STAGES - 1; ++st) issue();     // weights first: independent of earlier kernels
+    pdl_wait();                                            // x (and residual) written by the previous kernel
+    pdl_trigger();
+    const int vec_per_row = kspan >> 3;
+    for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
+        int row = i / vec_per_row, v = i - row * vec_per_row;
+        bf16_t* dst = xs + row * xstride + v * 8;
+        if (row0 + row < M) cp_async16(dst, x + (size_t)(row0 + row) * K + c0 * 64 + v * 8);
+        else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();                                    // x is the newest group: everything landed
     __syncthreads();
 
     const size_t part_base = ((size_t)nb * gridDim.x + blockIdx.x) * S;
@@ -147,7 +153,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 }
 
 #define DD_DEFINE_GEMM(MT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                       \
+    extern "C" __global__ void __launch_bounds__(DD_GEMM_MAX_WARPS * 32, 1)                           \
     gemm_bf16_mt##MT(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out,            \
                      float4* partial, u32* counters, int M, int N, int K, int S, int tpw, int out_f32) { \
         skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32);            \

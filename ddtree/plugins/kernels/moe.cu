@@ -3,8 +3,10 @@
 //   moe_route    router top-k (sigmoid, +bias for selection, grouped top-k, lowest id wins ties,
 //                normalise, x routed_scaling_factor) and token->expert alignment, one block, no host sync
 //   moe_gate_up  act[pair, I] = silu(x W_gate^T) * (x W_up^T), INT4 weights, split-K with a ticket
-//   moe_down     y[pair, H] = act W_down^T; the last expert to finish a token's rows writes
-//                out[token] = sum_k w_k y[pair_k] (+ shared expert)
+//   moe_down     y[split, pair, H] = act W_down^T (split-K partials); the last expert block to finish a
+//                token's rows writes out[token] = sum_k w_k sum_s y[s, pair_k] (+ shared expert)
+// With programmatic dependent launch the three kernels overlap their launch and prologue with the
+// previous kernel's tail; moe_down fills its weight ring before waiting for moe_gate_up.
 //
 // A "pair" is (token m, choice k) = m * topk + k. Pairs are grouped by expert into tiles of 8 slots
 // (the n = 8 side of mma.m16n8k16); tile_pairs[tile][slot] = pair or -1 for padding.
@@ -116,6 +118,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
     __shared__ short rank[DD_MAX_PAIRS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int P = M * topk;
+    pdl_wait();                                      // logits / ids written, last readers of the lists done
+    pdl_trigger();
 
     if (logits) {
         for (int m = warp; m < M; m += nwarps)
@@ -161,67 +165,85 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
 // W4A16 expert GEMMs
 // --------------------------------------------------------------------------------------------
 
-struct W4Stage {                    // one warp's ring slot: lane-private, so no warp sync is needed
-    uint4 w[2][32];                 // two 16-row tiles x 64 k of INT4 = 2 x 512 B
-    uint2 s[2][32];                 // the lane's 4 bf16 scales per tile (rows g, g+8 x two k32 groups)
+template <int CPSLOT>
+struct W4Slot {                     // one warp's ring slot
+    uint4 w[CPSLOT][2][32];         // CPSLOT chunks x two 16-row tiles x 64 k of INT4 (lane-private uint4s)
+    uint2 s[CPSLOT][2][8];          // per chunk and tile, row group g's 4 bf16 scales (rows g, g+8 x two k32
+                                    // groups): 128 B per chunk copied once by 8 lanes, read by broadcast
 };
 
 // Shared main loop. The block owns one tile (8 slots of one expert), n-block blockIdx.x and k-split
-// blockIdx.y; warp w streams `tpw` pairs of 16-row n-tiles, tiles [nt_begin, nt_begin + 2 tpw), over the
-// split's chunks (two tiles per ring slot share the activation fragments and the loop overhead) and
-// hands each finished 16x8 accumulator to `epi(local tile, acc)`.
+// blockIdx.y of S; warp w streams `tpw` pairs of 16-row n-tiles, tiles [nt_begin, nt_begin + 2 tpw), over the
+// split's chunks (two tiles per chunk share the activation fragments and the loop overhead) and hands
+// each finished 16x8 accumulator to `epi(local tile, acc)`.
+//   STAGES, CPSLOT  ring of STAGES slots per warp, each CPSLOT consecutive chunks (one contiguous request
+//             of CPSLOT KB per warp); K/64/S must be a multiple of CPSLOT
 //   x_rows  activation rows [*, K] bf16: MODE 0 reads row pair / topk (the token), MODE 1 row pair
-template <int MODE, class Epi>
+//   PREFETCH  false: x rows first, then the weight ring (the caller has already waited for its inputs).
+//             true: the weight ring first (weights do not depend on earlier kernels), then
+//             `before_x()` (the programmatic-launch wait), then the x rows.
+// Weights arrive biased by +136 (int4_word_biased); each k32 group's mma pair starts from
+// -136 * sum(x over the group) per slot (xcorr, computed once per block), which cancels the bias.
+// Shared memory: x [8][kspan + 32] bf16, xcorr [2 CPS][4 t] float4, then the warps' rings.
+template <int MODE, bool PREFETCH, int STAGES, int CPSLOT, class BeforeX, class Epi>
 __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, const uint4* __restrict__ wq,
                                             const uint2* __restrict__ wscale, const int* pairs, int e, int K,
-                                            int NT, int topk, int S, int tpw, Epi epi) {
+                                            int NT, int topk, int S, int tpw, BeforeX before_x, Epi epi) {
     extern __shared__ __align__(16) unsigned char smem[];
+    typedef W4Slot<CPSLOT> Slot;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nwarps = blockDim.x >> 5;
     const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;   // +64 B per row: conflict-free uint4 reads
     bf16_t* xs = (bf16_t*)smem;                          // [8][xstride]
-    W4Stage* ring = (W4Stage*)(smem + 8 * xstride * 2) + warp * DD_STAGES;
+    float4* xcorr = (float4*)(smem + 16 * xstride);      // [2 CPS][4]: slots (2t, 2t+1, 2t, 2t+1)
+    Slot* ring = (Slot*)(smem + 16 * xstride + 128 * CPS) + warp * STAGES;
 
-    // 1. the 8 slots' activation rows for this k-split -> smem (zeros for padding slots)
-    const int vec_per_row = kspan >> 3;
-    for (int i = threadIdx.x; i < 8 * vec_per_row; i += blockDim.x) {
-        int slot = i / vec_per_row, v = i - slot * vec_per_row;
-        bf16_t* dst = xs + slot * xstride + v * 8;
-        int p = pairs[slot];
-        if (p < 0) {
-            *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
-        } else {
-            size_t row = MODE == 0 ? (size_t)(p / topk) : (size_t)p;
-            cp_async16(dst, x_rows + row * K + c0 * 64 + v * 8);
+    // the 8 slots' activation rows for this k-split -> smem (zeros for padding slots)
+    auto load_x = [&]() {
+        const int vec_per_row = kspan >> 3;
+        for (int i = threadIdx.x; i < 8 * vec_per_row; i += blockDim.x) {
+            int slot = i / vec_per_row, v = i - slot * vec_per_row;
+            bf16_t* dst = xs + slot * xstride + v * 8;
+            int p = pairs[slot];
+            if (p < 0) {
+                *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+            } else {
+                size_t row = MODE == 0 ? (size_t)(p / topk) : (size_t)p;
+                cp_async16(dst, x_rows + row * K + c0 * 64 + v * 8);
+            }
         }
-    }
-    cp_async_commit();
+        cp_async_commit();
+    };
 
-    // 2. this warp's items = (tile pair r, chunk c), streamed through the ring; counters, no divisions
+    // this warp's items = (tile pair r, chunk c), streamed through the ring; counters, no divisions
     const int nt_begin = 2 * (blockIdx.x * nwarps + warp) * tpw;
     const int my_pairs = max(0, min(tpw, (NT - nt_begin) / 2));
-    const int items = my_pairs * CPS;
+    const int slots = my_pairs * (CPS / CPSLOT);
     // a tile pair's chunk is 1 KB of weights (64 uint4) + 128 B of scales (16 uint2), pairs contiguous
     const size_t pair_base = (size_t)e * (NT / 2) + nt_begin / 2;
     const uint4* wp = wq + (pair_base * KC + c0) * 64 + lane;
-    const uint2* sp = wscale + (pair_base * KC + c0) * 16 + g;
-    const size_t skip_w = (size_t)(KC - CPS) * 64, skip_s = (size_t)(KC - CPS) * 16;
+    const uint4* sp = (const uint4*)wscale + (pair_base * KC + c0) * 8 + lane;   // 128 B = 8 uint4 per chunk
+    const bool copies_scales = lane < 8 * CPSLOT;        // a slot's scales are 8 CPSLOT contiguous uint4
+    const size_t skip_w = (size_t)(KC - CPS) * 64, skip_s = (size_t)(KC - CPS) * 8;
     const u64 policy = evict_first_policy();
-    // lane-private slot pointers, advanced instead of recomputed (the loop is issue-bound)
-    uint4* issue_w = &ring[0].w[0][lane];
-    uint2* issue_s = &ring[0].s[0][lane];
+    // lane-private slot pointers, advanced instead of recomputed
+    uint4* issue_w = &ring[0].w[0][0][lane];
+    uint4* issue_s = (uint4*)&ring[0].s[0][0][0] + lane;
     int issue_r = 0, issue_c = 0, issue_st = 0;
-    constexpr int SLOT_W = sizeof(W4Stage) / sizeof(uint4), SLOT_S = sizeof(W4Stage) / sizeof(uint2);
+    constexpr int SLOT_W = sizeof(Slot) / sizeof(uint4), SLOT_S = sizeof(Slot) / sizeof(uint2);
     auto issue = [&]() {
         if (issue_r < my_pairs) {
-            cp_async16_stream(issue_w, wp, policy);
-            cp_async16_stream(issue_w + 32, wp + 32, policy);
-            cp_async8(issue_s, sp);
-            cp_async8(issue_s + 32, sp + 8);
-            wp += 64;
-            sp += 16;
-            if (++issue_c == CPS) {                      // next tile pair, back to chunk c0
+#pragma unroll
+            for (int q = 0; q < CPSLOT; ++q) {           // chunk q: w[q][tile][lane], s[q][tile][lane]
+                cp_async16_stream(issue_w + 64 * q, wp + 64 * q, policy);
+                cp_async16_stream(issue_w + 64 * q + 32, wp + 64 * q + 32, policy);
+            }
+            if (copies_scales) cp_async16_stream(issue_s, sp, policy);
+            wp += 64 * CPSLOT;
+            sp += 8 * CPSLOT;
+            issue_c += CPSLOT;
+            if (issue_c == CPS) {                        // next tile pair, back to chunk c0
                 issue_c = 0;
                 ++issue_r;
                 wp += skip_w;
@@ -230,92 +252,133 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
         }
         cp_async_commit();                               // empty groups keep the counting uniform
         issue_w += SLOT_W;
-        issue_s += SLOT_S;
-        if (++issue_st == DD_STAGES) {
+        issue_s += SLOT_W;
+        if (++issue_st == STAGES) {
             issue_st = 0;
-            issue_w -= DD_STAGES * SLOT_W;
-            issue_s -= DD_STAGES * SLOT_S;
+            issue_w -= STAGES * SLOT_W;
+            issue_s -= STAGES * SLOT_W;
         }
     };
+    __shared__ u32 s_mask;
+    if (threadIdx.x == 0) s_mask = 0x000F000Fu;
+    if (PREFETCH) {
 #pragma unroll 1
-    for (int st = 0; st < DD_STAGES - 1; ++st) issue();
-    cp_async_wait<DD_STAGES - 2>();                      // activation rows + stage 0 landed
+        for (int st = 0; st < STAGES - 1; ++st) issue();
+        before_x();
+        load_x();
+        cp_async_wait<0>();                              // x is the newest group: everything landed
+    } else {
+        load_x();
+#pragma unroll 1
+        for (int st = 0; st < STAGES - 1; ++st) issue();
+        cp_async_wait<STAGES - 2>();                     // activation rows + slot 0 landed
+    }
+    __syncthreads();
+    // xcorr[group][t] = -136 * (sum of slot 2t's, slot 2t+1's 32 x values in k32 group `group`), laid out
+    // as the mma's C fragment {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)} so one LDS.128 is the start value
+    for (int i = threadIdx.x; i < 8 * CPS; i += blockDim.x) {
+        float sum[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const uint4* src = (const uint4*)(xs + (2 * (i & 3) + q) * xstride + (i >> 2) * 32);
+            sum[q] = 0.f;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint4 v = src[u];
+                sum[q] += (bf16lo_to_f32(v.x) + bf16hi_to_f32(v.x)) + (bf16lo_to_f32(v.y) + bf16hi_to_f32(v.y))
+                        + (bf16lo_to_f32(v.z) + bf16hi_to_f32(v.z)) + (bf16lo_to_f32(v.w) + bf16hi_to_f32(v.w));
+            }
+        }
+        xcorr[i] = make_float4(-136.0f * sum[0], -136.0f * sum[1], -136.0f * sum[0], -136.0f * sum[1]);
+    }
     __syncthreads();
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    int r = 0, c = 0, st = 0;
-    const uint4* slot_w = &ring[0].w[0][lane];
-    const uint2* slot_s = &ring[0].s[0][lane];
+    int c = 0, st = 0, r = 0;
+    const uint4* slot_w = &ring[0].w[0][0][lane];
+    const uint2* slot_s = &ring[0].s[0][0][g];
     // The dequant mask goes through shared memory so that ptxas cannot see the constant: otherwise it
-    // re-materialises it with a MOV before every lop3 (seen in the SASS; the loop is issue-bound).
-    __shared__ u32 s_mask;
-    if (threadIdx.x == 0) s_mask = 0x000F000Fu;
-    __syncthreads();
+    // re-materialises it with a MOV before every lop3 (seen in the SASS).
     const u32 nibble_mask = *(volatile u32*)&s_mask;
-    const bf16_t* xrow = xs + g * xstride + 8 * t;
-    for (int it = 0; it < items; ++it) {
-        cp_async_wait<DD_STAGES - 2>();                  // stage `it` landed
-        issue();                                         // refills the slot consumed last iteration
-        const uint4 w0 = slot_w[0], w1 = slot_w[32];
-        const uint2 s0 = slot_s[0], s1 = slot_s[32];
+    const bf16_t* xp = xs + g * xstride + 8 * t;         // chunk c, group h: xp + 64 c + 32 h
+    const float4* cp = xcorr + t;                        // chunk c, group h: cp + 8 c + 4 h
+    for (int it = 0; it < slots; ++it) {
+        cp_async_wait<STAGES - 2>();                     // slot `it` landed (this lane's copies)
+        __syncwarp();                                    // ... and the other lanes' (scales); all lanes are done
+        issue();                                         // reading the slot of the last iteration: refill it
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {                    // two k32 scale groups per chunk
-            const uint4 xb = *(const uint4*)(xrow + c * 64 + 32 * h);
+        for (int q = 0; q < CPSLOT; ++q) {
+            const uint4 w0 = slot_w[64 * q], w1 = slot_w[64 * q + 32];
+            const uint2 s0 = slot_s[16 * q], s1 = slot_s[16 * q + 8];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const uint4 w = j == 0 ? w0 : w1;
-                const uint2 sc = j == 0 ? s0 : s1;
-                float part[4] = {0.f, 0.f, 0.f, 0.f};    // unscaled: integer weights are exact in bf16
-                u32 a[4];
-                dequant_int4_word(h == 0 ? w.x : w.z, a, nibble_mask);
-                mma_bf16_16816(part, a, xb.x, xb.y);
-                dequant_int4_word(h == 0 ? w.y : w.w, a, nibble_mask);
-                mma_bf16_16816(part, a, xb.z, xb.w);
-                const u32 sp2 = h == 0 ? sc.x : sc.y;    // (row g, row g+8) scales of this group
-                const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
-                acc[j][0] += s_row_g * part[0];
-                acc[j][1] += s_row_g * part[1];
-                acc[j][2] += s_row_g8 * part[2];
-                acc[j][3] += s_row_g8 * part[3];
+            for (int h = 0; h < 2; ++h) {                // two k32 scale groups per chunk
+                const uint4 xb = *(const uint4*)(xp + 32 * h);
+                const float4 corr = cp[4 * h];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint4 w = j == 0 ? w0 : w1;
+                    const uint2 sc = j == 0 ? s0 : s1;
+                    // unscaled group sum: integer weights (+136) are exact in bf16; the start value removes the bias
+                    float part[4] = {corr.x, corr.y, corr.z, corr.w};
+                    u32 a[4];
+                    int4_word_biased(h == 0 ? w.x : w.z, a, nibble_mask);
+                    mma_bf16_16816(part, a, xb.x, xb.y);
+                    int4_word_biased(h == 0 ? w.y : w.w, a, nibble_mask);
+                    mma_bf16_16816(part, a, xb.z, xb.w);
+                    const u32 sp2 = h == 0 ? sc.x : sc.y;    // (row g, row g+8) scales of this group
+                    const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
+                    acc[j][0] += s_row_g * part[0];
+                    acc[j][1] += s_row_g * part[1];
+                    acc[j][2] += s_row_g8 * part[2];
+                    acc[j][3] += s_row_g8 * part[3];
+                }
             }
+            xp += 64;
+            cp += 8;
         }
         slot_w += SLOT_W;
         slot_s += SLOT_S;
-        if (++st == DD_STAGES) {
+        if (++st == STAGES) {
             st = 0;
-            slot_w -= DD_STAGES * SLOT_W;
-            slot_s -= DD_STAGES * SLOT_S;
+            slot_w -= STAGES * SLOT_W;
+            slot_s -= STAGES * SLOT_S;
         }
-        if (++c == CPS) {
+        c += CPSLOT;
+        if (c == CPS) {
             epi(2 * r, acc[0]);
             epi(2 * r + 1, acc[1]);
 #pragma unroll
             for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             c = 0;
             ++r;
+            xp -= 64 * CPS;
+            cp -= 8 * CPS;
         }
     }
     cp_async_wait<0>();
 }
 
-// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 8 * (K/S + 32) * 2 + nwarps * DD_STAGES * sizeof(W4Stage).
-// Each warp owns 2 tpw consecutive n-tiles (NT must be even).
+// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (K/S + 32) + 2 * K/S
+// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>) (x rows, xcorr, rings). Each warp owns 2 tpw consecutive n-tiles (NT even).
 // Fused tile f holds gate rows 8f..8f+7 (A rows 0-7) and up rows 8f..8f+7 (A rows 8-15), so a lane's
 // acc = {gate(slot 2t), gate(slot 2t+1), up(slot 2t), up(slot 2t+1)} for intermediate j = 8f + g.
 //   x        [M, K] bf16        wq [E, NT, K/64, 32] uint4     wscale [E, NT, K/64, 8] uint2
 //   act      [M * topk, I] bf16 (I = 8 NT)
 //   partial  [max_tiles, NB, S, nwarps * 2 tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
-// __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas re-materialised the dequant
-// mask before every lop3 (one extra MOV each, seen in the SASS) and the loop is issue-bound.
-extern "C" __global__ void __launch_bounds__(512, 1)
-moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
-            const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
-            const int* __restrict__ num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial,
-            u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw) {
+template <int STAGES, int CPSLOT>
+__device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
+                                             const uint2* __restrict__ wscale, const int* tile_expert,
+                                             const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,
+                                             float4* __restrict__ partial, u32* __restrict__ counters, int K,
+                                             int NT, int topk, int S, int tpw) {
+    // Outputs of earlier kernels are read with ld.global.cg or cp.async (L2), never through the
+    // non-coherent path that `const __restrict__` allows: with PDL they are written during our lifetime.
+    pdl_wait();                                          // tile lists (route) and x; the weights need the lists
+    pdl_trigger();                                       // the down kernel may start prefetching its weights
     const int z = blockIdx.z;
-    if (z >= *num_tiles) return;
+    if (z >= ld_cg_s32(num_tiles)) return;
     __shared__ int pairs[8];
-    if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
+    if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles_pw = 2 * tpw, ntb = (blockDim.x >> 5) * tiles_pw;
@@ -338,7 +401,7 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
             partial[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         }
     };
-    w4_mainloop<0>(x, wq, wscale, pairs, tile_expert[z], K, NT, topk, S, tpw, epi);
+    w4_mainloop<0, false, STAGES, CPSLOT>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw, [] {}, epi);
 
     if (S == 1) return;
     if (!arrive_last(&counters[(size_t)z * gridDim.x + blockIdx.x], (u32)S)) return;
@@ -353,25 +416,32 @@ moe_gate_up(const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const ui
     }
 }
 
-// Grid (NB, 1, max_tiles), block nwarps * 32, dynamic smem = 8 * (I + 32) * 2 + nwarps * DD_STAGES * sizeof(W4Stage).
-//   act [M * topk, I] bf16   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
-//   y   [M * topk, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
-//   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk expert tiles)
-extern "C" __global__ void __launch_bounds__(512, 1)
-moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,
-         const int* __restrict__ tile_expert, const int* __restrict__ tile_pairs,
-         const int* __restrict__ num_tiles, float* __restrict__ y, const float* __restrict__ topk_w,
-         const bf16_t* __restrict__ shared_out, bf16_t* __restrict__ out, u32* __restrict__ counters,
-         int K, int NT, int topk, int tpw) {
+// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (I/S + 32) + 2 * I/S
+// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>). Split s of S covers k = I/S * [s, s + 1) and writes its own
+// partial rows y[s]; the combine adds the S partials of each expert (fixed order: deterministic).
+//   act [P, I] bf16 (P = M * topk)   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
+//   y   [S, P, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
+//   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk * S expert blocks)
+// The tile lists come from the route kernel two launches back, complete before gate_up triggered this
+// launch: they are read (ld.global.cg) and the weight ring is filled before waiting for gate_up.
+template <int STAGES, int CPSLOT>
+__device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const uint4* __restrict__ wq,
+                                          const uint2* __restrict__ wscale, const int* tile_expert,
+                                          const int* tile_pairs, const int* num_tiles, float* __restrict__ y,
+                                          const float* topk_w, const bf16_t* shared_out, bf16_t* __restrict__ out,
+                                          u32* __restrict__ counters, int K, int NT, int topk, int tpw, int P) {
     const int z = blockIdx.z;
-    if (z >= *num_tiles) return;
+    // at least one tile is real (M >= 1), so some blocks of this grid always wait for gate_up: the grid
+    // never completes before gate_up does, which the next programmatic launch relies on
+    if (z >= ld_cg_s32(num_tiles)) return;
     __shared__ int pairs[8];
     __shared__ int finished_token[8];
-    if (threadIdx.x < 8) pairs[threadIdx.x] = tile_pairs[z * 8 + threadIdx.x];
+    if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles_pb = (blockDim.x >> 5) * 2 * tpw;
+    const int tiles_pb = (blockDim.x >> 5) * 2 * tpw, S = gridDim.y;
     const int H = NT * 16, nt_begin = (blockIdx.x * (blockDim.x >> 5) + warp) * 2 * tpw;
+    float* ys = y + (size_t)blockIdx.y * P * H;          // this split's partial rows
 
     auto epi = [&](int r, const float (&acc)[4]) {      // acc = {(n, 2t), (n, 2t+1), (n+8, 2t), (n+8, 2t+1)}
         const int n = (nt_begin + r) * 16 + g;
@@ -379,21 +449,22 @@ moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uin
         for (int q = 0; q < 2; ++q) {
             int p = pairs[2 * t + q];
             if (p >= 0) {
-                y[(size_t)p * H + n] = acc[q];
-                y[(size_t)p * H + n + 8] = acc[2 + q];
+                ys[(size_t)p * H + n] = acc[q];
+                ys[(size_t)p * H + n + 8] = acc[2 + q];
             }
         }
     };
-    w4_mainloop<1>(act, wq, wscale, pairs, tile_expert[z], K, NT, topk, 1, tpw, epi);
+    auto wait_for_act = [] { pdl_wait(); pdl_trigger(); };
+    w4_mainloop<1, true, STAGES, CPSLOT>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw, wait_for_act, epi);
 
-    // combine: the last of a token's topk expert tiles to finish this n-block writes its rows
+    // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows
     __threadfence();
     __syncthreads();
     if (threadIdx.x < 8) {
         int p = pairs[threadIdx.x], tok = -1;
         if (p >= 0) {
             u32* c = &counters[(size_t)(p / topk) * gridDim.x + blockIdx.x];
-            if (atomicAdd(c, 1u) == (u32)topk - 1) { atomicExch(c, 0u); tok = p / topk; }
+            if (atomicAdd(c, 1u) == (u32)(topk * S) - 1) { atomicExch(c, 0u); tok = p / topk; }
         }
         finished_token[threadIdx.x] = tok;
     }
@@ -405,10 +476,39 @@ moe_down(const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uin
         if (tok < 0) continue;
         for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {
             float v = 0.f;
-            for (int k = 0; k < topk; ++k)               // fixed order: deterministic
-                v += topk_w[tok * topk + k] * ld_cg_f32(&y[(size_t)(tok * topk + k) * H + n]);
-            if (shared_out) v += bf16_to_f32(shared_out[(size_t)tok * H + n]);
+            // fixed order (split, then expert): deterministic. One flat inner loop over k so that ptxas
+            // batches its L2 loads (a nested runtime loop serialised them: +8 us at TP8, M = 1)
+            for (int s = 0; s < S; ++s) {
+                const float* ys_tok = y + ((size_t)s * P + tok * topk) * H + n;
+                for (int k = 0; k < topk; ++k)
+                    v += __ldcg(&topk_w[tok * topk + k]) * ld_cg_f32(ys_tok + (size_t)k * H);
+            }
+            if (shared_out) v += bf16_to_f32(__ldcg(&shared_out[(size_t)tok * H + n]));
             out[(size_t)tok * H + n] = f32_to_bf16(v);
         }
     }
 }
+
+// Ring variants (kernel names moe_{gate_up,down}_r<STAGES>c<CPSLOT>), chosen per launch by the plan
+// (ddtree/plugins/moe.py RINGS). __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas
+// re-materialised the dequant mask before every lop3 (one extra MOV each, seen in the SASS).
+#define DD_MOE_RING(ST, CP)                                                                               \
+    extern "C" __global__ void __launch_bounds__(512, 1) moe_gate_up_r##ST##c##CP(                      \
+        const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,   \
+        const int* tile_expert, const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,   \
+        float4* __restrict__ partial, u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw) { \
+        gate_up_impl<ST, CP>(x, wq, wscale, tile_expert, tile_pairs, num_tiles, act, partial, counters, K, \
+                             NT, topk, S, tpw);                                                           \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512, 1) moe_down_r##ST##c##CP(                         \
+        const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale, \
+        const int* tile_expert, const int* tile_pairs, const int* num_tiles, float* __restrict__ y,       \
+        const float* topk_w, const bf16_t* shared_out, bf16_t* __restrict__ out, u32* __restrict__ counters, \
+        int K, int NT, int topk, int tpw, int P) {                                                        \
+        down_impl<ST, CP>(act, wq, wscale, tile_expert, tile_pairs, num_tiles, y, topk_w, shared_out, out, \
+                          counters, K, NT, topk, tpw, P);                                                 \
+    }
+DD_MOE_RING(6, 1)
+DD_MOE_RING(3, 2)
+DD_MOE_RING(4, 2)
+DD_MOE_RING(2, 4)

@@ -1,0 +1,83 @@
+"""CPU tests of the launch plans: every plan the launchers can pick fits the shared memory of both
+target archs (H200 sm_90: 227 KB per block; RTX PRO 6000 sm_120: 99 KB), and bad knobs are named."""
+import pytest
+
+from ddtree.plugins.gemm import plan_gemm
+from ddtree.plugins.moe import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe
+
+ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
+STAGES = 6                                          # compile.SOURCES ring depth of the skinny GEMM
+MOE_SHAPES = {"tp1": MoEShape(7168, 2048, 384, 8), "tp8": MoEShape(7168, 256, 384, 8)}
+GEMM_SHAPES = [(163840 // 8, 7168), (1536, 7168), (7168, 18432), (12288, 1536), (384, 7168), (7168, 256)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("name", sorted(MOE_SHAPES))
+def test_moe_plans_fit(arch, name):
+    a, shape = ARCHS[arch], MOE_SHAPES[name]
+    ring = DEFAULT_RING.get(arch, DEFAULT_RING["default"])
+    for M in range(1, 257):
+        p = plan_moe(shape, M, a["sm_count"], a["smem_limit"], ring)
+        assert max(p.gu_smem, p.dn_smem) <= a["smem_limit"]
+        assert (shape.hidden // 64) % p.gu_splits == 0 and (shape.inter // 64) % p.dn_splits == 0
+        # the kernel's layout: 8 rows of (kspan + 32) bf16, the float4 bias terms, the warps' rings
+        kspan = shape.inter // p.dn_splits
+        assert p.dn_smem == 16 * (kspan + 32) + 2 * kspan + p.dn_warps * p.dn_ring[0] * p.dn_ring[1] * STAGE_BYTES
+        assert p.gu_warps >= 8 and p.gate_up_kernel == "moe_gate_up_r%dc%d" % ring
+        assert p.dn_ring == (ONE_CHUNK_RING if name == "tp8" else ring)
+        for other in RINGS:                         # every compiled ring has a plan that fits, or a clear error
+            try:
+                q = plan_moe(shape, M, a["sm_count"], a["smem_limit"], other, gu_warps=8, dn_warps=4)
+            except ValueError as exc:
+                assert "shared memory" in str(exc) or "k-split that fits" in str(exc)
+                continue
+            assert max(q.gu_smem, q.dn_smem) <= a["smem_limit"] and q.gate_up_kernel.endswith("r%dc%d" % other)
+            assert q.down_kernel.endswith("r%dc%d" % (ONE_CHUNK_RING if name == "tp8" else other))
+
+
+def test_moe_plan_rejects_bad_down_split_and_ring():
+    with pytest.raises(ValueError, match="down: splits 3 must divide inter / 64 = 32"):
+        plan_moe(MOE_SHAPES["tp1"], 1, 132, 232448, (4, 2), dn_splits=3)
+    with pytest.raises(ValueError, match="down: splits 4 must divide inter / 64 = 4 into a multiple of 2"):
+        plan_moe(MOE_SHAPES["tp8"], 1, 132, 232448, (4, 2), dn_splits=4, dn_ring=(4, 2))
+    with pytest.raises(ValueError, match=r"ring \(5, 1\) is not compiled"):
+        plan_moe(MOE_SHAPES["tp1"], 1, 132, 232448, (4, 2), gu_ring=(5, 1))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_gemm_plans_fit(arch):
+    a = ARCHS[arch]
+    for N, K in GEMM_SHAPES:
+        for M in (1, 2, 8, 16, 17, 64, 256):
+            p = plan_gemm(M, N, K, a["sm_count"], a["smem_limit"], 4, STAGES)
+            assert p.smem <= a["smem_limit"] and (K // 64) % p.splits == 0 and p.mb * 8 * p.mt >= M
+
+
+def test_gemm_plan_rejects_bad_warps():
+    with pytest.raises(ValueError, match=r"warps per block must be in \[1, 8\], got 16"):
+        plan_gemm(1, 1536, 7168, 132, 232448, 16, STAGES)
+
+
+def test_gemm_two_tiles_per_warp_only_for_big_weights_at_9_to_16_tokens():
+    big, small = (163840, 7168), (1536, 7168)
+    assert plan_gemm(16, *big, 132, 232448, 4, STAGES).tpw == 2
+    assert plan_gemm(9, *big, 132, 232448, 4, STAGES).tpw == 2
+    assert plan_gemm(8, *big, 132, 232448, 4, STAGES).tpw == 1
+    assert plan_gemm(17, *big, 132, 232448, 4, STAGES).tpw == 1
+    assert plan_gemm(16, *small, 132, 232448, 4, STAGES).tpw == 1
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("hidden, inter", [(64, 64), (128, 64), (512, 64), (7168, 64), (7168, 128), (576, 192)])
+def test_moe_small_shapes_fall_back_to_one_chunk_slots(arch, hidden, inter):
+    """The default 2-chunk ring needs an even number of chunks per split; other shapes (tests, tiny
+    presets) get the one-chunk ring for that kernel only, never an error."""
+    a, ring = ARCHS[arch], DEFAULT_RING.get(arch, DEFAULT_RING["default"])
+    shape = MoEShape(hidden, inter, 16, 4, max_tokens=64)
+    for M in (1, 5, 64):
+        p = plan_moe(shape, M, a["sm_count"], a["smem_limit"], ring)
+        assert (hidden // 64 // p.gu_splits) % p.gu_ring[1] == 0 and (inter // 64 // p.dn_splits) % p.dn_ring[1] == 0
+        assert p.dn_ring == ONE_CHUNK_RING                         # short K (<= 8 chunks): one-chunk slots
+        assert max(p.gu_smem, p.dn_smem) <= a["smem_limit"]
+    forced = plan_moe(MOE_SHAPES["tp8"], 1, 132, 232448, (4, 2), dn_splits=4)      # down falls back alone
+    assert forced.dn_ring == ONE_CHUNK_RING and forced.gu_ring == (4, 2)
