@@ -39,6 +39,16 @@ def _ints(text: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
 
 
+def _ring(text: str | None) -> tuple | None:
+    if not text:
+        return None
+    try:
+        slots, chunks = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(f"expected SLOTSxCHUNKS like 8x1, got {text!r}")
+    return slots, chunks
+
+
 def _say(msg: str) -> None:
     click.echo(msg, err=True)
 
@@ -69,7 +79,8 @@ def _row(extra: dict, nbytes: float, us: float, ceiling_gbps: float) -> dict:
 
 
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
-                   overrides: dict | None = None, router: bool = True) -> list[dict]:
+                   overrides: dict | None = None, router: bool = True, pdl: bool = True,
+                   parts: bool = False) -> list[dict]:
     from ddtree.plugins import randfill
     from ddtree.plugins.moe import FusedMoE, MoEShape
     inter = TP_SHAPES[tp]["inter"]
@@ -84,7 +95,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
     randfill.fill_device(gpu, router_w, seed + 7, randfill.WEIGHT_BF16)
     bias = gpu.upload(np.zeros(E, np.float32))
-    moe = FusedMoE(gpu, shape, weights, router=router_w, bias=bias)
+    moe = FusedMoE(gpu, shape, weights, router=router_w, bias=bias, pdl=pdl)
     x = gpu.alloc((shape.max_tokens, H), np.uint16)
     randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
     out = gpu.alloc((shape.max_tokens, H), np.uint16)
@@ -110,22 +121,35 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
         us = time_graph(gpu, launch_all) * 1e3 / launches
         p = moe.plan(M)
         plan = {"gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
-                "down_warps": p.dn_warps, "down_blocks_x": p.dn_nb}
+                "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb,
+                "down_splits": p.dn_splits, "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring,
+                "gate_up_tpw": p.gu_tpw, "pdl": moe.pdl}
         rows.append(_row({"tp": tp, "part": "experts", "M": M, "distinct_experts": round(float(np.mean(distinct)), 1),
                           "plan": plan}, touched, us, ceiling_gbps))
+        if parts:       # cumulative prefixes of the chain: route; route + gate_up (same routings, same graph shape)
+            def prefix(stream, upto):
+                for ids, w in routes:
+                    moe._launch_route(None, M, ids, w, stream)
+                    if upto == "gate_up":
+                        moe.gate_up(x, M, stream)
+            for upto in ("route", "gate_up"):
+                us_p = time_graph(gpu, lambda st: prefix(st, upto)) * 1e3 / launches
+                rows.append({"tp": tp, "part": f"prefix_{upto}", "M": M, "latency_us": round(us_p, 2)})
+            _say(f"  moe tp{tp} M={M:4d} route {rows[-2]['latency_us']:.1f} us, + gate_up {rows[-1]['latency_us']:.1f} us")
         if router:
             moe.route(x, M)
             gpu.sync()
             us_r = time_graph(gpu, lambda s: [moe.route(x, M, stream=s) for _ in range(launches)]) * 1e3 / launches
             rows.append(_row({"tp": tp, "part": "router", "M": M}, E * H * 2 + M * H * 2, us_r, ceiling_gbps))
-        _say(f"  moe tp{tp} M={M:4d} {rows[-1 - router]['latency_us']:9.1f} us  "
-             f"{rows[-1 - router]['gbps']:7.0f} GB/s  {rows[-1 - router]['pct_of_ceiling']:5.1f}%"
-             + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))
+        main = next(r for r in reversed(rows) if r["part"] == "experts")
+        _say(f"  moe tp{tp} M={M:4d} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
+             f"{main['pct_of_ceiling']:5.1f}%" + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))
     gpu.free_all()
     return rows
 
 
-def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int, names: list[str] | None) -> list[dict]:
+def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int, names: list[str] | None,
+                    overrides: dict | None = None, pdl: bool = True) -> list[dict]:
     from ddtree.plugins import randfill
     from ddtree.plugins.gemm import SkinnyGemm
     rows = []
@@ -142,8 +166,10 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
         randfill.fill_device(gpu, x, seed + 1000, randfill.ACT_BF16)
         out = gpu.alloc((max_m, N), np.uint16)
         gpu.memset(out, 0)
-        gemm = SkinnyGemm(gpu, N, K, max_m)
+        gemm = SkinnyGemm(gpu, N, K, max_m, pdl=pdl)
         for M in ms:
+            if overrides:
+                gemm.override(M, **overrides)
             res = out if residual else None
             gemm.run(x, ws[0], out, M, residual=res)
             gpu.sync()
@@ -153,7 +179,8 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
             nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
             p = gemm.plan(M)
             rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),
-                              "residual": residual, "plan": {"mt": p.mt, "splits": p.splits, "blocks": p.blocks}},
+                              "residual": residual, "plan": {"mt": p.mt, "splits": p.splits, "blocks": p.blocks,
+                                                              "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
                              nbytes, us, ceiling_gbps))
             _say(f"  gemm tp{tp} {name:15s} M={M:4d} {us:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
                  f"{rows[-1]['pct_of_ceiling']:5.1f}%")
@@ -173,10 +200,19 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--launches", default=16, show_default=True, help="launches per captured graph")
 @click.option("--splits", type=int, default=None, help="force the gate_up k-splits (sweeps)")
 @click.option("--warps", type=int, default=None, help="force the warps per block of both GEMMs (sweeps)")
+@click.option("--down-splits", type=int, default=None, help="force the down k-splits (sweeps)")
+@click.option("--down-warps", type=int, default=None, help="force the down warps per block (sweeps)")
+@click.option("--down-tpw", type=int, default=None, help="force the down tile pairs per warp (sweeps)")
+@click.option("--gu-tpw", type=int, default=None, help="force the gate_up tile pairs per warp (sweeps)")
+@click.option("--gu-ring", default=None, help="gate_up ring SLOTSxCHUNKS, e.g. 8x1 or 4x2 (sweeps)")
+@click.option("--down-ring", default=None, help="down ring SLOTSxCHUNKS (sweeps)")
+@click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
+@click.option("--parts", is_flag=True, help="also time the route and route + gate_up prefixes")
 @click.option("--no-router", is_flag=True, help="skip the router rows")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def moe_command(tps, m_list, launches, splits, warps, no_router, seed, as_json):
+def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
+                no_pdl, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
     from ddtree.plugins.device import Gpu
     gpu = Gpu()
@@ -187,8 +223,11 @@ def moe_command(tps, m_list, launches, splits, warps, no_router, seed, as_json):
     for tp in _ints(tps):
         if tp not in TP_SHAPES:
             raise click.BadParameter(f"--tp must be among {sorted(TP_SHAPES)}, got {tp}")
-        overrides = {k: v for k, v in (("gu_splits", splits), ("gu_warps", warps), ("dn_warps", warps)) if v}
-        rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router)
+        overrides = {k: v for k, v in (("gu_splits", splits), ("gu_warps", warps), ("dn_warps", down_warps or warps),
+                                       ("dn_splits", down_splits), ("dn_tpw", down_tpw), ("gu_tpw", gu_tpw),
+                                       ("gu_ring", _ring(gu_ring)), ("dn_ring", _ring(down_ring))) if v}
+        rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router,
+                               not no_pdl, parts)
     _emit("moe", gpu, rows, ceiling, as_json)
 
 
@@ -196,9 +235,14 @@ def moe_command(tps, m_list, launches, splits, warps, no_router, seed, as_json):
 @click.option("--tp", "tps", default="1,8", show_default=True, help="tensor-parallel shapes: 1, 8")
 @click.option("--m", "m_list", default="1,2,4,8,16,32,64,128,256", show_default=True, help="token counts")
 @click.option("--names", default="", help="comma-separated subset of shape names (default all)")
+@click.option("--splits", type=int, default=None, help="force the k-splits (sweeps; must divide K / 64)")
+@click.option("--tpw", type=int, default=None, help="force the 16-row tiles per warp (sweeps)")
+@click.option("--warps", type=int, default=None, help="force the warps per block (sweeps)")
+@click.option("--x-kb", type=int, default=None, help="shared memory for the token rows, KB (sweeps)")
+@click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def gemm_command(tps, m_list, names, seed, as_json):
+def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, no_pdl, seed, as_json):
     """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
     from ddtree.plugins.device import Gpu
     gpu = Gpu()
@@ -213,5 +257,7 @@ def gemm_command(tps, m_list, names, seed, as_json):
         known = {n for n, *_ in GEMM_SHAPES[tp]}
         if any(n not in known for n in wanted):
             raise click.BadParameter(f"--names: unknown {sorted(set(wanted) - known)}; known {sorted(known)}")
-        rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted)
+        overrides = {k: v for k, v in (("splits", splits), ("tpw", tpw), ("warps", warps),
+                                       ("x_budget", x_kb and x_kb * 1024)) if v}
+        rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted, overrides, not no_pdl)
     _emit("gemm", gpu, rows, ceiling, as_json)
