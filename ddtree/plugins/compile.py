@@ -21,7 +21,7 @@ DEFAULT_ARCHS = ("sm_90", "sm_120")
 # truth. (Measured on the H200: a 12-deep ring with fewer resident warps was slower than 6-deep rings
 # with more warps per SM; the MoE loop needs warps to hide its dequant/mma dependency chains.)
 SOURCES: dict[str, dict[str, dict[str, int]]] = {
-    "moe.cu": {"default": {"DD_STAGES": 6}},
+    "moe.cu": {"default": {}},                 # ring depths are template parameters (plugins/moe.py)
     "gemm.cu": {"default": {"DD_WARPS": 4, "DD_STAGES": 6}},
     "fill.cu": {"default": {}},
 }

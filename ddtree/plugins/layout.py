@@ -18,8 +18,8 @@ the activations in the same order, so the k permutation cancels. Nibble position
   nibble 1, 5: row g+8, columns p, p+1      -> A register 1
   nibble 2, 6: row g,   columns p+2, p+3    -> A register 2
   nibble 3, 7: row g+8, columns p+2, p+3    -> A register 3
-so register j = (word >> 4j) & 0x000F000F, two bf16 mantissas at once (dequant_int4_word in
-kernels/common.cuh). Every 16x16 mma step lies inside one k32 scale group, which is why the kernels
+so register j = (word >> 4j) & 0x000F000F, two bf16 mantissas at once (int4_word_biased in
+kernels/common.cuh, which leaves the +136 bias for the mma accumulator to remove). Every 16x16 mma step lies inside one k32 scale group, which is why the kernels
 can scale the fp32 partial sums instead of the weights.
 
 Gate and up are fused row-wise: fused tile f = gate rows 8f..8f+7 then up rows 8f..8f+7, so one
