@@ -172,10 +172,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLA(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.dropout = 0.0                         # training-only residual dropout (not in the checkpoint)
 
     def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        p = self.dropout if self.training else 0.0
+        h = h + F.dropout(self.self_attn(self.input_layernorm(h), cos, sin), p)
+        return h + F.dropout(self.mlp(self.post_attention_layernorm(h)), p)
 
 
 class KimiModel(nn.Module):

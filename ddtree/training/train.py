@@ -94,6 +94,8 @@ def train_target(cfg: KimiConfig, corpus, args, rng: np.random.Generator, log) -
     torch.manual_seed(args.seed)
     model = KimiForCausalLM(cfg)
     init_weights(model, args.seed)
+    for layer in model.model.layers:
+        layer.dropout = args.dropout
     opt = make_optimizer(model, args.lr, 0.1)
     S, steps = args.seq_len + 1, args.target_steps
     val_starts = np.random.default_rng(args.seed + 7).integers(0, len(corpus.heldout) - S, size=16)
@@ -194,6 +196,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--dropout", type=float, default=0.1, help="target residual dropout (training only)")
     p.add_argument("--qat-frac", type=float, default=0.2, help="last fraction of target steps with INT4 fake quant")
     p.add_argument("--bias-rate", type=float, default=3e-3, help="aux-loss-free correction-bias update speed")
     p.add_argument("--gen-seqs", type=int, default=1024, help="greedy continuations for the drafter")
