@@ -1,7 +1,8 @@
 """Train the embedded tiny model: `python -m ddtree.training.train --out ddtree/data/tiny --seed 0`.
 
 Phases (all on CPU, torch.set_num_threads(2), bf16 autocast for the matmuls):
-  1. target   next-byte cross-entropy on the pinned stdlib corpus; the router's correction bias
+  1. target   next-byte cross-entropy on the pinned stdlib corpus (residual dropout 0.1, training
+              only: it is not part of the architecture); the router's correction bias
               follows the aux-loss-free rule (bias += rate * sign(mean load - load) after each
               step); the last `qat_frac` of the steps train the routed experts through INT4
               group-32 fake quantisation (straight-through), so the exported grid loses nothing.
@@ -27,7 +28,6 @@ import math
 import resource
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
