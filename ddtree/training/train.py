@@ -27,6 +27,7 @@ import json
 import math
 import resource
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -232,7 +233,8 @@ def main(argv=None) -> dict:
     corpus = load_corpus()
     log(f"corpus: {len(corpus.train)} training tokens, {len(corpus.heldout)} held out, "
         f"{len(corpus.skipped)} pinned files skipped")
-    report = {"command": "python -m ddtree.training.train " + " ".join(argv or []), "args": vars(args)}
+    given = sys.argv[1:] if argv is None else argv
+    report = {"command": "python -m ddtree.training.train " + " ".join(given), "args": vars(args)}
     if args.skip_target:
         previous = out / "training_log.json"
         report["target"] = json.loads(previous.read_text()).get("target") if previous.exists() else None
