@@ -5,8 +5,9 @@
     result.text, result.tokens, result.stats
     for token_ids in engine.stream("def fib(n):"): ...           # committed tokens, step by step
 
-A plain prompt is [BOS] + encode(text); a chat prompt (messages) is rendered with the checkpoint's
-chat template and gets no [BOS] (kimi-k2.md section 7). Generation stops on any stop token of the
+A plain prompt is encode(text) with no [BOS] (the Kimi chat template emits none, and the tiny model
+was trained on windows that start anywhere in a file); an empty prompt becomes [BOS] alone. A chat
+prompt (messages) is rendered with the checkpoint's chat template (kimi-k2.md section 7). Generation stops on any stop token of the
 tokenizer or the config's eos ids, which are kept in `tokens` but not in `text`.
 """
 from __future__ import annotations
@@ -72,9 +73,9 @@ class DDTreeEngine:
 
     # ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
-        """str -> [BOS] + tokens; list of chat messages -> the chat template; list of ints -> as is."""
+        """str -> tokens ([BOS] if empty); list of chat messages -> the chat template; list of ints -> as is."""
         if isinstance(prompt, str):
-            return [self.config.bos_token_id] + self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt) or [self.config.bos_token_id]
         prompt = list(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.encode_chat(prompt)

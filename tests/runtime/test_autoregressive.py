@@ -69,7 +69,7 @@ def test_cli_json(tiny):
                                        "--temperature", "0.7", "--seed", "5", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    want, _ = generate_ar(target, PROMPT, 6, SamplingParams(temperature=0.7, seed=5),
+    want, _ = generate_ar(target, PROMPT[1:], 6, SamplingParams(temperature=0.7, seed=5),   # plain prompts get no BOS
                           eos_ids=target.config.eos_token_ids)
     assert out["tokens"] == want
     assert out["stats"]["new_tokens"] == len(want)
