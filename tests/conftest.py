@@ -10,6 +10,20 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """DDTREE_KERNEL_CACHE for this session: cubins compile once per run, into a temporary folder
+    (also seen by ddtree-build subprocesses), never into the user's cache."""
+    path = tmp_path_factory.mktemp("cubins")
+    old = os.environ.get("DDTREE_KERNEL_CACHE")
+    os.environ["DDTREE_KERNEL_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DDTREE_KERNEL_CACHE", None)
+    else:
+        os.environ["DDTREE_KERNEL_CACHE"] = old
+
+
 @functools.cache
 def gpu_available() -> bool:
     if importlib.util.find_spec("cuda") is None:

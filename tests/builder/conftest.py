@@ -1,26 +1,12 @@
 """Shared fixtures of the builder tests: a tiny synthetic checkpoint (the real on-disk formats),
-engines built from it on demand, and one kernel cache per
-session so the cubins are compiled once (building with --arch needs the `cuda` extra's NVRTC)."""
-import os
+engines built from it on demand (building with --arch needs the `cuda` extra's NVRTC; the cubin
+cache is one temporary folder per session, tests/conftest.py)."""
 from pathlib import Path
 
 import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.model.synthetic import synth
-
-@pytest.fixture(scope="session", autouse=True)
-def kernel_cache(tmp_path_factory):
-    """DDTREE_KERNEL_CACHE for this session (also seen by ddtree-build subprocesses)."""
-    path = tmp_path_factory.mktemp("cubins")
-    old = os.environ.get("DDTREE_KERNEL_CACHE")
-    os.environ["DDTREE_KERNEL_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DDTREE_KERNEL_CACHE", None)
-    else:
-        os.environ["DDTREE_KERNEL_CACHE"] = old
-
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):

@@ -1,6 +1,5 @@
 """Fixtures of the graph tests: tiny synthetic checkpoints (the real formats), engines built from them
 (each with its graphs/ folder), and the float64 reference oracles."""
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,18 +14,6 @@ from ddtree.reference.model import Target
 from ddtree.reference.weights import load_dense_weights
 
 PRESET_SEEDS = {"tiny": 21, "tiny-grouped": 5}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def graphs_kernel_cache(tmp_path_factory):
-    """Engines compile their cubins once per session, into a temporary cache."""
-    old = os.environ.get("DDTREE_KERNEL_CACHE")
-    os.environ["DDTREE_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("graph-cubins"))
-    yield
-    if old is None:
-        os.environ.pop("DDTREE_KERNEL_CACHE", None)
-    else:
-        os.environ["DDTREE_KERNEL_CACHE"] = old
 
 
 @pytest.fixture(scope="session")
