@@ -67,13 +67,15 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
     t0 = time.perf_counter()
     cache = ex.new_target_cache(len(prompt) + max_new_tokens)
     ids, pos = np.array(prompt), np.arange(len(prompt))
+    prefill = True
     while True:
         logits, _ = ex.target_forward(ids, pos, _causal(cache.length, len(ids)), cache)
         next_pos = int(pos[-1]) + 1                                       # where the new token sits
         token = int(ex.sample(logits[-1:], np.array([next_pos]), params)[0])
-        if len(ids) == 1 or cache.length > len(ids):       # a decode step; the prefill is not a step,
-            stats.steps += 1                               # as in DDTree, so the stats compare
+        if not prefill:                                    # the prefill is not a step, as in DDTree,
+            stats.steps += 1                               # so the two modes' stats compare
             stats.accept_lens.append(1)
+        prefill = False
         stats.new_tokens += 1
         stats.wall_s = time.perf_counter() - t0
         yield [token]

@@ -74,3 +74,10 @@ def test_cli_json(tiny):
     assert out["tokens"] == want
     assert out["stats"]["new_tokens"] == len(want)
     assert out["text"] == ByteTokenizer(target.config.vocab_size).decode(want)
+
+
+def test_prefill_is_not_a_step_even_for_a_one_token_prompt(tiny):
+    _, target = tiny
+    for prompt in ([256], PROMPT):
+        tokens, stats = generate_ar(target, prompt, 5, SamplingParams())
+        assert stats["new_tokens"] == 5 and stats["steps"] == 4 and stats["mean_accept_len"] == 1.0
