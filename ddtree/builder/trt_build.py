@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from ddtree.builder.engine_dir import BuildError
+
+if TYPE_CHECKING:                       # onnx is the `graphs` extra: imported only when plans are built
+    import onnx
 
 PLANS_FORMAT = "ddtree-plans/1"
 PLANS_FILE = "plans.json"
@@ -119,6 +121,7 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
     config.num_compute_capabilities = 1
     config.set_compute_capability(trt.ComputeCapability.SM120, 0)
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    import onnx
     shapes = _profile_shapes(onnx.load(str(graph_path), load_external_data=False), dims)
     if shapes:
         profile = builder.create_optimization_profile()
