@@ -75,14 +75,18 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self._t.file_name
 
-    def get(self, name: str) -> np.ndarray:
-        """One tensor as stored (BF16 as uint16 bits), checked against the config's tensor table."""
+    def _checked(self, name: str) -> tuple[SafetensorsFile, str]:
+        """(shard, stored name) of a tensor whose dtype/shape agree with the config's tensor table."""
         shard, stored = self._t.entry(name)
-        got = shard.entries[stored]
-        want = self.specs.get(name)
+        got, want = shard.entries[stored], self.specs.get(name)
         if want is not None and not _spec_ok(name, want, got):
             raise CheckpointError(f"{shard.path}: tensor '{stored}' is {got.dtype} {list(got.shape)}, "
                                   f"the config expects {want.dtype} {list(want.shape)}")
+        return shard, stored
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor as stored (BF16 as uint16 bits), checked against the config's tensor table."""
+        shard, stored = self._checked(name)
         return shard.read(stored)
 
     def get_f32(self, name: str) -> np.ndarray:
@@ -99,11 +103,7 @@ class _Reader:
     def verify(self) -> None:
         """Every tensor the config implies is indexed, present in its shard, with the right dtype/shape."""
         for name in self.specs:
-            shard, stored = self._t.entry(name)
-            got, want = shard.entries[stored], self.specs[name]
-            if not _spec_ok(name, want, got):
-                raise CheckpointError(f"{shard.path}: tensor '{stored}' is {got.dtype} {list(got.shape)}, "
-                                      f"the config expects {want.dtype} {list(want.shape)}")
+            self._checked(name)
 
     def close(self):
         for s in self._t._shards.values():

@@ -9,11 +9,8 @@ import numpy as np
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.int4 import dequantize_int4
 from ddtree.plugins import layout
-from ddtree.reference.moe import route_logits, sigmoid
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x * sigmoid(x)
+from ddtree.reference.layers import silu
+from ddtree.reference.moe import route_logits
 
 
 def route(logits: np.ndarray, bias: np.ndarray | None, topk: int, n_group: int = 1, topk_group: int = 1,

@@ -10,6 +10,7 @@ import pytest
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout, randfill, reference
+from ddtree.reference.moe import sigmoid
 
 from moe_cases import CASES, FIXTURES, TOKENS, TOPK, tensor_specs
 
@@ -133,7 +134,7 @@ def test_router(gpu, name, M):
         assert sorted(ids[m]) == sorted(ids_ref[m]), f"token {m}: {ids[m]} vs {ids_ref[m]}"
         order = np.argsort(ids[m])
         np.testing.assert_allclose(w[m][order], w_ref[m][np.argsort(ids_ref[m])], rtol=1e-5)
-    choice = reference.sigmoid(logits_ref) + bias                     # ids come in selection order
+    choice = sigmoid(logits_ref) + bias                     # ids come in selection order
     picked = np.take_along_axis(choice, ids.astype(np.int64), axis=1)[decided]
     assert np.all(np.diff(picked, axis=1) <= 1e-6)
 
