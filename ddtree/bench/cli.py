@@ -12,6 +12,9 @@ from ddtree.bench.kernels import gemm_command, moe_command  # noqa: E402
 bench.add_command(moe_command)
 bench.add_command(gemm_command)
 
+from ddtree.bench.attention import attention_command  # noqa: E402
+bench.add_command(attention_command)
+
 
 from ddtree.bench.accept import accept  # noqa: E402  (imports after the group, no cycle)
 bench.add_command(accept)

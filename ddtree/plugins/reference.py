@@ -49,3 +49,33 @@ def gemm(x: np.ndarray, w: np.ndarray, residual: np.ndarray | None = None) -> np
         return bf16_to_f32(a).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
     y = f64(x) @ f64(w).T
     return y if residual is None else y + f64(residual)
+
+
+def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray, prefix: int,
+                       vis_words: np.ndarray, scale: float, rows_per_chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """The fp32 twin of kernels/mla_attention.cu: plain masked softmax over every visible key, no splits.
+
+    q_lat [q, N, 512], q_rope [q, N, 64], cache [>= prefix + q, 576] (bf16 bits or float), vis_words
+    [q, ceil(q/32)] uint32 (tree node i at cache row prefix + i) -> out [q, N, 512] fp32 (before W_UV),
+    lse [q, N] float64 (natural log of the sum of exp of the visible scaled scores)."""
+    from ddtree.tree.build import unpack_visibility
+
+    def f32(a):
+        return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+    q, heads = q_lat.shape[:2]
+    keys = f32(cache[: prefix + q])                                              # [t, 576]
+    query = np.concatenate([f32(q_lat), f32(q_rope)], axis=-1).reshape(q * heads, -1)   # [q N, 576]
+    visible = unpack_visibility(vis_words, q)                                    # [q, q] ancestor-or-self
+    out = np.empty((q * heads, q_lat.shape[-1]), dtype=np.float32)
+    lse = np.empty(q * heads, dtype=np.float64)
+    for r0 in range(0, q * heads, rows_per_chunk):
+        r1 = min(q * heads, r0 + rows_per_chunk)
+        scores = (query[r0:r1] @ keys.T).astype(np.float64) * scale             # [n, t]
+        tree = scores[:, prefix:]
+        tree[~visible[np.arange(r0, r1) // heads]] = -np.inf                    # tree keys off the ancestor chain
+        m = scores.max(axis=1, keepdims=True)
+        p = np.exp(scores - m)                                                   # [n, t]
+        l = p.sum(axis=1)
+        out[r0:r1] = (p.astype(np.float32) @ keys[:, : q_lat.shape[-1]]) / l[:, None].astype(np.float32)
+        lse[r0:r1] = m[:, 0] + np.log(l)
+    return out.reshape(q, heads, -1), lse.reshape(q, heads)

@@ -4,12 +4,15 @@ import subprocess
 import sys
 
 from ddtree.plugins import compile as kc
+from ddtree.plugins.mla_attention import VARIANTS
 from ddtree.plugins.moe import RINGS
 
 # every extern "C" kernel the launchers look up, per source
 KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down") for r, c in RINGS],
            "gemm.cu": ["gemm_bf16_mt1", "gemm_bf16_mt2", "gemm_bf16_mt4", "gemm_bf16_mt8"],
-           "fill.cu": ["fill_hash_u32"]}
+           "fill.cu": ["fill_hash_u32"],
+           "mla_attention.cu": ["mla_attention_combine"] + [f"mla_attention_p{p}_s{s}" for p, s in VARIANTS],
+           "kv_cache.cu": ["kv_append", "kv_compact"]}
 
 
 def test_compile_all_archs_to_cubin(tmp_path):
@@ -46,5 +49,6 @@ def test_bad_source_or_arch_is_named():
 def test_package_imports_without_cuda_python():
     code = ("import sys; sys.modules['cuda'] = None\n"
             "import ddtree.cli, ddtree.plugins.layout, ddtree.plugins.moe, ddtree.plugins.gemm, "
-            "ddtree.plugins.reference, ddtree.bench.kernels\n")
+            "ddtree.plugins.reference, ddtree.bench.kernels, ddtree.plugins.mla_attention, "
+            "ddtree.plugins.kv_cache, ddtree.bench.attention\n")
     subprocess.run([sys.executable, "-c", code], check=True)

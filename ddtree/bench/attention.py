@@ -1,0 +1,114 @@
+"""`ddtree bench attention`: tree-masked MLA attention latency, bandwidth and TFLOP/s per
+(context, q, heads) (interfaces.md section 7).
+
+Method: caches filled on the device (ddtree.plugins.randfill), enough distinct caches that together they
+are >= 4x the L2 (one, when a single cache already is); R launches, each on the next cache, captured in one
+CUDA graph and replayed between CUDA events; latency = median replay time / R. The tree is a random
+recursive tree of q nodes. Bytes = the keys read once ((T + q) x 1152 B) plus queries in and outputs out;
+FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense attention would).
+The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
+peak is the device's dense bf16 tensor rate from a table (null for devices not in it).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import click
+import numpy as np
+
+from ddtree.bench.kernels import _ints, _say, measure_ceiling, time_graph
+
+DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "RTX PRO 6000": 503.8}
+
+
+def kimi_softmax_scale() -> float:
+    """The real model's softmax scale (192^-1/2 with the YaRN mscale), from the kimi-k2.6 preset config."""
+    from ddtree.model.presets import get_preset
+    return get_preset("kimi-k2.6", layers=2)[0].softmax_scale
+
+
+def dense_peak(device_name: str) -> float | None:
+    return next((v for k, v in DENSE_BF16_TFLOPS.items() if k in device_name), None)
+
+
+def tree_visibility(q: int, seed: int) -> np.ndarray:
+    from ddtree.tree.build import pack_visibility
+    rng = np.random.default_rng(seed)
+    vis = np.zeros((q, q), dtype=bool)
+    for i in range(q):
+        if i:
+            vis[i] = vis[rng.integers(0, i)]
+        vis[i, i] = True
+    return pack_visibility(vis)
+
+
+def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: float, forced: dict) -> dict:
+    from ddtree.plugins import randfill
+    from ddtree.plugins.mla_attention import MlaTreeAttention
+    entry_bytes = 576 * 2
+    cache_bytes = (T + q) * entry_bytes
+    copies = max(1, math.ceil(4 * gpu.l2_bytes / cache_bytes))
+    caches = [gpu.alloc((T + q, 576), np.uint16) for _ in range(copies)]
+    for i, c in enumerate(caches):
+        randfill.fill_device(gpu, c, 100 + i, randfill.ACT_BF16)
+    q_lat = gpu.alloc((q, heads, 512), np.uint16)
+    q_rope = gpu.alloc((q, heads, 64), np.uint16)
+    randfill.fill_device(gpu, q_lat, 1, randfill.WEIGHT_BF16)
+    randfill.fill_device(gpu, q_rope, 2, randfill.WEIGHT_BF16)
+    vis = gpu.upload(tree_visibility(q, T + q))
+    lengths = gpu.upload(np.array([T], np.int32))
+    out = gpu.alloc((q, heads, 512), np.uint16)
+    attn = MlaTreeAttention(gpu, heads, kimi_softmax_scale(), max_q=q, max_context=max(T, 1))
+    plan = attn.override(q, T, **forced) if forced else attn.plan(q, T)
+
+    def launch_all(stream):
+        for r in range(launches):
+            attn.run(q_lat, q_rope, caches[r % copies], vis, lengths, q, out, context_hint=T, stream=stream)
+
+    us = time_graph(gpu, launch_all) * 1e3 / launches
+    nbytes = cache_bytes + q * heads * (576 + 512) * 2
+    flops = 2.0 * q * heads * (T + q) * (576 + 512)
+    gbps = nbytes / us / 1e3
+    row = {"context": T, "q": q, "heads": heads, "latency_us": round(us, 2), "touched_mb": round(nbytes / 1e6, 3),
+           "ideal_us": round(nbytes / ceiling_gbps / 1e3, 2), "gbps": round(gbps, 1),
+           "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1), "tflops": round(flops / us / 1e6, 1),
+           "plan": {"pairs": plan.pairs, "stages": plan.stages, "row_tiles": plan.row_tiles,
+                    "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies}
+    peak = dense_peak(gpu.name)
+    row["pct_of_dense_bf16"] = round(100 * row["tflops"] / peak, 1) if peak else None
+    gpu.free_all()
+    return row
+
+
+@click.command("attention")
+@click.option("--context", "contexts", default="4096,32768,131072", show_default=True,
+              help="committed prefix lengths T (comma-separated)")
+@click.option("--q", "qs", default="1,8,16,64,256", show_default=True, help="new tokens per call (tree nodes)")
+@click.option("--heads", "heads_list", default="8,64", show_default=True, help="query heads (8 = one TP8 rank)")
+@click.option("--launches", default=8, show_default=True, help="launches per captured graph")
+@click.option("--pairs", type=int, default=None, help="force warp pairs per block (sweeps)")
+@click.option("--stages", type=int, default=None, help="force the key-ring depth (sweeps)")
+@click.option("--splits", type=int, default=None, help="force the number of prefix splits (sweeps)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+def attention_command(contexts, qs, heads_list, launches, pairs, stages, splits, as_json):
+    """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
+    from ddtree.plugins.device import Gpu
+    contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
+    forced = {k: v for k, v in (("pairs", pairs), ("stages", stages), ("splits", splits)) if v is not None}
+    gpu = Gpu()
+    ceiling = measure_ceiling(gpu)
+    gpu.free_all()
+    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s, dense bf16 peak {dense_peak(gpu.name)} TFLOP/s")
+    rows = []
+    for heads in heads_list:
+        for T in contexts:
+            for q in qs:
+                row = bench_case(gpu, T, q, heads, launches, ceiling["gbps"], forced)
+                rows.append(row)
+                _say(f"H {heads:3d} T {T:6d} q {q:3d}: {row['latency_us']:9.2f} us  {row['gbps']:7.1f} GB/s "
+                     f"({row['pct_of_ceiling']:5.1f} %)  {row['tflops']:6.1f} TFLOP/s  plan {row['plan']}")
+    result = {"bench": "attention", "device": gpu.name, "rows": rows,
+              "ceiling": {**ceiling, "dense_bf16_tflops": dense_peak(gpu.name)}}
+    if as_json:
+        click.echo(json.dumps(result))

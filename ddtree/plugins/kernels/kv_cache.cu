@@ -1,0 +1,46 @@
+// The latent KV cache on the device (interfaces.md section 3): per layer [capacity, 576] bf16, c_kv (512)
+// then k_pe (64) per token, layers `layer_stride` elements apart. Numpy twin: ddtree/reference/cache.py.
+#include "common.cuh"
+
+#define KV_DK 576
+#define KV_VECS (KV_DK / 8)                 // 72 x 16 B per entry
+
+// Append q new entries of one layer at slots start .. start + q - 1 (start = lengths[0], on the device,
+// so a captured graph appends wherever the cache ends). c_kv [q, c_stride >= 512], k_pe [q, k_stride >= 64]
+// bf16 rows (strides let them be column slices of one [q, 576] projection output).
+// Grid q, block 96 (72 active: one 16-byte vector each).
+extern "C" __global__ void kv_append(bf16_t* __restrict__ cache, const int* __restrict__ lengths,
+                                     const bf16_t* __restrict__ c_kv, int c_stride,
+                                     const bf16_t* __restrict__ k_pe, int k_stride) {
+    pdl_wait();
+    pdl_trigger();
+    const int i = blockIdx.x, v = threadIdx.x;
+    if (v >= KV_VECS) return;
+    const int start = ld_cg_s32(lengths);
+    const uint4* src = v < 64 ? (const uint4*)(c_kv + (size_t)i * c_stride) + v
+                              : (const uint4*)(k_pe + (size_t)i * k_stride) + (v - 64);
+    ((uint4*)(cache + (size_t)(start + i) * KV_DK))[v] = *src;
+}
+
+// After acceptance: entry start + keep[i] moves to start + i for i < n (keep strictly increasing, so
+// keep[i] >= i), in every layer. Sources and destinations overlap (keep = [1, 2] moves 1 -> 0 and 2 -> 1),
+// so one block owns one 16-byte column of one layer for all n entries: it reads the whole column into
+// registers, synchronises, then writes. Nothing is read after any write to it and no two blocks touch
+// the same bytes, so the result never depends on scheduling. Grid (72, layers), block >= n (n <= 1024).
+// start = lengths[0] (the committed prefix before the tree); the new length is start + n (set by the host
+// or the next step's length update, not here).
+extern "C" __global__ void kv_compact(bf16_t* __restrict__ cache, size_t layer_stride, const int* __restrict__ lengths,
+                                      const int* __restrict__ keep, int n) {
+    pdl_wait();
+    pdl_trigger();
+    const int v = blockIdx.x, i = threadIdx.x;
+    uint4* base = (uint4*)(cache + (size_t)blockIdx.y * layer_stride + (size_t)ld_cg_s32(lengths) * KV_DK) + v;
+    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+    int src = -1;
+    if (i < n) {
+        src = ld_cg_s32(&keep[i]);
+        value = base[(size_t)src * KV_VECS];
+    }
+    __syncthreads();
+    if (i < n && src != i) base[(size_t)i * KV_VECS] = value;
+}

@@ -1,0 +1,290 @@
+// Absorbed MLA attention of q new tokens over the latent cache, with the DDTree ancestor mask among
+// the new tokens (interfaces.md sections 3 and 4). Numpy twin: ddtree/plugins/reference.py
+// mla_tree_attention; launcher and split plan: ddtree/plugins/mla_attention.py.
+//
+// Shapes (R = q * H query rows, row r = token r / H, head r % H; MQA: every head reads the same cache):
+//   q_lat  [R, 512] bf16     W_UK^T q_nope per head         q_rope [R, 64] bf16 (roped)
+//   cache  [>= T + q, 576]   one layer: c_kv (512) then k_pe (64) per token; the q tree entries are
+//                            already appended at T .. T + q - 1 (tree node i at T + i)
+//   vis    [q, W] u32        W = ceil(q / 32); bit j of row i: tree node j is i or an ancestor of i
+//   lengths[0] = T           the committed prefix, read on the device so a captured graph serves any T
+//   out    [R, 512] bf16     softmax(scale * (q_lat . c_kv + q_rope . k_pe)) @ c_kv   (before W_UV)
+//   lse    [R] fp32 or null  natural-log sum of exp of the visible scaled scores
+//
+// Cascade (hardware-and-kernels.md section 7): grid (row tiles, splits). Splits 0 .. P-1 cover the
+// prefix [0, T) in equal chunks with no mask; the tree keys [T, T + q) get their own split (tree_own)
+// or ride at the end of the last prefix split, and only there is the visibility mask read. Each split
+// writes its normalised partial output and log2-sum-exp; mla_attention_combine merges them exactly
+// (o = sum_s 2^(lse_s - lse) o_s). With a single split the kernel writes out / lse itself.
+//
+// Block: NPAIR warp pairs; pair p owns 16 query rows, the two warps of a pair split the 32 keys of a
+// block for the scores (16 each) and the 512 output dims for P.V (256 each: 128 fp32 accumulators per
+// thread). The pair swaps row maxima and its bf16 probabilities through shared memory (named barrier
+// per pair). Keys stream through a STAGES-deep cp.async ring of 32-token blocks shared by all pairs.
+#include "common.cuh"
+
+#define MLA_DL 512                 // latent (value) dims
+#define MLA_DR 64                  // rope dims
+#define MLA_DK 576                 // key dims = latent + rope
+#define MLA_NB 32                  // keys per block
+#define MLA_ROW 584                // smem row stride in bf16: 1168 B = 73 x 16 B (odd: conflict-free ldmatrix)
+#define MLA_PROW 40                // probability row stride in bf16: 80 B = 5 x 16 B
+
+template <int NPAIR, int STAGES>
+struct MlaSmem {
+    bf16_t q[NPAIR * 16][MLA_ROW];             // this block's query rows [q_lat | q_rope]
+    bf16_t kv[STAGES][MLA_NB][MLA_ROW];        // key blocks [c_kv | k_pe]
+    bf16_t p[NPAIR][16][MLA_PROW];             // a pair's probabilities of the current block
+    float swap[NPAIR][2][16];                  // a pair's per-warp row maxima, then row sums
+};
+
+template <int NPAIR, int STAGES>
+__device__ __forceinline__ void mla_attention_split(
+        const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_rope, const bf16_t* __restrict__ cache,
+        const u32* __restrict__ vis, const int* __restrict__ lengths, bf16_t* __restrict__ out,
+        float* __restrict__ lse_out, float* __restrict__ part_o, float* __restrict__ part_lse,
+        int R, int H, int q, int P, int tree_own, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    MlaSmem<NPAIR, STAGES>& sm = *reinterpret_cast<MlaSmem<NPAIR, STAGES>*>(smem_raw);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int pair = warp >> 1, half = warp & 1;
+    const int rows_per_block = NPAIR * 16, row0 = blockIdx.x * rows_per_block;
+    const int split = blockIdx.y, n_splits = P + tree_own;
+
+    pdl_wait();                                      // queries, lengths and new cache entries come from earlier kernels
+    pdl_trigger();
+    const int T = ld_cg_s32(lengths);
+
+    // key range of this split; keys >= T are tree nodes and only visible along ancestor chains
+    const int last_row = min(row0 + rows_per_block, R) - 1;
+    const int tree_end = T + min(q, last_row / H + 1);     // no row of this block sees a later tree node
+    const int chunk = ((((T + P - 1) / max(P, 1)) + MLA_NB - 1) / MLA_NB) * MLA_NB;
+    int begin, end;
+    if (split < P) {
+        begin = split * chunk;
+        end = max(begin, min(T, begin + chunk));          // empty when T is small for the planned P
+        if (split == P - 1 && !tree_own) {                // the tree rides at the end of the last split
+            begin = min(begin, T);
+            end = tree_end;
+        }
+    } else {
+        begin = T;
+        end = tree_end;
+    }
+    const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
+
+    // ---- loads: the query rows (group 0, with the first key block), then the key ring ----------------
+    for (int i = threadIdx.x; i < rows_per_block * (MLA_DK / 8); i += blockDim.x) {
+        const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
+        const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
+                                       : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
+        cp_async16_zfill(&sm.q[row][c], src, r < R ? 16 : 0);
+    }
+    auto load_block = [&](int b) {
+        if (b < nblk) {
+            const int key0 = begin + b * MLA_NB;
+            bf16_t (*dst)[MLA_ROW] = sm.kv[b % STAGES];
+            for (int i = threadIdx.x; i < MLA_NB * (MLA_DK / 8); i += blockDim.x) {
+                const int k = i / (MLA_DK / 8), c = (i - k * (MLA_DK / 8)) * 8, key = key0 + k;
+                cp_async16_zfill(&dst[k][c], cache + (size_t)min(key, end - 1) * MLA_DK + c, key < end ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int b = 0; b < STAGES - 1; ++b) load_block(b);
+
+    // ---- running state: rows g and g + 8 of this pair's tile --------------------------------------
+    float o[32][4];                                  // dims half*256 + 8 nt + 2t (+1); rows g (0,1), g+8 (2,3)
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m_run[2] = {DD_NEG_INF, DD_NEG_INF}, l_run[2] = {0.f, 0.f};
+    const int r_lo = row0 + pair * 16 + g, r_hi = r_lo + 8;
+    const int W = (q + 31) >> 5;
+    const u32* vis_lo = vis + (size_t)min(r_lo / H, q - 1) * W;
+    const u32* vis_hi = vis + (size_t)min(r_hi / H, q - 1) * W;
+    const bool rows_valid[2] = {r_lo < R, r_hi < R};
+    const bf16_t* qa = &sm.q[pair * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];   // A: x4 over (rows, k)
+
+    for (int b = 0; b < nblk; ++b) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();                             // block b landed; everyone is done with block b - 1
+        load_block(b + STAGES - 1);
+        const bf16_t (*kv)[MLA_ROW] = sm.kv[b % STAGES];
+        const int key0 = begin + b * MLA_NB;
+
+        // scores of 16 rows x this warp's 16 keys (two n-tiles), over 576 dims
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const bf16_t* kb = &kv[half * 16 + (lane & 7) + (lane >> 4) * 8][((lane >> 3) & 1) * 8];  // B: x4 over (keys, k)
+#pragma unroll
+        for (int k = 0; k < MLA_DK; k += 16) {
+            u32 a[4], bk[4];
+            ldsm_x4(a, qa + k);
+            ldsm_x4(bk, kb + k);
+            mma_bf16_16816(s[0], a, bk[0], bk[1]);
+            mma_bf16_16816(s[1], a, bk[2], bk[3]);
+        }
+        // scale to log2 units, mask keys past the split and tree keys off the ancestor chain
+        const bool masked = key0 + MLA_NB > T;
+        float mx[2] = {DD_NEG_INF, DD_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + half * 16 + nt * 8 + 2 * t + (e & 1), hi = e >> 1;
+                float v = s[nt][e] * scale_log2;
+                if (masked) {
+                    bool ok = key < end;
+                    if (ok && key >= T && rows_valid[hi]) {
+                        const int j = key - T;
+                        ok = ((hi ? vis_hi : vis_lo)[j >> 5] >> (j & 31)) & 1u;
+                    }
+                    if (!ok) v = DD_NEG_INF;
+                }
+                s[nt][e] = v;
+                mx[hi] = fmaxf(mx[hi], v);
+            }
+        }
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
+            mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 2));
+        }
+        if (t == 0) { sm.swap[pair][half][g] = mx[0]; sm.swap[pair][half][g + 8] = mx[1]; }
+        named_barrier(1 + pair, 64);
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const float m_new = fmaxf(m_run[hi], fmaxf(mx[hi], sm.swap[pair][half ^ 1][g + 8 * hi]));
+            m_use[hi] = m_new == DD_NEG_INF ? 0.f : m_new;       // a row with nothing visible yet stays at 0
+            alpha[hi] = exp2f(m_run[hi] - m_use[hi]);
+            m_run[hi] = m_new;
+        }
+        // probabilities (bf16) to the pair's buffer; this warp's share of the row sums
+        float sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float p0 = exp2f(s[nt][0] - m_use[0]), p1 = exp2f(s[nt][1] - m_use[0]);
+            const float p2 = exp2f(s[nt][2] - m_use[1]), p3 = exp2f(s[nt][3] - m_use[1]);
+            sum[0] += p0 + p1;
+            sum[1] += p2 + p3;
+            const int col = half * 16 + nt * 8 + 2 * t;
+            *(u32*)&sm.p[pair][g][col] = pack_bf16x2(p0, p1);
+            *(u32*)&sm.p[pair][g + 8][col] = pack_bf16x2(p2, p3);
+        }
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) l_run[hi] = l_run[hi] * alpha[hi] + sum[hi];
+#pragma unroll
+        for (int nt = 0; nt < 32; ++nt) {
+            o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
+            o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
+        }
+        named_barrier(1 + pair, 64);                 // both halves of P written (and both maxima read)
+
+        // o[16 rows, this warp's 256 dims] += P[16, 32 keys] . c_kv[32 keys, dims]
+#pragma unroll
+        for (int kk = 0; kk < MLA_NB; kk += 16) {
+            u32 a[4];
+            ldsm_x4(a, &sm.p[pair][(lane & 7) + ((lane >> 3) & 1) * 8][kk + (lane >> 4) * 8]);
+            const bf16_t* vb = &kv[kk + (lane & 7) + ((lane >> 3) & 1) * 8][half * 256 + (lane >> 4) * 8];
+#pragma unroll
+            for (int nt = 0; nt < 32; nt += 2) {
+                u32 bv[4];
+                ldsm_x4_trans(bv, vb + nt * 8);
+                mma_bf16_16816(o[nt], a, bv[0], bv[1]);
+                mma_bf16_16816(o[nt + 1], a, bv[2], bv[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- finish: full row sums from both halves, normalise, write -----------------------------------
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+        l_run[hi] += __shfl_xor_sync(0xffffffffu, l_run[hi], 1);
+        l_run[hi] += __shfl_xor_sync(0xffffffffu, l_run[hi], 2);
+    }
+    named_barrier(1 + pair, 64);                     // the partner no longer reads the maxima
+    if (t == 0) { sm.swap[pair][half][g] = l_run[0]; sm.swap[pair][half][g + 8] = l_run[1]; }
+    named_barrier(1 + pair, 64);
+    float inv[2], lse2[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+        const float l = l_run[hi] + sm.swap[pair][half ^ 1][g + 8 * hi];
+        inv[hi] = l > 0.f ? 1.f / l : 0.f;
+        lse2[hi] = l > 0.f ? m_run[hi] + log2f(l) : DD_NEG_INF;
+    }
+    const int rr[2] = {r_lo, r_hi};
+    if (n_splits == 1) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            if (!rows_valid[hi]) continue;
+            u32* dst = (u32*)(out + (size_t)rr[hi] * MLA_DL + half * 256 + 2 * t);
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt)
+                dst[nt * 4] = pack_bf16x2(o[nt][2 * hi] * inv[hi], o[nt][2 * hi + 1] * inv[hi]);
+            if (lse_out && half == 0 && t == 0) lse_out[rr[hi]] = lse2[hi] * 0.69314718055994531f;
+        }
+    } else {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            if (!rows_valid[hi]) continue;
+            float2* dst = (float2*)(part_o + ((size_t)split * R + rr[hi]) * MLA_DL + half * 256 + 2 * t);
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt)
+                dst[nt * 4] = make_float2(o[nt][2 * hi] * inv[hi], o[nt][2 * hi + 1] * inv[hi]);
+            if (half == 0 && t == 0) part_lse[(size_t)split * R + rr[hi]] = lse2[hi];
+        }
+    }
+}
+
+// Merge the splits of one row (block = 128 threads x 4 dims): lse = log2 sum 2^lse_s,
+// out = sum_s 2^(lse_s - lse) o_s. Empty splits (lse_s = -inf) are skipped, never multiplied.
+extern "C" __global__ void __launch_bounds__(128)
+mla_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse, bf16_t* __restrict__ out,
+                      float* __restrict__ lse_out, int R, int n_splits) {
+    pdl_wait();
+    pdl_trigger();
+    const int r = blockIdx.x, d = threadIdx.x * 4;
+    float m = DD_NEG_INF;
+    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, ld_cg_f32(&part_lse[(size_t)s * R + r]));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ls = ld_cg_f32(&part_lse[(size_t)s * R + r]);
+        if (ls == DD_NEG_INF) continue;
+        const float w = exp2f(ls - m);
+        const float4 v = ld_cg_f4((const float4*)(part_o + ((size_t)s * R + r) * MLA_DL + d));
+        acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+        wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    uint2 packed = make_uint2(pack_bf16x2(acc[0] * inv, acc[1] * inv), pack_bf16x2(acc[2] * inv, acc[3] * inv));
+    *(uint2*)(out + (size_t)r * MLA_DL + d) = packed;
+    if (lse_out && threadIdx.x == 0) lse_out[r] = (m + log2f(wsum)) * 0.69314718055994531f;
+}
+
+#define DD_DEFINE_MLA(NPAIR, STAGES)                                                                   \
+    extern "C" __global__ void __launch_bounds__(NPAIR * 64, 1)                                         \
+    mla_attention_p##NPAIR##_s##STAGES(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache,  \
+                                       const u32* vis, const int* lengths, bf16_t* out, float* lse_out,  \
+                                       float* part_o, float* part_lse, int R, int H, int q, int P,       \
+                                       int tree_own, float scale_log2) {                                 \
+        mla_attention_split<NPAIR, STAGES>(q_lat, q_rope, cache, vis, lengths, out, lse_out, part_o,     \
+                                           part_lse, R, H, q, P, tree_own, scale_log2);                  \
+    }
+
+// (pairs, stages) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
+DD_DEFINE_MLA(1, 2)
+DD_DEFINE_MLA(1, 3)
+DD_DEFINE_MLA(1, 4)
+DD_DEFINE_MLA(2, 2)
+DD_DEFINE_MLA(2, 3)
+DD_DEFINE_MLA(4, 2)
+DD_DEFINE_MLA(4, 3)
+
+// sizeof(MlaSmem) of each variant above, in that order: the launcher's smem_bytes must agree (GPU test).
+extern "C" __global__ void mla_attention_smem_sizes(int* out) {
+    out[0] = sizeof(MlaSmem<1, 2>); out[1] = sizeof(MlaSmem<1, 3>); out[2] = sizeof(MlaSmem<1, 4>);
+    out[3] = sizeof(MlaSmem<2, 2>); out[4] = sizeof(MlaSmem<2, 3>); out[5] = sizeof(MlaSmem<4, 2>);
+    out[6] = sizeof(MlaSmem<4, 3>);
+}

@@ -1,0 +1,174 @@
+"""GPU tests of the tree-masked MLA attention and the device KV cache against numpy references.
+
+Attention: every case of attention_cases.CASES (contexts {1, 100, 4096, 65536} x q {1, 8, 33, 65, 256} at
+8 heads, and 64-head cases) against the fp32 reference: norm-relative error <= 1e-2 over the whole output
+and <= 2e-2 for every query row (a single wrong row must not hide in the norm), lse within 2e-2 nats.
+Outputs are poisoned with NaN before each run, so an unwritten element fails. The appended tree entries go
+through DeviceLatentCache.append, so the append is exercised by every attention case.
+"""
+import numpy as np
+import pytest
+
+from ddtree.model.bf16 import bf16_to_f32
+from ddtree.plugins import randfill
+
+import attention_cases as ac
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from ddtree.plugins.device import Gpu
+    g = Gpu()
+    yield g
+    g.free_all()
+
+
+def nan_fill(gpu, shape, dtype):
+    a = gpu.alloc(shape, dtype)
+    gpu.memset(a, 0xFF)                       # bf16 0xFFFF and fp32 0xFFFFFFFF are NaN
+    return a
+
+
+class Setup:
+    """One case on the device: cache (prefix stream + appended tree), queries, vis, outputs."""
+
+    def __init__(self, gpu, T, q, heads, max_context=None):
+        from ddtree.plugins.kv_cache import DeviceLatentCache
+        from ddtree.plugins.mla_attention import MlaTreeAttention
+        self.T, self.q, self.heads = T, q, heads
+        self.case = ac.inputs(T, q, heads)
+        shape, stream = ac.prefix_spec(T, q, ac.case_seed(T, q, heads))
+        self.cache = DeviceLatentCache(gpu, layers=1, capacity=shape[0] + 7)
+        randfill.fill_device(gpu, self.cache.layer(0).view(0, shape), stream, randfill.ACT_BF16)
+        self.cache.set_length(T)
+        kv_new = gpu.upload(np.concatenate([self.case["c_kv"], self.case["k_pe"],
+                                            np.zeros((q, 8), np.uint16)], axis=1))      # [q, 584]: strided rows
+        self.cache.append(0, kv_new, kv_new.ptr + 512 * 2, q, c_stride=584, k_stride=584)
+        self.q_lat, self.q_rope = gpu.upload(self.case["q_lat"]), gpu.upload(self.case["q_rope"])
+        self.vis = gpu.upload(self.case["vis"])
+        self.attn = MlaTreeAttention(gpu, heads, ac.SCALE, max_q=max(q, 1),
+                                     max_context=max(T, 1) if max_context is None else max_context)
+        self.gpu = gpu
+
+    def run(self, context_hint=None, **forced):
+        if forced:
+            self.attn.override(self.q, self.T if context_hint is None else context_hint, **forced)
+        out = nan_fill(self.gpu, (self.q, self.heads, 512), np.uint16)
+        lse = nan_fill(self.gpu, (self.q, self.heads), np.float32)
+        plan = self.attn.run(self.q_lat, self.q_rope, self.cache.layer(0), self.vis, self.cache.lengths, self.q,
+                             out, lse, context_hint=self.T if context_hint is None else context_hint)
+        return bf16_to_f32(out.numpy()), lse.numpy(), plan
+
+
+def check_attention(out, lse, ref_out, ref_lse, what):
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), f"{what}: unwritten or non-finite output"
+    ref_out = ref_out.astype(np.float64)
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    rows = (out - ref_out).reshape(-1, 512)
+    row_err = np.linalg.norm(rows, axis=1) / np.linalg.norm(ref_out.reshape(-1, 512), axis=1)
+    assert err <= 1e-2, f"{what}: norm-relative error {err:.3e}"
+    assert row_err.max() <= 2e-2, f"{what}: row {row_err.argmax()} (token {row_err.argmax() // out.shape[1]}) " \
+                                  f"off by {row_err.max():.3e}"
+    assert np.abs(lse - ref_lse).max() <= 2e-2, f"{what}: lse off by {np.abs(lse - ref_lse).max():.3e}"
+    return err
+
+
+@pytest.mark.parametrize("T,q,heads", ac.CASES, ids=[ac.case_name(*c) for c in ac.CASES])
+def test_attention_matches_reference(gpu, T, q, heads):
+    s = Setup(gpu, T, q, heads)
+    out, lse, plan = s.run()
+    ref_out, ref_lse = ac.reference(T, q, heads, s.case)
+    check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} H={heads} {plan}")
+
+
+@pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
+def test_every_variant_and_split_layout(gpu, T, q, heads):
+    """Each compiled (pairs, stages) with the tree in its own split, merged into one split, and with more
+    splits than the prefix has blocks (empty splits must drop out of the merge)."""
+    from ddtree.plugins.mla_attention import VARIANTS, smem_bytes
+    s = Setup(gpu, T, q, heads)
+    ref_out, ref_lse = ac.reference(T, q, heads, s.case)
+    for pairs, stages in VARIANTS:
+        if smem_bytes(pairs, stages) > gpu.smem_optin:
+            continue
+        for splits in (1, 3, 200):
+            out, lse, plan = s.run(pairs=pairs, stages=stages, splits=splits)
+            check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} {plan}")
+
+
+def test_plan_for_a_longer_context_reads_T_on_the_device(gpu):
+    """A graph planned for a 65536-key bucket serves T = 4096: the chunk per split follows lengths[0]."""
+    s = Setup(gpu, 4096, 33, 8, max_context=65536)
+    out, lse, plan = s.run(context_hint=65536)
+    assert plan.prefix_splits > 4096 // 256
+    ref_out, ref_lse = ac.reference(4096, 33, 8, s.case)
+    check_attention(out, lse, ref_out, ref_lse, f"hint 65536, T 4096 {plan}")
+
+
+def test_single_token_equals_the_tree_root_row(gpu):
+    """The root (node 0) sees the prefix and itself only, so a q = 1 call over the same cache equals row 0
+    of the tree call, up to bf16 rounding of two differently split sums."""
+    s = Setup(gpu, 4096, 65, 8)
+    tree_out, tree_lse, _ = s.run()
+    from ddtree.plugins.mla_attention import MlaTreeAttention
+    out = nan_fill(gpu, (1, 8, 512), np.uint16)
+    lse = nan_fill(gpu, (1, 8), np.float32)
+    attn = MlaTreeAttention(gpu, 8, ac.SCALE, max_q=1, max_context=4096)
+    plan = attn.run(s.q_lat, s.q_rope, s.cache.layer(0), gpu.upload(np.ones((1, 1), np.uint32)),
+                    s.cache.lengths, 1, out, lse, context_hint=4096)     # token 0's queries, root entry at T
+    assert plan.pairs == 1 and plan.splits > 1                           # a different split than the tree call
+    single = bf16_to_f32(out.numpy())[0]
+    np.testing.assert_allclose(single, tree_out[0], rtol=1e-2, atol=1e-2 * np.abs(tree_out[0]).max())
+    np.testing.assert_allclose(lse.numpy()[0], tree_lse[0], atol=1e-3)
+
+
+def test_compaction_matches_reference_cache(gpu):
+    """Random accepted paths (including keep = [1, 2, ..] where every source is another's destination)
+    over 3 layers vs ddtree.reference.cache.LatentCache.compact, bit for bit."""
+    from ddtree.plugins.kv_cache import DeviceLatentCache
+    from ddtree.reference.cache import LatentCache
+    layers, cap, T = 3, 700, 300
+    rng = np.random.default_rng(7)
+    cache = DeviceLatentCache(gpu, layers, cap)
+    for keep in ([1, 2, 3], [0], list(range(1, 256)), sorted(rng.choice(256, 40, replace=False)),
+                 [0, 2, 4, 6, 8, 10, 12], list(range(256)), [255]):
+        keep = np.asarray(keep, dtype=np.int32)
+        data = rng.integers(0, 1 << 16, size=(layers, cap, 576), dtype=np.uint16)
+        gpu.copy_in(cache.buf, data)
+        cache.set_length(T)
+        ref = LatentCache(layers, 512, 64, dtype=np.uint16, capacity=cap)
+        ref.set_length(T + 256)
+        for layer in range(layers):
+            ref.write(layer, 0, data[layer, :T + 256, :512], data[layer, :T + 256, 512:])
+        ref.truncate(T + 256)
+        ref.compact(T, keep)
+        cache.compact(gpu.upload(keep), len(keep))
+        got = cache.buf.numpy()
+        for layer in range(layers):
+            np.testing.assert_array_equal(got[layer, : T + len(keep)], ref.entries(layer),
+                                          err_msg=f"layer {layer}, keep {keep[:8]}..")
+            np.testing.assert_array_equal(got[layer, T + len(keep):], data[layer, T + len(keep):])  # rest untouched
+
+
+def test_append_writes_only_its_slots(gpu):
+    from ddtree.plugins.kv_cache import DeviceLatentCache
+    cache = DeviceLatentCache(gpu, 2, 64)
+    before = np.arange(2 * 64 * 576, dtype=np.uint32).astype(np.uint16).reshape(2, 64, 576)
+    gpu.copy_in(cache.buf, before)
+    cache.set_length(10)
+    c_kv = np.full((5, 512), 7, np.uint16)
+    k_pe = np.full((5, 64), 9, np.uint16)
+    cache.append(1, gpu.upload(c_kv), gpu.upload(k_pe), 5)
+    want = before.copy()
+    want[1, 10:15, :512], want[1, 10:15, 512:] = 7, 9
+    np.testing.assert_array_equal(cache.buf.numpy(), want)
+
+
+def test_launcher_smem_size_is_the_kernel_struct(gpu):
+    from ddtree.plugins.device import ptr
+    from ddtree.plugins.mla_attention import SOURCE, VARIANTS, smem_bytes
+    sizes = gpu.zeros(len(VARIANTS), np.int32)
+    gpu.launch(gpu.kernel(SOURCE, "mla_attention_smem_sizes"), 1, 1, 0, ptr(sizes))
+    assert sizes.numpy().tolist() == [smem_bytes(p, s) for p, s in VARIANTS]
