@@ -43,12 +43,13 @@ def tree_visibility(q: int, seed: int) -> np.ndarray:
     return pack_visibility(vis)
 
 
-def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: float, forced: dict) -> dict:
+def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: float, forced: dict,
+               l2_resident: bool = False) -> dict:
     from ddtree.plugins import randfill
     from ddtree.plugins.mla_attention import MlaTreeAttention
     entry_bytes = 576 * 2
     cache_bytes = (T + q) * entry_bytes
-    copies = max(1, math.ceil(4 * gpu.l2_bytes / cache_bytes))
+    copies = 1 if l2_resident else max(1, math.ceil(4 * gpu.l2_bytes / cache_bytes))
     caches = [gpu.alloc((T + q, 576), np.uint16) for _ in range(copies)]
     for i, c in enumerate(caches):
         randfill.fill_device(gpu, c, 100 + i, randfill.ACT_BF16)
@@ -73,7 +74,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
     row = {"context": T, "q": q, "heads": heads, "latency_us": round(us, 2), "touched_mb": round(nbytes / 1e6, 3),
            "ideal_us": round(nbytes / ceiling_gbps / 1e3, 2), "gbps": round(gbps, 1),
            "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1), "tflops": round(flops / us / 1e6, 1),
-           "plan": {"pairs": plan.pairs, "stages": plan.stages, "row_tiles": plan.row_tiles,
+           "plan": {"form": plan.form, "warps": plan.warps, "stages": plan.stages, "row_tiles": plan.row_tiles,
                     "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies}
     peak = dense_peak(gpu.name)
     row["pct_of_dense_bf16"] = round(100 * row["tflops"] / peak, 1) if peak else None
@@ -87,15 +88,20 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--q", "qs", default="1,8,16,64,256", show_default=True, help="new tokens per call (tree nodes)")
 @click.option("--heads", "heads_list", default="8,64", show_default=True, help="query heads (8 = one TP8 rank)")
 @click.option("--launches", default=8, show_default=True, help="launches per captured graph")
-@click.option("--pairs", type=int, default=None, help="force warp pairs per block (sweeps)")
+@click.option("--form", type=click.Choice(["tree", "decode"]), default=None, help="force the kernel form (sweeps)")
+@click.option("--warps", type=int, default=None, help="force warps per block (sweeps)")
 @click.option("--stages", type=int, default=None, help="force the key-ring depth (sweeps)")
 @click.option("--splits", type=int, default=None, help="force the number of prefix splits (sweeps)")
+@click.option("--l2-resident", is_flag=True,
+              help="diagnosis: one cache, re-read by every launch (served from L2 when it fits): the kernel's "
+                   "compute-side rate, not a bandwidth result")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def attention_command(contexts, qs, heads_list, launches, pairs, stages, splits, as_json):
+def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, l2_resident, as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
     from ddtree.plugins.device import Gpu
     contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
-    forced = {k: v for k, v in (("pairs", pairs), ("stages", stages), ("splits", splits)) if v is not None}
+    forced = {k: v for k, v in (("form", form), ("warps", warps), ("stages", stages), ("splits", splits))
+              if v is not None}
     gpu = Gpu()
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
@@ -104,11 +110,11 @@ def attention_command(contexts, qs, heads_list, launches, pairs, stages, splits,
     for heads in heads_list:
         for T in contexts:
             for q in qs:
-                row = bench_case(gpu, T, q, heads, launches, ceiling["gbps"], forced)
+                row = bench_case(gpu, T, q, heads, launches, ceiling["gbps"], forced, l2_resident)
                 rows.append(row)
                 _say(f"H {heads:3d} T {T:6d} q {q:3d}: {row['latency_us']:9.2f} us  {row['gbps']:7.1f} GB/s "
                      f"({row['pct_of_ceiling']:5.1f} %)  {row['tflops']:6.1f} TFLOP/s  plan {row['plan']}")
-    result = {"bench": "attention", "device": gpu.name, "rows": rows,
+    result = {"bench": "attention", "device": gpu.name, "l2_resident": l2_resident, "rows": rows,
               "ceiling": {**ceiling, "dense_bf16_tflops": dense_peak(gpu.name)}}
     if as_json:
         click.echo(json.dumps(result))

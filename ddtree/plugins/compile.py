@@ -24,7 +24,8 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "moe.cu": {"default": {}},                 # ring depths are template parameters (plugins/moe.py)
     "gemm.cu": {"default": {"DD_WARPS": 4, "DD_STAGES": 6}},
     "fill.cu": {"default": {}},
-    "mla_attention.cu": {"default": {}},       # (pairs, stages) variants are templates (plugins/mla_attention.py)
+    "mla_attention.cu": {"default": {}},       # (warps, stages) variants are templates (plugins/mla_attention.py)
+    "mla_decode.cu": {"default": {}},
     "kv_cache.cu": {"default": {}},
 }
 CXX_STD = "c++17"

@@ -22,23 +22,35 @@ import numpy as np
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
 
-SOURCE = "mla_attention.cu"
+SOURCE, DECODE_SOURCE = "mla_attention.cu", "mla_decode.cu"
 LATENT, ROPE, KEY_DIM = 512, 64, 576
-KEYS_PER_BLOCK, ROW_STRIDE, PROB_STRIDE = 32, 584, 40     # MLA_NB, MLA_ROW, MLA_PROW in the kernel
-VARIANTS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 2), (4, 3))   # (pairs, stages) compiled
-MIN_CHUNK = 256                    # keys per prefix split at least (8 blocks: the ring's ramp amortised)
+ROW_STRIDE, PROB_STRIDE, DECODE_PROB_STRIDE = 584, 40, 24      # MLA_ROW, MLA_PROW, DEC_PROW in the kernels
+# (form, warps, stages) compiled. "tree": mla_attention.cu, warp pairs share 16 query rows, a ring of
+# `stages` 32-key blocks; "decode": mla_decode.cu, one 8-row tile per block, each warp owns 16 keys per
+# iteration, a ring of `stages` 16-key slots (a multiple of warps, >= 2 x warps).
+VARIANTS = (("tree", 2, 2), ("tree", 2, 3), ("tree", 2, 4), ("tree", 4, 2), ("tree", 4, 3), ("tree", 8, 2),
+            ("tree", 8, 3), ("decode", 2, 4), ("decode", 2, 6), ("decode", 2, 10), ("decode", 3, 9),
+            ("decode", 4, 8), ("decode", 5, 10))
+MIN_CHUNK = 64                     # keys per prefix split at least
+DECODE_MAX_ROWS = 32               # q * H up to this many rows take the decode form
 MAX_Q, MAX_HEADS = 256, 128
 
 
-def smem_bytes(pairs: int, stages: int) -> int:
-    """sizeof(MlaSmem<pairs, stages>): query rows, key ring, probabilities, row swap."""
-    return (pairs * 16 * ROW_STRIDE * 2 + stages * KEYS_PER_BLOCK * ROW_STRIDE * 2
-            + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4)
+def smem_bytes(form: str, warps: int, stages: int) -> int:
+    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<warps, stages>)."""
+    if form == "tree":
+        pairs = warps // 2
+        return (pairs * 16 * ROW_STRIDE * 2 + stages * 32 * ROW_STRIDE * 2
+                + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 8 * stages)
+    ring = stages * 16 * ROW_STRIDE * 2
+    merge = warps * 8 * LATENT * 4 + 2 * warps * 8 * 4
+    return 8 * ROW_STRIDE * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2 + 8 * stages
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    pairs: int         # warp pairs per block: 16 query rows each
+    form: str          # "tree" or "decode"
+    warps: int         # warps per block
     stages: int        # key-ring depth
     row_tiles: int     # blocks along the query rows
     prefix_splits: int # P: equal chunks of the committed prefix
@@ -50,15 +62,26 @@ class AttentionPlan:
         return self.prefix_splits + int(self.tree_own)
 
     @property
+    def rows_per_block(self) -> int:
+        return 8 * self.warps if self.form == "tree" else 8
+
+    @property
+    def source(self) -> str:
+        return SOURCE if self.form == "tree" else DECODE_SOURCE
+
+    @property
     def kernel(self) -> str:
-        return f"mla_attention_p{self.pairs}_s{self.stages}"
+        if self.form == "tree":
+            return f"mla_attention_p{self.warps // 2}_s{self.stages}"
+        return f"mla_decode_w{self.warps}_s{self.stages}"
 
 
-def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int,
-                   pairs: int | None = None, stages: int | None = None, splits: int | None = None) -> AttentionPlan:
-    """Rows per block: one pair (16 rows) while q * H <= 64 (bandwidth-bound: many small blocks split the
-    keys), two up to 256 rows, else four (as far as the shared memory allows). Prefix splits: enough blocks for two per SM, chunks of at least
-    MIN_CHUNK keys. `pairs`, `stages`, `splits` force a choice (benchmark sweeps)."""
+def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, form: str | None = None,
+                   warps: int | None = None, stages: int | None = None, splits: int | None = None) -> AttentionPlan:
+    """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound), else tree. Tree blocks: 16 rows while
+    q * H <= 64, 32 up to 256 rows, else 64 (more rows per block: the keys are re-read from L2 fewer times).
+    Prefix splits: enough blocks to fill the SMs twice, chunks of at least MIN_CHUNK keys.
+    `form`, `warps`, `stages`, `splits` force a choice (benchmark sweeps)."""
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MLA tree attention: q = {q} new tokens outside [1, {MAX_Q}]")
     if not 1 <= heads <= MAX_HEADS:
@@ -66,27 +89,32 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if context < 0:
         raise ValueError(f"MLA tree attention: context = {context} must be >= 0")
     rows = q * heads
-    fits = [(p, s) for p, s in VARIANTS if smem_bytes(p, s) <= smem_limit]
+    if form is None:
+        form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
+    fits = [(w, s) for f, w, s in VARIANTS if f == form and smem_bytes(f, w, s) <= smem_limit]
     if not fits:
-        raise ValueError(f"MLA tree attention: no compiled variant fits {smem_limit} B of shared memory")
-    if pairs is None:          # more rows per block: the keys are re-read from L2 fewer times
-        pairs = max(p for p, _ in fits if p <= (1 if rows <= 64 else 2 if rows <= 256 else 4))
+        raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory")
+    if warps is None:
+        want = 5 if form == "decode" else 2 if rows <= 64 else 4 if rows <= 256 else 8
+        warps = max(w for w, _ in fits if w <= want)
     if stages is None:
-        stages = max(s for p, s in fits if p == pairs)
-    if (pairs, stages) not in VARIANTS:
-        raise ValueError(f"MLA tree attention: (pairs, stages) = ({pairs}, {stages}) not compiled; have {VARIANTS}")
-    smem = smem_bytes(pairs, stages)
+        stages = max(s for w, s in fits if w == warps)
+    if (form, warps, stages) not in VARIANTS:
+        raise ValueError(f"MLA tree attention: (form, warps, stages) = ({form!r}, {warps}, {stages}) not compiled; "
+                         f"have {VARIANTS}")
+    smem = smem_bytes(form, warps, stages)
     if smem > smem_limit:
-        raise ValueError(f"MLA tree attention: {pairs} pairs x {stages} stages need {smem} B of shared memory; "
-                         f"the device allows {smem_limit}")
-    row_tiles = math.ceil(rows / (16 * pairs))
+        raise ValueError(f"MLA tree attention: {form} with {warps} warps x {stages} stages needs {smem} B of shared "
+                         f"memory; the device allows {smem_limit}")
+    rows_per_block = 8 * warps if form == "tree" else 8
+    row_tiles = math.ceil(rows / rows_per_block)
     if splits is None:
-        per_sm = max(1, min(4, (smem_limit + 1024) // (smem + 1024)))
-        want = max(1, (2 if pairs == 1 else 1) * sm_count * min(per_sm, 2) // row_tiles)
+        per_sm = max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
+        want = max(1, 2 * sm_count * per_sm // row_tiles if warps <= 2 else sm_count * per_sm // row_tiles)
         splits = max(1, min(want, math.ceil(context / MIN_CHUNK)))
     if splits < 1:
         raise ValueError(f"MLA tree attention: splits must be >= 1, got {splits}")
-    return AttentionPlan(pairs, stages, row_tiles, splits, splits >= 2, smem)
+    return AttentionPlan(form, warps, stages, row_tiles, splits, splits >= 2, smem)
 
 
 class MlaTreeAttention:
@@ -112,7 +140,7 @@ class MlaTreeAttention:
         return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin)
 
     def override(self, q: int, context: int, **forced) -> AttentionPlan:
-        """Benchmark sweeps: force pairs / stages / splits for (q, context); grows the workspace if needed."""
+        """Benchmark sweeps: force form / warps / stages / splits for (q, context); grows the workspace if needed."""
         p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, **forced)
         need = p.splits * q * self.heads
         if p.splits > 1 and need > self._part_rows:
@@ -137,14 +165,16 @@ class MlaTreeAttention:
             raise ValueError(f"MLA tree attention: plan {p} needs {p.splits * rows} partial rows; "
                              f"the workspace has {self._part_rows}")
         scale_log2 = np.float32(self.scale * math.log2(math.e))
-        self.gpu.allow_smem(SOURCE, p.kernel, p.smem)
-        self.gpu.launch(self.gpu.kernel(SOURCE, p.kernel), (p.row_tiles, p.splits), p.pairs * 64, p.smem,
+        self.gpu.allow_smem(p.source, p.kernel, p.smem)
+        self.gpu.launch(self.gpu.kernel(p.source, p.kernel), (p.row_tiles, p.splits), p.warps * 32, p.smem,
                         ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
                         ptr(self.part_o), ptr(self.part_lse), np.int32(rows), np.int32(self.heads), np.int32(q),
                         np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,
                         stream=stream, pdl=self.pdl)
         if p.splits > 1:
-            self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine"), rows, 128, 0,
-                            ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse), np.int32(rows),
-                            np.int32(p.splits), stream=stream, pdl=self.pdl)
+            groups = min(16, max(2, 1 << (p.splits - 1).bit_length()))    # split groups x lanes = 256 threads
+            lanes = 256 // groups
+            self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine"), (rows, LATENT // (4 * lanes)), 256,
+                            256 * 16 + 4 * p.splits, ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
+                            np.int32(rows), np.int32(p.splits), np.int32(lanes), stream=stream, pdl=self.pdl)
         return p

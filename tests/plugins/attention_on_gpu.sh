@@ -3,7 +3,7 @@
 # (JSON lines in $OUT/attention.jsonl, tagged by the sweep knob), then a summary table.
 # Usage (repo root, on the device; wheels as in the README's GPU section):
 #   TESTS=1 BENCH="default" bash tests/plugins/attention_on_gpu.sh
-#   BENCH="default stages pairs splits" ...   also sweep the plan knobs
+#   BENCH="default stages warps splits" ...   also sweep the plan knobs
 set -uo pipefail
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 export PYTHONUNBUFFERED=1 DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins PYTHONPATH=${PYTHONPATH:-}:.
@@ -25,9 +25,15 @@ bench() {   # tag, args...
 for what in ${BENCH:-default}; do
   case $what in
     default) bench default --context 4096,32768,131072 --q 1,4,8,16,64,256 --heads 8,64 ;;
-    stages) for s in 2 3 4; do bench stages$s --context 32768,131072 --q 1,4 --heads 8 --pairs 1 --stages $s; done ;;
-    pairs) for p in 1 2 4; do bench pairs$p --context 4096,32768 --q 64,256 --heads 8,64 --pairs $p; done ;;
-    splits) for s in 32 64 128 256 512; do bench splits$s --context 32768,131072 --q 1 --heads 8 --splits $s; done ;;
+    stages) for ws in 2,4 2,6 2,10 3,9 4,8 5,10; do
+              bench decode-w${ws%,*}-s${ws#*,} --context 32768,131072 --q 1 --heads 8 --form decode --warps ${ws%,*} --stages ${ws#*,}
+            done ;;
+    l2) bench l2-decode --context 4096,32768 --q 1 --heads 8 --form decode --l2-resident
+        bench l2-tree --context 4096,32768 --q 1,8,64 --heads 8 --form tree --l2-resident ;;
+    forms) for q in 2 4 8; do bench tree-q$q --context 32768 --q $q --heads 8 --form tree; bench decode-q$q --context 32768 --q $q --heads 8 --form decode; done ;;
+    warps) for w in 2 4 8; do bench tree-w$w --context 4096,32768 --q 64,256 --heads 8 --form tree --warps $w; done ;;
+    splits) for s in 33 66 132 264 528; do bench splits$s --context 32768,131072 --q 1 --heads 8 --splits $s; done
+            for s in 16 33 66 132; do bench tsplits$s --context 32768,131072 --q 8 --heads 8 --splits $s; done ;;
   esac
 done
 python3 - "$out/attention.jsonl" <<'PY'
@@ -37,10 +43,11 @@ try:
 except FileNotFoundError:
     sys.exit(0)
 for run in lines:
-    print(f"== {run['tag']}  {run['device']}  ceiling {run['ceiling']['gbps']:.0f} GB/s")
+    print(f"== {run['tag']}  {run['device']}  ceiling {run['ceiling']['gbps']:.0f} GB/s"
+          + ("  (L2-resident diagnosis)" if run.get("l2_resident") else ""))
     for r in run["rows"]:
         p = r["plan"]
         print(f"H{r['heads']:3d} T{r['context']:7d} q{r['q']:4d} {r['latency_us']:9.2f} us {r['pct_of_ceiling']:5.1f} % "
-              f"{r['tflops']:6.1f} TF ({r['pct_of_dense_bf16']} %)  p{p['pairs']} s{p['stages']} x{p['row_tiles']} "
+              f"{r['tflops']:6.1f} TF ({r['pct_of_dense_bf16']} %)  {p['form']} w{p['warps']} s{p['stages']} x{p['row_tiles']} "
               f"P{p['prefix_splits']}{'+t' if p['tree_own'] else ''}")
 PY

@@ -85,16 +85,16 @@ def test_attention_matches_reference(gpu, T, q, heads):
 
 @pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
 def test_every_variant_and_split_layout(gpu, T, q, heads):
-    """Each compiled (pairs, stages) with the tree in its own split, merged into one split, and with more
+    """Each compiled (form, warps, stages) with the tree in its own split, merged into one split, and with more
     splits than the prefix has blocks (empty splits must drop out of the merge)."""
     from ddtree.plugins.mla_attention import VARIANTS, smem_bytes
     s = Setup(gpu, T, q, heads)
     ref_out, ref_lse = ac.reference(T, q, heads, s.case)
-    for pairs, stages in VARIANTS:
-        if smem_bytes(pairs, stages) > gpu.smem_optin:
+    for form, warps, stages in VARIANTS:
+        if smem_bytes(form, warps, stages) > gpu.smem_optin:
             continue
         for splits in (1, 3, 200):
-            out, lse, plan = s.run(pairs=pairs, stages=stages, splits=splits)
+            out, lse, plan = s.run(form=form, warps=warps, stages=stages, splits=splits)
             check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} {plan}")
 
 
@@ -118,7 +118,7 @@ def test_single_token_equals_the_tree_root_row(gpu):
     attn = MlaTreeAttention(gpu, 8, ac.SCALE, max_q=1, max_context=4096)
     plan = attn.run(s.q_lat, s.q_rope, s.cache.layer(0), gpu.upload(np.ones((1, 1), np.uint32)),
                     s.cache.lengths, 1, out, lse, context_hint=4096)     # token 0's queries, root entry at T
-    assert plan.pairs == 1 and plan.splits > 1                           # a different split than the tree call
+    assert plan.form == "decode" and plan.splits > 1                   # another kernel and split than the tree call
     single = bf16_to_f32(out.numpy())[0]
     np.testing.assert_allclose(single, tree_out[0], rtol=1e-2, atol=1e-2 * np.abs(tree_out[0]).max())
     np.testing.assert_allclose(lse.numpy()[0], tree_lse[0], atol=1e-3)
@@ -168,7 +168,9 @@ def test_append_writes_only_its_slots(gpu):
 
 def test_launcher_smem_size_is_the_kernel_struct(gpu):
     from ddtree.plugins.device import ptr
-    from ddtree.plugins.mla_attention import SOURCE, VARIANTS, smem_bytes
-    sizes = gpu.zeros(len(VARIANTS), np.int32)
-    gpu.launch(gpu.kernel(SOURCE, "mla_attention_smem_sizes"), 1, 1, 0, ptr(sizes))
-    assert sizes.numpy().tolist() == [smem_bytes(p, s) for p, s in VARIANTS]
+    from ddtree.plugins.mla_attention import DECODE_SOURCE, SOURCE, VARIANTS, smem_bytes
+    for form, source in (("tree", SOURCE), ("decode", DECODE_SOURCE)):
+        variants = [v for v in VARIANTS if v[0] == form]
+        sizes = gpu.zeros(len(variants), np.int32)
+        gpu.launch(gpu.kernel(source, source.replace(".cu", "_smem_sizes")), 1, 1, 0, ptr(sizes))
+        assert sizes.numpy().tolist() == [smem_bytes(*v) for v in variants], form

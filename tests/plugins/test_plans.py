@@ -85,21 +85,22 @@ def test_moe_small_shapes_fall_back_to_one_chunk_slots(arch, hidden, inter):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_attention_plans_fit_and_fill_the_gpu(arch):
-    from ddtree.plugins.mla_attention import MIN_CHUNK, plan_attention
+    from ddtree.plugins.mla_attention import DECODE_MAX_ROWS, MIN_CHUNK, plan_attention
     a = ARCHS[arch]
     for heads in (8, 64):
         for context in (0, 1, 100, 4096, 131072):
             for q in range(1, 257):
                 p = plan_attention(q, heads, context, a["sm_count"], a["smem_limit"])
                 assert p.smem <= a["smem_limit"]
-                assert p.row_tiles * 16 * p.pairs >= q * heads > (p.row_tiles - 1) * 16 * p.pairs
+                assert p.row_tiles * p.rows_per_block >= q * heads > (p.row_tiles - 1) * p.rows_per_block
+                assert p.form == ("decode" if q * heads <= DECODE_MAX_ROWS else "tree")
                 assert p.prefix_splits >= 1 and p.tree_own == (p.prefix_splits >= 2)
                 # no split shorter than MIN_CHUNK keys, and no more blocks than needed to fill the GPU twice
                 assert p.prefix_splits <= max(1, -(-context // MIN_CHUNK))
                 assert p.row_tiles * p.prefix_splits <= max(p.row_tiles, 4 * a["sm_count"])
     # bandwidth-bound shapes spread a long prefix over the SMs
     p = plan_attention(1, 8, 131072, a["sm_count"], a["smem_limit"])
-    assert p.pairs == 1 and p.prefix_splits * p.row_tiles >= a["sm_count"]
+    assert p.form == "decode" and p.prefix_splits * p.row_tiles >= a["sm_count"]
 
 
 def test_attention_plan_errors_name_the_bad_value():
@@ -108,7 +109,7 @@ def test_attention_plan_errors_name_the_bad_value():
         plan_attention(257, 8, 10, 132, 232448)
     with pytest.raises(ValueError, match="heads = 0"):
         plan_attention(1, 0, 10, 132, 232448)
-    with pytest.raises(ValueError, match=r"\(pairs, stages\) = \(3, 2\) not compiled"):
-        plan_attention(1, 8, 10, 132, 232448, pairs=3, stages=2)
-    with pytest.raises(ValueError, match="need .* B of shared memory; the device allows 101376"):
-        plan_attention(64, 8, 10, 188, 101376, pairs=4, stages=3)
+    with pytest.raises(ValueError, match=r"\(form, warps, stages\) = \('tree', 6, 2\) not compiled"):
+        plan_attention(1, 8, 10, 132, 232448, form="tree", warps=6, stages=2)
+    with pytest.raises(ValueError, match="needs .* B of shared memory; the device allows 101376"):
+        plan_attention(64, 8, 10, 188, 101376, form="tree", warps=8, stages=3)

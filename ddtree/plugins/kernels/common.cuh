@@ -79,6 +79,31 @@ __device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, u6
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_addr(dst)), "l"(src) : "memory");
 }
+// ---- bulk copies (TMA engine, sm_90+) completing on an mbarrier -------------------------------------
+// One thread arms the barrier with the bytes to come (mbar_expect_tx), then any threads issue copies; a
+// consumer waits for the phase with parity (use count & 1). The copy engine moves the bytes, so the
+// issuing threads spend a few instructions per row instead of one cp.async per 16 bytes.
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {      // make the inits visible to the copy engine
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT_LOOP:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_LOOP;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// Order this thread's earlier shared-memory accesses (generic proxy) before later bulk copies into it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
 // Zero-fill variant: copies src_bytes (0 or 16) and fills the rest of the 16 bytes with zeros.
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes) : "memory");
@@ -133,6 +158,12 @@ __device__ __forceinline__ int ld_cg_s32(const int* p) {
 // their own prologue, then wait). Every kernel here triggers only after its own wait, so a kernel that
 // starts early can still rely on everything *two* launches back being complete and visible (read such
 // data with ld.global.cg before the wait).
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 

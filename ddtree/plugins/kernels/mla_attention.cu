@@ -30,12 +30,27 @@
 #define MLA_ROW 584                // smem row stride in bf16: 1168 B = 73 x 16 B (odd: conflict-free ldmatrix)
 #define MLA_PROW 40                // probability row stride in bf16: 80 B = 5 x 16 B
 
+// Diagnosis (compile with DD_PROFILE=1, see tests/plugins/profile_attention.py): thread 0 of block (0, 0)
+// adds the cycles of each phase of the main loop and prints the sums.
+#ifdef DD_PROFILE
+#define PROF_INIT long long prof_t = clock64(), prof[6] = {0, 0, 0, 0, 0, 0}; \
+                  const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+#define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
+#define PROF_PRINT(name, n) if (prof_on) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
+                  name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
+#else
+#define PROF_INIT
+#define PROF_MARK(i)
+#define PROF_PRINT(name, n)
+#endif
+
 template <int NPAIR, int STAGES>
 struct MlaSmem {
     bf16_t q[NPAIR * 16][MLA_ROW];             // this block's query rows [q_lat | q_rope]
     bf16_t kv[STAGES][MLA_NB][MLA_ROW];        // key blocks [c_kv | k_pe]
     bf16_t p[NPAIR][16][MLA_PROW];             // a pair's probabilities of the current block
     float swap[NPAIR][2][16];                  // a pair's per-warp row maxima, then row sums
+    u64 full[STAGES];                          // key block landed (phase = use count & 1)
 };
 
 template <int NPAIR, int STAGES>
@@ -73,26 +88,37 @@ __device__ __forceinline__ void mla_attention_split(
     }
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
 
-    // ---- loads: the query rows (group 0, with the first key block), then the key ring ----------------
+    // ---- loads: the query rows (cp.async), then the key ring (bulk copies by warp 0, one key row per lane:
+    // a few instructions instead of 72 cp.async per key; keys past `end` copy the last valid row, whose
+    // probability the mask sets to 0) --------------------------------------------------------------------
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) mbar_init(&sm.full[i], 1);
+        mbar_init_fence();
+    }
     for (int i = threadIdx.x; i < rows_per_block * (MLA_DK / 8); i += blockDim.x) {
         const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
         const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
                                        : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
         cp_async16_zfill(&sm.q[row][c], src, r < R ? 16 : 0);
     }
+    cp_async_commit();
+    __syncthreads();                                 // barriers initialised
+    // MLA_NB = 32 key rows, one bulk copy each, spread over the warps (a copy may complete before thread 0
+    // arms the barrier: the transaction count may go negative, the phase cannot complete before the arrive)
     auto load_block = [&](int b) {
-        if (b < nblk) {
-            const int key0 = begin + b * MLA_NB;
-            bf16_t (*dst)[MLA_ROW] = sm.kv[b % STAGES];
-            for (int i = threadIdx.x; i < MLA_NB * (MLA_DK / 8); i += blockDim.x) {
-                const int k = i / (MLA_DK / 8), c = (i - k * (MLA_DK / 8)) * 8, key = key0 + k;
-                cp_async16_zfill(&dst[k][c], cache + (size_t)min(key, end - 1) * MLA_DK + c, key < end ? 16 : 0);
-            }
+        if (b >= nblk) return;
+        if (threadIdx.x == 0) mbar_expect_tx(&sm.full[b % STAGES], MLA_NB * MLA_DK * 2);
+        constexpr int per_warp = MLA_NB / (2 * NPAIR);
+        if (lane < per_warp) {
+            const int k = warp * per_warp + lane, key = min(begin + b * MLA_NB + k, end - 1);
+            bulk_copy_g2s(sm.kv[b % STAGES][k], cache + (size_t)key * MLA_DK, MLA_DK * 2, &sm.full[b % STAGES]);
         }
-        cp_async_commit();
     };
 #pragma unroll
     for (int b = 0; b < STAGES - 1; ++b) load_block(b);
+    cp_async_wait<0>();
+    __syncthreads();                                 // the query rows landed
 
     // ---- running state: rows g and g + 8 of this pair's tile --------------------------------------
     float o[32][4];                                  // dims half*256 + 8 nt + 2t (+1); rows g (0,1), g+8 (2,3)
@@ -106,10 +132,15 @@ __device__ __forceinline__ void mla_attention_split(
     const bool rows_valid[2] = {r_lo < R, r_hi < R};
     const bf16_t* qa = &sm.q[pair * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];   // A: x4 over (rows, k)
 
+    PROF_INIT
     for (int b = 0; b < nblk; ++b) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();                             // block b landed; everyone is done with block b - 1
+        PROF_MARK(5)
+        if (b) __syncthreads();                      // everyone is done with block b - 1's slot
+        fence_proxy_async();                         // (its reads) before the bulk copies that refill it
         load_block(b + STAGES - 1);
+        PROF_MARK(1)
+        mbar_wait(&sm.full[b % STAGES], (b / STAGES) & 1);
+        PROF_MARK(0)
         const bf16_t (*kv)[MLA_ROW] = sm.kv[b % STAGES];
         const int key0 = begin + b * MLA_NB;
 
@@ -124,6 +155,7 @@ __device__ __forceinline__ void mla_attention_split(
             mma_bf16_16816(s[0], a, bk[0], bk[1]);
             mma_bf16_16816(s[1], a, bk[2], bk[3]);
         }
+        PROF_MARK(2)
         // scale to log2 units, mask keys past the split and tree keys off the ancestor chain
         const bool masked = key0 + MLA_NB > T;
         float mx[2] = {DD_NEG_INF, DD_NEG_INF};
@@ -174,12 +206,14 @@ __device__ __forceinline__ void mla_attention_split(
         }
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) l_run[hi] = l_run[hi] * alpha[hi] + sum[hi];
+        PROF_MARK(3)
 #pragma unroll
         for (int nt = 0; nt < 32; ++nt) {
             o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
             o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
         }
         named_barrier(1 + pair, 64);                 // both halves of P written (and both maxima read)
+        PROF_MARK(4)
 
         // o[16 rows, this warp's 256 dims] += P[16, 32 keys] . c_kv[32 keys, dims]
 #pragma unroll
@@ -196,7 +230,8 @@ __device__ __forceinline__ void mla_attention_split(
             }
         }
     }
-    cp_async_wait<0>();
+    PROF_MARK(5)
+    PROF_PRINT("tree", nblk)
 
     // ---- finish: full row sums from both halves, normalise, write -----------------------------------
 #pragma unroll
@@ -238,29 +273,89 @@ __device__ __forceinline__ void mla_attention_split(
     }
 }
 
-// Merge the splits of one row (block = 128 threads x 4 dims): lse = log2 sum 2^lse_s,
-// out = sum_s 2^(lse_s - lse) o_s. Empty splits (lse_s = -inf) are skipped, never multiplied.
-extern "C" __global__ void __launch_bounds__(128)
+// Merge the splits (both forms write the same partials): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) o_s.
+// Grid (R, 512 / (4 * lanes)), block 256 = groups x lanes with groups = 256 / lanes a power of two: thread
+// (group, lane) sums splits group, group + groups, .. for 4 dims (loads unrolled by 4: independent, so
+// they are in flight together; a serial loop would pay one L2 round trip per split), then the groups add
+// up in shared memory. Dynamic smem: n_splits floats (the weights) + groups * lanes float4.
+// Empty splits carry lse = -inf and zero outputs, so their weight 0 multiplies zeros.
+extern "C" __global__ void __launch_bounds__(256)
 mla_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse, bf16_t* __restrict__ out,
-                      float* __restrict__ lse_out, int R, int n_splits) {
+                      float* __restrict__ lse_out, int R, int n_splits, int lanes) {
+    extern __shared__ __align__(16) float cmb[];
+    float4* red = (float4*)cmb;                      // [groups][lanes]
+    float* w = cmb + 4 * blockDim.x;                 // [n_splits]
+    __shared__ float s_max[8], s_sum[8];
+#ifdef DD_PROFILE
+    const u64 prof_entry = global_ns();
+#endif
     pdl_wait();
     pdl_trigger();
-    const int r = blockIdx.x, d = threadIdx.x * 4;
+    const int r = blockIdx.x, groups = blockDim.x / lanes;
+    const int group = threadIdx.x / lanes, lane = threadIdx.x - group * lanes, d = (blockIdx.y * lanes + lane) * 4;
+    const int warp = threadIdx.x >> 5;
     float m = DD_NEG_INF;
-    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, ld_cg_f32(&part_lse[(size_t)s * R + r]));
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-        const float ls = ld_cg_f32(&part_lse[(size_t)s * R + r]);
-        if (ls == DD_NEG_INF) continue;
-        const float w = exp2f(ls - m);
-        const float4 v = ld_cg_f4((const float4*)(part_o + ((size_t)s * R + r) * MLA_DL + d));
-        acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
-        wsum += w;
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        const float v = ld_cg_f32(&part_lse[(size_t)s * R + r]);
+        w[s] = v;
+        m = fmaxf(m, v);
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    uint2 packed = make_uint2(pack_bf16x2(acc[0] * inv, acc[1] * inv), pack_bf16x2(acc[2] * inv, acc[3] * inv));
-    *(uint2*)(out + (size_t)r * MLA_DL + d) = packed;
-    if (lse_out && threadIdx.x == 0) lse_out[r] = (m + log2f(wsum)) * 0.69314718055994531f;
+#pragma unroll
+    for (int sh = 16; sh; sh >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, sh));
+    if ((threadIdx.x & 31) == 0) s_max[warp] = m;
+    __syncthreads();
+    m = s_max[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) m = fmaxf(m, s_max[i]);
+    const float m_use = m == DD_NEG_INF ? 0.f : m;
+    float wsum = 0.f;
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        const float e = exp2f(w[s] - m_use);
+        w[s] = e;
+        wsum += e;
+    }
+#pragma unroll
+    for (int sh = 16; sh; sh >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, sh);
+    if ((threadIdx.x & 31) == 0) s_sum[warp] = wsum;
+    __syncthreads();
+    wsum = 0.f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) wsum += s_sum[i];
+
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* base = part_o + (size_t)r * MLA_DL + d;
+    const size_t step = (size_t)R * MLA_DL;
+    int s = group;
+    for (; s + 3 * groups < n_splits; s += 4 * groups) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = ld_cg_f4((const float4*)(base + (size_t)(s + u * groups) * step));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const float e = w[s + u * groups];
+            acc.x += e * v[u].x; acc.y += e * v[u].y; acc.z += e * v[u].z; acc.w += e * v[u].w;
+        }
+    }
+    for (; s < n_splits; s += groups) {
+        const float4 v = ld_cg_f4((const float4*)(base + (size_t)s * step));
+        const float e = w[s];
+        acc.x += e * v.x; acc.y += e * v.y; acc.z += e * v.z; acc.w += e * v.w;
+    }
+    red[threadIdx.x] = acc;
+    __syncthreads();
+    if (group == 0) {
+        for (int g2 = 1; g2 < groups; ++g2) {
+            const float4 v = red[g2 * lanes + lane];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+        *(uint2*)(out + (size_t)r * MLA_DL + d) = make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv),
+                                                             pack_bf16x2(acc.z * inv, acc.w * inv));
+        if (lse_out && blockIdx.y == 0 && lane == 0)
+            lse_out[r] = wsum > 0.f ? (m_use + log2f(wsum)) * 0.69314718055994531f : DD_NEG_INF;
+    }
+#ifdef DD_PROFILE
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+        printf("combine block 0: entry %llu exit %llu\n", prof_entry, global_ns());
+#endif
 }
 
 #define DD_DEFINE_MLA(NPAIR, STAGES)                                                                   \

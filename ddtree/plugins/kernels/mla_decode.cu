@@ -1,0 +1,292 @@
+// Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H small: decode, small trees):
+// the same inputs, split ranges, mask and outputs (partials for mla_attention_combine), computed with the
+// keys as the mma M dimension and 8 query rows as N (the 8-token trick of the MoE kernel), so no mma lane
+// is padding at 8 rows and one warp holds all 512 output dims of its 8 rows (128 fp32 accumulators).
+//
+// Block: W warps; warp w owns the 16-key sub-blocks w, w + W, w + 2W, .. of the split and keeps its own
+// running max / sum / output for them. Each warp streams its sub-blocks through its own RS / W slots of
+// the shared ring (slot = sub-block mod RS, RS a multiple of W): it fills a slot with bulk copies (one
+// 1152-byte key row per lane and copy, completing on the slot's mbarrier), and refills it with the
+// sub-block RS ahead as soon as it has consumed it. No block-wide barrier inside the loop; RS / W - 1
+// sub-blocks per warp are in flight while it computes one. At the end the warps merge
+// through shared memory (exact log-sum-exp weights) and the block writes one split's result.
+// Per warp and 16 keys: S^T [16 keys, 8 rows] = K [16, 576] . Q^T (four independent accumulator chains),
+// P^T goes through a 256-byte shared tile to become the B operand, O^T [512, 8] += V^T [512, 16] . P^T.
+#include "common.cuh"
+
+#define MLA_DL 512
+#define MLA_DR 64
+#define MLA_DK 576
+#define MLA_ROW 584                // smem row stride in bf16 (1168 B: conflict-free ldmatrix)
+#define DEC_ROWS 8                 // query rows per block (the mma N)
+#define DEC_PROW 24                // P^T row stride in bf16 (48 B)
+
+// Diagnosis (compile with DD_PROFILE=1, see tests/plugins/profile_attention.py): thread 0 of block (0, 0)
+// adds the cycles of each phase of the main loop and prints the sums.
+#ifdef DD_PROFILE
+#define PROF_INIT long long prof_t = clock64(), prof[6] = {0, 0, 0, 0, 0, 0}; \
+                  const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+#define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
+#define PROF_T(i) if (threadIdx.x == 0 && blockIdx.x == 0) prof_ns[i] = global_ns();
+#define PROF_TIMELINE if (threadIdx.x == 0 && blockIdx.x == 0 && (blockIdx.y == 0 || blockIdx.y == gridDim.y - 1)) \
+    printf("decode block y %d: entry %llu pdl %llu loop %llu end-loop %llu exit %llu\n", blockIdx.y, prof_ns[0], \
+           prof_ns[1], prof_ns[2], prof_ns[3], global_ns());
+#define PROF_PRINT(name, n) if (prof_on) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
+                  name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
+#else
+#define PROF_INIT
+#define PROF_T(i)
+#define PROF_TIMELINE
+#define PROF_MARK(i)
+#define PROF_PRINT(name, n)
+#endif
+
+template <int W, int RS>
+struct DecodeSmem {
+    bf16_t q[DEC_ROWS][MLA_ROW];
+    union {
+        bf16_t kv[RS][16][MLA_ROW];
+        struct { float o[W][DEC_ROWS][MLA_DL]; float m[W][DEC_ROWS]; float l[W][DEC_ROWS]; } merge;
+    };
+    bf16_t pt[W][DEC_ROWS][DEC_PROW];          // a warp's probabilities, [row][key]
+    u64 full[RS];                              // slot landed (phase = use count & 1)
+};
+
+__device__ __forceinline__ void ldsm_x2(u32 (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+
+template <int W, int RS>
+__device__ __forceinline__ void mla_decode_split(
+        const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_rope, const bf16_t* __restrict__ cache,
+        const u32* __restrict__ vis, const int* __restrict__ lengths, bf16_t* __restrict__ out,
+        float* __restrict__ lse_out, float* __restrict__ part_o, float* __restrict__ part_lse,
+        int R, int H, int q, int P, int tree_own, float scale_log2) {
+    static_assert(RS % W == 0 && RS >= 2 * W, "each warp owns RS / W >= 2 slots");
+    constexpr int NB = 16 * W;                       // keys per round of the warps (chunks align to it)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DecodeSmem<W, RS>& sm = *reinterpret_cast<DecodeSmem<W, RS>*>(smem_raw);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * DEC_ROWS, split = blockIdx.y, n_splits = P + tree_own;
+
+#ifdef DD_PROFILE
+    u64 prof_ns[4];
+#endif
+    PROF_T(0)
+    pdl_wait();
+    pdl_trigger();
+    PROF_T(1)
+    const int T = ld_cg_s32(lengths);
+    const int last_row = min(row0 + DEC_ROWS, R) - 1;
+    const int tree_end = T + min(q, last_row / H + 1);
+    const int chunk = ((((T + P - 1) / max(P, 1)) + NB - 1) / NB) * NB;
+    int begin, end;
+    if (split < P) {
+        begin = split * chunk;
+        end = max(begin, min(T, begin + chunk));
+        if (split == P - 1 && !tree_own) {
+            begin = min(begin, T);
+            end = tree_end;
+        }
+    } else {
+        begin = T;
+        end = tree_end;
+    }
+    const int nsub = end > begin ? (end - begin + 15) / 16 : 0;     // 16-key sub-blocks
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < RS; ++i) mbar_init(&sm.full[i], 1);
+        mbar_init_fence();
+    }
+    for (int i = threadIdx.x; i < DEC_ROWS * (MLA_DK / 8); i += blockDim.x) {
+        const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
+        const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
+                                       : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
+        cp_async16_zfill(&sm.q[row][c], src, r < R ? 16 : 0);
+    }
+    cp_async_commit();
+    __syncthreads();                                 // barriers initialised
+    // sub-block j (j % W == this warp) into slot j % RS, one key row per lane. Keys past `end` copy the last
+    // valid row: finite values whose probability the mask sets to 0.
+    auto load_sub = [&](int j) {
+        if (j >= nsub) return;
+        u64* bar = &sm.full[j % RS];
+        if (lane == 0) mbar_expect_tx(bar, 16 * MLA_DK * 2);
+        __syncwarp();
+        if (lane < 16) {
+            const int key = min(begin + j * 16 + lane, end - 1);
+            bulk_copy_g2s(sm.kv[j % RS][lane], cache + (size_t)key * MLA_DK, MLA_DK * 2, bar);
+        }
+    };
+    for (int j = warp; j < RS; j += W) load_sub(j);
+    cp_async_wait<0>();
+    __syncthreads();                                 // the query rows landed
+
+    // O^T accumulators: m-tile mt = dims 16 mt .. +15; c0,c1 = (dim 16mt+g, rows 2t, 2t+1), c2,c3 = dim +8
+    float o[32][4];
+#pragma unroll
+    for (int mt = 0; mt < 32; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    float m_run[2] = {DD_NEG_INF, DD_NEG_INF}, l_run[2] = {0.f, 0.f};   // rows 2t, 2t+1 (l: this lane's keys)
+    const int W_vis = (q + 31) >> 5;
+    const int r0 = row0 + 2 * t, r1 = r0 + 1;
+    const bool rows_valid[2] = {r0 < R, r1 < R};
+    const u32* vis_r[2] = {vis + (size_t)min(r0 / H, q - 1) * W_vis, vis + (size_t)min(r1 / H, q - 1) * W_vis};
+    const bf16_t* qb = &sm.q[lane & 7][(lane >> 3) * 8];                       // B: x4 = 2 k-steps of Q^T
+    bf16_t (*pt)[DEC_PROW] = sm.pt[warp];
+
+    PROF_INIT
+    PROF_T(2)
+    for (int sub = warp; sub < nsub; sub += W) {
+        PROF_MARK(5)
+        PROF_MARK(1)
+        mbar_wait(&sm.full[sub % RS], (sub / RS) & 1);
+        PROF_MARK(0)
+        const bf16_t (*kv)[MLA_ROW] = sm.kv[sub % RS];                          // this warp's 16 keys
+        const int key0 = begin + sub * 16;
+
+        float s[4][4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.f;
+        const bf16_t* ka = &kv[(lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];   // A: x4 over (keys, k)
+#pragma unroll
+        for (int k = 0; k < MLA_DK; k += 32) {
+            u32 a0[4], a1[4], bq[4];
+            ldsm_x4(bq, qb + k);
+            ldsm_x4(a0, ka + k);
+            ldsm_x4(a1, ka + k + 16);
+            mma_bf16_16816(s[(k >> 5) & 1 ? 2 : 0], a0, bq[0], bq[1]);
+            mma_bf16_16816(s[(k >> 5) & 1 ? 3 : 1], a1, bq[2], bq[3]);
+        }
+        // c0 = (key g, row 2t), c1 = (key g, row 2t+1), c2 = (key g+8, row 2t), c3 = (key g+8, row 2t+1)
+        float sc[4], mx[2] = {DD_NEG_INF, DD_NEG_INF};
+        PROF_MARK(2)
+        const bool masked = key0 + 16 > T;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + g + 8 * (e >> 1), hi = e & 1;
+            float v = (s[0][e] + s[1][e] + s[2][e] + s[3][e]) * scale_log2;
+            if (masked) {
+                bool ok = key < end;
+                if (ok && key >= T && rows_valid[hi]) {
+                    const int j = key - T;
+                    ok = (vis_r[hi][j >> 5] >> (j & 31)) & 1u;
+                }
+                if (!ok) v = DD_NEG_INF;
+            }
+            sc[e] = v;
+            mx[hi] = fmaxf(mx[hi], v);
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+#pragma unroll
+            for (int sh = 4; sh < 32; sh <<= 1) mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], sh));
+            const float m_new = fmaxf(m_run[hi], mx[hi]);
+            m_use[hi] = m_new == DD_NEG_INF ? 0.f : m_new;
+            alpha[hi] = exp2f(m_run[hi] - m_use[hi]);
+            m_run[hi] = m_new;
+        }
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = exp2f(sc[e] - m_use[e & 1]);
+        l_run[0] = l_run[0] * alpha[0] + p[0] + p[2];
+        l_run[1] = l_run[1] * alpha[1] + p[1] + p[3];
+        __syncwarp();                                // the previous block's P^T reads are done
+        pt[2 * t][g] = f32_to_bf16(p[0]);
+        pt[2 * t + 1][g] = f32_to_bf16(p[1]);
+        pt[2 * t][g + 8] = f32_to_bf16(p[2]);
+        pt[2 * t + 1][g + 8] = f32_to_bf16(p[3]);
+        __syncwarp();
+        u32 bp[2];
+        ldsm_x2(bp, &pt[lane & 7][((lane >> 3) & 1) * 8]);                     // (keys 2t.., row g), keys +8
+        PROF_MARK(3)
+#pragma unroll
+        for (int mt = 0; mt < 32; ++mt) {
+            o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1];
+            o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
+        }
+        PROF_MARK(4)
+        const bf16_t* va = &kv[(lane & 7) + (lane >> 4) * 8][((lane >> 3) & 1) * 8];   // A^T: x4.trans over (keys, dims)
+#pragma unroll
+        for (int mt = 0; mt < 32; ++mt) {
+            u32 a[4];
+            ldsm_x4_trans(a, va + 16 * mt);
+            mma_bf16_16816(o[mt], a, bp[0], bp[1]);
+        }
+        __syncwarp();                                // every lane's reads of the slot are done
+        fence_proxy_async();
+        load_sub(sub + RS);                          // same owner, same slot
+    }
+    PROF_MARK(5)
+    PROF_T(3)
+    PROF_PRINT("decode", nsub)
+    __syncthreads();                                 // every issued copy was waited for: the ring becomes the merge area
+
+    // ---- merge the warps: weights 2^(m_w - M), exact ------------------------------------------------
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+        for (int sh = 4; sh < 32; sh <<= 1) l_run[hi] += __shfl_xor_sync(0xffffffffu, l_run[hi], sh);
+    if (g == 0) {
+        sm.merge.m[warp][2 * t] = m_run[0]; sm.merge.m[warp][2 * t + 1] = m_run[1];
+        sm.merge.l[warp][2 * t] = l_run[0]; sm.merge.l[warp][2 * t + 1] = l_run[1];
+    }
+#pragma unroll
+    for (int mt = 0; mt < 32; ++mt) {
+        sm.merge.o[warp][2 * t][16 * mt + g] = o[mt][0];
+        sm.merge.o[warp][2 * t + 1][16 * mt + g] = o[mt][1];
+        sm.merge.o[warp][2 * t][16 * mt + g + 8] = o[mt][2];
+        sm.merge.o[warp][2 * t + 1][16 * mt + g + 8] = o[mt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < DEC_ROWS * (MLA_DL / 2); i += blockDim.x) {
+        const int row = i / (MLA_DL / 2), d = (i - row * (MLA_DL / 2)) * 2, r = row0 + row;
+        if (r >= R) continue;
+        float M = DD_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < W; ++w) M = fmaxf(M, sm.merge.m[w][row]);
+        const float M_use = M == DD_NEG_INF ? 0.f : M;
+        float L = 0.f, v0 = 0.f, v1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            const float e = exp2f(sm.merge.m[w][row] - M_use);
+            L += e * sm.merge.l[w][row];
+            v0 += e * sm.merge.o[w][row][d];
+            v1 += e * sm.merge.o[w][row][d + 1];
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        const float lse2 = L > 0.f ? M_use + log2f(L) : DD_NEG_INF;
+        if (n_splits == 1) {
+            *(u32*)(out + (size_t)r * MLA_DL + d) = pack_bf16x2(v0 * inv, v1 * inv);
+            if (lse_out && d == 0) lse_out[r] = lse2 * 0.69314718055994531f;
+        } else {
+            *(float2*)(part_o + ((size_t)split * R + r) * MLA_DL + d) = make_float2(v0 * inv, v1 * inv);
+            if (d == 0) part_lse[(size_t)split * R + r] = lse2;
+        }
+    }
+    PROF_TIMELINE
+}
+
+#define DD_DEFINE_DECODE(W, RS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                                \
+    mla_decode_w##W##_s##RS(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache,         \
+                                const u32* vis, const int* lengths, bf16_t* out, float* lse_out,         \
+                                float* part_o, float* part_lse, int R, int H, int q, int P,              \
+                                int tree_own, float scale_log2) {                                        \
+        mla_decode_split<W, RS>(q_lat, q_rope, cache, vis, lengths, out, lse_out, part_o, part_lse, \
+                                    R, H, q, P, tree_own, scale_log2);                                   \
+    }
+
+// (warps, ring slots) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
+DD_DEFINE_DECODE(2, 4)
+DD_DEFINE_DECODE(2, 6)
+DD_DEFINE_DECODE(2, 10)
+DD_DEFINE_DECODE(3, 9)
+DD_DEFINE_DECODE(4, 8)
+DD_DEFINE_DECODE(5, 10)
+
+extern "C" __global__ void mla_decode_smem_sizes(int* out) {
+    out[0] = sizeof(DecodeSmem<2, 4>); out[1] = sizeof(DecodeSmem<2, 6>); out[2] = sizeof(DecodeSmem<2, 10>);
+    out[3] = sizeof(DecodeSmem<3, 9>); out[4] = sizeof(DecodeSmem<4, 8>); out[5] = sizeof(DecodeSmem<5, 10>);
+}
