@@ -74,7 +74,8 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
     row = {"context": T, "q": q, "heads": heads, "latency_us": round(us, 2), "touched_mb": round(nbytes / 1e6, 3),
            "ideal_us": round(nbytes / ceiling_gbps / 1e3, 2), "gbps": round(gbps, 1),
            "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1), "tflops": round(flops / us / 1e6, 1),
-           "plan": {"form": plan.form, "warps": plan.warps, "stages": plan.stages, "row_tiles": plan.row_tiles,
+           "plan": {"form": plan.form, "warps": plan.warps, "stages": plan.stages, "row_groups": plan.row_groups,
+                    "row_tiles": plan.row_tiles,
                     "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies}
     peak = dense_peak(gpu.name)
     row["pct_of_dense_bf16"] = round(100 * row["tflops"] / peak, 1) if peak else None
@@ -92,16 +93,18 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--warps", type=int, default=None, help="force warps per block (sweeps)")
 @click.option("--stages", type=int, default=None, help="force the key-ring depth (sweeps)")
 @click.option("--splits", type=int, default=None, help="force the number of prefix splits (sweeps)")
+@click.option("--row-groups", type=int, default=None, help="force 8-row groups per block (sweeps)")
 @click.option("--l2-resident", is_flag=True,
               help="diagnosis: one cache, re-read by every launch (served from L2 when it fits): the kernel's "
                    "compute-side rate, not a bandwidth result")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, l2_resident, as_json):
+def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, l2_resident,
+                      as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
     from ddtree.plugins.device import Gpu
     contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
-    forced = {k: v for k, v in (("form", form), ("warps", warps), ("stages", stages), ("splits", splits))
-              if v is not None}
+    forced = {k: v for k, v in (("form", form), ("warps", warps), ("stages", stages), ("splits", splits),
+                                ("row_groups", row_groups)) if v is not None}
     gpu = Gpu()
     ceiling = measure_ceiling(gpu)
     gpu.free_all()

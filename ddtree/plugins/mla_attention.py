@@ -25,26 +25,28 @@ from ddtree.plugins.gemm import supports_pdl
 SOURCE, DECODE_SOURCE = "mla_attention.cu", "mla_decode.cu"
 LATENT, ROPE, KEY_DIM = 512, 64, 576
 ROW_STRIDE, PROB_STRIDE, DECODE_PROB_STRIDE = 584, 40, 24      # MLA_ROW, MLA_PROW, DEC_PROW in the kernels
-# (form, warps, stages) compiled. "tree": mla_attention.cu, warp pairs share 16 query rows, a ring of
-# `stages` 32-key blocks; "decode": mla_decode.cu, one 8-row tile per block, each warp owns 16 keys per
-# iteration, a ring of `stages` 16-key slots (a multiple of warps, >= 2 x warps).
-VARIANTS = (("tree", 2, 2), ("tree", 2, 3), ("tree", 2, 4), ("tree", 4, 2), ("tree", 4, 3), ("tree", 8, 2),
-            ("tree", 8, 3), ("decode", 2, 4), ("decode", 2, 6), ("decode", 2, 10), ("decode", 3, 9),
-            ("decode", 4, 8), ("decode", 5, 10))
+# (form, warps, stages, row groups) compiled; a block serves 8 x row groups query rows.
+# "tree": mla_attention.cu, warp pairs share 16 query rows (row groups = warps), a ring of `stages` 32-key
+# blocks. "decode": mla_decode.cu, row groups of 8 rows x warps / row groups key streams of 16-key
+# sub-blocks, a ring of `stages` 16-key slots.
+VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
+            ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
+            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4))
 MIN_CHUNK = 64                     # keys per prefix split at least
 DECODE_MAX_ROWS = 32               # q * H up to this many rows take the decode form
 MAX_Q, MAX_HEADS = 256, 128
 
 
-def smem_bytes(form: str, warps: int, stages: int) -> int:
-    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<warps, stages>)."""
+def smem_bytes(form: str, warps: int, stages: int, row_groups: int) -> int:
+    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<row_groups, warps / row_groups, stages>)."""
     if form == "tree":
         pairs = warps // 2
         return (pairs * 16 * ROW_STRIDE * 2 + stages * 32 * ROW_STRIDE * 2
                 + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 8 * stages)
     ring = stages * 16 * ROW_STRIDE * 2
     merge = warps * 8 * LATENT * 4 + 2 * warps * 8 * 4
-    return 8 * ROW_STRIDE * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2 + 8 * stages
+    return (row_groups * 8 * ROW_STRIDE * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2
+            + 2 * 8 * stages)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class AttentionPlan:
     form: str          # "tree" or "decode"
     warps: int         # warps per block
     stages: int        # key-ring depth
+    row_groups: int    # 8-row groups per block
     row_tiles: int     # blocks along the query rows
     prefix_splits: int # P: equal chunks of the committed prefix
     tree_own: bool     # the tree keys get their own split (else they end the last prefix split)
@@ -63,7 +66,7 @@ class AttentionPlan:
 
     @property
     def rows_per_block(self) -> int:
-        return 8 * self.warps if self.form == "tree" else 8
+        return 8 * self.row_groups
 
     @property
     def source(self) -> str:
@@ -73,15 +76,17 @@ class AttentionPlan:
     def kernel(self) -> str:
         if self.form == "tree":
             return f"mla_attention_p{self.warps // 2}_s{self.stages}"
-        return f"mla_decode_w{self.warps}_s{self.stages}"
+        return f"mla_decode_r{self.row_groups}_k{self.warps // self.row_groups}_s{self.stages}"
 
 
 def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, form: str | None = None,
-                   warps: int | None = None, stages: int | None = None, splits: int | None = None) -> AttentionPlan:
-    """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound), else tree. Tree blocks: 16 rows while
-    q * H <= 64, 32 up to 256 rows, else 64 (more rows per block: the keys are re-read from L2 fewer times).
+                   warps: int | None = None, stages: int | None = None, splits: int | None = None,
+                   row_groups: int | None = None) -> AttentionPlan:
+    """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
+    read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
+    per block: the keys are re-read from L2 fewer times). Then the most warps and the deepest ring that fit.
     Prefix splits: enough blocks to fill the SMs twice, chunks of at least MIN_CHUNK keys.
-    `form`, `warps`, `stages`, `splits` force a choice (benchmark sweeps)."""
+    `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps)."""
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MLA tree attention: q = {q} new tokens outside [1, {MAX_Q}]")
     if not 1 <= heads <= MAX_HEADS:
@@ -91,30 +96,32 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     rows = q * heads
     if form is None:
         form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
-    fits = [(w, s) for f, w, s in VARIANTS if f == form and smem_bytes(f, w, s) <= smem_limit]
+    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v) <= smem_limit]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory")
+    if row_groups is None:
+        want = -(-rows // 8) if form == "decode" else 2 if rows <= 64 else 4 if rows <= 256 else 8
+        groups = sorted({g for w, _, g in fits if warps is None or w == warps})
+        row_groups = next((g for g in groups if g >= want), groups[-1])
     if warps is None:
-        want = 5 if form == "decode" else 2 if rows <= 64 else 4 if rows <= 256 else 8
-        warps = max(w for w, _ in fits if w <= want)
+        warps = max(w for w, _, g in fits if g == row_groups)
     if stages is None:
-        stages = max(s for w, s in fits if w == warps)
-    if (form, warps, stages) not in VARIANTS:
-        raise ValueError(f"MLA tree attention: (form, warps, stages) = ({form!r}, {warps}, {stages}) not compiled; "
-                         f"have {VARIANTS}")
-    smem = smem_bytes(form, warps, stages)
+        stages = max([s for w, s, g in fits if w == warps and g == row_groups] or [0])
+    if (form, warps, stages, row_groups) not in VARIANTS:
+        raise ValueError(f"MLA tree attention: (form, warps, stages, row groups) = ({form!r}, {warps}, {stages}, "
+                         f"{row_groups}) not compiled; have {VARIANTS}")
+    smem = smem_bytes(form, warps, stages, row_groups)
     if smem > smem_limit:
         raise ValueError(f"MLA tree attention: {form} with {warps} warps x {stages} stages needs {smem} B of shared "
                          f"memory; the device allows {smem_limit}")
-    rows_per_block = 8 * warps if form == "tree" else 8
-    row_tiles = math.ceil(rows / rows_per_block)
+    row_tiles = math.ceil(rows / (8 * row_groups))
     if splits is None:
         per_sm = max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
         want = max(1, 2 * sm_count * per_sm // row_tiles if warps <= 2 else sm_count * per_sm // row_tiles)
         splits = max(1, min(want, math.ceil(context / MIN_CHUNK)))
     if splits < 1:
         raise ValueError(f"MLA tree attention: splits must be >= 1, got {splits}")
-    return AttentionPlan(form, warps, stages, row_tiles, splits, splits >= 2, smem)
+    return AttentionPlan(form, warps, stages, row_groups, row_tiles, splits, splits >= 2, smem)
 
 
 class MlaTreeAttention:
@@ -140,7 +147,8 @@ class MlaTreeAttention:
         return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin)
 
     def override(self, q: int, context: int, **forced) -> AttentionPlan:
-        """Benchmark sweeps: force form / warps / stages / splits for (q, context); grows the workspace if needed."""
+        """Benchmark sweeps: force form / warps / stages / splits / row_groups for (q, context); grows the
+        workspace if needed."""
         p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, **forced)
         need = p.splits * q * self.heads
         if p.splits > 1 and need > self._part_rows:

@@ -25,9 +25,14 @@ bench() {   # tag, args...
 for what in ${BENCH:-default}; do
   case $what in
     default) bench default --context 4096,32768,131072 --q 1,4,8,16,64,256 --heads 8,64 ;;
-    stages) for ws in 2,4 2,6 2,10 3,9 4,8 5,10; do
+    stages) for ws in 2,4 3,9 4,8; do
               bench decode-w${ws%,*}-s${ws#*,} --context 32768,131072 --q 1 --heads 8 --form decode --warps ${ws%,*} --stages ${ws#*,}
             done ;;
+    groups) bench g2-w4 --context 32768,131072 --q 2 --heads 8 --form decode --row-groups 2 --warps 4 --stages 4
+            bench g2-w6 --context 32768,131072 --q 2 --heads 8 --form decode --row-groups 2 --warps 6 --stages 9
+            bench g4-w8 --context 32768,131072 --q 4 --heads 8 --form decode --row-groups 4 --warps 8 --stages 8
+            bench g1-q4 --context 32768,131072 --q 4 --heads 8 --form decode --row-groups 1
+            bench tree-q4 --context 32768,131072 --q 4 --heads 8 --form tree ;;
     l2) bench l2-decode --context 4096,32768 --q 1 --heads 8 --form decode --l2-resident
         bench l2-tree --context 4096,32768 --q 1,8,64 --heads 8 --form tree --l2-resident ;;
     forms) for q in 2 4 8; do bench tree-q$q --context 32768 --q $q --heads 8 --form tree; bench decode-q$q --context 32768 --q $q --heads 8 --form decode; done ;;
@@ -48,6 +53,7 @@ for run in lines:
     for r in run["rows"]:
         p = r["plan"]
         print(f"H{r['heads']:3d} T{r['context']:7d} q{r['q']:4d} {r['latency_us']:9.2f} us {r['pct_of_ceiling']:5.1f} % "
-              f"{r['tflops']:6.1f} TF ({r['pct_of_dense_bf16']} %)  {p['form']} w{p['warps']} s{p['stages']} x{p['row_tiles']} "
+              f"{r['tflops']:6.1f} TF ({r['pct_of_dense_bf16']} %)  {p['form']} w{p['warps']} s{p['stages']} "
+              f"g{p['row_groups']} x{p['row_tiles']} "
               f"P{p['prefix_splits']}{'+t' if p['tree_own'] else ''}")
 PY

@@ -12,8 +12,9 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "gemm.cu": ["gemm_bf16_mt1", "gemm_bf16_mt2", "gemm_bf16_mt4", "gemm_bf16_mt8"],
            "fill.cu": ["fill_hash_u32"],
            "mla_attention.cu": ["mla_attention_combine", "mla_attention_smem_sizes"]
-                               + [f"mla_attention_p{w // 2}_s{s}" for f, w, s in VARIANTS if f == "tree"],
-           "mla_decode.cu": ["mla_decode_smem_sizes"] + [f"mla_decode_w{w}_s{s}" for f, w, s in VARIANTS if f == "decode"],
+                               + [f"mla_attention_p{w // 2}_s{s}" for f, w, s, _ in VARIANTS if f == "tree"],
+           "mla_decode.cu": ["mla_decode_smem_sizes"]
+                            + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
            "kv_cache.cu": ["kv_append", "kv_compact"]}
 
 

@@ -85,16 +85,16 @@ def test_attention_matches_reference(gpu, T, q, heads):
 
 @pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
 def test_every_variant_and_split_layout(gpu, T, q, heads):
-    """Each compiled (form, warps, stages) with the tree in its own split, merged into one split, and with more
+    """Each compiled (form, warps, stages, row groups) with the tree in its own split, merged into one split, and with more
     splits than the prefix has blocks (empty splits must drop out of the merge)."""
     from ddtree.plugins.mla_attention import VARIANTS, smem_bytes
     s = Setup(gpu, T, q, heads)
     ref_out, ref_lse = ac.reference(T, q, heads, s.case)
-    for form, warps, stages in VARIANTS:
-        if smem_bytes(form, warps, stages) > gpu.smem_optin:
+    for form, warps, stages, row_groups in VARIANTS:
+        if smem_bytes(form, warps, stages, row_groups) > gpu.smem_optin:
             continue
         for splits in (1, 3, 200):
-            out, lse, plan = s.run(form=form, warps=warps, stages=stages, splits=splits)
+            out, lse, plan = s.run(form=form, warps=warps, stages=stages, row_groups=row_groups, splits=splits)
             check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} {plan}")
 
 

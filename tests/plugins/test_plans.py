@@ -109,7 +109,7 @@ def test_attention_plan_errors_name_the_bad_value():
         plan_attention(257, 8, 10, 132, 232448)
     with pytest.raises(ValueError, match="heads = 0"):
         plan_attention(1, 0, 10, 132, 232448)
-    with pytest.raises(ValueError, match=r"\(form, warps, stages\) = \('tree', 6, 2\) not compiled"):
-        plan_attention(1, 8, 10, 132, 232448, form="tree", warps=6, stages=2)
+    with pytest.raises(ValueError, match=r"\(form, warps, stages, row groups\) = \('tree', 6, 2, 6\) not compiled"):
+        plan_attention(1, 8, 10, 132, 232448, form="tree", warps=6, stages=2, row_groups=6)
     with pytest.raises(ValueError, match="needs .* B of shared memory; the device allows 101376"):
-        plan_attention(64, 8, 10, 188, 101376, form="tree", warps=8, stages=3)
+        plan_attention(64, 8, 10, 188, 101376, form="tree", warps=8, stages=3, row_groups=8)

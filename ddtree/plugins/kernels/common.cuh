@@ -92,6 +92,9 @@ __device__ __forceinline__ void mbar_init_fence() {      // make the inits visib
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT_LOOP:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"

@@ -1,15 +1,17 @@
-// Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H small: decode, small trees):
+// Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H <= 32: decode, small trees):
 // the same inputs, split ranges, mask and outputs (partials for mla_attention_combine), computed with the
 // keys as the mma M dimension and 8 query rows as N (the 8-token trick of the MoE kernel), so no mma lane
 // is padding at 8 rows and one warp holds all 512 output dims of its 8 rows (128 fp32 accumulators).
 //
-// Block: W warps; warp w owns the 16-key sub-blocks w, w + W, w + 2W, .. of the split and keeps its own
-// running max / sum / output for them. Each warp streams its sub-blocks through its own RS / W slots of
-// the shared ring (slot = sub-block mod RS, RS a multiple of W): it fills a slot with bulk copies (one
-// 1152-byte key row per lane and copy, completing on the slot's mbarrier), and refills it with the
-// sub-block RS ahead as soon as it has consumed it. No block-wide barrier inside the loop; RS / W - 1
-// sub-blocks per warp are in flight while it computes one. At the end the warps merge
-// through shared memory (exact log-sum-exp weights) and the block writes one split's result.
+// Block: RG row groups of 8 query rows x KS key streams = RG * KS warps; warp (rg, ks) handles rows
+// 8 rg .. 8 rg + 7 for the 16-key sub-blocks ks, ks + KS, .. of the split, with its own running max / sum /
+// output. Every key is read from memory once per block, whatever RG. Sub-blocks stream through a ring of
+// RS slots (slot = sub-block mod RS, RS a multiple of KS, so a stream owns RS / KS slots): the stream's
+// row-group-0 warp fills a slot with bulk copies (one 1152-byte key row per lane, completing on the slot's
+// `full` mbarrier), the RG warps of the stream consume it and arrive on its `empty` mbarrier, and the
+// filler refills it with the sub-block RS ahead once all have. No block-wide barrier inside the loop. At
+// the end the KS warps of each row group merge through shared memory (exact log-sum-exp weights) and the
+// block writes one split's result.
 // Per warp and 16 keys: S^T [16 keys, 8 rows] = K [16, 576] . Q^T (four independent accumulator chains),
 // P^T goes through a 256-byte shared tile to become the B operand, O^T [512, 8] += V^T [512, 16] . P^T.
 #include "common.cuh"
@@ -41,33 +43,36 @@
 #define PROF_PRINT(name, n)
 #endif
 
-template <int W, int RS>
+template <int RG, int KS, int RS>
 struct DecodeSmem {
-    bf16_t q[DEC_ROWS][MLA_ROW];
+    static constexpr int W = RG * KS;
+    bf16_t q[RG * DEC_ROWS][MLA_ROW];
     union {
         bf16_t kv[RS][16][MLA_ROW];
         struct { float o[W][DEC_ROWS][MLA_DL]; float m[W][DEC_ROWS]; float l[W][DEC_ROWS]; } merge;
     };
     bf16_t pt[W][DEC_ROWS][DEC_PROW];          // a warp's probabilities, [row][key]
     u64 full[RS];                              // slot landed (phase = use count & 1)
+    u64 empty[RS];                             // the RG consumers are done with the slot
 };
 
 __device__ __forceinline__ void ldsm_x2(u32 (&r)[2], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 
-template <int W, int RS>
+template <int RG, int KS, int RS>
 __device__ __forceinline__ void mla_decode_split(
         const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_rope, const bf16_t* __restrict__ cache,
         const u32* __restrict__ vis, const int* __restrict__ lengths, bf16_t* __restrict__ out,
         float* __restrict__ lse_out, float* __restrict__ part_o, float* __restrict__ part_lse,
         int R, int H, int q, int P, int tree_own, float scale_log2) {
-    static_assert(RS % W == 0 && RS >= 2 * W, "each warp owns RS / W >= 2 slots");
-    constexpr int NB = 16 * W;                       // keys per round of the warps (chunks align to it)
+    static_assert(RS % KS == 0 && RS >= 2 * KS, "each key stream owns RS / KS >= 2 slots");
+    constexpr int W = RG * KS, NB = 16 * KS;         // warps; keys per round of the streams (chunks align to it)
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    DecodeSmem<W, RS>& sm = *reinterpret_cast<DecodeSmem<W, RS>*>(smem_raw);
+    DecodeSmem<RG, KS, RS>& sm = *reinterpret_cast<DecodeSmem<RG, KS, RS>*>(smem_raw);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * DEC_ROWS, split = blockIdx.y, n_splits = P + tree_own;
+    const int rg = warp / KS, ks = warp - rg * KS;
+    const int row0 = blockIdx.x * RG * DEC_ROWS, split = blockIdx.y, n_splits = P + tree_own;
 
 #ifdef DD_PROFILE
     u64 prof_ns[4];
@@ -77,7 +82,7 @@ __device__ __forceinline__ void mla_decode_split(
     pdl_trigger();
     PROF_T(1)
     const int T = ld_cg_s32(lengths);
-    const int last_row = min(row0 + DEC_ROWS, R) - 1;
+    const int last_row = min(row0 + RG * DEC_ROWS, R) - 1;
     const int tree_end = T + min(q, last_row / H + 1);
     const int chunk = ((((T + P - 1) / max(P, 1)) + NB - 1) / NB) * NB;
     int begin, end;
@@ -96,10 +101,13 @@ __device__ __forceinline__ void mla_decode_split(
 
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int i = 0; i < RS; ++i) mbar_init(&sm.full[i], 1);
+        for (int i = 0; i < RS; ++i) {
+            mbar_init(&sm.full[i], 1);
+            mbar_init(&sm.empty[i], RG);
+        }
         mbar_init_fence();
     }
-    for (int i = threadIdx.x; i < DEC_ROWS * (MLA_DK / 8); i += blockDim.x) {
+    for (int i = threadIdx.x; i < RG * DEC_ROWS * (MLA_DK / 8); i += blockDim.x) {
         const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
         const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
                                        : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
@@ -107,8 +115,8 @@ __device__ __forceinline__ void mla_decode_split(
     }
     cp_async_commit();
     __syncthreads();                                 // barriers initialised
-    // sub-block j (j % W == this warp) into slot j % RS, one key row per lane. Keys past `end` copy the last
-    // valid row: finite values whose probability the mask sets to 0.
+    // sub-block j (of this warp's stream; called by its row-group-0 warp) into slot j % RS, one key row per
+    // lane. Keys past `end` copy the last valid row: finite values whose probability the mask sets to 0.
     auto load_sub = [&](int j) {
         if (j >= nsub) return;
         u64* bar = &sm.full[j % RS];
@@ -119,7 +127,8 @@ __device__ __forceinline__ void mla_decode_split(
             bulk_copy_g2s(sm.kv[j % RS][lane], cache + (size_t)key * MLA_DK, MLA_DK * 2, bar);
         }
     };
-    for (int j = warp; j < RS; j += W) load_sub(j);
+    if (rg == 0)
+        for (int j = ks; j < RS; j += KS) load_sub(j);
     cp_async_wait<0>();
     __syncthreads();                                 // the query rows landed
 
@@ -129,15 +138,15 @@ __device__ __forceinline__ void mla_decode_split(
     for (int mt = 0; mt < 32; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
     float m_run[2] = {DD_NEG_INF, DD_NEG_INF}, l_run[2] = {0.f, 0.f};   // rows 2t, 2t+1 (l: this lane's keys)
     const int W_vis = (q + 31) >> 5;
-    const int r0 = row0 + 2 * t, r1 = r0 + 1;
+    const int r0 = row0 + rg * DEC_ROWS + 2 * t, r1 = r0 + 1;
     const bool rows_valid[2] = {r0 < R, r1 < R};
     const u32* vis_r[2] = {vis + (size_t)min(r0 / H, q - 1) * W_vis, vis + (size_t)min(r1 / H, q - 1) * W_vis};
-    const bf16_t* qb = &sm.q[lane & 7][(lane >> 3) * 8];                       // B: x4 = 2 k-steps of Q^T
+    const bf16_t* qb = &sm.q[rg * DEC_ROWS + (lane & 7)][(lane >> 3) * 8];      // B: x4 = 2 k-steps of Q^T
     bf16_t (*pt)[DEC_PROW] = sm.pt[warp];
 
     PROF_INIT
     PROF_T(2)
-    for (int sub = warp; sub < nsub; sub += W) {
+    for (int sub = ks; sub < nsub; sub += KS) {
         PROF_MARK(5)
         PROF_MARK(1)
         mbar_wait(&sm.full[sub % RS], (sub / RS) & 1);
@@ -215,8 +224,12 @@ __device__ __forceinline__ void mla_decode_split(
             mma_bf16_16816(o[mt], a, bp[0], bp[1]);
         }
         __syncwarp();                                // every lane's reads of the slot are done
-        fence_proxy_async();
-        load_sub(sub + RS);                          // same owner, same slot
+        if (lane == 0) mbar_arrive(&sm.empty[sub % RS]);
+        if (rg == 0 && sub + RS < nsub) {            // refill: same stream, same slot, once all RG are done
+            mbar_wait(&sm.empty[sub % RS], (sub / RS) & 1);
+            fence_proxy_async();
+            load_sub(sub + RS);
+        }
     }
     PROF_MARK(5)
     PROF_T(3)
@@ -240,20 +253,21 @@ __device__ __forceinline__ void mla_decode_split(
         sm.merge.o[warp][2 * t + 1][16 * mt + g + 8] = o[mt][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < DEC_ROWS * (MLA_DL / 2); i += blockDim.x) {
-        const int row = i / (MLA_DL / 2), d = (i - row * (MLA_DL / 2)) * 2, r = row0 + row;
+    for (int i = threadIdx.x; i < RG * DEC_ROWS * (MLA_DL / 2); i += blockDim.x) {
+        const int rowb = i / (MLA_DL / 2), d = (i - rowb * (MLA_DL / 2)) * 2, r = row0 + rowb;
         if (r >= R) continue;
+        const int w0 = (rowb / DEC_ROWS) * KS, row = rowb % DEC_ROWS;     // the KS warps of this row group
         float M = DD_NEG_INF;
 #pragma unroll
-        for (int w = 0; w < W; ++w) M = fmaxf(M, sm.merge.m[w][row]);
+        for (int k = 0; k < KS; ++k) M = fmaxf(M, sm.merge.m[w0 + k][row]);
         const float M_use = M == DD_NEG_INF ? 0.f : M;
         float L = 0.f, v0 = 0.f, v1 = 0.f;
 #pragma unroll
-        for (int w = 0; w < W; ++w) {
-            const float e = exp2f(sm.merge.m[w][row] - M_use);
-            L += e * sm.merge.l[w][row];
-            v0 += e * sm.merge.o[w][row][d];
-            v1 += e * sm.merge.o[w][row][d + 1];
+        for (int k = 0; k < KS; ++k) {
+            const float e = exp2f(sm.merge.m[w0 + k][row] - M_use);
+            L += e * sm.merge.l[w0 + k][row];
+            v0 += e * sm.merge.o[w0 + k][row][d];
+            v1 += e * sm.merge.o[w0 + k][row][d + 1];
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
         const float lse2 = L > 0.f ? M_use + log2f(L) : DD_NEG_INF;
@@ -268,25 +282,25 @@ __device__ __forceinline__ void mla_decode_split(
     PROF_TIMELINE
 }
 
-#define DD_DEFINE_DECODE(W, RS)                                                                        \
-    extern "C" __global__ void __launch_bounds__(W * 32)                                                \
-    mla_decode_w##W##_s##RS(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache,         \
-                                const u32* vis, const int* lengths, bf16_t* out, float* lse_out,         \
-                                float* part_o, float* part_lse, int R, int H, int q, int P,              \
-                                int tree_own, float scale_log2) {                                        \
-        mla_decode_split<W, RS>(q_lat, q_rope, cache, vis, lengths, out, lse_out, part_o, part_lse, \
-                                    R, H, q, P, tree_own, scale_log2);                                   \
+#define DD_DEFINE_DECODE(RG, KS, RS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(RG * KS * 32)                                          \
+    mla_decode_r##RG##_k##KS##_s##RS(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache,    \
+                                     const u32* vis, const int* lengths, bf16_t* out, float* lse_out,    \
+                                     float* part_o, float* part_lse, int R, int H, int q, int P,         \
+                                     int tree_own, float scale_log2) {                                   \
+        mla_decode_split<RG, KS, RS>(q_lat, q_rope, cache, vis, lengths, out, lse_out, part_o, part_lse, \
+                                     R, H, q, P, tree_own, scale_log2);                                  \
     }
 
-// (warps, ring slots) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
-DD_DEFINE_DECODE(2, 4)
-DD_DEFINE_DECODE(2, 6)
-DD_DEFINE_DECODE(2, 10)
-DD_DEFINE_DECODE(3, 9)
-DD_DEFINE_DECODE(4, 8)
-DD_DEFINE_DECODE(5, 10)
+// (row groups, key streams, ring slots) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
+DD_DEFINE_DECODE(1, 2, 4)
+DD_DEFINE_DECODE(1, 3, 9)
+DD_DEFINE_DECODE(1, 4, 8)
+DD_DEFINE_DECODE(2, 2, 4)
+DD_DEFINE_DECODE(2, 3, 9)
+DD_DEFINE_DECODE(4, 2, 8)
 
 extern "C" __global__ void mla_decode_smem_sizes(int* out) {
-    out[0] = sizeof(DecodeSmem<2, 4>); out[1] = sizeof(DecodeSmem<2, 6>); out[2] = sizeof(DecodeSmem<2, 10>);
-    out[3] = sizeof(DecodeSmem<3, 9>); out[4] = sizeof(DecodeSmem<4, 8>); out[5] = sizeof(DecodeSmem<5, 10>);
+    out[0] = sizeof(DecodeSmem<1, 2, 4>); out[1] = sizeof(DecodeSmem<1, 3, 9>); out[2] = sizeof(DecodeSmem<1, 4, 8>);
+    out[3] = sizeof(DecodeSmem<2, 2, 4>); out[4] = sizeof(DecodeSmem<2, 3, 9>); out[5] = sizeof(DecodeSmem<4, 2, 8>);
 }
