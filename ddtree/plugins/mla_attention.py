@@ -79,13 +79,19 @@ class AttentionPlan:
         return f"mla_decode_r{self.row_groups}_k{self.warps // self.row_groups}_s{self.stages}"
 
 
+def blocks_per_sm(smem: int, smem_limit: int) -> int:
+    """Resident blocks per SM by shared memory (the per-block opt-in limit is the SM's capacity less 1 KB
+    reserved per block), at most 2."""
+    return max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
+
+
 def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, form: str | None = None,
                    warps: int | None = None, stages: int | None = None, splits: int | None = None,
                    row_groups: int | None = None) -> AttentionPlan:
     """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
     read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
     per block: the keys are re-read from L2 fewer times). Then the most warps and the deepest ring that fit.
-    Prefix splits: enough blocks to fill the SMs twice, chunks of at least MIN_CHUNK keys.
+    Prefix splits: choose_splits' wave model, chunks of at least MIN_CHUNK keys.
     `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps)."""
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MLA tree attention: q = {q} new tokens outside [1, {MAX_Q}]")
@@ -115,13 +121,33 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         raise ValueError(f"MLA tree attention: {form} with {warps} warps x {stages} stages needs {smem} B of shared "
                          f"memory; the device allows {smem_limit}")
     row_tiles = math.ceil(rows / (8 * row_groups))
+    capacity = sm_count * blocks_per_sm(smem, smem_limit)
     if splits is None:
-        per_sm = max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
-        want = max(1, 2 * sm_count * per_sm // row_tiles if warps <= 2 else sm_count * per_sm // row_tiles)
-        splits = max(1, min(want, math.ceil(context / MIN_CHUNK)))
+        splits, tree_own = choose_splits(context, q, row_tiles, capacity)
+    else:
+        tree_own = splits >= 2
     if splits < 1:
         raise ValueError(f"MLA tree attention: splits must be >= 1, got {splits}")
-    return AttentionPlan(form, warps, stages, row_groups, row_tiles, splits, splits >= 2, smem)
+    return AttentionPlan(form, warps, stages, row_groups, row_tiles, splits, tree_own, smem)
+
+
+def choose_splits(context: int, q: int, row_tiles: int, capacity: int, fixed: int = 256) -> tuple[int, bool]:
+    """(prefix splits P, tree_own) minimising a wave model of the latency, in keys: each prefix block costs
+    its chunk + `fixed` (prologue, epilogue, merge: ~8 us on the H200, about 256 keys' streaming), each tree
+    block q + fixed; blocks run in waves of `capacity`, and the light tree blocks fill a wave's spare slots
+    first. With one split the tree rides at the end of it (no combine). H200: a decode split that left the
+    tree block a second wave of its own cost 1-2 us (P = 132 vs 131 at T = 32768); one-wave splits starved
+    compute-bound shapes (64 heavy blocks on 132 SMs: 1.8x slower than 128 heavy + 64 light)."""
+    best = (math.ceil(row_tiles / capacity) * (context + q + fixed), 1, False)      # one merged split
+    for P in range(2, min(math.ceil(context / MIN_CHUNK), 4 * capacity) + 1):
+        heavy = row_tiles * P
+        waves = math.ceil(heavy / capacity)
+        spare = waves * capacity - heavy
+        cost = waves * (math.ceil(context / P) + fixed)
+        if row_tiles > spare:
+            cost += math.ceil((row_tiles - spare) / capacity) * (q + fixed)
+        best = min(best, (cost, P, True))
+    return best[1], best[2]
 
 
 class MlaTreeAttention:

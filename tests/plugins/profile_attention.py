@@ -1,5 +1,7 @@
-"""Diagnosis, not a test: cycles per phase of the attention main loops (kernels built with DD_PROFILE=1;
-thread 0 of block (0, 0) prints its sums). Usage on the device: python tests/plugins/profile_attention.py"""
+"""Diagnosis, not a test: timelines and cycles per phase of the attention kernels (built with
+DD_PROFILE=$DD_PROFILE, default 1: block timelines; 2: also cycles per loop phase; 0: the plain kernels, e.g.
+under ncu). Usage on the device: python tests/plugins/profile_attention.py T,q,heads[,splits] ..."""
+import os
 import sys
 
 import numpy as np
@@ -9,7 +11,9 @@ from ddtree.plugins import randfill
 from ddtree.plugins.compile import compile_cubin
 from ddtree.plugins.mla_attention import MlaTreeAttention
 
-device.compile_cubin = lambda source, arch: compile_cubin(source, arch, defines={"DD_PROFILE": 1})
+LEVEL = int(os.environ.get("DD_PROFILE", "1"))
+if LEVEL:
+    device.compile_cubin = lambda source, arch: compile_cubin(source, arch, defines={"DD_PROFILE": LEVEL})
 
 
 def main(T=32768, q=1, heads=8, **forced):

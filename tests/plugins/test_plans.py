@@ -85,7 +85,7 @@ def test_moe_small_shapes_fall_back_to_one_chunk_slots(arch, hidden, inter):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_attention_plans_fit_and_fill_the_gpu(arch):
-    from ddtree.plugins.mla_attention import DECODE_MAX_ROWS, MIN_CHUNK, plan_attention
+    from ddtree.plugins.mla_attention import DECODE_MAX_ROWS, MIN_CHUNK, blocks_per_sm, plan_attention
     a = ARCHS[arch]
     for heads in (8, 64):
         for context in (0, 1, 100, 4096, 131072):
@@ -95,12 +95,26 @@ def test_attention_plans_fit_and_fill_the_gpu(arch):
                 assert p.row_tiles * p.rows_per_block >= q * heads > (p.row_tiles - 1) * p.rows_per_block
                 assert p.form == ("decode" if q * heads <= DECODE_MAX_ROWS else "tree")
                 assert p.prefix_splits >= 1 and p.tree_own == (p.prefix_splits >= 2)
-                # no split shorter than MIN_CHUNK keys, and no more blocks than needed to fill the GPU twice
-                assert p.prefix_splits <= max(1, -(-context // MIN_CHUNK))
-                assert p.row_tiles * p.prefix_splits <= max(p.row_tiles, 4 * a["sm_count"])
-    # bandwidth-bound shapes spread a long prefix over the SMs
+                # no split shorter than MIN_CHUNK keys, at most 4 waves' worth of splits
+                capacity = a["sm_count"] * blocks_per_sm(p.smem, a["smem_limit"])
+                assert p.prefix_splits <= min(max(1, -(-context // MIN_CHUNK)), 4 * capacity)
+    # bandwidth-bound: a long prefix spread over one wave that also holds the tree's block
     p = plan_attention(1, 8, 131072, a["sm_count"], a["smem_limit"])
-    assert p.form == "decode" and p.prefix_splits * p.row_tiles >= a["sm_count"]
+    assert p.form == "decode" and p.splits * p.row_tiles == a["sm_count"] * blocks_per_sm(p.smem, a["smem_limit"])
+
+
+def test_attention_split_choice_on_measured_h200_shapes():
+    """The wave model picks what the H200 sweeps found best (NOTES.md): decode one wave with the tree block,
+    64 row tiles of 8 warps 2 splits + tree (not one merged split on half the SMs), 256 tiles one merged split."""
+    from ddtree.plugins.mla_attention import plan_attention
+    h200 = dict(sm_count=132, smem_limit=232448)
+    assert plan_attention(1, 8, 32768, **h200).prefix_splits == 131
+    p = plan_attention(64, 64, 4096, **h200)
+    assert (p.row_tiles, p.prefix_splits, p.tree_own) == (64, 2, True)
+    p = plan_attention(256, 8, 32768, **h200)
+    assert (p.row_tiles, p.prefix_splits, p.tree_own) == (32, 4, True)
+    p = plan_attention(256, 64, 4096, **h200)
+    assert (p.prefix_splits, p.tree_own) == (1, False)
 
 
 def test_attention_plan_errors_name_the_bad_value():

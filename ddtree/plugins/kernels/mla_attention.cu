@@ -36,7 +36,7 @@
 #define PROF_INIT long long prof_t = clock64(), prof[6] = {0, 0, 0, 0, 0, 0}; \
                   const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
 #define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
-#define PROF_PRINT(name, n) if (prof_on) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
+#define PROF_PRINT(name, n) if (prof_on && DD_PROFILE > 1) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
                   name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
 #else
 #define PROF_INIT

@@ -30,10 +30,10 @@
                   const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
 #define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
 #define PROF_T(i) if (threadIdx.x == 0 && blockIdx.x == 0) prof_ns[i] = global_ns();
-#define PROF_TIMELINE if (threadIdx.x == 0 && blockIdx.x == 0 && (blockIdx.y == 0 || blockIdx.y == gridDim.y - 1)) \
+#define PROF_TIMELINE if (threadIdx.x == 0 && blockIdx.x == 0 && (blockIdx.y % 33 == 0 || blockIdx.y == gridDim.y - 1)) \
     printf("decode block y %d: entry %llu pdl %llu loop %llu end-loop %llu exit %llu\n", blockIdx.y, prof_ns[0], \
            prof_ns[1], prof_ns[2], prof_ns[3], global_ns());
-#define PROF_PRINT(name, n) if (prof_on) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
+#define PROF_PRINT(name, n) if (prof_on && DD_PROFILE > 1) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
                   name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
 #else
 #define PROF_INIT
