@@ -1,15 +1,20 @@
-"""Launcher for the tree-masked absorbed MLA attention (kernels/mla_attention.cu) and its split plan.
+"""Launcher for the tree-masked absorbed MLA attention and its split plan (two kernel forms, one contract).
 
     attn = MlaTreeAttention(gpu, heads=8, scale=cfg.softmax_scale, max_q=256, max_context=131072)
     attn.run(q_lat, q_rope, cache_layer, vis, lengths, q, out, lse=None, context_hint=T)
 
 q_lat [q, H, 512] bf16, q_rope [q, H, 64] bf16, cache one layer [>= T + q, 576] bf16 with the q tree
 entries already appended at T .., vis [q, ceil(q/32)] uint32 (interfaces.md section 4), lengths a device
-int32 [1] holding T. out [q, H, 512] bf16; lse [q, H] fp32 (natural log) when given.
+int32 [1] holding T. out [q, H, 512] bf16; lse [q, H] fp32 (natural log) when given. Numpy twin:
+ddtree.plugins.reference.mla_tree_attention.
 
-The plan (rows per block, ring depth, number of prefix splits P, whether the tree keys get their own
-split) depends on q, H and the context; T itself is read on the device, so a graph captured with the
-plan for a context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to 32).
+Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32 (64 at long contexts), bandwidth-bound: keys
+are the mma M, 8 query rows the N, all rows in one block so every key is read once; "tree"
+(kernels/mla_attention.cu) beyond, compute-bound: warp pairs share 16 query rows. Both split the committed prefix over the SMs, give the tree
+keys (the only masked ones) their own split or the end of the last one, and merge splits exactly by
+log-sum-exp (mla_attention_combine). The plan (form, block shape, ring depth, number of prefix splits P)
+depends on q, H and the context; T itself is read on the device, so a graph captured with the plan for a
+context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to the block's keys).
 Workspaces are sized in the constructor for (max_q, max_context); run() only launches.
 """
 from __future__ import annotations
@@ -31,9 +36,12 @@ ROW_STRIDE, PROB_STRIDE, DECODE_PROB_STRIDE = 584, 40, 24      # MLA_ROW, MLA_PR
 # sub-blocks, a ring of `stages` 16-key slots.
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
-            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4))
+            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8))
 MIN_CHUNK = 64                     # keys per prefix split at least
-DECODE_MAX_ROWS = 32               # q * H up to this many rows take the decode form
+# q * H up to DECODE_MAX_ROWS rows take the decode form, up to DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
+# on (H200, 64 rows: the one-stream 8-row-group decode block is 2x slower than the tree form at 4096 keys,
+# 13 % faster at 32768 and 1.5x at 131072)
+DECODE_MAX_ROWS, DECODE_WIDE_ROWS, DECODE_WIDE_CONTEXT = 32, 64, 16384
 MAX_Q, MAX_HEADS = 256, 128
 
 
@@ -88,8 +96,8 @@ def blocks_per_sm(smem: int, smem_limit: int) -> int:
 def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, form: str | None = None,
                    warps: int | None = None, stages: int | None = None, splits: int | None = None,
                    row_groups: int | None = None) -> AttentionPlan:
-    """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
-    read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
+    """Form: decode while q * H <= DECODE_MAX_ROWS, or DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
+    (bandwidth-bound: all rows in one block, so the keys are read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
     per block: the keys are re-read from L2 fewer times). Then the most warps and the deepest ring that fit.
     Prefix splits: choose_splits' wave model, chunks of at least MIN_CHUNK keys.
     `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps)."""
@@ -101,7 +109,8 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         raise ValueError(f"MLA tree attention: context = {context} must be >= 0")
     rows = q * heads
     if form is None:
-        form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
+        wide = rows <= DECODE_WIDE_ROWS and context >= DECODE_WIDE_CONTEXT
+        form = "decode" if rows <= DECODE_MAX_ROWS or wide else "tree"
     fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v) <= smem_limit]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory")

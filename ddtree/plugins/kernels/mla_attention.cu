@@ -20,7 +20,9 @@
 // Block: NPAIR warp pairs; pair p owns 16 query rows, the two warps of a pair split the 32 keys of a
 // block for the scores (16 each) and the 512 output dims for P.V (256 each: 128 fp32 accumulators per
 // thread). The pair swaps row maxima and its bf16 probabilities through shared memory (named barrier
-// per pair). Keys stream through a STAGES-deep cp.async ring of 32-token blocks shared by all pairs.
+// per pair). Keys stream through a STAGES-deep ring of 32-key blocks shared by all pairs, filled by bulk
+// copies (one per key row, spread over the warps) that complete on the stage's mbarrier.
+// kernels/mla_decode.cu is the bandwidth-bound form of the same contract (q * H <= 64).
 #include "common.cuh"
 
 #define MLA_DL 512                 // latent (value) dims
@@ -88,7 +90,7 @@ __device__ __forceinline__ void mla_attention_split(
     }
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
 
-    // ---- loads: the query rows (cp.async), then the key ring (bulk copies by warp 0, one key row per lane:
+    // ---- loads: the query rows (cp.async), then the key ring (bulk copies, one key row per copy:
     // a few instructions instead of 72 cp.async per key; keys past `end` copy the last valid row, whose
     // probability the mask sets to 0) --------------------------------------------------------------------
     if (threadIdx.x == 0) {

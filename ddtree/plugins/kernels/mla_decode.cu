@@ -1,4 +1,4 @@
-// Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H <= 32: decode, small trees):
+// Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H <= 64: decode, small trees):
 // the same inputs, split ranges, mask and outputs (partials for mla_attention_combine), computed with the
 // keys as the mma M dimension and 8 query rows as N (the 8-token trick of the MoE kernel), so no mma lane
 // is padding at 8 rows and one warp holds all 512 output dims of its 8 rows (128 fp32 accumulators).
@@ -299,8 +299,10 @@ DD_DEFINE_DECODE(1, 4, 8)
 DD_DEFINE_DECODE(2, 2, 4)
 DD_DEFINE_DECODE(2, 3, 9)
 DD_DEFINE_DECODE(4, 2, 8)
+DD_DEFINE_DECODE(8, 1, 7)
 
 extern "C" __global__ void mla_decode_smem_sizes(int* out) {
     out[0] = sizeof(DecodeSmem<1, 2, 4>); out[1] = sizeof(DecodeSmem<1, 3, 9>); out[2] = sizeof(DecodeSmem<1, 4, 8>);
     out[3] = sizeof(DecodeSmem<2, 2, 4>); out[4] = sizeof(DecodeSmem<2, 3, 9>); out[5] = sizeof(DecodeSmem<4, 2, 8>);
+    out[6] = sizeof(DecodeSmem<8, 1, 7>);
 }
