@@ -19,7 +19,7 @@ KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a"
                "sm_120a", "sm_121")
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
-KERNEL_BYTES_ESTIMATE = 4 << 20          # per arch, for the free-disk check (cubins are ~0.5 MB today)
+KERNEL_BYTES_ESTIMATE = 4 << 20          # per arch, for the free-disk check (cubins are ~1.4 MB today)
 DTYPES = {"dense": "bf16", "router_bias": "f32",
           "routed_experts": "int4 (symmetric, group 32, bf16 scales) in the plugins/layout.py kernel layout",
           "activations": "bf16", "kv_cache": "bf16"}

@@ -3,11 +3,13 @@ verification that names a corrupted file, and the build's errors (each names the
 import json
 import shutil
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from ddtree.builder import engine_dir as ed
+from ddtree.plugins.compile import SOURCES
 from ddtree.cli import main
 from ddtree.runtime.engine_format import ENGINE_FORMAT
 
@@ -42,7 +44,7 @@ def test_build_json_and_layout(built):
     assert config["budgets"] == [8, 16] and config["experts"] == "tp" and config["dtypes"]["dense"] == "bf16"
     for arch in ("sm_120", "sm_90"):
         cubins = sorted(p.name for p in (out / "kernels" / arch).iterdir())
-        assert cubins == ["fill.cubin", "gemm.cubin", "moe.cubin"]
+        assert cubins == sorted(Path(source).stem + ".cubin" for source in SOURCES)      # every kernel source
         assert (out / "kernels" / arch / "moe.cubin").read_bytes()[:4] == b"\x7fELF"
     for r in (0, 1):
         assert sorted(p.name for p in (out / f"rank{r}").iterdir()) == sorted(config["weight_files"])
