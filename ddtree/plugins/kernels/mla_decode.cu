@@ -67,7 +67,7 @@ __device__ __forceinline__ void mla_decode_split(
         float* __restrict__ lse_out, float* __restrict__ part_o, float* __restrict__ part_lse,
         int R, int H, int q, int P, int tree_own, float scale_log2) {
     static_assert(RS % KS == 0 && RS >= 2 * KS, "each key stream owns RS / KS >= 2 slots");
-    constexpr int W = RG * KS, NB = 16 * KS;         // warps; keys per round of the streams (chunks align to it)
+    constexpr int NB = 16 * KS;                      // keys per round of the streams (chunks align to it)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     DecodeSmem<RG, KS, RS>& sm = *reinterpret_cast<DecodeSmem<RG, KS, RS>*>(smem_raw);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
