@@ -2,8 +2,9 @@
 (context, q, heads) (interfaces.md section 7).
 
 Method: caches filled on the device (ddtree.plugins.randfill), enough distinct caches that together they
-are >= 4x the L2 (one, when a single cache already is); R launches, each on the next cache, captured in one
-CUDA graph and replayed between CUDA events; latency = median replay time / R. The tree is a random
+are >= 4x the L2 (one, when a single cache already is); R = max(--launches, caches) launches, each on the
+next cache (so every cache is read once per replay), captured in one CUDA graph and replayed between CUDA
+events; latency = median replay time / R. The tree is a random
 recursive tree of q nodes. Bytes = the keys read once ((T + q) x 1152 B) plus queries in and outputs out;
 FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense attention would).
 The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
@@ -62,6 +63,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
     out = gpu.alloc((q, heads, 512), np.uint16)
     attn = MlaTreeAttention(gpu, heads, kimi_softmax_scale(), max_q=q, max_context=max(T, 1))
     plan = attn.override(q, T, **forced) if forced else attn.plan(q, T)
+    launches = max(launches, copies)
 
     def launch_all(stream):
         for r in range(launches):
@@ -76,7 +78,8 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
            "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1), "tflops": round(flops / us / 1e6, 1),
            "plan": {"form": plan.form, "warps": plan.warps, "stages": plan.stages, "row_groups": plan.row_groups,
                     "row_tiles": plan.row_tiles,
-                    "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies}
+                    "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies,
+           "launches": launches}
     peak = dense_peak(gpu.name)
     row["pct_of_dense_bf16"] = round(100 * row["tflops"] / peak, 1) if peak else None
     gpu.free_all()
@@ -88,7 +91,8 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
               help="committed prefix lengths T (comma-separated)")
 @click.option("--q", "qs", default="1,8,16,64,256", show_default=True, help="new tokens per call (tree nodes)")
 @click.option("--heads", "heads_list", default="8,64", show_default=True, help="query heads (8 = one TP8 rank)")
-@click.option("--launches", default=8, show_default=True, help="launches per captured graph")
+@click.option("--launches", default=8, show_default=True,
+              help="launches per captured graph (at least one per distinct cache)")
 @click.option("--form", type=click.Choice(["tree", "decode"]), default=None, help="force the kernel form (sweeps)")
 @click.option("--warps", type=int, default=None, help="force warps per block (sweeps)")
 @click.option("--stages", type=int, default=None, help="force the key-ring depth (sweeps)")
