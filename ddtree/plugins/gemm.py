@@ -92,14 +92,14 @@ class SkinnyGemm:
         self.smem_limit = gpu.smem_optin
         defs = gpu.defines(SOURCE)
         self.warps, self.stages = defs["DD_WARPS"], defs["DD_STAGES"]
+        self._overrides: dict[int, GemmPlan] = {}
         plans = [self.plan(m) for m in range(1, max_tokens + 1)]
         part = max(p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
         self.partial = gpu.alloc(max(part, 4), np.float32)
         self.counters = gpu.zeros(max(p.nb * p.mb for p in plans), np.uint32)
-        self._overrides: dict[int, GemmPlan] = {}
 
     def plan(self, M: int) -> GemmPlan:
-        if M in getattr(self, "_overrides", {}):
+        if M in self._overrides:
             return self._overrides[M]
         return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages)
 

@@ -168,16 +168,15 @@ class MlaTreeAttention:
         self.gpu, self.heads, self.scale, self.max_q, self.max_context = gpu, heads, float(scale), max_q, max_context
         self.pdl = pdl and supports_pdl(gpu)
         plan_attention(max_q, heads, max_context, gpu.sm_count, gpu.smem_optin)   # validates the arguments
-        # splits grow with the context, so the plans at max_context bound the partial rows
-        self._part_rows = max([1] + [p.splits * q * heads for q in range(1, max_q + 1)
-                                     for p in [self.plan(q, max_context)] if p.splits > 1])
-        self.part_o = gpu.alloc(self._part_rows * LATENT, np.float32)
-        self.part_lse = gpu.alloc(self._part_rows, np.float32)
         self._overrides: dict[tuple[int, int], AttentionPlan] = {}
+        self._part_rows = 0
+        # splits grow with the context, so the plans at max_context bound the partial rows
+        self._reserve_partials(max([1] + [p.splits * q * heads for q in range(1, max_q + 1)
+                                          for p in [self.plan(q, max_context)] if p.splits > 1]))
 
     def plan(self, q: int, context: int) -> AttentionPlan:
         key = (q, context)
-        if key in getattr(self, "_overrides", {}):
+        if key in self._overrides:
             return self._overrides[key]
         return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin)
 
@@ -185,13 +184,17 @@ class MlaTreeAttention:
         """Benchmark sweeps: force form / warps / stages / splits / row_groups for (q, context); grows the
         workspace if needed."""
         p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, **forced)
-        need = p.splits * q * self.heads
-        if p.splits > 1 and need > self._part_rows:
-            self.part_o = self.gpu.alloc(need * LATENT, np.float32)
-            self.part_lse = self.gpu.alloc(need, np.float32)
-            self._part_rows = need
+        if p.splits > 1:
+            self._reserve_partials(p.splits * q * self.heads)
         self._overrides[(q, context)] = p
         return p
+
+    def _reserve_partials(self, rows: int) -> None:
+        """Split partials for `rows` (split, query row) pairs: [rows, 512] outputs and [rows] log2-sum-exps."""
+        if rows > self._part_rows:
+            self.part_o = self.gpu.alloc(rows * LATENT, np.float32)
+            self.part_lse = self.gpu.alloc(rows, np.float32)
+            self._part_rows = rows
 
     def run(self, q_lat: DeviceArray | int, q_rope: DeviceArray | int, cache: DeviceArray | int,
             vis: DeviceArray | int, lengths: DeviceArray | int, q: int, out: DeviceArray | int,

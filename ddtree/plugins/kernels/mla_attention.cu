@@ -23,28 +23,10 @@
 // per pair). Keys stream through a STAGES-deep ring of 32-key blocks shared by all pairs, filled by bulk
 // copies (one per key row, spread over the warps) that complete on the stage's mbarrier.
 // kernels/mla_decode.cu is the bandwidth-bound form of the same contract (q * H <= 64).
-#include "common.cuh"
+#include "mla_common.cuh"
 
-#define MLA_DL 512                 // latent (value) dims
-#define MLA_DR 64                  // rope dims
-#define MLA_DK 576                 // key dims = latent + rope
 #define MLA_NB 32                  // keys per block
-#define MLA_ROW 584                // smem row stride in bf16: 1168 B = 73 x 16 B (odd: conflict-free ldmatrix)
 #define MLA_PROW 40                // probability row stride in bf16: 80 B = 5 x 16 B
-
-// Diagnosis (compile with DD_PROFILE=1, see tests/plugins/profile_attention.py): thread 0 of block (0, 0)
-// adds the cycles of each phase of the main loop and prints the sums.
-#ifdef DD_PROFILE
-#define PROF_INIT long long prof_t = clock64(), prof[6] = {0, 0, 0, 0, 0, 0}; \
-                  const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
-#define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
-#define PROF_PRINT(name, n) if (prof_on && DD_PROFILE > 1) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
-                  name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
-#else
-#define PROF_INIT
-#define PROF_MARK(i)
-#define PROF_PRINT(name, n)
-#endif
 
 template <int NPAIR, int STAGES>
 struct MlaSmem {
@@ -73,21 +55,8 @@ __device__ __forceinline__ void mla_attention_split(
     const int T = ld_cg_s32(lengths);
 
     // key range of this split; keys >= T are tree nodes and only visible along ancestor chains
-    const int last_row = min(row0 + rows_per_block, R) - 1;
-    const int tree_end = T + min(q, last_row / H + 1);     // no row of this block sees a later tree node
-    const int chunk = ((((T + P - 1) / max(P, 1)) + MLA_NB - 1) / MLA_NB) * MLA_NB;
-    int begin, end;
-    if (split < P) {
-        begin = split * chunk;
-        end = max(begin, min(T, begin + chunk));          // empty when T is small for the planned P
-        if (split == P - 1 && !tree_own) {                // the tree rides at the end of the last split
-            begin = min(begin, T);
-            end = tree_end;
-        }
-    } else {
-        begin = T;
-        end = tree_end;
-    }
+    const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, rows_per_block, MLA_NB);
+    const int begin = range.begin, end = range.end;
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
 
     // ---- loads: the query rows (cp.async), then the key ring (bulk copies, one key row per copy:
@@ -98,12 +67,7 @@ __device__ __forceinline__ void mla_attention_split(
         for (int i = 0; i < STAGES; ++i) mbar_init(&sm.full[i], 1);
         mbar_init_fence();
     }
-    for (int i = threadIdx.x; i < rows_per_block * (MLA_DK / 8); i += blockDim.x) {
-        const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
-        const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
-                                       : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
-        cp_async16_zfill(&sm.q[row][c], src, r < R ? 16 : 0);
-    }
+    mla_load_queries<NPAIR * 16>(sm.q, q_lat, q_rope, row0, R);
     cp_async_commit();
     __syncthreads();                                 // barriers initialised
     // MLA_NB = 32 key rows, one bulk copy each, spread over the warps (a copy may complete before thread 0

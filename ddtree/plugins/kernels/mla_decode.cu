@@ -14,34 +14,10 @@
 // block writes one split's result.
 // Per warp and 16 keys: S^T [16 keys, 8 rows] = K [16, 576] . Q^T (four independent accumulator chains),
 // P^T goes through a 256-byte shared tile to become the B operand, O^T [512, 8] += V^T [512, 16] . P^T.
-#include "common.cuh"
+#include "mla_common.cuh"
 
-#define MLA_DL 512
-#define MLA_DR 64
-#define MLA_DK 576
-#define MLA_ROW 584                // smem row stride in bf16 (1168 B: conflict-free ldmatrix)
 #define DEC_ROWS 8                 // query rows per block (the mma N)
 #define DEC_PROW 24                // P^T row stride in bf16 (48 B)
-
-// Diagnosis (compile with DD_PROFILE=1, see tests/plugins/profile_attention.py): thread 0 of block (0, 0)
-// adds the cycles of each phase of the main loop and prints the sums.
-#ifdef DD_PROFILE
-#define PROF_INIT long long prof_t = clock64(), prof[6] = {0, 0, 0, 0, 0, 0}; \
-                  const bool prof_on = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
-#define PROF_MARK(i) { long long prof_now = clock64(); prof[i] += prof_now - prof_t; prof_t = prof_now; }
-#define PROF_T(i) if (threadIdx.x == 0 && blockIdx.x == 0) prof_ns[i] = global_ns();
-#define PROF_TIMELINE if (threadIdx.x == 0 && blockIdx.x == 0 && (blockIdx.y % 33 == 0 || blockIdx.y == gridDim.y - 1)) \
-    printf("decode block y %d: entry %llu pdl %llu loop %llu end-loop %llu exit %llu\n", blockIdx.y, prof_ns[0], \
-           prof_ns[1], prof_ns[2], prof_ns[3], global_ns());
-#define PROF_PRINT(name, n) if (prof_on && DD_PROFILE > 1) printf("%s iters %d: wait %lld issue %lld qk %lld softmax %lld rescale %lld pv %lld\n", \
-                  name, n, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5]);
-#else
-#define PROF_INIT
-#define PROF_T(i)
-#define PROF_TIMELINE
-#define PROF_MARK(i)
-#define PROF_PRINT(name, n)
-#endif
 
 template <int RG, int KS, int RS>
 struct DecodeSmem {
@@ -74,29 +50,14 @@ __device__ __forceinline__ void mla_decode_split(
     const int rg = warp / KS, ks = warp - rg * KS;
     const int row0 = blockIdx.x * RG * DEC_ROWS, split = blockIdx.y, n_splits = P + tree_own;
 
-#ifdef DD_PROFILE
-    u64 prof_ns[4];
-#endif
+    PROF_NS
     PROF_T(0)
     pdl_wait();
     pdl_trigger();
     PROF_T(1)
     const int T = ld_cg_s32(lengths);
-    const int last_row = min(row0 + RG * DEC_ROWS, R) - 1;
-    const int tree_end = T + min(q, last_row / H + 1);
-    const int chunk = ((((T + P - 1) / max(P, 1)) + NB - 1) / NB) * NB;
-    int begin, end;
-    if (split < P) {
-        begin = split * chunk;
-        end = max(begin, min(T, begin + chunk));
-        if (split == P - 1 && !tree_own) {
-            begin = min(begin, T);
-            end = tree_end;
-        }
-    } else {
-        begin = T;
-        end = tree_end;
-    }
+    const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, RG * DEC_ROWS, NB);
+    const int begin = range.begin, end = range.end;
     const int nsub = end > begin ? (end - begin + 15) / 16 : 0;     // 16-key sub-blocks
 
     if (threadIdx.x == 0) {
@@ -107,12 +68,7 @@ __device__ __forceinline__ void mla_decode_split(
         }
         mbar_init_fence();
     }
-    for (int i = threadIdx.x; i < RG * DEC_ROWS * (MLA_DK / 8); i += blockDim.x) {
-        const int row = i / (MLA_DK / 8), c = (i - row * (MLA_DK / 8)) * 8, r = row0 + row;
-        const bf16_t* src = c < MLA_DL ? q_lat + (size_t)min(r, R - 1) * MLA_DL + c
-                                       : q_rope + (size_t)min(r, R - 1) * MLA_DR + (c - MLA_DL);
-        cp_async16_zfill(&sm.q[row][c], src, r < R ? 16 : 0);
-    }
+    mla_load_queries<RG * DEC_ROWS>(sm.q, q_lat, q_rope, row0, R);
     cp_async_commit();
     __syncthreads();                                 // barriers initialised
     // sub-block j (of this warp's stream; called by its row-group-0 warp) into slot j % RS, one key row per
@@ -279,7 +235,7 @@ __device__ __forceinline__ void mla_decode_split(
             if (d == 0) part_lse[(size_t)split * R + r] = lse2;
         }
     }
-    PROF_TIMELINE
+    PROF_TIMELINE("decode")
 }
 
 #define DD_DEFINE_DECODE(RG, KS, RS)                                                                   \
