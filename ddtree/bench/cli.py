@@ -15,6 +15,9 @@ bench.add_command(gemm_command)
 from ddtree.bench.attention import attention_command  # noqa: E402
 bench.add_command(attention_command)
 
+from ddtree.bench.tree import tree_command  # noqa: E402
+bench.add_command(tree_command)
+
 
 from ddtree.bench.accept import accept  # noqa: E402  (imports after the group, no cycle)
 bench.add_command(accept)

@@ -27,6 +27,9 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "mla_attention.cu": {"default": {}},       # (warps, stages) variants are templates (plugins/mla_attention.py)
     "mla_decode.cu": {"default": {}},
     "kv_cache.cu": {"default": {}},
+    "tree_build.cu": {"default": {}},
+    "sample.cu": {"default": {}},
+    "sample_top_p.cu": {"default": {}},
 }
 CXX_STD = "c++17"
 

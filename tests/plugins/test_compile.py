@@ -15,7 +15,10 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                                + [f"mla_attention_p{w // 2}_s{s}" for f, w, s, _ in VARIANTS if f == "tree"],
            "mla_decode.cu": ["mla_decode_smem_sizes"]
                             + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
-           "kv_cache.cu": ["kv_append", "kv_compact"]}
+           "kv_cache.cu": ["kv_append", "kv_compact"],
+           "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
+           "sample.cu": ["sample_greedy", "sample_gumbel", "sample_filtered"],
+           "sample_top_p.cu": ["sample_mass", "sample_kept"]}
 
 
 def test_compile_all_archs_to_cubin(tmp_path):
@@ -53,5 +56,6 @@ def test_package_imports_without_cuda_python():
     code = ("import sys; sys.modules['cuda'] = None\n"
             "import ddtree.cli, ddtree.plugins.layout, ddtree.plugins.moe, ddtree.plugins.gemm, "
             "ddtree.plugins.reference, ddtree.bench.kernels, ddtree.plugins.mla_attention, "
-            "ddtree.plugins.kv_cache, ddtree.bench.attention\n")
+            "ddtree.plugins.kv_cache, ddtree.bench.attention, ddtree.plugins.tree_build, "
+            "ddtree.plugins.tree_sample, ddtree.bench.tree\n")
     subprocess.run([sys.executable, "-c", code], check=True)

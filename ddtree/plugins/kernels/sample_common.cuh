@@ -1,0 +1,110 @@
+// Shared by sample.cu and sample_top_p.cu: the sampling arguments, per-row state, the float64 softmax
+// weight, the pruned Gumbel-max loop and the acceptance walk (ddtree/tree/walk.py).
+#pragma once
+#include "select.cuh"
+
+#define SP_THREADS 512
+#define SP_ITEMS 32
+#define SP_SLICE (SP_THREADS * SP_ITEMS)
+#define SP_CAND 256                      // candidates per slice for top-p without top-k
+#define SP_MERGED 512                    // merge buffer (>= SP_CAND + 1, a power of two)
+#define SP_MAX_LIST_KEYS 3072            // S * C keys of one row, merged in shared memory
+#define SP_EXACT_RANGE 20.0f             // below z_max - 20 the softmax weight is summed in float32
+#define SP_BINS 4096                     // full-row top-p: probability mass per 1/128 of z below the top
+#define SP_BINS_PER_UNIT 128.0f
+#define SP_MAX_BIN_KEYS 4096             // tokens of the crossing bin sorted in shared memory
+#define SP_STATUS_NAN_TARGET 2
+#define SP_STATUS_BIN_OVERFLOW 4         // a crossing bin held more tokens than SP_MAX_BIN_KEYS
+
+struct SampleArgs {                      // the launcher normalises top_k (0 < top_k < V, else 0)
+    double temperature, top_p;
+    int top_k;
+    u32 seed_lo, seed_hi;
+};
+#define SP_ARGS double temperature, double top_p, int top_k, u32 seed_lo, u32 seed_hi
+#define SP_MAKE_ARGS const SampleArgs a{temperature, top_p, top_k, seed_lo, seed_hi}
+
+// Per-row hand-off from sample_filtered to the full-row top-p kernels.
+struct RowState {
+    int needs_full_row;                  // the candidates did not reach top_p
+    int keep_all;                        // the cumulative never reached top_p (rounding): keep every token
+    int bin;                             // kept: tokens in bins < bin, and in `bin` those with key >= key_cut
+    float l_top;                         // the row's largest logit
+    double norm;                         // sum over the row of exp(z - z_top)
+    u64 key_cut;
+};
+
+// float64 exp(z - z_ref) for tokens near the maximum; float32 (added to tail) far below it
+__device__ __forceinline__ double softmax_weight(float l, float l_ref, const SampleArgs& a, float& tail) {
+    const float approx = (l - l_ref) / (float)a.temperature;
+    if (approx < -SP_EXACT_RANGE) { tail += expf(approx); return 0.0; }
+    return exp((double)l / a.temperature - (double)l_ref / a.temperature);
+}
+
+// The probability-mass bin of a logit: z distance below the top in 1/128 units, clamped (monotone in l).
+__device__ __forceinline__ int mass_bin(float l, float l_top, float bin_scale) {
+    const float d = (l_top - l) * bin_scale;
+    return d < (float)(SP_BINS - 1) ? (int)d : SP_BINS - 1;
+}
+
+// Best z + g over the tokens `take(v)` accepts among lo, lo + stride, .. < hi; float64 only where the
+// float32 estimate (gumbel32) can still win. Ascending v: equal values keep the lower id.
+template <typename Take>
+__device__ Winner gumbel_best(const float* row, int lo, int hi, int stride, u32 position, const SampleArgs& a,
+                              Take take) {
+    const float inv_t32 = 1.0f / (float)a.temperature;
+    Winner best{DD_NEG_INF, 0x7fffffff};
+    for (int v = lo; v < hi; v += stride) {
+        const float l = row[v];
+        if (!take(v, l)) continue;
+        const float z32 = l * inv_t32;
+        const float margin = DD_GUMBEL_MARGIN(z32);
+        if ((double)(z32 + DD_GUMBEL_MAX + margin) < best.value) continue;       // cannot win at any noise
+        const u32 x = philox_word0(position, (u32)v, a.seed_lo, a.seed_hi);
+        if ((double)(z32 + gumbel32(x) + margin) < best.value) continue;
+        const double value = (double)l / a.temperature + gumbel64(x);
+        if (value > best.value || best.id == 0x7fffffff) best = Winner{value, v};
+    }
+    return best;
+}
+
+// The acceptance walk over n nodes (all target tokens written): accepted [n] node indices in depth order
+// then -1, count [1], bonus [1]. Children of a node carry distinct tokens (distinct top-k ranks), so at
+// most one child matches; the matched nodes whose ancestors all match form the accepted path.
+__device__ void accept_walk(const int* target, const int* tokens, const int* parents, const int* depth, int n,
+                            int* accepted, int* count, int* bonus) {
+    __shared__ unsigned char match[256];
+    __shared__ int s_deepest, s_depth;
+    if (threadIdx.x == 0) { s_deepest = 0; s_depth = 0; }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        match[i] = i == 0 || (tokens[i] >= 0 && parents[i] >= 0 && tokens[i] == ld_cg_s32(target + parents[i]));
+        accepted[i] = -1;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        bool on_path = true;
+        for (int j = i; j > 0 && on_path; j = parents[j]) on_path = match[j];
+        if (on_path) {
+            accepted[depth[i]] = i;
+            atomicMax(&s_depth, depth[i]);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int deepest = ld_cg_s32(accepted + s_depth);
+        *count = s_depth + 1;
+        *bonus = ld_cg_s32(target + deepest);
+    }
+}
+
+// Walk pointers (tokens == null: plain sampling, no walk)
+struct WalkArgs { const int *tokens, *parents, *depth; int *accepted, *count, *bonus; };
+#define SP_WALK_ARGS const int* tokens, const int* parents, const int* depth, int* accepted, int* count, \
+    int* bonus, u32* row_tickets, u32* done_ticket
+#define SP_WALK WalkArgs{tokens, parents, depth, accepted, count, bonus}
+
+// The last block of the whole grid (all n rows' tokens written) walks the tree.
+__device__ __forceinline__ void walk_if_last(u32* done_ticket, u32 blocks, const int* target, int n, WalkArgs w) {
+    if (arrive_last(done_ticket, blocks) && w.tokens)
+        accept_walk(target, w.tokens, w.parents, w.depth, n, w.accepted, w.count, w.bonus);
+}

@@ -1,0 +1,139 @@
+"""Launcher for the GPU sampler and acceptance walk (kernels/sample.cu, kernels/sample_top_p.cu).
+
+    sampler = TreeSampler(gpu, vocab=V)                             # workspaces for up to 256 rows
+    out = sampler.run(logits, query_pos, params, n, tree=tree)      # 1 launch (3 for top-p alone), no host sync
+    out.target [n], out.accepted [n] (node indices, then -1), out.count [1], out.bonus [1]
+
+The token at every row is the sampling definition of interfaces.md section 5 (ddtree/tree/sampling.py)
+for the position query_pos + 1: greedy, or Gumbel-max over z = l / T with top-k / top-p, in float64.
+With `tree` (a DeviceTree from DraftTreeBuilder), the last block walks it (ddtree/tree/walk.py).
+Without a tree it is a plain sampler (autoregressive decoding: n = 1).
+Limits: top_k <= 256 (a larger top_k raises; 0 or >= V means off). The top-p normaliser sums the far
+tail (below z_max - 20) in float32: the kept set can differ from a float64 sum only when the cumulative
+probability lands within ~1e-9 of top_p (see kernels/sample.cu). A top-p cut among more than 4096 logits
+within 1/128 of z of each other is not exact and is reported by check_status (kernels/sample_top_p.cu).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.plugins.device import DeviceArray, Gpu, ptr
+from ddtree.plugins.gemm import supports_pdl
+from ddtree.tree.sampling import SamplingParams
+
+SOURCE, TOP_P_SOURCE = "sample.cu", "sample_top_p.cu"
+THREADS = 512
+SLICE = 16384                  # SP_SLICE
+CANDIDATES = 256               # SP_CAND: per slice, top-p without top-k; also the largest top_k
+MAX_LIST_KEYS = 3072           # SP_MAX_LIST_KEYS: S * C keys of a row merged in shared memory
+MASS_BINS = 4096               # SP_BINS
+MAX_ROWS = 256
+GREEDY, GUMBEL, TOP_K, TOP_P = "greedy", "gumbel", "top_k", "top_p"
+STATUS_NAN_TARGET, STATUS_BIN_OVERFLOW = 2, 4
+WINNER_BYTES = 16              # struct Winner { double value; int id; } (padded)
+PARTS_BYTES = 16               # struct SliceParts { float max, left_out; double sum; }
+ROW_STATE_BYTES = 32           # struct RowState (sample_common.cuh)
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    mode: str                  # GREEDY, GUMBEL (no filter), TOP_K (top-k, maybe top-p), TOP_P (top-p alone)
+    top_k: int                 # 0 = off (normalised: 0 < top_k < V)
+    candidates: int            # C: keys per slice (TOP_K, TOP_P)
+
+
+def plan_sampling(params: SamplingParams, vocab: int) -> SamplePlan:
+    if params.greedy:
+        return SamplePlan(GREEDY, 0, 0)
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if top_k > CANDIDATES:
+        raise ValueError(f"GPU sampler: top_k {params.top_k} is above the supported {CANDIDATES} "
+                         f"(use top_k <= {CANDIDATES}, or 0 for no top-k)")
+    if top_k:
+        return SamplePlan(TOP_K, top_k, top_k)
+    return SamplePlan(GUMBEL, 0, 0) if params.top_p >= 1 else SamplePlan(TOP_P, 0, CANDIDATES)
+
+
+@dataclass
+class SampleOutputs:
+    target: DeviceArray        # [n] int32 the target's token at every row
+    accepted: DeviceArray      # [n] int32 accepted node indices in depth order, then -1 (with a tree)
+    count: DeviceArray         # [1] int32 accepted nodes, root included (tau)
+    bonus: DeviceArray         # [1] int32 the next bonus token
+
+
+class TreeSampler:
+    def __init__(self, gpu: Gpu, vocab: int, max_rows: int = MAX_ROWS, pdl: bool | None = None):
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"TreeSampler: max_rows must be in 1..{MAX_ROWS}, got {max_rows}")
+        if not 1 <= vocab < 2 ** 31:
+            raise ValueError(f"TreeSampler: vocab must be in 1..2^31-1, got {vocab}")
+        self.gpu, self.V, self.max_rows = gpu, vocab, max_rows
+        self.S = math.ceil(vocab / SLICE)
+        self.pdl = supports_pdl(gpu) if pdl is None else pdl
+        self.keys = gpu.alloc((max_rows * self.S * CANDIDATES,), np.uint64)
+        self.wins = gpu.alloc((max_rows * self.S * WINNER_BYTES,), np.uint8)
+        self.parts = gpu.alloc((max_rows * self.S * PARTS_BYTES,), np.uint8)
+        self.state = gpu.zeros((max_rows * ROW_STATE_BYTES,), np.uint8)      # cleared by the kernels after use
+        self.mass = gpu.zeros((max_rows, MASS_BINS), np.uint64)              # fixed point; cleared after use
+        self.status = gpu.zeros((1,), np.int32)
+        self.full_row_rows = gpu.zeros((1,), np.uint32)      # running count of rows that needed sample_top_p.cu
+        self.row_tickets = gpu.zeros((max_rows,), np.uint32)
+        self.done_ticket = gpu.zeros((1,), np.uint32)
+        self.out = SampleOutputs(gpu.alloc((max_rows,), np.int32), gpu.alloc((max_rows,), np.int32),
+                                 gpu.alloc((1,), np.int32), gpu.alloc((1,), np.int32))
+
+    def run(self, logits: DeviceArray, query_pos: DeviceArray, params: SamplingParams, n: int, tree=None,
+            stream=None) -> SampleOutputs:
+        """logits [n, V] float32 (rows may be a prefix of a larger buffer), query_pos [n] int32.
+        Launches: greedy / plain Gumbel 1, top-k 1, top-p alone 3."""
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"TreeSampler.run: n {n} must be in 1..{self.max_rows} (max_rows)")
+        if np.dtype(logits.dtype) != np.float32 or logits.shape[-1] != self.V or logits.shape[0] < n:
+            raise ValueError(f"TreeSampler.run: logits must be float32 [>= {n}, {self.V}], "
+                             f"got {np.dtype(logits.dtype).name} {list(logits.shape)}")
+        if tree is not None and tree.tokens.shape[0] != n:
+            raise ValueError(f"TreeSampler.run: the tree has {tree.tokens.shape[0]} nodes but n is {n}")
+        plan = plan_sampling(params, self.V)
+        if plan.candidates and self.S * plan.candidates > MAX_LIST_KEYS:
+            raise ValueError(f"TreeSampler.run: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
+                             f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
+        g, S, o, t = self.gpu, self.S, self.out, tree
+        grid, block = (S, n, 1), (THREADS, 1, 1)
+        args = (np.float64(params.temperature), np.float64(params.top_p), np.int32(plan.top_k),
+                np.uint32(params.seed & 0xFFFFFFFF), np.uint32(params.seed >> 32))
+        walk = (ptr(t and t.tokens), ptr(t and t.parents), ptr(t and t.depth), ptr(o.accepted), ptr(o.count),
+                ptr(o.bonus), ptr(self.row_tickets), ptr(self.done_ticket))
+        launch = lambda source, name, *a: g.launch(g.kernel(source, name), grid, block, 0, *a, stream=stream,
+                                                    pdl=self.pdl)
+        if plan.mode == GREEDY:
+            launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), ptr(self.keys), ptr(o.target),
+                   ptr(self.status), *walk)
+        elif plan.mode == GUMBEL:
+            launch(SOURCE, "sample_gumbel", ptr(logits), np.int32(self.V), ptr(query_pos), *args, ptr(self.wins),
+                   ptr(o.target), *walk)
+        else:
+            launch(SOURCE, "sample_filtered", ptr(logits), np.int32(self.V), ptr(query_pos), *args,
+                   np.int32(plan.candidates), ptr(self.keys), ptr(self.parts), ptr(self.state), ptr(o.target),
+                   ptr(self.status), ptr(self.full_row_rows), np.int32(plan.mode == TOP_P), *walk)
+            if plan.mode == TOP_P:
+                launch(TOP_P_SOURCE, "sample_mass", ptr(logits), np.int32(self.V), *args, ptr(self.state),
+                       ptr(self.mass), ptr(self.status), ptr(self.row_tickets))
+                launch(TOP_P_SOURCE, "sample_kept", ptr(logits), np.int32(self.V), ptr(query_pos), *args,
+                       ptr(self.state), ptr(self.wins), ptr(o.target), *walk)
+        return SampleOutputs(o.target.view(0, (n,)), o.accepted.view(0, (n,)), o.count, o.bonus)
+
+    def check_status(self) -> None:
+        """Raise if any run since the last check saw NaN target logits or an inexact top-p cut (synchronises;
+        outside graphs)."""
+        flags = int(self.status.numpy()[0])
+        if flags:
+            self.gpu.memset(self.status, 0)
+        if flags & STATUS_NAN_TARGET:
+            raise ValueError("TreeSampler: the target logits contained NaN (sampled tokens are meaningless)")
+        if flags & STATUS_BIN_OVERFLOW:
+            raise ValueError(f"TreeSampler: a top-p cut fell among more than 4096 logits within 1/128 of z of "
+                             f"each other; that bin was kept whole (not the exact definition)")
