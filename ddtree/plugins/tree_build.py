@@ -25,7 +25,7 @@ SOURCE = "tree_build.cu"
 THREADS = 512
 SLICE = 16384                 # TB_SLICE: tokens per block of the two slice kernels
 MAX_DEPTH = 16                # TB_MAX_DEPTH: one byte per depth in the packed rank tuple
-MAX_LIST_KEYS = 4096          # TB_MAX_LIST_KEYS: S * K keys of one row, merged in shared memory
+MAX_LIST_KEYS = 4096          # TB_MAX_LIST_KEYS: S * K keys of one row, merged in registers
 STATUS_NAN_DRAFT = 1
 
 

@@ -1,9 +1,18 @@
-"""One DDTree tree step per sampling mode, launched eagerly (no graph) so that `ncu` can time every kernel:
-    ncu --metrics gpu__time_duration.sum python3 tests/plugins/profile_tree.py [V] [B]
+"""Tree-step kernels launched eagerly (no graph) so that `ncu` can time each one:
+    ncu --metrics gpu__time_duration.sum python3 tests/plugins/profile_tree.py [V] [B,B,..] [modes] [flat]
+    DD_TREE_TRACE=1 python3 tests/plugins/profile_tree.py ...   (phase timestamps printed by the kernels)
+modes: comma-separated names from ddtree.bench.tree.MODES, or "build" for the build alone.
 """
 import sys
 
+import os
+
 import numpy as np
+
+if os.environ.get("DD_TREE_TRACE"):             # kernels print phase timestamps (kernels/tree_build.cu TB_TRACE)
+    import ddtree.plugins.device as device
+    _compile = device.compile_cubin
+    device.compile_cubin = lambda source, arch: _compile(source, arch, defines={"DD_TREE_TRACE": 1})
 
 from ddtree.bench.tree import MODES, lm_logits
 from ddtree.plugins.device import Gpu
@@ -11,15 +20,44 @@ from ddtree.plugins.tree_build import DraftTreeBuilder
 from ddtree.plugins.tree_sample import TreeSampler
 
 V = int(sys.argv[1]) if len(sys.argv) > 1 else 163840
-B = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+budgets = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "64").split(",")]
+modes = (sys.argv[3] if len(sys.argv) > 3 else ",".join(MODES)).split(",")
+flat = len(sys.argv) > 4 and sys.argv[4] == "flat"
 D = 7
 gpu = Gpu()
 rng = np.random.default_rng(0)
-draft, target = gpu.upload(lm_logits(rng, D, V, False)), gpu.upload(lm_logits(rng, B + 1, V, False))
+draft = gpu.upload(lm_logits(rng, D, V, flat))
 root, start = gpu.upload(np.array([1], np.int32)), gpu.upload(np.array([4096], np.int32))
-builder, sampler = DraftTreeBuilder(gpu, vocab=V, depth=D), TreeSampler(gpu, vocab=V)
-for mode, params in MODES.items():
-    tree = builder.run(draft, root, start, B)
-    sampler.run(target, tree.positions, params, B + 1, tree=tree)
-    gpu.sync()
-    print(mode, "count", int(sampler.out.count.numpy()[0]), file=sys.stderr)
+builder = DraftTreeBuilder(gpu, vocab=V, depth=D)
+TRACE_PHASES = ["topk start", "keys loaded", "slice selected", "last slice selected", "row 0 merge start",
+                "row 0 merged", "build start", "table loaded", "popped", "tree written"]
+
+
+def trace_global():
+    """Device pointer of tree_build.cu's dd_trace[32] (DD_TREE_TRACE builds only)."""
+    from cuda.bindings import driver
+    from ddtree.plugins.device import check
+    handle = gpu._modules["tree_build.cu"].handle
+    getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
+    return int(check(getter(handle, b"dd_trace"), "get dd_trace")[0])
+
+
+def print_trace(B):
+    from ddtree.plugins.device import DeviceArray
+    t = DeviceArray(gpu, trace_global(), (32,), np.uint64).numpy()[: len(TRACE_PHASES)].astype(np.int64)
+    print(f"B {B} trace (us from topk start): " + ", ".join(
+        f"{name} {(v - t[0]) / 1e3:.1f}" for name, v in zip(TRACE_PHASES, t)), file=sys.stderr)
+
+
+for B in budgets:
+    target = gpu.upload(lm_logits(rng, B + 1, V, flat))
+    sampler = TreeSampler(gpu, vocab=V)
+    for mode in modes:
+        tree = builder.run(draft, root, start, B)
+        if mode != "build":
+            sampler.run(target, tree.positions, MODES[mode], B + 1, tree=tree)
+        gpu.sync()
+        if os.environ.get("DD_TREE_TRACE"):
+            print_trace(B)
+        print(f"B {B} {mode}: accepted {int(sampler.out.count.numpy()[0])}, "
+              f"full-row rows {int(sampler.full_row_rows.numpy()[0])}", file=sys.stderr)

@@ -29,13 +29,19 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
     pdl_wait();
+    float l[SP_ITEMS];                                       // all 32 loads in flight
+#pragma unroll
+    for (int j = 0; j < SP_ITEMS; ++j) {
+        const int v = lo + j * SP_THREADS + threadIdx.x;
+        l[j] = v < hi ? row[v] : 0.f;
+    }
     u64 best = 0;
     bool nan = false;
-#pragma unroll 8
-    for (int v = lo + threadIdx.x; v < hi; v += SP_THREADS) {
-        const float l = row[v];
-        nan |= l != l;
-        const u64 key = pack_key(l, v);
+#pragma unroll
+    for (int j = 0; j < SP_ITEMS; ++j) {
+        const int v = lo + j * SP_THREADS + threadIdx.x;
+        nan |= l[j] != l[j];
+        const u64 key = v < hi ? pack_key(l[j], v) : 0ull;
         best = key > best ? key : best;
     }
     if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
@@ -84,8 +90,8 @@ sample_gumbel(const float* __restrict__ logits, int V, const int* __restrict__ q
 struct SliceParts { float max, left_out; double sum; };   // left_out: largest logit not among the C sent
 
 union FilteredSmem {
-    struct { u32 hist[DD_SEL_BINS]; u64 picked[SP_CAND]; } slice;
-    struct { u64 lists[SP_MAX_LIST_KEYS]; u64 merged[SP_MERGED]; double prob[SP_MERGED]; } row;
+    struct { TopKeysSmem top; u64 picked[SP_CAND]; } slice;
+    struct { TopKeysSmem top; u64 merged[SP_MERGED]; double prob[SP_MERGED]; } row;
 };
 
 // The row decision from the merged candidates: writes target[r], or hands the row to sample_top_p.cu.
@@ -99,9 +105,14 @@ __device__ void filtered_row(FilteredSmem& sm, const u64* lists, const SlicePart
     double* prob = sm.row.prob;
     const bool top_p_alone = a.top_k == 0;
     const int want = top_p_alone ? SP_CAND + 1 : a.top_k;   // + 1: the largest left out of the merge
-    load_cg_u64(sm.row.lists, lists, S * C, SP_THREADS);
-    __syncthreads();
-    block_merge_desc<SP_THREADS>(sm.row.lists, S, C, want, merged);
+    u64 keys[SP_MAX_LIST_KEYS / SP_THREADS];                 // the row's S * C candidates, 6 per thread
+#pragma unroll
+    for (int j = 0; j < SP_MAX_LIST_KEYS / SP_THREADS; ++j) {
+        const int e = j * SP_THREADS + threadIdx.x;
+        keys[j] = 0;
+        if (e < S * C) asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(keys[j]) : "l"(lists + e) : "memory");
+    }
+    block_top_keys<SP_THREADS, SP_MAX_LIST_KEYS / SP_THREADS>(keys, want, sm.row.top, merged);
     const float l_top = key_value(merged[0]);
     for (int i = threadIdx.x; i < want; i += SP_THREADS)
         prob[i] = merged[i] ? exp((double)key_value(merged[i]) / a.temperature - (double)l_top / a.temperature) : 0.0;
@@ -199,8 +210,7 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
     }
     if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
     const int k = min(C, hi - lo);
-    const int n_pad = pow2_at_least(k);
-    block_top_keys<SP_THREADS, SP_ITEMS>(keys, k, sm.slice.hist, sm.slice.picked, n_pad);
+    block_top_keys<SP_THREADS, SP_ITEMS>(keys, k, sm.slice.top, sm.slice.picked);
     u64* out = slice_keys + ((size_t)r * S + s) * C;
     for (int i = threadIdx.x; i < C; i += SP_THREADS) out[i] = i < k ? sm.slice.picked[i] : 0ull;
     if (a.top_k == 0) {                                     // top-p alone: this slice's share of the normaliser

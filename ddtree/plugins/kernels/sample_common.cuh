@@ -8,7 +8,7 @@
 #define SP_SLICE (SP_THREADS * SP_ITEMS)
 #define SP_CAND 256                      // candidates per slice for top-p without top-k
 #define SP_MERGED 512                    // merge buffer (>= SP_CAND + 1, a power of two)
-#define SP_MAX_LIST_KEYS 3072            // S * C keys of one row, merged in shared memory
+#define SP_MAX_LIST_KEYS 3072            // S * C keys of one row, merged in registers (6 per thread)
 #define SP_EXACT_RANGE 20.0f             // below z_max - 20 the softmax weight is summed in float32
 #define SP_BINS 4096                     // full-row top-p: probability mass per 1/128 of z below the top
 #define SP_BINS_PER_UNIT 128.0f
@@ -70,30 +70,36 @@ __device__ Winner gumbel_best(const float* row, int lo, int hi, int stride, u32 
 
 // The acceptance walk over n nodes (all target tokens written): accepted [n] node indices in depth order
 // then -1, count [1], bonus [1]. Children of a node carry distinct tokens (distinct top-k ranks), so at
-// most one child matches; the matched nodes whose ancestors all match form the accepted path.
+// most one child matches; the matched nodes whose ancestors all match form the accepted path. The tree is
+// copied to shared memory first: the ancestor chains are dependent loads.
 __device__ void accept_walk(const int* target, const int* tokens, const int* parents, const int* depth, int n,
                             int* accepted, int* count, int* bonus) {
-    __shared__ unsigned char match[256];
-    __shared__ int s_deepest, s_depth;
-    if (threadIdx.x == 0) { s_deepest = 0; s_depth = 0; }
+    __shared__ short par[256];
+    __shared__ unsigned char match[256], dep[256];
+    __shared__ int tgt[256], s_path[256], s_depth;
+    if (threadIdx.x == 0) s_depth = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        match[i] = i == 0 || (tokens[i] >= 0 && parents[i] >= 0 && tokens[i] == ld_cg_s32(target + parents[i]));
-        accepted[i] = -1;
+        tgt[i] = ld_cg_s32(target + i);
+        par[i] = (short)parents[i];
+        dep[i] = (unsigned char)depth[i];
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        match[i] = i == 0 || (tokens[i] >= 0 && par[i] >= 0 && tokens[i] == tgt[par[i]]);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         bool on_path = true;
-        for (int j = i; j > 0 && on_path; j = parents[j]) on_path = match[j];
+        for (int j = i; j > 0 && on_path; j = par[j]) on_path = match[j];
         if (on_path) {
-            accepted[depth[i]] = i;
-            atomicMax(&s_depth, depth[i]);
+            s_path[dep[i]] = i;
+            atomicMax(&s_depth, dep[i]);
         }
     }
     __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) accepted[i] = i <= s_depth ? s_path[i] : -1;
     if (threadIdx.x == 0) {
-        const int deepest = ld_cg_s32(accepted + s_depth);
         *count = s_depth + 1;
-        *bonus = ld_cg_s32(target + deepest);
+        *bonus = tgt[s_path[s_depth]];
     }
 }
 

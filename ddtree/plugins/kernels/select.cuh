@@ -11,19 +11,20 @@
 
 #define DD_SEL_BINS 256
 
+#ifdef DD_TREE_TRACE                     // phase timestamps (ns) for tests/plugins/profile_tree.py
+extern "C" __device__ unsigned long long dd_trace[32];
+__device__ unsigned long long dd_trace[32];
+#define DD_TRACE(slot, cond) do { if (threadIdx.x == 0 && (cond)) dd_trace[slot] = global_ns(); } while (0)
+#define DD_TRACE_LAST(slot) do { if (threadIdx.x == 0) atomicMax(&dd_trace[slot], global_ns()); } while (0)
+#else
+#define DD_TRACE(slot, cond) do {} while (0)
+#define DD_TRACE_LAST(slot) do {} while (0)
+#endif
+
 __device__ __forceinline__ u32 redux_max_u32(u32 v) {      // warp-wide max (sm_80+), all lanes get it
     u32 r;
     asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
     return r;
-}
-
-// Copy n u64 written by other blocks of this kernel (after their fence) into shared memory, past L1.
-__device__ __forceinline__ void load_cg_u64(u64* dst, const u64* src, int n, int threads) {
-    for (int i = threadIdx.x; i < n; i += threads) {
-        u64 v;
-        asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(src + i) : "memory");
-        dst[i] = v;
-    }
 }
 
 __device__ __forceinline__ u32 order32(float v) {
@@ -106,6 +107,34 @@ __device__ void block_sort_desc(u64* a, int n) {
     }
 }
 
+// Bitonic sort of THREADS keys, one per thread, descending: thread i returns the i-th largest (and
+// buf[i] holds it). Exchanges within a warp go through shuffles, wider ones through buf: 10 block
+// barriers for 512 keys instead of 45. buf: THREADS u64 of shared memory.
+template <int THREADS>
+__device__ u64 block_sort_desc_1(u64 v, u64* buf) {
+    const int i = threadIdx.x;
+#pragma unroll
+    for (int k = 2; k <= THREADS; k <<= 1) {
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            u64 o;
+            if (j >= 32) {
+                buf[i] = v;
+                __syncthreads();
+                o = buf[i ^ j];
+                __syncthreads();
+            } else {
+                o = __shfl_xor_sync(0xffffffffu, v, j);
+            }
+            const bool keep_max = ((i & k) == 0) == (i < (i ^ j));
+            v = keep_max ? (v > o ? v : o) : (v < o ? v : o);
+        }
+    }
+    buf[i] = v;
+    __syncthreads();
+    return v;
+}
+
 struct MinNonzeroU64Op { __device__ u64 operator()(u64 a, u64 b) const { return (!a || (b && b < a)) ? b : a; } };
 
 // The threshold t with exactly K of the block's (distinct, nonzero) keys >= t; K <= number of nonzero
@@ -171,50 +200,63 @@ __device__ u64 block_kth_largest(const u64 (&keys)[ITEMS], int K, u32* hist) {
     return prefix;
 }
 
-// The block's K largest keys (K <= number of nonzero keys, K <= n_pad, n_pad a power of two) into
-// out[0 .. K), descending; out[K .. n_pad) = 0. out: n_pad u64 of shared memory.
-template <int THREADS, int ITEMS>
-__device__ void block_top_keys(const u64 (&keys)[ITEMS], int K, u32* hist, u64* out, int n_pad) {
-    __shared__ int s_count;
-    const u64 t = block_kth_largest<THREADS, ITEMS>(keys, K, hist);
-    if (threadIdx.x == 0) s_count = 0;
-    for (int i = threadIdx.x; i < n_pad; i += THREADS) out[i] = 0;
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j)
-        if (keys[j] && keys[j] >= t) out[atomicAdd(&s_count, 1)] = keys[j];
-    __syncthreads();
-    block_sort_desc<THREADS>(out, n_pad);
-}
-
 __device__ __forceinline__ int pow2_at_least(int k) { int n = 1; while (n < k) n <<= 1; return n; }
 
-// Number of keys > key in a descending list of n keys.
-__device__ __forceinline__ int count_greater(const u64* list, int n, u64 key) {
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (list[mid] > key) lo = mid + 1; else hi = mid;
-    }
-    return lo;
-}
+#define DD_TOP_CAND 2048                  // candidates sorted directly (above this: radix select)
 
-// Merge S descending lists of L keys each (lists[s * L + r], zeros pad) into the K largest, descending,
-// out[0 .. K) (zeros where fewer keys exist). Each key's place is its rank in its own list plus the keys
-// greater than it in the others (keys are distinct). out must not alias lists; keep lists in shared
-// memory (the binary searches are chains of dependent loads).
-template <int THREADS>
-__device__ void block_merge_desc(const u64* lists, int S, int L, int K, u64* out) {
-    for (int i = threadIdx.x; i < K; i += THREADS) out[i] = 0;
+struct TopKeysSmem {
+    u64 thread_max[1024];                 // one per thread (THREADS <= 1024)
+    u64 cand[DD_TOP_CAND];
+    u32 hist[DD_SEL_BINS];
+    int count;
+};
+
+// The block's K largest keys (K <= number of nonzero keys, K <= 1024) into out[0 .. K), descending, zeros
+// after (out holds pow2_at_least(K) keys). Prefilter without contended atomics: the K-th largest of the
+// per-thread maxima is a lower bound t of the K-th largest key (K threads hold a key >= t), and only keys
+// >= t (usually ~K..2K of them) are gathered and sorted; if more than DD_TOP_CAND pass, a radix select
+// on the registers decides instead.
+template <int THREADS, int ITEMS>
+__device__ void block_top_keys(const u64 (&keys)[ITEMS], int K, TopKeysSmem& sm, u64* out) {
+    u64 mx = 0;
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) mx = keys[j] > mx ? keys[j] : mx;
+    if (threadIdx.x == 0) sm.count = 0;
+    block_sort_desc_1<THREADS>(mx, sm.thread_max);
+    const u64 t = sm.thread_max[K - 1] ? sm.thread_max[K - 1] : 1ull;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {                         // gather keys >= t, one atomic per warp
+        const bool take = keys[j] >= t;
+        const u32 votes = __ballot_sync(0xffffffffu, take);
+        int base = 0;
+        if (votes && lane == 0) base = atomicAdd(&sm.count, __popc(votes));
+        base = __shfl_sync(0xffffffffu, base, 0);
+        const int at = base + __popc(votes & ((1u << lane) - 1u));
+        if (take && at < DD_TOP_CAND) sm.cand[at] = keys[j];
+    }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * L; e += THREADS) {
-        const u64 key = lists[e];
-        const int s = e / L, r = e - s * L;
-        if (!key || r >= K) continue;
-        int rank = r;
-        for (int o = 0; o < S && rank < K; ++o)
-            if (o != s) rank += count_greater(lists + o * L, L, key);
-        if (rank < K) out[rank] = key;
+    const int m = sm.count, n_out = pow2_at_least(K);
+    if (m <= THREADS) {                                       // one candidate per thread: register sort
+        block_sort_desc_1<THREADS>(threadIdx.x < m ? sm.cand[threadIdx.x] : 0ull, sm.thread_max);
+        for (int i = threadIdx.x; i < n_out; i += THREADS) out[i] = i < K ? sm.thread_max[i] : 0ull;
+    } else if (m <= DD_TOP_CAND) {
+        const int n = pow2_at_least(m);
+        for (int i = m + threadIdx.x; i < n; i += THREADS) sm.cand[i] = 0;
+        __syncthreads();
+        block_sort_desc<THREADS>(sm.cand, n);
+        for (int i = threadIdx.x; i < n_out; i += THREADS) out[i] = i < K ? sm.cand[i] : 0ull;
+    } else {
+        __shared__ int s_count;
+        const u64 kth = block_kth_largest<THREADS, ITEMS>(keys, K, sm.hist);
+        if (threadIdx.x == 0) s_count = 0;
+        for (int i = threadIdx.x; i < n_out; i += THREADS) out[i] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j)
+            if (keys[j] && keys[j] >= kth) out[atomicAdd(&s_count, 1)] = keys[j];
+        __syncthreads();
+        block_sort_desc<THREADS>(out, n_out);
     }
     __syncthreads();
 }

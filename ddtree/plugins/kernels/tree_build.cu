@@ -19,22 +19,18 @@
 #define TB_SLICE (TB_THREADS * TB_ITEMS)
 #define TB_MAX_DEPTH 16                  // rank tuples are 16 bytes (one byte per depth)
 #define TB_MAX_K 256
-#define TB_MAX_LIST_KEYS 4096            // S * K per row, merged in shared memory
+#define TB_MAX_LIST_KEYS 4096            // S * K keys per row, merged in registers (8 per thread)
 #define TB_STATUS_NAN_DRAFT 1
-
-struct SlotMeta { short parent; unsigned char depth, rank; float parent_score; };
 
 // One block's shared memory, by phase (they never overlap in time).
 union TreeSmem {
-    struct { u32 hist[DD_SEL_BINS]; u64 picked[TB_MAX_K]; } slice;              // slice top-K
-    struct { u64 lists[TB_MAX_LIST_KEYS]; u64 merged[TB_MAX_K]; } merge;        // row merge
+    struct { TopKeysSmem top; u64 picked[TB_MAX_K]; } slice;                   // slice top-K
+    struct { TopKeysSmem top; u64 merged[TB_MAX_K]; } merge;                   // row merge
     struct {                                                                    // best-first build
         float lp[TB_MAX_DEPTH][TB_MAX_K];
         int ids[TB_MAX_DEPTH][TB_MAX_K];
-        u64 th[TB_MAX_K], tl[TB_MAX_K];          // frontier slots' rank tuples
-        SlotMeta meta[TB_MAX_K];
         int tok[TB_MAX_K], par[TB_MAX_K];
-        unsigned char dep[TB_MAX_K];
+        unsigned char dep[TB_MAX_K], rnk[TB_MAX_K];
         float score[TB_MAX_K];
     } build;
 };
@@ -49,6 +45,7 @@ draft_lse_parts(const float* __restrict__ logits, int V, float2* __restrict__ pa
     pdl_wait();
     float m = DD_NEG_INF;
     bool nan = false;
+#pragma unroll 8
     for (int v = lo + threadIdx.x; v < hi; v += TB_THREADS) {
         const float x = row[v];
         nan |= x != x;
@@ -57,6 +54,7 @@ draft_lse_parts(const float* __restrict__ logits, int V, float2* __restrict__ pa
     if (nan) atomicOr(status, TB_STATUS_NAN_DRAFT);
     m = block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
     float sum = 0.f;
+#pragma unroll 8
     for (int v = lo + threadIdx.x; v < hi; v += TB_THREADS) sum += expf(row[v] - m);
     sum = block_reduce(sum, SumOp<float>(), 0.f, scratch);
     if (threadIdx.x == 0) parts[d * S + s] = make_float2(m, sum);
@@ -72,13 +70,19 @@ __device__ __forceinline__ float row_lse(const float2* parts, int S) {
     return top + logf(total);
 }
 
-// The S descending lists of one row (global, written by this or an earlier kernel) -> the row's K largest
-// keys into table_row [K] (and decoded log-probabilities / ids for inspection).
+// The S lists of one row (global, written by this or an earlier kernel) -> the row's K largest keys,
+// descending, into table_row [K] (and decoded log-probabilities / ids for inspection): the same top-K
+// selection as a slice, over the S * K keys (8 per thread).
 __device__ void merge_row(TreeSmem& sm, const u64* lists_row, int S, int K, u64* table_row, float* logp_row,
                           int* ids_row) {
-    load_cg_u64(sm.merge.lists, lists_row, S * K, TB_THREADS);
-    __syncthreads();
-    block_merge_desc<TB_THREADS>(sm.merge.lists, S, K, K, sm.merge.merged);
+    u64 keys[TB_MAX_LIST_KEYS / TB_THREADS];
+#pragma unroll
+    for (int j = 0; j < TB_MAX_LIST_KEYS / TB_THREADS; ++j) {
+        const int e = j * TB_THREADS + threadIdx.x;
+        keys[j] = 0;
+        if (e < S * K) asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(keys[j]) : "l"(lists_row + e) : "memory");
+    }
+    block_top_keys<TB_THREADS, TB_MAX_LIST_KEYS / TB_THREADS>(keys, K, sm.merge.top, sm.merge.merged);
     for (int r = threadIdx.x; r < K; r += TB_THREADS) {
         const u64 key = sm.merge.merged[r];
         table_row[r] = key;
@@ -94,6 +98,19 @@ __device__ __forceinline__ u64 tuple_hi(int byte) { return byte < 8 ? 1ull << (8
 __device__ __forceinline__ u64 tuple_lo(int byte) { return byte < 8 ? 0ull : 1ull << (8 * (15 - byte)); }
 __device__ __forceinline__ bool tuple_less(u64 ha, u64 la, u64 hb, u64 lb) { return ha != hb ? ha < hb : la < lb; }
 
+// The rank tuple of a frontier candidate (packed parent | depth << 16 | rank << 24): its rank at its
+// depth, then its ancestors' ranks from the node records.
+template <typename Build>
+__device__ void slot_tuple(const Build& b, u32 m, u64& h, u64& l) {
+    const int d = (m >> 16) & 0xff;
+    h = tuple_hi(d - 1) * ((m >> 24) + 1);
+    l = tuple_lo(d - 1) * ((m >> 24) + 1);
+    for (int j = (int)(m & 0xffff); j > 0; j = b.par[j]) {
+        h += tuple_hi(b.dep[j] - 1) * (b.rnk[j] + 1u);
+        l += tuple_lo(b.dep[j] - 1) * (b.rnk[j] + 1u);
+    }
+}
+
 struct TreeOut {
     int *tokens, *parents, *depth, *positions, *count;
     float* scores;
@@ -101,10 +118,11 @@ struct TreeOut {
 };
 
 // table [D, K] keys (descending per row) -> the tree. One block; warp 0 pops, lane L owning frontier slots
-// L + 32 j: a pop is the lane-local best (score in registers) then a warp max on the score's order key;
-// only when two lanes hold the same best score do rank tuples (shared memory) decide.
+// L + 32 j: a pop is the lane-local best then a warp max on the score's order key; only when two lanes
+// hold the same best score do rank tuples decide.
 __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, int root, int start, TreeOut o) {
     auto& b = sm.build;
+    DD_TRACE(6, true);
     for (int e = threadIdx.x; e < D * K; e += TB_THREADS) {
         u64 key;
         asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(key) : "l"(table + e) : "memory");
@@ -112,79 +130,90 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
         b.ids[e / K][e % K] = key_id(key);
     }
     __syncthreads();
+    DD_TRACE(7, true);
     __shared__ int s_nodes;
     if (threadIdx.x < 32) {
+        // lane L holds slots L + 32 j in registers: score, parent's score, packed (parent | depth << 16 |
+        // rank << 24). Rank tuples are rebuilt from the node records only to break equal scores (rare).
         const int lane = threadIdx.x;
-        float sc[8];
-        u32 valid = 0;
+        float sc[8], ps[8];
+        u32 mt[8], valid = 0;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sc[j] = 0.f;
-        if (lane == 0) {                                 // slot 0: the first child of the root, ranks (0)
-            sc[0] = __fadd_rn(0.f, b.lp[0][0]); valid = 1;
-            b.th[0] = tuple_hi(0); b.tl[0] = 0;
-            b.meta[0] = SlotMeta{0, 1, 0, 0.f};
-        }
+        for (int j = 0; j < 8; ++j) { sc[j] = 0.f; ps[j] = 0.f; mt[j] = 0; }
+        if (lane == 0) { sc[0] = __fadd_rn(0.f, b.lp[0][0]); mt[0] = 1u << 16; valid = 1; }   // ranks (0)
         int nodes = 1, next_free = 1;
-        __syncwarp();
         while (nodes <= B) {
-            // lane-local best: highest score, equal scores -> smaller tuple
-            int mine = -1;
-            float ms = 0.f;
+            float ms = DD_NEG_INF;                       // lane-local best score, then its slot
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (!((valid >> j) & 1)) continue;
-                const int slot = lane + 32 * j;
-                if (mine < 0 || sc[j] > ms ||
-                    (sc[j] == ms && tuple_less(b.th[slot], b.tl[slot], b.th[mine], b.tl[mine]))) {
-                    mine = slot; ms = sc[j];
-                }
+            for (int j = 0; j < 8; ++j) if ((valid >> j) & 1) ms = fmaxf(ms, sc[j]);
+            u32 at_best = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) at_best |= (((valid >> j) & 1) && sc[j] == ms) ? 1u << j : 0u;
+            int mj = __ffs(at_best) - 1;
+            if (__popc(at_best) > 1) {                   // equal scores within the lane: smaller tuple
+                u64 bh = ~0ull, bl = ~0ull;
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if ((at_best >> j) & 1) {
+                        u64 h, l;
+                        slot_tuple(b, mt[j], h, l);
+                        if (tuple_less(h, l, bh, bl)) { bh = h; bl = l; mj = j; }
+                    }
             }
-            const u32 my_key = mine >= 0 ? order32(ms) : 0u;   // order32 never returns 0 for a float
+            const u32 my_key = mj >= 0 ? order32(ms) : 0u;       // order32 never returns 0 for a float
             const u32 top = redux_max_u32(my_key);
             if (top == 0) break;                                 // frontier empty
             const u32 holders = __ballot_sync(0xffffffffu, my_key == top);
-            int slot;
-            if (__popc(holders) == 1) {
-                slot = __shfl_sync(0xffffffffu, mine, __ffs(holders) - 1);
-            } else {                                             // equal best scores in several lanes
-                slot = my_key == top ? mine : -1;
+            int wl = __ffs(holders) - 1;
+            u32 m = 0;
+            float p = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) { m = j == mj ? mt[j] : m; p = j == mj ? ps[j] : p; }
+            if (__popc(holders) > 1) {                           // equal best scores in several lanes
+                u64 h = ~0ull, l = ~0ull;
+                if (my_key == top) slot_tuple(b, m, h, l);
+                int who = my_key == top ? lane : -1;
 #pragma unroll
                 for (int o = 16; o; o >>= 1) {
-                    const int other = __shfl_xor_sync(0xffffffffu, slot, o);
-                    if (other >= 0 && (slot < 0 || tuple_less(b.th[other], b.tl[other], b.th[slot], b.tl[slot])))
-                        slot = other;
+                    const u64 oh = __shfl_xor_sync(0xffffffffu, h, o), ol = __shfl_xor_sync(0xffffffffu, l, o);
+                    const int ow = __shfl_xor_sync(0xffffffffu, who, o);
+                    if (ow >= 0 && (who < 0 || tuple_less(oh, ol, h, l))) { h = oh; l = ol; who = ow; }
                 }
+                wl = who;
             }
-            const float bs = __shfl_sync(0xffffffffu, ms, slot & 31);
-            const SlotMeta m = b.meta[slot];
-            const u64 bh = b.th[slot], bl = b.tl[slot];
-            __syncwarp();                                        // all lanes read the slot before it changes
-            const int d = m.depth, r = m.rank, node = nodes++;
-            const int owner = slot & 31, jw = slot >> 5;
+            const int wj = __shfl_sync(0xffffffffu, mj, wl);
+            const float pscore = __shfl_sync(0xffffffffu, p, wl);
+            m = __shfl_sync(0xffffffffu, m, wl);
+            const float bs = unorder32(top);
+            const int d = (m >> 16) & 0xff, r = m >> 24, node = nodes++;
             const bool sibling = r + 1 < K, child = d < D;
             const int f = child ? next_free++ : -1;
-            if (lane == 0) {
-                b.tok[node] = b.ids[d - 1][r]; b.par[node] = m.parent; b.dep[node] = (unsigned char)d;
-                b.score[node] = bs;
-                if (sibling) { b.meta[slot].rank = (unsigned char)(r + 1); b.th[slot] = bh + tuple_hi(d - 1); b.tl[slot] = bl + tuple_lo(d - 1); }
-                if (child) { b.meta[f] = SlotMeta{(short)node, (unsigned char)(d + 1), 0, bs}; b.th[f] = bh + tuple_hi(d); b.tl[f] = bl + tuple_lo(d); }
-            }
-            // the next sibling replaces the popped candidate in its slot (or the slot empties);
-            // the first child (rank 0 one level deeper) takes a fresh slot
-            const float sib_score = sibling ? __fadd_rn(m.parent_score, b.lp[d - 1][r + 1]) : 0.f;
+            const float sib_score = sibling ? __fadd_rn(pscore, b.lp[d - 1][r + 1]) : 0.f;
             const float child_score = child ? __fadd_rn(bs, b.lp[d][0]) : 0.f;
+            if (lane == 0) {
+                b.tok[node] = b.ids[d - 1][r]; b.par[node] = (int)(m & 0xffff); b.dep[node] = (unsigned char)d;
+                b.rnk[node] = (unsigned char)r; b.score[node] = bs;
+            }
+            // the next sibling replaces the popped candidate in its slot (or the slot empties); the first
+            // child (rank 0 one level deeper) takes a fresh slot. Per-lane bit masks, not a dynamic index
+            // (which would move the arrays to local memory).
+            const u32 pop_bit = lane == wl ? 1u << wj : 0u;
+            const u32 child_bit = child && lane == (f & 31) ? 1u << (f >> 5) : 0u;
+            const u32 child_meta = (u32)node | (u32)(d + 1) << 16;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                if (lane == owner && j == jw) {
-                    if (sibling) sc[j] = sib_score; else valid &= ~(1u << j);
-                }
-                if (child && lane == (f & 31) && j == (f >> 5)) { sc[j] = child_score; valid |= 1u << j; }
+                const bool popped = (pop_bit >> j) & 1, born = (child_bit >> j) & 1;
+                sc[j] = born ? child_score : (popped && sibling ? sib_score : sc[j]);
+                ps[j] = born ? bs : ps[j];
+                mt[j] = born ? child_meta : (popped && sibling ? mt[j] + (1u << 24) : mt[j]);
             }
-            __syncwarp();
+            valid = (valid & ~(sibling ? 0u : pop_bit)) | child_bit;
+            __syncwarp();                                // node records visible to the tie paths
         }
         if (lane == 0) s_nodes = nodes;
     }
     __syncthreads();
+    DD_TRACE(8, true);
     const int nodes = s_nodes, n = B + 1, W = (n + 31) >> 5;
     for (int i = threadIdx.x; i < n; i += TB_THREADS) {
         const bool real = i > 0 && i < nodes;
@@ -203,6 +232,7 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
         }
     }
     if (threadIdx.x == 0) *o.count = nodes;
+    DD_TRACE(9, true);
 }
 
 #define TB_BUILD_ARGS const int* __restrict__ root, const int* __restrict__ start, int B, \
@@ -213,7 +243,9 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
 
 // Row d done: merge it; the last row done builds the tree.
 __device__ void finish_row(TreeSmem& sm, const u64* lists, int d, int D, int S, int K, TB_BUILD_ARGS) {
+    DD_TRACE(4, d == 0);
     merge_row(sm, lists + (size_t)d * S * K, S, K, table + (size_t)d * K, table_logp + d * K, table_ids + d * K);
+    DD_TRACE(5, d == 0);
     if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_OUT);
 }
 
@@ -226,7 +258,15 @@ draft_topk(const float* __restrict__ logits, int V, const float2* __restrict__ p
     const int s = blockIdx.x, d = blockIdx.y, S = gridDim.x, D = gridDim.y;
     const float* row = logits + (size_t)d * V;
     const int lo = s * TB_SLICE, hi = min(V, lo + TB_SLICE);
+    // the logits come from two launches back (before draft_lse_parts): read them before waiting for it
+    float x[TB_ITEMS];
+#pragma unroll
+    for (int j = 0; j < TB_ITEMS; ++j) {
+        const int v = lo + j * TB_THREADS + threadIdx.x;
+        x[j] = v < hi ? row[v] : 0.f;
+    }
     pdl_wait();
+    DD_TRACE(0, blockIdx.x == 0 && blockIdx.y == 0);
     if (threadIdx.x == 0) s_lse = row_lse(parts + d * S, S);
     __syncthreads();
     const float lse = s_lse;
@@ -234,10 +274,12 @@ draft_topk(const float* __restrict__ logits, int V, const float2* __restrict__ p
 #pragma unroll
     for (int j = 0; j < TB_ITEMS; ++j) {
         const int v = lo + j * TB_THREADS + threadIdx.x;
-        keys[j] = v < hi ? pack_key(__fsub_rn(row[v], lse), v) : 0ull;
+        keys[j] = v < hi ? pack_key(__fsub_rn(x[j], lse), v) : 0ull;
     }
     const int k = min(K, hi - lo);
-    block_top_keys<TB_THREADS, TB_ITEMS>(keys, k, sm.slice.hist, sm.slice.picked, pow2_at_least(k));
+    DD_TRACE(1, blockIdx.x == 0 && blockIdx.y == 0);
+    block_top_keys<TB_THREADS, TB_ITEMS>(keys, k, sm.slice.top, sm.slice.picked);
+    DD_TRACE(2, blockIdx.x == 0 && blockIdx.y == 0); DD_TRACE_LAST(3);
     u64* out = lists + ((size_t)d * S + s) * K;
     for (int r = threadIdx.x; r < K; r += TB_THREADS) out[r] = r < k ? sm.slice.picked[r] : 0ull;
     if (arrive_last(row_tickets + d, (u32)S))
