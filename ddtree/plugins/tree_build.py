@@ -70,11 +70,11 @@ class DraftTreeBuilder:
         self.S = math.ceil(vocab / SLICE)
         self.pdl = supports_pdl(gpu) if pdl is None else pdl
         k_max, n_max = min(max_budget, vocab), max_budget + 1
-        self.parts = gpu.alloc((depth, self.S, 2), np.float32)
         if self.S * k_max > MAX_LIST_KEYS:
             raise ValueError(f"DraftTreeBuilder: vocab {vocab} needs {self.S} slices of {SLICE}; with {k_max} "
                              f"candidates per depth that is {self.S * k_max} keys per row, above the "
-                             f"{MAX_LIST_KEYS} merged in shared memory (lower max_budget)")
+                             f"{MAX_LIST_KEYS} merged per row (lower max_budget)")
+        self.parts = gpu.alloc((depth, self.S, 2), np.float32)
         self.lists = gpu.alloc((depth * self.S * k_max,), np.uint64)
         self.table = gpu.alloc((depth * k_max,), np.uint64)
         self.row_tickets = gpu.zeros((depth,), np.uint32)   # reset by the kernels' last arrivals

@@ -44,9 +44,12 @@ def trace_global():
 
 def print_trace(B):
     from ddtree.plugins.device import DeviceArray
-    t = DeviceArray(gpu, trace_global(), (32,), np.uint64).numpy()[: len(TRACE_PHASES)].astype(np.int64)
+    all_slots = DeviceArray(gpu, trace_global(), (32,), np.uint64).numpy().astype(np.int64)
+    t = all_slots[: len(TRACE_PHASES)]
+    cycles, ns = all_slots[11] - all_slots[10], t[8] - t[7]
     print(f"B {B} trace (us from topk start): " + ", ".join(
-        f"{name} {(v - t[0]) / 1e3:.1f}" for name, v in zip(TRACE_PHASES, t)), file=sys.stderr)
+        f"{name} {(v - t[0]) / 1e3:.1f}" for name, v in zip(TRACE_PHASES, t))
+        + f"; pops: {cycles} SM cycles in {ns} ns ({cycles / max(ns, 1):.2f} GHz)", file=sys.stderr)
 
 
 for B in budgets:

@@ -29,19 +29,13 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
     pdl_wait();
-    float l[SP_ITEMS];                                       // all 32 loads in flight
-#pragma unroll
-    for (int j = 0; j < SP_ITEMS; ++j) {
-        const int v = lo + j * SP_THREADS + threadIdx.x;
-        l[j] = v < hi ? row[v] : 0.f;
-    }
     u64 best = 0;
     bool nan = false;
-#pragma unroll
-    for (int j = 0; j < SP_ITEMS; ++j) {
-        const int v = lo + j * SP_THREADS + threadIdx.x;
-        nan |= l[j] != l[j];
-        const u64 key = v < hi ? pack_key(l[j], v) : 0ull;
+#pragma unroll 8
+    for (int v = lo + threadIdx.x; v < hi; v += SP_THREADS) {
+        const float l = row[v];
+        nan |= l != l;
+        const u64 key = pack_key(l, v);
         best = key > best ? key : best;
     }
     if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);

@@ -16,7 +16,9 @@ extern "C" __device__ unsigned long long dd_trace[32];
 __device__ unsigned long long dd_trace[32];
 #define DD_TRACE(slot, cond) do { if (threadIdx.x == 0 && (cond)) dd_trace[slot] = global_ns(); } while (0)
 #define DD_TRACE_LAST(slot) do { if (threadIdx.x == 0) atomicMax(&dd_trace[slot], global_ns()); } while (0)
+#define DD_TRACE_CLOCK(slot) do { if (threadIdx.x == 0) dd_trace[slot] = clock64(); } while (0)
 #else
+#define DD_TRACE_CLOCK(slot) do {} while (0)
 #define DD_TRACE(slot, cond) do {} while (0)
 #define DD_TRACE_LAST(slot) do {} while (0)
 #endif

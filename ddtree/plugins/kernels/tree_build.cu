@@ -29,8 +29,7 @@ union TreeSmem {
     struct {                                                                    // best-first build
         float lp[TB_MAX_DEPTH][TB_MAX_K];
         int ids[TB_MAX_DEPTH][TB_MAX_K];
-        int tok[TB_MAX_K], par[TB_MAX_K];
-        unsigned char dep[TB_MAX_K], rnk[TB_MAX_K];
+        u32 nm[TB_MAX_K];                        // popped node: parent | depth << 16 | rank << 24
         float score[TB_MAX_K];
     } build;
 };
@@ -105,9 +104,10 @@ __device__ void slot_tuple(const Build& b, u32 m, u64& h, u64& l) {
     const int d = (m >> 16) & 0xff;
     h = tuple_hi(d - 1) * ((m >> 24) + 1);
     l = tuple_lo(d - 1) * ((m >> 24) + 1);
-    for (int j = (int)(m & 0xffff); j > 0; j = b.par[j]) {
-        h += tuple_hi(b.dep[j] - 1) * (b.rnk[j] + 1u);
-        l += tuple_lo(b.dep[j] - 1) * (b.rnk[j] + 1u);
+    for (int j = (int)(m & 0xffff); j > 0; j = (int)(b.nm[j] & 0xffff)) {
+        const u32 mj = b.nm[j];
+        h += tuple_hi((int)((mj >> 16) & 0xff) - 1) * ((mj >> 24) + 1u);
+        l += tuple_lo((int)((mj >> 16) & 0xff) - 1) * ((mj >> 24) + 1u);
     }
 }
 
@@ -131,6 +131,7 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     }
     __syncthreads();
     DD_TRACE(7, true);
+    DD_TRACE_CLOCK(10);
     __shared__ int s_nodes;
     if (threadIdx.x < 32) {
         // lane L holds slots L + 32 j in registers: score, parent's score, packed (parent | depth << 16 |
@@ -143,9 +144,10 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
         if (lane == 0) { sc[0] = __fadd_rn(0.f, b.lp[0][0]); mt[0] = 1u << 16; valid = 1; }   // ranks (0)
         int nodes = 1, next_free = 1;
         while (nodes <= B) {
-            float ms = DD_NEG_INF;                       // lane-local best score, then its slot
+            float v[8];                                  // lane-local best score (a max tree), then its slot
 #pragma unroll
-            for (int j = 0; j < 8; ++j) if ((valid >> j) & 1) ms = fmaxf(ms, sc[j]);
+            for (int j = 0; j < 8; ++j) v[j] = (valid >> j) & 1 ? sc[j] : DD_NEG_INF;
+            const float ms = fmaxf(fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3])), fmaxf(fmaxf(v[4], v[5]), fmaxf(v[6], v[7])));
             u32 at_best = 0;
 #pragma unroll
             for (int j = 0; j < 8; ++j) at_best |= (((valid >> j) & 1) && sc[j] == ms) ? 1u << j : 0u;
@@ -165,10 +167,9 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
             if (top == 0) break;                                 // frontier empty
             const u32 holders = __ballot_sync(0xffffffffu, my_key == top);
             int wl = __ffs(holders) - 1;
-            u32 m = 0;
-            float p = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) { m = j == mj ? mt[j] : m; p = j == mj ? ps[j] : p; }
+            const int b0 = mj & 1, b1 = mj & 2, b2 = mj & 4;   // select slot mj's fields (a select tree)
+            u32 m = b2 ? (b1 ? (b0 ? mt[7] : mt[6]) : (b0 ? mt[5] : mt[4])) : (b1 ? (b0 ? mt[3] : mt[2]) : (b0 ? mt[1] : mt[0]));
+            float p = b2 ? (b1 ? (b0 ? ps[7] : ps[6]) : (b0 ? ps[5] : ps[4])) : (b1 ? (b0 ? ps[3] : ps[2]) : (b0 ? ps[1] : ps[0]));
             if (__popc(holders) > 1) {                           // equal best scores in several lanes
                 u64 h = ~0ull, l = ~0ull;
                 if (my_key == top) slot_tuple(b, m, h, l);
@@ -190,10 +191,7 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
             const int f = child ? next_free++ : -1;
             const float sib_score = sibling ? __fadd_rn(pscore, b.lp[d - 1][r + 1]) : 0.f;
             const float child_score = child ? __fadd_rn(bs, b.lp[d][0]) : 0.f;
-            if (lane == 0) {
-                b.tok[node] = b.ids[d - 1][r]; b.par[node] = (int)(m & 0xffff); b.dep[node] = (unsigned char)d;
-                b.rnk[node] = (unsigned char)r; b.score[node] = bs;
-            }
+            if (lane == 0) { b.nm[node] = m; b.score[node] = bs; }    // token, parent, depth later, in parallel
             // the next sibling replaces the popped candidate in its slot (or the slot empties); the first
             // child (rank 0 one level deeper) takes a fresh slot. Per-lane bit masks, not a dynamic index
             // (which would move the arrays to local memory).
@@ -214,19 +212,21 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     }
     __syncthreads();
     DD_TRACE(8, true);
+    DD_TRACE_CLOCK(11);
     const int nodes = s_nodes, n = B + 1, W = (n + 31) >> 5;
     for (int i = threadIdx.x; i < n; i += TB_THREADS) {
         const bool real = i > 0 && i < nodes;
-        const int dep = real ? b.dep[i] : 0;
-        o.tokens[i] = i == 0 ? root : (real ? b.tok[i] : -1);
-        o.parents[i] = real ? b.par[i] : -1;
+        const u32 m = real ? b.nm[i] : 0u;
+        const int dep = (m >> 16) & 0xff;
+        o.tokens[i] = i == 0 ? root : (real ? b.ids[dep - 1][m >> 24] : -1);
+        o.parents[i] = real ? (int)(m & 0xffff) : -1;
         o.depth[i] = dep;
         o.positions[i] = start + dep;
         o.scores[i] = real ? b.score[i] : 0.f;
         for (int w = 0; w < W; ++w) {                    // the row's ancestors-or-self, word w
             u32 bits = 0;
             if (i < nodes)
-                for (int j = i; j >= 0; j = j ? b.par[j] : -1)
+                for (int j = i; j >= 0; j = j ? (int)(b.nm[j] & 0xffff) : -1)
                     if ((j >> 5) == w) bits |= 1u << (j & 31);
             o.vis[(size_t)i * W + w] = bits;
         }
