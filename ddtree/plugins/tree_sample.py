@@ -10,7 +10,7 @@ With `tree` (a DeviceTree from DraftTreeBuilder), the last block walks it (ddtre
 Without a tree it is a plain sampler (autoregressive decoding: n = 1).
 Limits: top_k <= 256 (a larger top_k raises; 0 or >= V means off). The top-p normaliser sums the far
 tail (below z_max - 20) in float32: the kept set can differ from a float64 sum only when the cumulative
-probability lands within ~1e-9 of top_p (see kernels/sample.cu). A top-p cut among more than 4096 logits
+probability lands within ~1e-9 of top_p (see kernels/sample.cu). A top-p cut among more than 2048 logits
 within 1/128 of z of each other is not exact and is reported by check_status (kernels/sample_top_p.cu).
 """
 from __future__ import annotations
@@ -135,5 +135,5 @@ class TreeSampler:
         if flags & STATUS_NAN_TARGET:
             raise ValueError("TreeSampler: the target logits contained NaN (sampled tokens are meaningless)")
         if flags & STATUS_BIN_OVERFLOW:
-            raise ValueError(f"TreeSampler: a top-p cut fell among more than 4096 logits within 1/128 of z of "
+            raise ValueError(f"TreeSampler: a top-p cut fell among more than 2048 logits within 1/128 of z of "
                              f"each other; that bin was kept whole (not the exact definition)")

@@ -12,7 +12,7 @@
 #define SP_EXACT_RANGE 20.0f             // below z_max - 20 the softmax weight is summed in float32
 #define SP_BINS 4096                     // full-row top-p: probability mass per 1/128 of z below the top
 #define SP_BINS_PER_UNIT 128.0f
-#define SP_MAX_BIN_KEYS 4096             // tokens of the crossing bin sorted in shared memory
+#define SP_MAX_BIN_KEYS 2048             // tokens of the crossing bin sorted in shared memory
 #define SP_STATUS_NAN_TARGET 2
 #define SP_STATUS_BIN_OVERFLOW 4         // a crossing bin held more tokens than SP_MAX_BIN_KEYS
 
@@ -20,9 +20,12 @@ struct SampleArgs {                      // the launcher normalises top_k (0 < t
     double temperature, top_p;
     int top_k;
     u32 seed_lo, seed_hi;
+    double inv_temperature;              // for softmax weights only; z itself is always l / T
+    float inv_t32;
 };
 #define SP_ARGS double temperature, double top_p, int top_k, u32 seed_lo, u32 seed_hi
-#define SP_MAKE_ARGS const SampleArgs a{temperature, top_p, top_k, seed_lo, seed_hi}
+#define SP_MAKE_ARGS const SampleArgs a{temperature, top_p, top_k, seed_lo, seed_hi, 1.0 / temperature, \
+                                        (float)(1.0 / temperature)}
 
 // Per-row hand-off from sample_filtered to the full-row top-p kernels.
 struct RowState {
@@ -35,10 +38,12 @@ struct RowState {
 };
 
 // float64 exp(z - z_ref) for tokens near the maximum; float32 (added to tail) far below it
+// (z - z_ref = (l - l_ref) / T, times 1 / T: within an ulp or two of l / T - l_ref / T, which moves a
+// weight by ~1e-14 relative at most: the same near-tie class as the normaliser's sum order)
 __device__ __forceinline__ double softmax_weight(float l, float l_ref, const SampleArgs& a, float& tail) {
-    const float approx = (l - l_ref) / (float)a.temperature;
+    const float approx = (l - l_ref) * a.inv_t32;
     if (approx < -SP_EXACT_RANGE) { tail += expf(approx); return 0.0; }
-    return exp((double)l / a.temperature - (double)l_ref / a.temperature);
+    return exp(((double)l - (double)l_ref) * a.inv_temperature);
 }
 
 // The probability-mass bin of a logit: z distance below the top in 1/128 units, clamped (monotone in l).
@@ -54,6 +59,7 @@ __device__ Winner gumbel_best(const float* row, int lo, int hi, int stride, u32 
                               Take take) {
     const float inv_t32 = 1.0f / (float)a.temperature;
     Winner best{DD_NEG_INF, 0x7fffffff};
+#pragma unroll 4
     for (int v = lo; v < hi; v += stride) {
         const float l = row[v];
         if (!take(v, l)) continue;

@@ -12,7 +12,7 @@
 // Bin masses are fixed point (probability x 2^60 in u64, rounded per token): integer atomics are exact in
 // any order, so the result is deterministic; the rounding (<= 2^-61 per token, < 1e-13 for the row) can
 // change the kept set only when the cumulative probability lands that close to top_p (a near-tie).
-// A cut bin with more than 4096 tokens (4096 logits within 1/128 of z of each other) is kept whole and
+// A cut bin with more than 2048 tokens (2048 logits within 1/128 of z of each other) is kept whole and
 // raises SP_STATUS_BIN_OVERFLOW: the launcher's check_status reports it as inexact.
 #include "sample_common.cuh"
 
@@ -21,7 +21,7 @@
 union MassSmem {
     u64 hist[SP_BINS];
     double mass[SP_BINS];
-    u64 keys[SP_MAX_BIN_KEYS];
+    struct { u64 keys[SP_MAX_BIN_KEYS]; double prob[SP_MAX_BIN_KEYS]; } bin;
 };
 
 // mass [n, SP_BINS] u64 fixed point, zero before the first launch (the row's last block clears it after use)
@@ -36,17 +36,18 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restri
     pdl_wait();
     if (!state[r].needs_full_row) { pdl_trigger(); return; }
     const float l_top = state[r].l_top;
-    const double norm = state[r].norm;
+    const double norm = state[r].norm, to_fixed = SP_MASS_ONE / norm;
     const float scale = SP_BINS_PER_UNIT / (float)a.temperature;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
     for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) sm.hist[i] = 0;
     __syncthreads();
+#pragma unroll 8
     for (int v = lo + threadIdx.x; v < hi; v += SP_THREADS) {
         const float l = row[v];
         float tail = 0.f;
         const double e = softmax_weight(l, l_top, a, tail) + (double)tail;
-        atomicAdd(&sm.hist[mass_bin(l, l_top, scale)], (u64)__double2ull_rn(e / norm * SP_MASS_ONE));
+        atomicAdd(&sm.hist[mass_bin(l, l_top, scale)], (u64)__double2ull_rn(e * to_fixed));
     }
     __syncthreads();
     u64* row_mass = mass + (size_t)r * SP_BINS;
@@ -92,11 +93,12 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restri
         return;
     }
     // ---- the cut bin's tokens, sorted, and the exact cut among them ----
+#pragma unroll 8
     for (int v = threadIdx.x; v < V; v += SP_THREADS) {
         const float l = row[v];
         if (mass_bin(l, l_top, scale) != bin) continue;
         const int slot = atomicAdd(&s_count, 1);
-        if (slot < SP_MAX_BIN_KEYS) sm.keys[slot] = pack_key(l, v);
+        if (slot < SP_MAX_BIN_KEYS) sm.bin.keys[slot] = pack_key(l, v);
     }
     __syncthreads();
     const int count = s_count;
@@ -106,19 +108,23 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restri
         return;
     }
     const int n_pad = pow2_at_least(count);
-    for (int i = count + threadIdx.x; i < n_pad; i += SP_THREADS) sm.keys[i] = 0;
+    for (int i = count + threadIdx.x; i < n_pad; i += SP_THREADS) sm.bin.keys[i] = 0;
     __syncthreads();
-    block_sort_desc<SP_THREADS>(sm.keys, n_pad);
+    block_sort_desc<SP_THREADS>(sm.bin.keys, n_pad);
+    for (int i = threadIdx.x; i < count; i += SP_THREADS) {  // probabilities in parallel, summed in order
+        float tail = 0.f;
+        sm.bin.prob[i] = (softmax_weight(key_value(sm.bin.keys[i]), l_top, a, tail) + (double)tail) / norm;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         double cum = s_above;
         int cut = count - 1;                                 // not reached inside the bin (rounding): all of it
         for (int i = 0; i < count; ++i) {
-            float tail = 0.f;
-            cum += (softmax_weight(key_value(sm.keys[i]), l_top, a, tail) + (double)tail) / norm;
+            cum += sm.bin.prob[i];
             if (cum >= a.top_p) { cut = i; break; }
         }
         state[r].bin = bin;
-        state[r].key_cut = sm.keys[cut];
+        state[r].key_cut = sm.bin.keys[cut];
     }
     pdl_trigger();
 }
