@@ -26,6 +26,7 @@ from ddtree.tree.sampling import SamplingParams
 
 SOURCE, TOP_P_SOURCE = "sample.cu", "sample_top_p.cu"
 THREADS = 512
+GREEDY_THREADS = 256           # SP_GREEDY_THREADS
 SLICE = 16384                  # SP_SLICE
 CANDIDATES = 256               # SP_CAND: per slice, top-p without top-k; also the largest top_k
 MAX_LIST_KEYS = 3072           # SP_MAX_LIST_KEYS: S * C keys of a row merged in shared memory
@@ -110,6 +111,7 @@ class TreeSampler:
         launch = lambda source, name, *a: g.launch(g.kernel(source, name), grid, block, 0, *a, stream=stream,
                                                     pdl=self.pdl)
         if plan.mode == GREEDY:
+            block = (GREEDY_THREADS, 1, 1)
             launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), ptr(self.keys), ptr(o.target),
                    ptr(self.status), *walk)
         elif plan.mode == GUMBEL:

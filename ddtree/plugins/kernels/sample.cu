@@ -4,7 +4,7 @@
 // Launcher: ddtree/plugins/tree_sample.py. One kernel per mode, grid (S, n): a block per 16384-token
 // slice of a row; the last slice of a row to finish decides the row; the last block of all walks.
 //
-//   sample_greedy    the largest (logit, -id) key
+//   sample_greedy    the largest (logit, -id) key (256-thread blocks: every slice of B = 64 in one wave)
 //   sample_gumbel    the largest z + g, z = l / T (no filter); float64 only for tokens whose float32
 //                    estimate can still win
 //   sample_filtered  the slice's C largest keys (C = top_k, or 256 for top-p alone) and, for top-p alone,
@@ -20,8 +20,10 @@
 // Letters: n rows (tree nodes), V vocab, S = ceil(V / 16384) slices, C candidates per slice.
 #include "sample_common.cuh"
 
+#define SP_GREEDY_THREADS 256
+
 // logits [n, V] fp32 -> target [n] int32 (the token for position query_pos + 1)
-extern "C" __global__ void __launch_bounds__(SP_THREADS)
+extern "C" __global__ void __launch_bounds__(SP_GREEDY_THREADS)
 sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_keys, int* __restrict__ target,
               int* status, SP_WALK_ARGS) {
     __shared__ u64 scratch[32];
@@ -32,7 +34,7 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
     u64 best = 0;
     bool nan = false;
 #pragma unroll 8
-    for (int v = lo + threadIdx.x; v < hi; v += SP_THREADS) {
+    for (int v = lo + threadIdx.x; v < hi; v += SP_GREEDY_THREADS) {
         const float l = row[v];
         nan |= l != l;
         const u64 key = pack_key(l, v);
@@ -43,7 +45,7 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
     if (threadIdx.x == 0) slice_keys[r * S + s] = best;
     if (arrive_last(row_tickets + r, (u32)S)) {
         u64 row_best = 0;
-        for (int i = threadIdx.x; i < S; i += SP_THREADS) {
+        for (int i = threadIdx.x; i < S; i += SP_GREEDY_THREADS) {
             u64 k;
             asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(k) : "l"(slice_keys + r * S + i) : "memory");
             row_best = k > row_best ? k : row_best;
