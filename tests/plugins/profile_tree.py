@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-if os.environ.get("DD_TREE_TRACE"):             # kernels print phase timestamps (kernels/tree_build.cu TB_TRACE)
+if os.environ.get("DD_TREE_TRACE"):             # kernels record phase timestamps (select.cuh DD_TRACE)
     import ddtree.plugins.device as device
     _compile = device.compile_cubin
     device.compile_cubin = lambda source, arch: _compile(source, arch, defines={"DD_TREE_TRACE": 1})

@@ -1,4 +1,4 @@
-// Ordering, selection and noise helpers shared by the tree kernels (tree_build.cu, sample.cu).
+// Ordering, selection and noise helpers shared by the tree kernels (tree_build.cu, sample*.cu).
 //
 // Every "top-k with ties to the lower id" in DDTree (interfaces.md sections 4, 5) becomes a plain
 // "k largest distinct u64 keys" here:  key = order32(value) << 32 | (0xFFFFFFFF - id).
@@ -92,7 +92,7 @@ __device__ Winner block_winner(Winner w, Winner* scratch /*[32]*/) {
     return w;
 }
 
-// Bitonic sort of n (a power of two <= 2 * THREADS) keys in shared memory, descending.
+// Bitonic sort of n (a power of two) keys in shared memory, descending.
 template <int THREADS>
 __device__ void block_sort_desc(u64* a, int n) {
     for (int k = 2; k <= n; k <<= 1) {
