@@ -137,5 +137,5 @@ class TreeSampler:
         if flags & STATUS_NAN_TARGET:
             raise ValueError("TreeSampler: the target logits contained NaN (sampled tokens are meaningless)")
         if flags & STATUS_BIN_OVERFLOW:
-            raise ValueError(f"TreeSampler: a top-p cut fell among more than 2048 logits within 1/128 of z of "
-                             f"each other; that bin was kept whole (not the exact definition)")
+            raise ValueError("TreeSampler: a top-p cut fell among more than 2048 logits within 1/128 of z of "
+                             "each other; that bin was kept whole (not the exact definition)")
