@@ -103,17 +103,17 @@ class TreeSampler:
             raise ValueError(f"TreeSampler.run: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
                              f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
         g, S, o, t = self.gpu, self.S, self.out, tree
-        grid, block = (S, n, 1), (THREADS, 1, 1)
         args = (np.float64(params.temperature), np.float64(params.top_p), np.int32(plan.top_k),
                 np.uint32(params.seed & 0xFFFFFFFF), np.uint32(params.seed >> 32))
         walk = (ptr(t and t.tokens), ptr(t and t.parents), ptr(t and t.depth), ptr(o.accepted), ptr(o.count),
                 ptr(o.bonus), ptr(self.row_tickets), ptr(self.done_ticket))
-        launch = lambda source, name, *a: g.launch(g.kernel(source, name), grid, block, 0, *a, stream=stream,
-                                                    pdl=self.pdl)
+
+        def launch(source, name, *a, threads=THREADS):          # grid: a block per slice of each row
+            g.launch(g.kernel(source, name), (S, n, 1), (threads, 1, 1), 0, *a, stream=stream, pdl=self.pdl)
+
         if plan.mode == GREEDY:
-            block = (GREEDY_THREADS, 1, 1)
             launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), ptr(self.keys), ptr(o.target),
-                   ptr(self.status), *walk)
+                   ptr(self.status), *walk, threads=GREEDY_THREADS)
         elif plan.mode == GUMBEL:
             launch(SOURCE, "sample_gumbel", ptr(logits), np.int32(self.V), ptr(query_pos), *args, ptr(self.wins),
                    ptr(o.target), *walk)

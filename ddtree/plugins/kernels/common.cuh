@@ -149,6 +149,12 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
     return v;
 }
 
+__device__ __forceinline__ u64 ld_cg_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ int ld_cg_s32(const int* p) {
     int v;
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

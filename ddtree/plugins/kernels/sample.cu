@@ -46,8 +46,7 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
     if (arrive_last(row_tickets + r, (u32)S)) {
         u64 row_best = 0;
         for (int i = threadIdx.x; i < S; i += SP_GREEDY_THREADS) {
-            u64 k;
-            asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(k) : "l"(slice_keys + r * S + i) : "memory");
+            const u64 k = ld_cg_u64(slice_keys + r * S + i);
             row_best = k > row_best ? k : row_best;
         }
         row_best = block_reduce(row_best, MaxU64Op(), 0ull, scratch);
@@ -68,17 +67,8 @@ sample_gumbel(const float* __restrict__ logits, int V, const int* __restrict__ q
     const u32 position = (u32)query_pos[r] + 1u;
     Winner w = gumbel_best(logits + (size_t)r * V, lo + threadIdx.x, hi, SP_THREADS, position, a,
                            [](int, float) { return true; });
-    w = block_winner(w, scratch);
-    if (threadIdx.x == 0) slice_wins[r * S + s] = w;
-    if (arrive_last(row_tickets + r, (u32)S)) {
-        Winner row_best{DD_NEG_INF, 0x7fffffff};
-        for (int i = threadIdx.x; i < S; i += SP_THREADS) {
-            const volatile Winner* p = slice_wins + r * S + i;
-            row_best = better(row_best, Winner{p->value, p->id});
-        }
-        row_best = block_winner(row_best, scratch);
-        if (threadIdx.x == 0) target[r] = row_best.id;
-    }
+    int token;
+    if (row_winner(w, slice_wins, r, s, S, row_tickets, scratch, token) && threadIdx.x == 0) target[r] = token;
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);
     pdl_trigger();
 }
@@ -102,12 +92,7 @@ __device__ void filtered_row(FilteredSmem& sm, const u64* lists, const SlicePart
     const bool top_p_alone = a.top_k == 0;
     const int want = top_p_alone ? SP_CAND + 1 : a.top_k;   // + 1: the largest left out of the merge
     u64 keys[SP_MAX_LIST_KEYS / SP_THREADS];                 // the row's S * C candidates, 6 per thread
-#pragma unroll
-    for (int j = 0; j < SP_MAX_LIST_KEYS / SP_THREADS; ++j) {
-        const int e = j * SP_THREADS + threadIdx.x;
-        keys[j] = 0;
-        if (e < S * C) asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(keys[j]) : "l"(lists + e) : "memory");
-    }
+    load_keys_cg<SP_THREADS>(keys, lists, S * C);
     block_top_keys<SP_THREADS, SP_MAX_LIST_KEYS / SP_THREADS>(keys, want, sm.row.top, merged);
     const float l_top = key_value(merged[0]);
     for (int i = threadIdx.x; i < want; i += SP_THREADS)

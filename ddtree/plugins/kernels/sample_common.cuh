@@ -74,6 +74,22 @@ __device__ Winner gumbel_best(const float* row, int lo, int hi, int stride, u32 
     return best;
 }
 
+// A slice's Gumbel winner -> slice_wins [n, S]; the row's last slice merges the row's S winners (larger
+// value, ties to the lower id) and returns true, with `token` the row's token. All threads call it.
+__device__ bool row_winner(Winner w, Winner* slice_wins, int r, int s, int S, u32* row_tickets, Winner* scratch,
+                           int& token) {
+    w = block_winner(w, scratch);
+    if (threadIdx.x == 0) slice_wins[r * S + s] = w;
+    if (!arrive_last(row_tickets + r, (u32)S)) return false;
+    Winner best{DD_NEG_INF, 0x7fffffff};
+    for (int i = threadIdx.x; i < S; i += blockDim.x) {
+        const volatile Winner* p = slice_wins + r * S + i;      // written by the row's other blocks
+        best = better(best, Winner{p->value, p->id});
+    }
+    token = block_winner(best, scratch).id;
+    return true;
+}
+
 // The acceptance walk over n nodes (all target tokens written): accepted [n] node indices in depth order
 // then -1, count [1], bonus [1]. Children of a node carry distinct tokens (distinct top-k ranks), so at
 // most one child matches; the matched nodes whose ancestors all match form the accepted path. The tree is

@@ -56,9 +56,7 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restri
     if (!arrive_last(row_tickets + r, (u32)S)) { pdl_trigger(); return; }
     // ---- the row: the bin where the cumulative probability reaches top_p ----
     for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) {
-        u64 m;
-        asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(m) : "l"(row_mass + i) : "memory");
-        sm.mass[i] = (double)m / SP_MASS_ONE;
+        sm.mass[i] = (double)ld_cg_u64(row_mass + i) / SP_MASS_ONE;
         row_mass[i] = 0;                                     // ready for the next step
     }
     __syncthreads();
@@ -146,16 +144,10 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
             const int b = mass_bin(l, st.l_top, scale);
             return b < st.bin || (b == st.bin && pack_key(l, v) >= st.key_cut);
         });
-        w = block_winner(w, scratch);
-        if (threadIdx.x == 0) slice_wins[r * S + s] = w;
-        if (arrive_last(row_tickets + r, (u32)S)) {
-            Winner row_best{DD_NEG_INF, 0x7fffffff};
-            for (int i = threadIdx.x; i < S; i += SP_THREADS) {
-                const volatile Winner* p = slice_wins + r * S + i;
-                row_best = better(row_best, Winner{p->value, p->id});
-            }
-            row_best = block_winner(row_best, scratch);
-            if (threadIdx.x == 0) { target[r] = row_best.id; state[r] = RowState{}; }
+        int token;
+        if (row_winner(w, slice_wins, r, s, S, row_tickets, scratch, token) && threadIdx.x == 0) {
+            target[r] = token;
+            state[r] = RowState{};
         }
     }
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);

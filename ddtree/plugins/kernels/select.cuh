@@ -202,6 +202,17 @@ __device__ u64 block_kth_largest(const u64 (&keys)[ITEMS], int K, u32* hist) {
     return prefix;
 }
 
+// keys[j] = src[j * THREADS + threadIdx.x] for indices below count, else 0 (the padding key); past L1,
+// for keys other blocks of this kernel wrote before their ticket.
+template <int THREADS, int ITEMS>
+__device__ __forceinline__ void load_keys_cg(u64 (&keys)[ITEMS], const u64* src, int count) {
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+        const int e = j * THREADS + threadIdx.x;
+        keys[j] = e < count ? ld_cg_u64(src + e) : 0ull;
+    }
+}
+
 __device__ __forceinline__ int pow2_at_least(int k) { int n = 1; while (n < k) n <<= 1; return n; }
 
 #define DD_TOP_CAND 2048                  // candidates sorted directly (above this: radix select)

@@ -75,12 +75,7 @@ __device__ __forceinline__ float row_lse(const float2* parts, int S) {
 __device__ void merge_row(TreeSmem& sm, const u64* lists_row, int S, int K, u64* table_row, float* logp_row,
                           int* ids_row) {
     u64 keys[TB_MAX_LIST_KEYS / TB_THREADS];
-#pragma unroll
-    for (int j = 0; j < TB_MAX_LIST_KEYS / TB_THREADS; ++j) {
-        const int e = j * TB_THREADS + threadIdx.x;
-        keys[j] = 0;
-        if (e < S * K) asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(keys[j]) : "l"(lists_row + e) : "memory");
-    }
+    load_keys_cg<TB_THREADS>(keys, lists_row, S * K);
     block_top_keys<TB_THREADS, TB_MAX_LIST_KEYS / TB_THREADS>(keys, K, sm.merge.top, sm.merge.merged);
     for (int r = threadIdx.x; r < K; r += TB_THREADS) {
         const u64 key = sm.merge.merged[r];
@@ -124,8 +119,7 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     auto& b = sm.build;
     DD_TRACE(6, true);
     for (int e = threadIdx.x; e < D * K; e += TB_THREADS) {
-        u64 key;
-        asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(key) : "l"(table + e) : "memory");
+        const u64 key = ld_cg_u64(table + e);
         b.lp[e / K][e % K] = key_value(key);
         b.ids[e / K][e % K] = key_id(key);
     }
