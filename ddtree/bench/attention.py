@@ -18,7 +18,7 @@ import math
 import click
 import numpy as np
 
-from ddtree.bench.kernels import _ints, _say, measure_ceiling, time_graph
+from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
 
 DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "RTX PRO 6000": 503.8}
 
@@ -105,14 +105,11 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, l2_resident,
                       as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
-    from ddtree.plugins.device import Gpu
     contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
     forced = {k: v for k, v in (("form", form), ("warps", warps), ("stages", stages), ("splits", splits),
                                 ("row_groups", row_groups)) if v is not None}
-    gpu = Gpu()
-    ceiling = measure_ceiling(gpu)
-    gpu.free_all()
-    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s, dense bf16 peak {dense_peak(gpu.name)} TFLOP/s")
+    gpu, ceiling = open_gpu()
+    _say(f"{gpu.name}: dense bf16 peak {dense_peak(gpu.name)} TFLOP/s")
     rows = []
     for heads in heads_list:
         for T in contexts:

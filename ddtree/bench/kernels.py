@@ -62,6 +62,16 @@ def measure_ceiling(gpu, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
     return {"bytes_moved": 2 * nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
 
 
+def open_gpu():
+    """The device and its copy ceiling, measured first while nothing else is allocated (said on stderr)."""
+    from ddtree.plugins.device import Gpu
+    gpu = Gpu()
+    ceiling = measure_ceiling(gpu)
+    gpu.free_all()
+    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    return gpu, ceiling
+
+
 def time_graph(gpu, launches, replays: int = 7) -> float:
     """Capture launches(stream) in a graph; median ms per replay after two warm replays."""
     graph = gpu.capture(launches)
@@ -214,11 +224,7 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
                 no_pdl, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
-    from ddtree.plugins.device import Gpu
-    gpu = Gpu()
-    ceiling = measure_ceiling(gpu)
-    gpu.free_all()
-    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    gpu, ceiling = open_gpu()
     rows = []
     for tp in _ints(tps):
         if tp not in TP_SHAPES:
@@ -244,11 +250,7 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, no_pdl, seed, as_json):
     """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
-    from ddtree.plugins.device import Gpu
-    gpu = Gpu()
-    ceiling = measure_ceiling(gpu)
-    gpu.free_all()
-    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    gpu, ceiling = open_gpu()
     rows = []
     wanted = [n for n in names.split(",") if n]
     for tp in _ints(tps):

@@ -18,7 +18,7 @@ import math
 import click
 import numpy as np
 
-from ddtree.bench.kernels import _ints, _say, measure_ceiling, time_graph
+from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
 from ddtree.tree.sampling import SamplingParams
 
 MODES = {"greedy": SamplingParams(),
@@ -96,15 +96,11 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def tree_command(vocabs, budgets, depth, modes, launches, flat, as_json):
     """DDTree tree build (top-k + best-first) and acceptance walk (sampling at every node) on the GPU."""
-    from ddtree.plugins.device import Gpu
     modes = [m for m in modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {unknown}; choose from {list(MODES)}", param_hint="--mode")
-    gpu = Gpu()
-    ceiling = measure_ceiling(gpu)
-    gpu.free_all()
-    _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
+    gpu, ceiling = open_gpu()
     rows = []
     for V in _ints(vocabs):
         for B in _ints(budgets):
