@@ -5,23 +5,10 @@
 #   TESTS=1 BENCH="default" bash tests/plugins/attention_on_gpu.sh
 #   BENCH="default stages warps splits" ...   also sweep the plan knobs
 set -uo pipefail
-out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
-export PYTHONUNBUFFERED=1 DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins PYTHONPATH=${PYTHONPATH:-}:.
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-if [[ ${TESTS:-1} == 1 ]]; then
-  start=$SECONDS
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rf --tb=short -p no:cacheprovider --maxfail=10 \
-    tests/plugins/test_mla_attention_gpu.py ${EXTRA_TESTS:-} > "$out/tests.log" 2>&1
-  echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|Error|error" "$out/tests.log" | tail -30
-fi
-bench() {   # tag, args...
-  local tag=$1; shift; local t0=$SECONDS
-  timeout ${BENCH_TIMEOUT:-200} python3 -c "from ddtree.bench.attention import attention_command as c; c()" \
-    --json "$@" 2>>"$out/bench.err" \
-    | python3 -c "import json,sys; [print(json.dumps({'tag': '$tag', **json.loads(l)})) for l in sys.stdin if l.strip()]" \
-    >> "$out/attention.jsonl"
-  echo "  $tag ($*): $((SECONDS - t0)) s"
-}
+source tests/plugins/gpu_lib.sh
+gpu_setup
+gpu_tests tests/plugins/test_mla_attention_gpu.py
+bench() { gpu_bench attention attention_command "$@"; }   # tag, args...
 for what in ${BENCH:-default}; do
   case $what in
     default) bench default --context 4096,32768,131072 --q 1,4,8,16,64,256 --heads 8,64 ;;

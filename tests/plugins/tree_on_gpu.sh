@@ -4,23 +4,10 @@
 # Usage (repo root, on the device; wheels as in the README's GPU section):
 #   TESTS=1 BENCH="default flat" bash tests/plugins/tree_on_gpu.sh
 set -uo pipefail
-out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
-export PYTHONUNBUFFERED=1 DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins PYTHONPATH=${PYTHONPATH:-}:.
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-if [[ ${TESTS:-1} == 1 ]]; then
-  start=$SECONDS
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rf --tb=short -p no:cacheprovider --maxfail=${MAXFAIL:-10} \
-    tests/plugins/test_tree_gpu.py ${EXTRA_TESTS:-} > "$out/tests.log" 2>&1
-  echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|Error|error|assert" "$out/tests.log" | tail -40
-fi
-bench() {   # tag, args...
-  local tag=$1; shift; local t0=$SECONDS
-  timeout ${BENCH_TIMEOUT:-200} python3 -c "from ddtree.bench.tree import tree_command as c; c()" \
-    --json "$@" 2>>"$out/bench.err" \
-    | python3 -c "import json,sys; [print(json.dumps({'tag': '$tag', **json.loads(l)})) for l in sys.stdin if l.strip()]" \
-    >> "$out/tree.jsonl"
-  echo "  $tag ($*): $((SECONDS - t0)) s"
-}
+source tests/plugins/gpu_lib.sh
+gpu_setup
+gpu_tests tests/plugins/test_tree_gpu.py
+bench() { gpu_bench tree tree_command "$@"; }   # tag, args...
 for what in ${BENCH:-default}; do
   case $what in
     default) bench default --vocab 32768,163840 --budget 16,64,255 ;;
