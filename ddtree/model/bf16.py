@@ -1,8 +1,9 @@
 """bfloat16 without torch: numpy has no bf16 dtype, so bf16 tensors travel as their uint16 bits.
 
 safetensors' numpy API cannot read or write BF16, so the checkpoint reader/writer parse the
-format themselves and hand bf16 tensors to numpy code as uint16 bit patterns; these two functions
-convert. f32 -> bf16 rounds to nearest even, as torch does.
+format themselves and hand bf16 tensors to numpy code as uint16 bit patterns; these functions
+convert. f32 -> bf16 rounds to nearest even, as torch does. `as_float` is the one rule for a tensor
+that may be either: uint16 means bf16 bits, anything else is already a number.
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded = np.where(nan, np.uint16(0x7FC0), rounded)
     return rounded
+
+
+def as_float(a: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """A tensor as floats of `dtype`: uint16 is bf16 bits (converted exactly), anything else is cast.
+    Returns `a` itself (no copy) when it already has `dtype`."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        a = bf16_to_f32(a)
+    return a.astype(dtype, copy=False)
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
