@@ -1,11 +1,8 @@
 """Command line: `ddtree` (click group), `ddtree-build` and `ddtree-run` (interfaces.md section 1).
 
-Every command takes --json: one JSON object on stdout, human text on stderr.
+Every command takes --json: one JSON object on stdout (ddtree/jsonout.py: emit_json), human text on stderr.
 """
 from __future__ import annotations
-
-import json
-import sys
 
 import click
 
@@ -14,12 +11,6 @@ from ddtree.builder.build_cli import build_command
 from ddtree.builder.inspect_cli import inspect_command
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
-
-
-def emit_json(obj) -> None:
-    """The one JSON object a --json command prints on stdout."""
-    json.dump(obj, sys.stdout)
-    sys.stdout.write("\n")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

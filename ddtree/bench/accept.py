@@ -11,7 +11,6 @@ Defaults: the embedded tiny model (`ddtree.data.tiny_model_dirs()`).
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
@@ -21,6 +20,7 @@ import click
 import numpy as np
 
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
+from ddtree.jsonout import emit_json
 from ddtree.model.tokenizer import load_tokenizer
 from ddtree.reference.drafter import Drafter
 from ddtree.reference.model import Target
@@ -136,8 +136,7 @@ def accept(target_dir, drafter_dir, budgets, max_new_tokens, prompts_path, num_p
                       "attention_factor": dcfg.attention_factor, "greedy": True},
            "wall_s": round(time.perf_counter() - t0, 2)}
     if as_json:
-        json.dump(obj, sys.stdout)
-        sys.stdout.write("\n")
+        emit_json(obj)
         return
     g = result["generation"]
     click.echo(f"{g['prompts']} prompts x {max_new_tokens} new tokens; AR distinct 8-gram fraction "

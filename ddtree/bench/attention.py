@@ -12,13 +12,13 @@ peak is the device's dense bf16 tensor rate from a table (null for devices not i
 """
 from __future__ import annotations
 
-import json
 import math
 
 import click
 import numpy as np
 
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
+from ddtree.jsonout import emit_json
 
 DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "RTX PRO 6000": 503.8}
 
@@ -121,4 +121,4 @@ def attention_command(contexts, qs, heads_list, launches, form, warps, stages, s
     result = {"bench": "attention", "device": gpu.name, "l2_resident": l2_resident, "rows": rows,
               "ceiling": {**ceiling, "dense_bf16_tflops": dense_peak(gpu.name)}}
     if as_json:
-        click.echo(json.dumps(result))
+        emit_json(result)

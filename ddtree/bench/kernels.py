@@ -10,12 +10,12 @@ ceiling is a plain device-to-device copy of >= 4 GB (read + write) outside graph
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 
 import click
 import numpy as np
+
+from ddtree.jsonout import emit_json
 
 TP_SHAPES = {1: dict(inter=2048), 8: dict(inter=256)}
 HIDDEN, EXPERTS, TOPK, VOCAB = 7168, 384, 8, 163840
@@ -200,8 +200,7 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
 
 def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> None:
     if as_json:
-        json.dump({"bench": bench, "device": gpu.name, "rows": rows, "ceiling": ceiling}, sys.stdout)
-        sys.stdout.write("\n")
+        emit_json({"bench": bench, "device": gpu.name, "rows": rows, "ceiling": ceiling})
 
 
 @click.command("moe")

@@ -12,13 +12,13 @@ The time to read the step's logits once at the copy ceiling is given per row (`r
 """
 from __future__ import annotations
 
-import json
 import math
 
 import click
 import numpy as np
 
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
+from ddtree.jsonout import emit_json
 from ddtree.tree.sampling import SamplingParams
 
 MODES = {"greedy": SamplingParams(),
@@ -111,4 +111,4 @@ def tree_command(vocabs, budgets, depth, modes, launches, flat, as_json):
                      f"{row['read_once_us']:.2f} us)")
     result = {"bench": "tree", "device": gpu.name, "rows": rows, "ceiling": ceiling}
     if as_json:
-        click.echo(json.dumps(result))
+        emit_json(result)

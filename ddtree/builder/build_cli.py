@@ -9,8 +9,6 @@ object on stdout: {"engine", "tp", "experts", "archs", "budgets", "files", "byte
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +20,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from ddtree.builder.build import DEFAULT_BUDGETS, build_engine
 from ddtree.builder.engine_dir import BuildError
 from ddtree.builder.plan import EXPERT_MODES, PlanError
+from ddtree.jsonout import emit_json
 from ddtree.model.config import ConfigError
 from ddtree.model.safetensors_io import CheckpointError
 from ddtree.model.tokenizer import TokenizerError
@@ -95,4 +94,4 @@ def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs
     console.print(f"engine {summary['engine']}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB")
     if as_json:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        emit_json(summary)

@@ -9,8 +9,6 @@ unlisted, resized or altered file is named and the command exits 1. --json print
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import click
@@ -18,6 +16,7 @@ from rich.console import Console
 
 from ddtree.builder.manifest import engine_files, verify_manifest
 from ddtree.builder.trt_build import describe_plans, plan_lines
+from ddtree.jsonout import emit_json
 from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
 from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
 
@@ -83,7 +82,7 @@ def inspect_command(engine, as_json):
     else:
         err.print(f"  checksums: all {info['files'] - 1} files match manifest.json")
     if as_json:
-        sys.stdout.write(json.dumps(info) + "\n")
+        emit_json(info)
     if problems:
         raise click.ClickException(f"{len(problems)} file(s) do not match the manifest: "
                                    + "; ".join(problems[:5]))

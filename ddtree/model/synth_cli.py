@@ -1,15 +1,14 @@
 """`ddtree synth`: write a synthetic target + drafter checkpoint in the real formats."""
 from __future__ import annotations
 
-import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import click
 from rich.console import Console
 
+from ddtree.jsonout import emit_json
 from ddtree.model.presets import PRESETS
 from ddtree.model.synthetic import estimate_bytes, synth as synth_checkpoint
 
@@ -53,4 +52,4 @@ def synth(preset, out_dir, seed, layers, layout, shard_mb, force, as_json):
               "drafter": str(drafter), "bytes": need, "wall_s": round(wall, 3)}
     err.print(f"done in {wall:.1f}s: {target}, {drafter}")
     if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
+        emit_json(result)

@@ -7,11 +7,11 @@ autoregressive decoding with the same seed and reports whether they are identica
 from __future__ import annotations
 
 import codecs
-import json
 import sys
 
 import click
 
+from ddtree.jsonout import emit_json
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.loop import RunStats
 from ddtree.tree.build import MAX_BUDGET
@@ -91,7 +91,7 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
         click.echo(_summary(ar.stats, "ar"), err=True)
         click.echo(f"identical: {result['identical']}, speedup {speedup:.2f}x", err=True)
     if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
+        emit_json(result)
     if mode == "both" and not result["identical"]:
         first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ar.tokens)) if a != b),
                           min(len(tokens), len(ar.tokens)))

@@ -9,12 +9,12 @@ non-overlapping chunks of `chunk` tokens; in each chunk, token i+1 is scored fro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 import numpy as np
 
+from ddtree.jsonout import emit_json
 from ddtree.reference.model import Target, causal_visible
 
 
@@ -53,9 +53,11 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     result = heldout_bits_per_byte(Target.from_checkpoint(target_dir), load_corpus().heldout, args.chunk)
     result.update({"target": str(target_dir), "wall_s": round(time.perf_counter() - t0, 1)})
-    print(json.dumps(result) if args.json else
-          f"{target_dir}: held-out {result['bits_per_byte']:.4f} bits/byte over {result['bytes_scored']} bytes "
-          f"({result['chunks']} chunks of {args.chunk}, numpy float64 reference, {result['wall_s']} s)")
+    if args.json:
+        emit_json(result)
+    else:
+        print(f"{target_dir}: held-out {result['bits_per_byte']:.4f} bits/byte over {result['bytes_scored']} bytes "
+              f"({result['chunks']} chunks of {args.chunk}, numpy float64 reference, {result['wall_s']} s)")
     return result
 
 
