@@ -36,8 +36,3 @@ def as_float(a: np.ndarray, dtype=np.float32) -> np.ndarray:
     if a.dtype == np.uint16:
         a = bf16_to_f32(a)
     return a.astype(dtype, copy=False)
-
-
-def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round float values to the nearest bf16, returned as float32."""
-    return bf16_to_f32(f32_to_bf16(x))
