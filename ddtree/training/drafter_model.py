@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.model.config import DrafterConfig
-from ddtree.reference.rope import rope_frequencies
+from ddtree.model.rope import rope_frequencies
 from ddtree.training.target_model import RMSNorm, SwiGLU
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.model.config import KimiConfig
-from ddtree.reference.rope import rope_frequencies, rope_magnitude
+from ddtree.model.rope import rope_frequencies, rope_magnitude
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,8 @@ import pytest
 
 from ddtree.model.config import RopeConfig, yarn_mscale
 from ddtree.model.presets import get_preset
-from ddtree.reference.rope import Rope, rope_frequencies, rope_magnitude, yarn_correction_range
+from ddtree.model.rope import rope_frequencies, rope_magnitude, yarn_correction_range
+from ddtree.reference.rope import Rope
 
 KIMI_ROPE = RopeConfig(theta=50000.0, type="yarn", factor=64.0, original_max_position_embeddings=4096,
                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
