@@ -73,11 +73,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree.engine_dir import EXPERT_MODES
 from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.plugins import layout
 
 TP_SIZES = (1, 2, 4, 8)
-EXPERT_MODES = ("tp", "ep")
-KERNEL_GROUP = 32            # INT4 scale group the MoE kernel layout is built for (plugins/layout.py)
 KERNEL_K_MULTIPLE = 64       # kernel layout: K % 64 == 0 for every matrix (hidden for gate/up, I for down)
 
 
@@ -200,9 +200,9 @@ def make_plan(cfg: KimiConfig, dcfg: DrafterConfig, tp: int, experts: str = "tp"
     if cfg.quant is None:
         raise PlanError(f"{t}: no quantization_config; the engine needs INT4 routed experts "
                         "(compressed-tensors pack-quantized, group 32)")
-    if cfg.quant.group_size != KERNEL_GROUP:
+    if cfg.quant.group_size != layout.GROUP:          # the INT4 scale group the MoE kernel layout is built for
         raise PlanError(f"{t}: quantization_config group_size {cfg.quant.group_size} is not supported; "
-                        f"the MoE kernel layout uses group {KERNEL_GROUP}")
+                        f"the MoE kernel layout uses group {layout.GROUP}")
     _need(cfg.hidden_size, KERNEL_K_MULTIPLE, "hidden_size", "the MoE kernel layout needs K % 64 == 0", t)
     I = cfg.moe_intermediate_size
     if experts == "tp":

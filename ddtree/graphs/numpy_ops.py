@@ -3,7 +3,7 @@
 Each op computes in float64 and returns its outputs in the dtype of its activation inputs, so a
 float64 graph reproduces the float64 reference and a bfloat16 graph rounds where a GPU would. The
 math is not re-derived here: the ops call the reference (MLA absorbed attention, rope, the drafter's
-rotate-half rope, masked softmax, the routing rule reference.moe.route_logits), the per-rank
+rotate-half rope, masked softmax, the routing rule model.routing.route_logits), the per-rank
 functions of graphs/ranks.py (experts in the kernel layout, the all-reduce sum) and tree/ (tree
 build, visibility bits, acceptance walk, Gumbel noise); what is left is the plumbing between the
 node's tensors and those functions.
@@ -21,10 +21,11 @@ import numpy as np
 from onnx.reference.op_run import OpRun
 
 from ddtree.graphs.nodes import DOMAIN, NODES, rope_config
+from ddtree.model.routing import route_logits
+from ddtree.plugins import layout
 from ddtree.reference.drafter import rotate_half_rope
 from ddtree.reference.layers import swiglu
 from ddtree.reference.mla import MLA, MLAWeights, masked_softmax
-from ddtree.reference.moe import route_logits
 from ddtree.reference.rope import rope_frequencies
 from ddtree.graphs import ranks
 from ddtree.tree.build import Tree, build_tree, pack_visibility, unpack_visibility
@@ -114,8 +115,8 @@ class MlaTreeAttention(DdtreeOp):
 
 class MarlinMoE(DdtreeOp):
     def _run(self, x, router_logits, bias, gu_words, gu_scales, down_words, down_scales, shared, **a):
-        if a["group_size"] != ranks.GROUP:
-            raise ValueError(f"ddtree::MarlinMoE: group_size {a['group_size']} (the kernel layout uses {ranks.GROUP})")
+        if a["group_size"] != layout.GROUP:
+            raise ValueError(f"ddtree::MarlinMoE: group_size {a['group_size']} (the kernel layout uses {layout.GROUP})")
         start, stop = a["expert_start"], a["expert_start"] + a["experts"]
         ids, gates, _ = route_logits(f64(router_logits), f64(bias), a["topk"], a["n_group"], a["topk_group"],
                                      float(a["routed_scaling_factor"]))           # [q, k] each

@@ -19,17 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.model.bf16 import bf16_to_f32
+from ddtree.model.bf16 import as_float
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.model.int4 import dequantize_int4
+from ddtree.model.routing import route
 from ddtree.plugins import layout
 from ddtree.reference.drafter import block_attention, rotate_half_rope
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.mla import masked_softmax
-from ddtree.reference.moe import route_logits
 from ddtree.reference.rope import Rope
-
-GROUP = 32                  # INT4 scale group of the kernel layout
 
 
 @dataclass(frozen=True)
@@ -65,10 +63,7 @@ def weight(w: dict, name: str, dtype=np.float64) -> np.ndarray:
     """A dense weight as floats of `dtype` (bf16 bits converted exactly)."""
     if name not in w:
         raise KeyError(f"rank weights: tensor '{name}' is missing")
-    a = w[name]
-    if a.dtype == np.uint16:
-        a = bf16_to_f32(a)
-    return a.astype(dtype, copy=False)
+    return as_float(w[name], dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +77,7 @@ def rank_embed(ids: np.ndarray, w: dict, lay: RankLayout, dtype=np.float64) -> n
     out = np.zeros((len(local), table.shape[1]), dtype=dtype)
     if mine.any():
         rows = table[local[mine]]
-        out[mine] = bf16_to_f32(rows) if rows.dtype == np.uint16 else rows
+        out[mine] = as_float(rows, dtype)
     return out
 
 
@@ -115,14 +110,6 @@ def rank_attention(h: np.ndarray, pos: np.ndarray, visible: np.ndarray, cache, l
     return o @ weight(w, f"{a}.o_proj.weight", dtype).T                               # [q, H] partial
 
 
-def route(x: np.ndarray, router: np.ndarray, bias: np.ndarray, cfg: KimiConfig) -> tuple[np.ndarray, np.ndarray]:
-    """noaux_tc sigmoid routing (replicated on every rank): x [n, H] -> ids [n, k], weights [n, k]."""
-    logits = x.astype(np.float64) @ router.astype(np.float64).T          # [n, E]
-    ids, weights, _ = route_logits(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                   cfg.routed_scaling_factor)
-    return ids, weights
-
-
 def expert_weights(w: dict, layer: int, local: int, dtype=np.float64, cache: dict | None = None):
     """Expert `local` of this rank from the kernel layout -> dense (gate [I_r, H], up [I_r, H], down [H, I_r])."""
     key = (layer, local)
@@ -130,9 +117,10 @@ def expert_weights(w: dict, layer: int, local: int, dtype=np.float64, cache: dic
         return cache[key]
     p = f"model.layers.{layer}.mlp.experts."
     gate_up = dequantize_int4(*layout.unpack_q(w[p + "gate_up.words"][local], w[p + "gate_up.scales"][local]),
-                              GROUP, dtype)                               # [2 I_r, H], gate/up fused by 8 rows
+                              layout.GROUP, dtype)                        # [2 I_r, H], gate/up fused by 8 rows
     gate, up = layout.split_gate_up(gate_up)
-    down = dequantize_int4(*layout.unpack_q(w[p + "down.words"][local], w[p + "down.scales"][local]), GROUP, dtype)
+    down = dequantize_int4(*layout.unpack_q(w[p + "down.words"][local], w[p + "down.scales"][local]),
+                           layout.GROUP, dtype)
     if cache is not None:
         cache[key] = (gate, up, down)
     return gate, up, down
@@ -143,7 +131,8 @@ def rank_moe(x: np.ndarray, layer: int, w: dict, cfg: KimiConfig, lay: RankLayou
     """Normed x [n, H] -> partial [n, H]: this rank's slice (or share of experts) of the routed experts,
     plus its slice of the shared expert."""
     m = f"model.layers.{layer}.mlp"
-    ids, gates = route(x, weight(w, f"{m}.gate.weight", dtype), weight(w, f"{m}.gate.e_score_correction_bias", dtype), cfg)
+    ids, gates = route(x, weight(w, f"{m}.gate.weight", dtype), weight(w, f"{m}.gate.e_score_correction_bias", dtype),
+                       cfg)                                               # replicated on every rank
     out = np.zeros_like(x)                                                # [n, H]
     for e in np.unique(ids):
         if not lay.expert_start <= e < lay.expert_stop:                   # experts="ep": another rank's

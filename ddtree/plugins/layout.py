@@ -35,7 +35,7 @@ import numpy as np
 
 from ddtree.model.int4 import pack_int4, unpack_int4
 
-GROUP = 32
+GROUP = 32          # INT4 scale group of the kernel layout (the one definition: builder/plan.py and graphs use it)
 # _NIBBLE[rh, j]: nibble position of (row half rh, column p + j) inside a word
 _NIBBLE = np.array([[0, 4, 2, 6], [1, 5, 3, 7]], dtype=np.uint32)
 

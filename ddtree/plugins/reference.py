@@ -1,22 +1,16 @@
 """numpy references for the kernels in ddtree/plugins/kernels (float64, exact inputs).
 
-Letters: M tokens, H hidden, I expert intermediate, E experts, k = topk.
+Letters: M tokens, H hidden, I expert intermediate, E experts, k = topk. The router's twin is the
+routing rule itself, ddtree/model/routing.py: route_logits.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ddtree.model.bf16 import bf16_to_f32
+from ddtree.model.bf16 import as_float
 from ddtree.model.int4 import dequantize_int4
 from ddtree.plugins import layout
 from ddtree.reference.layers import silu
-from ddtree.reference.moe import route_logits
-
-
-def route(logits: np.ndarray, bias: np.ndarray | None, topk: int, n_group: int = 1, topk_group: int = 1,
-          scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """logits [M, E] -> (ids [M, k] in selection order, weights [M, k], margin [M]): the reference's rule."""
-    return route_logits(logits, bias, topk, n_group, topk_group, scaling)
 
 
 def expert_dense(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -29,7 +23,7 @@ def moe_given_routing(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packe
                       shared: np.ndarray | None = None) -> np.ndarray:
     """x [M, H] (float or bf16 bits), ids/weights [M, k], packed = stacked kernel-layout experts
     -> y [M, H] float64 = sum_k w_k down_e(silu(gate_e x) * up_e x) (+ shared)."""
-    x = bf16_to_f32(x).astype(np.float64) if x.dtype == np.uint16 else x.astype(np.float64)
+    x = as_float(x, np.float64)
     y = np.zeros_like(x)                                                 # [M, H]
     for e in np.unique(ids):
         rows, slot = np.nonzero(ids == e)
@@ -39,16 +33,14 @@ def moe_given_routing(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packe
         act = silu(xe @ gate.T) * (xe @ up.T)                            # [m, I]
         y[rows] += weights[rows, slot][:, None] * (act @ down.T)
     if shared is not None:
-        y += bf16_to_f32(shared).astype(np.float64) if shared.dtype == np.uint16 else shared
+        y += as_float(shared, np.float64)
     return y
 
 
 def gemm(x: np.ndarray, w: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
     """x [M, K], w [N, K] (float or bf16 bits) -> x @ w.T (+ residual) in float64."""
-    def f64(a):
-        return bf16_to_f32(a).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
-    y = f64(x) @ f64(w).T
-    return y if residual is None else y + f64(residual)
+    y = as_float(x, np.float64) @ as_float(w, np.float64).T
+    return y if residual is None else y + as_float(residual, np.float64)
 
 
 def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray, prefix: int,
@@ -59,12 +51,9 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
     [q, ceil(q/32)] uint32 (tree node i at cache row prefix + i) -> out [q, N, 512] fp32 (before W_UV),
     lse [q, N] float64 (natural log of the sum of exp of the visible scaled scores)."""
     from ddtree.tree.build import unpack_visibility
-
-    def f32(a):
-        return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
     q, heads = q_lat.shape[:2]
-    keys = f32(cache[: prefix + q])                                              # [t, 576]
-    query = np.concatenate([f32(q_lat), f32(q_rope)], axis=-1).reshape(q * heads, -1)   # [q N, 576]
+    keys = as_float(cache[: prefix + q])                                              # [t, 576]
+    query = np.concatenate([as_float(q_lat), as_float(q_rope)], axis=-1).reshape(q * heads, -1)   # [q N, 576]
     visible = unpack_visibility(vis_words, q)                                    # [q, q] ancestor-or-self
     out = np.empty((q * heads, q_lat.shape[-1]), dtype=np.float32)
     lse = np.empty(q * heads, dtype=np.float64)

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ddtree.reference.model import causal_visible
 from ddtree.tree.sampling import SamplingParams
 
 
@@ -49,13 +50,6 @@ def _check(prompt_ids, max_new_tokens: int) -> list[int]:
     return prompt
 
 
-def _causal(T: int, q: int) -> np.ndarray:
-    """[q, T + q]: the whole cache plus the new tokens up to oneself."""
-    vis = np.ones((q, T + q), dtype=bool)
-    vis[:, T:] = np.tril(np.ones((q, q), dtype=bool))
-    return vis
-
-
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
              stats: RunStats | None = None) -> Iterator[list[int]]:
     """Yields the committed tokens of each step (one per step) until EOS or max_new_tokens."""
@@ -69,7 +63,7 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
     ids, pos = np.array(prompt), np.arange(len(prompt))
     prefill = True
     while True:
-        logits, _ = ex.target_forward(ids, pos, _causal(cache.length, len(ids)), cache)
+        logits, _ = ex.target_forward(ids, pos, causal_visible(cache.length, len(ids)), cache)
         next_pos = int(pos[-1]) + 1                                       # where the new token sits
         token = int(ex.sample(logits[-1:], np.array([next_pos]), params)[0])
         if not prefill:                                    # the prefill is not a step, as in DDTree,
@@ -115,7 +109,7 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     cache = ex.new_target_cache(len(prompt) + max_new_tokens + budget + 1)
     dcache = ex.new_drafter_cache()
     logits, tapped = ex.target_forward(np.array(prompt), np.arange(len(prompt)),
-                                       _causal(0, len(prompt)), cache, taps)
+                                       causal_visible(0, len(prompt)), cache, taps)
     start = len(prompt)                                                    # the bonus token's position
     bonus = int(ex.sample(logits[-1:], np.array([start]), params)[0])
     ctx = np.concatenate([tapped[L] for L in taps], axis=1)               # [P, K*H]

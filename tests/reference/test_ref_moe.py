@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from ddtree.model.presets import get_preset
-from ddtree.reference.moe import ExpertWeights, MoEWeights, moe, route
+from ddtree.model.routing import route as route_tokens
+from ddtree.reference.moe import ExpertWeights, MoEWeights, moe
+
+
+def route(x, w, cfg):
+    return route_tokens(x, w.router, w.bias, cfg)
 
 
 def brute_route(x_row, router, bias, cfg):
