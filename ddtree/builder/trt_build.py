@@ -42,7 +42,7 @@ def require_graphs() -> None:
 
 def require_trt() -> None:
     """Import the wheels now (and fix the parser link), or raise BuildError with the install command."""
-    from ddtree.plugins.trt.loader import TrtUnavailable, import_trt
+    from ddtree.ops.tensorrt.loader import TrtUnavailable, import_trt
     try:
         import_trt()
     except TrtUnavailable as e:
@@ -140,7 +140,7 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
 
 def build_plans(engine_dir, on_plan=None) -> dict:
     """Every graphs/rank<r>/<kind>.onnx -> rank<r>/<kind>.plan; writes and returns plans.json."""
-    from ddtree.plugins.trt.creators import register_creators, trt
+    from ddtree.ops.tensorrt.creators import register_creators, trt
     register_creators()
     root = Path(engine_dir)
     index = json.loads((root / "graphs" / "index.json").read_text())

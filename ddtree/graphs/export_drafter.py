@@ -19,7 +19,7 @@ per rank); every all-reduce is an AllReduce node inside the graphs.
 """
 from __future__ import annotations
 
-from ddtree.graphs.nodes import rope_attrs
+from ddtree.ops.nodes import rope_attrs
 from ddtree.graphs.onnx_graph import FLOAT, INT32, GraphBuilder
 
 

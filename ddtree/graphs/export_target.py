@@ -18,13 +18,13 @@ and the runtime binds layer L's tensors by swapping that prefix (graphs/export.p
                  MoE:   h_out = h1 + AllReduce(MarlinMoE(x2, x2 router^T (acc), bias, experts, shared(x2)))
     head         h [q, H] -> RMSNorm -> logits [q, V_r] (acc) -> VocabWinner -> (value, id) per row
 
-Letters as in graphs/nodes.py.
+Letters as in ops/nodes.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ddtree.graphs.nodes import rope_attrs
+from ddtree.ops.nodes import rope_attrs
 from ddtree.graphs.onnx_graph import FLOAT, INT32, GraphBuilder
 
 

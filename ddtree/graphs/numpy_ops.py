@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 from onnx.reference.op_run import OpRun
 
-from ddtree.graphs.nodes import DOMAIN, NODES, rope_config
+from ddtree.ops.nodes import DOMAIN, NODES, rope_config
 from ddtree.model.routing import route_logits
 from ddtree.plugins import layout
 from ddtree.reference.drafter import rotate_half_rope

@@ -13,7 +13,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
-from ddtree.graphs.nodes import DOMAIN, node_spec
+from ddtree.ops.nodes import DOMAIN, node_spec
 
 OPSET = 21
 ACT_DTYPES = {"bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE}

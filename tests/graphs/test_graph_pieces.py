@@ -12,13 +12,13 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.builder.engine_dir import BuildError
 from ddtree.graphs.export import layer_weight_name
-from ddtree.graphs.nodes import NODES, node_spec
+from ddtree.ops.nodes import NODES, node_spec
 from ddtree.graphs.numpy_ops import RankGroup
 from ddtree.graphs.onnx_graph import GraphBuilder
 from ddtree.graphs.runner import GraphRanks
-from ddtree.plugins.trt.fields import attrs_from_fields, field_arrays, node_attrs
-from ddtree.plugins.trt.kernels import MissingKernelError, run_node
-from ddtree.plugins.trt.loader import TrtUnavailable, ensure_parser_link
+from ddtree.ops.tensorrt.fields import attrs_from_fields, field_arrays, node_attrs
+from ddtree.ops.tensorrt.kernels import MissingKernelError, run_node
+from ddtree.ops.tensorrt.loader import TrtUnavailable, ensure_parser_link
 
 
 def test_rank_group_sums_in_rank_order_on_every_rank():

@@ -1,4 +1,4 @@
-"""GPU: what the MarlinMoE and AllReduce plugins' enqueue launches (plugins/trt/kernels.py, called with
+"""GPU: what the MarlinMoE and AllReduce plugins' enqueue launches (ops/tensorrt/kernels.py, called with
 device pointers and a stream as TensorRT would) equals the ddtree nodes' numpy implementations run
 by onnx.reference on the same inputs. No TensorRT needed (plans themselves run only on SM120)."""
 import ml_dtypes
@@ -7,12 +7,12 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from ddtree.graphs.nodes import DOMAIN, NODES
+from ddtree.ops.nodes import DOMAIN, NODES
 from ddtree.graphs.numpy_ops import ops_for
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout
-from ddtree.plugins.trt.kernels import run_node
+from ddtree.ops.tensorrt.kernels import run_node
 
 pytestmark = pytest.mark.gpu
 H, I, E, TOPK = 256, 128, 8, 2

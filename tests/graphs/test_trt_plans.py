@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from ddtree.cli import main
 from ddtree.graphs.export import io_of
-from ddtree.graphs.nodes import NODES
-from ddtree.plugins.trt.fields import node_attrs
+from ddtree.ops.nodes import NODES
+from ddtree.ops.tensorrt.fields import node_attrs
 
 pytestmark = pytest.mark.trt
 
@@ -75,7 +75,7 @@ def test_plugin_fields_round_trip_through_runtime_creation(trt_engine, monkeypat
     """The plugins TensorRT's parser creates (BUILD) from each node -> get_fields_to_serialize ->
     creator.create_plugin(RUNTIME) -> the node's attributes, exactly."""
     from ddtree.builder.trt_build import build_plan
-    from ddtree.plugins.trt import creators
+    from ddtree.ops.tensorrt import creators
     out, _, plans = trt_engine
     created = []
     original = creators.DdtreeCreator.create_plugin
@@ -109,7 +109,7 @@ def test_plugin_fields_round_trip_through_runtime_creation(trt_engine, monkeypat
 def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
     """TensorRT sees the in-place caches: without the aliasing preview feature the layer plans do not build."""
     from ddtree.builder.trt_build import PlanBuildError, build_plan
-    from ddtree.plugins.trt.creators import trt
+    from ddtree.ops.tensorrt.creators import trt
     out, _, plans = trt_engine
     dims = json.loads((out / "graphs" / "index.json").read_text())["dims"]
     original = trt.IBuilderConfig.set_preview_feature
@@ -121,8 +121,8 @@ def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
 
 def test_plugin_enqueue_without_a_kernel_names_it():
     """The plugin's enqueue (as TensorRT calls it, with tensor descriptors) fails with the missing kernel."""
-    from ddtree.plugins.trt.creators import DdtreePlugin, trt
-    from ddtree.plugins.trt.kernels import MissingKernelError
+    from ddtree.ops.tensorrt.creators import DdtreePlugin, trt
+    from ddtree.ops.tensorrt.kernels import MissingKernelError
     desc = trt.PluginTensorDesc()
     desc.dims, desc.type = trt.Dims([4, 8]), trt.DataType.BF16
     spec = NODES["MlaTreeAttention"]

@@ -3,7 +3,7 @@
     MarlinMoE     the fused W4A16 MoE (plugins/moe.py: moe_route on the graph's fp32 router logits,
                   then moe_gate_up and moe_down, which adds the shared expert's output)
     AllReduce     world_size 1: a device copy; more ranks need the cross-rank all-reduce (missing)
-    others        MissingKernelError naming the kernel (graphs/nodes.py: NodeSpec.kernel)
+    others        MissingKernelError naming the kernel (ops/nodes.py: NodeSpec.kernel)
 Plain arguments (dims, dtype names, device pointers, a cudaStream_t handle) so a GPU test can call
 these without TensorRT; cuda-python is imported only when a kernel is launched. One plan serves
 every layer of its kind, so the weights' pointers change from call to call: the launcher keeps its
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.graphs.nodes import NodeSpec
+from ddtree.ops.nodes import NodeSpec
 
 MAX_TOKENS = 256
 NUMPY_DTYPES = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
@@ -60,7 +60,7 @@ def device_copy(dst: int, src: int, nbytes: int, stream: int) -> None:
 
 def launch_marlin_moe(attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptr: int, stream: int) -> None:
     """y [M, H] bf16 = routed experts (from router logits fp32 [M, E]) + shared [M, H]."""
-    from ddtree.graphs.nodes import NODES
+    from ddtree.ops.nodes import NODES
     if attrs["experts"] != attrs["n_routed_experts"]:
         raise missing(NODES["MarlinMoE"], " for expert-parallel placement (--experts ep: the fused MoE kernel "
                       "indexes a rank's experts from 0 and has no skip for the experts of other ranks)")

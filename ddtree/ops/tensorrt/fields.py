@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ddtree.graphs.nodes import NodeSpec
+from ddtree.ops.nodes import NodeSpec
 
 NUMPY_OF_KIND = {"int": np.int32, "float": np.float32, "str": np.int8, "ints": np.int32}
 

@@ -2,7 +2,7 @@
 
 One table serves three consumers: the exporters (graphs/export_*.py) write these nodes, the numpy
 implementations (graphs/numpy_ops.py) run them under onnx.reference, and the TensorRT-RTX plugin
-creators (plugins/trt/) turn the attributes into plugin fields. The TensorRT ONNX parser maps a node
+creators (ops/tensorrt/) turn the attributes into plugin fields. The TensorRT ONNX parser maps a node
 to a plugin by op type = plugin name and domain = plugin namespace, and passes every attribute as a
 PluginField typed by the creator's declared fields: int -> INT32, float -> FLOAT32, str -> CHAR
 (NUL-terminated), ints -> INT32 array. So float attributes are float32 everywhere (ONNX stores them

@@ -1,9 +1,9 @@
-"""Python IPluginV3 plugins and IPluginCreatorV3One creators for every `ddtree` node (graphs/nodes.py).
+"""Python IPluginV3 plugins and IPluginCreatorV3One creators for every `ddtree` node (ops/nodes.py).
 
 One generic plugin class is parameterised by a NodeSpec: its fields are the node's attributes
-(plugins/trt/fields.py), its output dtypes and symbolic shapes follow the rules below, outputs that
+(ops/tensorrt/fields.py), its output dtypes and symbolic shapes follow the rules below, outputs that
 update an input in place (caches) are aliased through IPluginV3OneBuildV2 (the builder must enable
-PreviewFeature.ALIASED_PLUGIN_IO_10_03), and enqueue runs plugins/trt/kernels.py. Creators register
+PreviewFeature.ALIASED_PLUGIN_IO_10_03), and enqueue runs ops/tensorrt/kernels.py. Creators register
 under namespace "ddtree" (= the nodes' ONNX domain), plugin name = op type, version "1".
 
 Building a plan calls create_plugin(BUILD), the shape/type/format methods, configure_plugin and
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.graphs.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
-from ddtree.plugins.trt import kernels
-from ddtree.plugins.trt.fields import attrs_from_fields, field_arrays
-from ddtree.plugins.trt.loader import import_trt
+from ddtree.ops.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
+from ddtree.ops.tensorrt import kernels
+from ddtree.ops.tensorrt.fields import attrs_from_fields, field_arrays
+from ddtree.ops.tensorrt.loader import import_trt
 
 trt = import_trt()
 
