@@ -139,7 +139,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
         if parts:       # cumulative prefixes of the chain: route; route + gate_up (same routings, same graph shape)
             def prefix(stream, upto):
                 for ids, w in routes:
-                    moe._launch_route(None, M, ids, w, stream)
+                    moe.launch_route(None, M, ids, w, stream)
                     if upto == "gate_up":
                         moe.gate_up(x, M, stream)
             for upto in ("route", "gate_up"):

@@ -229,9 +229,12 @@ class FusedMoE:
         if self.router is None:
             raise ValueError("FusedMoE.route: constructed without router weights")
         self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
-        self._launch_route(self.logits, M, self.topk_ids, self.topk_w, stream)
+        self.launch_route(self.logits, M, self.topk_ids, self.topk_w, stream)
 
-    def _launch_route(self, logits, M, ids, weights, stream) -> None:
+    def launch_route(self, logits, M, ids, weights, stream) -> None:
+        """The route kernel alone. logits [M, E] fp32 (device): routes into ids [M, topk] int32 and
+        weights [M, topk] fp32, then fills the tile lists; logits None: ids/weights are a given routing,
+        only the tile lists are filled."""
         s = self.shape
         self.gpu.launch(self.gpu.kernel(SOURCE, "moe_route"), 1, 1024, 0,
                         ptr(logits), ptr(self.bias), np.int32(M), np.int32(s.experts), np.int32(s.topk),
@@ -249,7 +252,7 @@ class FusedMoE:
             ids, weights = self.topk_ids, self.topk_w
         else:
             ids, weights = topk
-            self._launch_route(None, M, ids, weights, stream)
+            self.launch_route(None, M, ids, weights, stream)
         self.experts(x, out, M, ids, weights, shared, stream)
 
     def experts(self, x, out, M, ids, weights, shared=None, stream=None) -> None:

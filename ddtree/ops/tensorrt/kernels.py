@@ -88,5 +88,5 @@ def launch_marlin_moe(attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_
              for i, k in enumerate(keys)}                                     # this call's layer
     moe.bias = DeviceArray(moe.gpu, in_ptrs[2], tuple(in_dims[2]), np.dtype(np.float32))
     s = Stream.from_handle(int(stream))
-    moe._launch_route(in_ptrs[1], M, moe.topk_ids, moe.topk_w, s)           # routing on the graph's logits
+    moe.launch_route(in_ptrs[1], M, moe.topk_ids, moe.topk_w, s)           # routing on the graph's logits
     moe.experts(in_ptrs[0], out_ptr, M, moe.topk_ids, moe.topk_w, in_ptrs[7], s)

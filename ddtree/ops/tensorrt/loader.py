@@ -53,9 +53,3 @@ def import_trt():
     except ImportError as e:
         raise TrtUnavailable(f"the TensorRT-RTX bindings do not import ({e}): {INSTALL}") from e
     return trt
-
-
-def trt_installed() -> bool:
-    """True iff both wheels are importable (without importing them)."""
-    from importlib.util import find_spec
-    return find_spec("tensorrt_rtx_libs") is not None and find_spec("tensorrt_rtx_bindings") is not None
