@@ -29,7 +29,7 @@ union TreeSmem {
     struct {                                                                    // best-first build
         float lp[TB_MAX_DEPTH][TB_MAX_K];
         int ids[TB_MAX_DEPTH][TB_MAX_K];
-        u32 nm[TB_MAX_K];                        // popped node: parent | depth << 16 | rank << 24
+        u32 nm[TB_MAX_K];                        // popped nodes' node words (node_pack below)
         float score[TB_MAX_K];
     } build;
 };
@@ -85,6 +85,20 @@ __device__ void merge_row(TreeSmem& sm, const u64* lists_row, int S, int K, u64*
     }
 }
 
+// ---- the node word ------------------------------------------------------------------------------
+// A frontier candidate or popped node in one u32, read and written only through these:
+//   bits  0-15 parent  (node index, < n <= 256)
+//   bits 16-23 depth   (1..D; the root is depth 0 and has no word)
+//   bits 24-31 rank    (0..K-1: its place in its depth's top-K list)
+__device__ __forceinline__ u32 node_pack(int parent, int depth, int rank) {
+    return (u32)parent | (u32)depth << 16 | (u32)rank << 24;
+}
+__device__ __forceinline__ int node_parent(u32 m) { return (int)(m & 0xffff); }
+__device__ __forceinline__ int node_depth(u32 m) { return (int)((m >> 16) & 0xff); }
+__device__ __forceinline__ int node_rank(u32 m) { return (int)(m >> 24); }
+// the next sibling (same parent and depth, rank + 1); the caller checks rank + 1 < K <= 256
+__device__ __forceinline__ u32 node_next_sibling(u32 m) { return m + (1u << 24); }
+
 // ---- best-first selection ------------------------------------------------------------------------
 // A candidate is a rank tuple (r_1 .. r_d) packed big-endian as bytes r_j + 1 in (hi, lo), zero after
 // depth d, so integer order is the lexicographic order with a prefix before its extensions.
@@ -92,17 +106,17 @@ __device__ __forceinline__ u64 tuple_hi(int byte) { return byte < 8 ? 1ull << (8
 __device__ __forceinline__ u64 tuple_lo(int byte) { return byte < 8 ? 0ull : 1ull << (8 * (15 - byte)); }
 __device__ __forceinline__ bool tuple_less(u64 ha, u64 la, u64 hb, u64 lb) { return ha != hb ? ha < hb : la < lb; }
 
-// The rank tuple of a frontier candidate (packed parent | depth << 16 | rank << 24): its rank at its
-// depth, then its ancestors' ranks from the node records.
+// The rank tuple of a frontier candidate (node word m): its rank at its depth, then its ancestors'
+// ranks from the node records.
 template <typename Build>
 __device__ void slot_tuple(const Build& b, u32 m, u64& h, u64& l) {
-    const int d = (m >> 16) & 0xff;
-    h = tuple_hi(d - 1) * ((m >> 24) + 1);
-    l = tuple_lo(d - 1) * ((m >> 24) + 1);
-    for (int j = (int)(m & 0xffff); j > 0; j = (int)(b.nm[j] & 0xffff)) {
+    const int d = node_depth(m);
+    h = tuple_hi(d - 1) * (node_rank(m) + 1u);
+    l = tuple_lo(d - 1) * (node_rank(m) + 1u);
+    for (int j = node_parent(m); j > 0; j = node_parent(b.nm[j])) {
         const u32 mj = b.nm[j];
-        h += tuple_hi((int)((mj >> 16) & 0xff) - 1) * ((mj >> 24) + 1u);
-        l += tuple_lo((int)((mj >> 16) & 0xff) - 1) * ((mj >> 24) + 1u);
+        h += tuple_hi(node_depth(mj) - 1) * (node_rank(mj) + 1u);
+        l += tuple_lo(node_depth(mj) - 1) * (node_rank(mj) + 1u);
     }
 }
 
@@ -128,14 +142,14 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     DD_TRACE_CLOCK(10);
     __shared__ int s_nodes;
     if (threadIdx.x < 32) {
-        // lane L holds slots L + 32 j in registers: score, parent's score, packed (parent | depth << 16 |
-        // rank << 24). Rank tuples are rebuilt from the node records only to break equal scores (rare).
+        // lane L holds slots L + 32 j in registers: score, parent's score, node word. Rank tuples are
+        // rebuilt from the node records only to break equal scores (rare).
         const int lane = threadIdx.x;
         float sc[8], ps[8];
         u32 mt[8], valid = 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) { sc[j] = 0.f; ps[j] = 0.f; mt[j] = 0; }
-        if (lane == 0) { sc[0] = __fadd_rn(0.f, b.lp[0][0]); mt[0] = 1u << 16; valid = 1; }   // ranks (0)
+        if (lane == 0) { sc[0] = __fadd_rn(0.f, b.lp[0][0]); mt[0] = node_pack(0, 1, 0); valid = 1; }   // ranks (0)
         int nodes = 1, next_free = 1;
         while (nodes <= B) {
             float v[8];                                  // lane-local best score (a max tree), then its slot
@@ -180,7 +194,7 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
             const float pscore = __shfl_sync(0xffffffffu, p, wl);
             m = __shfl_sync(0xffffffffu, m, wl);
             const float bs = unorder32(top);
-            const int d = (m >> 16) & 0xff, r = m >> 24, node = nodes++;
+            const int d = node_depth(m), r = node_rank(m), node = nodes++;
             const bool sibling = r + 1 < K, child = d < D;
             const int f = child ? next_free++ : -1;
             const float sib_score = sibling ? __fadd_rn(pscore, b.lp[d - 1][r + 1]) : 0.f;
@@ -191,13 +205,13 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
             // (which would move the arrays to local memory).
             const u32 pop_bit = lane == wl ? 1u << wj : 0u;
             const u32 child_bit = child && lane == (f & 31) ? 1u << (f >> 5) : 0u;
-            const u32 child_meta = (u32)node | (u32)(d + 1) << 16;
+            const u32 child_meta = node_pack(node, d + 1, 0);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const bool popped = (pop_bit >> j) & 1, born = (child_bit >> j) & 1;
                 sc[j] = born ? child_score : (popped && sibling ? sib_score : sc[j]);
                 ps[j] = born ? bs : ps[j];
-                mt[j] = born ? child_meta : (popped && sibling ? mt[j] + (1u << 24) : mt[j]);
+                mt[j] = born ? child_meta : (popped && sibling ? node_next_sibling(mt[j]) : mt[j]);
             }
             valid = (valid & ~(sibling ? 0u : pop_bit)) | child_bit;
             __syncwarp();                                // node records visible to the tie paths
@@ -211,16 +225,16 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     for (int i = threadIdx.x; i < n; i += TB_THREADS) {
         const bool real = i > 0 && i < nodes;
         const u32 m = real ? b.nm[i] : 0u;
-        const int dep = (m >> 16) & 0xff;
-        o.tokens[i] = i == 0 ? root : (real ? b.ids[dep - 1][m >> 24] : -1);
-        o.parents[i] = real ? (int)(m & 0xffff) : -1;
+        const int dep = node_depth(m);
+        o.tokens[i] = i == 0 ? root : (real ? b.ids[dep - 1][node_rank(m)] : -1);
+        o.parents[i] = real ? node_parent(m) : -1;
         o.depth[i] = dep;
         o.positions[i] = start + dep;
         o.scores[i] = real ? b.score[i] : 0.f;
         for (int w = 0; w < W; ++w) {                    // the row's ancestors-or-self, word w
             u32 bits = 0;
             if (i < nodes)
-                for (int j = i; j >= 0; j = j ? (int)(b.nm[j] & 0xffff) : -1)
+                for (int j = i; j >= 0; j = j ? node_parent(b.nm[j]) : -1)
                     if ((j >> 5) == w) bits |= 1u << (j & 31);
             o.vis[(size_t)i * W + w] = bits;
         }
