@@ -1,4 +1,6 @@
 // BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]).
+// Numpy twin: ddtree/plugins/reference.py gemm. Launcher and split plan: ddtree/plugins/gemm.py
+// (SkinnyGemm, plan_gemm).
 // Any N, K % 64 == 0. The weight comes tiled (ddtree/plugins/layout.py tile_bf16: rows padded to 16,
 // per (16-row tile, 64-k chunk) 2 KB in fragment order), so each warp streams contiguous memory.
 //
