@@ -29,8 +29,9 @@ class NodeSpec:
     inputs: tuple[str, ...]           # input names with shapes (documentation and arity)
     outputs: tuple[str, ...]
     aliases: dict[int, int]           # output index -> input index it updates in place (TensorRT aliasing)
-    kernel: str                       # the CUDA kernel the plugin launches, or the one it is missing
-    kernel_exists: bool
+    kernel: str                       # what the plugin launches (or will), in words
+    kernel_files: tuple[str, ...]     # its CUDA sources under ddtree/plugins/kernels/ (empty: none written yet)
+    wired: bool                       # the plugin's enqueue launches it (ops/tensorrt/kernels.py LAUNCHERS)
 
     def check_attrs(self, attrs: dict, where: str) -> None:
         """Every declared field present with a value of its kind, and nothing else."""
@@ -55,8 +56,8 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
     NodeSpec(
         "AllReduce", dict(RANKS),
         inputs=("partial [q, H]",), outputs=("sum [q, H]",), aliases={},
-        kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL; world_size 1 is a device copy",
-        kernel_exists=False),
+        kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL (not written); world_size 1 is a "
+               "device copy", kernel_files=(), wired=True),
     NodeSpec(
         "MlaTreeAttention",
         {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_nope_head_dim": "int", "qk_rope_head_dim": "int",
@@ -65,7 +66,8 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "kv_new [q, R + Dr]: normed c_kv then k_pe (not yet roped)", "kv_b_proj [N_r (Dn + Dv), R]",
                 "pos [q] int32", "cache [S, R + Dr]", "cache_len [1] int32 (T)", "tree_mask [q, W] int32 bits"),
         outputs=("o [q, N_r Dv]", "cache_out [S, R + Dr]: entries T..T+q-1 written"), aliases={1: 5},
-        kernel="tree-masked MLA attention, ddtree/plugins/kernels/mla_tree.cu", kernel_exists=False),
+        kernel="latent-cache append, then tree-masked absorbed MLA attention (tree form; decode form for "
+               "q * heads <= 64)", kernel_files=("kv_cache.cu", "mla_attention.cu", "mla_decode.cu"), wired=False),
     NodeSpec(
         "MarlinMoE",
         {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",
@@ -75,8 +77,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "gate_up.words [E_r, ...] int32", "gate_up.scales [E_r, ...] bf16", "down.words [E_r, ...] int32",
                 "down.scales [E_r, ...] bf16", "shared [q, H] (shared expert output, added)"),
         outputs=("y [q, H]",), aliases={},
-        kernel="fused W4A16 MoE, ddtree/plugins/kernels/moe.cu: moe_route, moe_gate_up, moe_down",
-        kernel_exists=True),
+        kernel="fused W4A16 MoE: moe_route, moe_gate_up, moe_down", kernel_files=("moe.cu",), wired=True),
     NodeSpec(
         "DraftAttention",
         {**RANKS, "heads": "int", "kv_heads": "int", "head_dim": "int", "sliding_window": "int",
@@ -85,34 +86,36 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "v [b, Hk_r, d]", "ctx_k [n, Hk_r, d] (k-normed, not yet roped)", "ctx_v [n, Hk_r, d]",
                 "pos [b] int32", "cache_k [S, Hk_r, d]", "cache_v [S, Hk_r, d]", "cache_len [1] int32 (T)"),
         outputs=("o [b, Hq_r d]", "cache_k_out [S, Hk_r, d]", "cache_v_out [S, Hk_r, d]"), aliases={1: 6, 2: 7},
-        kernel="DFlash draft attention, ddtree/plugins/kernels/draft_attention.cu", kernel_exists=False),
+        kernel="DFlash draft attention over the context cache and the block", kernel_files=(), wired=False),
     NodeSpec(
         "VocabWinner", {**RANKS, "vocab_start": "int", "vocab_size": "int"},
         inputs=("logits [q, V_r] (float32 in plans)", "sample_pos [q] int32", "temperature [1] float32",
                 "seed [2] int32 (low word, high word)"),
         outputs=("value [q]", "id [q] int32 (global id)"), aliases={},
-        kernel="vocab-parallel sampling winner (Philox + Gumbel argmax), ddtree/plugins/kernels/sample.cu",
-        kernel_exists=False),
+        kernel="sampling winner over the rank's vocab slice (greedy or Philox + Gumbel argmax)",
+        kernel_files=("sample.cu",), wired=False),
     NodeSpec(
         "VocabTopK", {**RANKS, "vocab_start": "int", "vocab_size": "int", "k": "int"},
         inputs=("logits [D, V_r] float32",),
         outputs=("values [D, k] float32 (raw logits)", "ids [D, k] int32 (global)", "row_max [D] float32",
                  "row_sumexp [D] float32 (sum of exp(x - row_max))"), aliases={},
-        kernel="vocab-parallel top-k with log-sum-exp parts, ddtree/plugins/kernels/sample.cu",
-        kernel_exists=False),
+        kernel="per-depth top-k over the rank's vocab slice with log-sum-exp parts (draft_lse_parts, draft_topk)",
+        kernel_files=("tree_build.cu",), wired=False),
     NodeSpec(
         "TreeBuild", {**RANKS, "budget": "int"},
         inputs=("root [1] int32", "values [tp, D, k] float32", "ids [tp, D, k] int32", "row_max [tp, D] float32",
                 "row_sumexp [tp, D] float32"),
         outputs=("tokens [B + 1] int32", "parents [B + 1] int32", "depth [B + 1] int32",
                  "visibility [B + 1, ceil((B + 1) / 32)] int32 bits"), aliases={},
-        kernel="GPU best-first tree build, ddtree/plugins/kernels/tree_build.cu", kernel_exists=False),
+        kernel="merge of the ranks' candidates and the best-first tree build (draft_merge)",
+        kernel_files=("tree_build.cu",), wired=False),
     NodeSpec(
         "AcceptWalk", dict(RANKS),
         inputs=("tokens [n] int32", "parents [n] int32", "win_value [tp, n]", "win_id [tp, n] int32"),
         outputs=("target_tokens [n] int32", "accepted [n] int32 (node indices, -1 after the path)",
                  "accepted_count [1] int32", "bonus [1] int32"), aliases={},
-        kernel="GPU acceptance walk, ddtree/plugins/kernels/tree_build.cu", kernel_exists=False),
+        kernel="acceptance walk (sample_common.cuh accept_walk, run by the last block of the sampling kernels)",
+        kernel_files=("sample.cu", "sample_top_p.cu"), wired=False),
 )}
 
 

@@ -1,7 +1,6 @@
 """The pieces around the graphs: the cross-rank AllReduce, weight binding by layer, node attribute
 checks, plugin fields, the plugins' enqueue where a kernel is missing, the TensorRT-RTX parser
 link and the error of --trt without the wheels. None of it needs TensorRT."""
-import re
 import sys
 import threading
 
@@ -12,13 +11,14 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.builder.engine_dir import BuildError
 from ddtree.graphs.export import layer_weight_name
-from ddtree.ops.nodes import NODES, node_spec
 from ddtree.graphs.numpy_ops import RankGroup
 from ddtree.graphs.onnx_graph import GraphBuilder
 from ddtree.graphs.runner import GraphRanks
+from ddtree.ops.nodes import NODES, node_spec
 from ddtree.ops.tensorrt.fields import attrs_from_fields, field_arrays, node_attrs
-from ddtree.ops.tensorrt.kernels import MissingKernelError, run_node
+from ddtree.ops.tensorrt.kernels import LAUNCHERS, MissingKernelError, run_node
 from ddtree.ops.tensorrt.loader import TrtUnavailable, ensure_parser_link
+from ddtree.plugins.compile import KERNEL_DIR
 
 
 def test_rank_group_sums_in_rank_order_on_every_rank():
@@ -82,19 +82,46 @@ def test_fields_round_trip_every_exported_node(engine):
     assert seen == set(NODES)
 
 
-@pytest.mark.parametrize("op", [op for op, s in NODES.items() if not s.kernel_exists and op != "AllReduce"])
-def test_plugins_without_a_kernel_fail_naming_it(op):
-    spec = NODES[op]
+# What each plugin launches, written out here rather than read from the node table under test:
+# op -> (its kernel files under ddtree/plugins/kernels/, whether its enqueue launches them).
+KERNELS = {"AllReduce": ((), True),                       # world_size 1 only: a device copy
+           "MarlinMoE": (("moe.cu",), True),
+           "MlaTreeAttention": (("kv_cache.cu", "mla_attention.cu", "mla_decode.cu"), False),
+           "DraftAttention": ((), False),
+           "VocabWinner": (("sample.cu",), False),
+           "VocabTopK": (("tree_build.cu",), False),
+           "TreeBuild": (("tree_build.cu",), False),
+           "AcceptWalk": (("sample.cu", "sample_top_p.cu"), False)}
+
+
+def test_node_table_names_real_kernel_files_and_wires_exactly_the_launched_ops():
+    assert {op: (s.kernel_files, s.wired) for op, s in NODES.items()} == KERNELS
+    for op, spec in NODES.items():
+        for name in spec.kernel_files:
+            assert (KERNEL_DIR / name).is_file(), f"ddtree::{op}: kernel file {name} is not in {KERNEL_DIR}"
+    assert {op for op, s in NODES.items() if s.wired} == set(LAUNCHERS)
+
+
+@pytest.mark.parametrize("op", sorted(op for op, (_, wired) in KERNELS.items() if not wired))
+def test_plugins_without_a_launcher_fail_naming_their_kernel(op):
+    spec, files = NODES[op], KERNELS[op][0]
     attrs = {name: {"int": 1, "float": 1.0, "str": "yarn", "ints": [1]}[kind] for name, kind in spec.fields.items()}
-    with pytest.raises(MissingKernelError, match=re.escape(f"ddtree::{op} plugin cannot run: its CUDA kernel "
-                                                             f"({spec.kernel}) does not exist yet")):
+    with pytest.raises(MissingKernelError) as err:
         run_node(spec, attrs, {}, [(1,)] * len(spec.inputs), ["float32"] * len(spec.inputs), [0] * len(spec.inputs),
                  [0] * len(spec.outputs), 0)
+    msg = str(err.value)
+    assert msg.startswith(f"ddtree::{op} plugin cannot run: ") and spec.kernel in msg
+    assert msg.endswith("; plans that contain this node build, but do not execute")
+    if files:
+        assert "its enqueue does not launch its CUDA kernel yet" in msg
+        assert all(f"ddtree/plugins/kernels/{name}" in msg for name in files)
+    else:
+        assert "is not written yet" in msg and "ddtree/plugins/kernels/" not in msg
 
 
 def test_all_reduce_and_expert_parallel_moe_plugins_fail_clearly():
     ar = NODES["AllReduce"]
-    with pytest.raises(MissingKernelError, match="cross-rank all-reduce.*world_size 2"):
+    with pytest.raises(MissingKernelError, match=r"AllReduce plugin cannot run at world_size 2: .*cross-rank all-reduce"):
         run_node(ar, {"rank": 0, "world_size": 2}, {}, [(4, 8)], ["bfloat16"], [0], [0], 0)
     moe = NODES["MarlinMoE"]
     attrs = {"rank": 1, "world_size": 2, "hidden": 128, "inter": 512, "experts": 4, "n_routed_experts": 8,

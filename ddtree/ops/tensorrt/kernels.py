@@ -1,9 +1,9 @@
-"""What each `ddtree` plugin's enqueue launches: the CUDA kernel where it exists, else a clear error.
+"""What each `ddtree` plugin's enqueue launches: LAUNCHERS, one per wired op (NodeSpec.wired), else a clear error.
 
     MarlinMoE     the fused W4A16 MoE (plugins/moe.py: moe_route on the graph's fp32 router logits,
-                  then moe_gate_up and moe_down, which adds the shared expert's output)
-    AllReduce     world_size 1: a device copy; more ranks need the cross-rank all-reduce (missing)
-    others        MissingKernelError naming the kernel (ops/nodes.py: NodeSpec.kernel)
+                  then moe_gate_up and moe_down, which adds the shared expert's output); not for --experts ep
+    AllReduce     world_size 1: a device copy; more ranks need the cross-rank all-reduce (not written)
+    others        MissingKernelError naming the kernel and its files (ops/nodes.py: NodeSpec.kernel, kernel_files)
 Plain arguments (dims, dtype names, device pointers, a cudaStream_t handle) so a GPU test can call
 these without TensorRT; cuda-python is imported only when a kernel is launched. One plan serves
 every layer of its kind, so the weights' pointers change from call to call: the launcher keeps its
@@ -20,12 +20,20 @@ NUMPY_DTYPES = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
 
 
 class MissingKernelError(RuntimeError):
-    """A plugin was asked to run, but the CUDA kernel behind it is not written yet."""
+    """A plugin was asked to run, but its enqueue does not launch a CUDA kernel for it (yet)."""
 
 
-def missing(spec: NodeSpec, why: str = "") -> MissingKernelError:
-    return MissingKernelError(f"ddtree::{spec.op} plugin cannot run: its CUDA kernel ({spec.kernel}) does not "
-                              f"exist yet{why}; plans that contain this node build, but do not execute")
+def missing(spec: NodeSpec, case: str = "") -> MissingKernelError:
+    """The error of a plugin without a launcher (`case` empty), or of a case its launcher does not cover."""
+    if case:
+        why = f" {case}: its kernel ({spec.kernel}) does not cover it"
+    elif spec.kernel_files:
+        why = (f": its enqueue does not launch its CUDA kernel yet ({spec.kernel}; "
+               f"{', '.join('ddtree/plugins/kernels/' + f for f in spec.kernel_files)})")
+    else:
+        why = f": its CUDA kernel ({spec.kernel}) is not written yet"
+    return MissingKernelError(f"ddtree::{spec.op} plugin cannot run{why}; plans that contain this node build, "
+                              "but do not execute")
 
 
 def current_device() -> int:
@@ -37,13 +45,17 @@ def current_device() -> int:
 
 def run_node(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs, stream: int) -> None:
     """Launch node `spec` on device tensors (dims: tuples of ints; types: 'bfloat16' | 'float32' | 'int32')."""
-    if spec.op == "MarlinMoE":
-        return launch_marlin_moe(attrs, state, in_dims, in_types, in_ptrs, out_ptrs[0], stream)
-    if spec.op == "AllReduce" and attrs["world_size"] == 1:
-        return device_copy(out_ptrs[0], in_ptrs[0], int(np.prod(in_dims[0])) * _itemsize(in_types[0]), stream)
-    if spec.op == "AllReduce":
-        raise missing(spec, f" (world_size {attrs['world_size']})")
-    raise missing(spec)
+    if spec.op not in LAUNCHERS:
+        raise missing(spec)
+    LAUNCHERS[spec.op](spec, attrs, state, in_dims, in_types, in_ptrs, out_ptrs, stream)
+
+
+def launch_all_reduce(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
+                      stream: int) -> None:
+    """sum [q, H] = partial [q, H]: at world_size 1 a device copy (nothing to sum)."""
+    if attrs["world_size"] != 1:
+        raise missing(spec, f"at world_size {attrs['world_size']}")
+    device_copy(out_ptrs[0], in_ptrs[0], int(np.prod(in_dims[0])) * _itemsize(in_types[0]), stream)
 
 
 def _itemsize(dtype: str) -> int:
@@ -58,12 +70,12 @@ def device_copy(dst: int, src: int, nbytes: int, stream: int) -> None:
         check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, driver.CUstream(stream)), "cuMemcpyDtoDAsync")
 
 
-def launch_marlin_moe(attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptr: int, stream: int) -> None:
+def launch_marlin_moe(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
+                      stream: int) -> None:
     """y [M, H] bf16 = routed experts (from router logits fp32 [M, E]) + shared [M, H]."""
-    from ddtree.ops.nodes import NODES
     if attrs["experts"] != attrs["n_routed_experts"]:
-        raise missing(NODES["MarlinMoE"], " for expert-parallel placement (--experts ep: the fused MoE kernel "
-                      "indexes a rank's experts from 0 and has no skip for the experts of other ranks)")
+        raise missing(spec, "for expert-parallel placement (--experts ep: the fused MoE kernel indexes a rank's "
+                      "experts from 0 and has no skip for the experts of other ranks)")
     want = ("bfloat16", "float32", "float32", "int32", "bfloat16", "int32", "bfloat16", "bfloat16")
     if tuple(in_types) != want:
         raise ValueError(f"ddtree::MarlinMoE plugin: input dtypes {list(in_types)}, the kernel takes {list(want)}")
@@ -89,4 +101,8 @@ def launch_marlin_moe(attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_
     moe.bias = DeviceArray(moe.gpu, in_ptrs[2], tuple(in_dims[2]), np.dtype(np.float32))
     s = Stream.from_handle(int(stream))
     moe.launch_route(in_ptrs[1], M, moe.topk_ids, moe.topk_w, s)           # routing on the graph's logits
-    moe.experts(in_ptrs[0], out_ptr, M, moe.topk_ids, moe.topk_w, in_ptrs[7], s)
+    moe.experts(in_ptrs[0], out_ptrs[0], M, moe.topk_ids, moe.topk_w, in_ptrs[7], s)
+
+
+# op -> launcher: exactly the ops whose NodeSpec says wired=True (tests/graphs/test_graph_pieces.py checks it)
+LAUNCHERS = {"AllReduce": launch_all_reduce, "MarlinMoE": launch_marlin_moe}
