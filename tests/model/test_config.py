@@ -45,6 +45,33 @@ def test_nested_k26_layout():
     assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2, rel=1e-15)
 
 
+# The MLA softmax scale sigma = qk_head_dim^-1/2 * m^2, m = 0.1 * mscale_all_dim * ln(factor) + 1 when
+# rope scaling is yarn with mscale_all_dim != 0, else m = 1 (kimi-k2.md 5.2). Worked by hand:
+#   K2 heads, yarn factor 32:  qk = 128 + 64 = 192, 192^-1/2 = 0.0721687836487;
+#                              m = 0.1 * 1.0 * ln 32 + 1 = 0.1 * 3.4657359028 + 1 = 1.34657359028,
+#                              m^2 = 1.81326043404; sigma = 0.0721687836487 * 1.81326043404 = 0.130860799963
+#   qk = 64 + 32 = 96, yarn factor 40, mscale_all_dim 0.707:
+#                              m = 0.0707 * ln 40 + 1 = 0.0707 * 3.68887945411 + 1 = 1.26080377741,
+#                              sigma = 96^-1/2 * m^2 = 0.102062072616 * 1.58962616513 = 0.162240541097
+#   no yarn, or yarn without mscale_all_dim: sigma = 192^-1/2 = 0.0721687836487
+@pytest.mark.parametrize("nope, rope_dim, scaling, sigma", [
+    (128, 64, {"factor": 32.0, "mscale_all_dim": 1.0}, 0.130860799963),
+    (64, 32, {"factor": 40.0, "mscale_all_dim": 0.707}, 0.162240541097),
+    (128, 64, {"factor": 32.0}, 0.0721687836487),                     # mscale_all_dim absent: no boost
+    (128, 64, None, 0.0721687836487),                                 # no rope scaling at all
+])
+def test_softmax_scale_hand_computed(nope, rope_dim, scaling, sigma):
+    d = kimi_k26_json()["text_config"]
+    d.update(qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim)
+    del d["rope_scaling"]
+    if scaling is not None:
+        d["rope_scaling"] = {"type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                             "original_max_position_embeddings": 4096, **scaling}
+    cfg = KimiConfig.from_dict(d)
+    assert cfg.qk_head_dim == nope + rope_dim
+    assert cfg.softmax_scale == pytest.approx(sigma, rel=1e-11)
+
+
 def test_flat_k2_thinking_layout_with_beta_fast_1():
     d = kimi_k26_json(beta_fast=1.0)["text_config"]
     d["eos_token_id"] = 163586
