@@ -21,9 +21,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ddtree.builder import engine_dir as ed
+from ddtree import engine_dir
+from ddtree.builder import output_dir as od
 from ddtree.builder import trt_build
-from ddtree.builder.manifest import write_manifest
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_bytes, source_bytes, write_rank_weights
 from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint
@@ -45,7 +45,7 @@ def check_budgets(budgets) -> list[int]:
     budgets = sorted(set(int(b) for b in budgets))
     bad = [b for b in budgets if not 1 <= b <= MAX_BUDGET]
     if not budgets or bad:
-        raise ed.BuildError(f"--budgets: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
+        raise od.BuildError(f"--budgets: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
     return budgets
 
 
@@ -55,7 +55,7 @@ def _open(reader, path, flag: str):
         ckpt = reader(path)
         ckpt.verify()
     except (ConfigError, CheckpointError) as e:
-        raise ed.BuildError(f"{flag} {path}: {e}") from e
+        raise od.BuildError(f"{flag} {path}: {e}") from e
     return ckpt
 
 
@@ -77,7 +77,7 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
     per-rank ONNX graphs (graphs/); `trt` also builds the SM120 TensorRT-RTX plans (builder/trt_build.py)."""
     ui = ui or Quiet()
     if jobs < 1:
-        raise ed.BuildError(f"--jobs {jobs}: must be >= 1")
+        raise od.BuildError(f"--jobs {jobs}: must be >= 1")
     out = Path(out)
     stages: dict[str, float] = {}
 
@@ -89,35 +89,35 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         stages[name] = round(time.perf_counter() - t0, 3)
 
     with stage("check"):
-        archs = ed.check_archs(archs)
+        archs = od.check_archs(archs)
         budgets = check_budgets(budgets)
-        ed.check_out(out, force)
+        od.check_out(out, force)
         ckpt = _open(Checkpoint, model_dir, "--model")
         dckpt = _open(DrafterCheckpoint, drafter_dir, "--drafter")
         dckpt.config.check_target(ckpt.config)
         plan = make_plan(ckpt.config, dckpt.config, tp, experts)
-        tok_files = ed.tokenizer_files(Path(model_dir), ckpt.config)
-        nvrtc = ed.require_nvrtc()
+        tok_files = od.tokenizer_files(Path(model_dir), ckpt.config)
+        nvrtc = od.require_nvrtc()
         if graphs or trt:
             trt_build.require_graphs()
         if trt:
             trt_build.require_trt()
         weights_bytes = tp * rank_bytes(plan)
-        need = (weights_bytes + len(archs) * ed.KERNEL_BYTES_ESTIMATE
+        need = (weights_bytes + len(archs) * od.KERNEL_BYTES_ESTIMATE
                 + sum(f.stat().st_size for f in tok_files) + (1 << 20))
-        ed.check_disk(out, need)
-    stage_dir = ed.staging_dir(out)
+        od.check_disk(out, need)
+    stage_dir = od.staging_dir(out)
     try:
         with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
-            kernels = ed.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1))
+            kernels = od.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1))
         with stage("weights", source_bytes(plan)) as advance:
             files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance, jobs=jobs)
         with stage("config"):
-            tok = ed.copy_tokenizer(tok_files, stage_dir)
+            tok = od.copy_tokenizer(tok_files, stage_dir)
             sources = {"model": str(Path(model_dir).absolute()), "drafter": str(Path(drafter_dir).absolute()),
                        "nvrtc": nvrtc}
-            ed.write_engine_config(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), archs, budgets, files,
-                                   kernels, tok, sources)
+            engine_dir.write_engine_config(stage_dir, od.config_fields(ckpt.config, dckpt.config, plan.to_dict(),
+                                                                       archs, budgets, files, kernels, tok, sources))
         if graphs or trt:
             with stage("graphs", tp) as advance:
                 trt_build.export_graphs(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), files, budgets, advance)
@@ -125,8 +125,8 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
             with stage("plans") as advance:
                 plans = trt_build.build_plans(stage_dir, on_plan=lambda name: advance(1))
         with stage("manifest", None):
-            manifest = write_manifest(stage_dir)
-        ed.move_into_place(stage_dir, out)
+            manifest = engine_dir.write_manifest(stage_dir)
+        od.move_into_place(stage_dir, out)
     except BaseException:
         shutil.rmtree(stage_dir, ignore_errors=True)
         raise

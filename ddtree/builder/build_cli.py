@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from ddtree.builder.build import DEFAULT_BUDGETS, build_engine
-from ddtree.builder.engine_dir import BuildError
+from ddtree.builder.output_dir import BuildError
 from ddtree.builder.plan import EXPERT_MODES, PlanError
 from ddtree.jsonout import emit_json
 from ddtree.model.config import ConfigError

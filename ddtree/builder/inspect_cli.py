@@ -14,11 +14,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ddtree.builder.manifest import engine_files, verify_manifest
 from ddtree.builder.trt_build import describe_plans, plan_lines
+from ddtree.engine_dir import (EngineFormatError, engine_files, kernels_rel, rank_name, read_engine_config,
+                               verify_manifest)
 from ddtree.jsonout import emit_json
 from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
-from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
 
 
 def describe(engine: Path) -> dict:
@@ -28,9 +28,10 @@ def describe(engine: Path) -> dict:
     size = {rel: (engine / rel).stat().st_size for rel in files}
     ranks = []
     for r in range(int(meta["tp"])):
-        mine = [rel for rel in files if rel.startswith(f"rank{r}/")]
-        ranks.append({"name": f"rank{r}", "files": len(mine), "bytes": sum(size[f] for f in mine)})
-    kernels = {arch: {rel: size[rel] for rel in files if rel.startswith(f"kernels/{arch}/")} for arch in meta["archs"]}
+        mine = [rel for rel in files if rel.startswith(rank_name(r) + "/")]
+        ranks.append({"name": rank_name(r), "files": len(mine), "bytes": sum(size[f] for f in mine)})
+    kernels = {arch: {rel: size[rel] for rel in files if rel.startswith(kernels_rel(arch) + "/")}
+               for arch in meta["archs"]}
     return {"engine": str(engine), "format": meta["format"], "tp": meta["tp"], "experts": meta["experts"],
             "archs": meta["archs"], "budgets": meta["budgets"], "block_size": meta["block_size"],
             "dtypes": meta.get("dtypes", {}),

@@ -1,5 +1,6 @@
-"""Writing an engine directory (layout: runtime/engine_format.py): config.json, kernels/<arch>/,
-tokenizer/, and the output folder's life cycle (built aside, moved into place when complete).
+"""The build side of an engine directory (layout, config.json and manifest: ddtree/engine_dir.py): the
+checks before a build (archs, NVRTC, output folder, disk), the kernels/<arch>/ cubins, tokenizer/,
+config.json's content, and the output folder's life cycle (built aside, moved into place when complete).
 
 Kernels are compiled ahead of time with NVRTC through plugins/compile.py, which needs the `cuda`
 extra (cuda-core, cuda-bindings, nvidia-cuda-nvrtc; no GPU and no driver). `require_nvrtc` checks
@@ -11,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ddtree.model.config import DrafterConfig, KimiConfig, write_json
-from ddtree.runtime.engine_format import ENGINE_FORMAT, is_engine_dir
+from ddtree import engine_dir as ed
+from ddtree.model.config import DrafterConfig, KimiConfig
 
 # Archs the kernels target (mma.sync bf16 + cp.async: sm_80 and later; 'a' = arch-specific features)
 KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_103", "sm_120",
@@ -56,7 +57,7 @@ def compile_kernels(archs, out_dir: Path, cache=None, on_done=None) -> dict:
     from ddtree.plugins import compile as kc
     entry = {}
     for arch in archs:
-        folder = out_dir / "kernels" / arch
+        folder = ed.kernels_dir(out_dir, arch)
         folder.mkdir(parents=True, exist_ok=True)
         entry[arch] = {}
         for source in kc.SOURCES:
@@ -79,23 +80,22 @@ def tokenizer_files(model_dir: Path, cfg: KimiConfig) -> list[Path]:
 def copy_tokenizer(files: list[Path], out_dir: Path) -> str | None:
     if not files:
         return None
-    (out_dir / "tokenizer").mkdir(exist_ok=True)
+    folder = ed.tokenizer_dir(out_dir)
+    folder.mkdir(exist_ok=True)
     for f in files:
-        shutil.copyfile(f, out_dir / "tokenizer" / f.name)
-    return "tokenizer"
+        shutil.copyfile(f, folder / f.name)
+    return ed.TOKENIZER
 
 
-def write_engine_config(out_dir: Path, cfg: KimiConfig, dcfg: DrafterConfig, plan: dict, archs, budgets,
-                        weight_files: list[str], kernels: dict, tokenizer: str | None, sources: dict) -> dict:
+def config_fields(cfg: KimiConfig, dcfg: DrafterConfig, plan: dict, archs, budgets, weight_files: list[str],
+                  kernels: dict, tokenizer: str | None, sources: dict) -> dict:
+    """What config.json holds besides "format" (ddtree/engine_dir.py writes it and checks every field)."""
     from ddtree import __version__
-    config = {"format": ENGINE_FORMAT, "ddtree_version": __version__,
-              "model": cfg.to_dict(), "drafter": dcfg.to_dict(),
-              "tp": plan["tp"], "experts": plan["experts"], "archs": list(archs), "budgets": list(budgets),
-              "block_size": dcfg.block_size, "dtypes": DTYPES, "plan": plan,
-              "ranks": [f"rank{r}" for r in range(plan["tp"])], "weight_files": weight_files,
-              "kernels": kernels, "tokenizer": tokenizer, "source": sources}
-    write_json(out_dir / "config.json", config)
-    return config
+    return {"ddtree_version": __version__, "model": cfg.to_dict(), "drafter": dcfg.to_dict(),
+            "tp": plan["tp"], "experts": plan["experts"], "archs": list(archs), "budgets": list(budgets),
+            "block_size": dcfg.block_size, "dtypes": DTYPES, "plan": plan,
+            "ranks": [ed.rank_name(r) for r in range(plan["tp"])], "weight_files": weight_files,
+            "kernels": kernels, "tokenizer": tokenizer, "source": sources}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def check_out(out: Path, force: bool) -> None:
         return
     if not force:
         raise BuildError(f"--out {out}: already exists (use --force to replace it)")
-    if out.is_dir() and (is_engine_dir(out) or not any(out.iterdir())):
+    if out.is_dir() and (ed.is_engine_dir(out) or not any(out.iterdir())):
         return
     raise BuildError(f"--out {out}: exists and is not a ddtree engine directory; not replacing it, even with --force")
 

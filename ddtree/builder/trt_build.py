@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddtree.builder.engine_dir import BuildError
+from ddtree import engine_dir as ed
+from ddtree.builder.output_dir import BuildError
 
 if TYPE_CHECKING:                       # onnx is the `graphs` extra: imported only when plans are built
     import onnx
 
 PLANS_FORMAT = "ddtree-plans/1"
-PLANS_FILE = "plans.json"
 
 
 class PlanBuildError(BuildError):
@@ -143,12 +143,12 @@ def build_plans(engine_dir, on_plan=None) -> dict:
     from ddtree.ops.tensorrt.creators import register_creators, trt
     register_creators()
     root = Path(engine_dir)
-    index = json.loads((root / "graphs" / "index.json").read_text())
+    index = json.loads(ed.graphs_index_path(root).read_text())
     plans = {}
     for r, files in enumerate(index["ranks"]):
         for kind, rel in files.items():
             blob, record = build_plan(trt, root / rel, index["dims"])
-            name = f"rank{r}/{kind}.plan"
+            name = ed.plan_rel(r, kind)
             (root / name).write_bytes(blob)
             plans[name] = {"graph": rel, "rank": r, "kind": kind, "bytes": len(blob), **record}
             if on_plan:
@@ -156,13 +156,13 @@ def build_plans(engine_dir, on_plan=None) -> dict:
     out = {"format": PLANS_FORMAT, "compute_capability": "12.0", "tensorrt_rtx": trt.__version__,
            "runs_on": "TensorRT-RTX GPUs with compute capability 12.0 (RTX PRO 6000 Blackwell); SM90 refuses them",
            "plans": plans}
-    (root / PLANS_FILE).write_text(json.dumps(out, indent=1) + "\n")
+    ed.plans_path(root).write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 
 def describe_plans(engine_dir) -> dict | None:
     """plans.json of an engine (None without one), for `ddtree inspect`."""
-    path = Path(engine_dir) / PLANS_FILE
+    path = ed.plans_path(engine_dir)
     if not path.is_file():
         return None
     try:

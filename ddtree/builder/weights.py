@@ -26,13 +26,13 @@ Experts are sliced and repacked by builder/experts.py (each read once for all ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 
 from ddtree.builder.experts import ExpertRepacker, expert_specs
 from ddtree.builder.plan import ROWS, TPPlan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader, header_bytes
+from ddtree.engine_dir import rank_dir
 from ddtree.model.tensors import TensorSpec, drafter_tensor_specs, expert_name, target_tensor_specs
 
 BLOCK_BYTES = 32 << 20              # row blocks read from the checkpoint at a time
@@ -149,7 +149,7 @@ def _stream_dense(e: Dense, reader: TensorReader, writers: list[RankFileWriter],
 
 def write_rank_weights(plan: TPPlan, ckpt, dckpt, out_dir, progress: Progress | None = None,
                        on_file: Callable[[str], None] | None = None, jobs: int = 1) -> list[str]:
-    """Write rank0..rank{tp-1}/*.safetensors under out_dir; returns the file names (per rank).
+    """Write every rank's rank<r>/*.safetensors under out_dir; returns the file names (per rank).
     `jobs` > 1 repacks the routed experts in that many worker processes (builder/experts.py)."""
     progress = progress or (lambda n: None)
     readers = {False: TensorReader(ckpt), True: TensorReader(dckpt)}
@@ -158,7 +158,7 @@ def write_rank_weights(plan: TPPlan, ckpt, dckpt, out_dir, progress: Progress | 
     try:
         for fname, entries in file_plan(plan):
             specs = file_specs(entries)
-            writers = [RankFileWriter(Path(out_dir) / f"rank{r}" / fname, specs,
+            writers = [RankFileWriter(rank_dir(out_dir, r) / fname, specs,
                                       {"ddtree_rank": str(r), "ddtree_tp": str(plan.tp)}) for r in range(plan.tp)]
             try:
                 for e in entries:

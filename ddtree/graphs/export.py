@@ -19,6 +19,7 @@ from pathlib import Path
 
 import onnx
 
+from ddtree import engine_dir as ed
 from ddtree.graphs.export_drafter import (export_accept, export_draft_fc, export_draft_head, export_draft_layer,
                                           export_tree)
 from ddtree.graphs.export_target import export_embed, export_head, export_layer
@@ -79,7 +80,7 @@ def export_rank(cfg, dcfg, plan: dict, rank: int, specs: dict[str, TensorSpec], 
     out: dict[str, LayerGraph] = {}
 
     def make(kind: str, fn, *args, layers=(), prefix=None):
-        g = GraphBuilder(f"{kind}.rank{rank}", act)
+        g = GraphBuilder(f"{kind}.{ed.rank_name(rank)}", act)
         fn(g, *args)
         g.metadata.update({"ddtree.kind": kind, "ddtree.rank": str(rank), "ddtree.world_size": str(lay.tp),
                            "ddtree.layers": ",".join(map(str, layers)), "ddtree.weight_prefix": prefix or ""})
@@ -107,7 +108,7 @@ def rank_specs(engine_dir, weight_files, rank: int = 0) -> dict[str, TensorSpec]
     """name -> TensorSpec of one rank's tensors, from its safetensors headers."""
     specs = {}
     for fname in weight_files:
-        f = SafetensorsFile(Path(engine_dir) / f"rank{rank}" / fname)
+        f = SafetensorsFile(ed.rank_dir(engine_dir, rank) / fname)
         specs.update(f.entries)
         f.close()
     return specs
@@ -124,15 +125,14 @@ def io_of(model: onnx.ModelProto) -> tuple[list[dict], list[dict]]:
 
 def write_graphs(out_dir, cfg, dcfg, plan: dict, specs: dict[str, TensorSpec], budgets, on_rank=None) -> dict:
     """Export every rank's graphs (engine activation dtype) under out_dir/graphs; returns the index."""
-    root = Path(out_dir) / "graphs"
     index = {"format": GRAPHS_FORMAT, "act": ENGINE_ACT, "opset": None, "dims": dim_ranges(cfg),
              "kinds": {}, "ranks": []}
     for r in range(plan["tp"]):
         graphs = export_rank(cfg, dcfg, plan, r, specs, budgets)
-        (root / f"rank{r}").mkdir(parents=True, exist_ok=True)
+        ed.graphs_rank_dir(out_dir, r).mkdir(parents=True, exist_ok=True)
         files = {}
         for kind, lg in graphs.items():
-            rel = f"graphs/rank{r}/{kind}.onnx"
+            rel = ed.graph_rel(r, kind)
             onnx.save(lg.model, Path(out_dir) / rel)
             files[kind] = rel
             inputs, outputs = io_of(lg.model)
@@ -142,5 +142,5 @@ def write_graphs(out_dir, cfg, dcfg, plan: dict, specs: dict[str, TensorSpec], b
         index["ranks"].append(files)
         if on_rank:
             on_rank(r)
-    (root / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    ed.graphs_index_path(out_dir).write_text(json.dumps(index, indent=1) + "\n")
     return index

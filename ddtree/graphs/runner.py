@@ -26,30 +26,12 @@ import numpy as np
 import onnx
 from onnx.reference import ReferenceEvaluator
 
+from ddtree import engine_dir as ed
 from ddtree.graphs.export import LayerGraph, export_rank, layer_weight_name, rank_specs
 from ddtree.graphs.numpy_ops import RankGroup, ops_for
 from ddtree.model.config import DrafterConfig, KimiConfig
-from ddtree.model.safetensors_io import SafetensorsFile
-from ddtree.runtime.engine_format import EngineFormatError, read_engine_config
 
 ACT_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
-
-
-def load_stored_weights(engine_dir, rank: int, files) -> dict[str, np.ndarray]:
-    """rank<r>/*.safetensors as the graphs take them: BF16 as ml_dtypes.bfloat16, others as stored."""
-    out = {}
-    for fname in files:
-        path = Path(engine_dir) / f"rank{rank}" / fname
-        if not path.is_file():
-            raise EngineFormatError(f"{path}: weight file listed in config.json is missing")
-        f = SafetensorsFile(path)
-        try:
-            for name, spec in f.entries.items():
-                a = f.read(name)
-                out[name] = a.view(ml_dtypes.bfloat16) if spec.dtype == "BF16" else a
-        finally:
-            f.close()
-    return out
 
 
 def mask_words(visible_new: np.ndarray) -> np.ndarray:
@@ -101,16 +83,16 @@ class GraphRanks:
     @classmethod
     def from_engine(cls, engine_dir, act: str | None = None) -> "GraphRanks":
         """act None: the engine's graphs/ as written; else every graph exported now at `act`."""
-        meta = read_engine_config(engine_dir)
+        meta = ed.read_engine_config(engine_dir)
         cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
         tp, files = int(meta["tp"]), meta["weight_files"]
         if act is None:
             graphs = load_graphs(engine_dir)
-            act = json.loads((Path(engine_dir) / "graphs" / "index.json").read_text())["act"]
+            act = json.loads(ed.graphs_index_path(engine_dir).read_text())["act"]
         else:
             specs = rank_specs(engine_dir, files)
             graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in range(tp)]
-        weights = [load_stored_weights(engine_dir, r, files) for r in range(tp)]
+        weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16) for r in range(tp)]
         return cls(cfg, dcfg, graphs, weights, act)
 
     # running ---------------------------------------------------------------------------------------
@@ -146,7 +128,7 @@ class GraphRanks:
     def _weight(self, rank: int, name: str, kind: str) -> np.ndarray:
         if name not in self.weights[rank]:
             raise KeyError(f"graph {kind} (rank {rank}): input '{name}' is neither fed nor a tensor of "
-                           f"rank{rank}/*.safetensors")
+                           f"{ed.rank_name(rank)}/*.safetensors")
         return self.weights[rank][name]
 
     def _act(self, a) -> np.ndarray:
@@ -228,11 +210,10 @@ class GraphRanks:
 
 def load_graphs(engine_dir) -> list[dict[str, LayerGraph]]:
     """The engine's graphs/rank<r>/*.onnx with their index entries."""
-    root = Path(engine_dir) / "graphs"
-    index_path = root / "index.json"
+    index_path = ed.graphs_index_path(engine_dir)
     if not index_path.is_file():
-        raise EngineFormatError(f"{index_path}: missing (build the engine with graphs: ddtree-build without "
-                                "--no-graphs)")
+        raise ed.EngineFormatError(f"{index_path}: missing (build the engine with graphs: ddtree-build "
+                                   "without --no-graphs)")
     index = json.loads(index_path.read_text())
     out = []
     for files in index["ranks"]:

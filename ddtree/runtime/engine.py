@@ -50,7 +50,7 @@ class DDTreeEngine:
         if device == "cuda":
             raise NotImplementedError("device 'cuda': the GPU runtime is not available yet "
                                       "(the CUDA executor lands with the kernel issues); use device 'cpu'")
-        from ddtree.runtime.engine_format import is_engine_dir
+        from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
                 raise ValueError(f"{model_dir} is an engine directory with its drafter built in; "

@@ -18,38 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.model.bf16 import bf16_to_f32
+from ddtree.engine_dir import config_path, load_rank_tensors, read_engine_config, tokenizer_dir
 from ddtree.model.config import DrafterConfig, KimiConfig
-from ddtree.model.safetensors_io import SafetensorsFile
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import DraftCache
 from ddtree.reference.rope import Rope, rope_frequencies
 from ddtree.graphs import ranks, vocab_parallel
-from ddtree.runtime.engine_format import EngineFormatError, rank_dir, read_engine_config
 from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import WalkResult, accept_walk
-
-PACKED_SUFFIXES = (".words", ".scales")       # routed experts stay in the kernel layout
-
-
-def load_rank_weights(engine_dir, rank: int, files: list[str], dtype=np.float64) -> dict[str, np.ndarray]:
-    """rank<r>/*.safetensors -> name -> array; dense weights as `dtype`, experts as stored."""
-    out = {}
-    for fname in files:
-        path = rank_dir(engine_dir, rank) / fname
-        if not path.is_file():
-            raise EngineFormatError(f"{path}: weight file listed in config.json is missing")
-        f = SafetensorsFile(path)
-        try:
-            for name in f.keys():
-                a = f.read(name)
-                if not name.endswith(PACKED_SUFFIXES):
-                    a = (bf16_to_f32(a) if a.dtype == np.uint16 else a).astype(dtype)
-                out[name] = a
-        finally:
-            f.close()
-    return out
 
 
 class RankCaches:
@@ -95,18 +72,20 @@ class EngineExecutor:
     def __init__(self, engine_dir, dtype=np.float64):
         self.engine_dir = Path(engine_dir)
         self.meta = meta = read_engine_config(self.engine_dir)
-        self.config = cfg = KimiConfig.from_dict(meta["model"], where=f"{self.engine_dir / 'config.json'} model")
+        self.config = cfg = KimiConfig.from_dict(meta["model"], where=f"{config_path(self.engine_dir)} model")
         self.drafter_config = dcfg = DrafterConfig.from_dict(meta["drafter"],
-                                                             where=f"{self.engine_dir / 'config.json'} drafter")
+                                                             where=f"{config_path(self.engine_dir)} drafter")
         self.dtype = np.dtype(dtype)
         self.tp = int(meta["tp"])
         self.layouts = [ranks.RankLayout.from_plan(meta["plan"], r) for r in range(self.tp)]
-        self.weights = [load_rank_weights(self.engine_dir, r, meta["weight_files"], self.dtype) for r in range(self.tp)]
+        # dense weights as self.dtype; routed experts stay in the kernel layout
+        self.weights = [load_rank_tensors(self.engine_dir, r, meta["weight_files"], convert=self.dtype)
+                        for r in range(self.tp)]
         self.expert_cache = [{} for _ in range(self.tp)]      # dequantised experts, filled on first use
         self.offsets = [lay.vocab_start for lay in self.layouts]
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.draft_freqs = rope_frequencies(dcfg.rope, dcfg.head_dim)
-        self.tokenizer_dir = self.engine_dir / "tokenizer"
+        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
     def _each(self, fn, *args) -> list[np.ndarray]:
         """fn(rank's weights, rank's layout, rank index, *args) for every rank."""

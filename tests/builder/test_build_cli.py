@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ddtree.builder import engine_dir as ed
+from ddtree.builder import output_dir as od
 from ddtree.plugins.compile import SOURCES
 from ddtree.cli import main
-from ddtree.runtime.engine_format import ENGINE_FORMAT
+from ddtree.engine_dir import ENGINE_FORMAT, config_path, kernels_dir, manifest_path, rank_dir
 
 STAGES = {"check", "kernels", "weights", "config", "graphs", "manifest"}
 
@@ -39,16 +39,16 @@ def test_build_json_and_layout(built):
     assert set(summary["stages"]) == STAGES and summary["budgets"] == [8, 16]
     for stage in STAGES:
         assert f"{stage} done" in stderr
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads(config_path(out).read_text())
     assert config["format"] == ENGINE_FORMAT and config["tp"] == 2 and config["block_size"] == 4
     assert config["budgets"] == [8, 16] and config["experts"] == "tp" and config["dtypes"]["dense"] == "bf16"
     for arch in ("sm_120", "sm_90"):
-        cubins = sorted(p.name for p in (out / "kernels" / arch).iterdir())
+        cubins = sorted(p.name for p in kernels_dir(out, arch).iterdir())
         assert cubins == sorted(Path(source).stem + ".cubin" for source in SOURCES)      # every kernel source
-        assert (out / "kernels" / arch / "moe.cubin").read_bytes()[:4] == b"\x7fELF"
+        assert (kernels_dir(out, arch) / "moe.cubin").read_bytes()[:4] == b"\x7fELF"
     for r in (0, 1):
-        assert sorted(p.name for p in (out / f"rank{r}").iterdir()) == sorted(config["weight_files"])
-    manifest = json.loads((out / "manifest.json").read_text())
+        assert sorted(p.name for p in rank_dir(out, r).iterdir()) == sorted(config["weight_files"])
+    manifest = json.loads(manifest_path(out).read_text())
     files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == files and summary["files"] == len(files) + 1
     assert not list(out.parent.glob(".*building*"))                  # the staging folder is gone
@@ -64,7 +64,7 @@ def test_inspect_passes_then_names_a_flipped_byte(built, tmp_path):
     assert info["ok"] and info["problems"] == [] and info["tp"] == 2
     assert [x["name"] for x in info["ranks"]] == ["rank0", "rank1"] and set(info["kernels"]) == {"sm_120", "sm_90"}
     assert "checksums: all" in r.stderr
-    victim = engine / "rank1" / "layer-002.safetensors"
+    victim = rank_dir(engine, 1) / "layer-002.safetensors"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
@@ -74,8 +74,8 @@ def test_inspect_passes_then_names_a_flipped_byte(built, tmp_path):
     assert not info["ok"] and len(info["problems"]) == 1
     assert info["problems"][0].startswith("rank1/layer-002.safetensors: sha256 mismatch")
     assert "rank1/layer-002.safetensors" in r.stderr
-    (engine / "kernels" / "sm_90" / "fill.cubin").unlink()
-    (engine / "rank0" / "stray.bin").write_bytes(b"x")
+    (kernels_dir(engine, "sm_90") / "fill.cubin").unlink()
+    (rank_dir(engine, 0) / "stray.bin").write_bytes(b"x")
     problems = json.loads(invoke("inspect", engine, "--json").stdout.strip().splitlines()[-1])["problems"]
     assert any(p.startswith("kernels/sm_90/fill.cubin: listed in manifest.json but missing") for p in problems)
     assert any(p.startswith("rank0/stray.bin: present but not listed") for p in problems)
@@ -95,7 +95,7 @@ def test_output_exists_needs_force(built, tiny_ckpt, tmp_path):
     shutil.copytree(out, again)
     r = invoke(*build_args(tiny_ckpt, again, "--force", "--tp", "4"))
     assert r.exit_code == 0, r.output
-    assert json.loads((again / "config.json").read_text())["tp"] == 4 and (again / "rank3").is_dir()
+    assert json.loads(config_path(again).read_text())["tp"] == 4 and rank_dir(again, 3).is_dir()
     assert invoke("inspect", again).exit_code == 0
 
 
@@ -115,7 +115,7 @@ def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
     assert not out.exists()
 
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(ed.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1000, 1000))
+    monkeypatch.setattr(od.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1000, 1000))
     r = invoke(*build_args(tiny_ckpt, out))
     assert r.exit_code != 0 and "not enough disk space" in r.output and "GB free" in r.output
     assert not out.exists()
@@ -133,8 +133,8 @@ def test_parallel_expert_repack_writes_identical_files(built, tiny_ckpt, tmp_pat
     out, _, _ = built
     r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs2", "--budgets", "8,16", "--jobs", "2", "--experts", "tp"))
     assert r.exit_code == 0, r.output
-    one = json.loads((out / "manifest.json").read_text())["files"]
-    two = json.loads((tmp_path / "jobs2" / "manifest.json").read_text())["files"]
+    one = json.loads(manifest_path(out).read_text())["files"]
+    two = json.loads(manifest_path(tmp_path / "jobs2").read_text())["files"]
     assert two == one                         # every file bit for bit, config.json included
     r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs0", "--jobs", "0"))
     assert r.exit_code != 0 and "--jobs 0: must be >= 1" in r.output

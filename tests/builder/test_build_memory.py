@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ddtree.builder.tensor_io import TensorReader
+from ddtree.engine_dir import rank_dir
 from ddtree.model.checkpoint import Checkpoint
 from ddtree.model.safetensors_io import SafetensorsFile
 from big_checkpoint import write_big_checkpoint
@@ -57,7 +58,7 @@ def test_build_of_a_2gb_checkpoint_stays_under_1gb_rss(scratch):
     print(f"ddtree-build peak RSS {rss / 2**20:.0f} MiB for a {ckpt_bytes / 2**30:.2f} GiB checkpoint")
     # the 1 GiB lm_head really went through: rank 1's last rows are the checkpoint's last rows
     ck = Checkpoint(target)
-    f = SafetensorsFile(out / "rank1" / "head.safetensors")
+    f = SafetensorsFile(rank_dir(out, 1) / "head.safetensors")
     spec = f.entries["lm_head.weight"]
     assert spec.shape == (ck.config.vocab_size // 2, ck.config.hidden_size)
     head = np.memmap(f.path, np.uint16, "r", f.data_start + f.offsets["lm_head.weight"][0], spec.shape)

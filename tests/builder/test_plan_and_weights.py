@@ -9,27 +9,19 @@ import pytest
 from ddtree.builder.plan import PlanError, make_plan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader
 from ddtree.builder.weights import DRAFTER_PREFIX
+from ddtree.engine_dir import STORED, load_rank_tensors, read_engine_config
 from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint
 from ddtree.model.presets import get_preset
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, expert_name
 from ddtree.plugins import layout
-from ddtree.runtime.engine_format import read_engine_config
 from ddtree.graphs.ranks import RankLayout
 
 
 def rank_tensors(engine, tp):
     """rank -> {name: array as stored}."""
-    meta = read_engine_config(engine)
-    out = []
-    for r in range(tp):
-        t = {}
-        for fname in meta["weight_files"]:
-            f = SafetensorsFile(engine / f"rank{r}" / fname)
-            t.update({n: f.read(n) for n in f.keys()})
-            f.close()
-        out.append(t)
-    return out
+    files = read_engine_config(engine)["weight_files"]
+    return [load_rank_tensors(engine, r, files, convert=STORED) for r in range(tp)]
 
 
 @pytest.mark.parametrize("change,tp,message", [

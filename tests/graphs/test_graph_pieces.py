@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from ddtree.builder.build import build_engine
-from ddtree.builder.engine_dir import BuildError
+from ddtree.builder.output_dir import BuildError
 from ddtree.graphs.export import layer_weight_name
 from ddtree.graphs.numpy_ops import RankGroup
 from ddtree.graphs.onnx_graph import GraphBuilder

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddtree.cli import main
+from ddtree.engine_dir import graphs_index_path, manifest_path, plan_rel, plans_path
 from ddtree.graphs.export import io_of
 from ddtree.ops.nodes import NODES
 from ddtree.ops.tensorrt.fields import node_attrs
@@ -25,12 +26,12 @@ def trt_engine(checkpoint, tmp_path_factory):
                                   "--arch", "sm_120", "--out", str(out), "--trt", "--json"])
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    return out, summary, json.loads((out / "plans.json").read_text())
+    return out, summary, json.loads(plans_path(out).read_text())
 
 
 def test_plans_cover_every_ddtree_op(trt_engine):
     out, summary, plans = trt_engine
-    index = json.loads((out / "graphs" / "index.json").read_text())
+    index = json.loads(graphs_index_path(out).read_text())
     assert summary["plans"] == len(plans["plans"]) == 2 * len(index["kinds"])
     assert plans["compute_capability"] == "12.0"
     seen = set()
@@ -47,7 +48,7 @@ def test_plans_cover_every_ddtree_op(trt_engine):
 
 def test_plan_io_matches_its_graph(trt_engine):
     out, _, plans = trt_engine
-    manifest = json.loads((out / "manifest.json").read_text())["files"]
+    manifest = json.loads(manifest_path(out).read_text())["files"]
     assert "plans.json" in manifest
     for name, p in plans["plans"].items():
         assert name in manifest and manifest[name]["size"] == p["bytes"] == (out / name).stat().st_size
@@ -86,7 +87,7 @@ def test_plugin_fields_round_trip_through_runtime_creation(trt_engine, monkeypat
         return plugin
     monkeypatch.setattr(creators.DdtreeCreator, "create_plugin", recording)
     registered = creators.register_creators()
-    dims = json.loads((out / "graphs" / "index.json").read_text())["dims"]
+    dims = json.loads(graphs_index_path(out).read_text())["dims"]
     checked = set()
     for p in plans["plans"].values():
         created.clear()
@@ -111,12 +112,12 @@ def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
     from ddtree.builder.trt_build import PlanBuildError, build_plan
     from ddtree.ops.tensorrt.creators import trt
     out, _, plans = trt_engine
-    dims = json.loads((out / "graphs" / "index.json").read_text())["dims"]
+    dims = json.loads(graphs_index_path(out).read_text())["dims"]
     original = trt.IBuilderConfig.set_preview_feature
     monkeypatch.setattr(trt.IBuilderConfig, "set_preview_feature", lambda self, feature, on: original(self, feature, False))
     for kind, node in (("moe_layer", "attn.mla"), ("draft_layer", "draft.attention")):
         with pytest.raises(PlanBuildError, match=f"Aliased I/O used by plugin {node}"):
-            build_plan(trt, out / plans["plans"][f"rank0/{kind}.plan"]["graph"], dims)
+            build_plan(trt, out / plans["plans"][plan_rel(0, kind)]["graph"], dims)
 
 
 def test_plugin_enqueue_without_a_kernel_names_it():
