@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 OPTIONAL = ["torch", "transformers", "onnx", "onnx_graphsurgeon", "tensorrt_rtx_bindings", "tensorrt_rtx_libs",
-            "cuda", "cuda.core", "cuda.bindings", "jinja2"]
+            "cuda", "cuda.core", "cuda.bindings", "jinja2", "ml_dtypes"]
 
 
 def test_ddtree_run_on_the_embedded_model_without_optional_packages():
