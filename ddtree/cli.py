@@ -1,4 +1,4 @@
-"""Command line: `ddtree` (click group), `ddtree-build` and `ddtree-run` (interfaces.md section 1).
+"""Command line: `ddtree` (click group), `ddtree-build` and `ddtree-run` (docs/interfaces.md section 1).
 
 Every command takes --json: one JSON object on stdout (ddtree/jsonout.py: emit_json), human text on stderr.
 """

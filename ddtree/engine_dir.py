@@ -1,6 +1,6 @@
 """The engine directory: its layout, config.json, manifest.json and the loader of one rank's tensors.
 
-Written by ddtree/builder, read by ddtree/runtime and ddtree/graphs (architecture.md). Every path in
+Written by ddtree/builder, read by ddtree/runtime and ddtree/graphs (docs/architecture.md). Every path in
 an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" itself.
 
     engines/<name>/

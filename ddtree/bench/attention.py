@@ -1,5 +1,5 @@
 """`ddtree bench attention`: tree-masked MLA attention latency, bandwidth and TFLOP/s per
-(context, q, heads) (interfaces.md section 7).
+(context, q, heads) (docs/interfaces.md section 7).
 
 Method: caches filled on the device (ddtree.plugins.randfill), enough distinct caches that together they
 are >= 4x the L2 (one, when a single cache already is); R = max(--launches, caches) launches, each on the

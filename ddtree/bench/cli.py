@@ -1,4 +1,4 @@
-"""`ddtree bench <what>`: kernel and end-to-end benchmarks, JSON output (interfaces.md sections 1, 7)."""
+"""`ddtree bench <what>`: kernel and end-to-end benchmarks, JSON output (docs/interfaces.md sections 1, 7)."""
 import click
 
 

@@ -1,5 +1,5 @@
 """`ddtree bench moe` and `ddtree bench gemm`: kernel latency and bandwidth against the copy ceiling
-(interfaces.md section 7).
+(docs/interfaces.md section 7).
 
 Method: weights filled on the device (ddtree.plugins.randfill), enough distinct copies that together
 they are >= 4x the L2; R launches, each on the next weights copy (GEMM) or with its own uniform random

@@ -1,5 +1,5 @@
 """TensorRT-RTX plans from an engine's graphs: one plan per rank and graph kind, for SM120, built on
-any machine (CPU-only AOT is TensorRT-RTX's default; tensorrt-rtx.md section 2).
+any machine (CPU-only AOT is TensorRT-RTX's default; docs/tensorrt-rtx.md section 2).
 
     rank<r>/<kind>.plan    parsed from graphs/rank<r>/<kind>.onnx with the ddtree plugin creators
                            registered; strongly typed (bf16 activations); weights stay network inputs

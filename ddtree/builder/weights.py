@@ -7,7 +7,7 @@ that rank's slice under the TP plan (builder/plan.py):
   rank<r>/head.safetensors        model.norm.weight [H], lm_head.weight          BF16 [V/tp, H]
   rank<r>/drafter.safetensors     drafter.<DFlash name>, e.g. drafter.fc.weight  BF16 [H, K H/tp]
 Names are stable and are the graphs' input names. A tensor that is a slice (or a copy) of one
-checkpoint tensor keeps that tensor's canonical name (kimi-k2.md section 3; drafter tensors get the
+checkpoint tensor keeps that tensor's canonical name (docs/kimi-k2.md section 3; drafter tensors get the
 prefix `drafter.`), dtype (BF16 as stored, the router bias F32) and the rank's shape, e.g.
   model.layers.L.self_attn.q_b_proj.weight     [N/tp (Dn + Dr), Q]   heads r N/tp ..
   model.layers.L.self_attn.kv_b_proj.weight    [N/tp (Dn + Dv), R]

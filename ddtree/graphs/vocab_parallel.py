@@ -1,4 +1,4 @@
-"""Sampling and draft top-k on vocab-split logits (interfaces.md section 5; plan: builder/plan.py).
+"""Sampling and draft top-k on vocab-split logits (docs/interfaces.md section 5; plan: builder/plan.py).
 
 With a vocab-parallel lm_head, rank r holds logits [n, V_r] for the ids [offset_r, offset_r + V_r),
 offsets ascending. Nothing here concatenates the slices; each function does what the ranks do:

@@ -4,7 +4,7 @@ Target dir: config.json + model.safetensors.index.json (`weight_map`: name -> sh
 or a single model.safetensors. Names are canonicalised (K2.6's `language_model.` prefix stripped,
 vision tower / projector skipped) and checked against the tensor table of `model/tensors.py`
 (dtype and shape from the config) on every read. A linear is INT4 exactly when
-`<module>.weight_packed` exists (kimi-k2.md 4.1: decide by presence, never by the ignore list).
+`<module>.weight_packed` exists (docs/kimi-k2.md 4.1: decide by presence, never by the ignore list).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Kimi K2.x target and DFlash drafter configs, parsed from the checkpoints' own `config.json`.
 
-Two target layouts exist (kimi-k2.md section 2.1):
+Two target layouts exist (docs/kimi-k2.md section 2.1):
   k2-thinking  flat DeepSeek-V3 config, tensors prefixed `model.`
   k2.6         K2.5/K2.6: text model nested in `text_config`, tensors prefixed `language_model.model.`
 RoPE parameters come as `rope_scaling` (original files) or `rope_parameters` (transformers 5).
@@ -77,7 +77,7 @@ class RopeConfig:
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
-    """yarn_m(s, a) = 0.1 a ln s + 1 for s > 1 (kimi-k2.md 5.3)."""
+    """yarn_m(s, a) = 0.1 a ln s + 1 for s > 1 (docs/kimi-k2.md 5.3)."""
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -330,7 +330,7 @@ class DrafterConfig:
     num_target_layers: int | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    attention_factor: float = 1.0          # `ddtree_attention_factor` (ddtree.md 1.7)
+    attention_factor: float = 1.0          # `ddtree_attention_factor` (docs/ddtree.md 1.7)
 
     def __post_init__(self):
         w = "drafter config.json"
@@ -355,7 +355,7 @@ class DrafterConfig:
         return int(self.sliding_window) if sliding else 0
 
     def check_target(self, target: KimiConfig) -> None:
-        """The drafter must tap layers the target has, below its last (interfaces.md 2)."""
+        """The drafter must tap layers the target has, below its last (docs/interfaces.md 2)."""
         n = target.num_hidden_layers
         for L in self.target_layer_ids:
             if not 0 <= L < n - 1:

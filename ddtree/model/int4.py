@@ -1,4 +1,4 @@
-"""compressed-tensors `pack-quantized` INT4 (kimi-k2.md section 4.2; interfaces.md section 2).
+"""compressed-tensors `pack-quantized` INT4 (docs/kimi-k2.md section 4.2; docs/interfaces.md section 2).
 
 A weight W[N, K] (y = x @ W.T) is stored as
   weight_packed [N, ceil(K/8)] int32   8 nibbles per word along K, lowest nibble = lowest column

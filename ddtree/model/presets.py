@@ -2,7 +2,7 @@
 
 Test presets keep every structural feature of Kimi K2.x (dense layer 0 then MoE layers, >= 8
 experts, top-k > 1, shared expert, MLA with a nope/rope split, YaRN, explicit drafter taps) and the
-divisibility rules of interfaces.md section 2: heads divisible by 4, expert and dense intermediate
+divisibility rules of docs/interfaces.md section 2: heads divisible by 4, expert and dense intermediate
 sizes multiples of 512, vocab a multiple of 256, so tp = 4 still splits evenly.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ddtree.model.config import DrafterConfig, KimiConfig, QuantConfig, RopeConfig
 
-# Byte tokenizer of the tiny models (interfaces.md section 2): ids 0..255 are bytes, then these.
+# Byte tokenizer of the tiny models (docs/interfaces.md section 2): ids 0..255 are bytes, then these.
 BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_MASK = 256, 257, 258, 259
 
 _TINY_ROPE = RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=64,
@@ -60,7 +60,7 @@ def _small_mla() -> tuple[KimiConfig, DrafterConfig]:
 
 
 def _kimi_k26(layers: int) -> tuple[KimiConfig, DrafterConfig]:
-    """Kimi K2.6 dimensions (kimi-k2.md section 2.2) with `layers` decoder layers."""
+    """Kimi K2.6 dimensions (docs/kimi-k2.md section 2.2) with `layers` decoder layers."""
     t = KimiConfig(hidden_size=7168, num_hidden_layers=layers, num_attention_heads=64, q_lora_rank=1536,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                    vocab_size=163840, intermediate_size=18432, moe_intermediate_size=2048,

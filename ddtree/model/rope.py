@@ -1,4 +1,4 @@
-"""The rotary frequency table of a RopeConfig (kimi-k2.md section 5.3): per-pair angular frequencies,
+"""The rotary frequency table of a RopeConfig (docs/kimi-k2.md section 5.3): per-pair angular frequencies,
 YaRN-blended when the config says yarn, and the cos/sin magnitude. A definition of the model, shared by
 the float64 oracle (reference/rope.py), the op set's numpy backend (ops/) and the torch training model;
 each applies the rotation itself.

@@ -1,4 +1,4 @@
-"""The Kimi K2 MoE routing rule (`noaux_tc`, sigmoid; kimi-k2.md section 5.4), in float64.
+"""The Kimi K2 MoE routing rule (`noaux_tc`, sigmoid; docs/kimi-k2.md section 5.4), in float64.
 
   1. g = sigmoid(W_g x)                                     [n, E]
   2. selection only: c = g + e_score_correction_bias; with n_group > 1 a group scores the sum of its

@@ -1,5 +1,5 @@
 """The tensor table: every tensor a Kimi K2.x target / DFlash drafter checkpoint holds, with its
-dtype and shape, derived from the config (kimi-k2.md section 3, ddtree.md section 1.6).
+dtype and shape, derived from the config (docs/kimi-k2.md section 3, docs/ddtree.md section 1.6).
 
 Names are canonical: the target's `language_model.` prefix is stripped (K2.6 layout), so body
 tensors start with `model.` and the head is `lm_head.weight`; drafter names carry no prefix.

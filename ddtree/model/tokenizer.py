@@ -10,7 +10,7 @@ Both have one interface:
 
 `load_tokenizer(model_dir, config)` picks one from the checkpoint's config.json.
 
-Kimi (kimi-k2.md section 7): the checkpoint ships `tiktoken.model` (base64 token + rank per line,
+Kimi (docs/kimi-k2.md section 7): the checkpoint ships `tiktoken.model` (base64 token + rank per line,
 163,584 ranks), `tokenizer_config.json` (added_tokens_decoder names the 256 ids after the ranks)
 and `chat_template.jinja`. Pre-tokenisation uses Kimi's split regex; it needs Unicode script
 classes and class intersection, which Python `re` lacks, so it goes straight to tiktoken (Rust
@@ -52,7 +52,7 @@ def reserved_name(token_id: int) -> str:
 
 
 # Used only when a checkpoint has no added_tokens_decoder: offsets from the first special id
-# (163,584 in the real checkpoints). From kimi-k2.md section 7 (K2 tool-call format doc,
+# (163,584 in the real checkpoints). From docs/kimi-k2.md section 7 (K2 tool-call format doc,
 # hf-model-inspector, tinker-cookbook PR #784); its [inferred] rows are left out.
 FALLBACK_SPECIALS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>",
@@ -192,7 +192,7 @@ def special_names(n_ranks: int, added_tokens_decoder: dict | None, where: str = 
             named[int(key)] = content
     else:
         warnings.warn(f"{where}: no added_tokens_decoder; naming the special ids from the built-in "
-                      "Kimi table (kimi-k2.md section 7)", stacklevel=2)
+                      "Kimi table (docs/kimi-k2.md section 7)", stacklevel=2)
         named = {n_ranks + offset: name for offset, name in FALLBACK_SPECIALS.items()}
     return {i: named.get(i, reserved_name(i)) for i in range(n_ranks, n_ranks + NUM_SPECIAL)}
 
@@ -208,7 +208,7 @@ def _chat_template_text(model_dir: Path, tok_config: dict) -> str | None:
 # --- bytes -----------------------------------------------------------------------------------------
 
 class ByteTokenizer:
-    """Tiny test models (interfaces.md section 2): ids 0..255 are bytes, then BOS, EOS, PAD, MASK.
+    """Tiny test models (docs/interfaces.md section 2): ids 0..255 are bytes, then BOS, EOS, PAD, MASK.
     Chat prompts use the Kimi rendering; its markers are plain bytes here."""
 
     special_tokens = {"[BOS]": BYTE_BOS, "[EOS]": BYTE_EOS, "[PAD]": BYTE_PAD, "[MASK]": BYTE_MASK}

@@ -1,4 +1,4 @@
-"""INT4 expert weights in the MoE kernels' layout (numpy only; interfaces.md section 2).
+"""INT4 expert weights in the MoE kernels' layout (numpy only; docs/interfaces.md section 2).
 
 Input is the compressed-tensors format of ddtree/model/int4.py: weight_packed [N, K/8] int32 (8 nibbles
 u = q + 8 per word along K, lowest nibble first), weight_scale [N, K/32] bf16 bits, y = x @ W.T.

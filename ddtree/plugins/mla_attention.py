@@ -4,7 +4,7 @@
     attn.run(q_lat, q_rope, cache_layer, vis, lengths, q, out, lse=None, context_hint=T)
 
 q_lat [q, H, 512] bf16, q_rope [q, H, 64] bf16, cache one layer [>= T + q, 576] bf16 with the q tree
-entries already appended at T .., vis [q, ceil(q/32)] uint32 (interfaces.md section 4), lengths a device
+entries already appended at T .., vis [q, ceil(q/32)] uint32 (docs/interfaces.md section 4), lengths a device
 int32 [1] holding T. out [q, H, 512] bf16; lse [q, H] fp32 (natural log) when given. Numpy twin:
 ddtree.plugins.reference.mla_tree_attention.
 

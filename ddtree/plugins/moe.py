@@ -23,7 +23,7 @@ from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
 SOURCE = "moe.cu"
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
 RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) compiled in moe.cu (DD_MOE_RING)
-# Default ring per arch. H200 sweep (NOTES.md): two 1 KB chunks per slot (one 2.3 KB request per warp) beat
+# Default ring per arch. H200 sweep (ddtree/plugins/kernels/NOTES.md): two 1 KB chunks per slot (one 2.3 KB request per warp) beat
 # deeper one-chunk rings at equal or more bytes in flight; 4 x 2 fits 16 gate_up warps at k-split 2 in
 # 227 KB. sm_120 (99 KB per block): 3 x 2 keeps the smem of the former 6 x 1 ring.
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}

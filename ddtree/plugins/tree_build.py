@@ -6,7 +6,7 @@
 
 Identical to ddtree/tree/build.py (`topk_logprobs` then `build_tree` with k = min(B, V)) in the nodes,
 their order, tie rules and fp32 scores, given the same [D, k] table; the table itself (log-softmax and
-top-k from raw logits) agrees with numpy within fp32 rounding of the normaliser (interfaces.md 4).
+top-k from raw logits) agrees with numpy within fp32 rounding of the normaliser (docs/interfaces.md 4).
 `root` (the bonus token) and `start` (the committed length) are device int32 scalars, so a captured
 graph serves every step. run() only launches: it can be captured in a CUDA graph.
 """
@@ -35,7 +35,7 @@ def vis_words(nodes: int) -> int:
 
 @dataclass
 class DeviceTree:
-    """Tree tensors of interfaces.md section 4 on the device, n = budget + 1 rows."""
+    """Tree tensors of docs/interfaces.md section 4 on the device, n = budget + 1 rows."""
     tokens: DeviceArray       # [n] int32, root first; -1 past `count`
     parents: DeviceArray      # [n] int32, root -1
     depth: DeviceArray        # [n] int32

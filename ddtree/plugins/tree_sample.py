@@ -4,7 +4,7 @@
     out = sampler.run(logits, query_pos, params, n, tree=tree)      # 1 launch (3 for top-p alone), no host sync
     out.target [n], out.accepted [n] (node indices, then -1), out.count [1], out.bonus [1]
 
-The token at every row is the sampling definition of interfaces.md section 5 (ddtree/tree/sampling.py)
+The token at every row is the sampling definition of docs/interfaces.md section 5 (ddtree/tree/sampling.py)
 for the position query_pos + 1: greedy, or Gumbel-max over z = l / T with top-k / top-p, in float64.
 With `tree` (a DeviceTree from DraftTreeBuilder), the last block walks it (ddtree/tree/walk.py).
 Without a tree it is a plain sampler (autoregressive decoding: n = 1).

@@ -1,4 +1,4 @@
-"""The MLA latent KV cache of the reference (interfaces.md section 3, kimi-k2.md section 6).
+"""The MLA latent KV cache of the reference (docs/interfaces.md section 3, docs/kimi-k2.md section 6).
 
 Per layer and token it holds 576 values for Kimi K2.x: the RMS-normalised c_kv (kv_lora_rank)
 then the roped k_pe (qk_rope_head_dim). The forward appends q entries per call; DDTree keeps the

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter in numpy (ddtree.md section 1).
+"""The DFlash block-diffusion drafter in numpy (docs/ddtree.md section 1).
 
 One call drafts a block = [anchor, MASK x (b-1)] at positions start .. start+b-1:
     ctx     = hidden_norm(fc(concat(taps of the newly committed tokens)))     [n, H]
@@ -11,7 +11,7 @@ One call drafts a block = [anchor, MASK x (b-1)] at positions start .. start+b-1
     logits  = target.lm_head(norm(h))[1:]                                      [b-1, V]
 Block position k >= 1 predicts the token at start + k. The cache keeps only committed context
 K/V: block K/V are never stored. RoPE is rotate-half over the whole head dim (Qwen3 style) with
-YaRN frequencies; cos/sin are scaled by `ddtree_attention_factor` (ddtree.md 1.7, default 1.0).
+YaRN frequencies; cos/sin are scaled by `ddtree_attention_factor` (docs/ddtree.md 1.7, default 1.0).
 
 Letters: b block size, n new context tokens, T cached context tokens, Hq/Hk query/kv heads, d head dim.
 """

@@ -1,4 +1,4 @@
-"""Small building blocks of the reference: RMSNorm and the SwiGLU MLP (kimi-k2.md section 5.1).
+"""Small building blocks of the reference: RMSNorm and the SwiGLU MLP (docs/kimi-k2.md section 5.1).
 
 Everything runs in the dtype of its inputs (float64 in the reference), so "compute the norm in
 fp32" of the bf16 engines is exceeded, not imitated.

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (kimi-k2.md section 5.2), in two mathematically equal forms.
+"""Multi-head latent attention (docs/kimi-k2.md section 5.2), in two mathematically equal forms.
 
 absorbed  what every engine runs at decode and verify: W_UK is folded into the query, the value
           projection W_UV is applied after attention, so attention is MQA with one 576-d key
@@ -53,7 +53,7 @@ class MLA:
         self.cfg = cfg
         self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
         self.scale = cfg.softmax_scale          # 192^-1/2 * mscale^2: the full q/k head dim, also when absorbed
-        # q_a/kv_a norms: config rms_norm_eps like vLLM (HF's module default is 1e-6; kimi-k2.md 5.1)
+        # q_a/kv_a norms: config rms_norm_eps like vLLM (HF's module default is 1e-6; docs/kimi-k2.md 5.1)
         self.latent_norm_eps = cfg.rms_norm_eps if latent_norm_eps is None else latent_norm_eps
 
     # -- projections of the new tokens --------------------------------------------------------

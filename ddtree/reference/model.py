@@ -5,7 +5,7 @@
                      < first_k_dense_replace, MoE after)
     logits = lm_head(RMSNorm_final(h))
 
-`Target.forward` follows interfaces.md section 3: new tokens with their absolute positions and a
+`Target.forward` follows docs/interfaces.md section 3: new tokens with their absolute positions and a
 visibility mask over the cache plus themselves; it appends their latent entries to the cache and
 returns the logits and the requested taps (the output of decoder layer L = HF hidden_states[L+1]).
 Computation is float64 by default (bf16 weights convert exactly), so a token's logits depend on

@@ -1,4 +1,4 @@
-"""MoE feed-forward of layers >= first_k_dense_replace (kimi-k2.md section 5.4).
+"""MoE feed-forward of layers >= first_k_dense_replace (docs/kimi-k2.md section 5.4).
 
   y = sum_k w_k Expert_{I_k}(x) + Shared(x), with experts I and weights w from the routing rule
   (ddtree/model/routing.py: sigmoid scores, biased group-limited top-k, normalised, scaled; float64).

@@ -1,4 +1,4 @@
-"""RoPE on interleaved pairs with YaRN frequencies (kimi-k2.md section 5.3).
+"""RoPE on interleaved pairs with YaRN frequencies (docs/kimi-k2.md section 5.3).
 
 Only the 64-d rope part of MLA rotates (the last qk_rope_head_dim dims of each q head and rows
 kv_lora_rank.. of kv_a). Pairs are adjacent elements (2i, 2i+1) rotated by angle p * phi_i

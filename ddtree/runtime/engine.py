@@ -7,7 +7,7 @@
 
 A plain prompt is encode(text) with no [BOS] (the Kimi chat template emits none, and the tiny model
 was trained on windows that start anywhere in a file); an empty prompt becomes [BOS] alone. A chat
-prompt (messages) is rendered with the checkpoint's chat template (kimi-k2.md section 7). Generation stops on any stop token of the
+prompt (messages) is rendered with the checkpoint's chat template (docs/kimi-k2.md section 7). Generation stops on any stop token of the
 tokenizer or the config's eos ids, which are kept in `tokens` but not in `text`.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An executor over a built engine directory, with the ranks simulated in one process on CPU.
 
-Same primitives as NumpyExecutor (interfaces.md section 6). Each rank's weights are its own
+Same primitives as NumpyExecutor (docs/interfaces.md section 6). Each rank's weights are its own
 rank<r>/*.safetensors; every layer runs as the per-rank functions of graphs/ranks.py, one call per
 rank, and the partial results are summed at the all-reduce points. The logits stay vocab-split
 per rank: `sample` and `tree_build` run the vocab-parallel algorithms of graphs/vocab_parallel.py.

@@ -1,4 +1,4 @@
-"""Executors: the primitives the decode loops are written over (interfaces.md section 6).
+"""Executors: the primitives the decode loops are written over (docs/interfaces.md section 6).
 
     target_forward(ids, pos, visible, cache, taps) -> logits [q, V], {L: h [q, H]}
     drafter_forward(block_ids, pos, ctx_taps, cache) -> logits [b-1, V]

@@ -1,6 +1,6 @@
-"""The decode loops, written once over executor primitives (interfaces.md section 6).
+"""The decode loops, written once over executor primitives (docs/interfaces.md section 6).
 
-DDTree step (ddtree.md 2.6), with `start` = the position of the bonus token (= target cache length):
+DDTree step (docs/ddtree.md 2.6), with `start` = the position of the bonus token (= target cache length):
     draft    block [bonus, MASK x (b-1)] at start.., with the taps of the tokens committed last step
     build    per-depth top-k of the draft logits -> best-first tree of `budget` nodes, root = bonus
     verify   one target forward over the n = tree size nodes at positions start + depth, visible =

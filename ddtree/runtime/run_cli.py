@@ -1,4 +1,4 @@
-"""`ddtree-run`: generate text with DDTree speculative decoding (interfaces.md section 1).
+"""`ddtree-run`: generate text with DDTree speculative decoding (docs/interfaces.md section 1).
 
 Text streams to stdout as tokens commit and one summary line goes to stderr; with --json the
 result is one JSON object on stdout (human text on stderr). --mode both runs DDTree then plain

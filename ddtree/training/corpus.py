@@ -6,7 +6,7 @@ the pinned files were chosen byte-identical in CPython 3.10.13, 3.11.7 and 3.12.
 skipped with a warning, so every machine trains on the same bytes or on a named subset. The split
 is by file: `heldout` files never reach training; the bench prompts come from them.
 
-A document is BOS + the file's bytes + EOS (byte tokenizer ids, interfaces.md section 2).
+A document is BOS + the file's bytes + EOS (byte tokenizer ids, docs/interfaces.md section 2).
 numpy only: the bench and tests import this without torch.
 """
 from __future__ import annotations

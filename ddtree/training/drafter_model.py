@@ -7,9 +7,9 @@
                [ctx ; block] with GQA; h += o_proj(.); h += SwiGLU(RMSNorm_post(h))
     logits = target.lm_head(norm(h))[1:]                            block positions 1 .. b-1
 RoPE: rotate-half over the whole head dim with the reference's YaRN frequencies, cos/sin times
-`attention_factor` (ddtree.md 1.7). Softmax scale head_dim^-1/2.
+`attention_factor` (docs/ddtree.md 1.7). Softmax scale head_dim^-1/2.
 
-Training runs many blocks per sequence at once (DFlash objective, ddtree.md 1.5): the context K/V
+Training runs many blocks per sequence at once (DFlash objective, docs/ddtree.md 1.5): the context K/V
 of all S positions are computed once, and block j (anchor position a_j) sees context positions
 < a_j plus its own b block positions, never another block's.
 

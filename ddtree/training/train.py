@@ -49,7 +49,7 @@ ROPE = RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_
 
 def embedded_configs(attention_factor: float = 1.0, block_size: int = 8) -> tuple[KimiConfig, DrafterConfig]:
     """The shipped model: Kimi K2 structure at byte scale (dense layer 0, 3 MoE layers of 8 experts,
-    top-2 + 1 shared, MLA nope/rope split, YaRN); tp = 4 divisibility of interfaces.md 2 kept."""
+    top-2 + 1 shared, MLA nope/rope split, YaRN); tp = 4 divisibility of docs/interfaces.md 2 kept."""
     target = KimiConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64,
                         kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                         vocab_size=512, intermediate_size=512, moe_intermediate_size=512,

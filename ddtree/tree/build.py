@@ -1,4 +1,4 @@
-"""Budgeted best-first DDTree construction (ddtree.md 2.2; tensors and tie rules: interfaces.md 4).
+"""Budgeted best-first DDTree construction (docs/ddtree.md 2.2; tensors and tie rules: docs/interfaces.md 4).
 
 Input: the drafter's per-depth top-k table, log-probabilities `logp[D, k]` (fp32, descending per
 row) with their token ids `ids[D, k]`. A candidate node is a rank tuple (r_1 .. r_d); its path score

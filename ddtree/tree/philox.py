@@ -1,4 +1,4 @@
-"""Philox4x32-10, the counter-based generator behind the sampling noise (interfaces.md section 5).
+"""Philox4x32-10, the counter-based generator behind the sampling noise (docs/interfaces.md section 5).
 
 Salmon, Moraes, Dror, Shaw, "Parallel Random Numbers: As Easy as 1, 2, 3" (SC11); constants and
 round structure as in D. E. Shaw Research's Random123 `philox.h`. A pure function of a 128-bit

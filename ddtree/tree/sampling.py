@@ -1,4 +1,4 @@
-"""The one sampling definition every backend implements (interfaces.md section 5).
+"""The one sampling definition every backend implements (docs/interfaces.md section 5).
 
 For the token that will occupy absolute position p, with target logits l [V], all in float64:
   temperature 0   argmax l, ties -> lowest id

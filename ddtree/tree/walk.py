@@ -1,4 +1,4 @@
-"""Target-only acceptance walk (ddtree.md 2.4) and the KV compaction indices (2.5).
+"""Target-only acceptance walk (docs/ddtree.md 2.4) and the KV compaction indices (2.5).
 
 At every node i the target's token y[i] is drawn with the shared sampling definition at position
 start + depth[i] + 1 (the position the *next* token occupies). From the root, while y[cur] is the

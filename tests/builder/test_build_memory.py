@@ -1,4 +1,4 @@
-"""The builder's memory bound (architecture.md principle 4): building an engine from a > 2 GB
+"""The builder's memory bound (docs/architecture.md principle 4): building an engine from a > 2 GB
 checkpoint whose embed_tokens and lm_head are 1 GiB each keeps the peak RSS of `ddtree-build`,
 measured by the kernel for that one child process (wait4), under 1 GiB. Reading any tensor whole,
 or holding a rank's file in memory, would break the bound."""

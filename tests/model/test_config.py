@@ -9,7 +9,7 @@ from ddtree.model.presets import get_preset
 
 
 def kimi_k26_json(beta_fast=32.0, rope_key="rope_scaling"):
-    """A K2.6-style config.json as the real file spells it (kimi-k2.md 2.1-2.2, 4.1)."""
+    """A K2.6-style config.json as the real file spells it (docs/kimi-k2.md 2.1-2.2, 4.1)."""
     rope = {"beta_fast": beta_fast, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 4096}
     rope = {**rope, "type": "yarn"} if rope_key == "rope_scaling" else {**rope, "rope_type": "yarn",
@@ -40,13 +40,13 @@ def test_nested_k26_layout():
     assert cfg.qk_head_dim == 192 and cfg.quant.group_size == 32
     assert cfg.rope.type == "yarn" and cfg.rope.beta_fast == 32.0 and cfg.rope.factor == 64.0
     assert cfg.moe_layers == list(range(1, 61))
-    # sigma = 192^-1/2 * (0.1 ln 64 + 1)^2 (kimi-k2.md 5.2)
+    # sigma = 192^-1/2 * (0.1 ln 64 + 1)^2 (docs/kimi-k2.md 5.2)
     assert cfg.softmax_scale == pytest.approx(0.1446796, abs=5e-8)
     assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2, rel=1e-15)
 
 
 # The MLA softmax scale sigma = qk_head_dim^-1/2 * m^2, m = 0.1 * mscale_all_dim * ln(factor) + 1 when
-# rope scaling is yarn with mscale_all_dim != 0, else m = 1 (kimi-k2.md 5.2). Worked by hand:
+# rope scaling is yarn with mscale_all_dim != 0, else m = 1 (docs/kimi-k2.md 5.2). Worked by hand:
 #   K2 heads, yarn factor 32:  qk = 128 + 64 = 192, 192^-1/2 = 0.0721687836487;
 #                              m = 0.1 * 1.0 * ln 32 + 1 = 0.1 * 3.4657359028 + 1 = 1.34657359028,
 #                              m^2 = 1.81326043404; sigma = 0.0721687836487 * 1.81326043404 = 0.130860799963

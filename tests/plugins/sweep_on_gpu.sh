@@ -32,7 +32,7 @@ if [[ ,${SWEEP:-final}, == *,final,* ]]; then       # the spread: the same runs 
   [[ -d .base ]] && bench base2 .base moe --m $MS --no-router
   bench new2 . gemm --m 1,16 --names $GEMM_NAMES
 fi
-if [[ ,${SWEEP:-final}, == *,rings,* ]]; then       # ring / block-shape sweep (NOTES.md has the earlier ones)
+if [[ ,${SWEEP:-final}, == *,rings,* ]]; then       # ring / block-shape sweep (ddtree/plugins/kernels/NOTES.md has the earlier ones)
   M1="--tp 1 --m 1,2,4,8,16 --no-router"
   bench r6x1 . moe --m $MS --no-router --gu-ring 6x1 --down-ring 6x1
   bench r3x2 . moe $M1 --gu-ring 3x2 --down-ring 3x2

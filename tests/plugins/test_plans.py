@@ -106,7 +106,7 @@ def test_attention_plans_fit_and_fill_the_gpu(arch):
 
 
 def test_attention_split_choice_on_measured_h200_shapes():
-    """The wave model picks what the H200 sweeps found best (NOTES.md): decode one wave with the tree block,
+    """The wave model picks what the H200 sweeps found best (ddtree/plugins/kernels/NOTES.md): decode one wave with the tree block,
     64 row tiles of 8 warps 2 splits + tree (not one merged split on half the SMs), 256 tiles one merged split."""
     from ddtree.plugins.mla_attention import plan_attention
     h200 = dict(sm_count=132, smem_limit=232448)

@@ -4,9 +4,9 @@ for a few decode steps through each side's own KV cache.
 
 Nothing here goes through ddtree's checkpoint reader, INT4 code or config parser on the HF side:
 the shards are read with `safetensors.torch`, INT4 experts are unpacked with torch ops written from
-the compressed-tensors description (kimi-k2.md 4.2), and HF parses config.json itself.
+the compressed-tensors description (docs/kimi-k2.md 4.2), and HF parses config.json itself.
 
-Matching conventions (both documented in kimi-k2.md 5.1 / ddtree/reference/mla.py): HF's q_a and
+Matching conventions (both documented in docs/kimi-k2.md 5.1 / ddtree/reference/mla.py): HF's q_a and
 kv_a RMSNorms use the module default eps 1e-6, our reference (like vLLM) uses config.rms_norm_eps;
 the HF modules are set to config.rms_norm_eps here. HF runs in float64 but keeps RMSNorm, the
 router, the attention softmax and the RoPE table in float32, so agreement is at the float32 level.

@@ -1,4 +1,4 @@
-"""The reference forward and latent cache (interfaces.md section 3): naive == absorbed MLA,
+"""The reference forward and latent cache (docs/interfaces.md section 3): naive == absorbed MLA,
 prefill-then-decode == one-shot, tree visibility == per-path causal forwards, cache.compact."""
 import numpy as np
 import pytest

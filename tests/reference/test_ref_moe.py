@@ -1,4 +1,4 @@
-"""MoE routing and the MoE block against a brute-force loop over experts (kimi-k2.md 5.4)."""
+"""MoE routing and the MoE block against a brute-force loop over experts (docs/kimi-k2.md 5.4)."""
 import math
 from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""YaRN frequencies, the softmax scale, and interleaved-pair rotation against kimi-k2.md 5.2-5.3."""
+"""YaRN frequencies, the softmax scale, and interleaved-pair rotation against docs/kimi-k2.md 5.2-5.3."""
 import math
 from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""DDTree == autoregressive decoding token for token on the float64 reference (interfaces.md 6),
+"""DDTree == autoregressive decoding token for token on the float64 reference (docs/interfaces.md 6),
 greedy and sampled, with a random drafter and an oracle drafter; the compacted cache equals AR's."""
 import numpy as np
 import pytest

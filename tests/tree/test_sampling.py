@@ -1,4 +1,4 @@
-"""The sampling definition (interfaces.md section 5): Philox4x32-10 known answers, Gumbel noise,
+"""The sampling definition (docs/interfaces.md section 5): Philox4x32-10 known answers, Gumbel noise,
 the distribution of samples against softmax on the kept set, and top-k / top-p edge cases."""
 import math
 

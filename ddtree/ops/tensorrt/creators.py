@@ -8,7 +8,7 @@ under namespace "ddtree" (= the nodes' ONNX domain), plugin name = op type, vers
 
 Building a plan calls create_plugin(BUILD), the shape/type/format methods, configure_plugin and
 get_fields_to_serialize; running one calls create_plugin(RUNTIME) with the stored fields, then
-attach_to_context, on_shape_change and enqueue (tensorrt-rtx.md 3.2-3.3). Register the creators
+attach_to_context, on_shape_change and enqueue (docs/tensorrt-rtx.md 3.2-3.3). Register the creators
 (`register_creators()`) in any process that builds or deserialises ddtree plans.
 """
 from __future__ import annotations

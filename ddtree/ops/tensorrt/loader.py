@@ -2,7 +2,7 @@
 
 The parser dlopens `libtensorrt_rtx.so` when it imports a plugin node, but the
 tensorrt-rtx-cu13-libs wheel ships only `libtensorrt_rtx.so.1`; without the link the process aborts
-("terminate called without an active exception", tensorrt-rtx.md section 1). The link must sit
+("terminate called without an active exception", docs/tensorrt-rtx.md section 1). The link must sit
 beside the library the bindings load (the parser's RPATH is $ORIGIN): a copy elsewhere is a second
 library and breaks the build. `import_trt()` creates it if missing (once per install, said on
 stderr) and refuses a link that points at another file.

@@ -1,4 +1,4 @@
-// The latent KV cache on the device (interfaces.md section 3): per layer [capacity, 576] bf16, c_kv (512)
+// The latent KV cache on the device (docs/interfaces.md section 3): per layer [capacity, 576] bf16, c_kv (512)
 // then k_pe (64) per token, layers `layer_stride` elements apart. Numpy twin: ddtree/reference/cache.py.
 #include "common.cuh"
 

@@ -1,5 +1,5 @@
 // Absorbed MLA attention of q new tokens over the latent cache, with the DDTree ancestor mask among
-// the new tokens (interfaces.md sections 3 and 4). Numpy twin: ddtree/plugins/reference.py
+// the new tokens (docs/interfaces.md sections 3 and 4). Numpy twin: ddtree/plugins/reference.py
 // mla_tree_attention; launcher and split plan: ddtree/plugins/mla_attention.py.
 //
 // Shapes (R = q * H query rows, row r = token r / H, head r % H; MQA: every head reads the same cache):
@@ -11,7 +11,7 @@
 //   out    [R, 512] bf16     softmax(scale * (q_lat . c_kv + q_rope . k_pe)) @ c_kv   (before W_UV)
 //   lse    [R] fp32 or null  natural-log sum of exp of the visible scaled scores
 //
-// Cascade (hardware-and-kernels.md section 7): grid (row tiles, splits). Splits 0 .. P-1 cover the
+// Cascade (docs/hardware-and-kernels.md section 7): grid (row tiles, splits). Splits 0 .. P-1 cover the
 // prefix [0, T) in equal chunks with no mask; the tree keys [T, T + q) get their own split (tree_own)
 // or ride at the end of the last prefix split, and only there is the visibility mask read. Each split
 // writes its normalised partial output and log2-sum-exp; mla_attention_combine merges them exactly

@@ -1,4 +1,4 @@
-// Fused W4A16 MoE for 1 <= M <= 256 tokens (kimi-k2.md section 5.4; hardware-and-kernels.md section 5).
+// Fused W4A16 MoE for 1 <= M <= 256 tokens (docs/kimi-k2.md section 5.4; docs/hardware-and-kernels.md section 5).
 // Numpy twins: ddtree/plugins/reference.py moe_given_routing (moe_gate_up + moe_down, given the routing)
 // and ddtree/model/routing.py route_logits (moe_route). Launcher and split plan: ddtree/plugins/moe.py
 // (FusedMoE, plan_moe).

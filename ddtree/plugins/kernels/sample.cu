@@ -1,5 +1,5 @@
 // DDTree on the GPU, part 2: the target's token at every tree node (the one sampling definition of
-// interfaces.md section 5, float64) and the acceptance walk (ddtree.md 2.4).
+// docs/interfaces.md section 5, float64) and the acceptance walk (docs/ddtree.md 2.4).
 // numpy twins: ddtree/tree/sampling.py sample and ddtree/tree/walk.py accept_walk.
 // Launcher: ddtree/plugins/tree_sample.py. One kernel per mode, grid (S, n): a block per 16384-token
 // slice of a row; the last slice of a row to finish decides the row; the last block of all walks.
@@ -15,7 +15,7 @@
 //
 // The softmax normaliser of top-p sums exp(z - z_max) in float64 for tokens within 20 of the maximum and
 // in float32 below (each < 2e-9 of the largest term): the kept set can differ from a float64 sum only
-// when the cumulative probability lands within ~1e-9 of top_p (a near-tie, interfaces.md 6).
+// when the cumulative probability lands within ~1e-9 of top_p (a near-tie, docs/interfaces.md 6).
 //
 // Letters: n rows (tree nodes), V vocab, S = ceil(V / 16384) slices, C candidates per slice.
 #include "sample_common.cuh"

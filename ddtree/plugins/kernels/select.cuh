@@ -1,6 +1,6 @@
 // Ordering, selection and noise helpers shared by the tree kernels (tree_build.cu, sample*.cu).
 //
-// Every "top-k with ties to the lower id" in DDTree (interfaces.md sections 4, 5) becomes a plain
+// Every "top-k with ties to the lower id" in DDTree (docs/interfaces.md sections 4, 5) becomes a plain
 // "k largest distinct u64 keys" here:  key = order32(value) << 32 | (0xFFFFFFFF - id).
 // order32 maps fp32 to u32 monotonically (larger value -> larger key, -0 == +0), and the low word makes
 // the lower id the larger key on equal values, so keys are distinct and one integer compare decides.
@@ -274,7 +274,7 @@ __device__ void block_top_keys(const u64 (&keys)[ITEMS], int K, TopKeysSmem& sm,
     __syncthreads();
 }
 
-// ---- Philox4x32-10 and the Gumbel noise of interfaces.md section 5 (numpy twin: ddtree/tree/philox.py) ----
+// ---- Philox4x32-10 and the Gumbel noise of docs/interfaces.md section 5 (numpy twin: ddtree/tree/philox.py) ----
 __device__ __forceinline__ u32 philox_word0(u32 c0, u32 c1, u32 k0, u32 k1) {
     u32 c2 = 0, c3 = 0;
 #pragma unroll

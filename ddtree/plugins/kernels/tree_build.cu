@@ -1,5 +1,5 @@
 // DDTree on the GPU, part 1: drafter logits -> per-depth top-k log-probabilities -> the budgeted
-// best-first tree (ddtree.md 2.2; tensors and tie rules: interfaces.md section 4).
+// best-first tree (docs/ddtree.md 2.2; tensors and tie rules: docs/interfaces.md section 4).
 // numpy twins: ddtree/tree/build.py topk_logprobs and build_tree. Launcher: ddtree/plugins/tree_build.py.
 //
 //   draft_lse_parts  grid (S, D)  per 16384-token slice of each depth row: (max, sum exp(x - max)) fp32
