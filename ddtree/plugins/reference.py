@@ -10,7 +10,11 @@ import numpy as np
 from ddtree.model.bf16 import as_float
 from ddtree.model.int4 import dequantize_int4
 from ddtree.plugins import layout
-from ddtree.reference.layers import silu
+from ddtree.model.routing import sigmoid
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
 
 
 def expert_dense(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -22,10 +26,11 @@ def expert_dense(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def moe_given_routing(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packed: dict[str, np.ndarray],
                       shared: np.ndarray | None = None) -> np.ndarray:
     """x [M, H] (float or bf16 bits), ids/weights [M, k], packed = stacked kernel-layout experts
-    -> y [M, H] float64 = sum_k w_k down_e(silu(gate_e x) * up_e x) (+ shared)."""
+    -> y [M, H] float64 = sum_k w_k down_e(silu(gate_e x) * up_e x) (+ shared). An id of -1 is an expert
+    this rank does not hold (expert parallel: another rank adds it)."""
     x = as_float(x, np.float64)
     y = np.zeros_like(x)                                                 # [M, H]
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):
         rows, slot = np.nonzero(ids == e)
         gate, up = layout.split_gate_up(expert_dense(packed["gate_up"][e], packed["gate_up_scale"][e]))
         down = expert_dense(packed["down"][e], packed["down_scale"][e])  # [H, I]
@@ -44,18 +49,20 @@ def gemm(x: np.ndarray, w: np.ndarray, residual: np.ndarray | None = None) -> np
 
 
 def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray, prefix: int,
-                       vis_words: np.ndarray, scale: float, rows_per_chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+                       vis_words: np.ndarray, scale: float, rows_per_chunk: int = 256,
+                       dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """The fp32 twin of kernels/mla_attention.cu: plain masked softmax over every visible key, no splits.
+    (dtype float64: the same contract exactly, the op set's numpy backend.)
 
     q_lat [q, N, 512], q_rope [q, N, 64], cache [>= prefix + q, 576] (bf16 bits or float), vis_words
     [q, ceil(q/32)] uint32 (tree node i at cache row prefix + i) -> out [q, N, 512] fp32 (before W_UV),
     lse [q, N] float64 (natural log of the sum of exp of the visible scaled scores)."""
     from ddtree.tree.build import unpack_visibility
     q, heads = q_lat.shape[:2]
-    keys = as_float(cache[: prefix + q])                                              # [t, 576]
-    query = np.concatenate([as_float(q_lat), as_float(q_rope)], axis=-1).reshape(q * heads, -1)   # [q N, 576]
+    keys = as_float(cache[: prefix + q], dtype)                                       # [t, 576]
+    query = np.concatenate([as_float(q_lat, dtype), as_float(q_rope, dtype)], axis=-1).reshape(q * heads, -1)
     visible = unpack_visibility(vis_words, q)                                    # [q, q] ancestor-or-self
-    out = np.empty((q * heads, q_lat.shape[-1]), dtype=np.float32)
+    out = np.empty((q * heads, q_lat.shape[-1]), dtype=dtype)
     lse = np.empty(q * heads, dtype=np.float64)
     for r0 in range(0, q * heads, rows_per_chunk):
         r1 = min(q * heads, r0 + rows_per_chunk)
@@ -65,6 +72,6 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
         m = scores.max(axis=1, keepdims=True)
         p = np.exp(scores - m)                                                   # [n, t]
         l = p.sum(axis=1)
-        out[r0:r1] = (p.astype(np.float32) @ keys[:, : q_lat.shape[-1]]) / l[:, None].astype(np.float32)
+        out[r0:r1] = (p.astype(dtype) @ keys[:, : q_lat.shape[-1]]) / l[:, None].astype(dtype)
         lse[r0:r1] = m[:, 0] + np.log(l)
     return out.reshape(q, heads, -1), lse.reshape(q, heads)
