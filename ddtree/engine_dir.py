@@ -1,6 +1,6 @@
 """The engine directory: its layout, config.json, manifest.json and the loader of one rank's tensors.
 
-Written by ddtree/builder, read by ddtree/runtime and ddtree/graphs (docs/architecture.md). Every path in
+Written by ddtree/builder, read by ddtree/runtime and ddtree/ops (docs/architecture.md). Every path in
 an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" itself.
 
     engines/<name>/
@@ -10,7 +10,7 @@ an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" 
                                     "ranks", "weight_files", "kernels", "tokenizer", "source", ...}
       rank<r>/*.safetensors        that rank's weights (builder/weights.py documents every name and shape)
       rank<r>/<kind>.plan          TensorRT-RTX plans (ddtree-build --trt), listed in plans.json
-      graphs/index.json            the graphs of every rank (graphs/export.py)
+      graphs/index.json            the graphs of every rank (ops/onnx_export.py)
       graphs/rank<r>/<kind>.onnx   each rank's share of each layer kind
       kernels/<arch>/              cubins, one per kernel source
       tokenizer/                   the checkpoint's tokenizer files (absent for byte-tokenizer models)

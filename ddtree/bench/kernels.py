@@ -88,6 +88,19 @@ def _row(extra: dict, nbytes: float, us: float, ceiling_gbps: float) -> dict:
             "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1)}
 
 
+def moe_weight_shapes(E: int, H: int, I: int) -> dict[str, tuple[tuple, type]]:
+    """The stacked routed experts of one layer in the kernel layout (gate/up fused): name -> (shape, dtype)."""
+    return {"gate_up": ((E, I // 16, H // 64, 2, 32, 4), np.int32),
+            "gate_up_scale": ((E, I // 16, H // 64, 2, 8, 4), np.uint16),
+            "down": ((E, H // 32, I // 64, 2, 32, 4), np.int32),
+            "down_scale": ((E, H // 32, I // 64, 2, 8, 4), np.uint16)}
+
+
+def moe_touched_bytes(distinct: float, expert_bytes: float, M: int, H: int) -> float:
+    """Bytes one MoE launch moves: the distinct experts' weights, x [M, H] in and y [M, H] out (bf16)."""
+    return distinct * expert_bytes + 2 * M * H * 2
+
+
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
                    overrides: dict | None = None, router: bool = True, pdl: bool = True,
                    parts: bool = False) -> list[dict]:
@@ -96,10 +109,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     inter = TP_SHAPES[tp]["inter"]
     shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
     E, H, I = EXPERTS, HIDDEN, inter
-    weights = {"gate_up": gpu.alloc((E, I // 16, H // 64, 2, 32, 4), np.int32),
-               "gate_up_scale": gpu.alloc((E, I // 16, H // 64, 2, 8, 4), np.uint16),
-               "down": gpu.alloc((E, H // 32, I // 64, 2, 32, 4), np.int32),
-               "down_scale": gpu.alloc((E, H // 32, I // 64, 2, 8, 4), np.uint16)}
+    weights = {k: gpu.alloc(shape, dtype) for k, (shape, dtype) in moe_weight_shapes(E, H, I).items()}
     for i, (key, arr) in enumerate(weights.items()):
         randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
     router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
@@ -121,7 +131,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             w = np.full((M, TOPK), 2.827 / TOPK, np.float32)
             routes.append((gpu.upload(ids), gpu.upload(w)))
             distinct.append(len(np.unique(ids)))
-        touched = float(np.mean(distinct)) * expert_bytes + 2 * M * H * 2     # weights + x in + out
+        touched = moe_touched_bytes(float(np.mean(distinct)), expert_bytes, M, H)
         moe.run(x, out, M, topk=routes[0])             # compile, set smem limits, outside capture
         gpu.sync()
 

@@ -40,7 +40,7 @@ Target, outside the layers
   norm                                        replicated
   lm_head                                     split by vocab (rows): rank r computes logits for its
                                               V/tp ids; logits are never all-gathered on the GPU.
-Sampling on vocab-split logits (docs/interfaces.md section 5; ddtree/graphs/vocab_parallel.py)
+Sampling on vocab-split logits (docs/interfaces.md section 5; ddtree/ops/vocab_parallel.py)
   greedy, and Gumbel-max with no top-k/top-p: exact. Each rank reduces its slice to one (value, id)
   winner per row (value = logit, or z + g(seed, p, v) with the global id v); the winners are
   gathered ([tp, q] pairs) and the largest value wins, ties -> the lower id (= the lower rank).
@@ -156,6 +156,11 @@ class TPPlan:
     def drafter_split(self, name: str) -> int | None:
         return _drafter_split(name)
 
+    def all_reduce_counts(self) -> dict[str, int]:
+        """All-reduces per forward: the target's (embedding + attention and MLP of every layer) and the
+        drafter's (the borrowed embedding, fc, then attention and MLP of every drafter layer)."""
+        return {"target": 1 + 2 * self.cfg.num_hidden_layers, "drafter": 2 + 2 * self.dcfg.num_hidden_layers}
+
     def to_dict(self) -> dict:
         """The plan as recorded in the engine's config.json; the runtime reads its ranges from here."""
         d, c = self.dcfg, self.cfg
@@ -175,6 +180,7 @@ class TPPlan:
             "replicated": ["norms", "q_a_proj", "kv_a_proj_with_mqa", "router", "latent KV cache"],
             "all_reduce": ["embedding", "per layer: attention o_proj", "per layer: MLP / MoE down",
                            "drafter: embedding, fc, per layer: o_proj and MLP down"],
+            "all_reduce_count": self.all_reduce_counts(),
             "vocab_parallel": "lm_head logits stay split; sampling gathers per-rank winners/candidates",
         }
 

@@ -51,7 +51,7 @@ def require_trt() -> None:
 
 def export_graphs(engine_dir, cfg, dcfg, plan: dict, weight_files, budgets, advance=None) -> dict:
     """graphs/ of an engine whose rank weights are written (their headers give every input's shape)."""
-    from ddtree.graphs.export import rank_specs, write_graphs
+    from ddtree.ops.onnx_export import rank_specs, write_graphs
     specs = rank_specs(engine_dir, weight_files)
     return write_graphs(engine_dir, cfg, dcfg, plan, specs, budgets, on_rank=lambda r: advance and advance(1))
 

@@ -110,6 +110,11 @@ def file_specs(entries: list) -> dict[str, TensorSpec]:
     return specs
 
 
+def rank_tensor_specs(plan: TPPlan) -> dict[str, TensorSpec]:
+    """Every tensor of one rank (name -> TensorSpec), from the plan alone: what the meter counts."""
+    return {name: spec for _, entries in file_plan(plan) for name, spec in file_specs(entries).items()}
+
+
 def rank_bytes(plan: TPPlan) -> int:
     """Bytes of one rank directory's weight files (headers included)."""
     total = 0

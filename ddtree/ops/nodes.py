@@ -1,7 +1,7 @@
 """The `ddtree` custom-domain ONNX nodes: their typed attributes, inputs, outputs and in-place outputs.
 
-One table serves three consumers: the exporters (graphs/export_*.py) write these nodes, the numpy
-implementations (graphs/numpy_ops.py) run them under onnx.reference, and the TensorRT-RTX plugin
+One table serves three consumers: the onnx backend (ops/onnx_backend.py) writes these nodes, the numpy
+implementations (ops/onnx_nodes.py) run them under onnx.reference, and the TensorRT-RTX plugin
 creators (ops/tensorrt/) turn the attributes into plugin fields. The TensorRT ONNX parser maps a node
 to a plugin by op type = plugin name and domain = plugin namespace, and passes every attribute as a
 PluginField typed by the creator's declared fields: int -> INT32, float -> FLOAT32, str -> CHAR
@@ -59,15 +59,24 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
         kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL (not written); world_size 1 is a "
                "device copy", kernel_files=(), wired=True),
     NodeSpec(
+        "Rope", {**RANKS, "style": "str", **ROPE},
+        inputs=("x [q, n, Dr]", "pos [q] int32"), outputs=("roped [q, n, Dr]",), aliases={},
+        kernel="rotary embedding of interleaved pairs with the YaRN table (style 'interleaved')",
+        kernel_files=(), wired=False),
+    NodeSpec(
+        "KvAppend", dict(RANKS),
+        inputs=("c_kv [q, R] (normed)", "k_pe [q, Dr] (roped)", "cache [S, R + Dr]", "cache_len [1] int32 (T)"),
+        outputs=("cache_out [S, R + Dr]: rows T..T+q-1 written",), aliases={0: 2},
+        kernel="latent-cache append (kv_append)", kernel_files=("kv_cache.cu",), wired=False),
+    NodeSpec(
         "MlaTreeAttention",
-        {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_nope_head_dim": "int", "qk_rope_head_dim": "int",
-         "v_head_dim": "int", "softmax_scale": "float", **ROPE},
-        inputs=("q_nope [q, N_r, Dn]", "q_pe [q, N_r, Dr] (not yet roped)",
-                "kv_new [q, R + Dr]: normed c_kv then k_pe (not yet roped)", "kv_b_proj [N_r (Dn + Dv), R]",
-                "pos [q] int32", "cache [S, R + Dr]", "cache_len [1] int32 (T)", "tree_mask [q, W] int32 bits"),
-        outputs=("o [q, N_r Dv]", "cache_out [S, R + Dr]: entries T..T+q-1 written"), aliases={1: 5},
-        kernel="latent-cache append, then tree-masked absorbed MLA attention (tree form; decode form for "
-               "q * heads <= 64)", kernel_files=("kv_cache.cu", "mla_attention.cu", "mla_decode.cu"), wired=False),
+        {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_rope_head_dim": "int", "softmax_scale": "float"},
+        inputs=("q_lat [q, N_r, R] (q_nope W_UK)", "q_rope [q, N_r, Dr] (roped)",
+                "cache [S, R + Dr] (the q new rows already appended at T..)", "cache_len [1] int32 (T)",
+                "tree_mask [q, W] int32 bits"),
+        outputs=("o_lat [q, N_r, R] (before W_UV)",), aliases={},
+        kernel="tree-masked absorbed MLA attention (tree form; decode form for q * heads <= 64)",
+        kernel_files=("mla_attention.cu", "mla_decode.cu"), wired=False),
     NodeSpec(
         "MarlinMoE",
         {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",

@@ -1,4 +1,5 @@
-"""All graphs of one rank, and the engine directory's graphs/ folder.
+"""The onnx backend's product: all graphs of one rank (the layer functions of ops/layers.py run
+through OnnxOps), and the engine directory's graphs/ folder.
 
     graphs/index.json              {"format", "act", "dims", "kinds": {kind: {"layers", "weight_prefix",
                                     "inputs", "outputs"}}, "ranks": [{kind: "graphs/rank<r>/<kind>.onnx"}]}
@@ -20,13 +21,12 @@ from pathlib import Path
 import onnx
 
 from ddtree import engine_dir as ed
-from ddtree.graphs.export_drafter import (export_accept, export_draft_fc, export_draft_head, export_draft_layer,
-                                          export_tree)
-from ddtree.graphs.export_target import export_embed, export_head, export_layer
-from ddtree.graphs.onnx_graph import GraphBuilder
 from ddtree.model.safetensors_io import SafetensorsFile
 from ddtree.model.tensors import TensorSpec
-from ddtree.graphs.ranks import RankLayout
+from ddtree.ops.layers import rank_kinds
+from ddtree.ops.onnx_backend import OnnxOps
+from ddtree.ops.onnx_graph import GraphBuilder
+from ddtree.ops.opset import RankLayout
 
 GRAPHS_FORMAT = "ddtree-graphs/1"
 MAX_TOKENS = 256                 # tokens per target call and new drafter context per call (the kernels' M)
@@ -41,14 +41,6 @@ class LayerGraph:
     weight_prefix: str | None = None                      # "model.layers.1." / "drafter.layers.0."
 
 
-def layer_weight_name(name: str, prefix: str | None, layer: int) -> str:
-    """The rank tensor that feeds graph input `name` for `layer` (inputs outside the prefix are shared)."""
-    if prefix is None or not name.startswith(prefix):
-        return name
-    family = prefix[: prefix.rstrip(".").rfind(".") + 1]                 # "model.layers."
-    return f"{family}{layer}.{name[len(prefix):]}"
-
-
 def dim_ranges(cfg) -> dict[str, tuple[int, int, int]]:
     """(min, opt, max) per symbolic dim: the plans' optimisation profile."""
     S = cfg.max_position_embeddings
@@ -56,51 +48,18 @@ def dim_ranges(cfg) -> dict[str, tuple[int, int, int]]:
             "n": (0, 16, MAX_TOKENS), "nodes": (1, 33, 256)}
 
 
-def draft_topk(budgets, vocab_per_rank: int) -> int:
-    """Candidates per rank and depth: enough for the largest budget (a tree of B nodes uses ranks < B)."""
-    return min(max(budgets), vocab_per_rank)
-
-
-def _drafter_groups(dcfg) -> dict[str, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for L in range(dcfg.num_hidden_layers):
-        groups.setdefault(dcfg.window(L), []).append(L)
-    if len(groups) == 1:
-        return {"draft_layer": next(iter(groups.values()))}
-    return {("draft_layer_sliding" if w else "draft_layer_full"): layers for w, layers in groups.items()}
-
-
 def export_rank(cfg, dcfg, plan: dict, rank: int, specs: dict[str, TensorSpec], budgets, act: str = ENGINE_ACT
                 ) -> dict[str, LayerGraph]:
     """Every graph of rank `rank`: kind -> LayerGraph. `plan` is the engine config's "plan" entry,
     `specs` the rank's tensors (name -> TensorSpec, as in its safetensors headers)."""
     lay = RankLayout.from_plan(plan, rank)
-    inter = plan["per_rank"]["moe_intermediate"]
-    k = draft_topk(budgets, lay.vocab_stop - lay.vocab_start)
     out: dict[str, LayerGraph] = {}
-
-    def make(kind: str, fn, *args, layers=(), prefix=None):
+    for kind, (fn, args, layers, prefix) in rank_kinds(cfg, dcfg, plan, lay, budgets).items():
         g = GraphBuilder(f"{kind}.{ed.rank_name(rank)}", act)
-        fn(g, *args)
+        fn(OnnxOps(g, lay, specs), *args)
         g.metadata.update({"ddtree.kind": kind, "ddtree.rank": str(rank), "ddtree.world_size": str(lay.tp),
                            "ddtree.layers": ",".join(map(str, layers)), "ddtree.weight_prefix": prefix or ""})
         out[kind] = LayerGraph(kind, g.export(), list(layers), prefix)
-
-    make("embed", export_embed, cfg, specs, lay)
-    dense = [L for L in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(L)]
-    for kind, layers in (("dense_layer", dense), ("moe_layer", cfg.moe_layers)):
-        if layers:
-            make(kind, export_layer, cfg, specs, layers[0], lay, inter, layers=layers,
-                 prefix=f"model.layers.{layers[0]}.")
-    make("head", export_head, cfg, specs, lay)
-    make("draft_fc", export_draft_fc, dcfg, specs, lay)
-    for kind, layers in _drafter_groups(dcfg).items():
-        make(kind, export_draft_layer, dcfg, specs, layers[0], lay, layers=layers,
-             prefix=f"drafter.layers.{layers[0]}.")
-    make("draft_head", export_draft_head, dcfg, specs, lay, k)
-    for B in sorted(set(budgets)):
-        make(f"tree_b{B}", export_tree, dcfg, lay, k, B)
-    make("accept", export_accept, lay)
     return out
 
 

@@ -85,7 +85,7 @@ class GraphBuilder:
         if len(inputs) != len(spec.inputs) or len(outputs) != len(spec.outputs):
             raise ValueError(f"graph {self.name} node {name}: ddtree::{op} takes {len(spec.inputs)} inputs and "
                              f"{len(spec.outputs)} outputs, got {len(inputs)} and {len(outputs)}")
-        outs = [gs.Variable(n, dtype=dt, shape=list(s)) for n, dt, s in outputs]
+        outs = [gs.Variable(n, dtype=dt, shape=None if s is None else list(s)) for n, dt, s in outputs]
         self.graph.nodes.append(gs.Node(op, domain=DOMAIN, name=name, attrs=dict(attrs),
                                         inputs=list(inputs), outputs=outs))
         return outs

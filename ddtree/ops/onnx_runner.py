@@ -1,5 +1,5 @@
 """Run an engine's per-rank graphs on CPU with onnx.reference: one thread per rank, AllReduce nodes
-meeting in a RankGroup (graphs/numpy_ops.py), weights fed from the engine's rank<r>/*.safetensors.
+meeting in a RankGroup (ops/collectives.py), weights fed from the engine's rank<r>/*.safetensors.
 
     ranks = GraphRanks.from_engine(engine_dir, act="float64")   # graphs exported in memory at float64
     ranks = GraphRanks.from_engine(engine_dir)                  # the engine's own graphs/ (bfloat16)
@@ -16,7 +16,6 @@ winners) are stacks of the ranks' outputs.
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,30 +26,21 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 
 from ddtree import engine_dir as ed
-from ddtree.graphs.export import LayerGraph, export_rank, layer_weight_name, rank_specs
-from ddtree.graphs.numpy_ops import RankGroup, ops_for
 from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.ops.caches import DraftCaches, TargetCaches
+from ddtree.ops.collectives import collective_for
+from ddtree.ops.layers import layer_weight_name
+from ddtree.ops.numpy_backend import run_on_ranks
+from ddtree.ops.onnx_export import LayerGraph, export_rank, rank_specs
+from ddtree.ops.onnx_nodes import ops_for
+from ddtree.tree.build import pack_visibility
 
 ACT_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 
 
 def mask_words(visible_new: np.ndarray) -> np.ndarray:
     """[q, q] bool visibility among the new tokens -> tree_mask [q, ceil(q/32)] int32 bits."""
-    from ddtree.tree.build import pack_visibility
     return pack_visibility(np.asarray(visible_new, dtype=bool)).view(np.int32)
-
-
-@dataclass
-class TargetCaches:
-    layers: list[list[np.ndarray]]          # [rank][layer] -> [S, R + Dr]
-    length: int = 0
-
-
-@dataclass
-class DraftCaches:
-    k: list[list[np.ndarray]]               # [rank][layer] -> [S, Hk_r, d]
-    v: list[list[np.ndarray]]
-    length: int = 0
 
 
 @dataclass
@@ -71,7 +61,7 @@ class GraphRanks:
                  weights: list[dict[str, np.ndarray]], act: str):
         self.cfg, self.dcfg, self.graphs, self.weights, self.act = cfg, dcfg, graphs, weights, act
         self.tp = len(graphs)
-        self.group = RankGroup(self.tp) if self.tp > 1 else None
+        self.group = collective_for(self.tp)
         ops = ops_for(self.group)
         self.evaluators = [{kind: ReferenceEvaluator(lg.model, new_ops=ops) for kind, lg in g.items()} for g in graphs]
         self.pool = ThreadPoolExecutor(self.tp) if self.tp > 1 else None
@@ -102,28 +92,14 @@ class GraphRanks:
         per_rank = feeds if isinstance(feeds, list) else [feeds] * self.tp
 
         def one(r: int) -> dict[str, np.ndarray]:
-            try:
-                lg, ev = self.graphs[r][kind], self.evaluators[r][kind]
-                inputs = dict(per_rank[r])
-                for name in ev.input_names:
-                    if name not in inputs:
-                        inputs[name] = self._weight(r, layer_weight_name(name, lg.weight_prefix, layer), kind)
-                return dict(zip(ev.output_names, ev.run(None, inputs)))
-            except BaseException:
-                if self.group is not None:
-                    self.group.abort()
-                raise
+            lg, ev = self.graphs[r][kind], self.evaluators[r][kind]
+            inputs = dict(per_rank[r])
+            for name in ev.input_names:
+                if name not in inputs:
+                    inputs[name] = self._weight(r, layer_weight_name(name, lg.weight_prefix, layer), kind)
+            return dict(zip(ev.output_names, ev.run(None, inputs)))
 
-        if self.pool is None:
-            return [one(0)]
-        futures = [self.pool.submit(one, r) for r in range(self.tp)]
-        errors = [f.exception() for f in futures]
-        if any(errors):
-            self.group.barrier.reset()
-            # the rank that failed first, not the ones its abort released
-            raise next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)),
-                       next(e for e in errors if e))
-        return [f.result() for f in futures]
+        return run_on_ranks(self.pool, [self.group] * self.tp, [lambda r=r: one(r) for r in range(self.tp)])
 
     def _weight(self, rank: int, name: str, kind: str) -> np.ndarray:
         if name not in self.weights[rank]:
@@ -144,15 +120,14 @@ class GraphRanks:
 
     # caches ----------------------------------------------------------------------------------------
     def new_target_caches(self, capacity: int) -> TargetCaches:
-        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
-        return TargetCaches([[self._act(np.zeros((capacity, width))) for _ in range(self.cfg.num_hidden_layers)]
-                             for _ in range(self.tp)])
+        c = self.cfg
+        return TargetCaches(self.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity,
+                            ACT_NUMPY[self.act])
 
     def new_drafter_caches(self, capacity: int) -> DraftCaches:
         d = self.dcfg
-        shape = (capacity, d.num_key_value_heads // self.tp, d.head_dim)
-        zeros = lambda: [[self._act(np.zeros(shape)) for _ in range(d.num_hidden_layers)] for _ in range(self.tp)]  # noqa: E731
-        return DraftCaches(zeros(), zeros())
+        return DraftCaches(self.tp, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
+                           ACT_NUMPY[self.act])
 
     # the model, graph by graph -----------------------------------------------------------------------
     def target_forward(self, ids, pos, tree_mask, caches: TargetCaches, taps=(), temperature: float = 0.0,

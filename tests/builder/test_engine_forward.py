@@ -78,9 +78,9 @@ def test_prefill_tree_verify_and_compact_match_reference(reference, executors, k
     keep = [0, 1, 3]
     ref_cache.compact(P, keep)
     ex.compact(eng_cache, P, keep)
-    for rank_cache in eng_cache.ranks:                    # the replicated latent cache is equal on every rank
+    for r in range(ex.tp):                                # the replicated latent cache is equal on every rank
         for L in range(target.config.num_hidden_layers):
-            close(rank_cache.entries(L), ref_cache.entries(L))
+            close(eng_cache.entries(L, rank=r), ref_cache.entries(L))
     T = ref_cache.length
     want, _ = target.forward([77], [T], np.ones((1, T + 1), bool), ref_cache)
     got, _ = ex.target_forward([77], [T], np.ones((1, T + 1), bool), eng_cache)

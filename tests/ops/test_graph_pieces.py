@@ -10,10 +10,10 @@ import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.builder.output_dir import BuildError
-from ddtree.graphs.export import layer_weight_name
-from ddtree.graphs.numpy_ops import RankGroup
-from ddtree.graphs.onnx_graph import GraphBuilder
-from ddtree.graphs.runner import GraphRanks
+from ddtree.ops.layers import layer_weight_name
+from ddtree.ops.collectives import RankGroup
+from ddtree.ops.onnx_graph import GraphBuilder
+from ddtree.ops.onnx_runner import GraphRanks
 from ddtree.ops.nodes import NODES, node_spec
 from ddtree.ops.tensorrt.fields import attrs_from_fields, field_arrays, node_attrs
 from ddtree.ops.tensorrt.kernels import LAUNCHERS, MissingKernelError, run_node
@@ -86,7 +86,9 @@ def test_fields_round_trip_every_exported_node(engine):
 # op -> (its kernel files under ddtree/plugins/kernels/, whether its enqueue launches them).
 KERNELS = {"AllReduce": ((), True),                       # world_size 1 only: a device copy
            "MarlinMoE": (("moe.cu",), True),
-           "MlaTreeAttention": (("kv_cache.cu", "mla_attention.cu", "mla_decode.cu"), False),
+           "Rope": ((), False),
+           "KvAppend": (("kv_cache.cu",), False),
+           "MlaTreeAttention": (("mla_attention.cu", "mla_decode.cu"), False),
            "DraftAttention": ((), False),
            "VocabWinner": (("sample.cu",), False),
            "VocabTopK": (("tree_build.cu",), False),

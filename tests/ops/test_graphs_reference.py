@@ -8,9 +8,9 @@ the MLA softmax scale), and the plain reference to ~1e-7."""
 import numpy as np
 import pytest
 
-from ddtree.graphs.runner import GraphRanks, mask_words
+from ddtree.ops.onnx_runner import GraphRanks, mask_words
 from ddtree.reference.model import causal_visible
-from ddtree.graphs import vocab_parallel
+from ddtree.ops import vocab_parallel
 from ddtree.tree.build import build_tree
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import accept_walk, sample_positions
@@ -137,8 +137,7 @@ def test_ddtree_step_through_graphs(ranks, oracles, key):
         np.testing.assert_array_equal(tree["visibility"].view(np.uint32), want.visibility_bits())
     # verify the last (largest) tree and walk it, greedy and sampled
     for params in (SamplingParams(), SamplingParams(temperature=0.75, seed=2**33 + 5)):
-        vcache = [[c.copy() for c in layers] for layers in caches.layers]
-        verify_caches = type(caches)(vcache, caches.length)
+        verify_caches = caches.copy()
         pos = P + want.depth.astype(np.int64)
         out = g.target_forward(want.tokens, pos, tree["visibility"], verify_caches, temperature=params.temperature,
                                seed=params.seed)

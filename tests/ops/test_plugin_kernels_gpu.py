@@ -8,7 +8,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from ddtree.ops.nodes import DOMAIN, NODES
-from ddtree.graphs.numpy_ops import ops_for
+from ddtree.ops.onnx_nodes import ops_for
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from ddtree.cli import main
 from ddtree.engine_dir import graphs_index_path, manifest_path, plan_rel, plans_path
-from ddtree.graphs.export import io_of
+from ddtree.ops.onnx_export import io_of
 from ddtree.ops.nodes import NODES
 from ddtree.ops.tensorrt.fields import node_attrs
 
@@ -115,7 +115,7 @@ def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
     dims = json.loads(graphs_index_path(out).read_text())["dims"]
     original = trt.IBuilderConfig.set_preview_feature
     monkeypatch.setattr(trt.IBuilderConfig, "set_preview_feature", lambda self, feature, on: original(self, feature, False))
-    for kind, node in (("moe_layer", "attn.mla"), ("draft_layer", "draft.attention")):
+    for kind, node in (("moe_layer", "attn.kv_append"), ("draft_layer", "draft.attention")):
         with pytest.raises(PlanBuildError, match=f"Aliased I/O used by plugin {node}"):
             build_plan(trt, out / plans["plans"][plan_rel(0, kind)]["graph"], dims)
 

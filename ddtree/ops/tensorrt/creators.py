@@ -30,7 +30,8 @@ I32, F32 = trt.DataType.INT32, trt.DataType.FLOAT
 
 def output_types(op: str, t: list) -> list:
     """Output dtypes from input dtypes (input indices as in NodeSpec.inputs)."""
-    return {"AllReduce": lambda: [t[0]], "MlaTreeAttention": lambda: [t[0], t[5]], "MarlinMoE": lambda: [t[0]],
+    return {"AllReduce": lambda: [t[0]], "Rope": lambda: [t[0]], "KvAppend": lambda: [t[2]],
+            "MlaTreeAttention": lambda: [t[0]], "MarlinMoE": lambda: [t[0]],
             "DraftAttention": lambda: [t[0], t[6], t[7]], "VocabWinner": lambda: [t[0], I32],
             "VocabTopK": lambda: [F32, I32, F32, F32], "TreeBuild": lambda: [I32] * 4,
             "AcceptWalk": lambda: [I32] * 4}[op]()
@@ -46,10 +47,10 @@ def _dims(*exprs):
 def output_shapes(op: str, a: dict, inputs: list, eb) -> list:
     """Symbolic output shapes (DimsExprs) from the input shapes and the attributes."""
     c = eb.constant
-    if op == "AllReduce" or op == "MarlinMoE":
+    if op in ("AllReduce", "MarlinMoE", "Rope", "MlaTreeAttention"):
         return [trt.DimsExprs(inputs[0])]
-    if op == "MlaTreeAttention":
-        return [_dims(inputs[0][0], c(a["heads"] * a["v_head_dim"])), trt.DimsExprs(inputs[5])]
+    if op == "KvAppend":
+        return [trt.DimsExprs(inputs[2])]
     if op == "DraftAttention":
         return [_dims(inputs[0][0], c(a["heads"] * a["head_dim"])), trt.DimsExprs(inputs[6]),
                 trt.DimsExprs(inputs[7])]

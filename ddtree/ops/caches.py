@@ -1,0 +1,72 @@
+"""The caches the layer functions update, held for every rank of a CPU executor.
+
+    TargetCaches  the MLA latent cache, [rank][layer] -> [S, R + Dr] (normed c_kv, then roped k_pe);
+                  replicated: every rank writes the same rows
+    DraftCaches   the drafter's context K/V, [rank][layer] -> [S, Hk_r, d]: each rank its own kv heads
+`length` is the number of valid rows (the layer functions' `cache_len`); `reserve` grows the
+arrays (CPU only: on a GPU the capacity is fixed at load and captured graphs hold its addresses).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _grown(a: np.ndarray, rows: int, keep: int) -> np.ndarray:
+    out = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
+    out[:keep] = a[:keep]
+    return out
+
+
+class TargetCaches:
+    def __init__(self, tp: int, layers: int, width: int, capacity: int, dtype=np.float64):
+        self.layers = [[np.zeros((capacity, width), dtype=dtype) for _ in range(layers)] for _ in range(tp)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0][0].shape[0]
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            new = max(rows, 2 * self.capacity)
+            self.layers = [[_grown(a, new, self.length) for a in rank] for rank in self.layers]
+
+    def copy(self) -> "TargetCaches":
+        other = TargetCaches.__new__(TargetCaches)
+        other.layers = [[a.copy() for a in rank] for rank in self.layers]
+        other.length = self.length
+        return other
+
+    def entries(self, layer: int, end: int | None = None, rank: int = 0) -> np.ndarray:
+        """[end, R + Dr] rows of one layer on one rank (default: all `length`)."""
+        return self.layers[rank][layer][: self.length if end is None else end]
+
+    def compact(self, start: int, keep) -> None:
+        """Keep rows start + keep[i] (keep strictly increasing), move them to start + i, truncate there."""
+        keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+        if np.any(np.diff(keep) <= 0) or (keep.size and (keep[0] < 0 or start + keep[-1] >= self.length)) \
+                or not 0 <= start <= self.length:
+            raise ValueError(f"compact: start {start} + keep {keep.tolist()} must be strictly increasing rows "
+                             f"below the cache length {self.length}")
+        for rank in self.layers:
+            for a in rank:
+                a[start: start + keep.size] = a[start + keep]     # fancy indexing copies first: overlap is safe
+        self.length = start + keep.size
+
+
+class DraftCaches:
+    def __init__(self, tp: int, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float64):
+        shape = (capacity, kv_heads, head_dim)
+        self.k = [[np.zeros(shape, dtype=dtype) for _ in range(layers)] for _ in range(tp)]
+        self.v = [[np.zeros(shape, dtype=dtype) for _ in range(layers)] for _ in range(tp)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0][0].shape[0]
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            new = max(rows, 2 * self.capacity)
+            self.k = [[_grown(a, new, self.length) for a in rank] for rank in self.k]
+            self.v = [[_grown(a, new, self.length) for a in rank] for rank in self.v]

@@ -1,0 +1,56 @@
+"""Implementations of the collective ops (docs/interfaces.md section 9) for the CPU backends.
+
+    Identity      tp 1: the sum of one partial is itself
+    RankGroup     ranks as threads of one process: each rank deposits its partial, waits for all, and
+                  sums them in rank order 0..tp-1 (what the one-shot all-reduce computes on every rank),
+                  so every rank receives identical bits
+Shared-memory (rank processes), one-shot peer-to-peer and NCCL implementations come with the rank
+processes. A rank that fails aborts the group, which releases the others with BrokenBarrierError.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+
+def rank_order_sum(partials: list[np.ndarray]) -> np.ndarray:
+    """The sum of the ranks' partials in rank order (every rank computes exactly this)."""
+    out = np.array(partials[0], copy=True)
+    for p in partials[1:]:
+        out += p
+    return out
+
+
+class Identity:
+    size = 1
+
+    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def abort(self) -> None:
+        pass
+
+
+class RankGroup:
+    def __init__(self, size: int, timeout_s: float = 300.0):
+        self.size = size
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+
+    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+        self.slots[rank] = x
+        self.barrier.wait()
+        out = rank_order_sum(self.slots)
+        self.barrier.wait()                      # nobody reuses its slot before every rank has summed
+        return out
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+    def reset(self) -> None:
+        self.barrier.reset()
+
+
+def collective_for(tp: int):
+    return Identity() if tp == 1 else RankGroup(tp)

@@ -1,0 +1,227 @@
+"""The per-rank model, written once: each layer kind is one function over the op set (ops/opset.py).
+
+Every executor runs these functions through a backend: numpy (CPU ranks), onnx (the engine's graphs
+and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), later cuda. The float64 oracle in
+ddtree/reference/ is the only other copy of the model, written independently on purpose.
+
+    embed        ids [q] -> this rank's rows, zeros elsewhere -> all-reduce -> h [q, H]
+    decoder      h [q, H], pos [q], cache [S, R + Dr], cache_len [1], tree_mask [q, W]
+                 x = RMSNorm_in(h)
+                 c_q = RMSNorm(x q_a^T);  q = c_q q_b^T -> (q_nope | q_pe) [q, N_r, Dn | Dr]
+                 latent = x kv_a^T -> c_kv = RMSNorm(latent[:R]), k_pe = rope(latent[R:])
+                 cache <- (c_kv | k_pe) at cache_len..;  q_lat = q_nope W_UK;  q_pe = rope(q_pe)
+                 o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
+                 h1, x2 = h + attn, RMSNorm_post(h + attn)
+                 h_out = h1 + all-reduce(dense SwiGLU slice(x2) | MoE(x2))
+    head         h -> RMSNorm -> logits [q, V_r] (ACC) -> this rank's sampling winner per row
+    draft_fc     ctx_taps [n, K H] -> this rank's fc input columns -> all-reduce -> hidden_norm -> ctx
+    draft_layer  h [b, H], ctx [n, H]: q/k/v of the block and k/v of the new context (per-head norms),
+                 DFlash attention (context appended to the cache), o_proj, all-reduce, SwiGLU, all-reduce
+    draft_head   h [b, H] -> drafter.norm -> rows 1.. -> target lm_head slice -> logits [D, V_r] ->
+                 this rank's top-k candidates and log-sum-exp parts
+    tree         the gathered candidates [tp, D, k] -> best-first tree of B drafted nodes
+    accept       the tree and the gathered sampling winners [tp, n] -> the acceptance walk
+The drafter's block embedding is the target's `embed` (the drafter has none of its own).
+Tensor names are the rank files' (builder/weights.py) and the graphs' I/O names.
+"""
+from __future__ import annotations
+
+from ddtree.ops.opset import ACC, ACT, F32, I32, DraftAttentionSpec, MlaSpec, MoESpec, Ops
+
+
+# ----------------------------------------------------------------------------------------------
+# target
+
+def embed(ops: Ops, cfg) -> None:
+    ids = ops.input("ids", ["q"], I32)
+    h = ops.all_reduce(ops.embed(ids, ops.weight("model.embed_tokens.weight")), "embed")
+    ops.output("h", h, ["q", cfg.hidden_size], ACT)
+
+
+def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask) -> tuple:
+    """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows)."""
+    R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
+    q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
+    spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
+    c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
+    q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
+    q_nope, q_pe = ops.slice(q_all, 2, 0, Dn), ops.slice(q_all, 2, Dn, Dn + Dr)
+    latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))                 # [q, R + Dr] replicated
+    c_kv = ops.rms_norm(ops.slice(latent, 1, 0, R), ops.weight(a + "kv_a_layernorm.weight"), eps)   # [q, R]
+    k_pe = ops.rope(ops.reshape(ops.slice(latent, 1, R, R + Dr), [0, 1, Dr]), pos, cfg.rope)        # [q, 1, Dr]
+    cache = ops.kv_append(cache, cache_len, c_kv, ops.reshape(k_pe, [0, Dr]))
+    kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
+    q_lat = ops.mla_absorb_q(q_nope, kv_b, spec)                                        # [q, N_r, R]
+    o_lat = ops.mla_tree_attention(q_lat, ops.rope(q_pe, pos, cfg.rope), cache, cache_len, tree_mask, spec)
+    o = ops.mla_absorb_out(o_lat, kv_b, spec)                                           # [q, N_r Dv]
+    return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
+
+
+def moe(ops: Ops, cfg, m: str, x, inter: int):
+    """Normed x [q, H] -> this rank's partial [q, H] of routed + shared experts."""
+    lay = ops.lay
+    spec = MoESpec(cfg.hidden_size, inter, lay.expert_stop - lay.expert_start, cfg.n_routed_experts,
+                   lay.expert_start, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                   float(cfg.routed_scaling_factor), cfg.quant.group_size)
+    experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
+                                                           "down.scales")}
+    shared = tuple(ops.weight(f"{m}shared_experts.{k}_proj.weight") for k in ("gate", "up", "down"))
+    return ops.moe(x, ops.weight(m + "gate.weight"), ops.weight(m + "gate.e_score_correction_bias"), experts,
+                   shared, spec)
+
+
+def dense_mlp(ops: Ops, m: str, x):
+    return ops.swiglu_mlp(x, *(ops.weight(f"{m}{k}_proj.weight") for k in ("gate", "up", "down")))
+
+
+def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
+    """Decoder layer `layer` (dense MLP or MoE by the config)."""
+    p, H, W = f"model.layers.{layer}.", cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    h = ops.input("h", ["q", H], ACT)
+    pos = ops.input("pos", ["q"], I32)
+    cache = ops.input("cache", ["S", W], ACT)
+    cache_len = ops.input("cache_len", [1], I32)
+    tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
+    attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask)
+    h1, x2 = ops.add_rms_norm(h, ops.all_reduce(attn, "attn"), ops.weight(p + "post_attention_layernorm.weight"),
+                              cfg.rms_norm_eps)
+    mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
+    ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
+    ops.output("cache_out", cache, ["S", W], ACT)
+
+
+def head(ops: Ops, cfg) -> None:
+    h = ops.input("h", ["q", cfg.hidden_size], ACT)
+    sample_pos = ops.input("sample_pos", ["q"], I32)
+    temperature = ops.input("temperature", [1], F32)
+    seed = ops.input("seed", [2], I32)                                                  # (low word, high word)
+    x = ops.rms_norm(h, ops.weight("model.norm.weight"), cfg.rms_norm_eps)
+    logits = ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                       # [q, V_r]
+    value, winner = ops.vocab_winner(logits, sample_pos, temperature, seed)
+    ops.output("logits", logits, ["q", ops.lay.vocab_stop - ops.lay.vocab_start], ACC)
+    ops.output("win_value", value, ["q"], ACC)
+    ops.output("win_id", winner, ["q"], I32)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafter (DFlash; rank tensors prefixed "drafter.")
+
+def draft_fc(ops: Ops, dcfg) -> None:
+    H, lay = dcfg.hidden_size, ops.lay
+    ctx_taps = ops.input("ctx_taps", ["n", dcfg.num_taps * H], ACT)
+    partial = ops.linear(ops.slice(ctx_taps, 1, lay.fc_start, lay.fc_stop), ops.weight("drafter.fc.weight"))
+    ctx = ops.rms_norm(ops.all_reduce(partial, "fc"), ops.weight("drafter.hidden_norm.weight"), dcfg.rms_norm_eps)
+    ops.output("ctx", ctx, ["n", H], ACT)
+
+
+def draft_layer(ops: Ops, dcfg, layer: int) -> None:
+    p, a = f"drafter.layers.{layer}.", f"drafter.layers.{layer}.self_attn."
+    H, d, b, eps = dcfg.hidden_size, dcfg.head_dim, dcfg.block_size, dcfg.rms_norm_eps
+    heads = ops.shape(ops.weight(a + "q_proj.weight"))[0] // d
+    kv_heads = ops.shape(ops.weight(a + "k_proj.weight"))[0] // d
+    h = ops.input("h", [b, H], ACT)
+    ctx = ops.input("ctx", ["n", H], ACT)
+    pos = ops.input("pos", [b], I32)
+    cache_k = ops.input("cache_k", ["S", kv_heads, d], ACT)
+    cache_v = ops.input("cache_v", ["S", kv_heads, d], ACT)
+    cache_len = ops.input("cache_len", [1], I32)
+
+    def heads_of(x, proj: str, n: int, norm: str | None):
+        y = ops.reshape(ops.linear(x, ops.weight(f"{a}{proj}.weight")), [0, n, d])      # [m, n, d]
+        return ops.rms_norm(y, ops.weight(f"{a}{norm}.weight"), eps) if norm else y
+
+    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), eps)                   # [b, H]
+    q, k, v = heads_of(x, "q_proj", heads, "q_norm"), heads_of(x, "k_proj", kv_heads, "k_norm"), \
+        heads_of(x, "v_proj", kv_heads, None)
+    ctx_k, ctx_v = heads_of(ctx, "k_proj", kv_heads, "k_norm"), heads_of(ctx, "v_proj", kv_heads, None)
+    spec = DraftAttentionSpec(heads, kv_heads, d, dcfg.window(layer), float(dcfg.attention_factor))
+    o, cache_k, cache_v = ops.draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, dcfg.rope,
+                                              spec)
+    h1, x2 = ops.add_rms_norm(h, ops.all_reduce(ops.linear(o, ops.weight(a + "o_proj.weight")), "attn"),
+                              ops.weight(p + "post_attention_layernorm.weight"), eps)
+    ops.output("h_out", ops.add(h1, ops.all_reduce(dense_mlp(ops, p + "mlp.", x2), "mlp")), [b, H], ACT)
+    ops.output("cache_k_out", cache_k, ["S", kv_heads, d], ACT)
+    ops.output("cache_v_out", cache_v, ["S", kv_heads, d], ACT)
+
+
+def draft_head(ops: Ops, dcfg, k: int) -> None:
+    H, b, lay = dcfg.hidden_size, dcfg.block_size, ops.lay
+    D, V_r = b - 1, lay.vocab_stop - lay.vocab_start
+    h = ops.input("h", [b, H], ACT)
+    x = ops.slice(ops.rms_norm(h, ops.weight("drafter.norm.weight"), dcfg.rms_norm_eps), 0, 1, b)   # [D, H]
+    logits = ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                       # [D, V_r]
+    values, ids, row_max, row_sumexp = ops.vocab_topk(ops.cast(logits, F32), k)
+    ops.output("logits", logits, [D, V_r], ACC)
+    ops.output("topk_values", values, [D, k], F32)
+    ops.output("topk_ids", ids, [D, k], I32)
+    ops.output("row_max", row_max, [D], F32)
+    ops.output("row_sumexp", row_sumexp, [D], F32)
+
+
+def tree(ops: Ops, dcfg, k: int, budget: int) -> None:
+    tp, D, n = ops.lay.tp, dcfg.block_size - 1, budget + 1
+    root = ops.input("root", [1], I32)
+    cands = (ops.input("topk_values", [tp, D, k], F32), ops.input("topk_ids", [tp, D, k], I32),
+             ops.input("row_max", [tp, D], F32), ops.input("row_sumexp", [tp, D], F32))
+    tokens, parents, depth, visibility = ops.tree_build(root, *cands, budget)
+    for name, x, shape in (("tokens", tokens, [n]), ("parents", parents, [n]), ("depth", depth, [n]),
+                           ("visibility", visibility, [n, -(-n // 32)])):
+        ops.output(name, x, shape, I32)
+
+
+def accept(ops: Ops) -> None:
+    tp = ops.lay.tp
+    tokens, parents = ops.input("tokens", ["nodes"], I32), ops.input("parents", ["nodes"], I32)
+    win_value, win_id = ops.input("win_value", [tp, "nodes"], ACC), ops.input("win_id", [tp, "nodes"], I32)
+    target, accepted, count, bonus = ops.accept_walk(tokens, parents, win_value, win_id)
+    ops.output("target_tokens", target, ["nodes"], I32)
+    ops.output("accepted", accepted, ["nodes"], I32)
+    ops.output("accepted_count", count, [1], I32)
+    ops.output("bonus", bonus, [1], I32)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kinds of one rank: kind -> (function, args, layers it serves, weight prefix)
+
+def drafter_groups(dcfg) -> dict[str, list[int]]:
+    """Drafter layers by attention kind: one graph kind, or full / sliding when the drafter mixes both."""
+    groups: dict[int, list[int]] = {}
+    for L in range(dcfg.num_hidden_layers):
+        groups.setdefault(dcfg.window(L), []).append(L)
+    if len(groups) == 1:
+        return {"draft_layer": next(iter(groups.values()))}
+    return {("draft_layer_sliding" if w else "draft_layer_full"): layers for w, layers in groups.items()}
+
+
+def draft_topk(budgets, vocab_per_rank: int) -> int:
+    """Candidates per rank and depth: enough for the largest budget (a tree of B nodes uses ranks < B)."""
+    return min(max(budgets), vocab_per_rank)
+
+
+def rank_kinds(cfg, dcfg, plan: dict, lay, budgets) -> dict[str, tuple]:
+    """kind -> (layer function, its arguments after ops, layers served, weight prefix of the first)."""
+    inter = plan["per_rank"]["moe_intermediate"]
+    k = draft_topk(budgets, lay.vocab_stop - lay.vocab_start)
+    kinds: dict[str, tuple] = {"embed": (embed, (cfg,), [], None)}
+    dense = [L for L in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(L)]
+    for kind, layers in (("dense_layer", dense), ("moe_layer", cfg.moe_layers)):
+        if layers:
+            kinds[kind] = (decoder_layer, (cfg, layers[0], inter), layers, f"model.layers.{layers[0]}.")
+    kinds["head"] = (head, (cfg,), [], None)
+    kinds["draft_fc"] = (draft_fc, (dcfg,), [], None)
+    for kind, layers in drafter_groups(dcfg).items():
+        kinds[kind] = (draft_layer, (dcfg, layers[0]), layers, f"drafter.layers.{layers[0]}.")
+    kinds["draft_head"] = (draft_head, (dcfg, k), [], None)
+    for B in sorted(set(budgets)):
+        kinds[f"tree_b{B}"] = (tree, (dcfg, k, B), [], None)
+    kinds["accept"] = (accept, (), [], None)
+    return kinds
+
+
+def layer_weight_name(name: str, prefix: str | None, layer: int) -> str:
+    """The rank tensor that serves `name` (written for the kind's first layer) at `layer`."""
+    if prefix is None or not name.startswith(prefix):
+        return name
+    family = prefix[: prefix.rstrip(".").rfind(".") + 1]                 # "model.layers."
+    return f"{family}{layer}.{name[len(prefix):]}"
