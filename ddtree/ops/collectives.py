@@ -1,9 +1,9 @@
 """Implementations of the collective ops (docs/interfaces.md section 9) for the CPU backends.
 
-    Identity      tp 1: the sum of one partial is itself
-    RankGroup     ranks as threads of one process: each rank deposits its partial, waits for all, and
-                  sums them in rank order 0..tp-1 (what the one-shot all-reduce computes on every rank),
-                  so every rank receives identical bits
+    Identity      tp 1: the sum of one partial is itself, the gather of one part a leading axis of 1
+    RankGroup     ranks as threads of one process: each rank deposits its part, waits for all, and
+                  sums them in rank order 0..tp-1 (what the one-shot all-reduce computes on every rank)
+                  or stacks them in rank order, so every rank receives identical bits
 Shared-memory (rank processes), one-shot peer-to-peer and NCCL implementations come with the rank
 processes. A rank that fails aborts the group, which releases the others with BrokenBarrierError.
 """
@@ -28,6 +28,9 @@ class Identity:
     def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
         return np.array(x, copy=True)
 
+    def all_gather(self, rank: int, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)[None]
+
     def abort(self) -> None:
         pass
 
@@ -38,12 +41,18 @@ class RankGroup:
         self.slots: list = [None] * size
         self.barrier = threading.Barrier(size, timeout=timeout_s)
 
-    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+    def _exchange(self, rank: int, x: np.ndarray, combine) -> np.ndarray:
         self.slots[rank] = x
         self.barrier.wait()
-        out = rank_order_sum(self.slots)
-        self.barrier.wait()                      # nobody reuses its slot before every rank has summed
+        out = combine(self.slots)
+        self.barrier.wait()                      # nobody reuses its slot before every rank has read them all
         return out
+
+    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+        return self._exchange(rank, x, rank_order_sum)
+
+    def all_gather(self, rank: int, x: np.ndarray) -> np.ndarray:
+        return self._exchange(rank, x, np.stack)
 
     def abort(self) -> None:
         self.barrier.abort()

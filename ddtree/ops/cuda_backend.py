@@ -34,6 +34,7 @@ LAUNCHERS = {
     "moe": "plugins/moe.py FusedMoE.run (router GEMM, routing, gate/up, down + shared)",
     "draft_attention": "missing: DFlash block attention kernel",
     "all_reduce": "identity at tp 1; one-shot peer-to-peer or NCCL (the rank-process issues)",
+    "all_gather": "identity at tp 1; one-shot peer-to-peer or NCCL (the rank-process issues)",
     "vocab_winner": "plugins/tree_sample.py TreeSampler.run (per-rank winners: missing)",
     "vocab_topk": "plugins/tree_build.py DraftTreeBuilder (draft_lse_parts, draft_topk)",
     "tree_build": "plugins/tree_build.py DraftTreeBuilder.build (draft_merge)",

@@ -19,8 +19,8 @@ ddtree/reference/ is the only other copy of the model, written independently on 
                  DFlash attention (context appended to the cache), o_proj, all-reduce, SwiGLU, all-reduce
     draft_head   h [b, H] -> drafter.norm -> rows 1.. -> target lm_head slice -> logits [D, V_r] ->
                  this rank's top-k candidates and log-sum-exp parts
-    tree         the gathered candidates [tp, D, k] -> best-first tree of B drafted nodes
-    accept       the tree and the gathered sampling winners [tp, n] -> the acceptance walk
+    tree         this rank's candidates -> all-gather [tp, D, k] -> best-first tree of B drafted nodes
+    accept       the tree and this rank's sampling winners -> all-gather [tp, n] -> the acceptance walk
 The drafter's block embedding is the target's `embed` (the drafter has none of its own).
 Tensor names are the rank files' (builder/weights.py) and the graphs' I/O names.
 """
@@ -160,10 +160,10 @@ def draft_head(ops: Ops, dcfg, k: int) -> None:
 
 
 def tree(ops: Ops, dcfg, k: int, budget: int) -> None:
-    tp, D, n = ops.lay.tp, dcfg.block_size - 1, budget + 1
+    D, n = dcfg.block_size - 1, budget + 1
     root = ops.input("root", [1], I32)
-    cands = (ops.input("topk_values", [tp, D, k], F32), ops.input("topk_ids", [tp, D, k], I32),
-             ops.input("row_max", [tp, D], F32), ops.input("row_sumexp", [tp, D], F32))
+    mine = {"topk_values": ([D, k], F32), "topk_ids": ([D, k], I32), "row_max": ([D], F32), "row_sumexp": ([D], F32)}
+    cands = [ops.all_gather(ops.input(name, shape, dt), name) for name, (shape, dt) in mine.items()]   # [tp, ...]
     tokens, parents, depth, visibility = ops.tree_build(root, *cands, budget)
     for name, x, shape in (("tokens", tokens, [n]), ("parents", parents, [n]), ("depth", depth, [n]),
                            ("visibility", visibility, [n, -(-n // 32)])):
@@ -171,9 +171,9 @@ def tree(ops: Ops, dcfg, k: int, budget: int) -> None:
 
 
 def accept(ops: Ops) -> None:
-    tp = ops.lay.tp
     tokens, parents = ops.input("tokens", ["nodes"], I32), ops.input("parents", ["nodes"], I32)
-    win_value, win_id = ops.input("win_value", [tp, "nodes"], ACC), ops.input("win_id", [tp, "nodes"], I32)
+    win_value = ops.all_gather(ops.input("win_value", ["nodes"], ACC), "win_value")    # [tp, nodes]
+    win_id = ops.all_gather(ops.input("win_id", ["nodes"], I32), "win_id")
     target, accepted, count, bonus = ops.accept_walk(tokens, parents, win_value, win_id)
     ops.output("target_tokens", target, ["nodes"], I32)
     ops.output("accepted", accepted, ["nodes"], I32)

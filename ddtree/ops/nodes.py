@@ -59,6 +59,11 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
         kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL (not written); world_size 1 is a "
                "device copy", kernel_files=(), wired=True),
     NodeSpec(
+        "AllGather", dict(RANKS),
+        inputs=("x [...]",), outputs=("gathered [tp, ...] (rank order)",), aliases={},
+        kernel="cross-rank all-gather: one-shot peer-to-peer or NCCL (not written); world_size 1 is a device copy",
+        kernel_files=(), wired=True),
+    NodeSpec(
         "Rope", {**RANKS, "style": "str", **ROPE},
         inputs=("x [q, n, Dr]", "pos [q] int32"), outputs=("roped [q, n, Dr]",), aliases={},
         kernel="rotary embedding of interleaved pairs with the YaRN table (style 'interleaved')",

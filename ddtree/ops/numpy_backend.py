@@ -124,6 +124,9 @@ class NumpyOps(Ops):
     def all_reduce(self, x, tag):
         return self.collective.all_reduce(self.lay.rank, x)
 
+    def all_gather(self, x, tag):
+        return self.collective.all_gather(self.lay.rank, np.asarray(x))
+
     # vocab-parallel sampling and the tree ---------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):
         value, winner = m.vocab_winner(logits, sample_pos, float(np.asarray(temperature).reshape(-1)[0]),

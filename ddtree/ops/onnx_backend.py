@@ -159,6 +159,9 @@ class OnnxOps(Ops):
         return self.g.node("AllReduce", [x], self._ranks(), [(f"{tag}_sum", self.g.act, None)],
                            f"{tag}.all_reduce")[0]
 
+    def all_gather(self, x, tag):
+        return self.g.node("AllGather", [x], self._ranks(), [(f"{tag}_all", getattr(x, "dtype", None), None)], f"{tag}.all_gather")[0]
+
     # vocab-parallel sampling and the tree ---------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):
         attrs = {"vocab_start": self.lay.vocab_start, "vocab_size": self.lay.vocab_stop - self.lay.vocab_start}

@@ -38,6 +38,17 @@ class AllReduce(DdtreeOp):
         return (g.all_reduce(a["rank"], x),)
 
 
+class AllGather(AllReduce):
+    def _run(self, x, **a):
+        if a["world_size"] == 1:
+            return (np.array(x, copy=True)[None],)
+        g = self.group
+        if g is None or g.size != a["world_size"]:
+            raise RuntimeError(f"ddtree::AllGather rank {a['rank']} of {a['world_size']}: no rank group of that "
+                               "size is bound (run the ranks' graphs with ops.onnx_runner.GraphRanks)")
+        return (g.all_gather(a["rank"], np.asarray(x)),)
+
+
 class Rope(DdtreeOp):
     def _run(self, x, pos, **a):
         if a["style"] != "interleaved":
@@ -97,7 +108,7 @@ class AcceptWalk(DdtreeOp):
         return m.accept_walk_winners(tokens, parents, win_value, win_id)
 
 
-OPS = (AllReduce, Rope, KvAppend, MlaTreeAttention, MarlinMoE, DraftAttention, VocabWinner, VocabTopK, TreeBuild,
+OPS = (AllReduce, AllGather, Rope, KvAppend, MlaTreeAttention, MarlinMoE, DraftAttention, VocabWinner, VocabTopK, TreeBuild,
        AcceptWalk)
 if {op.__name__ for op in OPS} != set(NODES):
     raise ImportError(f"ops/onnx_nodes.py: implementations {sorted(op.__name__ for op in OPS)} do not match the "
@@ -106,5 +117,4 @@ if {op.__name__ for op in OPS} != set(NODES):
 
 def ops_for(group) -> list[type[OpRun]]:
     """The op classes for one rank's evaluators, with `group` bound for AllReduce."""
-    bound = type("AllReduce", (AllReduce,), {"group": group})
-    return [bound, *(op for op in OPS if op is not AllReduce)]
+    return [type(op.__name__, (op,), {"group": group}) if op in (AllReduce, AllGather) else op for op in OPS]

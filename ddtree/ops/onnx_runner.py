@@ -10,8 +10,9 @@ meeting in a RankGroup (ops/collectives.py), weights fed from the engine's rank<
 
 Every rank computes the replicated parts (norms, latent cache, tree build, walk) itself, exactly as
 the GPU ranks will; the runner returns rank 0's copy after checking the ranks agree where they must.
-The all-gathers between graphs (vocab-split logits for the caller, draft candidates, sampling
-winners) are stacks of the ranks' outputs.
+The draft candidates and sampling winners are gathered inside the tree and accept graphs (AllGather
+nodes); the caller gets the ranks' logits side by side, and their candidates and winners stacked [tp, ...]
+to feed back, one slice per rank.
 """
 from __future__ import annotations
 
@@ -174,12 +175,14 @@ class GraphRanks:
         return DraftOut(np.concatenate([o["logits"] for o in outs], axis=1), cands)
 
     def tree_build(self, root: int, candidates: dict, budget: int) -> dict[str, np.ndarray]:
-        outs = self.run(f"tree_b{budget}", {"root": np.array([root], np.int32), **candidates})
+        outs = self.run(f"tree_b{budget}", [{"root": np.array([root], np.int32), **{k: v[r] for k, v in candidates.items()}}
+                                            for r in range(self.tp)])
         return {k: self._same(outs, k) for k in ("tokens", "parents", "depth", "visibility")}
 
     def accept(self, tokens, parents, winners) -> dict[str, np.ndarray]:
-        outs = self.run("accept", {"tokens": np.asarray(tokens, np.int32), "parents": np.asarray(parents, np.int32),
-                                   "win_value": winners[0], "win_id": winners[1]})
+        common = {"tokens": np.asarray(tokens, np.int32), "parents": np.asarray(parents, np.int32)}
+        outs = self.run("accept", [{**common, "win_value": winners[0][r], "win_id": winners[1][r]}
+                                   for r in range(self.tp)])
         return {k: self._same(outs, k) for k in ("target_tokens", "accepted", "accepted_count", "bonus")}
 
 

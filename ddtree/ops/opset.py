@@ -189,6 +189,10 @@ class Ops(ABC):
     def all_reduce(self, x, tag: str):
         """Sum of every rank's x [m, H]; every rank receives identical bits."""
 
+    @abstractmethod
+    def all_gather(self, x, tag: str):
+        """Every rank's x [...] stacked in rank order -> [tp, ...] (the vocab-parallel winners and candidates)."""
+
     # vocab-parallel sampling and the tree ------------------------------------------------------------
     @abstractmethod
     def vocab_winner(self, logits, sample_pos, temperature, seed) -> tuple:

@@ -85,6 +85,7 @@ def test_fields_round_trip_every_exported_node(engine):
 # What each plugin launches, written out here rather than read from the node table under test:
 # op -> (its kernel files under ddtree/plugins/kernels/, whether its enqueue launches them).
 KERNELS = {"AllReduce": ((), True),                       # world_size 1 only: a device copy
+           "AllGather": ((), True),
            "MarlinMoE": (("moe.cu",), True),
            "Rope": ((), False),
            "KvAppend": (("kv_cache.cu",), False),

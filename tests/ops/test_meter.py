@@ -70,4 +70,7 @@ def test_all_reduces_per_step_equal_the_plan(kimi_tp8):
     assert t["all_reduces"] == counts["target"] + counts["drafter"] == 1 + 2 * 3 + 2 + 2 * dcfg.num_hidden_layers
     target = [r for r in recs if r.collective and r.kind in ("embed", "dense_layer", "moe_layer")]
     assert {r.message_bytes for r in target} == {17 * H * 2}    # [B + 1, H] bf16 in the verify
+    gathers = [r for r in recs if r.collective == "all_gather"]
+    assert [r.kind for r in gathers] == ["tree"] * 4 + ["accept"] * 2      # candidates, then sampling winners
+    assert gathers[0].message_bytes == (dcfg.block_size - 1) * 16 * 4     # [D, k] fp32 values of one rank
     assert t["kernels"] > 0 and t["flops"] > 0

@@ -74,9 +74,11 @@ def test_marlin_moe_plugin_launch_equals_the_node(gpu, M):
     assert rel < 1e-2, f"relative error {rel:.2e}"
 
 
-def test_all_reduce_plugin_at_one_rank_copies(gpu):
+@pytest.mark.parametrize("op", ["AllReduce", "AllGather"])
+def test_collective_plugins_at_one_rank_copy(gpu, op):
     x = np.arange(24, dtype=np.uint16).reshape(4, 6)
     src, dst = gpu.upload(x), gpu.zeros((4, 6), np.uint16)
-    run_node(NODES["AllReduce"], {"rank": 0, "world_size": 1}, {}, [x.shape], ["bfloat16"], [src.ptr], [dst.ptr],
+    run_node(NODES[op], {"rank": 0, "world_size": 1}, {}, [x.shape], ["bfloat16"], [src.ptr], [dst.ptr],
              int(gpu.stream.handle))
+    gpu.sync()
     np.testing.assert_array_equal(dst.numpy(), x)

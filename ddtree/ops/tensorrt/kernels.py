@@ -3,6 +3,7 @@
     MarlinMoE     the fused W4A16 MoE (plugins/moe.py: moe_route on the graph's fp32 router logits,
                   then moe_gate_up and moe_down, which adds the shared expert's output); not for --experts ep
     AllReduce     world_size 1: a device copy; more ranks need the cross-rank all-reduce (not written)
+    AllGather     world_size 1: a device copy (a leading axis of 1); more ranks: the cross-rank all-gather
     others        MissingKernelError naming the kernel and its files (ops/nodes.py: NodeSpec.kernel, kernel_files)
 Plain arguments (dims, dtype names, device pointers, a cudaStream_t handle) so a GPU test can call
 these without TensorRT; cuda-python is imported only when a kernel is launched. One plan serves
@@ -50,9 +51,9 @@ def run_node(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptr
     LAUNCHERS[spec.op](spec, attrs, state, in_dims, in_types, in_ptrs, out_ptrs, stream)
 
 
-def launch_all_reduce(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
+def launch_collective(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
                       stream: int) -> None:
-    """sum [q, H] = partial [q, H]: at world_size 1 a device copy (nothing to sum)."""
+    """All-reduce or all-gather of one rank: a device copy of its input (nothing to sum or gather)."""
     if attrs["world_size"] != 1:
         raise missing(spec, f"at world_size {attrs['world_size']}")
     device_copy(out_ptrs[0], in_ptrs[0], int(np.prod(in_dims[0])) * _itemsize(in_types[0]), stream)
@@ -105,4 +106,4 @@ def launch_marlin_moe(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_type
 
 
 # op -> launcher: exactly the ops whose NodeSpec says wired=True (tests/graphs/test_graph_pieces.py checks it)
-LAUNCHERS = {"AllReduce": launch_all_reduce, "MarlinMoE": launch_marlin_moe}
+LAUNCHERS = {"AllReduce": launch_collective, "AllGather": launch_collective, "MarlinMoE": launch_marlin_moe}
