@@ -41,18 +41,6 @@ class TargetCaches:
         """[end, R + Dr] rows of one layer on one rank (default: all `length`)."""
         return self.layers[rank][layer][: self.length if end is None else end]
 
-    def compact(self, start: int, keep) -> None:
-        """Keep rows start + keep[i] (keep strictly increasing), move them to start + i, truncate there."""
-        keep = np.asarray(keep, dtype=np.int64).reshape(-1)
-        if np.any(np.diff(keep) <= 0) or (keep.size and (keep[0] < 0 or start + keep[-1] >= self.length)) \
-                or not 0 <= start <= self.length:
-            raise ValueError(f"compact: start {start} + keep {keep.tolist()} must be strictly increasing rows "
-                             f"below the cache length {self.length}")
-        for rank in self.layers:
-            for a in rank:
-                a[start: start + keep.size] = a[start + keep]     # fancy indexing copies first: overlap is safe
-        self.length = start + keep.size
-
 
 class DraftCaches:
     def __init__(self, tp: int, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float64):

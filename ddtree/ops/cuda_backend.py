@@ -28,6 +28,8 @@ LAUNCHERS = {
     "embed": "missing: vocab-slice embedding gather",
     "rope": "missing: interleaved YaRN rope kernel",
     "kv_append": "plugins/kv_cache.py DeviceLatentCache.append",
+    "kv_compact": "plugins/kv_cache.py DeviceLatentCache.compact (every layer in one launch; its count is a "
+                  "host int today, a device scalar for capture)",
     "mla_absorb_q": "missing: batched per-head GEMM (W_UK)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "missing: batched per-head GEMM (W_UV)",

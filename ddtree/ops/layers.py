@@ -19,6 +19,7 @@ ddtree/reference/ is the only other copy of the model, written independently on 
                  DFlash attention (context appended to the cache), o_proj, all-reduce, SwiGLU, all-reduce
     draft_head   h [b, H] -> drafter.norm -> rows 1.. -> target lm_head slice -> logits [D, V_r] ->
                  this rank's top-k candidates and log-sum-exp parts
+    compact      one layer's cache after a verify: rows T + accepted[i] -> T + i (the accepted path)
     tree         this rank's candidates -> all-gather [tp, D, k] -> best-first tree of B drafted nodes
     accept       the tree and this rank's sampling winners -> all-gather [tp, n] -> the acceptance walk
 The drafter's block embedding is the target's `embed` (the drafter has none of its own).
@@ -89,6 +90,15 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
     ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
     ops.output("cache_out", cache, ["S", W], ACT)
+
+
+def compact(ops: Ops, cfg) -> None:
+    W = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = ops.input("cache", ["S", W], ACT)
+    cache_len = ops.input("cache_len", [1], I32)                                        # T before the verify
+    accepted = ops.input("accepted", ["nodes"], I32)                                    # the walk's outputs
+    count = ops.input("accepted_count", [1], I32)
+    ops.output("cache_out", ops.kv_compact(cache, cache_len, accepted, count), ["S", W], ACT)
 
 
 def head(ops: Ops, cfg) -> None:
@@ -209,6 +219,7 @@ def rank_kinds(cfg, dcfg, plan: dict, lay, budgets) -> dict[str, tuple]:
         if layers:
             kinds[kind] = (decoder_layer, (cfg, layers[0], inter), layers, f"model.layers.{layers[0]}.")
     kinds["head"] = (head, (cfg,), [], None)
+    kinds["compact"] = (compact, (cfg,), [], None)
     kinds["draft_fc"] = (draft_fc, (dcfg,), [], None)
     for kind, layers in drafter_groups(dcfg).items():
         kinds[kind] = (draft_layer, (dcfg, layers[0]), layers, f"drafter.layers.{layers[0]}.")

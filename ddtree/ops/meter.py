@@ -26,7 +26,7 @@ from ddtree.ops.opset import ACC, ACT, F32, I32, Ops, RankLayout
 
 STORED_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 KERNELS = {"add": 1, "rms_norm": 1, "add_rms_norm": 1, "linear": 1, "swiglu_mlp": 2, "embed": 1, "cast": 1,
-           "rope": 1, "kv_append": 1, "mla_absorb_q": 1, "mla_tree_attention": 2, "mla_absorb_out": 1,
+           "rope": 1, "kv_append": 1, "kv_compact": 1, "mla_absorb_q": 1, "mla_tree_attention": 2, "mla_absorb_out": 1,
            "moe.router": 1, "moe.experts": 2, "moe.shared": 2, "draft_attention": 1, "all_reduce": 1, "all_gather": 1,
            "vocab_winner": 1, "vocab_topk": 2, "tree_build": 1, "accept_walk": 1}
 
@@ -158,6 +158,11 @@ class MeterOps(Ops):
         self._rec("kv_append", [c_kv, k_pe, cache_len], [Meta((c_kv.shape[0], cache.shape[1]), cache.nbytes_each)])
         return cache
 
+    def kv_compact(self, cache, cache_len, accepted, accepted_count):
+        rows = Meta((self.dims["accepted"], cache.shape[1]), cache.nbytes_each)      # the kept rows, moved
+        self._rec("kv_compact", [rows, cache_len, accepted, accepted_count], [rows])
+        return cache
+
     def _w_half(self, kv_b, spec, dim: int) -> Meta:
         return Meta((spec.heads, dim, spec.kv_lora_rank), kv_b.nbytes_each, weight=True)   # W_UK or W_UV of kv_b
 
@@ -252,11 +257,13 @@ def meter_step(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, context: int =
                new_context: int | None = None, **kw) -> list[Record]:
     """One DDTree step of rank `rank`: drafter over the block (with `new_context` accepted tokens as its
     new context, default the block size), the tree, the target verifying budget + 1 nodes after
-    `context` cached tokens, the acceptance walk. `specs`: the rank's tensors (builder/weights.rank_specs)."""
+    `context` cached tokens, the acceptance walk, the compaction of every layer's cache to as many rows.
+    `specs`: the rank's tensors (builder/weights.rank_tensor_specs)."""
     lay = RankLayout.from_plan(plan, rank)
     b, q, n = dcfg.block_size, budget + 1, dcfg.block_size if new_context is None else new_context
     k = layers.draft_topk([budget], lay.vocab_stop - lay.vocab_start)
-    dims = {"q": b, "n": n, "T": context, "T_draft": context, "S": context + q, "W": -(-q // 32), "nodes": q}
+    dims = {"q": b, "n": n, "T": context, "T_draft": context, "S": context + q, "W": -(-q // 32), "nodes": q,
+            "accepted": n}
     ops = MeterOps(lay, specs, dims, **kw)
     recs = meter_call(ops, "draft_fc", layers.draft_fc, dcfg)
     recs += meter_call(ops, "draft_embed", layers.embed, cfg)
@@ -272,6 +279,8 @@ def meter_step(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, context: int =
         recs += meter_call(ops, kind, layers.decoder_layer, cfg, L, inter)
     recs += meter_call(ops, "head", layers.head, cfg)
     recs += meter_call(ops, "accept", layers.accept)
+    for _ in range(cfg.num_hidden_layers):
+        recs += meter_call(ops, "compact", layers.compact, cfg)
     return recs
 
 

@@ -74,6 +74,13 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
         outputs=("cache_out [S, R + Dr]: rows T..T+q-1 written",), aliases={0: 2},
         kernel="latent-cache append (kv_append)", kernel_files=("kv_cache.cu",), wired=False),
     NodeSpec(
+        "KvCompact", dict(RANKS),
+        inputs=("cache [S, R + Dr]", "cache_len [1] int32 (T: the length before the verify)",
+                "accepted [nodes] int32 (kept node indices, increasing, then -1)", "accepted_count [1] int32"),
+        outputs=("cache_out [S, R + Dr]: rows T + accepted[i] moved to T + i",), aliases={0: 0},
+        kernel="latent-cache compaction to the accepted path (kv_compact)", kernel_files=("kv_cache.cu",),
+        wired=False),
+    NodeSpec(
         "MlaTreeAttention",
         {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_rope_head_dim": "int", "softmax_scale": "float"},
         inputs=("q_lat [q, N_r, R] (q_nope W_UK)", "q_rope [q, N_r, Dr] (roped)",

@@ -101,6 +101,9 @@ class NumpyOps(Ops):
     def kv_append(self, cache, cache_len, c_kv, k_pe):
         return m.kv_append(cache, int(cache_len[0]), c_kv, k_pe)
 
+    def kv_compact(self, cache, cache_len, accepted, accepted_count):
+        return m.kv_compact(cache, int(cache_len[0]), accepted, int(accepted_count[0]))
+
     def mla_absorb_q(self, q_nope, kv_b, spec):
         return self._a(m.mla_absorb_q(q_nope, kv_b, spec))
 

@@ -85,6 +85,17 @@ def kv_append(cache: np.ndarray, T: int, c_kv, k_pe) -> np.ndarray:
     return cache
 
 
+def kv_compact(cache: np.ndarray, T: int, accepted, count: int) -> np.ndarray:
+    """cache rows T + accepted[i] -> T + i for i < count, in place (fancy indexing reads before it writes)."""
+    keep = np.asarray(accepted, dtype=np.int64).reshape(-1)[:count]
+    if count < 0 or len(keep) != count or np.any(np.diff(keep) <= 0) or (count and (keep[0] < 0 or
+                                                                                    T + keep[-1] >= cache.shape[0])):
+        raise ValueError(f"kv_compact: accepted {keep.tolist()} (count {count}) must be increasing rows after {T} "
+                         f"inside a cache of {cache.shape[0]}")
+    cache[T: T + count] = cache[T + keep]
+    return cache
+
+
 def split_kv_b(kv_b, spec) -> tuple[np.ndarray, np.ndarray]:
     """kv_b [N_r (Dn + Dv), R] -> W_UK [N_r, Dn, R], W_UV [N_r, Dv, R]."""
     w = f64(kv_b).reshape(spec.heads, spec.nope_dim + spec.v_dim, spec.kv_lora_rank)

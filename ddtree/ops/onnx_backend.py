@@ -21,6 +21,7 @@ from ddtree.ops.opset import ACC, ACT, F32, I32, Ops, RankLayout
 
 # the `ddtree` node of each op and the node name it gets (tests and plan builders look nodes up by name)
 NODE_NAMES = {"MlaTreeAttention": "attn.mla", "KvAppend": "attn.kv_append", "Rope": "attn.rope",
+              "KvCompact": "cache.compact",
               "MarlinMoE": "mlp.moe", "DraftAttention": "draft.attention", "VocabWinner": "head.winner",
               "VocabTopK": "draft.topk", "TreeBuild": "tree.build", "AcceptWalk": "tree.accept"}
 
@@ -109,6 +110,10 @@ class OnnxOps(Ops):
         return self._node("KvAppend", [c_kv, k_pe, cache, cache_len], {},
                           [("cache_new", self.g.act, list(cache.shape))])[0]
 
+    def kv_compact(self, cache, cache_len, accepted, accepted_count):
+        return self._node("KvCompact", [cache, cache_len, accepted, accepted_count], {},
+                          [("cache_compacted", self.g.act, list(cache.shape))])[0]
+
     def _per_head(self, kv_b, spec, first: bool):
         """W_UK [N_r, Dn, R] (first) or W_UV^T [N_r, R, Dv] from kv_b [N_r (Dn + Dv), R]."""
         g, Dn, Dv = self.g, spec.nope_dim, spec.v_dim
@@ -160,7 +165,8 @@ class OnnxOps(Ops):
                            f"{tag}.all_reduce")[0]
 
     def all_gather(self, x, tag):
-        return self.g.node("AllGather", [x], self._ranks(), [(f"{tag}_all", getattr(x, "dtype", None), None)], f"{tag}.all_gather")[0]
+        return self.g.node("AllGather", [x], self._ranks(), [(f"{tag}_all", getattr(x, "dtype", None), None)],
+                           f"{tag}.all_gather")[0]
 
     # vocab-parallel sampling and the tree ---------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):

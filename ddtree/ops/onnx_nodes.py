@@ -61,6 +61,11 @@ class KvAppend(DdtreeOp):
         return (m.kv_append(np.array(cache, copy=True), int(cache_len[0]), c_kv, k_pe),)
 
 
+class KvCompact(DdtreeOp):
+    def _run(self, cache, cache_len, accepted, accepted_count, **a):
+        return (m.kv_compact(np.array(cache, copy=True), int(cache_len[0]), accepted, int(accepted_count[0])),)
+
+
 class MlaTreeAttention(DdtreeOp):
     def _run(self, q_lat, q_rope, cache, cache_len, tree_mask, **a):
         spec = SimpleNamespace(softmax_scale=float(a["softmax_scale"]))
@@ -108,8 +113,8 @@ class AcceptWalk(DdtreeOp):
         return m.accept_walk_winners(tokens, parents, win_value, win_id)
 
 
-OPS = (AllReduce, AllGather, Rope, KvAppend, MlaTreeAttention, MarlinMoE, DraftAttention, VocabWinner, VocabTopK, TreeBuild,
-       AcceptWalk)
+OPS = (AllReduce, AllGather, Rope, KvAppend, KvCompact, MlaTreeAttention, MarlinMoE, DraftAttention, VocabWinner,
+       VocabTopK, TreeBuild, AcceptWalk)
 if {op.__name__ for op in OPS} != set(NODES):
     raise ImportError(f"ops/onnx_nodes.py: implementations {sorted(op.__name__ for op in OPS)} do not match the "
                       f"ddtree nodes {sorted(NODES)}")

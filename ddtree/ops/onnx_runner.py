@@ -174,8 +174,19 @@ class GraphRanks:
         cands = {k: np.stack([o[k] for o in outs]) for k in ("topk_values", "topk_ids", "row_max", "row_sumexp")}
         return DraftOut(np.concatenate([o["logits"] for o in outs], axis=1), cands)
 
+    def compact(self, caches: TargetCaches, start: int, accepted, count: int) -> None:
+        """The walk's accepted rows of a verify at `start` kept at start.. in every layer (the compact graph)."""
+        step = {"cache_len": np.array([start], np.int32), "accepted": np.asarray(accepted, np.int32),
+                "accepted_count": np.array([count], np.int32)}
+        for L in range(self.cfg.num_hidden_layers):
+            outs = self.run("compact", [{**step, "cache": caches.layers[r][L]} for r in range(self.tp)])
+            for r, o in enumerate(outs):
+                caches.layers[r][L] = o["cache_out"]
+        caches.length = start + count
+
     def tree_build(self, root: int, candidates: dict, budget: int) -> dict[str, np.ndarray]:
-        outs = self.run(f"tree_b{budget}", [{"root": np.array([root], np.int32), **{k: v[r] for k, v in candidates.items()}}
+        root = np.array([root], np.int32)
+        outs = self.run(f"tree_b{budget}", [{"root": root, **{k: v[r] for k, v in candidates.items()}}
                                             for r in range(self.tp)])
         return {k: self._same(outs, k) for k in ("tokens", "parents", "depth", "visibility")}
 

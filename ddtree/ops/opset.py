@@ -157,6 +157,11 @@ class Ops(ABC):
         """cache [S, R + Dr] <- rows cache_len.. = (c_kv [q, R] | k_pe [q, Dr]); returns the cache (in place)."""
 
     @abstractmethod
+    def kv_compact(self, cache, cache_len, accepted, accepted_count):
+        """After a verify at T = cache_len: cache rows T + accepted[i] -> T + i for i < accepted_count
+        (accepted increasing, -1 after); returns the cache (in place). The caller's length becomes T + count."""
+
+    @abstractmethod
     def mla_absorb_q(self, q_nope, kv_b, spec: MlaSpec):
         """q_nope [q, N_r, Dn] -> q_lat [q, N_r, R] = per head q_nope W_UK (W_UK = kv_b's first Dn rows per head)."""
 

@@ -46,8 +46,9 @@ class EngineExecutor:
         self.moe_inter = meta["plan"]["per_rank"]["moe_intermediate"]
         self.layouts = [RankLayout.from_plan(meta["plan"], r) for r in range(self.tp)]
         collective = collective_for(self.tp)
-        self.ranks = NumpyRanks([NumpyOps(load_rank_tensors(self.engine_dir, r, meta["weight_files"], convert=self.dtype),
-                                          lay, collective, self.dtype) for r, lay in enumerate(self.layouts)])
+        files = meta["weight_files"]
+        weights = [load_rank_tensors(self.engine_dir, r, files, convert=self.dtype) for r in range(self.tp)]
+        self.ranks = NumpyRanks([NumpyOps(w, lay, collective, self.dtype) for w, lay in zip(weights, self.layouts)])
         self.offsets = [lay.vocab_start for lay in self.layouts]
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
@@ -121,7 +122,16 @@ class EngineExecutor:
         return np.concatenate([o["logits"] for o in outs], axis=1)
 
     def compact(self, cache: TargetCaches, start: int, keep) -> None:
-        cache.compact(start, keep)
+        """Keep the verify's rows start + keep[i] at start + i (every layer, every rank), through the op set."""
+        keep = np.asarray(keep, dtype=np.int32).reshape(-1)
+        if not 0 <= start <= cache.length:
+            raise ValueError(f"compact: start {start} must be within the cache length {cache.length}")
+        step = {"cache_len": np.array([start], np.int32), "accepted": keep,
+                "accepted_count": np.array([len(keep)], np.int32)}
+        for L in range(self.config.num_hidden_layers):
+            self.ranks.call(layers.compact, self.config,
+                            feeds=[{**step, "cache": cache.layers[r][L]} for r in range(self.tp)])
+        cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
         return vocab_parallel.sample(self._split(np.asarray(logits)), self.offsets, positions, params)

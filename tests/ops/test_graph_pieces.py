@@ -89,6 +89,7 @@ KERNELS = {"AllReduce": ((), True),                       # world_size 1 only: a
            "MarlinMoE": (("moe.cu",), True),
            "Rope": ((), False),
            "KvAppend": (("kv_cache.cu",), False),
+           "KvCompact": (("kv_cache.cu",), False),
            "MlaTreeAttention": (("mla_attention.cu", "mla_decode.cu"), False),
            "DraftAttention": ((), False),
            "VocabWinner": (("sample.cu",), False),

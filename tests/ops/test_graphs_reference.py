@@ -152,6 +152,15 @@ def test_ddtree_step_through_graphs(ranks, oracles, key):
         n = int(walk["accepted_count"][0])
         np.testing.assert_array_equal(walk["accepted"][:n], ref_walk.accepted)
         assert (walk["accepted"][n:] == -1).all() and int(walk["bonus"][0]) == ref_walk.bonus
+        # keep a path of the verify in the cache (the compact graph) == the reference cache compacted;
+        # a fixed deep path, since a random synthetic target rarely accepts past the root
+        keep = np.array([0, 3, 7, 12] + [-1] * (len(pos) - 4), np.int32)
+        g.compact(verify_caches, P, keep, 4)
+        ref32_cache.compact(P, keep[:4])
+        assert verify_caches.length == ref32_cache.length == P + 4
+        for r in range(g.tp):
+            for L in range(g.cfg.num_hidden_layers):
+                close(verify_caches.entries(L, rank=r), ref32_cache.entries(L), EXACT)
 
 
 def test_engine_graphs_in_bf16_run_close_to_reference(engine, oracles):

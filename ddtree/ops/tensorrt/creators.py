@@ -30,7 +30,7 @@ I32, F32 = trt.DataType.INT32, trt.DataType.FLOAT
 
 def output_types(op: str, t: list) -> list:
     """Output dtypes from input dtypes (input indices as in NodeSpec.inputs)."""
-    return {"AllReduce": lambda: [t[0]], "AllGather": lambda: [t[0]], "Rope": lambda: [t[0]], "KvAppend": lambda: [t[2]],
+    return {"AllReduce": lambda: [t[0]], "AllGather": lambda: [t[0]], "Rope": lambda: [t[0]], "KvAppend": lambda: [t[2]], "KvCompact": lambda: [t[0]],
             "MlaTreeAttention": lambda: [t[0]], "MarlinMoE": lambda: [t[0]],
             "DraftAttention": lambda: [t[0], t[6], t[7]], "VocabWinner": lambda: [t[0], I32],
             "VocabTopK": lambda: [F32, I32, F32, F32], "TreeBuild": lambda: [I32] * 4,
@@ -47,7 +47,7 @@ def _dims(*exprs):
 def output_shapes(op: str, a: dict, inputs: list, eb) -> list:
     """Symbolic output shapes (DimsExprs) from the input shapes and the attributes."""
     c = eb.constant
-    if op in ("AllReduce", "MarlinMoE", "Rope", "MlaTreeAttention"):
+    if op in ("AllReduce", "MarlinMoE", "Rope", "MlaTreeAttention", "KvCompact"):
         return [trt.DimsExprs(inputs[0])]
     if op == "AllGather":
         return [_dims(c(a["world_size"]), *(inputs[0][i] for i in range(len(inputs[0]))))]
