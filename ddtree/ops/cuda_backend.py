@@ -22,7 +22,7 @@ LAUNCHERS = {
     "cast": "missing: dtype conversion kernel",
     "add": "missing: fused into the previous GEMM's epilogue (plugins/gemm.py residual)",
     "rms_norm": "missing: RMSNorm kernel (or the next GEMM's prologue)",
-    "add_rms_norm": "missing: fused add + RMSNorm kernel",
+    "all_reduce_add_rms_norm": "missing: all-reduce with the residual add and RMSNorm fused (identity at tp 1)",
     "linear": "plugins/gemm.py SkinnyGemm.run",
     "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run (gate/up, down) + missing SiLU-mul epilogue",
     "embed": "missing: vocab-slice embedding gather",

@@ -85,8 +85,8 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     tree_mask = ops.input("tree_mask", ["q", "W"], I32)
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask)
-    h1, x2 = ops.add_rms_norm(h, ops.all_reduce(attn, "attn"), ops.weight(p + "post_attention_layernorm.weight"),
-                              cfg.rms_norm_eps)
+    h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
+                                         cfg.rms_norm_eps, "attn")
     mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
     ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
     ops.output("cache_out", cache, ["S", W], ACT)
@@ -148,8 +148,8 @@ def draft_layer(ops: Ops, dcfg, layer: int) -> None:
     spec = DraftAttentionSpec(heads, kv_heads, d, dcfg.window(layer), float(dcfg.attention_factor))
     o, cache_k, cache_v = ops.draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, dcfg.rope,
                                               spec)
-    h1, x2 = ops.add_rms_norm(h, ops.all_reduce(ops.linear(o, ops.weight(a + "o_proj.weight")), "attn"),
-                              ops.weight(p + "post_attention_layernorm.weight"), eps)
+    h1, x2 = ops.all_reduce_add_rms_norm(ops.linear(o, ops.weight(a + "o_proj.weight")), h,
+                                         ops.weight(p + "post_attention_layernorm.weight"), eps, "attn")
     ops.output("h_out", ops.add(h1, ops.all_reduce(dense_mlp(ops, p + "mlp.", x2), "mlp")), [b, H], ACT)
     ops.output("cache_k_out", cache_k, ["S", kv_heads, d], ACT)
     ops.output("cache_v_out", cache_v, ["S", kv_heads, d], ACT)

@@ -81,8 +81,8 @@ class NumpyOps(Ops):
     def rms_norm(self, x, w, eps):
         return self._a(m.rms_norm(x, w, eps))
 
-    def add_rms_norm(self, h, delta, w, eps):
-        h1 = self.add(h, delta)
+    def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
+        h1 = self.add(h, self.all_reduce(partial, tag))
         return h1, self.rms_norm(h1, w, eps)
 
     def linear(self, x, w, out=ACT):

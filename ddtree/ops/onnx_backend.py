@@ -82,8 +82,8 @@ class OnnxOps(Ops):
     def rms_norm(self, x, w, eps):
         return self.g.rms_norm(x, w, eps)
 
-    def add_rms_norm(self, h, delta, w, eps):
-        h1 = self.g.add(h, delta)
+    def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
+        h1 = self.g.add(h, self.all_reduce(partial, tag))
         return h1, self.g.rms_norm(h1, w, eps)
 
     def linear(self, x, w, out=ACT):

@@ -11,7 +11,8 @@ never looks inside it except through `shape`.
 Granularity is the kernels' (docs/interfaces.md section 6 and the launchers in ddtree/plugins): the
 MLA attention takes the absorbed query and a cache that already holds the new entries (rope and the
 cache append are ops of their own, as the kernels are); the MoE op is router + routing + experts +
-shared expert; norms fuse with the residual add (`add_rms_norm`). State that changes in place (the
+shared expert; the all-reduce of a partial fuses with the residual add and the next norm
+(`all_reduce_add_rms_norm`, one kernel on a GPU as in TensorRT-LLM's all-reduce + RMSNorm). State that changes in place (the
 latent cache, the drafter's context cache) is an op's input and its returned output: the same buffer.
 Per-step scalars (positions, cache length, sampling parameters) are tensors, never constants, so a
 captured graph serves every step.
@@ -132,8 +133,9 @@ class Ops(ABC):
         """w * x / sqrt(mean(x^2) + eps) over the last axis, in ACC, returned in ACT."""
 
     @abstractmethod
-    def add_rms_norm(self, h, delta, w, eps: float) -> tuple:
-        """(h + delta, rms_norm(h + delta)): the residual add fused into the next norm."""
+    def all_reduce_add_rms_norm(self, partial, h, w, eps: float, tag: str) -> tuple:
+        """(h1, rms_norm(h1)) with h1 = h + the sum of every rank's partial [m, H]: the all-reduce fused with
+        the residual add and the next norm; every rank receives identical bits."""
 
     @abstractmethod
     def linear(self, x, w, out: str = ACT):

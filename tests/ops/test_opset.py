@@ -14,7 +14,7 @@ LAY = RankLayout(0, 1, 0, 256, 0, 8, 0, 64)
 
 
 def test_the_op_set_has_the_ops_the_layers_use():
-    assert {"linear", "add_rms_norm", "rope", "kv_append", "mla_absorb_q", "mla_tree_attention", "mla_absorb_out",
+    assert {"linear", "all_reduce_add_rms_norm", "rope", "kv_append", "mla_absorb_q", "mla_tree_attention", "mla_absorb_out",
             "moe", "draft_attention", "all_reduce", "vocab_winner", "vocab_topk", "tree_build", "accept_walk"} \
         <= set(OP_NAMES)
 
