@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree.errors import InputError
 from ddtree.model.bf16 import as_float
 from ddtree.model.config import write_json
 from ddtree.model.safetensors_io import SafetensorsFile
@@ -50,7 +51,7 @@ EXPERT_MODES = ("tp", "ep")                   # config "experts": routed experts
 PACKED_SUFFIXES = (".words", ".scales")       # routed experts in the kernel layout (plugins/layout.py)
 
 
-class EngineFormatError(ValueError):
+class EngineFormatError(InputError):
     """An engine directory is missing a file or holds a config this runtime cannot read."""
 
 

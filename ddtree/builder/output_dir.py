@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from ddtree import engine_dir as ed
+from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig
 
 # Archs the kernels target (mma.sync bf16 + cp.async: sm_80 and later; 'a' = arch-specific features)
@@ -26,7 +27,7 @@ DTYPES = {"dense": "bf16", "router_bias": "f32",
           "activations": "bf16", "kv_cache": "bf16"}
 
 
-class BuildError(Exception):
+class BuildError(InputError):
     """A build cannot start or finish; the message names the flag, file or field."""
 
 

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree.errors import InputError
 from ddtree.engine_dir import EXPERT_MODES
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.plugins import layout
@@ -81,7 +82,7 @@ TP_SIZES = (1, 2, 4, 8)
 KERNEL_K_MULTIPLE = 64       # kernel layout: K % 64 == 0 for every matrix (hidden for gate/up, I for down)
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """The model cannot be split over the requested ranks; the message names the field and --tp."""
 
 

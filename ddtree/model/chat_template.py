@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import json
 
+from ddtree.errors import InputError
+
 # Interoperability constant, byte-exact from moonshotai Kimi-K2-Thinking chat_template.jinja
 # (copy: ggml-org/llama.cpp models/templates/moonshotai-Kimi-K2-Thinking.jinja).
 KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -47,7 +49,7 @@ TOOL_CALL_BEGIN, TOOL_CALL_ARGS, TOOL_CALL_END = ("<|tool_call_begin|>", "<|tool
                                                   "<|tool_call_end|>")
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(InputError):
     """A message list the Kimi chat format cannot render."""
 
 

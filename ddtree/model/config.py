@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddtree.errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A config.json field is missing or holds a value we do not support."""
 
 

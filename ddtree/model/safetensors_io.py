@@ -19,6 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ddtree.errors import InputError
 from ddtree.model.tensors import TensorSpec
 
 # safetensors dtype -> numpy dtype as we hold it in memory (BF16 as raw uint16 bits)
@@ -28,7 +29,7 @@ NUMPY_DTYPE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": n
 MAX_HEADER = 100 * 1024 * 1024
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint file is missing, corrupt, or disagrees with the index or the config."""
 
 

@@ -23,6 +23,7 @@ import re
 import warnings
 from pathlib import Path
 
+from ddtree.errors import InputError
 from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, render_chat
 from ddtree.model.presets import BYTE_BOS, BYTE_EOS, BYTE_MASK, BYTE_PAD
 
@@ -62,7 +63,7 @@ FALLBACK_SPECIALS = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer file or token id that cannot be used."""
 
 

@@ -1,0 +1,4 @@
+"""`python -m ddtree ...` is the `ddtree` command."""
+from ddtree.cli import main
+
+main()

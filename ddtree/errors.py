@@ -1,0 +1,24 @@
+"""The project's error for bad input, and how a command reports it.
+
+Every error that a user's input can cause (a checkpoint, an engine directory, a config field, a flag,
+a prompt) is an `InputError` subclass whose message names the file, field or flag, the value found and
+what was expected. A command turns it into one line on stderr, `Error: <Type>: <message>`, and exit
+code 1 (`reported`). Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+class InputError(ValueError):
+    """Bad input, named: file / field / flag, the value, what was expected."""
+
+
+@contextmanager
+def reported():
+    """Inside a click command: an InputError becomes a ClickException (exit 1, no traceback)."""
+    import click
+    try:
+        yield
+    except InputError as e:
+        raise click.ClickException(f"{type(e).__name__}: {e}") from e
