@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.model.bf16 import bf16_to_f32
-from ddtree.model.config import ConfigError, load_drafter_config, load_model_config
+from ddtree.model.config import ConfigError, Fields, load_drafter_config, load_model_config, show
 from ddtree.model.int4 import dequantize_packed
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, drafter_tensor_specs, target_tensor_specs
@@ -24,6 +24,22 @@ SINGLE = "model.safetensors"
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 
+def _read_index(path: Path) -> dict[str, str]:
+    """weight_map of a model.safetensors.index.json: an object of tensor name -> shard file name, the
+    shard a plain file name in the checkpoint directory; CheckpointError naming the file, field and value."""
+    try:
+        index = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors index ({e})") from e
+    f = Fields(index, path, error=CheckpointError)
+    weight_map = f.obj("weight_map", what="tensor name -> shard file name").d
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\\" in shard:
+            raise CheckpointError(f"{path}: field 'weight_map' entry '{name}' = {show(shard)}: expected the "
+                                  "file name of a shard in the checkpoint directory")
+    return weight_map
+
+
 class _ShardedTensors:
     """name -> tensor over one index + shards; shard headers parsed on first use."""
 
@@ -31,11 +47,7 @@ class _ShardedTensors:
         self.root = root
         index_path = root / INDEX
         if index_path.exists():
-            try:
-                index = json.loads(index_path.read_text())
-                weight_map = index["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+            weight_map = _read_index(index_path)
         elif (root / SINGLE).exists():
             weight_map = {n: SINGLE for n in SafetensorsFile(root / SINGLE).keys()}
         else:

@@ -4,13 +4,21 @@ Two target layouts exist (docs/kimi-k2.md section 2.1):
   k2-thinking  flat DeepSeek-V3 config, tensors prefixed `model.`
   k2.6         K2.5/K2.6: text model nested in `text_config`, tensors prefixed `language_model.model.`
 RoPE parameters come as `rope_scaling` (original files) or `rope_parameters` (transformers 5).
-Anything we do not implement fails with a `ConfigError` that names the field.
+
+Validation happens here, in one place, for every config that reaches the model: each field is read
+through `Fields`, which checks its type (an integer is not a bool, a string, a float or null; a number
+is finite), its range (sizes and counts >= 1, eps and scales > 0, ids in [0, vocab)) and names the
+file, the dotted field (`text_config.rms_norm_eps`), the value found and what was expected in a
+`ConfigError`. The dataclasses' `__post_init__` then checks the fields against each other (heads
+against kv heads, experts against groups, the quantisation group against the dimensions). Anything
+we do not implement fails the same way. `Fields` takes the error class, so other readers of JSON
+(the engine directory's config) can share it.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddtree.errors import InputError
@@ -20,10 +28,152 @@ class ConfigError(InputError):
     """A config.json field is missing or holds a value we do not support."""
 
 
-def _req(d: dict, key: str, where: str):
-    if key not in d:
-        raise ConfigError(f"{where}: missing required field '{key}'")
-    return d[key]
+# ----------------------------------------------------------------------------------------------
+# Typed field reads
+
+_REQUIRED = object()
+_KINDS = {str: "a string", list: "a list", dict: "an object", bool: "a boolean"}
+
+
+def show(value) -> str:
+    """A JSON value as an error message shows it: numbers as Python prints them (nan, inf, 1e-05),
+    null as null, anything else as (shortened) JSON with its kind: "64" (a string), [1] (a list)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value)
+    text = json.dumps(value, default=str)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({_KINDS.get(type(value), type(value).__name__)})"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_wanted(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"an integer in {lo}..{hi}"
+    if lo is not None:
+        return f"an integer >= {lo}"
+    return "an integer" if hi is None else f"an integer <= {hi}"
+
+
+class Fields:
+    """Typed reads from one JSON object of a config file. Every refusal is `error` (ConfigError unless
+    given) naming the file, the dotted field, the value found and what was expected:
+        f = Fields(d, "ckpt/config.json")
+        t = f.obj("text_config")                 # Fields of the nested object
+        t.number("rms_norm_eps", 1e-5, gt=0)        # -> ConfigError: ckpt/config.json: field
+                                                    #    'text_config.rms_norm_eps' = nan: expected
+                                                    #    a finite number > 0
+    A field absent from the object takes `default` unchecked (no default: "missing required field");
+    null is a value like any other, refused unless the read says `null_ok` (then it gives None)."""
+
+    def __init__(self, obj, file: str, path: str = "", error: type[Exception] = ConfigError):
+        self.file, self.path, self.error = str(file), path, error
+        if not isinstance(obj, dict):
+            where = f"field '{path}'" if path else "the file"
+            raise error(f"{self.file}: {where} = {show(obj)}: expected a JSON object")
+        self.d = obj
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.d
+
+    def name(self, key: str) -> str:
+        """The dotted path of `key`: text_config.rope_scaling.factor."""
+        return f"{self.path}.{key}" if self.path else key
+
+    def bad(self, key: str, value, expected: str) -> Exception:
+        """The error for `key` holding `value` where `expected` was wanted (raise it)."""
+        return self.error(f"{self.file}: field '{self.name(key)}' = {show(value)}: expected {expected}")
+
+    def _get(self, key: str, default, expected: str):
+        if key not in self.d:
+            if default is _REQUIRED:
+                raise self.error(f"{self.file}: missing required field '{self.name(key)}' ({expected})")
+            return default, False
+        return self.d[key], True
+
+    def raw(self, key: str, default=_REQUIRED):
+        """The value as stored, unchecked (only its presence)."""
+        return self._get(key, default, "required")[0]
+
+    def integer(self, key: str, default=_REQUIRED, *, lo: int | None = None, hi: int | None = None,
+            null_ok: bool = False, expected: str | None = None):
+        """An integer (not a bool, float, string or null) in lo..hi."""
+        want = expected or _int_wanted(lo, hi)
+        v, present = self._get(key, default, want)
+        if not present or (v is None and null_ok):
+            return v
+        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise self.bad(key, v, want)
+        return v
+
+    def number(self, key: str, default=_REQUIRED, *, gt: float | None = None, ge: float | None = None,
+               null_ok: bool = False) -> float | None:
+        """A finite number (an integer is fine) > gt / >= ge, as a float."""
+        want = "a finite number" + (f" > {gt:g}" if gt is not None else "") + (f" >= {ge:g}" if ge is not None else "")
+        v, present = self._get(key, default, want)
+        if not present or (v is None and null_ok):
+            return v
+        if (not _is_number(v) or not math.isfinite(v) or (gt is not None and not v > gt)
+                or (ge is not None and not v >= ge)):
+            raise self.bad(key, v, want)
+        return float(v)
+
+    def string(self, key: str, default=_REQUIRED, choices: tuple[str, ...] | None = None,
+               null_ok: bool = False) -> str | None:
+        """A string, one of `choices` when given."""
+        want = "a string" if choices is None else "one of " + ", ".join(json.dumps(c) for c in choices)
+        v, present = self._get(key, default, want)
+        if not present or (v is None and null_ok):
+            return v
+        if not isinstance(v, str) or (choices is not None and v not in choices):
+            raise self.bad(key, v, want)
+        return v
+
+    def boolean(self, key: str, default=_REQUIRED) -> bool:
+        v, present = self._get(key, default, "true or false")
+        if present and not isinstance(v, bool):
+            raise self.bad(key, v, "true or false")
+        return v
+
+    def obj(self, key: str, default=_REQUIRED, *, null_ok: bool = False, what: str = "") -> "Fields | None":
+        """The nested object `key` as Fields (absent: default; null: None when null_ok)."""
+        want = "a JSON object" + (f" ({what})" if what else "")
+        v, present = self._get(key, default, want)
+        if not present or (v is None and null_ok):
+            return v
+        if not isinstance(v, dict):
+            raise self.bad(key, v, want)
+        return Fields(v, self.file, self.name(key), self.error)
+
+    def int_list(self, key: str, default=_REQUIRED, *, lo: int | None = None, hi: int | None = None,
+                 nonempty: bool = True) -> list[int]:
+        """A list of integers in lo..hi (non-empty unless told)."""
+        want = ("a non-empty " if nonempty else "a ") + "list of " + \
+            _int_wanted(lo, hi).replace("an integer", "integers", 1)
+        v, present = self._get(key, default, want)
+        if not present:
+            return v
+        if (not isinstance(v, list) or (nonempty and not v)
+                or not all(_is_int(x) and (lo is None or x >= lo) and (hi is None or x <= hi) for x in v)):
+            raise self.bad(key, v, want)
+        return v
+
+
+def _check(ok: bool, source: tuple[str, str], name: str, value, expected: str) -> None:
+    """A cross-field check of a built config: ConfigError naming file and field unless ok.
+    source = (file, dotted path of the object that holds the field)."""
+    if not ok:
+        file, path = source
+        raise ConfigError(f"{file}: field '{path + '.' if path else ''}{name}' = {show(value)}: expected {expected}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,27 +194,32 @@ class RopeConfig:
     mscale_all_dim: float = 0.0           # HF/vLLM default when absent: no softmax boost
 
     @staticmethod
-    def from_hf(cfg: dict, where: str) -> "RopeConfig":
-        theta = float(_req(cfg, "rope_theta", where) if "rope_parameters" not in cfg
-                      else cfg["rope_parameters"].get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-        key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-        if not scaling:
+    def from_hf(cfg, where: str = "config.json") -> "RopeConfig":
+        """From the object holding `rope_theta` and `rope_scaling` / `rope_parameters` (Fields, or a
+        dict read as the file `where`). theta > 1 (YaRN divides by ln theta); a YaRN factor >= 1 (as
+        transformers requires); betas > 0; mscales >= 0 (yarn_m must stay positive)."""
+        f = cfg if isinstance(cfg, Fields) else Fields(cfg, where)
+        params = f.obj("rope_parameters", None, null_ok=True)
+        if params is not None:
+            theta = (params.number("rope_theta", gt=1) if "rope_theta" in params
+                     else f.number("rope_theta", 10000.0, gt=1))
+        else:
+            theta = f.number("rope_theta", gt=1)
+        scaling = params if params is not None and params.d else f.obj("rope_scaling", None, null_ok=True)
+        if scaling is None or not scaling.d:
             return RopeConfig(theta=theta)
-        rtype = scaling.get("rope_type", scaling.get("type", "default"))
-        if rtype not in ROPE_TYPES:
-            raise ConfigError(f"{where}: {key}.type '{rtype}' is not supported (expected one of "
-                              f"{', '.join(ROPE_TYPES)})")
+        type_key = "rope_type" if "rope_type" in scaling else "type"
+        rtype = scaling.string(type_key, "default", choices=ROPE_TYPES)
         if rtype == "default":
             return RopeConfig(theta=theta)
         return RopeConfig(
             theta=theta, type="yarn",
-            factor=float(_req(scaling, "factor", f"{where} {key}")),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(scaling.get("beta_fast", 32.0)),
-            beta_slow=float(scaling.get("beta_slow", 1.0)),
-            mscale=float(scaling.get("mscale", 1.0)),
-            mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+            factor=scaling.number("factor", ge=1),
+            original_max_position_embeddings=scaling.integer("original_max_position_embeddings", 4096, lo=1),
+            beta_fast=scaling.number("beta_fast", 32.0, gt=0),
+            beta_slow=scaling.number("beta_slow", 1.0, gt=0),
+            mscale=scaling.number("mscale", 1.0, ge=0),
+            mscale_all_dim=scaling.number("mscale_all_dim", 0.0, ge=0),
         )
 
     def to_hf(self, key: str = "rope_scaling") -> dict:
@@ -95,33 +250,34 @@ class QuantConfig:
     format: str = "pack-quantized"
 
     @staticmethod
-    def from_hf(q: dict, where: str) -> "QuantConfig":
-        where = f"{where} quantization_config"
-        if q.get("quant_method") != "compressed-tensors":
-            raise ConfigError(f"{where}.quant_method '{q.get('quant_method')}' is not supported "
-                              "(expected 'compressed-tensors')")
-        if q.get("format") != "pack-quantized":
-            raise ConfigError(f"{where}.format '{q.get('format')}' is not supported (expected 'pack-quantized')")
-        groups = _req(q, "config_groups", where)
-        if len(groups) != 1:
-            raise ConfigError(f"{where}.config_groups: expected exactly one group, got {len(groups)}")
-        gname, group = next(iter(groups.items()))
-        w = _req(group, "weights", f"{where}.config_groups.{gname}")
-        wh = f"{where}.config_groups.{gname}.weights"
-        checks = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
-        for k, want in checks.items():
-            if w.get(k) != want:
-                raise ConfigError(f"{wh}.{k} = {w.get(k)!r} is not supported (expected {want!r})")
-        if w.get("dynamic"):
-            raise ConfigError(f"{wh}.dynamic = true is not supported (expected false)")
-        if w.get("actorder") not in (None, False):
-            raise ConfigError(f"{wh}.actorder = {w.get('actorder')!r} is not supported (expected null)")
-        gs = w.get("group_size")
-        if not isinstance(gs, int) or gs <= 0 or gs % 8:
-            raise ConfigError(f"{wh}.group_size = {gs!r} is not supported (expected a positive multiple of 8)")
+    def from_hf(q, where: str = "config.json") -> "QuantConfig":
+        """From a `quantization_config` object (Fields, or a dict read as the file `where`): W4A16
+        compressed-tensors pack-quantized, symmetric int4 groups (docs/kimi-k2.md 4.1), nothing else."""
+        q = q if isinstance(q, Fields) else Fields(q, where, "quantization_config")
+        q.string("quant_method", choices=("compressed-tensors",))
+        q.string("format", choices=("pack-quantized",))
+        groups = q.obj("config_groups", what="exactly one quantisation group")
+        if len(groups.d) != 1:
+            raise groups.error(f"{groups.file}: field '{groups.path}' has {len(groups.d)} groups "
+                               f"({', '.join(groups.d) or 'none'}): expected exactly one")
+        gname = next(iter(groups.d))
+        group = groups.obj(gname)
+        w = group.obj("weights")
+        w.integer("num_bits", lo=4, hi=4, expected="4 (INT4 only)")
+        w.string("type", choices=("int",))
+        if w.raw("symmetric") is not True:
+            raise w.bad("symmetric", w.raw("symmetric"), "true (symmetric INT4 only)")
+        w.string("strategy", choices=("group",))
+        if w.raw("dynamic", False) is not False:
+            raise w.bad("dynamic", w.raw("dynamic"), "false (static scales only)")
+        if w.raw("actorder", None) not in (None, False):
+            raise w.bad("actorder", w.raw("actorder"), "null (no activation ordering)")
+        gs = w.integer("group_size", lo=8, expected="a positive multiple of 8")
+        if gs % 8:
+            raise w.bad("group_size", gs, "a positive multiple of 8")
         for k in ("input_activations", "output_activations"):
-            if group.get(k) is not None:
-                raise ConfigError(f"{where}.config_groups.{gname}.{k} must be null (W4A16 only)")
+            if group.raw(k, None) is not None:
+                raise group.bad(k, group.raw(k), "null (W4A16 only)")
         return QuantConfig(group_size=gs)
 
     def to_hf(self) -> dict:
@@ -145,6 +301,12 @@ class QuantConfig:
 
 LAYOUTS = ("k2.6", "k2-thinking")
 TENSOR_PREFIX = {"k2.6": "language_model.", "k2-thinking": ""}
+TOKENIZERS = ("tiktoken", "bytes")
+# the text model's required integer fields (>= 1; first_k_dense_replace >= 0)
+_KIMI_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size", "intermediate_size",
+              "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+              "first_k_dense_replace")
 
 
 @dataclass(frozen=True)
@@ -177,38 +339,40 @@ class KimiConfig:
     quant: QuantConfig | None = None
     bos_token_id: int = 163584
     eos_token_ids: tuple[int, ...] = (163585,)
-    pad_token_id: int = 163839
+    pad_token_id: int | None = 163839     # None: the file says null or nothing (ddtree never pads)
     tokenizer: str = "tiktoken"           # "tiktoken" (real Kimi) | "bytes" (tiny models)
     layout: str = "k2.6"
+    # (file, dotted path of the text model's fields) for error messages; not part of the config
+    source: tuple[str, str] = field(default=("config.json", ""), compare=False, repr=False)
 
     def __post_init__(self):
-        w = "config.json"
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout '{self.layout}' is not one of {LAYOUTS}")
-        if self.scoring_func != "sigmoid":
-            raise ConfigError(f"{w}: scoring_func '{self.scoring_func}' is not supported (expected 'sigmoid')")
-        if self.topk_method != "noaux_tc":
-            raise ConfigError(f"{w}: topk_method '{self.topk_method}' is not supported (expected 'noaux_tc')")
-        if self.moe_layer_freq != 1:
-            raise ConfigError(f"{w}: moe_layer_freq {self.moe_layer_freq} is not supported (expected 1)")
-        if self.n_routed_experts % self.n_group:
-            raise ConfigError(f"{w}: n_routed_experts {self.n_routed_experts} is not divisible by "
-                              f"n_group {self.n_group}")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"{w}: topk_group {self.topk_group} must be in 1..n_group ({self.n_group})")
-        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            raise ConfigError(f"{w}: num_experts_per_tok {self.num_experts_per_tok} exceeds the experts "
-                              "in topk_group groups")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{w}: qk_rope_head_dim {self.qk_rope_head_dim} must be even")
-        if self.tokenizer not in ("tiktoken", "bytes"):
-            raise ConfigError(f"{w}: ddtree_tokenizer '{self.tokenizer}' is not supported "
-                              "(expected 'bytes' or absent)")
+        """The fields against each other (each field's own type and range: from_dict)."""
+        s = self.source
+        _check(self.layout in LAYOUTS, s, "layout", self.layout, f"one of {', '.join(LAYOUTS)}")
+        _check(self.scoring_func == "sigmoid", s, "scoring_func", self.scoring_func,
+               '"sigmoid" (the only scoring implemented)')
+        _check(self.topk_method == "noaux_tc", s, "topk_method", self.topk_method,
+               '"noaux_tc" (the only routing implemented)')
+        _check(self.moe_layer_freq == 1, s, "moe_layer_freq", self.moe_layer_freq,
+               "1 (every layer after the dense ones is MoE)")
+        _check(self.n_routed_experts % self.n_group == 0, s, "n_group", self.n_group,
+               f"a divisor of n_routed_experts {self.n_routed_experts} (not divisible by n_group {self.n_group})")
+        _check(1 <= self.topk_group <= self.n_group, s, "topk_group", self.topk_group,
+               f"an integer in 1..n_group ({self.n_group})")
+        most = self.topk_group * (self.n_routed_experts // self.n_group)
+        _check(self.num_experts_per_tok <= most, s, "num_experts_per_tok", self.num_experts_per_tok,
+               f"at most the {most} experts in topk_group {self.topk_group} of n_group {self.n_group} groups "
+               f"of n_routed_experts {self.n_routed_experts}")
+        _check(self.qk_rope_head_dim % 2 == 0, s, "qk_rope_head_dim", self.qk_rope_head_dim,
+               "an even integer (RoPE rotates pairs)")
+        _check(self.first_k_dense_replace <= self.num_hidden_layers, s, "first_k_dense_replace",
+               self.first_k_dense_replace, f"an integer in 0..num_hidden_layers ({self.num_hidden_layers})")
+        _check(self.tokenizer in TOKENIZERS, s, "ddtree_tokenizer", self.tokenizer, '"bytes" or absent')
         if self.quant is not None:
             g = self.quant.group_size
             for name, k in (("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)):
-                if k % g:
-                    raise ConfigError(f"{w}: quantization_config group_size {g} does not divide {name} {k}")
+                _check(k % g == 0, s, "quantization_config.config_groups.*.weights.group_size", g,
+                       f"a divisor of {name} {k} (group_size {g} does not divide {name} {k})")
 
     # derived -------------------------------------------------------------------------------
     @property
@@ -241,36 +405,54 @@ class KimiConfig:
 
     # IO ------------------------------------------------------------------------------------
     @staticmethod
-    def from_dict(d: dict, where: str = "config.json") -> "KimiConfig":
-        layout = "k2.6" if "text_config" in d else "k2-thinking"
-        t = d["text_config"] if layout == "k2.6" else d
-        tw = f"{where} text_config" if layout == "k2.6" else where
-        q = t.get("quantization_config", d.get("quantization_config"))
-        eos = d.get("eos_token_id", t.get("eos_token_id", 163585))
-        ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size", "intermediate_size",
-                "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-                "first_k_dense_replace")
-        vals = {}
-        for k in ints:
-            v = _req(t, k, tw)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 and k != "first_k_dense_replace":
-                raise ConfigError(f"{tw}: field '{k}' = {v!r} must be a positive integer")
-            vals[k] = v
-        opt = {k: t[k] for k in ("rms_norm_eps", "moe_layer_freq", "n_group", "topk_group", "topk_method",
-                                 "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                 "max_position_embeddings") if t.get(k) is not None}
-        if opt.get("norm_topk_prob") is False:
-            raise ConfigError(f"{tw}: norm_topk_prob false is not supported (Kimi renormalises)")
+    def from_dict(d: dict, where: str = "config.json", prefix: str = "") -> "KimiConfig":
+        """A config.json as a dict; errors name `where` (the file) and each field's dotted path, under
+        `prefix` when the config is itself a field of a bigger file (an engine's config.json: "model")."""
+        top = Fields(d, where, prefix)
+        layout = "k2.6" if "text_config" in top else "k2-thinking"
+        t = top.obj("text_config", what="the text model's fields") if layout == "k2.6" else top
+        vals = {k: t.integer(k, lo=0 if k == "first_k_dense_replace" else 1) for k in _KIMI_INTS}
+        vals["num_experts_per_tok"] = t.integer("num_experts_per_tok", lo=1, hi=vals["n_routed_experts"])
+        vals["first_k_dense_replace"] = t.integer("first_k_dense_replace", lo=0, hi=vals["num_hidden_layers"])
+        opt = dict(
+            rms_norm_eps=t.number("rms_norm_eps", 1e-5, gt=0),
+            moe_layer_freq=t.integer("moe_layer_freq", 1, lo=1, hi=1,
+                                     expected="1 (every layer after the dense ones is MoE)"),
+            n_group=t.integer("n_group", 1, lo=1),
+            topk_group=t.integer("topk_group", 1, lo=1),
+            topk_method=t.string("topk_method", "noaux_tc", choices=("noaux_tc",)),
+            scoring_func=t.string("scoring_func", "sigmoid", choices=("sigmoid",)),
+            routed_scaling_factor=t.number("routed_scaling_factor", 2.827, gt=0),
+            max_position_embeddings=t.integer("max_position_embeddings", 262144, lo=1),
+        )
+        if t.boolean("norm_topk_prob", True) is not True:
+            raise t.bad("norm_topk_prob", False, "true (Kimi renormalises the top-k weights)")
+        holder = t if "quantization_config" in t else top
+        q = holder.obj("quantization_config", None, null_ok=True)      # absent, null or {}: not quantised
+        vocab = vals["vocab_size"]
+
+        def token_id(key, default, null_ok=False):
+            """K2.6 keeps the ids at the top level, with a copy in text_config; an absent id takes
+            Kimi's, which a smaller vocabulary must not lack."""
+            at = top if key in top else t
+            if key not in at and default is not None and default >= vocab:
+                raise ConfigError(f"{t.file}: missing field '{t.name(key)}': Kimi's default {default} is "
+                                  f"not below vocab_size {vocab}")
+            return at.integer(key, default, lo=0, hi=vocab - 1, null_ok=null_ok)
+        bos = token_id("bos_token_id", 163584)
+        eos_at = top if "eos_token_id" in top else t
+        if isinstance(eos_at.raw("eos_token_id", None), list):
+            eos = tuple(eos_at.int_list("eos_token_id", lo=0, hi=vocab - 1))
+        else:
+            eos = (token_id("eos_token_id", 163585),)
+        pad = token_id("pad_token_id", None, null_ok=True)
+        tokenizer = (t if "ddtree_tokenizer" in t else top).string("ddtree_tokenizer", "tiktoken", choices=TOKENIZERS)
         return KimiConfig(
             **vals, **opt,
-            rope=RopeConfig.from_hf(t, tw),
-            quant=QuantConfig.from_hf(q, tw) if q else None,
-            bos_token_id=d.get("bos_token_id", t.get("bos_token_id", 163584)),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-            pad_token_id=d.get("pad_token_id", t.get("pad_token_id", 163839)),
-            tokenizer=t.get("ddtree_tokenizer", d.get("ddtree_tokenizer", "tiktoken")),
-            layout=layout,
+            rope=RopeConfig.from_hf(t),
+            quant=QuantConfig.from_hf(q) if q is not None and q.d else None,
+            bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
+            tokenizer=tokenizer, layout=layout, source=(t.file, t.path),
         )
 
     def to_dict(self, layout: str | None = None, rope_key: str = "rope_scaling") -> dict:
@@ -315,6 +497,9 @@ class KimiConfig:
 # ----------------------------------------------------------------------------------------------
 # DFlash drafter
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     hidden_size: int
@@ -333,18 +518,25 @@ class DrafterConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     attention_factor: float = 1.0          # `ddtree_attention_factor` (docs/ddtree.md 1.7)
+    # (file, dotted path of the drafter's fields) for error messages; not part of the config
+    source: tuple[str, str] = field(default=("drafter config.json", ""), compare=False, repr=False)
 
     def __post_init__(self):
-        w = "drafter config.json"
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"{w}: num_attention_heads {self.num_attention_heads} is not divisible by "
-                              f"num_key_value_heads {self.num_key_value_heads}")
-        if self.block_size < 2:
-            raise ConfigError(f"{w}: block_size {self.block_size} must be >= 2")
-        if not self.target_layer_ids:
-            raise ConfigError(f"{w}: dflash_config.target_layer_ids is empty")
-        if self.head_dim % 2:
-            raise ConfigError(f"{w}: head_dim {self.head_dim} must be even")
+        """The fields against each other (each field's own type and range: from_dict)."""
+        s = self.source
+        _check(self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0, s,
+               "num_key_value_heads", self.num_key_value_heads,
+               f"a divisor of num_attention_heads {self.num_attention_heads} (not divisible by "
+               f"num_key_value_heads {self.num_key_value_heads})")
+        _check(self.block_size >= 2, s, "block_size", self.block_size, "an integer >= 2")
+        _check(len(self.target_layer_ids) > 0, s, "dflash_config.target_layer_ids", list(self.target_layer_ids),
+               "a non-empty list of target layers (dflash_config.target_layer_ids is empty)")
+        _check(self.head_dim % 2 == 0, s, "head_dim", self.head_dim, "an even integer (RoPE rotates pairs)")
+        _check(0 <= self.mask_token_id < self.vocab_size, s, "dflash_config.mask_token_id", self.mask_token_id,
+               f"an integer in 0..{self.vocab_size - 1} (vocab_size {self.vocab_size})")
+        if self.layer_types is not None:
+            _check(len(self.layer_types) == self.num_hidden_layers, s, "layer_types", list(self.layer_types),
+                   f"one entry per layer (num_hidden_layers {self.num_hidden_layers})")
 
     @property
     def num_taps(self) -> int:
@@ -357,51 +549,61 @@ class DrafterConfig:
         return int(self.sliding_window) if sliding else 0
 
     def check_target(self, target: KimiConfig) -> None:
-        """The drafter must tap layers the target has, below its last (docs/interfaces.md 2)."""
+        """The drafter must tap layers the target has, below its last (docs/interfaces.md 2), and share
+        its hidden size and vocabulary."""
         n = target.num_hidden_layers
         for L in self.target_layer_ids:
-            if not 0 <= L < n - 1:
-                raise ConfigError(f"drafter config.json: dflash_config.target_layer_ids contains {L}; "
-                                  f"it must be in 0..{n - 2} for a {n}-layer target (the last layer's "
-                                  "output is replaced by the final-normed state)")
-        if self.hidden_size != target.hidden_size:
-            raise ConfigError(f"drafter config.json: hidden_size {self.hidden_size} != target hidden_size "
-                              f"{target.hidden_size}")
-        if self.vocab_size != target.vocab_size:
-            raise ConfigError(f"drafter config.json: vocab_size {self.vocab_size} != target vocab_size "
-                              f"{target.vocab_size}")
+            _check(0 <= L < n - 1, self.source, "dflash_config.target_layer_ids", list(self.target_layer_ids),
+                   f"layers in 0..{n - 2} for a {n}-layer target (target_layer_ids contains {L}; the last "
+                   "layer's output is replaced by the final-normed state)")
+        _check(self.hidden_size == target.hidden_size, self.source, "hidden_size", self.hidden_size,
+               f"the target's hidden_size {target.hidden_size}")
+        _check(self.vocab_size == target.vocab_size, self.source, "vocab_size", self.vocab_size,
+               f"the target's vocab_size {target.vocab_size}")
 
     @staticmethod
-    def from_dict(d: dict, where: str = "drafter config.json") -> "DrafterConfig":
-        dc = d.get("dflash_config", {})
+    def from_dict(d: dict, where: str = "drafter config.json", prefix: str = "") -> "DrafterConfig":
+        """A drafter config.json as a dict; errors name `where` (the file) and the dotted field, under
+        `prefix` when the config is itself a field of a bigger file (an engine's config.json: "drafter").
+        DFlash fields are read from `dflash_config` first, then the top level."""
+        top = Fields(d, where, prefix)
+        dc = top.obj("dflash_config", None, what="DFlash's mask_token_id and target_layer_ids")
 
-        def pick(key, default=None, required=True):
-            if key in dc:
-                return dc[key]
-            if key in d:
-                return d[key]
-            if required and default is None:
-                raise ConfigError(f"{where}: missing required field 'dflash_config.{key}'")
-            return default
-
-        ints = {k: _req(d, k, where) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                "num_attention_heads", "num_key_value_heads", "vocab_size")}
-        head_dim = d.get("head_dim", ints["hidden_size"] // ints["num_attention_heads"])
-        taps = pick("target_layer_ids")
-        if not isinstance(taps, list) or not all(isinstance(x, int) for x in taps):
-            raise ConfigError(f"{where}: dflash_config.target_layer_ids must be a list of ints, got {taps!r}")
-        lt = d.get("layer_types")
+        def dflash(key):                  # dflash_config first, then the top level
+            if dc is not None and key in dc:
+                return dc
+            if key in top:
+                return top
+            return dc if dc is not None else Fields({}, top.file, top.name("dflash_config"))
+        ints = {k: top.integer(k, lo=1) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "vocab_size")}
+        heads = ints["num_attention_heads"]
+        kv_heads = top.integer("num_key_value_heads", lo=1, hi=heads)
+        if "head_dim" in top:
+            head_dim = top.integer("head_dim", lo=2)
+        elif ints["hidden_size"] % heads:
+            raise ConfigError(f"{top.file}: missing field '{top.name('head_dim')}', and hidden_size "
+                              f"{ints['hidden_size']} is not divisible by num_attention_heads {heads}")
+        else:
+            head_dim = ints["hidden_size"] // heads
+        vocab = ints["vocab_size"]
+        use_sliding = top.boolean("use_sliding_window", True)
+        sliding = top.integer("sliding_window", None, lo=0, null_ok=True)
+        lt = top.raw("layer_types", None)
+        if lt is not None and (not isinstance(lt, list) or not all(x in LAYER_TYPES for x in lt)):
+            raise top.bad("layer_types", lt, f"null or a list of {' / '.join(map(json.dumps, LAYER_TYPES))}")
         return DrafterConfig(
-            **ints, head_dim=head_dim,
-            block_size=int(pick("block_size")),
-            target_layer_ids=tuple(taps),
-            mask_token_id=int(pick("mask_token_id")),
-            rope=RopeConfig.from_hf(d, where),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            num_target_layers=pick("num_target_layers", required=False),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            **ints, num_key_value_heads=kv_heads, head_dim=head_dim,
+            block_size=dflash("block_size").integer("block_size", lo=2),
+            target_layer_ids=tuple(dflash("target_layer_ids").int_list("target_layer_ids", lo=0)),
+            mask_token_id=dflash("mask_token_id").integer("mask_token_id", lo=0, hi=vocab - 1),
+            rope=RopeConfig.from_hf(top),
+            rms_norm_eps=top.number("rms_norm_eps", 1e-6, gt=0),
+            num_target_layers=dflash("num_target_layers").integer("num_target_layers", None, lo=1, null_ok=True),
+            sliding_window=sliding if use_sliding else None,
             layer_types=tuple(lt) if lt else None,
-            attention_factor=float(d.get("ddtree_attention_factor", 1.0)),
+            attention_factor=top.number("ddtree_attention_factor", 1.0, gt=0),
+            source=(top.file, top.path),
         )
 
     def to_dict(self, rope_key: str = "rope_scaling") -> dict:
@@ -427,30 +629,35 @@ class DrafterConfig:
         return d
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path) -> tuple[Path, dict]:
+    """(the config.json path, its JSON) from a checkpoint dir or the file itself."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"{path}: config.json not found")
     try:
-        return json.loads(path.read_text())
+        return path, json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
 
 
 def load_model_config(path) -> KimiConfig:
     """Target config from a checkpoint dir or its config.json."""
-    return KimiConfig.from_dict(_read_json(path), where=str(path))
+    file, d = _read_json(path)
+    return KimiConfig.from_dict(d, where=str(file))
 
 
 def load_drafter_config(path) -> DrafterConfig:
-    return DrafterConfig.from_dict(_read_json(path), where=str(path))
+    file, d = _read_json(path)
+    return DrafterConfig.from_dict(d, where=str(file))
 
 
 def write_json(path: Path, d: dict) -> None:
     Path(path).write_text(json.dumps(d, indent=2) + "\n")
 
 
-__all__ = ["ConfigError", "RopeConfig", "QuantConfig", "KimiConfig", "DrafterConfig", "yarn_mscale",
-           "load_model_config", "load_drafter_config", "write_json"]
+__all__ = ["ConfigError", "Fields", "show", "RopeConfig", "QuantConfig", "KimiConfig", "DrafterConfig",
+           "yarn_mscale", "load_model_config", "load_drafter_config", "write_json"]
