@@ -1,8 +1,11 @@
 """`ddtree inspect DIR`: what an engine directory holds, and whether every file matches its manifest.
 
 Prints the layout (model, drafter, tp, expert placement, archs and kernels, budgets, dtypes), the
-size of each rank and of the kernels, then re-hashes every file against manifest.json. Any missing,
-unlisted, resized or altered file is named and the command exits 1. --json prints one object:
+size of each rank and of the kernels, then runs the checks of an engine's load (engine_dir.engine_problems:
+config.json against its plan, the rank directories and the weights' headers) and re-hashes every file
+against manifest.json. Any missing, unlisted, resized or altered file, or an edited config field, is named
+and the command exits 1; a folder that is not an engine (a checkpoint) is refused, saying what an engine
+directory holds. --json prints one object:
 {"engine", "format", "ok", "problems", "tp", "experts", "archs", "budgets", "block_size", "model",
  "drafter", "ranks": [{"name", "files", "bytes"}], "kernels": {arch: {file: bytes}}, "files", "bytes",
  "plans": plans.json (TensorRT-RTX plans with every input and output) or null}.
@@ -15,14 +18,13 @@ import click
 from rich.console import Console
 
 from ddtree.builder.trt_build import describe_plans, plan_lines
-from ddtree.engine_dir import (EngineFormatError, engine_files, kernels_rel, rank_name, read_engine_config,
-                               verify_manifest)
+from ddtree.engine_dir import PLANS, engine_files, engine_problems, kernels_rel, rank_name
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
+from ddtree.model.config import DrafterConfig, KimiConfig
 
 
-def describe(engine: Path) -> dict:
-    meta = read_engine_config(engine)
+def describe(engine: Path, meta: dict) -> dict:
     cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
     files = engine_files(engine)
     size = {rel: (engine / rel).stat().st_size for rel in files}
@@ -55,12 +57,11 @@ def _mib(n: int) -> str:
 def inspect_command(engine, as_json):
     """Show an engine directory's layout and verify every file's sha256 against its manifest."""
     err = Console(stderr=True, highlight=False)
-    try:
-        info = describe(engine)
-        info["plans"] = describe_plans(engine)
-        problems = verify_manifest(engine)
-    except (EngineFormatError, ConfigError, FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e))
+    with reported():
+        meta, problems = engine_problems(engine)
+        info = describe(engine, meta)
+        damaged = {p.split(": ", 1)[0] for p in problems}
+        info["plans"] = None if PLANS in damaged else describe_plans(engine)     # (named among the problems)
     info["ok"], info["problems"] = not problems, problems
     m, d = info["model"], info["drafter"]
     err.print(f"{engine}  ({info['format']}, {info['files']} files, {_mib(info['bytes'])})")
@@ -85,5 +86,5 @@ def inspect_command(engine, as_json):
     if as_json:
         emit_json(info)
     if problems:
-        raise click.ClickException(f"{len(problems)} file(s) do not match the manifest: "
-                                   + "; ".join(problems[:5]))
+        raise click.ClickException(f"{len(problems)} problem(s): the engine does not match its manifest or "
+                                   "config.json: " + "; ".join(problems[:5]))

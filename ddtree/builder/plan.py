@@ -74,7 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddtree.errors import InputError
-from ddtree.engine_dir import EXPERT_MODES
+from ddtree.engine_dir import EXPERT_MODES, plan_all_reduce_counts, plan_per_rank
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.plugins import layout
 
@@ -160,24 +160,15 @@ class TPPlan:
     def all_reduce_counts(self) -> dict[str, int]:
         """All-reduces per forward: the target's (embedding + attention and MLP of every layer) and the
         drafter's (the borrowed embedding, fc, then attention and MLP of every drafter layer)."""
-        return {"target": 1 + 2 * self.cfg.num_hidden_layers, "drafter": 2 + 2 * self.dcfg.num_hidden_layers}
+        return plan_all_reduce_counts(self.cfg, self.dcfg)
 
     def to_dict(self) -> dict:
-        """The plan as recorded in the engine's config.json; the runtime reads its ranges from here."""
-        d, c = self.dcfg, self.cfg
+        """The plan as recorded in the engine's config.json; the runtime reads its ranges from here (and
+        recomputes per_rank and all_reduce_count with the same engine_dir functions to check them at load)."""
         return {
             "tp": self.tp, "experts": self.experts,
             "split": "equal contiguous chunks; rank r holds [r * n / tp, (r + 1) * n / tp)",
-            "per_rank": {
-                "heads": self.heads, "vocab": self.vocab,
-                "dense_intermediate": c.intermediate_size // self.tp,
-                "moe_intermediate": self.moe_inter, "routed_experts": self.experts_per_rank,
-                "shared_intermediate": c.moe_intermediate_size * c.n_shared_experts // self.tp,
-                "drafter_heads": d.num_attention_heads // self.tp,
-                "drafter_kv_heads": d.num_key_value_heads // self.tp,
-                "drafter_intermediate": d.intermediate_size // self.tp,
-                "drafter_fc_in": d.num_taps * d.hidden_size // self.tp,
-            },
+            "per_rank": plan_per_rank(self.cfg, self.dcfg, self.tp, self.experts),
             "replicated": ["norms", "q_a_proj", "kv_a_proj_with_mqa", "router", "latent KV cache"],
             "all_reduce": ["embedding", "per layer: attention o_proj", "per layer: MLP / MoE down",
                            "drafter: embedding, fc, per layer: o_proj and MLP down"],

@@ -72,9 +72,10 @@ class GraphRanks:
                            for L in lg.layers}
 
     @classmethod
-    def from_engine(cls, engine_dir, act: str | None = None) -> "GraphRanks":
-        """act None: the engine's graphs/ as written; else every graph exported now at `act`."""
-        meta = ed.read_engine_config(engine_dir)
+    def from_engine(cls, engine_dir, act: str | None = None, verify: bool = True) -> "GraphRanks":
+        """act None: the engine's graphs/ as written; else every graph exported now at `act`. The engine is
+        checked first (engine_dir.check_engine; verify=False skips the hashes only)."""
+        meta, digests = ed.check_engine(engine_dir, verify)
         cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
         tp, files = int(meta["tp"]), meta["weight_files"]
         if act is None:
@@ -83,7 +84,7 @@ class GraphRanks:
         else:
             specs = rank_specs(engine_dir, files)
             graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in range(tp)]
-        weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16) for r in range(tp)]
+        weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16, digests=digests) for r in range(tp)]
         return cls(cfg, dcfg, graphs, weights, act)
 
     # running ---------------------------------------------------------------------------------------

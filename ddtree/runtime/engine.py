@@ -42,9 +42,10 @@ class DDTreeEngine:
         self.stop_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.stop_ids)
 
     @classmethod
-    def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu") -> "DDTreeEngine":
+    def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True) -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
-        (ranks simulated on CPU), -> engine. cpu = float64 numpy."""
+        (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
+        token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks."""
         if device not in DEVICES:
             raise ValueError(f"device '{device}' is not one of {DEVICES}")
         if device == "cuda":
@@ -56,7 +57,7 @@ class DDTreeEngine:
                 raise ValueError(f"{model_dir} is an engine directory with its drafter built in; "
                                  "do not pass a drafter dir")
             from ddtree.runtime.engine_executor import EngineExecutor
-            executor = EngineExecutor(model_dir)
+            executor = EngineExecutor(model_dir, verify=verify)
             return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
         if model_dir is None or drafter_dir is None:
             from ddtree.data import tiny_model_dirs

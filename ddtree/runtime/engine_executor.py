@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.engine_dir import config_path, load_rank_tensors, read_engine_config, tokenizer_dir
+from ddtree.engine_dir import check_engine, config_path, load_rank_tensors, tokenizer_dir
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.ops import layers, vocab_parallel
 from ddtree.ops.caches import DraftCaches, TargetCaches
@@ -35,9 +35,12 @@ DRAFT_CAPACITY = 256            # drafter context rows to start with (grown on d
 class EngineExecutor:
     name = "engine-numpy"
 
-    def __init__(self, engine_dir, dtype=np.float64):
+    def __init__(self, engine_dir, dtype=np.float64, verify: bool = True):
+        """verify: every file's sha256 against manifest.json (the weights while they are read); False skips
+        the hashes only, never the structural checks (engine_dir.check_engine)."""
         self.engine_dir = Path(engine_dir)
-        self.meta = meta = read_engine_config(self.engine_dir)
+        self.meta, digests = check_engine(self.engine_dir, verify)
+        meta = self.meta
         where = config_path(self.engine_dir)
         self.config = KimiConfig.from_dict(meta["model"], where=f"{where} model")
         self.drafter_config = DrafterConfig.from_dict(meta["drafter"], where=f"{where} drafter")
@@ -47,7 +50,8 @@ class EngineExecutor:
         self.layouts = [RankLayout.from_plan(meta["plan"], r) for r in range(self.tp)]
         collective = collective_for(self.tp)
         files = meta["weight_files"]
-        weights = [load_rank_tensors(self.engine_dir, r, files, convert=self.dtype) for r in range(self.tp)]
+        weights = [load_rank_tensors(self.engine_dir, r, files, convert=self.dtype, digests=digests)
+                   for r in range(self.tp)]
         self.ranks = NumpyRanks([NumpyOps(w, lay, collective, self.dtype) for w, lay in zip(weights, self.layouts)])
         self.offsets = [lay.vocab_start for lay in self.layouts]
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)

@@ -56,12 +56,14 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@click.option("--skip-verify", is_flag=True,
+              help="Engine dir: skip the sha256 of every file (the sizes and config checks still run).")
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, chat, as_json):
+                budget, block_size, mode, device, chat, as_json, skip_verify):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
     try:
-        engine = DDTreeEngine.load(model_dir, drafter_dir, device)
+        engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
     except (NotImplementedError, ValueError) as e:
         raise click.ClickException(str(e))
     dmax = engine.drafter_config.block_size
