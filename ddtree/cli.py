@@ -1,19 +1,24 @@
 """Command line: `ddtree` (click group), `ddtree-build` and `ddtree-run` (docs/interfaces.md section 1).
 
 Every command takes --json: one JSON object on stdout (ddtree/jsonout.py: emit_json), human text on stderr.
+Every command reports bad input as one `Error: <Type>: <message>` line and exit 1 (ddtree/errors.py
+reported), refuses nan/inf in float flags at parse time (exit 2), and ends quietly with exit 141 when its
+reader goes away (`| head`; ddtree/cli_types.py QuietGroup / QuietCommand, the class of the three entry
+points `ddtree`, `ddtree-run`, `ddtree-build`).
 """
 from __future__ import annotations
 
 import click
 
 from ddtree.bench.cli import bench
+from ddtree.cli_types import QuietGroup
 from ddtree.builder.build_cli import build_command
 from ddtree.builder.inspect_cli import inspect_command
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=QuietGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ddtree")
 def main():
     """ddtree: Kimi K2.x inference with DDTree tree speculative decoding."""

@@ -19,7 +19,9 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ddtree.cli_types import FiniteFloatRange
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.tokenizer import load_tokenizer
 from ddtree.reference.drafter import Drafter
@@ -97,9 +99,10 @@ def run_accept(ex: NumpyExecutor, prompt_ids: list[list[int]], budgets, max_new_
               help="JSON-lines prompt file with a 'text' per line (default: the committed held-out prompts)")
 @click.option("--num-prompts", type=click.IntRange(1), default=None, help="use only the first N prompts")
 @click.option("--block-size", type=click.IntRange(2), default=None, help="draft block (<= the drafter's)")
-@click.option("--attention-factor", type=float, default=None,
+@click.option("--attention-factor", type=FiniteFloatRange(min=0.0, min_open=True), default=None,
               help="override the drafter's ddtree_attention_factor (to measure it)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
 def accept(target_dir, drafter_dir, budgets, max_new_tokens, prompts_path, num_prompts, block_size,
            attention_factor, as_json):
     """Acceptance length vs budget on held-out prompts (greedy, numpy reference)."""

@@ -18,6 +18,7 @@ import click
 import numpy as np
 
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
 DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "RTX PRO 6000": 503.8}
@@ -102,6 +103,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
               help="diagnosis: one cache, re-read by every launch (served from L2 when it fits): the kernel's "
                    "compute-side rate, not a bandwidth result")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
 def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, l2_resident,
                       as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""

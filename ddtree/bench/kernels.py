@@ -15,6 +15,7 @@ import statistics
 import click
 import numpy as np
 
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
 TP_SHAPES = {1: dict(inter=2048), 8: dict(inter=256)}
@@ -64,8 +65,16 @@ def measure_ceiling(gpu, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
 
 def open_gpu():
     """The device and its copy ceiling, measured first while nothing else is allocated (said on stderr)."""
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError
+    except ImportError as e:
+        raise click.ClickException(f"this benchmark runs on an NVIDIA GPU and needs the 'cuda' extra "
+                                   f"(pip install -e '.[cuda]'): {e}") from e
     from ddtree.plugins.device import Gpu
-    gpu = Gpu()
+    try:
+        gpu = Gpu()
+    except DynamicLibNotFoundError as e:               # cuda-python installed, no NVIDIA driver on this machine
+        raise click.ClickException(f"this benchmark runs on an NVIDIA GPU: {e}") from e
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
     _say(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s")
@@ -230,6 +239,7 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--no-router", is_flag=True, help="skip the router rows")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
                 no_pdl, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
@@ -257,6 +267,7 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
 def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, no_pdl, seed, as_json):
     """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
     gpu, ceiling = open_gpu()

@@ -18,6 +18,7 @@ import click
 import numpy as np
 
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.tree.sampling import SamplingParams
 
@@ -94,6 +95,7 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
 @click.option("--launches", default=8, show_default=True, help="steps per captured graph (at least one per buffer)")
 @click.option("--flat", is_flag=True, help="standard-normal logits (top-p keeps most of the vocab: full-row path)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
 def tree_command(vocabs, budgets, depth, modes, launches, flat, as_json):
     """DDTree tree build (top-k + best-first) and acceptance walk (sampling at every node) on the GPU."""
     modes = [m for m in modes.split(",") if m]

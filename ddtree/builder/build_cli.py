@@ -18,14 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from ddtree.builder.build import DEFAULT_BUDGETS, build_engine
-from ddtree.builder.output_dir import BuildError
-from ddtree.builder.plan import EXPERT_MODES, PlanError
+from ddtree.builder.plan import EXPERT_MODES
+from ddtree.cli_types import QuietCommand
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.model.config import ConfigError
-from ddtree.model.safetensors_io import CheckpointError
-from ddtree.model.tokenizer import TokenizerError
-
-ERRORS = (BuildError, PlanError, CheckpointError, ConfigError, TokenizerError)
 
 
 class RichStages:
@@ -57,7 +53,7 @@ def parse_budgets(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r}: expected comma-separated integers, e.g. 16,32,64", param_hint="--budgets")
 
 
-@click.command("build", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("build", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Kimi K2.x checkpoint directory (HF layout, INT4 experts).")
 @click.option("--drafter", "drafter_dir", required=True,
@@ -77,6 +73,7 @@ def parse_budgets(text: str) -> list[int]:
 @click.option("--no-graphs", is_flag=True, help="Skip the per-rank ONNX graphs (graphs/); not with --trt.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory at --out.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@reported()
 def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs, trt, no_graphs, force, as_json):
     """Build an engine directory from a Kimi K2.x checkpoint and a DFlash drafter."""
     console = Console(stderr=True)
@@ -85,12 +82,9 @@ def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs
                   f"archs {', '.join(archs)})")
     if trt and no_graphs:
         raise click.UsageError("--trt builds its plans from the graphs; drop --no-graphs")
-    try:
-        with ui.progress:
-            summary = build_engine(model_dir, drafter_dir, tp, archs, out, parse_budgets(budgets), force, experts,
-                                   ui=ui, jobs=jobs, graphs=not no_graphs, trt=trt)
-    except ERRORS as e:
-        raise click.ClickException(str(e))
+    with ui.progress:
+        summary = build_engine(model_dir, drafter_dir, tp, archs, out, parse_budgets(budgets), force, experts,
+                               ui=ui, jobs=jobs, graphs=not no_graphs, trt=trt)
     console.print(f"engine {summary['engine']}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB")
     if as_json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig, QuantConfig, RopeConfig
 
 # Byte tokenizer of the tiny models (docs/interfaces.md section 2): ids 0..255 are bytes, then these.
@@ -80,20 +81,24 @@ TEST_PRESETS = {"tiny": _tiny, "tiny-grouped": _tiny_grouped, "small-mla": _smal
 PRESETS = (*TEST_PRESETS, "kimi-k2.6")
 
 
+class PresetError(InputError):
+    """A preset asked for with a depth it cannot have, or an unknown preset (names the flag and the value)."""
+
+
 def get_preset(name: str, layers: int | None = None) -> tuple[KimiConfig, DrafterConfig]:
     """(target config, drafter config) for a preset; `layers` overrides the target depth."""
     if name == "kimi-k2.6":
         if layers is None:
-            raise ValueError("preset 'kimi-k2.6' requires --layers (the full model is 61 layers, ~595 GB)")
+            raise PresetError("preset 'kimi-k2.6' requires --layers (the full model is 61 layers, ~595 GB)")
         if layers < 2:
-            raise ValueError(f"--layers {layers}: kimi-k2.6 needs at least 2 layers (dense layer 0 + one MoE)")
+            raise PresetError(f"--layers {layers}: kimi-k2.6 needs at least 2 layers (dense layer 0 + one MoE)")
         return _kimi_k26(layers)
     if name not in TEST_PRESETS:
-        raise ValueError(f"unknown preset '{name}' (known: {', '.join(PRESETS)})")
+        raise PresetError(f"--preset {name!r}: unknown preset (known: {', '.join(PRESETS)})")
     t, d = TEST_PRESETS[name]()
     if layers is not None:
         if layers < 3:
-            raise ValueError(f"--layers {layers}: test presets need at least 3 layers (drafter taps)")
+            raise PresetError(f"--layers {layers}: test presets need at least 3 layers (drafter taps)")
         taps = tuple(x for x in d.target_layer_ids if x < layers - 1)
         t = replace(t, num_hidden_layers=layers)
         d = replace(d, target_layer_ids=taps, num_target_layers=layers)

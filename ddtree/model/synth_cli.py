@@ -8,8 +8,10 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from ddtree.cli_types import FiniteFloatRange
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.model.presets import PRESETS
+from ddtree.model.presets import PRESETS, PresetError
 from ddtree.model.synthetic import estimate_bytes, synth as synth_checkpoint
 
 
@@ -17,21 +19,22 @@ from ddtree.model.synthetic import estimate_bytes, synth as synth_checkpoint
 @click.option("--preset", required=True, type=click.Choice(PRESETS), help="Model shape.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Writes OUT/target (HF checkpoint) and OUT/drafter (DFlash).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Target decoder layers (required for kimi-k2.6).")
 @click.option("--layout", type=click.Choice(["k2.6", "k2-thinking"]), default="k2.6", show_default=True,
               help="k2.6: text_config + language_model. prefix; k2-thinking: flat, model. prefix.")
-@click.option("--shard-mb", type=click.FloatRange(min=0.001), default=4096, show_default=True,
+@click.option("--shard-mb", type=FiniteFloatRange(min=0.001), default=4096, show_default=True,
               help="Maximum shard size in MiB (a larger single tensor gets its own shard).")
 @click.option("--force", is_flag=True, help="Overwrite OUT/target and OUT/drafter if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+@reported()
 def synth(preset, out_dir, seed, layers, layout, shard_mb, force, as_json):
     """Write a synthetic Kimi K2.x checkpoint and DFlash drafter with seeded random weights."""
     err = Console(stderr=True)
     try:
         need = estimate_bytes(preset, layers)
-    except ValueError as e:
+    except PresetError as e:
         raise click.BadParameter(str(e), param_hint="--layers" if "layers" in str(e) else "--preset")
     out_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out_dir).free

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ddtree.errors import InputError
 from ddtree.model.tokenizer import load_tokenizer
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.tree.build import MAX_BUDGET
@@ -23,6 +24,14 @@ from ddtree.tree.sampling import SamplingParams
 
 DEVICES = ("cpu", "cuda")
 MODES = ("ddtree", "ar")
+
+
+class RequestError(InputError):
+    """A request the engine cannot serve as given (device, mode, budget, dirs), naming the parameter / flag."""
+
+
+class DeviceUnavailableError(RequestError, NotImplementedError):
+    """A device this build cannot run on yet (still a NotImplementedError for callers that catch that)."""
 
 
 @dataclass
@@ -47,15 +56,15 @@ class DDTreeEngine:
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks."""
         if device not in DEVICES:
-            raise ValueError(f"device '{device}' is not one of {DEVICES}")
+            raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
-            raise NotImplementedError("device 'cuda': the GPU runtime is not available yet "
-                                      "(the CUDA executor lands with the kernel issues); use device 'cpu'")
+            raise DeviceUnavailableError("device (--device) 'cuda': the GPU runtime is not available yet "
+                                         "(the CUDA executor lands with the kernel issues); use device 'cpu'")
         from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
-                raise ValueError(f"{model_dir} is an engine directory with its drafter built in; "
-                                 "do not pass a drafter dir")
+                raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
+                                   f"do not pass a drafter dir (--drafter {drafter_dir})")
             from ddtree.runtime.engine_executor import EngineExecutor
             executor = EngineExecutor(model_dir, verify=verify)
             return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
@@ -94,11 +103,11 @@ class DDTreeEngine:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt)
         if mode not in MODES:
-            raise ValueError(f"mode '{mode}' is not one of {MODES}")
+            raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
         if mode == "ar":
             return ar_steps(self.executor, ids, max_new_tokens, params, self.stop_ids, stats)
         if not 1 <= budget <= MAX_BUDGET:
-            raise ValueError(f"budget {budget} must be in 1..{MAX_BUDGET}")
+            raise RequestError(f"budget (--budget) {budget}: expected an integer in 1..{MAX_BUDGET}")
         return ddtree_steps(self.executor, ids, max_new_tokens, params, budget, self.stop_ids,
                             block_size, stats)
 

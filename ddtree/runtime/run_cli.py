@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from ddtree.cli_types import FiniteFloatRange, QuietCommand, check_prompt_argument, decode_prompt
+from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.loop import RunStats
@@ -20,13 +22,16 @@ from ddtree.tree.build import MAX_BUDGET
 def _read_prompt(prompt, prompt_file) -> str:
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give the prompt either as an argument or with --prompt-file, not both")
-    if prompt_file is not None:
-        return prompt_file.read()
+    if prompt_file is not None:            # bytes, decoded strictly: a bad byte is named with its file and offset
+        name = getattr(prompt_file, "name", None)
+        is_file = isinstance(name, str) and name not in ("-", "<stdin>")
+        return decode_prompt(prompt_file.read(), name if is_file else "<stdin>", universal_newlines=is_file)
     if prompt is not None:
-        return prompt
+        return check_prompt_argument(prompt)
     if sys.stdin is None or sys.stdin.isatty():
         raise click.UsageError("no prompt: pass PROMPT, --prompt-file FILE, or pipe text on stdin")
-    return sys.stdin.read()
+    binary = getattr(sys.stdin, "buffer", None)        # None: stdin replaced by a text-only stream (embedding)
+    return sys.stdin.read() if binary is None else decode_prompt(binary.read(), "<stdin>")
 
 
 def _summary(stats: dict, label: str) -> str:
@@ -34,18 +39,19 @@ def _summary(stats: dict, label: str) -> str:
             f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s)")
 
 
-@click.command("run", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("run", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", type=click.File("r"), default=None, help="Read the prompt from a file ('-' = stdin).")
+@click.option("--prompt-file", type=click.File("rb"), default=None,
+              help="Read the prompt from a file ('-' = stdin), UTF-8.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
 @click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="DFlash drafter dir (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
               help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
+@click.option("--top-p", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               help=">= 1 = off.")
 @click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
 @click.option("--budget", type=click.IntRange(1, MAX_BUDGET), default=16, show_default=True,
@@ -58,14 +64,12 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,
               help="Engine dir: skip the sha256 of every file (the sizes and config checks still run).")
+@reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
                 budget, block_size, mode, device, chat, as_json, skip_verify):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
-    try:
-        engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
-    except (NotImplementedError, ValueError) as e:
-        raise click.ClickException(str(e))
+    engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
     dmax = engine.drafter_config.block_size
     if block_size is not None and block_size > dmax:
         raise click.BadParameter(f"{block_size} is above the drafter's block_size {dmax}", param_hint="--block-size")

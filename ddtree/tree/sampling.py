@@ -22,10 +22,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.errors import InputError
 from ddtree.tree.philox import philox4x32_10
 
 CHUNK = 1 << 20              # Philox evaluations per numpy batch (bounds the temporaries)
 TWO_POW_32 = 4294967296.0
+
+
+class SamplingError(InputError):
+    """Sampling parameters out of their domain, naming the parameter (and its ddtree-run flag) and the value."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -36,14 +49,17 @@ class SamplingParams:
     seed: int = 0                # 0 <= seed < 2^64
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
-            raise ValueError(f"SamplingParams: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not self.top_p > 0:
-            raise ValueError(f"SamplingParams: top_p must be > 0 (>= 1 = off), got {self.top_p}")
-        if not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 1 << 64):
-            raise ValueError(f"SamplingParams: seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if not (_is_real(self.temperature) and self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise SamplingError(f"SamplingParams: temperature (--temperature) must be a finite number >= 0, "
+                                f"got {self.temperature!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise SamplingError(f"SamplingParams: top_k (--top-k) must be an integer >= 0 (0 = off), "
+                                f"got {self.top_k!r}")
+        if not (_is_real(self.top_p) and self.top_p > 0 and np.isfinite(self.top_p)):
+            raise SamplingError(f"SamplingParams: top_p (--top-p) must be a finite number > 0 (>= 1 = off), "
+                                f"got {self.top_p!r}")
+        if not (_is_int(self.seed) and 0 <= self.seed < 1 << 64):
+            raise SamplingError(f"SamplingParams: seed (--seed) must be an integer in [0, 2^64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,108 @@
+"""What every command shares at its edges: finite float flags, strictly decoded prompts, a closed stdout.
+
+- `FiniteFloatRange`: click's FloatRange that also refuses nan / inf / -inf at parse time (click's usual
+  exit 2, "Invalid value for '--temperature': nan is not a finite number"); FloatRange alone takes them.
+- `decode_prompt(data, source)`: prompt bytes -> text, strict UTF-8; undecodable bytes are a `PromptError`
+  naming the file (or `<stdin>`, or the PROMPT argument: `check_prompt_argument`) and the byte offset.
+- `QuietCommand` / `QuietGroup` (the `cls` of the entry points: `ddtree`, `ddtree-run`, `ddtree-build`):
+  a reader that goes away (`ddtree run "x" | head -c 1`) ends the command quietly with exit code 141
+  (128 + SIGPIPE, what a shell reports for `yes | head`), and a closed stdout or stderr (`>&-`) is
+  treated as /dev/null, instead of a BrokenPipeError / AttributeError traceback.
+"""
+from __future__ import annotations
+
+import errno
+import math
+import os
+import sys
+
+import click
+
+from ddtree.errors import InputError
+
+EXIT_PIPE_CLOSED = 128 + 13       # 128 + SIGPIPE: what `yes | head` exits with in a shell
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A float flag that must be a finite number (and in the range, if one is given)."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+class PromptError(InputError):
+    """A prompt that cannot be read as text (named: the file, `<stdin>` or the PROMPT argument)."""
+
+
+def _strict_utf8(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{source}: not valid UTF-8 at byte {e.start} (0x{data[e.start]:02x}: {e.reason}); "
+                          "expected UTF-8 text") from None
+
+
+def decode_prompt(data: bytes, source: str, universal_newlines: bool = False) -> str:
+    """Prompt bytes -> text, strict UTF-8 (the tokenizer is byte-level UTF-8). universal_newlines: \\r\\n and
+    \\r become \\n, as text mode reads a file (a prompt file did; stdin on POSIX did not)."""
+    text = _strict_utf8(data, source)
+    return text.replace("\r\n", "\n").replace("\r", "\n") if universal_newlines else text
+
+
+def check_prompt_argument(prompt: str) -> str:
+    """The PROMPT argument as is. An argument that is not valid UTF-8 reaches Python with lone surrogates
+    (surrogateescape): name its first bad byte instead of failing later inside the tokenizer."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        return _strict_utf8(os.fsencode(prompt), "the PROMPT argument")
+    return prompt
+
+
+def _discard_output() -> None:
+    """Point stdout and stderr at /dev/null (so the interpreter's last flush cannot fail again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (AttributeError, OSError, ValueError):     # no real file behind it (a test runner's)
+                pass
+    finally:
+        os.close(devnull)
+
+
+def _open_closed_streams() -> None:
+    """A command started with stdout or stderr closed (`>&-`) writes to /dev/null instead of failing."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
+class _Quiet:
+    def main(self, *args, **kwargs):
+        _open_closed_streams()
+        return super().main(*args, **kwargs)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as e:
+            if e.errno != errno.EPIPE:
+                raise
+            _discard_output()
+            raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
+
+
+class QuietCommand(_Quiet, click.Command):
+    """A command that ends quietly when its reader goes away (see the module docstring)."""
+
+
+class QuietGroup(_Quiet, click.Group):
+    """A group whose commands end quietly when their reader goes away (see the module docstring)."""
