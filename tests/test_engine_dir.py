@@ -1,6 +1,7 @@
 """ddtree/engine_dir.py: the layout's paths, config.json checked on write and on read (each required
 field missing or of the wrong type is named with the file), the manifest's verification, and the
 loader of a rank's tensors in its three conversions against the stored bits."""
+import hashlib
 import json
 import re
 import subprocess
@@ -131,6 +132,73 @@ def test_manifest_missing_or_invalid(tmp_path):
             ed.verify_manifest(tmp_path)
 
 
+GOOD_ENTRY = {"size": 4, "sha256": "ab" * 32}
+BAD_MANIFESTS = [                      # (manifest, what the message says after "not a valid manifest: ")
+    ({"format": "ddtree-engine/1", "files": {"a.bin": 4}}, "entry 'a.bin' must be an object"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": [4, "ab"]}}, "entry 'a.bin' must be an object"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": None}}, "entry 'a.bin' must be an object"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {"size": 4}}}, "entry 'a.bin' must be an object"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "size": -1}}}, "got {'size': -1"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "size": "4"}}}, "got {'size': '4'"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "size": True}}}, "got {'size': True"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "sha256": "AB" * 32}}}, "64 lowercase hex"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "sha256": "ab"}}}, "64 lowercase hex"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": {**GOOD_ENTRY, "extra": 1}}}, "entry 'a.bin' must be"),
+    ({"format": "ddtree-engine/1", "files": {"../a.bin": GOOD_ENTRY}}, "entry '../a.bin' is not a relative path"),
+    ({"format": "ddtree-engine/1", "files": {"/etc/passwd": GOOD_ENTRY}}, "entry '/etc/passwd' is not a relative"),
+    ({"format": "ddtree-engine/1", "files": {"rank0//a.bin": GOOD_ENTRY}}, "entry 'rank0//a.bin' is not"),
+    ({"format": "ddtree-engine/1", "files": {"manifest.json": GOOD_ENTRY}}, "entry 'manifest.json' is not"),
+    ({"format": "ddtree-engine/1", "files": "a.bin"}, "field 'files' must be an object"),
+    ({"format": "ddtree-engine/2", "files": {}}, "field 'format' is 'ddtree-engine/2', expected 'ddtree-engine/1'"),
+    ({"format": "ddtree-engine/1", "files": {}, "extra": 1}, "unknown field 'extra'"),
+    ({"format": "ddtree-engine/1", "files": {"a.bin": GOOD_ENTRY}, "files_sha256": "0" * 64},
+     "its file table does not match its checksum files_sha256"),
+]
+
+
+@pytest.mark.parametrize("manifest,says", BAD_MANIFESTS)
+def test_manifest_structure_is_named(tmp_path, manifest, says):
+    ed.manifest_path(tmp_path).write_text(json.dumps(manifest))
+    with pytest.raises(EngineFormatError) as e:
+        ed.read_manifest(tmp_path)
+    assert str(e.value).startswith(f"{ed.manifest_path(tmp_path)}: not a valid manifest: ")
+    assert says in str(e.value)
+
+
+def test_manifest_checksums_its_own_file_table(tmp_path):
+    """Written with files_sha256; one changed digit of any entry is named as the manifest's damage; a manifest
+    without files_sha256 (engines built before it) is still read."""
+    (tmp_path / "a.bin").write_bytes(b"aaaa")
+    written = ed.write_manifest(tmp_path)
+    want = hashlib.sha256(json.dumps(written["files"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert written["files_sha256"] == want == ed.files_checksum(written["files"])
+    assert ed.read_manifest(tmp_path) == written
+    text = ed.manifest_path(tmp_path).read_text()
+    ed.manifest_path(tmp_path).write_text(text.replace('"size": 4', '"size": 5'))
+    with pytest.raises(EngineFormatError, match="does not match its checksum files_sha256"):
+        ed.read_manifest(tmp_path)
+    old = {k: v for k, v in written.items() if k != "files_sha256"}
+    ed.manifest_path(tmp_path).write_text(json.dumps(old))
+    assert ed.read_manifest(tmp_path) == old
+
+
+def test_an_engine_is_known_by_its_manifest_and_a_checkpoint_is_not_one(tmp_path):
+    """A damaged engine config.json still makes an engine dir (its damage is named by the load); a checkpoint
+    directory given as an engine is said to be one."""
+    ed.config_path(tmp_path).write_text("{damaged")
+    assert not ed.is_engine_dir(tmp_path)
+    ed.manifest_path(tmp_path).write_text("{}")
+    assert ed.is_engine_dir(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "kimi_k2", "hidden_size": 7168}))
+    for fn in (ed.check_engine, ed.engine_problems):
+        with pytest.raises(EngineFormatError, match=re.escape(f"{ckpt}: not an engine directory: it has no "
+                                                              "manifest.json and its config.json has no engine "
+                                                              "format (model_type 'kimi_k2')")):
+            fn(ckpt)
+
+
 # ----------------------------------------------------------------------------------------------
 # one rank's tensors
 
@@ -197,6 +265,29 @@ def test_load_errors(rank_files):
         ed.load_rank_tensors(root, 1, [*files, "gone.safetensors"])
     with pytest.raises(EngineFormatError, match="rank0/a.safetensors: weight file listed"):
         ed.load_rank_tensors(root, 0, files)
+
+
+def test_load_hashes_each_file_as_it_reads_it(rank_files):
+    """digests (check_engine's): the tensors are the same as read without them, and a file whose sha256
+    differs from its entry is named, as is one the digests do not list."""
+    root, files = rank_files
+    digests = {f"rank1/{f}": {"size": (ed.rank_dir(root, 1) / f).stat().st_size,
+                              "sha256": hashlib.sha256((ed.rank_dir(root, 1) / f).read_bytes()).hexdigest()}
+               for f in files}
+    for convert in (ed.STORED, np.float64):
+        plain, hashed = (ed.load_rank_tensors(root, 1, files, convert=convert, digests=d) for d in (None, digests))
+        assert list(plain) == list(hashed)
+        for name in plain:
+            assert plain[name].dtype == hashed[name].dtype and np.array_equal(plain[name], hashed[name]), name
+    path = ed.rank_dir(root, 1) / files[1]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01                                             # the last byte of the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(EngineFormatError, match=re.escape(f"{root}/rank1/{files[1]}: sha256 mismatch")):
+        ed.load_rank_tensors(root, 1, files, digests=digests)
+    assert ed.load_rank_tensors(root, 1, files)                 # unverified: read as it is
+    with pytest.raises(EngineFormatError, match=f"{files[0]}: weight file not listed in manifest.json"):
+        ed.load_rank_tensors(root, 1, files, digests={})
 
 
 def test_ml_dtypes_is_needed_only_for_bfloat16(rank_files):
