@@ -6,6 +6,7 @@ engine file is there); each case copies it, damages one file the way bit rot or 
 value. --skip-verify skips the hashes only: a flipped weight byte then runs, a truncated file still stops.
 """
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -176,3 +177,16 @@ def test_inspect(built, copy):
     refuses(["inspect", str(copy)], "EngineFormatError", f"{copy}/manifest.json", "field 'files' must be an object")
     refuses(["inspect", str(target)], "EngineFormatError", str(target), "not an engine directory", "manifest.json",
             "checkpoint")
+
+
+def test_graph_runner_load_verifies_too(copy):
+    """ops/onnx_runner.GraphRanks.from_engine goes through the same check and the same hashing loader."""
+    pytest.importorskip("onnx")
+    from ddtree.ops.onnx_runner import GraphRanks
+    flip(copy / WEIGHT)
+    with pytest.raises(ed.EngineFormatError, match=re.escape(f"{copy}/{WEIGHT}: sha256 mismatch")):
+        GraphRanks.from_engine(copy)
+    assert GraphRanks.from_engine(copy, verify=False).tp == 2          # the hashes skipped, the rest checked
+    edit_config(copy, lambda d: d.update(tp=1))
+    with pytest.raises(ed.EngineFormatError, match=re.escape(f"{copy}/config.json: field 'tp' is 1")):
+        GraphRanks.from_engine(copy, verify=False)
