@@ -470,6 +470,13 @@ def _weight_problems(root: Path, meta: dict, cfg: KimiConfig, dcfg: DrafterConfi
             if held != list(range(n)):
                 return [f"{CONFIG}: {field} is {n} but the {rank_name(r)} weights hold layers "
                         f"{held[:3]}{'...' if len(held) > 3 else ''} ({len(held)} layers)"]
+        for L in range(layers):
+            dense = f"model.layers.{L}.mlp.gate_proj.weight" in found
+            if dense == cfg.is_moe_layer(L):
+                k = cfg.first_k_dense_replace
+                return [f"{CONFIG}: model first_k_dense_replace is {k} ("
+                        f"{f'dense layers 0..{k - 1}' if k else 'no dense layer'}) but layer {L} of the "
+                        f"{rank_name(r)} weights is {'dense' if dense else 'MoE'}"]
         out = []
         for name, spec in expected.items():
             if name not in found:

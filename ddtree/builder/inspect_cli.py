@@ -43,7 +43,8 @@ def describe(engine: Path, meta: dict) -> dict:
             "drafter": {"layers": dcfg.num_hidden_layers, "heads": dcfg.num_attention_heads,
                         "kv_heads": dcfg.num_key_value_heads, "block_size": dcfg.block_size,
                         "target_layer_ids": list(dcfg.target_layer_ids)},
-            "plan": meta["plan"].get("per_rank", {}), "ranks": ranks, "kernels": kernels,
+            "plan": per_rank if isinstance(per_rank := meta["plan"].get("per_rank"), dict) else {},
+            "ranks": ranks, "kernels": kernels,
             "files": len(files) + 1, "bytes": sum(size.values())}
 
 
@@ -86,5 +87,5 @@ def inspect_command(engine, as_json):
     if as_json:
         emit_json(info)
     if problems:
-        raise click.ClickException(f"{len(problems)} problem(s): the engine does not match its manifest or "
-                                   "config.json: " + "; ".join(problems[:5]))
+        raise click.ClickException(f"EngineFormatError: {engine}: {len(problems)} problem(s), the engine does not "
+                                   "match its manifest or config.json: " + "; ".join(problems[:5]))

@@ -159,6 +159,43 @@ def test_hand_edited_hidden_size_meets_the_weights(copy):
         ed.check_engine(copy, verify=False)
 
 
+def _text(d):
+    return d["model"]["text_config"]
+
+
+EDITS = [     # (what a hand edit changes, fragments the refusal names), the manifest rewritten after it
+    (lambda d: d.update(tp=4), ["field 'tp' is 4 but its plan.tp is 2"]),
+    (lambda d: (d.update(tp=1), d["plan"].update(tp=1)), ["field 'tp' is 1", "2 rank directories (rank0, rank1)"]),
+    (lambda d: d.update(experts="ep"), ["field 'experts' is 'ep' but its plan.experts is 'tp'"]),
+    (lambda d: d.update(block_size=3), ["field 'block_size' is 3 but drafter block_size is 4"]),
+    (lambda d: d.update(ranks=["rank0"]), ["field 'ranks' is ['rank0']"]),
+    (lambda d: d["plan"].update(per_rank=[1]), ["field 'plan.per_rank' must be an object, got [1]"]),
+    (lambda d: d["plan"].pop("all_reduce_count"), ["field 'plan.all_reduce_count' must be an object, got None"]),
+    (lambda d: _text(d).update(vocab_size=1024), ["plan.per_rank.vocab' is 256", "vocab_size 1024", "gives 512"]),
+    (lambda d: _text(d).update(n_routed_experts=16), ["plan.per_rank.routed_experts' is 8", "n_routed_experts 16"]),
+    (lambda d: _text(d).update(num_hidden_layers=3), ["plan.all_reduce_count.target' is 9", "num_hidden_layers 3"]),
+    (lambda d: d["drafter"].update(num_hidden_layers=3), ["all_reduce_count.drafter' is 6", "num_hidden_layers 3"]),
+    (lambda d: _text(d).update(first_k_dense_replace=2), ["model first_k_dense_replace is 2", "layer 1", "is MoE"]),
+    (lambda d: _text(d).update(kv_lora_rank=32), ["kv_a_proj_with_mqa.weight BF16 [48, 128]", "holds BF16 [80, 128]"]),
+    (lambda d: d.update(weight_files=d["weight_files"][:-1]),
+     ["rank0/drafter.safetensors: a weight file not in config.json field 'weight_files'"]),
+    (lambda d: d.update(weight_files=[*d["weight_files"], "extra.safetensors"]),
+     ["field 'weight_files' lists extra.safetensors but rank0/extra.safetensors is not in manifest.json"]),
+    (lambda d: d["kernels"].update(sm_90={}), ["field 'kernels' has arch 'sm_90', not in field 'archs'"]),
+]
+
+
+@pytest.mark.parametrize("change,names", EDITS)
+def test_config_edits_are_named_by_the_structural_checks(copy, change, names):
+    """In process (no hashes, manifest rewritten): each edit is found by the structure alone."""
+    edit_config(copy, change, remanifest=True)
+    with pytest.raises(ed.EngineFormatError) as e:
+        ed.check_engine(copy, verify=False)
+    assert str(e.value).startswith(f"{copy}/"), e.value
+    for name in names:
+        assert name in str(e.value), (name, str(e.value))
+
+
 def test_manifest_entry_not_an_object(copy):
     m = json.loads(ed.manifest_path(copy).read_text())
     m["files"][ed.CONFIG] = 7727
