@@ -125,9 +125,10 @@ def draft_fc(ops: Ops, dcfg) -> None:
     ops.output("ctx", ctx, ["n", H], ACT)
 
 
-def draft_layer(ops: Ops, dcfg, layer: int) -> None:
+def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
+    """`block`: the block size b of this call (static per graph, as the budget is; default the drafter's)."""
     p, a = f"drafter.layers.{layer}.", f"drafter.layers.{layer}.self_attn."
-    H, d, b, eps = dcfg.hidden_size, dcfg.head_dim, dcfg.block_size, dcfg.rms_norm_eps
+    H, d, b, eps = dcfg.hidden_size, dcfg.head_dim, block or dcfg.block_size, dcfg.rms_norm_eps
     heads = ops.shape(ops.weight(a + "q_proj.weight"))[0] // d
     kv_heads = ops.shape(ops.weight(a + "k_proj.weight"))[0] // d
     h = ops.input("h", [b, H], ACT)
@@ -155,8 +156,8 @@ def draft_layer(ops: Ops, dcfg, layer: int) -> None:
     ops.output("cache_v_out", cache_v, ["S", kv_heads, d], ACT)
 
 
-def draft_head(ops: Ops, dcfg, k: int) -> None:
-    H, b, lay = dcfg.hidden_size, dcfg.block_size, ops.lay
+def draft_head(ops: Ops, dcfg, k: int, block: int | None = None) -> None:
+    H, b, lay = dcfg.hidden_size, block or dcfg.block_size, ops.lay
     D, V_r = b - 1, lay.vocab_stop - lay.vocab_start
     h = ops.input("h", [b, H], ACT)
     x = ops.slice(ops.rms_norm(h, ops.weight("drafter.norm.weight"), dcfg.rms_norm_eps), 0, 1, b)   # [D, H]

@@ -60,14 +60,16 @@ class EngineExecutor:
         return [logits[:, lay.vocab_start: lay.vocab_stop] for lay in self.layouts]
 
     # caches ------------------------------------------------------------------------------------
-    def new_target_cache(self, capacity: int = 256) -> TargetCaches:
+    def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
+        """`capacity` rows now, grown by doubling on demand up to `limit` rows (None: no limit)."""
         c = self.config
-        return TargetCaches(self.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity, self.dtype)
+        return TargetCaches(self.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity, self.dtype,
+                            limit)
 
-    def new_drafter_cache(self) -> DraftCaches:
+    def new_drafter_cache(self, capacity: int = DRAFT_CAPACITY, limit: int | None = None) -> DraftCaches:
         d = self.drafter_config
-        return DraftCaches(self.tp, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, DRAFT_CAPACITY,
-                           self.dtype)
+        return DraftCaches(self.tp, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
+                           self.dtype, limit)
 
     # primitives --------------------------------------------------------------------------------
     def target_forward(self, ids, pos, visible, cache: TargetCaches, taps=()):
@@ -109,20 +111,22 @@ class EngineExecutor:
         if ctx_taps.ndim != 2 or ctx_taps.shape[1] != d.num_taps * d.hidden_size:
             raise ValueError(f"drafter_forward: ctx_taps must be [n, {d.num_taps * d.hidden_size}], "
                              f"got {list(ctx_taps.shape)}")
-        T, n = cache.length, len(ctx_taps)
+        T, n, b = cache.length, len(ctx_taps), len(block_ids)
+        if not 2 <= b <= d.block_size:
+            raise ValueError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
         cache.reserve(T + n)
         ctx = [o["ctx"] for o in self.ranks.call(layers.draft_fc, d, feeds={"ctx_taps": ctx_taps})]
         h = [o["h"] for o in self.ranks.call(layers.embed, self.config,
                                              feeds={"ids": np.asarray(block_ids, np.int32)})]
         step = {"pos": np.asarray(pos, np.int32), "cache_len": np.array([T], np.int32)}
         for L in range(d.num_hidden_layers):
-            outs = self.ranks.call(layers.draft_layer, d, L, feeds=[
+            outs = self.ranks.call(layers.draft_layer, d, L, b, feeds=[
                 {**step, "h": h[r], "ctx": ctx[r], "cache_k": cache.k[r][L], "cache_v": cache.v[r][L]}
                 for r in range(self.tp)])
             h = [o["h_out"] for o in outs]
         cache.length = T + n
         k = layers.draft_topk(self.meta["budgets"], self.layouts[0].vocab_stop - self.layouts[0].vocab_start)
-        outs = self.ranks.call(layers.draft_head, d, k, feeds=[{"h": h[r]} for r in range(self.tp)])
+        outs = self.ranks.call(layers.draft_head, d, k, b, feeds=[{"h": h[r]} for r in range(self.tp)])
         return np.concatenate([o["logits"] for o in outs], axis=1)
 
     def compact(self, cache: TargetCaches, start: int, keep) -> None:

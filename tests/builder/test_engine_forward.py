@@ -95,10 +95,10 @@ def test_drafter_matches_reference(reference, executors, key):
     H, K = target.config.hidden_size, len(drafter.config.target_layer_ids)
     ref_cache, eng_cache = drafter.new_cache(), ex.new_drafter_cache()
     start = 0
-    for n in (5, 2, 0, 3):                                  # context tokens committed before each block
-        ctx = rng.standard_normal((n, K * H))
+    for n, b in ((5, 0), (2, 1), (0, 0), (3, 2)):              # context tokens committed before each block, and
+        ctx = rng.standard_normal((n, K * H))                 # how much shorter than the drafter's the block is
         start += n
-        block = np.array([int(rng.integers(0, 256))] + [drafter.config.mask_token_id] * (drafter.config.block_size - 1))
+        block = np.array([int(rng.integers(0, 256))] + [drafter.config.mask_token_id] * (drafter.config.block_size - 1 - b))
         pos = np.arange(start, start + len(block))
         want = drafter.forward(block, pos, ctx, ref_cache)
         got = ex.drafter_forward(block, pos, ctx, eng_cache)
