@@ -1,4 +1,4 @@
-"""ddtree/engine_dir.py: the layout's paths, config.json checked on write and on read (each required
+"""ddtree/engine_dir/: the layout's paths, config.json checked on write and on read (each required
 field missing or of the wrong type is named with the file), the manifest's verification, and the
 loader of a rank's tensors in its three conversions against the stored bits."""
 import hashlib

@@ -1,5 +1,5 @@
 """The package's rooms import each other in one direction only: no cycle between top-level packages
-(ddtree/<pkg>/, or a top-level module such as ddtree/engine_dir.py), and plugins/ (the CUDA kernels,
+(ddtree/<pkg>/, or a top-level module such as ddtree/jsonout.py), and plugins/ (the CUDA kernels,
 their launchers and layouts) imports nothing from the rooms built on top of it, nor TensorRT, nor the
 oracle. The op set (ops/, the model written once) and the float64 oracle (reference/) never import
 each other: the oracle checks the op set only if the two are independent.

@@ -1,4 +1,4 @@
-"""The build side of an engine directory (layout, config.json and manifest: ddtree/engine_dir.py): the
+"""The build side of an engine directory (layout, config.json and manifest: ddtree/engine_dir/): the
 checks before a build (archs, NVRTC, output folder, disk), the kernels/<arch>/ cubins, tokenizer/,
 config.json's content, and the output folder's life cycle (built aside, moved into place when complete).
 
@@ -90,7 +90,7 @@ def copy_tokenizer(files: list[Path], out_dir: Path) -> str | None:
 
 def config_fields(cfg: KimiConfig, dcfg: DrafterConfig, plan: dict, archs, budgets, weight_files: list[str],
                   kernels: dict, tokenizer: str | None, sources: dict) -> dict:
-    """What config.json holds besides "format" (ddtree/engine_dir.py writes it and checks every field)."""
+    """What config.json holds besides "format" (ddtree/engine_dir/ writes it and checks every field)."""
     from ddtree import __version__
     return {"ddtree_version": __version__, "model": cfg.to_dict(), "drafter": dcfg.to_dict(),
             "tp": plan["tp"], "experts": plan["experts"], "archs": list(archs), "budgets": list(budgets),

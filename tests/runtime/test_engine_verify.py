@@ -1,4 +1,4 @@
-"""An engine directory is checked before the first token (ddtree/engine_dir.py check_engine).
+"""An engine directory is checked before the first token (ddtree/engine_dir/ check_engine).
 
 One tiny tp 2 engine is built per module (kernels, graphs and a tokenizer file, so that every kind of
 engine file is there); each case copies it, damages one file the way bit rot or a hand edit would, and runs
