@@ -18,14 +18,13 @@ import click
 from rich.console import Console
 
 from ddtree.builder.trt_build import describe_plans, plan_lines
-from ddtree.engine_dir import PLANS, engine_files, engine_problems, kernels_rel, rank_name
+from ddtree.engine_dir import PLANS, engine_configs, engine_files, engine_problems, kernels_rel, rank_name
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.model.config import DrafterConfig, KimiConfig
 
 
 def describe(engine: Path, meta: dict) -> dict:
-    cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
+    cfg, dcfg = engine_configs(engine, meta)
     files = engine_files(engine)
     size = {rel: (engine / rel).stat().st_size for rel in files}
     ranks = []

@@ -39,7 +39,7 @@ from __future__ import annotations
 from ddtree.engine_dir.layout import (  # noqa: F401
     CONFIG, DRAFTER_PREFIX, ENGINE_FORMAT, EXPERT_MODES, EXPERT_STACKS, EngineFormatError, FORMAT_FAMILY, GRAPHS,
     HASH_THREADS, KERNELS, MANIFEST, PACKED_SUFFIXES, PLANS, READ_BYTES, REQUIRED, TOKENIZER, WEIGHT_SUFFIX,
-    check_engine_config, config_path, graph_rel, graphs_dir, graphs_index_path, graphs_rank_dir, is_engine_dir,
+    check_engine_config, config_path, engine_configs, graph_rel, graphs_dir, graphs_index_path, graphs_rank_dir, is_engine_dir,
     kernels_dir, kernels_rel, manifest_path, not_an_engine, plan_rel, plans_path, rank_dir, rank_name,
     read_engine_config, tokenizer_dir, write_engine_config)
 from ddtree.engine_dir.manifest import (  # noqa: F401

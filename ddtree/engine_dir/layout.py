@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ddtree.errors import InputError
-from ddtree.model.config import write_json
+from ddtree.model.config import DrafterConfig, KimiConfig, write_json
 
 
 ENGINE_FORMAT = "ddtree-engine/1"
@@ -197,3 +197,11 @@ def read_engine_config(root) -> dict:
         raise EngineFormatError(f"{path}: missing or not a JSON object{why}")
     check_engine_config(d, path)
     return d
+
+
+def engine_configs(root, meta: dict) -> tuple[KimiConfig, DrafterConfig]:
+    """The target and drafter configs inside an engine's config.json; errors name that file and the field
+    under "model." / "drafter." (e.g. model.text_config.rms_norm_eps)."""
+    where = str(config_path(root))
+    return (KimiConfig.from_dict(meta["model"], where=where, prefix="model"),
+            DrafterConfig.from_dict(meta["drafter"], where=where, prefix="drafter"))

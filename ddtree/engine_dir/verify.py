@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ddtree.engine_dir.layout import (
     CONFIG, DRAFTER_PREFIX, EXPERT_STACKS, EngineFormatError, MANIFEST, WEIGHT_SUFFIX, config_path, is_engine_dir,
-    not_an_engine, rank_name, read_engine_config)
+    engine_configs, not_an_engine, rank_name, read_engine_config)
 from ddtree.engine_dir.manifest import (
     hash_problems, presence_problems, sized_files, read_manifest, sha256_file, verify_manifest)
 from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
@@ -160,9 +160,7 @@ def config_problems(root, meta: dict, listed: dict, usable: set | None = None) -
     rest of the engine says. usable: the files whose headers may be read (default: every listed file)."""
     root = Path(root)
     usable = set(listed) if usable is None else usable
-    where = config_path(root)
-    cfg = KimiConfig.from_dict(meta["model"], where=f"{where} model")
-    dcfg = DrafterConfig.from_dict(meta["drafter"], where=f"{where} drafter")
+    cfg, dcfg = engine_configs(root, meta)
     tp, experts, plan = meta["tp"], meta["experts"], meta["plan"]
     names = [rank_name(r) for r in range(tp)]
     on_disk = sorted({rel.split("/")[0] for rel in listed if re.fullmatch(r"rank\d+", rel.split("/")[0])},

@@ -76,7 +76,7 @@ class GraphRanks:
         """act None: the engine's graphs/ as written; else every graph exported now at `act`. The engine is
         checked first (engine_dir.check_engine; verify=False skips the hashes only)."""
         meta, digests = ed.check_engine(engine_dir, verify)
-        cfg, dcfg = KimiConfig.from_dict(meta["model"]), DrafterConfig.from_dict(meta["drafter"])
+        cfg, dcfg = ed.engine_configs(engine_dir, meta)
         tp, files = int(meta["tp"]), meta["weight_files"]
         if act is None:
             graphs = load_graphs(engine_dir)

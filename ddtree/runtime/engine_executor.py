@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.engine_dir import check_engine, config_path, load_rank_tensors, tokenizer_dir
-from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.engine_dir import check_engine, engine_configs, load_rank_tensors, tokenizer_dir
 from ddtree.ops import layers, vocab_parallel
 from ddtree.ops.caches import DraftCaches, TargetCaches
 from ddtree.ops.collectives import collective_for
@@ -41,9 +40,7 @@ class EngineExecutor:
         self.engine_dir = Path(engine_dir)
         self.meta, digests = check_engine(self.engine_dir, verify)
         meta = self.meta
-        where = config_path(self.engine_dir)
-        self.config = KimiConfig.from_dict(meta["model"], where=f"{where} model")
-        self.drafter_config = DrafterConfig.from_dict(meta["drafter"], where=f"{where} drafter")
+        self.config, self.drafter_config = engine_configs(self.engine_dir, meta)
         self.dtype = np.dtype(dtype)
         self.tp = int(meta["tp"])
         self.moe_inter = meta["plan"]["per_rank"]["moe_intermediate"]
