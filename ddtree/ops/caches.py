@@ -4,7 +4,8 @@
                   replicated: every rank writes the same rows
     DraftCaches   the drafter's context K/V, [rank][layer] -> [S, Hk_r, d]: each rank its own kv heads
 `length` is the number of valid rows (the layer functions' `cache_len`); `reserve` grows the
-arrays (CPU only: on a GPU the capacity is fixed at load and captured graphs hold its addresses).
+arrays by doubling, up to `limit` rows when one is given (CPU only: on a GPU the capacity is fixed
+at load and captured graphs hold its addresses).
 """
 from __future__ import annotations
 
@@ -17,10 +18,26 @@ def _grown(a: np.ndarray, rows: int, keep: int) -> np.ndarray:
     return out
 
 
+def _new_rows(what: str, rows: int, capacity: int, limit: int | None) -> int:
+    """The capacity to grow to for `rows` rows: double, but never past the limit."""
+    if limit is None:
+        return max(rows, 2 * capacity)
+    if rows > limit:
+        raise ValueError(f"{what}: {rows} rows asked for, past the cache's limit of {limit}")
+    return min(max(rows, 2 * capacity), limit)
+
+
+def _check_limit(what: str, capacity: int, limit: int | None) -> None:
+    if limit is not None and capacity > limit:
+        raise ValueError(f"{what}: capacity {capacity} is above its limit {limit}")
+
+
 class TargetCaches:
-    def __init__(self, tp: int, layers: int, width: int, capacity: int, dtype=np.float64):
+    def __init__(self, tp: int, layers: int, width: int, capacity: int, dtype=np.float64, limit: int | None = None):
+        _check_limit("TargetCaches", capacity, limit)
         self.layers = [[np.zeros((capacity, width), dtype=dtype) for _ in range(layers)] for _ in range(tp)]
         self.length = 0
+        self.limit = limit
 
     @property
     def capacity(self) -> int:
@@ -28,13 +45,14 @@ class TargetCaches:
 
     def reserve(self, rows: int) -> None:
         if rows > self.capacity:
-            new = max(rows, 2 * self.capacity)
+            new = _new_rows("TargetCaches", rows, self.capacity, self.limit)
             self.layers = [[_grown(a, new, self.length) for a in rank] for rank in self.layers]
 
     def copy(self) -> "TargetCaches":
         other = TargetCaches.__new__(TargetCaches)
         other.layers = [[a.copy() for a in rank] for rank in self.layers]
         other.length = self.length
+        other.limit = self.limit
         return other
 
     def entries(self, layer: int, end: int | None = None, rank: int = 0) -> np.ndarray:
@@ -43,11 +61,14 @@ class TargetCaches:
 
 
 class DraftCaches:
-    def __init__(self, tp: int, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float64):
+    def __init__(self, tp: int, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float64,
+                 limit: int | None = None):
+        _check_limit("DraftCaches", capacity, limit)
         shape = (capacity, kv_heads, head_dim)
         self.k = [[np.zeros(shape, dtype=dtype) for _ in range(layers)] for _ in range(tp)]
         self.v = [[np.zeros(shape, dtype=dtype) for _ in range(layers)] for _ in range(tp)]
         self.length = 0
+        self.limit = limit
 
     @property
     def capacity(self) -> int:
@@ -55,6 +76,6 @@ class DraftCaches:
 
     def reserve(self, rows: int) -> None:
         if rows > self.capacity:
-            new = max(rows, 2 * self.capacity)
+            new = _new_rows("DraftCaches", rows, self.capacity, self.limit)
             self.k = [[_grown(a, new, self.length) for a in rank] for rank in self.k]
             self.v = [[_grown(a, new, self.length) for a in rank] for rank in self.v]

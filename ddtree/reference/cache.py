@@ -4,6 +4,10 @@ Per layer and token it holds 576 values for Kimi K2.x: the RMS-normalised c_kv (
 then the roped k_pe (qk_rope_head_dim). The forward appends q entries per call; DDTree keeps the
 accepted path with `compact` and drops rejected tails with `truncate`.
 
+The buffers start at `capacity` rows and grow by doubling on demand, up to `limit` rows when one is
+given (the decode loops give the rows a run can need, so nothing is allocated for a token budget
+the model's context cuts off); writing past the limit is an error.
+
 Letters: S = capacity in tokens, R = kv_lora_rank, P = qk_rope_head_dim.
 """
 from __future__ import annotations
@@ -13,13 +17,16 @@ import numpy as np
 
 class LatentCache:
     def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype=np.float64,
-                 capacity: int = 256):
+                 capacity: int = 256, limit: int | None = None):
+        if limit is not None and capacity > limit:
+            raise ValueError(f"LatentCache: capacity {capacity} is above its limit {limit}")
         self.num_layers = num_layers
+        self.limit = limit
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.dtype = np.dtype(dtype)
         self.length = 0
-        # one [S, R + P] buffer per layer; grown by doubling
+        # one [S, R + P] buffer per layer; grown by doubling (up to `limit`)
         self._buf = [np.zeros((capacity, kv_lora_rank + rope_dim), dtype=self.dtype) for _ in range(num_layers)]
 
     @property
@@ -33,7 +40,11 @@ class LatentCache:
     def _reserve(self, n: int) -> None:
         if n <= self.capacity:
             return
+        if self.limit is not None and n > self.limit:
+            raise ValueError(f"LatentCache: {n} rows asked for, past the cache's limit of {self.limit}")
         new_cap = max(n, 2 * self.capacity)
+        if self.limit is not None:
+            new_cap = min(new_cap, self.limit)
         for i, old in enumerate(self._buf):
             grown = np.zeros((new_cap, self.entry_dim), dtype=self.dtype)
             grown[: self.length] = old[: self.length]
@@ -90,7 +101,8 @@ class LatentCache:
         self.length = start + keep.size
 
     def copy(self) -> "LatentCache":
-        other = LatentCache(self.num_layers, self.kv_lora_rank, self.rope_dim, self.dtype, capacity=1)
+        other = LatentCache(self.num_layers, self.kv_lora_rank, self.rope_dim, self.dtype, capacity=1,
+                            limit=self.limit)
         other._buf = [b.copy() for b in self._buf]
         other.length = self.length
         return other

@@ -8,7 +8,9 @@
 A plain prompt is encode(text) with no [BOS] (the Kimi chat template emits none, and the tiny model
 was trained on windows that start anywhere in a file); an empty prompt becomes [BOS] alone. A chat
 prompt (messages) is rendered with the checkpoint's chat template (docs/kimi-k2.md section 7). Generation stops on any stop token of the
-tokenizer or the config's eos ids, which are kept in `tokens` but not in `text`.
+tokenizer or the config's eos ids, which are kept in `tokens` but not in `text`. Prompt + new tokens
+never exceed the model's context (max_position_embeddings): a longer prompt is a PromptTooLongError,
+and `stats["finish_reason"]` is "stop" (a stop token) or "length" (max_new_tokens or the context).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Iterator
 
 from ddtree.errors import InputError
 from ddtree.model.tokenizer import load_tokenizer
-from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
+from ddtree.runtime.loop import RunStats, ar_steps, check_context, context_of, ddtree_steps
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
 
@@ -102,6 +104,7 @@ class DDTreeEngine:
         """Yields the token ids each step commits (DDTree: several per step)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.encode(prompt)
+        check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
         if mode not in MODES:
             raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
         if mode == "ar":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import DraftCache, Drafter
 from ddtree.reference.model import Target
 from ddtree.tree.build import Tree, build_tree, topk_logprobs
@@ -30,10 +31,13 @@ class NumpyExecutor:
         self.drafter_config = drafter.config if drafter is not None else None
 
     # caches ------------------------------------------------------------------------------------
-    def new_target_cache(self, capacity: int = 256):
-        return self.target.new_cache(capacity)
+    def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> LatentCache:
+        """`capacity` rows now, grown by doubling on demand up to `limit` rows (None: no limit)."""
+        c = self.config
+        return LatentCache(c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, self.target.dtype, capacity, limit)
 
-    def new_drafter_cache(self) -> DraftCache:
+    def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> DraftCache:
+        """The reference drafter cache holds exactly the rows appended (no preallocation, so no limit to keep)."""
         return self.drafter.new_cache()
 
     # primitives --------------------------------------------------------------------------------

@@ -8,8 +8,17 @@ DDTree step (docs/ddtree.md 2.6), with `start` = the position of the bonus token
     walk     the target's sample at every node (position start + depth + 1); follow matching children
     update   compact the target cache to the accepted path; the next bonus is the sample where the
              walk stopped; the accepted nodes' taps become the drafter's new context
-The AR loop is one target forward per token. Both stop after an EOS (kept) or max_new_tokens, and
-slice committed tokens by position: a token is never filtered by its value (it may equal MASK).
+The AR loop is one target forward per token. Both stop after an EOS (kept; finish reason "stop") or
+after max_new_tokens or the model's context (finish reason "length"), and slice committed tokens by
+position: a token is never filtered by its value (it may equal MASK).
+
+The context C = the target's max_position_embeddings: prompt + new tokens <= C (a prompt of C tokens
+or more is a PromptTooLongError, before any forward), and no target forward feeds a token at a
+position >= C: near the end DDTree builds its tree from the first draft rows only, so the deepest
+node sits at most at the last position still to be committed (lossless: AR commits the same tokens
+up to the same place; the drafter still drafts its whole block, whose later mask rows go unused).
+The caches start small and grow on demand up to the rows the run can need (CPU executors; a GPU
+cache is fixed at load).
 """
 from __future__ import annotations
 
@@ -19,8 +28,15 @@ from typing import Iterator
 
 import numpy as np
 
+from ddtree.errors import InputError
 from ddtree.reference.model import causal_visible
 from ddtree.tree.sampling import SamplingParams
+
+CACHE_CHUNK = 256           # rows a cache starts with past the prompt; it grows (doubling) up to its limit
+
+
+class PromptTooLongError(InputError):
+    """The prompt leaves no room for a new token in the model's context."""
 
 
 @dataclass
@@ -30,6 +46,7 @@ class RunStats:
     accept_lens: list = field(default_factory=list)     # per step: committed tokens (bonus included)
     max_depth: int = 0
     wall_s: float = 0.0
+    finish_reason: str | None = None                    # "stop" (an EOS) | "length" (max_new_tokens / context)
 
     def to_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -38,28 +55,50 @@ class RunStats:
                 "mean_accept_len": sum(self.accept_lens) / steps if self.steps else 0.0,
                 "per_depth_accept_rate": per_depth,
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
-                "wall_s": self.wall_s}
+                "wall_s": self.wall_s, "finish_reason": self.finish_reason}
 
 
-def _check(prompt_ids, max_new_tokens: int) -> list[int]:
+def context_of(config) -> int:
+    """The model's context in tokens (positions 0 .. C-1): its max_position_embeddings."""
+    return int(config.max_position_embeddings)
+
+
+def check_context(n_prompt: int, context: int) -> None:
+    """A prompt must leave room for at least one new token: n_prompt < context."""
+    if n_prompt >= context:
+        raise PromptTooLongError(f"the prompt is {n_prompt} tokens but the model's context "
+                                 f"(max_position_embeddings) is {context} tokens: at most {context - 1} "
+                                 "prompt tokens leave room for a new one")
+
+
+def _check(prompt_ids, max_new_tokens: int, context: int) -> tuple[list[int], int]:
+    """-> the prompt as ints, and the new tokens the run may commit: max_new_tokens cut to the context."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt is empty (at least one token, e.g. BOS, is needed)")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    return prompt
+    check_context(len(prompt), context)
+    return prompt, min(max_new_tokens, context - len(prompt))
+
+
+def _new_cache(make, rows_before: int, limit: int):
+    """A cache of min(limit, rows_before + CACHE_CHUNK) rows that may grow up to `limit` rows."""
+    return make(min(limit, rows_before + CACHE_CHUNK), limit)
 
 
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
              stats: RunStats | None = None) -> Iterator[list[int]]:
-    """Yields the committed tokens of each step (one per step) until EOS or max_new_tokens."""
-    prompt = _check(prompt_ids, max_new_tokens)
+    """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context."""
+    prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
     eos = {int(e) for e in eos_ids}
-    if max_new_tokens == 0:
+    if n_new == 0:
+        stats.finish_reason = "length"
         return
     t0 = time.perf_counter()
-    cache = ex.new_target_cache(len(prompt) + max_new_tokens)
+    # the last token fed sits at len(prompt) + n_new - 2: the cache never holds more than that + 1 rows
+    cache = _new_cache(ex.new_target_cache, len(prompt), len(prompt) + n_new)
     ids, pos = np.array(prompt), np.arange(len(prompt))
     prefill = True
     while True:
@@ -72,8 +111,10 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
         prefill = False
         stats.new_tokens += 1
         stats.wall_s = time.perf_counter() - t0
+        if token in eos or stats.new_tokens >= n_new:
+            stats.finish_reason = "stop" if token in eos else "length"
         yield [token]
-        if token in eos or stats.new_tokens >= max_new_tokens:
+        if stats.finish_reason is not None:
             return
         ids, pos = np.array([token]), np.array([next_pos])
 
@@ -82,8 +123,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
                  eos_ids=(), block_size: int | None = None, stats: RunStats | None = None
                  ) -> Iterator[list[int]]:
     """Yields the tokens each DDTree step commits (the prefill's first token, then per step the
-    accepted drafts + the new bonus), cut at EOS / max_new_tokens. Needs an executor with a drafter."""
-    prompt = _check(prompt_ids, max_new_tokens)
+    accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
+    a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer)."""
+    prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
     if not 2 <= b <= dcfg.block_size:
@@ -92,8 +134,10 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     stats.max_depth = b - 1
     eos = {int(e) for e in eos_ids}
     taps = tuple(dcfg.target_layer_ids)
-    if max_new_tokens == 0:
+    if n_new == 0:
+        stats.finish_reason = "length"
         return
+    end = len(prompt) + n_new                      # positions 0 .. end-1 hold the prompt and every new token
     t0 = time.perf_counter()
 
     def commit(tokens: list[int]) -> tuple[list[int], bool]:
@@ -101,13 +145,15 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
         for t in tokens:
             out.append(t)
             stats.new_tokens += 1
-            if t in eos or stats.new_tokens >= max_new_tokens:
+            if t in eos or stats.new_tokens >= n_new:
+                stats.finish_reason = "stop" if t in eos else "length"
                 return out, True
         return out, False
 
-    # prefill: the prompt's logits give the first token; its taps are the drafter's first context
-    cache = ex.new_target_cache(len(prompt) + max_new_tokens + budget + 1)
-    dcache = ex.new_drafter_cache()
+    # prefill: the prompt's logits give the first token; its taps are the drafter's first context.
+    # A verify appends the whole tree (<= budget + 1 rows) after the start <= end - 2 committed rows.
+    cache = _new_cache(ex.new_target_cache, len(prompt), end + budget)
+    dcache = _new_cache(ex.new_drafter_cache, len(prompt), end)
     logits, tapped = ex.target_forward(np.array(prompt), np.arange(len(prompt)),
                                        causal_visible(0, len(prompt)), cache, taps)
     start = len(prompt)                                                    # the bonus token's position
@@ -120,7 +166,8 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     while not done:
         block = np.array([bonus] + [mask] * (b - 1))
         draft_logits = ex.drafter_forward(block, np.arange(start, start + b), ctx, dcache)   # [b-1, V]
-        tree = ex.tree_build(bonus, draft_logits, budget)
+        depth = min(b, end - start) - 1    # the deepest node sits at start + depth <= end - 1 (depth >= 1 here)
+        tree = ex.tree_build(bonus, draft_logits[:depth], budget)
         node_pos = tree.positions(start)                                   # [n]
         visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
         logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, cache, taps)   # [n, V]
@@ -131,9 +178,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
         ctx = np.concatenate([tapped[L][acc] for L in taps], axis=1)      # [a, K*H]
         start += len(acc)
         bonus = walk.bonus
-        stats.steps += 1
-        stats.accept_lens.append(len(acc))
         out, done = commit([int(t) for t in tree.tokens[acc[1:]]] + [bonus])
+        stats.steps += 1
+        stats.accept_lens.append(len(out))                                # committed only: a cut step counts less
         stats.wall_s = time.perf_counter() - t0
         yield out
 

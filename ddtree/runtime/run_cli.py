@@ -36,7 +36,8 @@ def _read_prompt(prompt, prompt_file) -> str:
 
 def _summary(stats: dict, label: str) -> str:
     return (f"{label}: {stats['new_tokens']} new tokens, {stats['steps']} steps, mean acceptance length "
-            f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s)")
+            f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s), "
+            f"finish reason {stats['finish_reason']}")
 
 
 @click.command("run", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,7 +9,7 @@ from ddtree.model.synthetic import synth
 from ddtree.runtime.engine import DDTreeEngine
 
 STATS = {"new_tokens": int, "steps": int, "mean_accept_len": float, "per_depth_accept_rate": list,
-         "tokens_per_s": float, "wall_s": float}
+         "tokens_per_s": float, "wall_s": float, "finish_reason": str}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def test_mode_both_json(dirs, extra):
     check_stats(out["stats"])
     check_stats(out["ar"])
     assert out["stats"]["new_tokens"] == 24 and len(out["stats"]["per_depth_accept_rate"]) == 3
+    assert out["stats"]["finish_reason"] == out["ar"]["finish_reason"] == "length"      # 24 tokens, no EOS
     assert out["stats"]["steps"] * out["stats"]["mean_accept_len"] == pytest.approx(23)   # + the prefill token
     assert "identical: True" in r.stderr
 

@@ -18,8 +18,8 @@ N = 64
 class RecordingExecutor(NumpyExecutor):
     """Remembers the last target cache it made, so a test can compare caches after a run."""
 
-    def new_target_cache(self, capacity=256):
-        self.last_cache = super().new_target_cache(capacity)
+    def new_target_cache(self, capacity=256, limit=None):
+        self.last_cache = super().new_target_cache(capacity, limit)
         return self.last_cache
 
 
