@@ -49,13 +49,16 @@ ROPE = RopeConfig(theta=10000.0, type="yarn", factor=4.0, original_max_position_
 
 def embedded_configs(attention_factor: float = 1.0, block_size: int = 8) -> tuple[KimiConfig, DrafterConfig]:
     """The shipped model: Kimi K2 structure at byte scale (dense layer 0, 3 MoE layers of 8 experts,
-    top-2 + 1 shared, MLA nope/rope split, YaRN); tp = 4 divisibility of docs/interfaces.md 2 kept."""
+    top-2 + 1 shared, MLA nope/rope split, YaRN); tp = 4 divisibility of docs/interfaces.md 2 kept.
+    max_position_embeddings 896 is the context the shipped model was measured to still work at
+    (`python -m ddtree.training.evaluate --context-curve`; it trained on 512-byte windows), not the
+    2048 its YaRN factor 4 x 512 would suggest: a retrained model should be measured again."""
     target = KimiConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64,
                         kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                         vocab_size=512, intermediate_size=512, moe_intermediate_size=512,
                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                         first_k_dense_replace=1, rope=ROPE, quant=QuantConfig(group_size=32),
-                        max_position_embeddings=2048, bos_token_id=BYTE_BOS, eos_token_ids=(BYTE_EOS,),
+                        max_position_embeddings=896, bos_token_id=BYTE_BOS, eos_token_ids=(BYTE_EOS,),
                         pad_token_id=BYTE_PAD, tokenizer="bytes")
     drafter = DrafterConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=512,
