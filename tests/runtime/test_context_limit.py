@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ddtree.builder.build import build_engine
+from ddtree.data import TINY_DIR, tiny_model_dirs
 from ddtree.ops.caches import DraftCaches, TargetCaches
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import Drafter
@@ -20,6 +21,7 @@ from ddtree.reference.model import Target
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import PromptTooLongError, RunStats, ar_steps, ddtree_steps, run_to_end
+from ddtree.training.evaluate import context_curve
 from ddtree.tree.sampling import SamplingParams
 from tests.cli.bad_input import ddtree, refuses
 
@@ -274,3 +276,28 @@ def test_cli_huge_max_new_tokens_stops_at_the_context(ctx_dirs, mode):
     assert out["stats"]["finish_reason"] == "length"
     if mode == "both":
         assert out["identical"] and out["ar"]["finish_reason"] == "length"
+
+
+def test_embedded_model_refuses_a_prompt_past_its_measured_context():
+    """The shipped config states the context measured by `evaluate --context-curve` (its record beside it)."""
+    record = json.loads((TINY_DIR / "context_curve.json").read_text())
+    context = record["result"]["context"]
+    assert Target.from_checkpoint(tiny_model_dirs()[0]).config.max_position_embeddings == context == 896
+    refuses(["run", "x" * 1200, "--max-new-tokens", "4"], "PromptTooLongError", "prompt is 1200 tokens",
+            f"is {context} tokens")
+
+
+def test_context_curve_follows_its_rule(tiny_dirs):
+    """On a random tiny target: buckets cover the window, and `context` is where the rule says it is."""
+    t = Target.from_checkpoint(tiny_dirs["target"])
+    stream = np.array(prompt(300))
+    contexts = []
+    for tolerance in (0.0, 0.05):               # 0: one of the two reference buckets is above their mean
+        r = context_curve(t, stream, window=96, windows=2, bucket=16, reference=32, tolerance=tolerance)
+        assert [b["positions"] for b in r["buckets"]] == [[k, k + 16] for k in range(0, 96, 16)]
+        assert sum(b["bytes_scored"] for b in r["buckets"]) == 2 * 95       # every byte target after position 0
+        limit = (1 + tolerance) * r["reference_bits_per_byte"]
+        ok = [b["bits_per_byte"] <= limit + 1e-4 for b in r["buckets"]]   # (rounded to 4 places in the record)
+        contexts.append(r["context"])
+        assert r["context"] == 16 * (ok.index(False) if False in ok else len(ok))
+    assert contexts[0] <= 16 < contexts[1]
