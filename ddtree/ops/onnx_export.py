@@ -43,7 +43,7 @@ class LayerGraph:
 
 def dim_ranges(cfg) -> dict[str, tuple[int, int, int]]:
     """(min, opt, max) per symbolic dim: the plans' optimisation profile."""
-    S = cfg.max_position_embeddings
+    S = cfg.max_position_embeddings + MAX_TOKENS        # a verify appends up to MAX_TOKENS rows past the context
     return {"q": (1, 64, MAX_TOKENS), "W": (1, 2, -(-MAX_TOKENS // 32)), "S": (1, min(4096, S), S),
             "n": (0, 16, MAX_TOKENS), "nodes": (1, 33, 256)}
 

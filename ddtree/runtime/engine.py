@@ -18,18 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ddtree.errors import InputError
 from ddtree.model.tokenizer import load_tokenizer
-from ddtree.runtime.loop import RunStats, ar_steps, check_context, context_of, ddtree_steps
+from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
 
 DEVICES = ("cpu", "cuda")
 MODES = ("ddtree", "ar")
-
-
-class RequestError(InputError):
-    """A request the engine cannot serve as given (device, mode, budget, dirs), naming the parameter / flag."""
 
 
 class DeviceUnavailableError(RequestError, NotImplementedError):

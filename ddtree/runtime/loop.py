@@ -35,7 +35,12 @@ from ddtree.tree.sampling import SamplingParams
 CACHE_CHUNK = 256           # rows a cache starts with past the prompt; it grows (doubling) up to its limit
 
 
-class PromptTooLongError(InputError):
+class RequestError(InputError):
+    """A request the engine cannot serve as given (prompt, lengths, device, mode, budget, dirs), naming the
+    parameter / flag."""
+
+
+class PromptTooLongError(RequestError):
     """The prompt leaves no room for a new token in the model's context."""
 
 
@@ -75,9 +80,9 @@ def _check(prompt_ids, max_new_tokens: int, context: int) -> tuple[list[int], in
     """-> the prompt as ints, and the new tokens the run may commit: max_new_tokens cut to the context."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
-        raise ValueError("the prompt is empty (at least one token, e.g. BOS, is needed)")
+        raise RequestError("the prompt is empty (at least one token, e.g. BOS, is needed)")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_context(len(prompt), context)
     return prompt, min(max_new_tokens, context - len(prompt))
 
@@ -129,7 +134,7 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
     if not 2 <= b <= dcfg.block_size:
-        raise ValueError(f"block size {b} must be in 2..{dcfg.block_size} (the drafter's block_size)")
+        raise RequestError(f"block size {b} must be in 2..{dcfg.block_size} (the drafter's block_size)")
     stats = stats if stats is not None else RunStats()
     stats.max_depth = b - 1
     eos = {int(e) for e in eos_ids}
