@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.model.bf16 import bf16_to_f32
-from ddtree.model.config import ConfigError, Fields, load_drafter_config, load_model_config, show
+from ddtree.model.config import ConfigError, load_drafter_config, load_model_config
+from ddtree.model.fields import Fields, show
 from ddtree.model.int4 import dequantize_packed
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, drafter_tensor_specs, target_tensor_specs

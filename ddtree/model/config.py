@@ -6,7 +6,7 @@ Two target layouts exist (docs/kimi-k2.md section 2.1):
 RoPE parameters come as `rope_scaling` (original files) or `rope_parameters` (transformers 5).
 
 Validation happens here, in one place, for every config that reaches the model: each field is read
-through `Fields`, which checks its type (an integer is not a bool, a string, a float or null; a number
+through `Fields` (model/fields.py), which checks its type (an integer is not a bool, a string, a float or null; a number
 is finite), its range (sizes and counts >= 1, eps and scales > 0, ids in [0, vocab)) and names the
 file, the dotted field (`text_config.rms_norm_eps`), the value found and what was expected in a
 `ConfigError`. The dataclasses' `__post_init__` then checks the fields against each other (heads
@@ -21,159 +21,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddtree.errors import InputError
-
-
-class ConfigError(InputError):
-    """A config.json field is missing or holds a value we do not support."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Typed field reads
-
-_REQUIRED = object()
-_KINDS = {str: "a string", list: "a list", dict: "an object", bool: "a boolean"}
-
-
-def show(value) -> str:
-    """A JSON value as an error message shows it: numbers as Python prints them (nan, inf, 1e-05),
-    null as null, anything else as (shortened) JSON with its kind: "64" (a string), [1] (a list)."""
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return repr(value)
-    text = json.dumps(value, default=str)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({_KINDS.get(type(value), type(value).__name__)})"
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_wanted(lo, hi) -> str:
-    if lo is not None and hi is not None:
-        return f"an integer in {lo}..{hi}"
-    if lo is not None:
-        return f"an integer >= {lo}"
-    return "an integer" if hi is None else f"an integer <= {hi}"
-
-
-class Fields:
-    """Typed reads from one JSON object of a config file. Every refusal is `error` (ConfigError unless
-    given) naming the file, the dotted field, the value found and what was expected:
-        f = Fields(d, "ckpt/config.json")
-        t = f.obj("text_config")                 # Fields of the nested object
-        t.number("rms_norm_eps", 1e-5, gt=0)        # -> ConfigError: ckpt/config.json: field
-                                                    #    'text_config.rms_norm_eps' = nan: expected
-                                                    #    a finite number > 0
-    A field absent from the object takes `default` unchecked (no default: "missing required field");
-    null is a value like any other, refused unless the read says `null_ok` (then it gives None)."""
-
-    def __init__(self, obj, file: str, path: str = "", error: type[Exception] = ConfigError):
-        self.file, self.path, self.error = str(file), path, error
-        if not isinstance(obj, dict):
-            where = f"field '{path}'" if path else "the file"
-            raise error(f"{self.file}: {where} = {show(obj)}: expected a JSON object")
-        self.d = obj
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.d
-
-    def name(self, key: str) -> str:
-        """The dotted path of `key`: text_config.rope_scaling.factor."""
-        return f"{self.path}.{key}" if self.path else key
-
-    def bad(self, key: str, value, expected: str) -> Exception:
-        """The error for `key` holding `value` where `expected` was wanted (raise it)."""
-        return self.error(f"{self.file}: field '{self.name(key)}' = {show(value)}: expected {expected}")
-
-    def _get(self, key: str, default, expected: str):
-        if key not in self.d:
-            if default is _REQUIRED:
-                raise self.error(f"{self.file}: missing required field '{self.name(key)}' ({expected})")
-            return default, False
-        return self.d[key], True
-
-    def raw(self, key: str, default=_REQUIRED):
-        """The value as stored, unchecked (only its presence)."""
-        return self._get(key, default, "required")[0]
-
-    def integer(self, key: str, default=_REQUIRED, *, lo: int | None = None, hi: int | None = None,
-            null_ok: bool = False, expected: str | None = None):
-        """An integer (not a bool, float, string or null) in lo..hi."""
-        want = expected or _int_wanted(lo, hi)
-        v, present = self._get(key, default, want)
-        if not present or (v is None and null_ok):
-            return v
-        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise self.bad(key, v, want)
-        return v
-
-    def number(self, key: str, default=_REQUIRED, *, gt: float | None = None, ge: float | None = None,
-               null_ok: bool = False) -> float | None:
-        """A finite number (an integer is fine) > gt / >= ge, as a float."""
-        want = "a finite number" + (f" > {gt:g}" if gt is not None else "") + (f" >= {ge:g}" if ge is not None else "")
-        v, present = self._get(key, default, want)
-        if not present or (v is None and null_ok):
-            return v
-        if (not _is_number(v) or not math.isfinite(v) or (gt is not None and not v > gt)
-                or (ge is not None and not v >= ge)):
-            raise self.bad(key, v, want)
-        return float(v)
-
-    def string(self, key: str, default=_REQUIRED, choices: tuple[str, ...] | None = None,
-               null_ok: bool = False) -> str | None:
-        """A string, one of `choices` when given."""
-        want = "a string" if choices is None else "one of " + ", ".join(json.dumps(c) for c in choices)
-        v, present = self._get(key, default, want)
-        if not present or (v is None and null_ok):
-            return v
-        if not isinstance(v, str) or (choices is not None and v not in choices):
-            raise self.bad(key, v, want)
-        return v
-
-    def boolean(self, key: str, default=_REQUIRED) -> bool:
-        v, present = self._get(key, default, "true or false")
-        if present and not isinstance(v, bool):
-            raise self.bad(key, v, "true or false")
-        return v
-
-    def obj(self, key: str, default=_REQUIRED, *, null_ok: bool = False, what: str = "") -> "Fields | None":
-        """The nested object `key` as Fields (absent: default; null: None when null_ok)."""
-        want = "a JSON object" + (f" ({what})" if what else "")
-        v, present = self._get(key, default, want)
-        if not present or (v is None and null_ok):
-            return v
-        if not isinstance(v, dict):
-            raise self.bad(key, v, want)
-        return Fields(v, self.file, self.name(key), self.error)
-
-    def int_list(self, key: str, default=_REQUIRED, *, lo: int | None = None, hi: int | None = None,
-                 nonempty: bool = True) -> list[int]:
-        """A list of integers in lo..hi (non-empty unless told)."""
-        want = ("a non-empty " if nonempty else "a ") + "list of " + \
-            _int_wanted(lo, hi).replace("an integer", "integers", 1)
-        v, present = self._get(key, default, want)
-        if not present:
-            return v
-        if (not isinstance(v, list) or (nonempty and not v)
-                or not all(_is_int(x) and (lo is None or x >= lo) and (hi is None or x <= hi) for x in v)):
-            raise self.bad(key, v, want)
-        return v
-
-
-def _check(ok: bool, source: tuple[str, str], name: str, value, expected: str) -> None:
-    """A cross-field check of a built config: ConfigError naming file and field unless ok.
-    source = (file, dotted path of the object that holds the field)."""
-    if not ok:
-        file, path = source
-        raise ConfigError(f"{file}: field '{path + '.' if path else ''}{name}' = {show(value)}: expected {expected}")
+from ddtree.model.fields import ConfigError, Fields, check_field, show
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,30 +196,30 @@ class KimiConfig:
     def __post_init__(self):
         """The fields against each other (each field's own type and range: from_dict)."""
         s = self.source
-        _check(self.layout in LAYOUTS, s, "layout", self.layout, f"one of {', '.join(LAYOUTS)}")
-        _check(self.scoring_func == "sigmoid", s, "scoring_func", self.scoring_func,
+        check_field(self.layout in LAYOUTS, s, "layout", self.layout, f"one of {', '.join(LAYOUTS)}")
+        check_field(self.scoring_func == "sigmoid", s, "scoring_func", self.scoring_func,
                '"sigmoid" (the only scoring implemented)')
-        _check(self.topk_method == "noaux_tc", s, "topk_method", self.topk_method,
+        check_field(self.topk_method == "noaux_tc", s, "topk_method", self.topk_method,
                '"noaux_tc" (the only routing implemented)')
-        _check(self.moe_layer_freq == 1, s, "moe_layer_freq", self.moe_layer_freq,
+        check_field(self.moe_layer_freq == 1, s, "moe_layer_freq", self.moe_layer_freq,
                "1 (every layer after the dense ones is MoE)")
-        _check(self.n_routed_experts % self.n_group == 0, s, "n_group", self.n_group,
+        check_field(self.n_routed_experts % self.n_group == 0, s, "n_group", self.n_group,
                f"a divisor of n_routed_experts {self.n_routed_experts} (not divisible by n_group {self.n_group})")
-        _check(1 <= self.topk_group <= self.n_group, s, "topk_group", self.topk_group,
+        check_field(1 <= self.topk_group <= self.n_group, s, "topk_group", self.topk_group,
                f"an integer in 1..n_group ({self.n_group})")
         most = self.topk_group * (self.n_routed_experts // self.n_group)
-        _check(self.num_experts_per_tok <= most, s, "num_experts_per_tok", self.num_experts_per_tok,
+        check_field(self.num_experts_per_tok <= most, s, "num_experts_per_tok", self.num_experts_per_tok,
                f"at most the {most} experts in topk_group {self.topk_group} of n_group {self.n_group} groups "
                f"of n_routed_experts {self.n_routed_experts}")
-        _check(self.qk_rope_head_dim % 2 == 0, s, "qk_rope_head_dim", self.qk_rope_head_dim,
+        check_field(self.qk_rope_head_dim % 2 == 0, s, "qk_rope_head_dim", self.qk_rope_head_dim,
                "an even integer (RoPE rotates pairs)")
-        _check(self.first_k_dense_replace <= self.num_hidden_layers, s, "first_k_dense_replace",
+        check_field(self.first_k_dense_replace <= self.num_hidden_layers, s, "first_k_dense_replace",
                self.first_k_dense_replace, f"an integer in 0..num_hidden_layers ({self.num_hidden_layers})")
-        _check(self.tokenizer in TOKENIZERS, s, "ddtree_tokenizer", self.tokenizer, '"bytes" or absent')
+        check_field(self.tokenizer in TOKENIZERS, s, "ddtree_tokenizer", self.tokenizer, '"bytes" or absent')
         if self.quant is not None:
             g = self.quant.group_size
             for name, k in (("hidden_size", self.hidden_size), ("moe_intermediate_size", self.moe_intermediate_size)):
-                _check(k % g == 0, s, "quantization_config.config_groups.*.weights.group_size", g,
+                check_field(k % g == 0, s, "quantization_config.config_groups.*.weights.group_size", g,
                        f"a divisor of {name} {k} (group_size {g} does not divide {name} {k})")
 
     # derived -------------------------------------------------------------------------------
@@ -524,18 +372,18 @@ class DrafterConfig:
     def __post_init__(self):
         """The fields against each other (each field's own type and range: from_dict)."""
         s = self.source
-        _check(self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0, s,
+        check_field(self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads == 0, s,
                "num_key_value_heads", self.num_key_value_heads,
                f"a divisor of num_attention_heads {self.num_attention_heads} (not divisible by "
                f"num_key_value_heads {self.num_key_value_heads})")
-        _check(self.block_size >= 2, s, "block_size", self.block_size, "an integer >= 2")
-        _check(len(self.target_layer_ids) > 0, s, "dflash_config.target_layer_ids", list(self.target_layer_ids),
+        check_field(self.block_size >= 2, s, "block_size", self.block_size, "an integer >= 2")
+        check_field(len(self.target_layer_ids) > 0, s, "dflash_config.target_layer_ids", list(self.target_layer_ids),
                "a non-empty list of target layers (dflash_config.target_layer_ids is empty)")
-        _check(self.head_dim % 2 == 0, s, "head_dim", self.head_dim, "an even integer (RoPE rotates pairs)")
-        _check(0 <= self.mask_token_id < self.vocab_size, s, "dflash_config.mask_token_id", self.mask_token_id,
+        check_field(self.head_dim % 2 == 0, s, "head_dim", self.head_dim, "an even integer (RoPE rotates pairs)")
+        check_field(0 <= self.mask_token_id < self.vocab_size, s, "dflash_config.mask_token_id", self.mask_token_id,
                f"an integer in 0..{self.vocab_size - 1} (vocab_size {self.vocab_size})")
         if self.layer_types is not None:
-            _check(len(self.layer_types) == self.num_hidden_layers, s, "layer_types", list(self.layer_types),
+            check_field(len(self.layer_types) == self.num_hidden_layers, s, "layer_types", list(self.layer_types),
                    f"one entry per layer (num_hidden_layers {self.num_hidden_layers})")
 
     @property
@@ -553,12 +401,12 @@ class DrafterConfig:
         its hidden size and vocabulary."""
         n = target.num_hidden_layers
         for L in self.target_layer_ids:
-            _check(0 <= L < n - 1, self.source, "dflash_config.target_layer_ids", list(self.target_layer_ids),
+            check_field(0 <= L < n - 1, self.source, "dflash_config.target_layer_ids", list(self.target_layer_ids),
                    f"layers in 0..{n - 2} for a {n}-layer target (target_layer_ids contains {L}; the last "
                    "layer's output is replaced by the final-normed state)")
-        _check(self.hidden_size == target.hidden_size, self.source, "hidden_size", self.hidden_size,
+        check_field(self.hidden_size == target.hidden_size, self.source, "hidden_size", self.hidden_size,
                f"the target's hidden_size {target.hidden_size}")
-        _check(self.vocab_size == target.vocab_size, self.source, "vocab_size", self.vocab_size,
+        check_field(self.vocab_size == target.vocab_size, self.source, "vocab_size", self.vocab_size,
                f"the target's vocab_size {target.vocab_size}")
 
     @staticmethod

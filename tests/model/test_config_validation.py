@@ -24,8 +24,8 @@ import pytest
 
 from ddtree.data import tiny_model_dirs
 from ddtree.model.checkpoint import Checkpoint
-from ddtree.model.config import (ConfigError, DrafterConfig, Fields, KimiConfig, load_drafter_config,
-                                 load_model_config)
+from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig, load_drafter_config, load_model_config
+from ddtree.model.fields import Fields
 from ddtree.model.presets import get_preset
 from ddtree.model.safetensors_io import CheckpointError
 from tests.cli.bad_input import refuses
