@@ -54,10 +54,12 @@ class ChatFormatError(InputError):
 
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                thinking: bool = True, default_system: str | None = None,
+                thinking: bool | None = True, default_system: str | None = None,
                 tools_ts_str: str | None = None) -> str:
-    """The prompt text for `messages` (see the module docstring for the format)."""
+    """The prompt text for `messages` (see the module docstring for the format); thinking None is
+    the template's default (the variable undefined: on)."""
     _check_messages(messages)
+    thinking = True if thinking is None else thinking
     # history ends at the last assistant turn without tool calls (-1: no history)
     last_plain_assistant = max((i for i, m in enumerate(messages)
                                 if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)

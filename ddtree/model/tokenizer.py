@@ -4,8 +4,10 @@ Both have one interface:
     encode(text, allow_special=True) -> list[int]   special-token text -> one id each when allowed
     decode(ids) -> str                              specials kept as their text; bad UTF-8 -> U+FFFD
     decode_bytes(ids) -> bytes                      exact bytes (decode per token can split a character)
-    apply_chat_template(messages, tools=None, add_generation_prompt=True, thinking=True) -> str
-    encode_chat(messages, ...) -> list[int]         the rendered prompt, specials as ids, no [BOS]
+    apply_chat_template(messages, tools=None, add_generation_prompt=True, thinking=None) -> str
+    encode_chat(messages, tools=None, add_generation_prompt=True, thinking=None) -> list[int]
+                                                    the rendered prompt, specials as ids, no [BOS];
+                                                    thinking None: the template's default (on)
     vocab_size, bos_id, eos_id, pad_id, stop_ids, special_tokens {name: id}
 
 `load_tokenizer(model_dir, config)` picks one from the checkpoint's config.json.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from ddtree.errors import InputError
 from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, render_chat
+from ddtree.model.tool_declaration import ToolSchemaError, render_tools
 from ddtree.model.presets import BYTE_BOS, BYTE_EOS, BYTE_MASK, BYTE_PAD
 
 # --- interoperability constants (byte-exact) -----------------------------------------------------
@@ -100,7 +103,8 @@ class KimiTokenizer:
     """Kimi K2.x BPE: `mergeable_ranks` {token bytes: rank 0..n-1} plus 256 special ids after them."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
-                 default_system: str | None = None, source: str = "tiktoken.model"):
+                 default_system: str | None = None, source: str = "tiktoken.model",
+                 tools_as_typescript: bool = True, tools_json_spaced: bool = False):
         import tiktoken
 
         n_ranks = len(mergeable_ranks)
@@ -116,6 +120,8 @@ class KimiTokenizer:
                                           mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens)
         self.vocab_size = n_ranks + NUM_SPECIAL
         self.default_system = default_system
+        self.tools_as_typescript = tools_as_typescript   # K2.5+: tools declared via tools_ts_str
+        self.tools_json_spaced = tools_json_spaced       # K2-Thinking: `tools | tojson()`, ", " and ": "
         self.bos_id = self._required("[BOS]", source)
         self.eos_id = self._required("[EOS]", source)
         self.im_end_id = self._required("<|im_end|>", source)
@@ -148,7 +154,13 @@ class KimiTokenizer:
         names = special_names(len(ranks), tok_config.get("added_tokens_decoder"), where=str(config_path))
         template = _chat_template_text(model_dir, tok_config)
         default_system = KIMI_DEFAULT_SYSTEM if template and KIMI_DEFAULT_SYSTEM in template else None
-        return cls(ranks, names, default_system=default_system, source=str(bpe_path))
+        # K2.5+ templates print `tools_ts_str` (their tokenizer's TypeScript declaration) and fall back
+        # to compact JSON; K2-Thinking's has no such variable and prints `tools | tojson()` (spaced).
+        # No template: the newest format.
+        typescript = template is None or "tools_ts_str" in template
+        spaced = template is not None and "tojson(separators" not in template
+        return cls(ranks, names, default_system=default_system, source=str(bpe_path),
+                   tools_as_typescript=typescript, tools_json_spaced=spaced)
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -171,13 +183,30 @@ class KimiTokenizer:
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, thinking=True,
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, thinking=None,
                             tools_ts_str: str | None = None) -> str:
-        return render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           thinking=thinking, default_system=self.default_system, tools_ts_str=tools_ts_str)
+        return chat_text(self, messages, tools, add_generation_prompt, thinking, tools_ts_str)
 
-    def encode_chat(self, messages, tools=None, add_generation_prompt=True, thinking=True) -> list[int]:
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, thinking=None) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, thinking))
+
+
+def chat_text(tok, messages, tools=None, add_generation_prompt=True, thinking=None,
+              tools_ts_str: str | None = None) -> str:
+    """The prompt text as the checkpoint's own tokenizer + template render it: thinking None is the
+    template's default (on); with tools_as_typescript the tools are declared in TypeScript style
+    (tool_declaration.py). Where that encoder fails on a schema the Kimi tokenizer falls back to
+    the template's JSON declaration, and so do we, with a warning naming the schema problem."""
+    if tools and tools_ts_str is None and tok.tools_as_typescript:
+        try:
+            tools_ts_str = render_tools(tools) or None
+        except ToolSchemaError as e:
+            warnings.warn(f"{e}; declaring the tools as JSON instead, as the Kimi tokenizer does", stacklevel=3)
+    elif tools and tools_ts_str is None and tok.tools_json_spaced:
+        tools_ts_str = json.dumps(tools, ensure_ascii=False, sort_keys=True)   # the key-sorted tools, tojson()
+    return render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       thinking=True if thinking is None else thinking,
+                       default_system=tok.default_system, tools_ts_str=tools_ts_str)
 
 
 def special_names(n_ranks: int, added_tokens_decoder: dict | None, where: str = "tokenizer_config.json") -> dict[int, str]:
@@ -218,6 +247,7 @@ class ByteTokenizer:
     bos_id, eos_id, pad_id, mask_id = BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_MASK
     stop_ids = frozenset({BYTE_EOS})
     default_system = None
+    tools_as_typescript, tools_json_spaced = True, False   # the tiny models follow K2.6's chat format
     _special_re = re.compile("|".join(re.escape(name) for name in special_tokens))
 
     def __init__(self, model_vocab_size: int = 260):
@@ -254,12 +284,11 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, thinking=True,
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, thinking=None,
                             tools_ts_str: str | None = None) -> str:
-        return render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           thinking=thinking, tools_ts_str=tools_ts_str)
+        return chat_text(self, messages, tools, add_generation_prompt, thinking, tools_ts_str)
 
-    def encode_chat(self, messages, tools=None, add_generation_prompt=True, thinking=True) -> list[int]:
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, thinking=None) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, thinking))
 
 

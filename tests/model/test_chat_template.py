@@ -11,6 +11,7 @@ import pytest
 
 from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, ChatFormatError, render_chat
 from ddtree.model.tokenizer import ByteTokenizer, KimiTokenizer
+from ddtree.model.tool_declaration import render_tools
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment   # jinja2: a dev dependency
 
@@ -179,7 +180,8 @@ def test_tokenizer_reads_default_system_from_checkpoint_template(tmp_path):
 def test_byte_tokenizer_renders_the_same_text():
     tok = ByteTokenizer()
     text = tok.apply_chat_template(CONVERSATION, tools=TOOLS)
-    assert text == render_chat(CONVERSATION, tools=TOOLS)
+    # the tiny models follow K2.6: tools declared in TypeScript style (tests/model/test_tool_calls.py)
+    assert text == render_chat(CONVERSATION, tools=TOOLS, tools_ts_str=render_tools(TOOLS))
     assert tok.encode_chat(CONVERSATION, tools=TOOLS) == list(text.encode())
 
 
