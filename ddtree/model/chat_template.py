@@ -18,7 +18,8 @@ What the template does (and this module does the same):
   calls of one turn wrapped in <|tool_calls_section_begin|> ... <|tool_calls_section_end|>;
 - a tool result body is "## Return of ID\\n" + content;
 - the generation prompt is <|im_assistant|>assistant<|im_middle|> then <think> (thinking on, the
-  default) or <think></think> (thinking off). No [BOS] is emitted.
+  default) or <think></think> (thinking off); K2-Thinking's template has no thinking switch and
+  stops at <|im_middle|> (render_chat(thinking_switch=False)). No [BOS] is emitted.
 
 Two knobs the K2.5 template reads from outside:
 - `tools_ts_str`: K2.5+'s tokenizer wrapper turns `tools` into a TypeScript-style namespace and
@@ -55,11 +56,13 @@ class ChatFormatError(InputError):
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                 thinking: bool | None = True, default_system: str | None = None,
-                tools_ts_str: str | None = None) -> str:
+                tools_ts_str: str | None = None, thinking_switch: bool = True) -> str:
     """The prompt text for `messages` (see the module docstring for the format); thinking None is
-    the template's default (the variable undefined: on)."""
+    the template's default (the variable undefined: on). thinking_switch False renders a template
+    without the `thinking` variable (K2-Thinking's): reasoning always kept in the current tool-call
+    loop, and a generation prompt that ends at <|im_middle|> (the model opens <think> itself)."""
     _check_messages(messages)
-    thinking = True if thinking is None else thinking
+    thinking = True if thinking is None or not thinking_switch else thinking
     # history ends at the last assistant turn without tool calls (-1: no history)
     last_plain_assistant = max((i for i, m in enumerate(messages)
                                 if m["role"] == "assistant" and not m.get("tool_calls")), default=-1)
@@ -74,7 +77,7 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
         turns.append(_render_message(message, i, keep_reasoning))
     if add_generation_prompt:
         turns.append(ROLE_MARKERS["assistant"] + "assistant" + IM_MIDDLE
-                     + (THINK_OPEN if thinking else THINK_OPEN + THINK_CLOSE))
+                     + ("" if not thinking_switch else THINK_OPEN if thinking else THINK_OPEN + THINK_CLOSE))
     return "".join(turns)
 
 

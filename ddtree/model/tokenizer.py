@@ -104,7 +104,7 @@ class KimiTokenizer:
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
                  default_system: str | None = None, source: str = "tiktoken.model",
-                 tools_as_typescript: bool = True, tools_json_spaced: bool = False):
+                 tools_as_typescript: bool = True, tools_json_spaced: bool = False, thinking_switch: bool = True):
         import tiktoken
 
         n_ranks = len(mergeable_ranks)
@@ -122,6 +122,7 @@ class KimiTokenizer:
         self.default_system = default_system
         self.tools_as_typescript = tools_as_typescript   # K2.5+: tools declared via tools_ts_str
         self.tools_json_spaced = tools_json_spaced       # K2-Thinking: `tools | tojson()`, ", " and ": "
+        self.thinking_switch = thinking_switch           # False (K2-Thinking): no `thinking` variable
         self.bos_id = self._required("[BOS]", source)
         self.eos_id = self._required("[EOS]", source)
         self.im_end_id = self._required("<|im_end|>", source)
@@ -159,8 +160,10 @@ class KimiTokenizer:
         # No template: the newest format.
         typescript = template is None or "tools_ts_str" in template
         spaced = template is not None and "tojson(separators" not in template
+        # K2.5+ read `thinking` (default on); K2-Thinking's template has no such switch
+        switch = template is None or "thinking" in template
         return cls(ranks, names, default_system=default_system, source=str(bpe_path),
-                   tools_as_typescript=typescript, tools_json_spaced=spaced)
+                   tools_as_typescript=typescript, tools_json_spaced=spaced, thinking_switch=switch)
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -194,7 +197,7 @@ class KimiTokenizer:
 def chat_text(tok, messages, tools=None, add_generation_prompt=True, thinking=None,
               tools_ts_str: str | None = None) -> str:
     """The prompt text as the checkpoint's own tokenizer + template render it: thinking None is the
-    template's default (on); with tools_as_typescript the tools are declared in TypeScript style
+    template's default (on; a template without the switch ignores it); with tools_as_typescript the tools are declared in TypeScript style
     (tool_declaration.py). Where that encoder fails on a schema the Kimi tokenizer falls back to
     the template's JSON declaration, and so do we, with a warning naming the schema problem."""
     if tools and tools_ts_str is None and tok.tools_as_typescript:
@@ -206,7 +209,8 @@ def chat_text(tok, messages, tools=None, add_generation_prompt=True, thinking=No
         tools_ts_str = json.dumps(tools, ensure_ascii=False, sort_keys=True)   # the key-sorted tools, tojson()
     return render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                        thinking=True if thinking is None else thinking,
-                       default_system=tok.default_system, tools_ts_str=tools_ts_str)
+                       default_system=tok.default_system, tools_ts_str=tools_ts_str,
+                       thinking_switch=tok.thinking_switch)
 
 
 def special_names(n_ranks: int, added_tokens_decoder: dict | None, where: str = "tokenizer_config.json") -> dict[int, str]:
@@ -247,7 +251,7 @@ class ByteTokenizer:
     bos_id, eos_id, pad_id, mask_id = BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_MASK
     stop_ids = frozenset({BYTE_EOS})
     default_system = None
-    tools_as_typescript, tools_json_spaced = True, False   # the tiny models follow K2.6's chat format
+    tools_as_typescript, tools_json_spaced, thinking_switch = True, False, True   # the tiny models: K2.6's format
     _special_re = re.compile("|".join(re.escape(name) for name in special_tokens))
 
     def __init__(self, model_vocab_size: int = 260):

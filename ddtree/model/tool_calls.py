@@ -7,10 +7,11 @@ turn, tests/fixtures/kimi/k2.5_chat_template.jinja, and docs/kimi-k2.md section 
         <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS<|tool_call_end|> ...
     <|tool_calls_section_end|><|im_end|>
 
-- thinking on: the prompt ends inside `<think>`, so the text up to `</think>` is reasoning
-  (a `<think>` written first, as after K2-Thinking's prompt which has none, is skipped);
+- thinking on: the prompt ends inside `<think>`, so the text up to `</think>` is reasoning;
   a tool-call section opened before `</think>` also ends the reasoning;
 - thinking off: the prompt ends `<think></think>`; all text outside the section is content;
+- either way, output that starts with `<think>` opens reasoning there (K2-Thinking's prompt has
+  no `<think>` and no thinking switch: the model opens it itself);
 - a call's id is the text between `<|tool_call_begin|>` and `<|tool_call_argument_begin|>`,
   kept whole (`functions.get_weather:0`): the template writes `tool_calls[i].id` there and a tool
   result names it in "## Return of ID", so the id round-trips; the function name is the id
@@ -63,7 +64,7 @@ class AssistantParser:
 
     def __init__(self, thinking: bool):
         self.state = REASONING if thinking else CONTENT
-        self.at_start = thinking          # a leading <think> is still to be skipped
+        self.at_start = True              # a leading <think> (opening reasoning) may still come
         self.pending = ""                 # text not yet consumed (a possible marker's start)
         self.calls = 0                    # tool calls opened so far
         self.call_id = ""                 # the open call's id text
@@ -81,7 +82,8 @@ class AssistantParser:
         if self.at_start:
             if not final and THINK_OPEN.startswith(self.pending):
                 return events             # maybe a <think> still arriving
-            self.pending = self.pending.removeprefix(THINK_OPEN)
+            if self.pending.startswith(THINK_OPEN):
+                self.pending, self.state = self.pending[len(THINK_OPEN):], REASONING
             self.at_start = False
         while self.state != DONE and self.pending:
             markers = TRANSITIONS[self.state]

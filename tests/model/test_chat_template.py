@@ -173,7 +173,8 @@ def test_tokenizer_reads_default_system_from_checkpoint_template(tmp_path):
     ids = tok.encode_chat(CONVERSATION)
     assert ids[0] == n + 10 and n not in ids                       # <|im_system|> first
     assert ids.count(n + 2) == len(CONVERSATION)                   # one <|im_end|> per turn
-    assert ids[-2:] == [n + 17, n + 22]                            # ...<|im_middle|><think>
+    assert ids[-1] == n + 17                                       # ...<|im_middle|>: K2-Thinking's model opens <think>
+    assert tok.apply_chat_template(CONVERSATION) == hf_render(K2T_TEMPLATE, CONVERSATION)
     assert tok.decode(ids) == tok.apply_chat_template(CONVERSATION)
 
 

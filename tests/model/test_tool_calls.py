@@ -142,8 +142,11 @@ def test_tokenizer_declares_tools_as_the_k25_template_does(tmp_path):
     tok = KimiTokenizer.from_dir(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False) == hf_render(
-            K2T_TEMPLATE, messages, tools, add_generation_prompt=False)
+        assert tok.apply_chat_template(messages, tools=tools) == hf_render(K2T_TEMPLATE, messages, tools)
+    # K2-Thinking's template has no thinking switch: `thinking` changes nothing, reasoning is kept
+    loop = [*messages, {"role": "assistant", "reasoning_content": "r", "tool_calls": [call(0, "ping", "{}")]}]
+    for thinking in (None, True, False):
+        assert tok.apply_chat_template(loop, thinking=thinking) == hf_render(K2T_TEMPLATE, loop, thinking=thinking)
     assert ByteTokenizer().apply_chat_template(messages, tools=tools) == expected
 
 
@@ -261,7 +264,14 @@ def test_cut_off_output():
                            thinking=True) == ("a", "b", [])
     assert parse_assistant('<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x', thinking=False) == (
         None, None, [call(0, "f", '{"x')])
-    # thinking off: a </think> is ordinary content; thinking on: a section ends the reasoning
+    # thinking off: a </think> is ordinary content, but output opening with <think> (K2-Thinking,
+    # whose prompt leaves it to the model) is reasoning; thinking on: a section ends the reasoning
+    assert parse_assistant("<think>r</think>c", thinking=False) == ("r", "c", [])
+    assert parse_assistant("<think>r</think>c", thinking=True) == ("r", "c", [])
+    assert parse_assistant("c <think>", thinking=False) == (None, "c <think>", [])
+    parser = AssistantParser(thinking=False)
+    assert parser.feed("<") + parser.feed("thi") + parser.feed("nk>r</") == [("reasoning", "r")]
+    assert parser.feed("think>c") + parser.finish() == [("content", "c")]
     assert parse_assistant("x</think>y", thinking=False) == (None, "x</think>y", [])
     assert parse_assistant("x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
                            "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
