@@ -1,0 +1,1 @@
+"""`ddtree serve`: the OpenAI-compatible HTTP server over one DDTreeEngine (docs/interfaces.md section 11)."""

@@ -1,0 +1,161 @@
+"""The request bodies of /v1/completions and /v1/chat/completions as pydantic models.
+
+Strict types (a string where a number belongs is a 400, never coerced) and no unknown fields: a
+parameter this server does not know is a 400 naming it, never silently ignored. Parameters it knows
+but does not implement (penalties, logprobs, n > 1, response_format other than text, ...) are checked
+in `unsupported_params`: a 400 naming the parameter when set to anything but its default.
+
+Sampling follows docs/interfaces.md section 5: temperature 0 is greedy, top_k 0 (or -1, vLLM's "off")
+keeps every token, top_p 1 keeps all, and `seed` picks the Philox stream (no seed: a random one).
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ddtree.server.errors import ApiError, unsupported
+
+MAX_STOPS = 4                           # OpenAI's limit on stop sequences
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: None = None                # sent back by clients that echo an assistant message
+
+
+class FunctionDef(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None      # a JSON schema, declared to the model as the template does
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class Sampling(Strict):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                            # -1 or 0: off
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    user: str | None = None
+    # known, not implemented: a 400 when not at the default (unsupported_params)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"stop: at most {MAX_STOPS} stop sequences, got {len(stops)}", param="stop")
+        return stops
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """str or token ids; a list of one prompt is that prompt; several prompts are a 400."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, f"prompt: a batch of {len(p)} prompts is not supported; send one prompt "
+                               "per request", param="prompt", code="unsupported_parameter")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise ApiError(400, "prompt: an empty list of token ids", param="prompt")
+        return p
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+
+    def new_tokens_limit(self) -> int | None:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                           f"({self.max_completion_tokens}) disagree; give one", param="max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def thinking(self) -> bool | None:
+        """chat_template_kwargs.thinking (the Kimi template's variable); None: the template's default."""
+        kwargs = self.chat_template_kwargs or {}
+        unknown = sorted(set(kwargs) - {"thinking"})
+        if unknown:
+            raise ApiError(400, f"chat_template_kwargs.{unknown[0]}: the Kimi chat template reads only "
+                           "'thinking'", param=f"chat_template_kwargs.{unknown[0]}")
+        thinking = kwargs.get("thinking")
+        if thinking is not None and not isinstance(thinking, bool):
+            raise ApiError(400, f"chat_template_kwargs.thinking: expected true or false, got {thinking!r}",
+                           param="chat_template_kwargs.thinking")
+        return thinking
+
+
+def unsupported_params(req: Sampling) -> None:
+    """A 400 naming the first parameter set to a value this server does not implement."""
+    defaults = [("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
+    for name, default in defaults:
+        if getattr(req, name) != default:
+            raise unsupported(name, getattr(req, name))
+    if req.logit_bias:
+        raise unsupported("logit_bias", req.logit_bias)
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        for name, off in (("echo", False), ("best_of", None), ("logprobs", None), ("suffix", None)):
+            value = getattr(req, name)
+            if value != off and not (name == "best_of" and value == 1):
+                raise unsupported(name, value)
+    if isinstance(req, ChatRequest):
+        if req.logprobs:
+            raise unsupported("logprobs", req.logprobs)
+        if req.top_logprobs is not None:
+            raise unsupported("top_logprobs", req.top_logprobs)
+        if req.response_format is not None and req.response_format != {"type": "text"}:
+            raise unsupported("response_format", req.response_format, " (only {'type': 'text'})")
+        if req.reasoning_effort is not None:
+            raise unsupported("reasoning_effort", req.reasoning_effort,
+                              " (use chat_template_kwargs.thinking)")
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            raise unsupported("tool_choice", req.tool_choice, " (only 'auto' and 'none')")

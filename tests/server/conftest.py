@@ -1,0 +1,86 @@
+"""A live `ddtree serve` on 127.0.0.1 for the server tests: the real command in a subprocess, on a free
+loopback port, the embedded tiny model, --max-queue 8. Startup and shutdown are bounded in time."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+MODEL = "ddtree-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(*args: str, startup_s: float = 60.0):
+    """`python -m ddtree serve ARGS` on a free loopback port -> (base URL, process); SIGTERM at the end."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            assert proc.poll() is None, f"ddtree serve exited {proc.returncode}:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ddtree serve did not come up"
+            time.sleep(0.1)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The shared server's base URL (tests leave it idle: queue empty, nothing running)."""
+    with live_server("--max-queue", "8") as (url, proc):
+        yield url
+        assert proc.poll() is None, "the server died during the tests"
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The same model in-process: the reference a request run alone must equal."""
+    from ddtree.runtime.engine import DDTreeEngine
+    return DDTreeEngine.load()
+
+
+def metric(url: str, name: str) -> float:
+    """One unlabelled sample of the server's /metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_idle(url: str, timeout_s: float = 30.0) -> dict:
+    """Poll /health until nothing waits or runs (bounded) -> the last /health body."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = httpx.get(f"{url}/health", timeout=5).json()
+        if body["queue"] == 0 and body["running"] == 0:
+            return body
+        assert time.monotonic() < deadline, f"the server is still busy: {body}"
+        time.sleep(0.05)
