@@ -62,7 +62,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
     vis = gpu.upload(tree_visibility(q, T + q))
     lengths = gpu.upload(np.array([T], np.int32))
     out = gpu.alloc((q, heads, 512), np.uint16)
-    attn = MlaTreeAttention(gpu, heads, kimi_softmax_scale(), max_q=q, max_context=max(T, 1))
+    attn = MlaTreeAttention(gpu, heads, kimi_softmax_scale(), latent=512, rope=64, max_q=q, max_context=max(T, 1))
     plan = attn.override(q, T, **forced) if forced else attn.plan(q, T)
     launches = max(launches, copies)
 

@@ -98,6 +98,7 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         plan = make_plan(ckpt.config, dckpt.config, tp, experts)
         tok_files = od.tokenizer_files(Path(model_dir), ckpt.config)
         nvrtc = od.require_nvrtc()
+        kernel_compile.latent_defines(ckpt.config.kv_lora_rank, ckpt.config.qk_rope_head_dim)   # LatentDimsError
         if graphs or trt:
             trt_build.require_graphs()
         if trt:
@@ -109,7 +110,8 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
     stage_dir = od.staging_dir(out)
     try:
         with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
-            kernels = od.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1))
+            kernels = od.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1),
+                                         latent=ckpt.config.kv_lora_rank, rope=ckpt.config.qk_rope_head_dim)
         with stage("weights", source_bytes(plan)) as advance:
             files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance, jobs=jobs)
         with stage("config"):

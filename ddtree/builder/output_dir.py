@@ -52,17 +52,19 @@ def require_nvrtc() -> str:
     return f"{major}.{minor}"
 
 
-def compile_kernels(archs, out_dir: Path, cache=None, on_done=None) -> dict:
-    """Every kernel source for every arch -> out_dir/kernels/<arch>/<source stem>.cubin.
+def compile_kernels(archs, out_dir: Path, cache=None, on_done=None, *, latent: int, rope: int) -> dict:
+    """Every kernel source for every arch -> out_dir/kernels/<arch>/<source stem>.cubin, the MLA attention
+    and KV cache at the model's latent dims (kv_lora_rank, qk_rope_head_dim).
     Returns the config.json "kernels" entry: {arch: {source: {"file", "source_sha256"}}}."""
     from ddtree.plugins import compile as kc
+    dims = kc.latent_defines(latent, rope)
     entry = {}
     for arch in archs:
         folder = ed.kernels_dir(out_dir, arch)
         folder.mkdir(parents=True, exist_ok=True)
         entry[arch] = {}
         for source in kc.SOURCES:
-            cubin = kc.compile_cubin(source, arch, cache=cache)
+            cubin = kc.compile_cubin(source, arch, dims if source in kc.LATENT_SOURCES else None, cache=cache)
             dest = folder / f"{Path(source).stem}.cubin"
             shutil.copyfile(cubin, dest)
             entry[arch][source] = {"file": dest.relative_to(out_dir).as_posix(), "source_sha256": kc.source_hash(source)}

@@ -6,12 +6,20 @@ needs no GPU and no driver (cuda.core + the pip NVRTC); loading and launching ha
 The kernels include no CUDA headers, so no toolkit include directory is needed either.
 
     ddtree.plugins.compile.compile_all(("sm_90", "sm_120"))   # -> {(source, arch): Path to .cubin}
+
+The MLA attention and the latent KV cache (LATENT_SOURCES) compile per model: latent_defines(kv_lora_rank,
+qk_rope_head_dim) gives their -D MLA_DL / MLA_DR after checking the dims against what the kernels need
+(LatentDimsError names the broken constraint); one cubin per (source, arch, defines), cached like the rest.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
+
+import numpy as np
+
+from ddtree.errors import InputError
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 DEFAULT_ARCHS = ("sm_90", "sm_120")
@@ -24,14 +32,44 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "moe.cu": {"default": {}},                 # ring depths are template parameters (plugins/moe.py)
     "gemm.cu": {"default": {"DD_WARPS": 4, "DD_STAGES": 6}},
     "fill.cu": {"default": {}},
-    "mla_attention.cu": {"default": {}},       # (warps, stages) variants are templates (plugins/mla_attention.py)
-    "mla_decode.cu": {"default": {}},
+    "mla_attention.cu": {"default": {}},       # (warps, stages) variants are templates (plugins/mla_attention.py);
+    "mla_decode.cu": {"default": {}},          # these three also take the model's latent_defines
     "kv_cache.cu": {"default": {}},
     "tree_build.cu": {"default": {}},
     "sample.cu": {"default": {}},
     "sample_top_p.cu": {"default": {}},
 }
 CXX_STD = "c++17"
+# Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)
+LATENT_SOURCES = ("mla_attention.cu", "mla_decode.cu", "kv_cache.cu")
+KIMI_LATENT, KIMI_ROPE = 512, 64                   # Kimi K2.6: kv_lora_rank, qk_rope_head_dim
+MAX_LATENT = 512
+
+
+class LatentDimsError(InputError):
+    """A model's latent dims the MLA attention / KV cache kernels cannot be compiled for (the constraint is
+    named); an InputError: a checkpoint's config.json can carry them."""
+
+
+def latent_defines(latent: int, rope: int) -> dict[str, int]:
+    """The NVRTC defines of LATENT_SOURCES for kv_lora_rank `latent` and qk_rope_head_dim `rope`, after the
+    kernels' constraints (restated as static_asserts in kernels/mla_common.cuh):
+    latent a multiple of 32 in [32, MAX_LATENT]: the tree form's two warps of a pair each own latent / 2
+      output dims in 16-dim ldmatrix.trans steps, and every thread holds latent / 4 fp32 accumulators
+      (128 at 512; more would spill);
+    rope a positive multiple of 16: the key dims latent + rope step through the mma's k = 16 (and the
+      16-byte copies of the cache entries need multiples of 8)."""
+    for name, value in (("latent (kv_lora_rank)", latent), ("rope (qk_rope_head_dim)", rope)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise LatentDimsError(f"MLA kernels: {name} must be an int, got {value!r}")
+    if latent % 32 or not 32 <= latent <= MAX_LATENT:
+        raise LatentDimsError(f"MLA kernels: latent (kv_lora_rank) = {latent} must be a multiple of 32 in "
+                              f"[32, {MAX_LATENT}] (a warp owns latent / 2 output dims in 16-dim mma tiles, "
+                              f"latent / 4 fp32 accumulators per thread)")
+    if rope % 16 or rope < 16:
+        raise LatentDimsError(f"MLA kernels: rope (qk_rope_head_dim) = {rope} must be a positive multiple of 16 "
+                              f"(the key dims latent + rope step through the mma's k = 16)")
+    return {"MLA_DL": int(latent), "MLA_DR": int(rope)}
 
 
 def defines_for(source: str, arch: str) -> dict[str, int]:
@@ -87,8 +125,15 @@ def cubin_key(source: str, arch: str, defines: dict[str, int] | None = None) -> 
 
 def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
                   cache: Path | None = None) -> Path:
-    """Compile one kernel source for one arch (or reuse the cached cubin); returns the .cubin path."""
+    """Compile one kernel source for one arch (or reuse the cached cubin); returns the .cubin path.
+    LATENT_SOURCES need latent_defines(...) among `defines` (checked here, before NVRTC)."""
     _check(source, arch)
+    if source in LATENT_SOURCES:
+        given = defines or {}
+        if "MLA_DL" not in given or "MLA_DR" not in given:
+            raise LatentDimsError(f"{source} compiles per model: pass defines=latent_defines(kv_lora_rank, "
+                                  f"qk_rope_head_dim), got {given}")
+        latent_defines(given["MLA_DL"], given["MLA_DR"])
     cache = Path(cache) if cache is not None else cache_dir()
     path = cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
     if path.exists():
@@ -114,6 +159,9 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
     return path
 
 
-def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None) -> dict[tuple[str, str], Path]:
-    """Every kernel source for every arch -> {(source, arch): cubin path}."""
-    return {(src, arch): compile_cubin(src, arch, cache=cache) for src in SOURCES for arch in archs}
+def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KIMI_LATENT,
+                rope: int = KIMI_ROPE) -> dict[tuple[str, str], Path]:
+    """Every kernel source for every arch -> {(source, arch): cubin path}; LATENT_SOURCES at (latent, rope)."""
+    dims = latent_defines(latent, rope)
+    return {(src, arch): compile_cubin(src, arch, dims if src in LATENT_SOURCES else None, cache=cache)
+            for src in SOURCES for arch in archs}

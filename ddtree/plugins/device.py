@@ -4,6 +4,7 @@
     gpu = Gpu()                                   # device 0, current, one non-blocking stream
     x = gpu.upload(np_array)                      # DeviceArray (ptr, shape, dtype)
     k = gpu.kernel("moe.cu", "moe_route")         # cubin for this GPU's arch, compiled once and cached
+    a = gpu.kernel("mla_decode.cu", "mla_decode_r1_k2_s4", latent_defines(64, 16))   # per-model defines
     gpu.launch(k, grid, block, smem, x, np.int32(n), ...)
     y = x.numpy()
 """
@@ -72,9 +73,9 @@ class Gpu:
         self.sm_count = props.multiprocessor_count
         self.smem_optin = props.max_shared_memory_per_block_optin
         self.l2_bytes = props.l2_cache_size
-        self._modules: dict[str, object] = {}
-        self._kernels: dict[tuple[str, str], object] = {}
-        self._smem_set: dict[tuple[str, str], int] = {}
+        self._modules: dict[tuple, object] = {}        # (source, defines) -> module
+        self._kernels: dict[tuple, object] = {}        # (source, defines, name) -> kernel
+        self._smem_set: dict[tuple, int] = {}
         self._allocs: list[int] = []
 
     # ---- modules and launches -------------------------------------------------------------
@@ -82,31 +83,35 @@ class Gpu:
         """Compile-time constants of `source` on this GPU (ring depth, warps): launchers size smem with them."""
         return defines_for(source, self.arch)
 
-    def kernel(self, source: str, name: str):
-        key = (source, name)
+    def kernel(self, source: str, name: str, defines: dict[str, int] | None = None):
+        """`defines`: extra compile-time constants (the model's latent dims: compile.latent_defines); one
+        module per (source, defines)."""
+        module_key = (source, tuple(sorted((defines or {}).items())))
+        key = (*module_key, name)
         if key not in self._kernels:
-            if source not in self._modules:
+            if module_key not in self._modules:
                 from cuda.core import ObjectCode
-                path = compile_cubin(source, self.arch)
-                self._modules[source] = ObjectCode.from_cubin(path.read_bytes(), name=source)
-            self._kernels[key] = self._modules[source].get_kernel(name)
+                path = compile_cubin(source, self.arch, defines)
+                self._modules[module_key] = ObjectCode.from_cubin(path.read_bytes(), name=source)
+            self._kernels[key] = self._modules[module_key].get_kernel(name)
         return self._kernels[key]
 
-    def allow_smem(self, source: str, name: str, nbytes: int) -> None:
+    def allow_smem(self, source: str, name: str, nbytes: int, defines: dict[str, int] | None = None) -> None:
         """Raise a kernel's dynamic shared-memory limit (needed above 48 KB); checked against the device."""
         if nbytes > self.smem_optin:
             raise ValueError(f"{source}:{name} needs {nbytes} B of shared memory; {self.name} allows {self.smem_optin}")
-        if self._smem_set.get((source, name), 0) >= nbytes or nbytes <= 48 * 1024:
+        key = (source, tuple(sorted((defines or {}).items())), name)
+        if self._smem_set.get(key, 0) >= nbytes or nbytes <= 48 * 1024:
             return
         driver = _driver()
-        handle = self.kernel(source, name).handle
+        handle = self.kernel(source, name, defines).handle
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         if isinstance(handle, driver.CUkernel):
             check(driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(self.dev.device_id)),
                   "cuKernelSetAttribute")
         else:
             check(driver.cuFuncSetAttribute(handle, attr, nbytes), "cuFuncSetAttribute")
-        self._smem_set[(source, name)] = nbytes
+        self._smem_set[key] = nbytes
 
     def launch(self, kernel, grid, block, smem: int, *args, stream=None, pdl: bool = False) -> None:
         """pdl: programmatic dependent launch (the kernel may start before the previous one in the stream

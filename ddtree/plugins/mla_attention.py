@@ -1,11 +1,13 @@
 """Launcher for the tree-masked absorbed MLA attention and its split plan (two kernel forms, one contract).
 
-    attn = MlaTreeAttention(gpu, heads=8, scale=cfg.softmax_scale, max_q=256, max_context=131072)
+    attn = MlaTreeAttention(gpu, heads=8, scale=cfg.softmax_scale, latent=cfg.kv_lora_rank,
+                            rope=cfg.qk_rope_head_dim, max_q=256, max_context=131072)
     attn.run(q_lat, q_rope, cache_layer, vis, lengths, q, out, lse=None, context_hint=T)
 
-q_lat [q, H, 512] bf16, q_rope [q, H, 64] bf16, cache one layer [>= T + q, 576] bf16 with the q tree
+With latent DL and rope DR (Kimi: 512 / 64; the kernels compile for them, compile.latent_defines):
+q_lat [q, H, DL] bf16, q_rope [q, H, DR] bf16, cache one layer [>= T + q, DL + DR] bf16 with the q tree
 entries already appended at T .., vis [q, ceil(q/32)] uint32 (docs/interfaces.md section 4), lengths a device
-int32 [1] holding T. out [q, H, 512] bf16; lse [q, H] fp32 (natural log) when given. Numpy twin:
+int32 [1] holding T. out [q, H, DL] bf16; lse [q, H] fp32 (natural log) when given. Numpy twin:
 ddtree.plugins.reference.mla_tree_attention.
 
 Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32 (64 at long contexts), bandwidth-bound: keys
@@ -24,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.plugins.compile import latent_defines
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
 
 SOURCE, DECODE_SOURCE = "mla_attention.cu", "mla_decode.cu"
-LATENT, ROPE, KEY_DIM = 512, 64, 576
-ROW_STRIDE, PROB_STRIDE, DECODE_PROB_STRIDE = 584, 40, 24      # MLA_ROW, MLA_PROW, DEC_PROW in the kernels
+PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernels
 # (form, warps, stages, row groups) compiled; a block serves 8 x row groups query rows.
 # "tree": mla_attention.cu, warp pairs share 16 query rows (row groups = warps), a ring of `stages` 32-key
 # blocks. "decode": mla_decode.cu, row groups of 8 rows x warps / row groups key streams of 16-key
@@ -45,16 +47,36 @@ DECODE_MAX_ROWS, DECODE_WIDE_ROWS, DECODE_WIDE_CONTEXT = 32, 64, 16384
 MAX_Q, MAX_HEADS = 256, 128
 
 
-def smem_bytes(form: str, warps: int, stages: int, row_groups: int) -> int:
-    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<row_groups, warps / row_groups, stages>)."""
+def row_stride(latent: int, rope: int) -> int:
+    """MLA_ROW: the shared-memory row of a key or query in bf16, latent + rope + 8 (an odd number of 16-byte
+    chunks when latent + rope is a multiple of 16: conflict-free ldmatrix; Kimi 584)."""
+    return latent + rope + 8
+
+
+def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int, rope: int) -> int:
+    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<row_groups, warps / row_groups, stages>) when
+    compiled for (latent, rope)."""
+    row = row_stride(latent, rope)
     if form == "tree":
         pairs = warps // 2
-        return (pairs * 16 * ROW_STRIDE * 2 + stages * 32 * ROW_STRIDE * 2
+        return (pairs * 16 * row * 2 + stages * 32 * row * 2
                 + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 8 * stages)
-    ring = stages * 16 * ROW_STRIDE * 2
-    merge = warps * 8 * LATENT * 4 + 2 * warps * 8 * 4
-    return (row_groups * 8 * ROW_STRIDE * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2
+    ring = stages * 16 * row * 2
+    merge = warps * 8 * latent * 4 + 2 * warps * 8 * 4
+    return (row_groups * 8 * row * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2
             + 2 * 8 * stages)
+
+
+def combine_shape(splits: int, latent: int) -> tuple[int, int]:
+    """(split groups, lanes) of mla_attention_combine's 256 threads: groups a power of two near the split
+    count (2 .. 16), lanes = 256 / groups 4-dim columns, fewer (more groups) when latent / 4 has no room
+    for them: the grid's y is latent / (4 lanes), so lanes must divide latent / 4 (a power of two >= 8
+    does, latent being a multiple of 32)."""
+    groups = min(16, max(2, 1 << (splits - 1).bit_length()))
+    lanes = 256 // groups
+    while (latent // 4) % lanes:
+        lanes //= 2
+    return 256 // lanes, lanes
 
 
 @dataclass(frozen=True)
@@ -93,14 +115,16 @@ def blocks_per_sm(smem: int, smem_limit: int) -> int:
     return max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
 
 
-def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, form: str | None = None,
-                   warps: int | None = None, stages: int | None = None, splits: int | None = None,
-                   row_groups: int | None = None) -> AttentionPlan:
+def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, *, latent: int, rope: int,
+                   form: str | None = None, warps: int | None = None, stages: int | None = None,
+                   splits: int | None = None, row_groups: int | None = None) -> AttentionPlan:
     """Form: decode while q * H <= DECODE_MAX_ROWS, or DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
     (bandwidth-bound: all rows in one block, so the keys are read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
     per block: the keys are re-read from L2 fewer times). Then the most warps and the deepest ring that fit.
     Prefix splits: choose_splits' wave model, chunks of at least MIN_CHUNK keys.
-    `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps)."""
+    `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps). Shared memory is
+    sized for the model's (latent, rope); dims the kernels cannot take raise LatentDimsError."""
+    latent_defines(latent, rope)
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MLA tree attention: q = {q} new tokens outside [1, {MAX_Q}]")
     if not 1 <= heads <= MAX_HEADS:
@@ -111,9 +135,10 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if form is None:
         wide = rows <= DECODE_WIDE_ROWS and context >= DECODE_WIDE_CONTEXT
         form = "decode" if rows <= DECODE_MAX_ROWS or wide else "tree"
-    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v) <= smem_limit]
+    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit]
     if not fits:
-        raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory")
+        raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
+                         f"at latent {latent}, rope {rope}")
     if row_groups is None:
         want = -(-rows // 8) if form == "decode" else 2 if rows <= 64 else 4 if rows <= 256 else 8
         groups = sorted({g for w, _, g in fits if warps is None or w == warps})
@@ -125,7 +150,7 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if (form, warps, stages, row_groups) not in VARIANTS:
         raise ValueError(f"MLA tree attention: (form, warps, stages, row groups) = ({form!r}, {warps}, {stages}, "
                          f"{row_groups}) not compiled; have {VARIANTS}")
-    smem = smem_bytes(form, warps, stages, row_groups)
+    smem = smem_bytes(form, warps, stages, row_groups, latent, rope)
     if smem > smem_limit:
         raise ValueError(f"MLA tree attention: {form} with {warps} warps x {stages} stages needs {smem} B of shared "
                          f"memory; the device allows {smem_limit}")
@@ -160,14 +185,17 @@ def choose_splits(context: int, q: int, row_tiles: int, capacity: int, fixed: in
 
 
 class MlaTreeAttention:
-    """Tree-masked absorbed MLA for `heads` heads and up to max_q new tokens over up to max_context keys."""
+    """Tree-masked absorbed MLA for `heads` heads and up to max_q new tokens over up to max_context keys,
+    compiled for the model's latent (kv_lora_rank) and rope (qk_rope_head_dim) dims."""
 
-    def __init__(self, gpu: Gpu, heads: int, scale: float, max_q: int = MAX_Q, max_context: int = 131072,
-                 pdl: bool = True):
+    def __init__(self, gpu: Gpu, heads: int, scale: float, *, latent: int, rope: int, max_q: int = MAX_Q,
+                 max_context: int = 131072, pdl: bool = True):
         """scale: the softmax scale of the model (KimiConfig.softmax_scale: 192^-1/2 times the YaRN mscale^2)."""
         self.gpu, self.heads, self.scale, self.max_q, self.max_context = gpu, heads, float(scale), max_q, max_context
+        self.defines = latent_defines(latent, rope)          # LatentDimsError before anything compiles
+        self.latent, self.rope = latent, rope
         self.pdl = pdl and supports_pdl(gpu)
-        plan_attention(max_q, heads, max_context, gpu.sm_count, gpu.smem_optin)   # validates the arguments
+        plan_attention(max_q, heads, max_context, gpu.sm_count, gpu.smem_optin, latent=latent, rope=rope)
         self._overrides: dict[tuple[int, int], AttentionPlan] = {}
         self._part_rows = 0
         # splits grow with the context, so the plans at max_context bound the partial rows
@@ -178,21 +206,23 @@ class MlaTreeAttention:
         key = (q, context)
         if key in self._overrides:
             return self._overrides[key]
-        return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin)
+        return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin,
+                              latent=self.latent, rope=self.rope)
 
     def override(self, q: int, context: int, **forced) -> AttentionPlan:
         """Benchmark sweeps: force form / warps / stages / splits / row_groups for (q, context); grows the
         workspace if needed."""
-        p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, **forced)
+        p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, latent=self.latent,
+                           rope=self.rope, **forced)
         if p.splits > 1:
             self._reserve_partials(p.splits * q * self.heads)
         self._overrides[(q, context)] = p
         return p
 
     def _reserve_partials(self, rows: int) -> None:
-        """Split partials for `rows` (split, query row) pairs: [rows, 512] outputs and [rows] log2-sum-exps."""
+        """Split partials for `rows` (split, query row) pairs: [rows, latent] outputs and [rows] log2-sum-exps."""
         if rows > self._part_rows:
-            self.part_o = self.gpu.alloc(rows * LATENT, np.float32)
+            self.part_o = self.gpu.alloc(rows * self.latent, np.float32)
             self.part_lse = self.gpu.alloc(rows, np.float32)
             self._part_rows = rows
 
@@ -211,16 +241,16 @@ class MlaTreeAttention:
             raise ValueError(f"MLA tree attention: plan {p} needs {p.splits * rows} partial rows; "
                              f"the workspace has {self._part_rows}")
         scale_log2 = np.float32(self.scale * math.log2(math.e))
-        self.gpu.allow_smem(p.source, p.kernel, p.smem)
-        self.gpu.launch(self.gpu.kernel(p.source, p.kernel), (p.row_tiles, p.splits), p.warps * 32, p.smem,
-                        ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
+        self.gpu.allow_smem(p.source, p.kernel, p.smem, self.defines)
+        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, self.defines), (p.row_tiles, p.splits), p.warps * 32,
+                        p.smem, ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
                         ptr(self.part_o), ptr(self.part_lse), np.int32(rows), np.int32(self.heads), np.int32(q),
                         np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,
                         stream=stream, pdl=self.pdl)
         if p.splits > 1:
-            groups = min(16, max(2, 1 << (p.splits - 1).bit_length()))    # split groups x lanes = 256 threads
-            lanes = 256 // groups
-            self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine"), (rows, LATENT // (4 * lanes)), 256,
-                            256 * 16 + 4 * p.splits, ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
+            _, lanes = combine_shape(p.splits, self.latent)             # split groups x lanes = 256 threads
+            self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine", self.defines),
+                            (rows, self.latent // (4 * lanes)), 256, 256 * 16 + 4 * p.splits,
+                            ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
                             np.int32(rows), np.int32(p.splits), np.int32(lanes), stream=stream, pdl=self.pdl)
         return p

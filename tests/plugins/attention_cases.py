@@ -10,6 +10,10 @@ Shaping: prefix scores have a standard deviation near 1; every tree entry carrie
 that the queries share, lifting tree scores by about ln(T + 1) nats, so the tree keys hold roughly
 as much attention mass as the whole prefix. A wrong mask, a wrong split boundary or a lost merge then
 moves the output by O(1), far above the tolerance, at any context.
+
+Latent dims: Kimi's (512, 64) by default (the fixtures); DIM_CASES add every other preset's dims
+(kv_lora_rank, qk_rope_head_dim) and one synthetic shape, with the same shaping, checked against the same
+twin at their own dims (the kernels compile per dims: ddtree.plugins.compile.latent_defines).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
-from ddtree.model.presets import get_preset
+from ddtree.model.presets import PRESETS, get_preset
 from ddtree.plugins import randfill
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "plugins"
@@ -31,10 +35,30 @@ CASES = [(T, q, 8) for T in CONTEXTS for q in QS] + [(4096, 1, 64), (4096, 33, 6
 FIXTURE_CONTEXT = 65536            # cases at this context carry their reference as a fixture
 QUERY_SCALE = np.float32(0.25)     # prefix score std near 1 at the Kimi scale
 COMMON = np.float32(0.2)          # the queries' share of the common direction u
+KIMI_DIMS = (512, 64)              # (latent, rope) of the fixtures and CASES
 
 
-def case_name(T: int, q: int, heads: int) -> str:
-    return f"T{T}_q{q}_h{heads}"
+def preset_dims() -> dict[tuple[int, int], list[str]]:
+    """{(kv_lora_rank, qk_rope_head_dim): [preset names]} over every preset."""
+    dims: dict[tuple[int, int], list[str]] = {}
+    for name in PRESETS:
+        cfg = get_preset(name, layers=2 if name == "kimi-k2.6" else None)[0]
+        dims.setdefault((cfg.kv_lora_rank, cfg.qk_rope_head_dim), []).append(name)
+    return dims
+
+
+# Every preset's dims, plus (96, 32): a latent whose n-tile count is not a power of two and whose
+# combine runs with 8 lanes (latent / 4 = 24)
+DIMS = sorted(set(preset_dims()) | {(96, 32)})
+# Cases at the other dims (T, q, heads, latent, rope): contexts to 4096 (the twin is computed in the test)
+DIM_CASES = [(T, q, heads, *d) for d in DIMS if d != KIMI_DIMS
+             for T, q, heads in [(T, q, 4) for T in (1, 100, 4096) for q in (1, 8, 33, 65, 256)]
+             + [(4096, 33, 64), (100, 65, 64), (4096, 1, 8)]]
+
+
+def case_name(T: int, q: int, heads: int, latent: int = 512, rope: int = 64) -> str:
+    dims = "" if (latent, rope) == KIMI_DIMS else f"_l{latent}_r{rope}"
+    return f"T{T}_q{q}_h{heads}{dims}"
 
 
 def case_seed(T: int, q: int, heads: int) -> int:
@@ -67,34 +91,36 @@ def visibility(parents: np.ndarray) -> np.ndarray:
     return pack_visibility(vis)
 
 
-def prefix_spec(T: int, q: int, seed: int) -> tuple[tuple, int]:
+def prefix_spec(T: int, q: int, seed: int, key_dim: int = 576) -> tuple[tuple, int]:
     """(shape, stream seed) of the device-filled cache: T + q rows (tree rows overwritten by the append)."""
-    return (T + q, 576), 4 * seed + 1
+    return (T + q, key_dim), 4 * seed + 1
 
 
-def inputs(T: int, q: int, heads: int) -> dict[str, np.ndarray]:
-    """Host inputs of one case (bf16 bits): q_lat [q, H, 512], q_rope [q, H, 64], tree entries
-    c_kv [q, 512] and k_pe [q, 64], parents, vis words."""
-    seed = case_seed(T, q, heads)
-    u = bf16_to_f32(randfill.hash_array((576,), np.uint16, 4 * seed + 2, randfill.ACT_BF16))
-    base_q = bf16_to_f32(randfill.hash_array((q, heads, 576), np.uint16, 4 * seed + 3, randfill.ACT_BF16))
-    base_k = bf16_to_f32(randfill.hash_array((q, 576), np.uint16, 4 * seed + 4, randfill.ACT_BF16))
+def inputs(T: int, q: int, heads: int, latent: int = 512, rope: int = 64) -> dict[str, np.ndarray]:
+    """Host inputs of one case (bf16 bits): q_lat [q, H, latent], q_rope [q, H, rope], tree entries
+    c_kv [q, latent] and k_pe [q, rope], parents, vis words."""
+    seed, dk = case_seed(T, q, heads), latent + rope
+    u = bf16_to_f32(randfill.hash_array((dk,), np.uint16, 4 * seed + 2, randfill.ACT_BF16))
+    base_q = bf16_to_f32(randfill.hash_array((q, heads, dk), np.uint16, 4 * seed + 3, randfill.ACT_BF16))
+    base_k = bf16_to_f32(randfill.hash_array((q, dk), np.uint16, 4 * seed + 4, randfill.ACT_BF16))
     lift = np.float32(math.log(T + 1))
     gamma = lift / (COMMON * np.float32(u @ u) * np.float32(SCALE))
     jitter = np.float32(0.75) + np.float32(0.5) * _unit_floats(q, 4 * seed + 5)[:, None]   # keys differ in weight
     query = f32_to_bf16(base_q * QUERY_SCALE + COMMON * u)
     entries = f32_to_bf16(base_k + (gamma * jitter) * u)
     parents = random_tree(q, 4 * seed + 6)
-    return {"q_lat": query[..., :512].copy(), "q_rope": query[..., 512:].copy(), "c_kv": entries[:, :512].copy(),
-            "k_pe": entries[:, 512:].copy(), "parents": parents, "vis": visibility(parents)}
+    return {"q_lat": query[..., :latent].copy(), "q_rope": query[..., latent:].copy(),
+            "c_kv": entries[:, :latent].copy(), "k_pe": entries[:, latent:].copy(), "parents": parents,
+            "vis": visibility(parents)}
 
 
 def full_cache(T: int, q: int, heads: int, case: dict) -> np.ndarray:
     """The cache the kernel sees after the append: prefix stream rows, then the tree entries."""
-    shape, stream = prefix_spec(T, q, case_seed(T, q, heads))
+    latent, rope = case["c_kv"].shape[1], case["k_pe"].shape[1]
+    shape, stream = prefix_spec(T, q, case_seed(T, q, heads), latent + rope)
     cache = randfill.hash_array(shape, np.uint16, stream, randfill.ACT_BF16).copy()
-    cache[T:, :512] = case["c_kv"]
-    cache[T:, 512:] = case["k_pe"]
+    cache[T:, :latent] = case["c_kv"]
+    cache[T:, latent:] = case["k_pe"]
     return cache
 
 
@@ -106,10 +132,11 @@ def digest(case: dict) -> str:
 
 
 def reference(T: int, q: int, heads: int, case: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(out [q, H, 512] fp32, lse [q, H]): the fixture when there is one for these inputs, else computed."""
+    """(out [q, H, latent] fp32, lse [q, H]): the fixture when there is one for these inputs, else computed."""
     from ddtree.plugins.reference import mla_tree_attention
     case = inputs(T, q, heads) if case is None else case
-    path = FIXTURES / f"attention_{case_name(T, q, heads)}.npz"
+    latent, rope = case["c_kv"].shape[1], case["k_pe"].shape[1]
+    path = FIXTURES / f"attention_{case_name(T, q, heads, latent, rope)}.npz"
     if path.exists():
         fx = np.load(path)
         if str(fx["digest"]) == digest(case):

@@ -13,7 +13,8 @@ from ddtree.plugins.mla_attention import MlaTreeAttention
 
 LEVEL = int(os.environ.get("DD_PROFILE", "1"))
 if LEVEL:
-    device.compile_cubin = lambda source, arch: compile_cubin(source, arch, defines={"DD_PROFILE": LEVEL})
+    device.compile_cubin = lambda source, arch, defines=None: compile_cubin(
+        source, arch, defines={**(defines or {}), "DD_PROFILE": LEVEL})
 
 
 def main(T=32768, q=1, heads=8, **forced):
@@ -26,7 +27,7 @@ def main(T=32768, q=1, heads=8, **forced):
     vis = gpu.upload(np.ones((q, (q + 31) // 32), np.uint32))
     lengths = gpu.upload(np.array([T], np.int32))
     out = gpu.alloc((q, heads, 512), np.uint16)
-    attn = MlaTreeAttention(gpu, heads, 0.1447, max_q=q, max_context=T)
+    attn = MlaTreeAttention(gpu, heads, 0.1447, latent=512, rope=64, max_q=q, max_context=T)
     plan = attn.override(q, T, **forced) if forced else attn.plan(q, T)
     for _ in range(3):
         attn.run(q_lat, q_rope, cache, vis, lengths, q, out, context_hint=T)

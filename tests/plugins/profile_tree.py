@@ -12,7 +12,8 @@ import numpy as np
 if os.environ.get("DD_TREE_TRACE"):             # kernels record phase timestamps (select.cuh DD_TRACE)
     import ddtree.plugins.device as device
     _compile = device.compile_cubin
-    device.compile_cubin = lambda source, arch: _compile(source, arch, defines={"DD_TREE_TRACE": 1})
+    device.compile_cubin = lambda source, arch, defines=None: _compile(source, arch,
+                                                                      defines={**(defines or {}), "DD_TREE_TRACE": 1})
 
 from ddtree.bench.tree import MODES, lm_logits
 from ddtree.plugins.device import Gpu

@@ -1,8 +1,15 @@
 """CPU tests: the kernels compile to cubins for sm_90 and sm_120 with the pip NVRTC (no GPU needed),
-the cache is keyed by source, arch and options, and the package imports without cuda-python."""
+the MLA attention and KV cache at every preset's latent dims (Kimi's cubins byte-identical to those the
+H200 measurements were taken with), unsupported dims refused by name before NVRTC, the cache is keyed by
+source, arch and options, and the package imports without cuda-python."""
+import hashlib
 import subprocess
 import sys
 
+import pytest
+
+from ddtree.errors import InputError
+from ddtree.model.presets import PRESETS, get_preset
 from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import VARIANTS
 from ddtree.plugins.moe import RINGS
@@ -21,7 +28,30 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "sample_top_p.cu": ["sample_mass", "sample_kept"]}
 
 
-def test_compile_all_archs_to_cubin(tmp_path):
+# sha256 of Kimi's (latent 512, rope 64) cubins as built before the dims became defines (commit 760fc5a, the
+# kernels the H200 numbers in kernels/NOTES.md were measured with), by NVRTC version
+KIMI_CUBINS = {(13, 5): {
+    ("mla_attention.cu", "sm_90"): "b1fb4d307cb0b403b93c8fe26d42b4633c20e5c8943430c3c410ffb8e970287f",
+    ("mla_attention.cu", "sm_120"): "c31e5a1363fdbb382ac31b7dca77d1a4b3bca95285f32cb34122bee3e28eaf85",
+    ("mla_decode.cu", "sm_90"): "c489f4979fb913949d811201bafc2c89f4bb4fbfbf88a136ed16f9205033393f",
+    ("mla_decode.cu", "sm_120"): "a889461e5d4b338c4655c6aa45238977465a7113b467fdca017d146ce4281f21",
+    ("kv_cache.cu", "sm_90"): "bf8ce9d0d2b47325e0e4f954446b1d888b5d808493b9da528e613196559e7664",
+    ("kv_cache.cu", "sm_120"): "5d9a6373399db2d9e3c146c83112b3eeeed4192155c19ac1350fa0ba657453db"}}
+
+
+@pytest.fixture(scope="module")
+def cubin_cache(tmp_path_factory):
+    """One cubin cache for the module: each (source, arch, dims) compiles once."""
+    return tmp_path_factory.mktemp("cubins")
+
+
+def preset_dims(name: str) -> tuple[int, int]:
+    cfg = get_preset(name, layers=2 if name == "kimi-k2.6" else None)[0]
+    return cfg.kv_lora_rank, cfg.qk_rope_head_dim
+
+
+def test_compile_all_archs_to_cubin(cubin_cache):
+    tmp_path = cubin_cache
     paths = kc.compile_all(("sm_90", "sm_120"), cache=tmp_path)
     assert set(paths) == {(s, a) for s in kc.SOURCES for a in ("sm_90", "sm_120")}
     for (source, arch), path in paths.items():
@@ -37,11 +67,73 @@ def test_compile_all_archs_to_cubin(tmp_path):
     assert again == paths[("fill.cu", "sm_90")] and again.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_latent_kernels_compile_at_every_preset_dims(cubin_cache, preset):
+    latent, rope = preset_dims(preset)
+    paths = kc.compile_all(("sm_90", "sm_120"), cache=cubin_cache, latent=latent, rope=rope)
+    kimi = kc.compile_all(("sm_90", "sm_120"), cache=cubin_cache)
+    for source in kc.LATENT_SOURCES:
+        for arch in ("sm_90", "sm_120"):
+            blob = paths[(source, arch)].read_bytes()
+            assert blob[:4] == b"\x7fELF", f"{paths[(source, arch)]} is not a cubin"
+            for name in KERNELS[source]:
+                assert name.encode() in blob, f"{name} missing from {source} {arch} at latent {latent}, rope {rope}"
+            # one cubin per dims: another model's is another file with other code (same file at Kimi's dims)
+            assert (paths[(source, arch)] == kimi[(source, arch)]) == ((latent, rope) == (512, 64))
+            if (latent, rope) != (512, 64):
+                assert blob != kimi[(source, arch)].read_bytes()
+    assert paths[("moe.cu", "sm_90")] == kimi[("moe.cu", "sm_90")]       # the other sources take no dims
+
+
+def test_kimi_cubins_are_the_measured_ones(cubin_cache):
+    """Making the dims defines changed no byte of Kimi's kernels, so the H200 timings still hold."""
+    want = KIMI_CUBINS.get(kc.nvrtc_version())
+    if want is None:
+        pytest.skip(f"digests recorded for NVRTC {sorted(KIMI_CUBINS)}, this is {kc.nvrtc_version()}")
+    for (source, arch), digest in want.items():
+        path = kc.compile_cubin(source, arch, kc.latent_defines(512, 64), cache=cubin_cache)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, f"{source} {arch} changed"
+
+
+@pytest.mark.parametrize("latent, rope, match", [
+    (48, 16, r"latent \(kv_lora_rank\) = 48 must be a multiple of 32"),
+    (1024, 64, r"latent \(kv_lora_rank\) = 1024 must be a multiple of 32 in \[32, 512\]"),
+    (0, 16, r"latent \(kv_lora_rank\) = 0"),
+    (64, 8, r"rope \(qk_rope_head_dim\) = 8 must be a positive multiple of 16"),
+    (64, 0, r"rope \(qk_rope_head_dim\) = 0"),
+    (64.0, 16, r"latent \(kv_lora_rank\) must be an int, got 64.0")])
+def test_unsupported_dims_are_refused_by_name_before_compiling(tmp_path, latent, rope, match):
+    from ddtree.plugins.kv_cache import DeviceLatentCache
+    from ddtree.plugins.mla_attention import MlaTreeAttention, plan_attention
+    with pytest.raises(kc.LatentDimsError, match=match) as err:
+        kc.latent_defines(latent, rope)
+    assert isinstance(err.value, InputError)               # a checkpoint's config can carry such dims
+    for source in kc.LATENT_SOURCES:
+        with pytest.raises(kc.LatentDimsError, match=match):
+            kc.compile_cubin(source, "sm_90", {"MLA_DL": latent, "MLA_DR": rope}, cache=tmp_path)
+    assert not list(tmp_path.iterdir())                    # nothing compiled
+    with pytest.raises(kc.LatentDimsError, match=match):   # the launchers check before touching the GPU
+        MlaTreeAttention(None, 8, 0.1, latent=latent, rope=rope)
+    with pytest.raises(kc.LatentDimsError, match=match):
+        DeviceLatentCache(None, 1, 16, latent=latent, rope=rope)
+    with pytest.raises(kc.LatentDimsError, match=match):
+        plan_attention(1, 8, 100, 132, 232448, latent=latent, rope=rope)
+
+
+def test_latent_sources_need_the_dims(tmp_path):
+    with pytest.raises(kc.LatentDimsError, match="mla_decode.cu compiles per model: pass defines=latent_defines"):
+        kc.compile_cubin("mla_decode.cu", "sm_90", cache=tmp_path)
+    with pytest.raises(kc.LatentDimsError, match="kv_cache.cu compiles per model"):
+        kc.compile_cubin("kv_cache.cu", "sm_90", {"MLA_DL": 512}, cache=tmp_path)
+
+
 def test_cache_key_tracks_options_and_arch():
     base = kc.cubin_key("fill.cu", "sm_90")
     assert kc.cubin_key("fill.cu", "sm_120") != base
     assert kc.cubin_key("fill.cu", "sm_90", {"DD_STAGES": 3}) != base
     assert kc.cubin_key("fill.cu", "sm_90") == base
+    kimi, tiny = kc.latent_defines(512, 64), kc.latent_defines(64, 16)
+    assert kc.cubin_key("mla_attention.cu", "sm_90", kimi) != kc.cubin_key("mla_attention.cu", "sm_90", tiny)
 
 
 def test_bad_source_or_arch_is_named():

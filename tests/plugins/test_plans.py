@@ -1,6 +1,9 @@
 """CPU tests of the launch plans: every plan the launchers can pick fits the shared memory of both
-target archs (H200 sm_90: 227 KB per block; RTX PRO 6000 sm_120: 99 KB), and bad knobs are named."""
+target archs (H200 sm_90: 227 KB per block; RTX PRO 6000 sm_120: 99 KB), and bad knobs are named.
+The attention plans are checked at every preset's latent dims (kv_lora_rank, qk_rope_head_dim)."""
 import pytest
+
+from ddtree.model.presets import PRESETS, get_preset
 
 from ddtree.plugins.gemm import plan_gemm
 from ddtree.plugins.moe import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe
@@ -9,6 +12,12 @@ ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count
 STAGES = 6                                          # compile.SOURCES ring depth of the skinny GEMM
 MOE_SHAPES = {"tp1": MoEShape(7168, 2048, 384, 8), "tp8": MoEShape(7168, 256, 384, 8)}
 GEMM_SHAPES = [(163840 // 8, 7168), (1536, 7168), (7168, 18432), (12288, 1536), (384, 7168), (7168, 256)]
+KIMI = dict(latent=512, rope=64)
+
+
+def preset_latent(name: str) -> dict:
+    cfg = get_preset(name, layers=2 if name == "kimi-k2.6" else None)[0]
+    return dict(latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -83,15 +92,16 @@ def test_moe_small_shapes_fall_back_to_one_chunk_slots(arch, hidden, inter):
     assert forced.dn_ring == ONE_CHUNK_RING and forced.gu_ring == (4, 2)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_attention_plans_fit_and_fill_the_gpu(arch):
+def test_attention_plans_fit_and_fill_the_gpu(arch, preset):
     from ddtree.plugins.mla_attention import (DECODE_MAX_ROWS, DECODE_WIDE_CONTEXT, DECODE_WIDE_ROWS, MIN_CHUNK,
                                               blocks_per_sm, plan_attention)
-    a = ARCHS[arch]
-    for heads in (8, 64):
+    a, dims = ARCHS[arch], preset_latent(preset)
+    for heads in (4, 8, 64):
         for context in (0, 1, 100, 4096, 131072):
             for q in range(1, 257):
-                p = plan_attention(q, heads, context, a["sm_count"], a["smem_limit"])
+                p = plan_attention(q, heads, context, a["sm_count"], a["smem_limit"], **dims)
                 assert p.smem <= a["smem_limit"]
                 assert p.row_tiles * p.rows_per_block >= q * heads > (p.row_tiles - 1) * p.rows_per_block
                 wide = q * heads <= DECODE_WIDE_ROWS and context >= DECODE_WIDE_CONTEXT
@@ -101,7 +111,7 @@ def test_attention_plans_fit_and_fill_the_gpu(arch):
                 capacity = a["sm_count"] * blocks_per_sm(p.smem, a["smem_limit"])
                 assert p.prefix_splits <= min(max(1, -(-context // MIN_CHUNK)), 4 * capacity)
     # bandwidth-bound: a long prefix spread over one wave that also holds the tree's block
-    p = plan_attention(1, 8, 131072, a["sm_count"], a["smem_limit"])
+    p = plan_attention(1, 8, 131072, a["sm_count"], a["smem_limit"], **dims)
     assert p.form == "decode" and p.splits * p.row_tiles == a["sm_count"] * blocks_per_sm(p.smem, a["smem_limit"])
 
 
@@ -109,7 +119,7 @@ def test_attention_split_choice_on_measured_h200_shapes():
     """The wave model picks what the H200 sweeps found best (ddtree/plugins/kernels/NOTES.md): decode one wave with the tree block,
     64 row tiles of 8 warps 2 splits + tree (not one merged split on half the SMs), 256 tiles one merged split."""
     from ddtree.plugins.mla_attention import plan_attention
-    h200 = dict(sm_count=132, smem_limit=232448)
+    h200 = dict(sm_count=132, smem_limit=232448, **KIMI)
     assert plan_attention(1, 8, 32768, **h200).prefix_splits == 131
     p = plan_attention(64, 64, 4096, **h200)
     assert (p.row_tiles, p.prefix_splits, p.tree_own) == (64, 2, True)
@@ -122,10 +132,39 @@ def test_attention_split_choice_on_measured_h200_shapes():
 def test_attention_plan_errors_name_the_bad_value():
     from ddtree.plugins.mla_attention import plan_attention
     with pytest.raises(ValueError, match="q = 257"):
-        plan_attention(257, 8, 10, 132, 232448)
+        plan_attention(257, 8, 10, 132, 232448, **KIMI)
     with pytest.raises(ValueError, match="heads = 0"):
-        plan_attention(1, 0, 10, 132, 232448)
+        plan_attention(1, 0, 10, 132, 232448, **KIMI)
     with pytest.raises(ValueError, match=r"\(form, warps, stages, row groups\) = \('tree', 6, 2, 6\) not compiled"):
-        plan_attention(1, 8, 10, 132, 232448, form="tree", warps=6, stages=2, row_groups=6)
+        plan_attention(1, 8, 10, 132, 232448, form="tree", warps=6, stages=2, row_groups=6, **KIMI)
     with pytest.raises(ValueError, match="needs .* B of shared memory; the device allows 101376"):
-        plan_attention(64, 8, 10, 188, 101376, form="tree", warps=8, stages=3, row_groups=8)
+        plan_attention(64, 8, 10, 188, 101376, form="tree", warps=8, stages=3, row_groups=8, **KIMI)
+
+
+def test_attention_smem_follows_the_latent_dims():
+    """sizeof(MlaSmem) / sizeof(DecodeSmem) by hand for tiny's dims (latent 64, rope 16: rows of 88 bf16):
+    the launcher sizes shared memory for the dims it compiles (the GPU test compares with the kernel's
+    sizeof at every dims); a smaller model fits deeper rings on the 99 KB sm_120."""
+    from ddtree.plugins.mla_attention import plan_attention, smem_bytes
+    # tree, 2 pairs, 3 stages: q 32 rows + kv 3 x 32 rows of 88 bf16, p 2 x 16 x 40 bf16, swap 2 x 2 x 16 fp32, 3 u64
+    assert smem_bytes("tree", 4, 3, 4, 64, 16) == 32 * 88 * 2 + 96 * 88 * 2 + 2 * 16 * 40 * 2 + 2 * 2 * 16 * 4 + 3 * 8
+    # decode, 1 row group x 2 streams, 4 slots: q 8 rows; union(ring 4 x 16 rows, merge 2 x 8 x 64 fp32 + m, l);
+    # pt 2 x 8 x 24 bf16; full + empty 2 x 4 u64
+    assert smem_bytes("decode", 2, 4, 1, 64, 16) == 8 * 88 * 2 + max(4 * 16 * 88 * 2, 2 * 8 * 64 * 4 + 2 * 2 * 8 * 4) \
+        + 2 * 8 * 24 * 2 + 2 * 4 * 8
+    assert smem_bytes("tree", 4, 3, 4, 512, 64) == 32 * 584 * 2 + 96 * 584 * 2 + 2 * 16 * 40 * 2 + 2 * 2 * 16 * 4 + 24
+    tiny = plan_attention(64, 4, 4096, 188, 101376, latent=64, rope=16)
+    kimi = plan_attention(64, 4, 4096, 188, 101376, **KIMI)
+    assert tiny.smem < kimi.smem and (tiny.warps, tiny.stages) >= (kimi.warps, kimi.stages)
+
+
+def test_combine_shape_divides_the_latent():
+    """mla_attention_combine's grid y is latent / (4 lanes): lanes shrink (groups grow) where latent / 4
+    does not divide by them; Kimi's shape is what it was (groups = pow2 >= splits, 2 .. 16)."""
+    from ddtree.plugins.mla_attention import combine_shape
+    for latent in (32, 64, 96, 160, 512):
+        for splits in (2, 3, 5, 17, 200):
+            groups, lanes = combine_shape(splits, latent)
+            assert groups * lanes == 256 and (latent // 4) % lanes == 0 and lanes >= 8
+    assert [combine_shape(s, 512) for s in (2, 3, 5, 17, 200)] == [(2, 128), (4, 64), (8, 32), (16, 16), (16, 16)]
+    assert combine_shape(2, 64) == (16, 16) and combine_shape(3, 96) == (32, 8)

@@ -1,14 +1,20 @@
-// The latent KV cache on the device (docs/interfaces.md section 3): per layer [capacity, 576] bf16, c_kv (512)
-// then k_pe (64) per token, layers `layer_stride` elements apart. Numpy twin: ddtree/reference/cache.py.
+// The latent KV cache on the device (docs/interfaces.md section 3): per layer [capacity, DK] bf16, c_kv (DL)
+// then k_pe (DR) per token, layers `layer_stride` elements apart. Numpy twin: ddtree/reference/cache.py.
+// DL = MLA_DL, DR = MLA_DR: NVRTC defines (ddtree/plugins/compile.py latent_defines; Kimi 512 / 64 / 576).
 #include "common.cuh"
 
-#define KV_DK 576
-#define KV_VECS (KV_DK / 8)                 // 72 x 16 B per entry
+#if !defined(MLA_DL) || !defined(MLA_DR)
+#error "compile with -D MLA_DL=<kv_lora_rank> -D MLA_DR=<qk_rope_head_dim> (ddtree/plugins/compile.py latent_defines)"
+#endif
+static_assert(MLA_DL % 8 == 0 && MLA_DR % 8 == 0, "entries move in 16-byte vectors");
+#define KV_DK (MLA_DL + MLA_DR)
+#define KV_VECS (KV_DK / 8)                 // 16-byte vectors per entry (Kimi: 72)
+#define KV_LAT_VECS (MLA_DL / 8)            // of which c_kv (Kimi: 64)
 
 // Append q new entries of one layer at slots start .. start + q - 1 (start = lengths[0], on the device,
-// so a captured graph appends wherever the cache ends). c_kv [q, c_stride >= 512], k_pe [q, k_stride >= 64]
-// bf16 rows (strides let them be column slices of one [q, 576] projection output).
-// Grid q, block 96 (72 active: one 16-byte vector each).
+// so a captured graph appends wherever the cache ends). c_kv [q, c_stride >= DL], k_pe [q, k_stride >= DR]
+// bf16 rows (strides let them be column slices of one [q, DK] projection output).
+// Grid q, block KV_VECS rounded up to a warp (Kimi: 96, 72 active: one 16-byte vector each).
 extern "C" __global__ void kv_append(bf16_t* __restrict__ cache, const int* __restrict__ lengths,
                                      const bf16_t* __restrict__ c_kv, int c_stride,
                                      const bf16_t* __restrict__ k_pe, int k_stride) {
@@ -17,8 +23,8 @@ extern "C" __global__ void kv_append(bf16_t* __restrict__ cache, const int* __re
     const int i = blockIdx.x, v = threadIdx.x;
     if (v >= KV_VECS) return;
     const int start = ld_cg_s32(lengths);
-    const uint4* src = v < 64 ? (const uint4*)(c_kv + (size_t)i * c_stride) + v
-                              : (const uint4*)(k_pe + (size_t)i * k_stride) + (v - 64);
+    const uint4* src = v < KV_LAT_VECS ? (const uint4*)(c_kv + (size_t)i * c_stride) + v
+                                       : (const uint4*)(k_pe + (size_t)i * k_stride) + (v - KV_LAT_VECS);
     ((uint4*)(cache + (size_t)(start + i) * KV_DK))[v] = *src;
 }
 
@@ -26,7 +32,7 @@ extern "C" __global__ void kv_append(bf16_t* __restrict__ cache, const int* __re
 // keep[i] >= i), in every layer. Sources and destinations overlap (keep = [1, 2] moves 1 -> 0 and 2 -> 1),
 // so one block owns one 16-byte column of one layer for all n entries: it reads the whole column into
 // registers, synchronises, then writes. Nothing is read after any write to it and no two blocks touch
-// the same bytes, so the result never depends on scheduling. Grid (72, layers), block >= n (n <= 1024).
+// the same bytes, so the result never depends on scheduling. Grid (KV_VECS, layers), block >= n (n <= 1024).
 // start = lengths[0] (the committed prefix before the tree); the new length is start + n (set by the host
 // or the next step's length update, not here).
 extern "C" __global__ void kv_compact(bf16_t* __restrict__ cache, size_t layer_stride, const int* __restrict__ lengths,

@@ -2,13 +2,14 @@
 // the new tokens (docs/interfaces.md sections 3 and 4). Numpy twin: ddtree/plugins/reference.py
 // mla_tree_attention; launcher and split plan: ddtree/plugins/mla_attention.py.
 //
-// Shapes (R = q * H query rows, row r = token r / H, head r % H; MQA: every head reads the same cache):
-//   q_lat  [R, 512] bf16     W_UK^T q_nope per head         q_rope [R, 64] bf16 (roped)
-//   cache  [>= T + q, 576]   one layer: c_kv (512) then k_pe (64) per token; the q tree entries are
+// Shapes (R = q * H query rows, row r = token r / H, head r % H; MQA: every head reads the same cache;
+// latent DL = MLA_DL, rope DR = MLA_DR, DK = DL + DR: NVRTC defines, Kimi 512 / 64 / 576):
+//   q_lat  [R, DL] bf16      W_UK^T q_nope per head         q_rope [R, DR] bf16 (roped)
+//   cache  [>= T + q, DK]    one layer: c_kv (DL) then k_pe (DR) per token; the q tree entries are
 //                            already appended at T .. T + q - 1 (tree node i at T + i)
 //   vis    [q, W] u32        W = ceil(q / 32); bit j of row i: tree node j is i or an ancestor of i
 //   lengths[0] = T           the committed prefix, read on the device so a captured graph serves any T
-//   out    [R, 512] bf16     softmax(scale * (q_lat . c_kv + q_rope . k_pe)) @ c_kv   (before W_UV)
+//   out    [R, DL] bf16      softmax(scale * (q_lat . c_kv + q_rope . k_pe)) @ c_kv   (before W_UV)
 //   lse    [R] fp32 or null  natural-log sum of exp of the visible scaled scores
 //
 // Cascade (docs/hardware-and-kernels.md section 7): grid (row tiles, splits). Splits 0 .. P-1 cover the
@@ -18,8 +19,8 @@
 // (o = sum_s 2^(lse_s - lse) o_s). With a single split the kernel writes out / lse itself.
 //
 // Block: NPAIR warp pairs; pair p owns 16 query rows, the two warps of a pair split the 32 keys of a
-// block for the scores (16 each) and the 512 output dims for P.V (256 each: 128 fp32 accumulators per
-// thread). The pair swaps row maxima and its bf16 probabilities through shared memory (named barrier
+// block for the scores (16 each) and the DL output dims for P.V (DL / 2 each: DL / 4 fp32 accumulators per
+// thread, 128 for Kimi). The pair swaps row maxima and its bf16 probabilities through shared memory (named barrier
 // per pair). Keys stream through a STAGES-deep ring of 32-key blocks shared by all pairs, filled by bulk
 // copies (one per key row, spread over the warps) that complete on the stage's mbarrier.
 // kernels/mla_decode.cu is the bandwidth-bound form of the same contract (q * H <= 64).
@@ -27,6 +28,8 @@
 
 #define MLA_NB 32                  // keys per block
 #define MLA_PROW 40                // probability row stride in bf16: 80 B = 5 x 16 B
+#define MLA_HALF (MLA_DL / 2)      // output dims per warp of a pair (Kimi: 256)
+#define MLA_NT (MLA_HALF / 8)      // its 8-dim n-tiles (Kimi: 32, 128 fp32 accumulators per thread)
 
 template <int NPAIR, int STAGES>
 struct MlaSmem {
@@ -87,9 +90,9 @@ __device__ __forceinline__ void mla_attention_split(
     __syncthreads();                                 // the query rows landed
 
     // ---- running state: rows g and g + 8 of this pair's tile --------------------------------------
-    float o[32][4];                                  // dims half*256 + 8 nt + 2t (+1); rows g (0,1), g+8 (2,3)
+    float o[MLA_NT][4];                              // dims half*MLA_HALF + 8 nt + 2t (+1); rows g (0,1), g+8 (2,3)
 #pragma unroll
-    for (int nt = 0; nt < 32; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    for (int nt = 0; nt < MLA_NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
     float m_run[2] = {DD_NEG_INF, DD_NEG_INF}, l_run[2] = {0.f, 0.f};
     const int r_lo = row0 + pair * 16 + g, r_hi = r_lo + 8;
     const int W = (q + 31) >> 5;
@@ -110,7 +113,7 @@ __device__ __forceinline__ void mla_attention_split(
         const bf16_t (*kv)[MLA_ROW] = sm.kv[b % STAGES];
         const int key0 = begin + b * MLA_NB;
 
-        // scores of 16 rows x this warp's 16 keys (two n-tiles), over 576 dims
+        // scores of 16 rows x this warp's 16 keys (two n-tiles), over MLA_DK dims
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         const bf16_t* kb = &kv[half * 16 + (lane & 7) + (lane >> 4) * 8][((lane >> 3) & 1) * 8];  // B: x4 over (keys, k)
 #pragma unroll
@@ -174,21 +177,21 @@ __device__ __forceinline__ void mla_attention_split(
         for (int hi = 0; hi < 2; ++hi) l_run[hi] = l_run[hi] * alpha[hi] + sum[hi];
         PROF_MARK(3)
 #pragma unroll
-        for (int nt = 0; nt < 32; ++nt) {
+        for (int nt = 0; nt < MLA_NT; ++nt) {
             o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
             o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
         }
         named_barrier(1 + pair, 64);                 // both halves of P written (and both maxima read)
         PROF_MARK(4)
 
-        // o[16 rows, this warp's 256 dims] += P[16, 32 keys] . c_kv[32 keys, dims]
+        // o[16 rows, this warp's MLA_HALF dims] += P[16, 32 keys] . c_kv[32 keys, dims]
 #pragma unroll
         for (int kk = 0; kk < MLA_NB; kk += 16) {
             u32 a[4];
             ldsm_x4(a, &sm.p[pair][(lane & 7) + ((lane >> 3) & 1) * 8][kk + (lane >> 4) * 8]);
-            const bf16_t* vb = &kv[kk + (lane & 7) + ((lane >> 3) & 1) * 8][half * 256 + (lane >> 4) * 8];
+            const bf16_t* vb = &kv[kk + (lane & 7) + ((lane >> 3) & 1) * 8][half * MLA_HALF + (lane >> 4) * 8];
 #pragma unroll
-            for (int nt = 0; nt < 32; nt += 2) {
+            for (int nt = 0; nt < MLA_NT; nt += 2) {
                 u32 bv[4];
                 ldsm_x4_trans(bv, vb + nt * 8);
                 mma_bf16_16816(o[nt], a, bv[0], bv[1]);
@@ -220,9 +223,9 @@ __device__ __forceinline__ void mla_attention_split(
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
             if (!rows_valid[hi]) continue;
-            u32* dst = (u32*)(out + (size_t)rr[hi] * MLA_DL + half * 256 + 2 * t);
+            u32* dst = (u32*)(out + (size_t)rr[hi] * MLA_DL + half * MLA_HALF + 2 * t);
 #pragma unroll
-            for (int nt = 0; nt < 32; ++nt)
+            for (int nt = 0; nt < MLA_NT; ++nt)
                 dst[nt * 4] = pack_bf16x2(o[nt][2 * hi] * inv[hi], o[nt][2 * hi + 1] * inv[hi]);
             if (lse_out && half == 0 && t == 0) lse_out[rr[hi]] = lse2[hi] * 0.69314718055994531f;
         }
@@ -230,9 +233,9 @@ __device__ __forceinline__ void mla_attention_split(
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
             if (!rows_valid[hi]) continue;
-            float2* dst = (float2*)(part_o + ((size_t)split * R + rr[hi]) * MLA_DL + half * 256 + 2 * t);
+            float2* dst = (float2*)(part_o + ((size_t)split * R + rr[hi]) * MLA_DL + half * MLA_HALF + 2 * t);
 #pragma unroll
-            for (int nt = 0; nt < 32; ++nt)
+            for (int nt = 0; nt < MLA_NT; ++nt)
                 dst[nt * 4] = make_float2(o[nt][2 * hi] * inv[hi], o[nt][2 * hi + 1] * inv[hi]);
             if (half == 0 && t == 0) part_lse[(size_t)split * R + rr[hi]] = lse2[hi];
         }
@@ -240,7 +243,7 @@ __device__ __forceinline__ void mla_attention_split(
 }
 
 // Merge the splits (both forms write the same partials): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) o_s.
-// Grid (R, 512 / (4 * lanes)), block 256 = groups x lanes with groups = 256 / lanes a power of two: thread
+// Grid (R, MLA_DL / (4 * lanes)), block 256 = groups x lanes with groups = 256 / lanes a power of two: thread
 // (group, lane) sums splits group, group + groups, .. for 4 dims (loads unrolled by 4: independent, so
 // they are in flight together; a serial loop would pay one L2 round trip per split), then the groups add
 // up in shared memory. Dynamic smem: n_splits floats (the weights) + groups * lanes float4.

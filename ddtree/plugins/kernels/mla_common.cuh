@@ -4,10 +4,19 @@
 #pragma once
 #include "common.cuh"
 
-#define MLA_DL 512                 // latent (value) dims
-#define MLA_DR 64                  // rope dims
-#define MLA_DK 576                 // key dims = latent + rope
-#define MLA_ROW 584                // smem row stride in bf16: 1168 B = 73 x 16 B (odd: conflict-free ldmatrix)
+// The model's latent geometry comes from the launcher as NVRTC defines (ddtree/plugins/compile.py
+// latent_defines: one cubin set per model, Kimi K2.6: 512 / 64). The Python side refuses other dims by
+// name before compiling; the static_asserts restate why each constraint exists.
+#if !defined(MLA_DL) || !defined(MLA_DR)
+#error "compile with -D MLA_DL=<kv_lora_rank> -D MLA_DR=<qk_rope_head_dim> (ddtree/plugins/compile.py latent_defines)"
+#endif
+static_assert(MLA_DL % 32 == 0 && MLA_DL >= 32 && MLA_DL <= 512,
+              "latent: the tree form's two warps of a pair own MLA_DL / 2 output dims in 16-dim ldmatrix steps; "
+              "MLA_DL / 4 fp32 accumulators per thread (128 at 512)");
+static_assert(MLA_DR % 16 == 0 && MLA_DR >= 16, "rope: the key dims MLA_DL + MLA_DR step through the mma's k = 16");
+#define MLA_DK (MLA_DL + MLA_DR)   // key dims = latent + rope (Kimi: 576)
+#define MLA_ROW (MLA_DK + 8)       // smem row stride in bf16: MLA_DK / 8 + 1 (odd) x 16 B, conflict-free ldmatrix
+                                   // (Kimi: 584 = 1168 B = 73 x 16 B)
 
 // Keys [begin, end) of split `split` for the block whose query rows start at row0 (rows_per_block rows of R).
 // Splits 0 .. P-1 cover the prefix [0, T) in chunks of ceil(T / P) rounded up to `align` keys (empty when T

@@ -1,23 +1,26 @@
 // Bandwidth-bound form of kernels/mla_attention.cu for few query rows (q * H <= 64: decode, small trees):
 // the same inputs, split ranges, mask and outputs (partials for mla_attention_combine), computed with the
 // keys as the mma M dimension and 8 query rows as N (the 8-token trick of the MoE kernel), so no mma lane
-// is padding at 8 rows and one warp holds all 512 output dims of its 8 rows (128 fp32 accumulators).
+// is padding at 8 rows and one warp holds all MLA_DL output dims of its 8 rows (MLA_DL / 4 fp32 accumulators:
+// 128 for Kimi's 512; the dims are NVRTC defines, mla_common.cuh).
 //
 // Block: RG row groups of 8 query rows x KS key streams = RG * KS warps; warp (rg, ks) handles rows
 // 8 rg .. 8 rg + 7 for the 16-key sub-blocks ks, ks + KS, .. of the split, with its own running max / sum /
 // output. Every key is read from memory once per block, whatever RG. Sub-blocks stream through a ring of
 // RS slots (slot = sub-block mod RS, RS a multiple of KS, so a stream owns RS / KS slots): the stream's
-// row-group-0 warp fills a slot with bulk copies (one 1152-byte key row per lane, completing on the slot's
+// row-group-0 warp fills a slot with bulk copies (one 2 x MLA_DK-byte key row per lane, completing on the slot's
 // `full` mbarrier), the RG warps of the stream consume it and arrive on its `empty` mbarrier, and the
 // filler refills it with the sub-block RS ahead once all have. No block-wide barrier inside the loop. At
 // the end the KS warps of each row group merge through shared memory (exact log-sum-exp weights) and the
 // block writes one split's result.
-// Per warp and 16 keys: S^T [16 keys, 8 rows] = K [16, 576] . Q^T (four independent accumulator chains),
-// P^T goes through a 256-byte shared tile to become the B operand, O^T [512, 8] += V^T [512, 16] . P^T.
+// Per warp and 16 keys: S^T [16 keys, 8 rows] = K [16, DK] . Q^T (four independent accumulator chains; a
+// last 16-dim k-step when DK is an odd multiple of 16), P^T goes through a 256-byte shared tile to become
+// the B operand, O^T [DL, 8] += V^T [DL, 16] . P^T.
 #include "mla_common.cuh"
 
 #define DEC_ROWS 8                 // query rows per block (the mma N)
 #define DEC_PROW 24                // P^T row stride in bf16 (48 B)
+#define DEC_MT (MLA_DL / 16)       // 16-dim m-tiles of O^T (Kimi: 32)
 
 template <int RG, int KS, int RS>
 struct DecodeSmem {
@@ -89,9 +92,9 @@ __device__ __forceinline__ void mla_decode_split(
     __syncthreads();                                 // the query rows landed
 
     // O^T accumulators: m-tile mt = dims 16 mt .. +15; c0,c1 = (dim 16mt+g, rows 2t, 2t+1), c2,c3 = dim +8
-    float o[32][4];
+    float o[DEC_MT][4];
 #pragma unroll
-    for (int mt = 0; mt < 32; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    for (int mt = 0; mt < DEC_MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
     float m_run[2] = {DD_NEG_INF, DD_NEG_INF}, l_run[2] = {0.f, 0.f};   // rows 2t, 2t+1 (l: this lane's keys)
     const int W_vis = (q + 31) >> 5;
     const int r0 = row0 + rg * DEC_ROWS + 2 * t, r1 = r0 + 1;
@@ -115,7 +118,7 @@ __device__ __forceinline__ void mla_decode_split(
         for (int c = 0; c < 4; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.f;
         const bf16_t* ka = &kv[(lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];   // A: x4 over (keys, k)
 #pragma unroll
-        for (int k = 0; k < MLA_DK; k += 32) {
+        for (int k = 0; k + 32 <= MLA_DK; k += 32) {
             u32 a0[4], a1[4], bq[4];
             ldsm_x4(bq, qb + k);
             ldsm_x4(a0, ka + k);
@@ -123,6 +126,15 @@ __device__ __forceinline__ void mla_decode_split(
             mma_bf16_16816(s[(k >> 5) & 1 ? 2 : 0], a0, bq[0], bq[1]);
             mma_bf16_16816(s[(k >> 5) & 1 ? 3 : 1], a1, bq[2], bq[3]);
         }
+#if MLA_DK % 32 != 0
+        {                                            // the last 16 dims (lanes 0-15 address the x2 of Q^T)
+            constexpr int k = MLA_DK - 16;
+            u32 a0[4], bq[2];
+            ldsm_x2(bq, qb + k);
+            ldsm_x4(a0, ka + k);
+            mma_bf16_16816(s[(k >> 5) & 1 ? 2 : 0], a0, bq[0], bq[1]);
+        }
+#endif
         // c0 = (key g, row 2t), c1 = (key g, row 2t+1), c2 = (key g+8, row 2t), c3 = (key g+8, row 2t+1)
         float sc[4], mx[2] = {DD_NEG_INF, DD_NEG_INF};
         PROF_MARK(2)
@@ -167,14 +179,14 @@ __device__ __forceinline__ void mla_decode_split(
         ldsm_x2(bp, &pt[lane & 7][((lane >> 3) & 1) * 8]);                     // (keys 2t.., row g), keys +8
         PROF_MARK(3)
 #pragma unroll
-        for (int mt = 0; mt < 32; ++mt) {
+        for (int mt = 0; mt < DEC_MT; ++mt) {
             o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1];
             o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
         }
         PROF_MARK(4)
         const bf16_t* va = &kv[(lane & 7) + (lane >> 4) * 8][((lane >> 3) & 1) * 8];   // A^T: x4.trans over (keys, dims)
 #pragma unroll
-        for (int mt = 0; mt < 32; ++mt) {
+        for (int mt = 0; mt < DEC_MT; ++mt) {
             u32 a[4];
             ldsm_x4_trans(a, va + 16 * mt);
             mma_bf16_16816(o[mt], a, bp[0], bp[1]);
@@ -202,7 +214,7 @@ __device__ __forceinline__ void mla_decode_split(
         sm.merge.l[warp][2 * t] = l_run[0]; sm.merge.l[warp][2 * t + 1] = l_run[1];
     }
 #pragma unroll
-    for (int mt = 0; mt < 32; ++mt) {
+    for (int mt = 0; mt < DEC_MT; ++mt) {
         sm.merge.o[warp][2 * t][16 * mt + g] = o[mt][0];
         sm.merge.o[warp][2 * t + 1][16 * mt + g] = o[mt][1];
         sm.merge.o[warp][2 * t][16 * mt + g + 8] = o[mt][2];
