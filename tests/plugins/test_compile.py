@@ -29,7 +29,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
 
 
 # sha256 of Kimi's (latent 512, rope 64) cubins as built before the dims became defines (commit 760fc5a, the
-# kernels the H200 numbers in kernels/NOTES.md were measured with), by NVRTC version
+# kernels the H200 numbers in ddtree/plugins/kernels/NOTES.md were measured with), by NVRTC version
 KIMI_CUBINS = {(13, 5): {
     ("mla_attention.cu", "sm_90"): "b1fb4d307cb0b403b93c8fe26d42b4633c20e5c8943430c3c410ffb8e970287f",
     ("mla_attention.cu", "sm_120"): "c31e5a1363fdbb382ac31b7dca77d1a4b3bca95285f32cb34122bee3e28eaf85",
