@@ -4,8 +4,11 @@
     RankGroup     ranks as threads of one process: each rank deposits its part, waits for all, and
                   sums them in rank order 0..tp-1 (what the one-shot all-reduce computes on every rank)
                   or stacks them in rank order, so every rank receives identical bits
-Shared-memory (rank processes), one-shot peer-to-peer and NCCL implementations come with the rank
-processes. A rank that fails aborts the group, which releases the others with BrokenBarrierError.
+    SharedMemoryGroup  ranks as processes on one host (ops/shm_group.py): the one-shot protocol over
+                  shared memory, with heartbeats and a timeout on every wait
+One-shot peer-to-peer over PCIe and NCCL come with the GPU ranks. A rank that fails aborts the group,
+which releases the others (BrokenBarrierError for threads, a named RankError for processes).
+Every implementation takes `what` (the op's tag and layer) so a failed wait can say what it waited for.
 """
 from __future__ import annotations
 
@@ -25,10 +28,10 @@ def rank_order_sum(partials: list[np.ndarray]) -> np.ndarray:
 class Identity:
     size = 1
 
-    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+    def all_reduce(self, rank: int, x: np.ndarray, what: str = "") -> np.ndarray:
         return np.array(x, copy=True)
 
-    def all_gather(self, rank: int, x: np.ndarray) -> np.ndarray:
+    def all_gather(self, rank: int, x: np.ndarray, what: str = "") -> np.ndarray:
         return np.array(x, copy=True)[None]
 
     def abort(self) -> None:
@@ -48,10 +51,10 @@ class RankGroup:
         self.barrier.wait()                      # nobody reuses its slot before every rank has read them all
         return out
 
-    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+    def all_reduce(self, rank: int, x: np.ndarray, what: str = "") -> np.ndarray:
         return self._exchange(rank, x, rank_order_sum)
 
-    def all_gather(self, rank: int, x: np.ndarray) -> np.ndarray:
+    def all_gather(self, rank: int, x: np.ndarray, what: str = "") -> np.ndarray:
         return self._exchange(rank, x, np.stack)
 
     def abort(self) -> None:

@@ -36,7 +36,8 @@ class NumpyOps(Ops):
 
     def call(self, fn, *args, feeds: dict) -> dict[str, np.ndarray]:
         """Run layer function fn(self, *args) on `feeds`; returns its outputs by name."""
-        self.feeds, self.outputs, self.where = feeds, {}, f"{fn.__name__} (rank {self.lay.rank})"
+        ints = ", ".join(str(a) for a in args if isinstance(a, int))       # the layer index, block size, ...
+        self.feeds, self.outputs, self.where = feeds, {}, f"{fn.__name__}({ints}) (rank {self.lay.rank})"
         fn(self, *args)
         return self.outputs
 
@@ -125,10 +126,10 @@ class NumpyOps(Ops):
 
     # collectives ----------------------------------------------------------------------------------
     def all_reduce(self, x, tag):
-        return self.collective.all_reduce(self.lay.rank, x)
+        return self.collective.all_reduce(self.lay.rank, x, f"{tag} in {self.where}")
 
     def all_gather(self, x, tag):
-        return self.collective.all_gather(self.lay.rank, np.asarray(x))
+        return self.collective.all_gather(self.lay.rank, np.asarray(x), f"{tag} in {self.where}")
 
     # vocab-parallel sampling and the tree ---------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):

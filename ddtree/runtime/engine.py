@@ -25,6 +25,7 @@ from ddtree.tree.sampling import SamplingParams
 
 DEVICES = ("cpu", "cuda")
 MODES = ("ddtree", "ar")
+RANKS = ("threads", "processes")
 
 
 class DeviceUnavailableError(RequestError, NotImplementedError):
@@ -46,12 +47,16 @@ class DDTreeEngine:
         self.drafter_config = executor.drafter_config
         self.model_dir, self.drafter_dir = model_dir, drafter_dir
         self.stop_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.stop_ids)
+        self.processes = None                     # runtime/ranks.RankProcesses when the ranks are processes
 
     @classmethod
-    def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True) -> "DDTreeEngine":
+    def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
+             ranks: str = "threads") -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
-        token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks."""
+        token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
+        ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
+        rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
@@ -62,6 +67,19 @@ class DDTreeEngine:
             if drafter_dir is not None:
                 raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                    f"do not pass a drafter dir (--drafter {drafter_dir})")
+            if ranks not in RANKS:
+                raise RequestError(f"ranks (--ranks) {ranks!r}: expected one of {', '.join(RANKS)}")
+            if ranks == "processes":
+                from ddtree.runtime.ranks import RankProcesses
+                processes = RankProcesses(model_dir, verify=verify)
+                try:
+                    ex = processes.executor
+                    engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
+                except BaseException:
+                    processes.close()
+                    raise
+                engine.processes = processes
+                return engine
             from ddtree.runtime.engine_executor import EngineExecutor
             executor = EngineExecutor(model_dir, verify=verify)
             return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
@@ -102,12 +120,28 @@ class DDTreeEngine:
         check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
         if mode not in MODES:
             raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "ddtree" and not 1 <= budget <= MAX_BUDGET:
+            raise RequestError(f"budget (--budget) {budget}: expected an integer in 1..{MAX_BUDGET}")
+        if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
+            from ddtree.runtime.ranks import Request
+            request = Request(mode, tuple(ids), max_new_tokens, params, budget, tuple(sorted(self.stop_ids)),
+                              block_size)
+            return self.processes.steps(request, stats)
         if mode == "ar":
             return ar_steps(self.executor, ids, max_new_tokens, params, self.stop_ids, stats)
-        if not 1 <= budget <= MAX_BUDGET:
-            raise RequestError(f"budget (--budget) {budget}: expected an integer in 1..{MAX_BUDGET}")
         return ddtree_steps(self.executor, ids, max_new_tokens, params, budget, self.stop_ids,
                             block_size, stats)
+
+    def close(self) -> None:
+        """Stop the rank processes, if any (idempotent)."""
+        if self.processes is not None:
+            self.processes.close()
+
+    def __enter__(self) -> "DDTreeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,

@@ -8,6 +8,11 @@ ops/vocab_parallel.py. target_forward / drafter_forward still return the full lo
 all-gather of the slices), because the loop's interface hands logits from one primitive to the next;
 a GPU executor keeps them split and gathers only the winners.
 
+One rank per process (runtime/ranks.py): `rank=r` loads only rank r's weights and runs its share with
+`collective` (a SharedMemoryGroup); the logits slices are all-gathered through it, so every rank holds
+the same full logits and reaches the same samples, tree and walk from the same bits (the rank-symmetric
+step); caches then hold that one rank.
+
 Computes in float64 by default (bf16 weights and INT4 experts convert exactly), so its logits equal
 the reference's on the source checkpoint up to summation order (~1e-15 relative). Meant for small
 (synthetic) engines: the weights are held in memory as float64.
@@ -34,24 +39,37 @@ DRAFT_CAPACITY = 256            # drafter context rows to start with (grown on d
 class EngineExecutor:
     name = "engine-numpy"
 
-    def __init__(self, engine_dir, dtype=np.float64, verify: bool = True):
+    def __init__(self, engine_dir, dtype=np.float64, verify: bool = True, rank: int | None = None, collective=None,
+                 checked: tuple | None = None):
         """verify: every file's sha256 against manifest.json (the weights while they are read); False skips
-        the hashes only, never the structural checks (engine_dir.check_engine)."""
+        the hashes only, never the structural checks (engine_dir.check_engine). rank None: every rank, as
+        threads; rank r: only rank r, meeting its peers in `collective`. checked: check_engine's result
+        when the caller already has it (rank processes: rank 0 checks once, each rank hashes its weights)."""
         self.engine_dir = Path(engine_dir)
-        self.meta, digests = check_engine(self.engine_dir, verify)
+        self.meta, digests = checked if checked is not None else check_engine(self.engine_dir, verify)
         meta = self.meta
         self.config, self.drafter_config = engine_configs(self.engine_dir, meta)
         self.dtype = np.dtype(dtype)
         self.tp = int(meta["tp"])
         self.moe_inter = meta["plan"]["per_rank"]["moe_intermediate"]
         self.layouts = [RankLayout.from_plan(meta["plan"], r) for r in range(self.tp)]
-        collective = collective_for(self.tp)
+        self.local = list(range(self.tp)) if rank is None else [rank]          # the ranks held here
+        self.held = len(self.local)
+        self.collective = collective_for(self.tp) if rank is None else collective
         files = meta["weight_files"]
         weights = [load_rank_tensors(self.engine_dir, r, files, convert=self.dtype, digests=digests)
-                   for r in range(self.tp)]
-        self.ranks = NumpyRanks([NumpyOps(w, lay, collective, self.dtype) for w, lay in zip(weights, self.layouts)])
+                   for r in self.local]
+        self.ranks = NumpyRanks([NumpyOps(w, self.layouts[r], self.collective, self.dtype)
+                                 for w, r in zip(weights, self.local)])
         self.offsets = [lay.vocab_start for lay in self.layouts]
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
+
+    def _gathered(self, outs: list[dict], what: str) -> np.ndarray:
+        """Every rank's logits slice [q, V_r] -> [q, V]: joined here, or all-gathered from the other processes."""
+        if self.held == self.tp:
+            return np.concatenate([o["logits"] for o in outs], axis=1)
+        parts = self.collective.all_gather(self.local[0], outs[0]["logits"], f"logits of {what}")   # [tp, q, V_r]
+        return np.concatenate(list(parts), axis=1)
 
     def _split(self, logits: np.ndarray) -> list[np.ndarray]:
         return [logits[:, lay.vocab_start: lay.vocab_stop] for lay in self.layouts]
@@ -60,12 +78,12 @@ class EngineExecutor:
     def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
         """`capacity` rows now, grown by doubling on demand up to `limit` rows (None: no limit)."""
         c = self.config
-        return TargetCaches(self.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity, self.dtype,
+        return TargetCaches(self.held, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity, self.dtype,
                             limit)
 
     def new_drafter_cache(self, capacity: int = DRAFT_CAPACITY, limit: int | None = None) -> DraftCaches:
         d = self.drafter_config
-        return DraftCaches(self.tp, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
+        return DraftCaches(self.held, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
                            self.dtype, limit)
 
     # primitives --------------------------------------------------------------------------------
@@ -92,14 +110,14 @@ class EngineExecutor:
         tapped = {}
         for L in range(cfg.num_hidden_layers):
             outs = self.ranks.call(layers.decoder_layer, cfg, L, self.moe_inter,
-                                   feeds=[{**step, "h": h[r], "cache": cache.layers[r][L]} for r in range(self.tp)])
+                                   feeds=[{**step, "h": h[r], "cache": cache.layers[r][L]} for r in range(self.held)])
             h = [o["h_out"] for o in outs]
             if L in taps:
                 tapped[L] = h[0].copy()
         cache.length = T + q
         head = {"sample_pos": step["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
-        outs = self.ranks.call(layers.head, cfg, feeds=[{**head, "h": h[r]} for r in range(self.tp)])
-        return np.concatenate([o["logits"] for o in outs], axis=1), tapped
+        outs = self.ranks.call(layers.head, cfg, feeds=[{**head, "h": h[r]} for r in range(self.held)])
+        return self._gathered(outs, "head"), tapped
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] (all-gathered)."""
@@ -119,12 +137,12 @@ class EngineExecutor:
         for L in range(d.num_hidden_layers):
             outs = self.ranks.call(layers.draft_layer, d, L, b, feeds=[
                 {**step, "h": h[r], "ctx": ctx[r], "cache_k": cache.k[r][L], "cache_v": cache.v[r][L]}
-                for r in range(self.tp)])
+                for r in range(self.held)])
             h = [o["h_out"] for o in outs]
         cache.length = T + n
         k = layers.draft_topk(self.meta["budgets"], self.layouts[0].vocab_stop - self.layouts[0].vocab_start)
-        outs = self.ranks.call(layers.draft_head, d, k, b, feeds=[{"h": h[r]} for r in range(self.tp)])
-        return np.concatenate([o["logits"] for o in outs], axis=1)
+        outs = self.ranks.call(layers.draft_head, d, k, b, feeds=[{"h": h[r]} for r in range(self.held)])
+        return self._gathered(outs, "draft_head")
 
     def compact(self, cache: TargetCaches, start: int, keep) -> None:
         """Keep the verify's rows start + keep[i] at start + i (every layer, every rank), through the op set."""
@@ -135,7 +153,7 @@ class EngineExecutor:
                 "accepted_count": np.array([len(keep)], np.int32)}
         for L in range(self.config.num_hidden_layers):
             self.ranks.call(layers.compact, self.config,
-                            feeds=[{**step, "cache": cache.layers[r][L]} for r in range(self.tp)])
+                            feeds=[{**step, "cache": cache.layers[r][L]} for r in range(self.held)])
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:

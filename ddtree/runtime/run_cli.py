@@ -15,6 +15,7 @@ from ddtree.cli_types import FiniteFloatRange, QuietCommand, check_prompt_argume
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.runtime.engine import DDTreeEngine
+from ddtree.ops.shm_group import RankError
 from ddtree.runtime.loop import RunStats
 from ddtree.tree.build import MAX_BUDGET
 
@@ -65,12 +66,24 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,
               help="Engine dir: skip the sha256 of every file (the sizes and config checks still run).")
+@click.option("--ranks", type=click.Choice(["processes", "threads"]), default="processes", show_default=True,
+              help="Engine dir with tp > 1: one process per rank (rank 0 is this one), or every rank as a thread "
+                   "of this process.")
 @reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, chat, as_json, skip_verify):
+                budget, block_size, mode, device, chat, as_json, skip_verify, ranks):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
-    engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
+    try:
+        with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks) as engine:
+            _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
+                      as_json)
+    except RankError as e:                   # a rank died, froze or failed: named, every rank stopped
+        raise click.ClickException(f"{type(e).__name__}: {e}") from e
+
+
+def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
+              as_json):
     dmax = engine.drafter_config.block_size
     if block_size is not None and block_size > dmax:
         raise click.BadParameter(f"{block_size} is above the drafter's block_size {dmax}", param_hint="--block-size")
