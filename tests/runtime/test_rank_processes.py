@@ -1,5 +1,5 @@
 """Ranks as processes (runtime/ranks.py, ops/shm_group.py): one process per rank of tp 2 and tp 4 engines of
-the tiny preset gives the tokens of the in-process executor (ranks as threads) and of the float64 reference
+the tiny and small-mla presets gives the tokens of the in-process executor (ranks as threads) and of the float64 reference
 on the source checkpoint, DDTree == AR, greedy and sampled; the shared-memory all-reduce sums in rank order
 (checked against an explicit float32 sum at 3 and 4 ranks, where the order changes the bits); a worker
 killed mid-run, a frozen worker and a killed rank 0 each end with a named error within the bound and leave
@@ -32,15 +32,25 @@ SAMPLINGS = {"greedy": dict(), "sampled": dict(temperature=0.8, top_p=0.9, seed=
 BOUND_S = 4.0                    # failure tests: heartbeat 1 s, collective timeout 3 s, plus the teardown
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return synth(tmp_path_factory.mktemp("ranks-ckpt"), "tiny", seed=24, shard_mb=1)
+PRESETS = ("tiny", "small-mla")
 
 
 @pytest.fixture(scope="module")
-def engines(ckpt, tmp_path_factory):
+def ckpts(tmp_path_factory):
+    return {p: synth(tmp_path_factory.mktemp(f"ranks-{p}"), p, seed=24, shard_mb=8) for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def all_engines(ckpts, tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks-engines")
-    return {tp: Path(build_engine(*ckpt, tp, ["sm_120"], root / f"tp{tp}", graphs=False)["engine"]) for tp in (2, 4)}
+    return {(p, tp): Path(build_engine(*ckpts[p], tp, ["sm_120"], root / f"{p}-tp{tp}", graphs=False)["engine"])
+            for p in PRESETS for tp in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def engines(all_engines):
+    """tp -> the tiny preset's engine."""
+    return {tp: all_engines["tiny", tp] for tp in (2, 4)}
 
 
 def gone(pid: int) -> bool:
@@ -131,11 +141,12 @@ def test_one_shot_sum_is_the_float32_sum_in_rank_order(n):
 # ----------------------------------------------------------------------------------------------
 # whole generations
 
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_rank_processes_give_the_threads_and_reference_tokens(ckpt, engines, tp):
-    reference = DDTreeEngine.load(*ckpt)
-    threads = DDTreeEngine.load(engines[tp])
-    with DDTreeEngine.load(engines[tp], ranks="processes") as procs:
+def test_rank_processes_give_the_threads_and_reference_tokens(ckpts, all_engines, preset, tp):
+    reference = DDTreeEngine.load(*ckpts[preset])
+    threads = DDTreeEngine.load(all_engines[preset, tp])
+    with DDTreeEngine.load(all_engines[preset, tp], ranks="processes") as procs:
         workers = list(procs.processes.pids.values())
         assert len(workers) == tp - 1
         wants = {}
