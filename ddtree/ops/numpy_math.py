@@ -96,19 +96,14 @@ def kv_compact(cache: np.ndarray, T: int, accepted, count: int) -> np.ndarray:
     return cache
 
 
-def split_kv_b(kv_b, spec) -> tuple[np.ndarray, np.ndarray]:
-    """kv_b [N_r (Dn + Dv), R] -> W_UK [N_r, Dn, R], W_UV [N_r, Dv, R]."""
-    w = f64(kv_b).reshape(spec.heads, spec.nope_dim + spec.v_dim, spec.kv_lora_rank)
-    return w[:, : spec.nope_dim], w[:, spec.nope_dim:]
-
-
 def mla_absorb_q(q_nope, kv_b, spec) -> np.ndarray:
-    return np.einsum("qnd,ndr->qnr", f64(q_nope), split_kv_b(kv_b, spec)[0], optimize=True)     # [q, N_r, R]
+    """The absorb kernel's twin (plugins/reference.py): [q, N_r, Dn] -> [q, N_r, R]."""
+    return twins.mla_absorb_q(f64(q_nope), f64(kv_b), spec.nope_dim, spec.v_dim)
 
 
 def mla_absorb_out(o_lat, kv_b, spec) -> np.ndarray:
-    o = np.einsum("qnr,nvr->qnv", f64(o_lat), split_kv_b(kv_b, spec)[1], optimize=True)         # [q, N_r, Dv]
-    return o.reshape(len(o), -1)
+    """[q, N_r, R] -> [q, N_r Dv] (the twin)."""
+    return twins.mla_absorb_out(f64(o_lat), f64(kv_b), spec.nope_dim, spec.v_dim)
 
 
 def mla_tree_attention(q_lat, q_rope, cache, T: int, tree_mask, spec) -> np.ndarray:
@@ -135,22 +130,16 @@ def moe(x, router_logits, bias, experts: dict, shared_out, spec) -> np.ndarray:
 def draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k: np.ndarray, cache_v: np.ndarray, T: int, rope,
                     spec) -> np.ndarray:
     """DFlash block attention; appends the roped context K/V at T.. of the caches (in place) -> o [b, Hq_r d]."""
-    b, n = len(q), len(ctx_k)
+    n = len(ctx_k)
     check_room("draft_attention", cache_k.shape[0], T, n)
     freqs, factor = rope_frequencies(rope, spec.head_dim), spec.attention_factor
     pos = np.asarray(pos, dtype=np.int64)
     cache_k[T: T + n] = rope_rotate_half(ctx_k, np.arange(T, T + n), freqs, factor).astype(cache_k.dtype)
     cache_v[T: T + n] = np.asarray(ctx_v).astype(cache_v.dtype)
-    group = spec.heads // spec.kv_heads                                 # GQA groups are whole on a rank
-    keys = np.repeat(np.concatenate([f64(cache_k[: T + n]), rope_rotate_half(k, pos, freqs, factor)]), group, axis=1)
-    values = np.repeat(np.concatenate([f64(cache_v[: T + n]), f64(v)]), group, axis=1)   # [T + n + b, Hq_r, d]
-    k_pos = np.concatenate([np.arange(T + n), pos])
-    visible = (pos[:, None] - k_pos[None, :] < spec.sliding_window) if spec.sliding_window else \
-        np.ones((b, len(k_pos)), bool)
-    scores = np.einsum("qhd,khd->qhk", rope_rotate_half(q, pos, freqs, factor), keys) * spec.head_dim ** -0.5
-    scores = np.where(visible[:, None, :], scores, -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return np.einsum("qhk,khd->qhd", p / p.sum(axis=-1, keepdims=True), values).reshape(b, -1)
+    # the attention itself: the block kernel's twin (GQA groups are whole on a rank)
+    q_roped, k_roped = rope_rotate_half(q, pos, freqs, factor), rope_rotate_half(k, pos, freqs, factor)
+    return twins.draft_block_attention(q_roped, k_roped, f64(v), f64(cache_k[: T + n]), f64(cache_v[: T + n]),
+                                       T + n, pos, spec.sliding_window, spec.head_dim ** -0.5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "tree_build.cu": {"default": {}},
     "sample.cu": {"default": {}},
     "sample_top_p.cu": {"default": {}},
+    "mla_absorb.cu": {"default": {}},
+    "draft_attention.cu": {"default": {}},
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

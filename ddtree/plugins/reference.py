@@ -75,3 +75,42 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
         out[r0:r1] = (p.astype(dtype) @ keys[:, : q_lat.shape[-1]]) / l[:, None].astype(dtype)
         lse[r0:r1] = m[:, 0] + np.log(l)
     return out.reshape(q, heads, -1), lse.reshape(q, heads)
+
+
+def split_kv_b(kv_b: np.ndarray, nope: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b [N (Dn + Dv), R] (float or bf16 bits) -> W_UK [N, Dn, R], W_UV [N, Dv, R] float64."""
+    w = as_float(np.asarray(kv_b), np.float64)
+    w = w.reshape(-1, nope + v, w.shape[-1])
+    return w[:, :nope], w[:, nope:]
+
+
+def mla_absorb_q(q_nope: np.ndarray, kv_b: np.ndarray, nope: int, v: int) -> np.ndarray:
+    """Twin of kernels/mla_absorb.cu's absorb_q: q_nope [q, N, Dn] -> q_lat [q, N, R] = per head q_nope W_UK."""
+    return np.einsum("qnd,ndr->qnr", as_float(np.asarray(q_nope), np.float64), split_kv_b(kv_b, nope, v)[0],
+                     optimize=True)
+
+
+def mla_absorb_out(o_lat: np.ndarray, kv_b: np.ndarray, nope: int, v: int) -> np.ndarray:
+    """Twin of absorb_out: o_lat [q, N, R] -> [q, N Dv] = per head o_lat W_UV^T."""
+    o = np.einsum("qnr,nvr->qnv", as_float(np.asarray(o_lat), np.float64), split_kv_b(kv_b, nope, v)[1],
+                  optimize=True)
+    return o.reshape(len(o), -1)
+
+
+def draft_block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray,
+                          rows: int, pos: np.ndarray, window: int, scale: float) -> np.ndarray:
+    """Twin of kernels/draft_attention.cu (float64): q [b, Hq, d], block k / v [b, Hk, d] (roped), context
+    cache rows [0, rows) of cache_k / cache_v [S, Hk, d] at positions 0.. -> o [b, Hq d]. Non-causal over the
+    context and the block; a key at k_pos is visible to block token i iff pos[i] - k_pos < window (0: all)."""
+    q, b = as_float(np.asarray(q), np.float64), len(q)
+    group = q.shape[1] // np.shape(k)[1]                                # GQA: query head h reads kv head h / g
+    keys = np.repeat(np.concatenate([as_float(np.asarray(cache_k)[:rows], np.float64),
+                                     as_float(np.asarray(k), np.float64)]), group, axis=1)   # [rows + b, Hq, d]
+    values = np.repeat(np.concatenate([as_float(np.asarray(cache_v)[:rows], np.float64),
+                                       as_float(np.asarray(v), np.float64)]), group, axis=1)
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    k_pos = np.concatenate([np.arange(rows), pos])
+    visible = (pos[:, None] - k_pos[None, :] < window) if window else np.ones((b, len(k_pos)), bool)
+    scores = np.where(visible[:, None, :], np.einsum("qhd,khd->qhk", q, keys) * scale, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return np.einsum("qhk,khd->qhd", p / p.sum(axis=-1, keepdims=True), values).reshape(b, -1)

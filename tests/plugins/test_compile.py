@@ -23,6 +23,9 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "mla_decode.cu": ["mla_decode_smem_sizes"]
                             + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
            "kv_cache.cu": ["kv_append", "kv_compact"],
+           "mla_absorb.cu": ["mla_absorb_mt1", "mla_absorb_mt2", "mla_absorb_mt4"],
+           "draft_attention.cu": ["draft_attention_d32", "draft_attention_d64", "draft_attention_d128",
+                                  "draft_attention_combine"],
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
            "sample.cu": ["sample_greedy", "sample_gumbel", "sample_filtered"],
            "sample_top_p.cu": ["sample_mass", "sample_kept"]}
@@ -146,6 +149,7 @@ def test_bad_source_or_arch_is_named():
 
 def test_package_imports_without_cuda_python():
     code = ("import sys; sys.modules['cuda'] = None\n"
+            "import ddtree.plugins.mla_absorb, ddtree.plugins.draft_attention\n"
             "import ddtree.cli, ddtree.plugins.layout, ddtree.plugins.moe, ddtree.plugins.gemm, "
             "ddtree.plugins.reference, ddtree.bench.kernels, ddtree.plugins.mla_attention, "
             "ddtree.plugins.kv_cache, ddtree.bench.attention, ddtree.plugins.tree_build, "

@@ -1,0 +1,98 @@
+"""GPU tests of the absorbed-MLA projections (kernels/mla_absorb.cu via plugins/mla_absorb.py) against their
+float64 twins (plugins/reference.py mla_absorb_q / mla_absorb_out), at the tiny model's dims and Kimi's
+(8 heads: tp 8, 64 heads: tp 1), for 1 .. 256 tokens (one and several token blocks, every K split).
+
+Tolerance, argued: the inputs are exact bf16, the twin is exact in float64; the kernel sums K products in
+fp32 (error <= K 2^-24 sum_k |x_k w_k|, taken at 2^-23 K for the mma's internal order) and rounds once to
+bf16 (<= 2^-8 |y|, round to nearest). Each element must lie within 2^-8 |ref| + 2^-23 K sum |x w|; a wrong
+head, row, stride or token is off by O(|y|). Outputs are poisoned with NaN first, so an unwritten element
+fails; q_nope is read where it sits inside q_all (head stride Dn + Dr) with NaN in the rope columns.
+"""
+import numpy as np
+import pytest
+
+from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
+from ddtree.plugins import reference as twins
+
+pytestmark = pytest.mark.gpu
+# (heads N_r, Dn, Dr, Dv, R): tiny, Kimi at tp 8, Kimi at tp 1
+DIMS = [(4, 32, 16, 32, 64), (8, 128, 64, 128, 512), (64, 128, 64, 128, 512)]
+TOKENS = (1, 7, 33, 256)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from ddtree.plugins.device import Gpu
+    g = Gpu()
+    yield g
+    g.free_all()
+
+
+def bf16(rng, shape, scale=1.0):
+    return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def nan_buffer(gpu, shape):
+    a = gpu.alloc(shape, np.uint16)
+    gpu.memset(a, 0xFF)                       # bf16 0xFFFF is NaN
+    return a
+
+
+def check(got_bits, ref, bound, what):
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    assert np.isfinite(got).all(), f"{what}: unwritten or non-finite output"
+    excess = np.abs(got - ref) - (2.0 ** -8 * np.abs(ref) + bound)
+    assert excess.max() <= 0, f"{what}: element {np.unravel_index(excess.argmax(), ref.shape)} off by " \
+                              f"{np.abs(got - ref).flat[excess.argmax()]:.3e} (ref {ref.flat[excess.argmax()]:.3e})"
+
+
+@pytest.mark.parametrize("M", TOKENS)
+@pytest.mark.parametrize("dims", DIMS, ids=[f"n{d[0]}_dn{d[1]}_r{d[4]}" for d in DIMS])
+def test_absorb_q_and_out_match_the_twins(gpu, dims, M):
+    from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
+    N, Dn, Dr, Dv, R = dims
+    rng = np.random.default_rng(hash((dims, M)) % 2**32)
+    kv_b = bf16(rng, (N * (Dn + Dv), R), R ** -0.5)
+    q_all = bf16(rng, (M, N, Dn + Dr))
+    q_all[:, :, Dn:] = 0xFFFF                                       # the rope columns must not be read
+    o_lat = bf16(rng, (M, N, R))
+    absorb = MlaAbsorb(gpu, N, Dn, Dv, R)
+    w_uk_t, kv_b_dev = gpu.upload(uk_transposed(kv_b, N, Dn, Dv)), gpu.upload(kv_b)
+
+    q_lat = nan_buffer(gpu, (M, N, R))
+    absorb.q(gpu.upload(q_all), w_uk_t, q_lat, M, rope=Dr)
+    q_nope = q_all[:, :, :Dn]
+    ref = twins.mla_absorb_q(q_nope, kv_b, Dn, Dv)
+    mass = twins.mla_absorb_q(np.abs(bf16_to_f32(q_nope)), np.abs(bf16_to_f32(kv_b)), Dn, Dv)
+    check(q_lat.numpy(), ref, 2.0 ** -23 * Dn * mass, f"absorb_q {dims} M={M} plan {absorb.plan_q(M)}")
+
+    o = nan_buffer(gpu, (M, N * Dv))
+    absorb.out(gpu.upload(o_lat), kv_b_dev, o, M)
+    ref = twins.mla_absorb_out(o_lat, kv_b, Dn, Dv)
+    mass = twins.mla_absorb_out(np.abs(bf16_to_f32(o_lat)), np.abs(bf16_to_f32(kv_b)), Dn, Dv)
+    check(o.numpy(), ref, 2.0 ** -23 * R * mass, f"absorb_out {dims} M={M} plan {absorb.plan_out(M)}")
+
+
+def test_absorb_replays_in_a_graph_with_new_inputs(gpu):
+    """Captured once, replayed after the inputs change in place: the launches hold no host-side state."""
+    from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
+    N, Dn, Dr, Dv, R, M = 8, 128, 64, 128, 512, 8
+    rng = np.random.default_rng(7)
+    kv_b = bf16(rng, (N * (Dn + Dv), R), R ** -0.5)
+    absorb = MlaAbsorb(gpu, N, Dn, Dv, R)
+    w_uk_t, kv_b_dev = gpu.upload(uk_transposed(kv_b, N, Dn, Dv)), gpu.upload(kv_b)
+    q_all, q_lat = gpu.alloc((M, N, Dn + Dr), np.uint16), gpu.alloc((M, N, R), np.uint16)
+    o = gpu.alloc((M, N * Dv), np.uint16)
+    graph = gpu.capture(lambda s: (absorb.q(q_all, w_uk_t, q_lat, M, rope=Dr, stream=s),
+                                   absorb.out(q_lat, kv_b_dev, o, M, stream=s)))
+    for _ in range(2):
+        x = bf16(rng, (M, N, Dn + Dr))
+        gpu.copy_in(q_all, x)
+        gpu.replay(graph)
+        lat = q_lat.numpy()
+        check(lat, twins.mla_absorb_q(x[:, :, :Dn], kv_b, Dn, Dv),
+              2.0 ** -23 * Dn * twins.mla_absorb_q(np.abs(bf16_to_f32(x[:, :, :Dn])), np.abs(bf16_to_f32(kv_b)), Dn, Dv),
+              "graph absorb_q")
+        check(o.numpy(), twins.mla_absorb_out(lat, kv_b, Dn, Dv),
+              2.0 ** -23 * R * twins.mla_absorb_out(np.abs(bf16_to_f32(lat)), np.abs(bf16_to_f32(kv_b)), Dn, Dv),
+              "graph absorb_out")
