@@ -40,6 +40,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "sample_top_p.cu": {"default": {}},
     "mla_absorb.cu": {"default": {}},
     "draft_attention.cu": {"default": {}},
+    "layer_ops.cu": {"default": {}},           # embed, norms, rope, silu_mul, gather, cast
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

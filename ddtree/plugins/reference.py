@@ -77,6 +77,84 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
     return out.reshape(q, heads, -1), lse.reshape(q, heads)
 
 
+# ---------------------------------------------------------------------------------------------
+# the per-layer kernels (kernels/layer_ops.cu): the contract in float64 (bf16 copies as bits)
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits, nearest even (the kernels' one rounding of an fp32 result)."""
+    from ddtree.model.bf16 import f32_to_bf16
+    return f32_to_bf16(np.asarray(x, np.float32))
+
+
+def embed(ids: np.ndarray, table: np.ndarray, vocab_start: int) -> np.ndarray:
+    """ids [q] global, table [V_r, H] bf16 bits -> [q, H] bits: the rows of this rank's ids, zeros elsewhere."""
+    local = np.asarray(ids, np.int64).reshape(-1) - vocab_start
+    mine = (local >= 0) & (local < table.shape[0])
+    out = np.zeros((len(local), table.shape[1]), np.uint16)
+    out[mine] = table[local[mine]]
+    return out
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """w * x / sqrt(mean(x^2) + eps) over the last axis, float64."""
+    x = as_float(x, np.float64)
+    return as_float(w, np.float64) * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def head_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [m, n, d]: every head's row of d normed with w [d] (rms_norm over the last axis)."""
+    return rms_norm(x, w, eps)
+
+
+def add_rms_norm(h: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """h, delta [m, D] bf16 bits -> (h + delta rounded to bf16 bits (the fp32 sum of two bf16, as the kernel
+    adds), rms_norm of that rounded h in float64)."""
+    h1 = bf16_bits(as_float(h, np.float32) + as_float(delta, np.float32))
+    return h1, rms_norm(h1, w, eps)
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, magnitude: float, interleaved: bool) -> np.ndarray:
+    x = as_float(x, np.float64)                                                   # [q, n, d]
+    angle = np.asarray(pos, np.float64).reshape(-1)[:, None, None] * np.asarray(freqs, np.float64)  # [q, 1, d/2]
+    cos, sin = np.cos(angle) * magnitude, np.sin(angle) * magnitude
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    out = np.empty_like(x)
+    ya, yb = a * cos - b * sin, a * sin + b * cos
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = ya, yb
+    else:
+        out[..., :half], out[..., half:] = ya, yb
+    return out
+
+
+def rope_interleaved(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, magnitude: float) -> np.ndarray:
+    """x [q, n, d], pos [q] -> pairs (2i, 2i+1) turned by pos phi_i, cos/sin scaled by magnitude (float64)."""
+    return _rope(x, pos, freqs, magnitude, True)
+
+
+def rope_rotate_half(x: np.ndarray, pos: np.ndarray, freqs: np.ndarray, magnitude: float) -> np.ndarray:
+    """As rope_interleaved with the pairs (i, i + d/2) (NeoX halves, the drafter's rope)."""
+    return _rope(x, pos, freqs, magnitude, False)
+
+
+def silu_mul(gu: np.ndarray) -> np.ndarray:
+    """gu [m, 2I] (gate columns, then up columns) -> silu(gate) * up [m, I], float64."""
+    g = as_float(gu, np.float64)
+    inter = g.shape[-1] // 2
+    return silu(g[..., :inter]) * g[..., inter:]
+
+
+def gather_rows(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """src [n, W] (any dtype) -> [k, W]: row rows[i]; zeros for a negative row, all-ones bytes for a row >= n."""
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    out = np.zeros((len(rows), src.shape[1]), src.dtype)
+    out.view(np.uint8)[rows >= len(src)] = 0xFF
+    inside = (rows >= 0) & (rows < len(src))
+    out[inside] = src[rows[inside]]
+    return out
+
+
 def split_kv_b(kv_b: np.ndarray, nope: int, v: int) -> tuple[np.ndarray, np.ndarray]:
     """kv_b [N (Dn + Dv), R] (float or bf16 bits) -> W_UK [N, Dn, R], W_UV [N, Dv, R] float64."""
     w = as_float(np.asarray(kv_b), np.float64)

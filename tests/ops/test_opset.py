@@ -32,6 +32,6 @@ def test_cuda_ops_name_their_launcher_until_they_exist():
     ops = CudaOps(gpu=None, lay=LAY)
     with pytest.raises(NotImplementedError, match=r"op 'mla_tree_attention' .*plugins/mla_attention.py"):
         ops.mla_tree_attention(None, None, None, None, None, None)
-    with pytest.raises(NotImplementedError, match=r"op 'rope' .*missing: interleaved YaRN rope kernel"):
+    with pytest.raises(NotImplementedError, match=r"op 'rope' .*plugins/layer_ops.py LayerOps.rope_interleaved"):
         ops.rope(None, None, None)
     assert set(LAUNCHERS) == set(OP_NAMES)

@@ -28,7 +28,9 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                                   "draft_attention_combine"],
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
            "sample.cu": ["sample_greedy", "sample_gumbel", "sample_filtered"],
-           "sample_top_p.cu": ["sample_mass", "sample_kept"]}
+           "sample_top_p.cu": ["sample_mass", "sample_kept"],
+           "layer_ops.cu": ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "rope_interleaved", "rope_rotate_half",
+                            "head_rms_norm", "silu_mul", "gather_rows", "cast_f32_bf16"]}
 
 
 # sha256 of Kimi's (latent 512, rope 64) cubins as built before the dims became defines (commit 760fc5a, the
@@ -153,5 +155,5 @@ def test_package_imports_without_cuda_python():
             "import ddtree.cli, ddtree.plugins.layout, ddtree.plugins.moe, ddtree.plugins.gemm, "
             "ddtree.plugins.reference, ddtree.bench.kernels, ddtree.plugins.mla_attention, "
             "ddtree.plugins.kv_cache, ddtree.bench.attention, ddtree.plugins.tree_build, "
-            "ddtree.plugins.tree_sample, ddtree.bench.tree\n")
+            "ddtree.plugins.tree_sample, ddtree.bench.tree, ddtree.plugins.layer_ops\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,242 @@
+// The small per-layer kernels of the op set (ddtree/ops/opset.py): embedding gather, RMSNorm, add + RMSNorm,
+// interleaved (YaRN) and rotate-half rope, per-head RMSNorm, SiLU * up, row gather, fp32 -> bf16 cast.
+// Launchers: ddtree/plugins/layer_ops.py (LayerOps, RopeTable). Numpy twins: ddtree/plugins/reference.py
+// (embed, rms_norm, add_rms_norm, rope_interleaved, rope_rotate_half, head_rms_norm, silu_mul, gather_rows,
+// ddtree/model/bf16.py f32_to_bf16 for the cast).
+//
+// bf16 storage, fp32 math, one round to bf16 per output (cvt.rn: nearest even). Per-step values (positions,
+// gathered rows, ids) are read from device buffers, so one captured graph serves every step. Every kernel
+// waits for the previous one in the stream (griddepcontrol.wait) before reading anything, then lets the next
+// one start (programmatic dependent launch; no-ops without the launch attribute).
+// Reductions run in a fixed order (warp shuffles, then warp 0 over the warps' sums): same bits every run.
+#include "common.cuh"
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total. Call once per kernel.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    v = warp_sum(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {      // 8 bf16 (16 bytes) -> fp32
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { f[2 * j] = bf16lo_to_f32(w[j]); f[2 * j + 1] = bf16hi_to_f32(w[j]); }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                      pack_bf16x2(f[6], f[7]));
+}
+
+// ---- embedding -----------------------------------------------------------------------------------------
+// out[t, :] = table[ids[t] - vocab_start, :] when that row is this rank's ([0, vocab_rows)), zeros otherwise
+// (another rank holds it; the all-reduce adds it). table [vocab_rows, H], out [q, H] bf16, H % 8 == 0.
+// Grid q, block <= 256 threads over the H / 8 16-byte vectors of a row.
+extern "C" __global__ void embed_rows(const int* __restrict__ ids, const bf16_t* __restrict__ table,
+                                      int vocab_start, int vocab_rows, bf16_t* __restrict__ out, int H) {
+    pdl_wait();
+    pdl_trigger();
+    const int t = blockIdx.x, nv = H >> 3;
+    const int row = ids[t] - vocab_start;                       // int: ids and vocab_start < 2^31
+    const bool mine = row >= 0 && row < vocab_rows;
+    const uint4* src = (const uint4*)(table + (size_t)(mine ? row : 0) * H);
+    uint4* dst = (uint4*)(out + (size_t)t * H);
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) dst[v] = mine ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// ---- RMSNorm over rows ---------------------------------------------------------------------------------
+// out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps). x rows x_stride elements apart (a column slice of
+// a wider projection output), out rows out_stride apart; out may be x (each thread rereads only the vectors
+// it writes). D, strides % 8 == 0. Grid m, block <= 256 threads over the D / 8 vectors (two passes: the
+// second rereads x from L1/L2 instead of holding 7168 values in registers).
+extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf16_t* __restrict__ w,
+                                         bf16_t* out, int out_stride, int D, float eps) {
+    pdl_wait();
+    pdl_trigger();
+    const int nv = D >> 3;
+    const uint4* xr = (const uint4*)(x + (size_t)blockIdx.x * x_stride);
+    uint4* orow = (uint4*)(out + (size_t)blockIdx.x * out_stride);
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+        float f[8];
+        unpack8(xr[v], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+    }
+    const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+        float f[8], g[8];
+        unpack8(xr[v], f);
+        unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
+        orow[v] = pack8(f);
+    }
+}
+
+// h[r, :] <- bf16(h + delta) (in place: the residual stream), out[r, :] = RMSNorm(that rounded h) (the norm
+// reads the bf16 h every later layer and every rank sees). h, delta, out [m, D] dense, D % 8 == 0.
+// Grid m, block <= 256 threads over the D / 8 vectors.
+extern "C" __global__ void add_rms_norm_rows(bf16_t* h, const bf16_t* __restrict__ delta,
+                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int D,
+                                             float eps) {
+    pdl_wait();
+    pdl_trigger();
+    const int nv = D >> 3;
+    uint4* hr = (uint4*)(h + (size_t)blockIdx.x * D);
+    const uint4* dr = (const uint4*)(delta + (size_t)blockIdx.x * D);
+    uint4* orow = (uint4*)(out + (size_t)blockIdx.x * D);
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+        float a[8], b[8];
+        unpack8(hr[v], a);
+        unpack8(dr[v], b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] += b[j];
+        const uint4 r = pack8(a);
+        hr[v] = r;
+        unpack8(r, a);                                          // the rounded values, as stored
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
+    }
+    const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {        // this thread's own writes: no barrier needed
+        float f[8], g[8];
+        unpack8(hr[v], f);
+        unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
+        orow[v] = pack8(f);
+    }
+}
+
+// ---- rope ----------------------------------------------------------------------------------------------
+// x [q, n, d] bf16 in place, element (t, h, c) at t * token_stride + h * head_stride + c; pos [q] int32 on
+// the device; table [max_pos, d/2] float2 (m cos(p phi_i), m sin(p phi_i)) built on the host in float64
+// (layer_ops.RopeTable: an fp32 angle p * phi_i at p ~ 2.6e5 is off by up to ~1e-2 rad). A position outside
+// [0, max_pos) writes NaN into that token's pairs (visible, never a silent wrong rotation).
+// One thread per (token, head, pair i); grid-stride over q * n * d/2.
+//   interleaved (the target's MLA rope, GPT-J pairs): (x[2i], x[2i+1])
+//   rotate_half (the drafter's NeoX halves):          (x[i], x[i + d/2])
+// both turned as (a, b) -> (a c - b s, a s + b c).
+template <bool INTERLEAVED>
+__device__ __forceinline__ void rope(bf16_t* x, int token_stride, int head_stride, const int* __restrict__ pos,
+                                     const float2* __restrict__ table, int max_pos, int q, int n, int half) {
+    pdl_wait();
+    pdl_trigger();
+    const size_t total = (size_t)q * n * half;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+        const int i = (int)(k % half);
+        const size_t th = k / half;
+        const int hd = (int)(th % n), t = (int)(th / n);
+        bf16_t* row = x + (size_t)t * token_stride + (size_t)hd * head_stride;
+        bf16_t* pa = row + (INTERLEAVED ? 2 * i : i);
+        bf16_t* pb = row + (INTERLEAVED ? 2 * i + 1 : i + half);
+        const int p = pos[t];
+        float ya, yb;
+        if (p < 0 || p >= max_pos) {
+            ya = yb = __int_as_float(0x7fc00000);
+        } else {
+            const float2 cs = table[(size_t)p * half + i];
+            const float a = bf16_to_f32(*pa), b = bf16_to_f32(*pb);
+            ya = a * cs.x - b * cs.y;
+            yb = a * cs.y + b * cs.x;
+        }
+        *pa = f32_to_bf16(ya);
+        *pb = f32_to_bf16(yb);
+    }
+}
+
+extern "C" __global__ void rope_interleaved(bf16_t* x, int token_stride, int head_stride, const int* pos,
+                                            const float2* table, int max_pos, int q, int n, int half) {
+    rope<true>(x, token_stride, head_stride, pos, table, max_pos, q, n, half);
+}
+
+extern "C" __global__ void rope_rotate_half(bf16_t* x, int token_stride, int head_stride, const int* pos,
+                                            const float2* table, int max_pos, int q, int n, int half) {
+    rope<false>(x, token_stride, head_stride, pos, table, max_pos, q, n, half);
+}
+
+// ---- per-head RMSNorm (the drafter's q_norm / k_norm) ----------------------------------------------------
+// x [m, n, d] bf16 in place (strided as the rope's), each (token, head) row of d normed with w [d].
+// d even; one warp per row, lanes over the d/2 bf16 pairs (two passes over the row, as rms_norm_rows).
+// Grid ceil(m n / warps), block warps * 32.
+extern "C" __global__ void head_rms_norm(bf16_t* x, int token_stride, int head_stride, const bf16_t* __restrict__ w,
+                                         int rows, int n, int d, float eps) {
+    pdl_wait();
+    pdl_trigger();
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * warps + (threadIdx.x >> 5);
+    if (r >= rows) return;                                      // whole warps: no block barrier below
+    u32* row = (u32*)(x + (size_t)(r / n) * token_stride + (size_t)(r % n) * head_stride);
+    const u32* wp = (const u32*)w;
+    const int pairs = d >> 1;
+    float ss = 0.f;
+    for (int j = lane; j < pairs; j += 32) {
+        const u32 v = row[j];
+        const float a = bf16lo_to_f32(v), b = bf16hi_to_f32(v);
+        ss += a * a + b * b;
+    }
+    const float inv = rsqrtf(warp_sum(ss) / (float)d + eps);
+    for (int j = lane; j < pairs; j += 32) {
+        const u32 v = row[j], g = wp[j];
+        row[j] = pack_bf16x2(bf16lo_to_f32(g) * (bf16lo_to_f32(v) * inv), bf16hi_to_f32(g) * (bf16hi_to_f32(v) * inv));
+    }
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------------------
+// gu [m, 2I] bf16 is SkinnyGemm's output for the stacked weight [gate; up] ([2I, H]): row r holds gate
+// (columns 0 .. I-1) then up (columns I .. 2I-1). out [m, I] = silu(gate) * up. I even; one thread per bf16
+// pair, grid-stride over m * I/2.
+extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out, int m, int I) {
+    pdl_wait();
+    pdl_trigger();
+    const int pairs = I >> 1;
+    const size_t total = (size_t)m * pairs;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = k / pairs;
+        const int j = (int)(k % pairs);
+        const u32* row = (const u32*)(gu + r * 2 * I);
+        const u32 g = row[j], u = row[pairs + j];
+        ((u32*)(out + r * I))[j] = pack_bf16x2(silu(bf16lo_to_f32(g)) * bf16lo_to_f32(u),
+                                               silu(bf16hi_to_f32(g)) * bf16hi_to_f32(u));
+    }
+}
+
+// ---- row gather (taps at given rows) ---------------------------------------------------------------------
+// out[i, :] = src[rows[i], :] for i < k, rows int32 on the device. Moved as 16-byte vectors: row_vecs per row,
+// strides in vectors (any element type whose row is a multiple of 16 bytes). A negative row (the -1 padding
+// after an accepted path) gives zeros; a row >= src_rows gives all-ones bytes (NaN in bf16 and fp32, -1 in
+// int32): out of range shows instead of reading another buffer. Grid k, block <= 256 threads over the vectors.
+extern "C" __global__ void gather_rows(const uint4* __restrict__ src, int src_stride, int src_rows,
+                                       const int* __restrict__ rows, uint4* __restrict__ out, int out_stride,
+                                       int row_vecs) {
+    pdl_wait();
+    pdl_trigger();
+    const int r = rows[blockIdx.x];
+    const uint4 fill = r < 0 ? make_uint4(0u, 0u, 0u, 0u) : make_uint4(~0u, ~0u, ~0u, ~0u);
+    const bool inside = r >= 0 && r < src_rows;
+    const uint4* s = src + (size_t)(inside ? r : 0) * src_stride;
+    uint4* o = out + (size_t)blockIdx.x * out_stride;
+    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) o[v] = inside ? s[v] : fill;
+}
+
+// ---- cast ---------------------------------------------------------------------------------------------
+// out[i] = bf16(x[i]) (nearest even; NaN stays NaN), i < n. Grid-stride, one element per thread.
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, bf16_t* __restrict__ out, long long n) {
+    pdl_wait();
+    pdl_trigger();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16(x[i]);
+}

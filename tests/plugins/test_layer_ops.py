@@ -1,0 +1,90 @@
+"""CPU tests of the per-layer kernels' host side (plugins/layer_ops.py): the rope table is the float64
+cos/sin rounded once to fp32 (and an fp32 angle would not be), the twins agree with the op set's numpy
+math, and the launchers refuse shapes the kernels cannot take before launching anything."""
+import numpy as np
+import pytest
+
+from ddtree.model.presets import get_preset
+from ddtree.model.rope import rope_frequencies, rope_magnitude
+from ddtree.ops import numpy_math
+from ddtree.plugins import reference
+from ddtree.plugins.layer_ops import LayerOps, rope_table
+
+KIMI_ROPE = get_preset("kimi-k2.6", layers=2)[0].rope
+MAX_POS = 262144                                   # Kimi's max_position_embeddings
+
+
+def test_rope_table_is_float64_rounded_once_at_large_positions():
+    freqs = rope_frequencies(KIMI_ROPE, 64)
+    mag = rope_magnitude(KIMI_ROPE)
+    table = rope_table(freqs, mag, MAX_POS)                                 # [P, 32, 2] float32
+    assert table.shape == (MAX_POS, 32, 2) and table.dtype == np.float32
+    p = np.array([0, 1, 4095, 4096, 65535, 131071, 200003, 262142, 262143])
+    angle = p[:, None] * freqs[None, :]
+    exact = np.stack([np.cos(angle), np.sin(angle)], axis=-1) * mag
+    # one fp32 rounding of a value of magnitude <= mag: at most half an ulp of 1.0, 2^-24 mag
+    assert np.abs(table[p] - exact).max() <= 2.0 ** -24 * mag
+    # why the table: the same cos from an fp32 angle p phi_i is off by ~1e-2 at p ~ 2.6e5 (ulp of 1e5 rad is 2^-7)
+    p32 = (p[-3:, None].astype(np.float32) * freqs[None, :].astype(np.float32))
+    naive = np.cos(p32.astype(np.float64)) * mag
+    assert np.abs(naive - exact[-3:, :, 0]).max() > 5e-3
+
+
+def test_twins_agree_with_the_op_set_math():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3, 16))
+    pos = np.array([0, 7, 100, 4097, 262143])
+    freqs = rope_frequencies(KIMI_ROPE, 16)
+    np.testing.assert_allclose(reference.rope_interleaved(x, pos, freqs, rope_magnitude(KIMI_ROPE)),
+                               numpy_math.rope_interleaved(x, pos, KIMI_ROPE), atol=1e-12)
+    np.testing.assert_allclose(reference.rope_rotate_half(x, pos, freqs, 1.25),
+                               numpy_math.rope_rotate_half(x, pos, freqs, 1.25), atol=1e-12)
+    w = rng.standard_normal(16)
+    np.testing.assert_allclose(reference.rms_norm(x, w, 1e-6), numpy_math.rms_norm(x, w, 1e-6), atol=1e-12)
+    table = rng.integers(0, 2 ** 15, (6, 8)).astype(np.uint16)
+    ids = np.array([3, 9, 14, 10, 0])
+    np.testing.assert_array_equal(reference.embed(ids, table, 9).view(np.uint16),
+                                  np.where(np.isin(ids, range(9, 15))[:, None], table[np.clip(ids - 9, 0, 5)], 0))
+
+
+class FakeGpu:
+    """Records launches: the argument checks must fire before any launch."""
+    arch, sm_count = "sm_90", 132
+
+    def __init__(self):
+        self.launches = []
+
+    def kernel(self, source, name):
+        return name
+
+    def launch(self, kernel, grid, block, smem, *args, stream=None, pdl=False):
+        self.launches.append((kernel, grid, block))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda o: o.rms_norm(0, 0, 0, 4, 100, 1e-6), "D = 100 must be a multiple of 8"),
+    (lambda o: o.rms_norm(0, 0, 0, 4, 512, 1e-6, x_stride=580), "x_stride = 580 must be a multiple of 8"),
+    (lambda o: o.rms_norm(8, 0, 0, 4, 512, 1e-6), "rms_norm x: address 0x8 is not 16-byte aligned"),
+    (lambda o: o.add_rms_norm(0, 0, 0, 0, 0, 7168, 1e-6), "m = 0 must be >= 1"),
+    (lambda o: o.embed(0, 0, 0, 3, 100, 0, 10), "H = 100 must be a multiple of 8"),
+    (lambda o: o.head_rms_norm(0, 0, 2, 4, 15, 1e-6), "d = 15 must be a multiple of 2"),
+    (lambda o: o.silu_mul(0, 0, 2, 7), "I = 7 must be a multiple of 2"),
+    (lambda o: o.gather_rows(0, 0, 0, 2, 12, 5), "W = 12 elements of 2 B must be a multiple of 16 B"),
+    (lambda o: o.cast_f32_bf16(0, 0, 0), "n = 0 must be >= 1")])
+def test_launchers_refuse_bad_shapes_before_launching(call, match):
+    gpu = FakeGpu()
+    with pytest.raises(ValueError, match=match):
+        call(LayerOps(gpu))
+    assert gpu.launches == []
+
+
+def test_launch_geometry():
+    gpu = FakeGpu()
+    ops = LayerOps(gpu)
+    ops.rms_norm(0, 0, 0, 3, 7168, 1e-6)                   # 896 vectors: 256 threads, one block per row
+    ops.rms_norm(0, 0, 0, 3, 64, 1e-6)                     # 8 vectors: one warp
+    ops.head_rms_norm(0, 0, 5, 8, 128, 1e-6)               # 40 rows, 4 per block
+    ops.gather_rows(0, 0, 0, 7, 16, 10, itemsize=4)        # 64 B rows: 4 vectors
+    assert gpu.launches == [("rms_norm_rows", 3, 256), ("rms_norm_rows", 3, 32), ("head_rms_norm", 10, 128),
+                            ("gather_rows", 7, 32)]
+    assert ops.pdl and not LayerOps(gpu, pdl=False).pdl
