@@ -1,68 +1,429 @@
-"""The cuda backend's op table: which launcher of ddtree/plugins backs each op, and typed stubs.
+"""The cuda backend: the op set (ops/opset.py) on one GPU with the kernels of ddtree/plugins.
 
-The GPU executor (the CUDA backend issues) implements every op of ops/opset.py with these launchers
-on DeviceArray buffers (plugins/device.py) and captures a whole step into a CUDA graph; the op
-signatures are the op set's, so the layer functions run unchanged. Until then each op raises
-NotImplementedError naming the launcher it will call (or the kernel still to be written); the loop
-never falls back to another backend silently.
+    ops = CudaOps(gpu, lay, store)                      # store: the rank's weights on the device (CudaWeights)
+    out = ops.call(layers.decoder_layer, cfg, L, inter, feeds={"h": h, ...}, arena=L % 2)   # {name: Tensor}
+
+A tensor is a `Tensor`: a device address, shape, dtype and element strides, so reshape and slice are views
+(no launch); an op whose kernel cannot take the strides it is given raises (or copies, where it says so).
+Outputs are written into an arena: buffers allocated on first use per (layer function, arena, op site,
+shape, dtype) and reused by every later call with the same shapes, so a second call allocates nothing (what
+CUDA graph capture needs). `arena` lets the caller alternate two arenas between consecutive layers, so a
+layer never writes over the output of the layer before it (its input). Feeds are Tensors / DeviceArrays
+(bound as they are) or small numpy arrays (uploaded into a per-name buffer; their host copy is kept for the
+host-side uses listed in LAUNCHERS). Activations (ACT) are bf16 bits (uint16), ACC is float32.
+
+tp 1 only: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1
+they raise naming the missing collective (issue 25). The sampling and tree ops run on the host (a download,
+the numpy math of ops/numpy_math.py, an upload); their kernels (plugins/tree_sample.py, tree_build.py) take
+different inputs and are wired by the GPU decode step, not here.
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, replace
 
-from ddtree.ops.opset import OP_NAMES, Ops
+import numpy as np
 
-# op -> the launcher that implements it ("missing: ..." where the kernel is still to be written)
+from ddtree.ops import numpy_math as m
+from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, Ops, RankLayout
+
+DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
+MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
+
+# op -> how it is implemented here
 LAUNCHERS = {
-    "input": "a DeviceArray bound per call (captured graphs read fixed addresses)",
-    "weight": "a DeviceArray of the rank's tensor in the kernels' layout (plugins/layout.py)",
-    "output": "a DeviceArray the caller reads",
-    "shape": "DeviceArray.shape",
-    "reshape": "a view of a DeviceArray", "slice": "a strided view of a DeviceArray",
-    "cast": "plugins/layer_ops.py LayerOps.cast_f32_bf16 (fp32 -> bf16; other pairs missing)",
-    "add": "missing: fused into the previous GEMM's epilogue (plugins/gemm.py residual)",
-    "rms_norm": "plugins/layer_ops.py LayerOps.rms_norm (rows, strided) / head_rms_norm (the drafter's q/k norms)",
-    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm (tp 1; after the all-reduce at tp > 1, "
-                               "the all-reduce fused with it: missing)",
-    "linear": "plugins/gemm.py SkinnyGemm.run",
-    "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run ([gate; up] stacked, down) + plugins/layer_ops.py LayerOps.silu_mul",
+    "input": "a Tensor bound per call (numpy feeds uploaded into a per-name buffer, host copy kept)",
+    "weight": "CudaWeights: the rank's tensor as stored, or only its kernel layout (tile_bf16, W_UK^T)",
+    "output": "the Tensor itself (the caller downloads what it needs)",
+    "shape": "Tensor.shape",
+    "reshape": "a view (contiguous, or row-strided with dense rows)", "slice": "a strided view",
+    "cast": "identity between equal dtypes (ACC and F32 are both float32); F32 -> ACT plugins/layer_ops.py "
+            "LayerOps.cast_f32_bf16; other pairs raise",
+    "add": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of a (its norm output to a scratch buffer; the "
+           "GEMM-epilogue fusion is missing)",
+    "rms_norm": "plugins/layer_ops.py LayerOps.rms_norm (rows, strided; [m, n, d] as m n rows of d)",
+    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of h (tp 1; tp > 1: "
+                               "missing collective, issue 25)",
+    "linear": "plugins/gemm.py SkinnyGemm.run (weight tiled once at load by plugins/layout.tile_bf16)",
+    "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run ([gate; up] stacked and tiled once, down) + "
+                  "plugins/layer_ops.py LayerOps.silu_mul",
     "embed": "plugins/layer_ops.py LayerOps.embed",
-    "rope": "plugins/layer_ops.py LayerOps.rope_interleaved (RopeTable.interleaved: cos/sin built in float64)",
-    "kv_append": "plugins/kv_cache.py DeviceLatentCache.append",
-    "kv_compact": "plugins/kv_cache.py DeviceLatentCache.compact (every layer in one launch; its count is a "
-                  "host int today, a device scalar for capture)",
-    "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (W_UK^T prepared at load: uk_transposed)",
+    "rope": "plugins/layer_ops.py LayerOps.gather_rows (a dense copy) + rope_interleaved in place "
+            "(RopeTable.interleaved: cos/sin built in float64)",
+    "kv_append": "the kv_append kernel of plugins/kv_cache.py on the op's cache and cache_len",
+    "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count read on the host)",
+    "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
-    "moe": "plugins/moe.py FusedMoE.run (router GEMM, routing, gate/up, down + shared)",
-    "draft_attention": "plugins/draft_attention.py DraftAttention.run after the rope + append of the new context "
-                       "(missing: that rope/append launch)",
-    "all_reduce": "identity at tp 1; one-shot peer-to-peer or NCCL (the rank-process issues)",
-    "all_gather": "identity at tp 1; one-shot peer-to-peer or NCCL (the rank-process issues)",
-    "vocab_winner": "plugins/tree_sample.py TreeSampler.run (per-rank winners: missing)",
-    "vocab_topk": "plugins/tree_build.py DraftTreeBuilder (draft_lse_parts, draft_topk)",
-    "tree_build": "plugins/tree_build.py DraftTreeBuilder.build (draft_merge)",
-    "accept_walk": "plugins/tree_sample.py TreeSampler.run(tree=...) (the walk)",
+    "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down)",
+    "draft_attention": "copies of the context into the caches at cache_len (host-fed positions), "
+                       "LayerOps.rope_rotate_half on them and on copies of q / k, then "
+                       "plugins/draft_attention.py DraftAttention.run",
+    "all_reduce": "identity at tp 1 (tp > 1: missing collective, issue 25)",
+    "all_gather": "a [1, ...] view at tp 1 (tp > 1: missing collective, issue 25)",
+    "vocab_winner": "host: download, ops/numpy_math.vocab_winner, upload (GPU: plugins/tree_sample.py)",
+    "vocab_topk": "host: download, ops/numpy_math.vocab_topk, upload (GPU: plugins/tree_build.py)",
+    "tree_build": "host: ops/numpy_math.tree_build (GPU: plugins/tree_build.py DraftTreeBuilder)",
+    "accept_walk": "host: ops/numpy_math.accept_walk_winners (GPU: plugins/tree_sample.py TreeSampler)",
 }
+if set(LAUNCHERS) != set(OP_NAMES):
+    raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ set(OP_NAMES))} differ from the op set")
 
 
-def _stub(name: str):
-    @functools.wraps(getattr(Ops, name))
-    def op(self, *args, **kwargs):
-        raise NotImplementedError(f"cuda backend: op '{name}' is not implemented yet ({LAUNCHERS[name]})")
-    op.__isabstractmethod__ = False
-    return op
+def dense_strides(shape) -> tuple:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= int(d)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    ptr: int
+    shape: tuple
+    dtype: np.dtype
+    strides: tuple                       # in elements
+    name: str | None = None              # a weight's rank-file name (its prepared layouts are found by it)
+    host: np.ndarray | None = None       # host copy of a small fed input (cache_len, positions, ...)
+
+    @staticmethod
+    def of(a, host=None, name=None) -> "Tensor":
+        """A DeviceArray (or Tensor) as a dense Tensor."""
+        if isinstance(a, Tensor):
+            return a if host is None else replace(a, host=host)
+        return Tensor(int(a.ptr), tuple(a.shape), np.dtype(a.dtype), dense_strides(a.shape), name, host)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.strides == dense_strides(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def at(self, offset_elems: int, shape) -> "Tensor":
+        """A dense sub-tensor offset_elems into this one (e.g. cache rows from T)."""
+        return Tensor(self.ptr + offset_elems * self.itemsize, tuple(shape), self.dtype, dense_strides(shape))
+
+    def row_stride(self, what: str) -> int:
+        """[q, D] or [q, n, D] as rows of D with unit inner stride: the element step between rows (raises when
+        the rows are not evenly spaced)."""
+        if self.strides[-1] != 1 or len(self.shape) not in (2, 3):
+            raise ValueError(f"{what}: needs [q, D] or [q, n, D] rows with unit stride, got {self.shape} {self.strides}")
+        if len(self.shape) == 2 or self.shape[1] == 1:
+            return self.strides[0]
+        if self.shape[0] > 1 and self.strides[0] != self.shape[1] * self.strides[1]:
+            raise ValueError(f"{what}: strides {self.strides} of {self.shape} are not rows of one stride")
+        return self.strides[1]
 
 
 class CudaOps(Ops):
-    """One rank's ops on one GPU. Every op is a stub until the CUDA backend lands."""
+    """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
-    def __init__(self, gpu, lay):
-        self.gpu, self.lay = gpu, lay
+    def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS):
+        from ddtree.plugins.layer_ops import LayerOps
+        self.gpu, self.lay, self.store, self.max_tokens = gpu, lay, store, max_tokens
+        self.k = LayerOps(gpu)
+        self.arena: dict[tuple, object] = {}
+        self.bound: dict[tuple, object] = {}               # (name, shape, dtype) -> upload buffer
+        self.kernels: dict[tuple, object] = {}             # launcher objects by their shapes
+        self.iota = gpu.upload(np.arange(max_tokens * 128, dtype=np.int32))     # rows for gather copies
+        self.feeds, self.outputs, self.where, self.site, self.key = {}, {}, "", 0, ()
 
+    # ---- the call, buffers -----------------------------------------------------------------------
+    def call(self, fn, *args, feeds: dict, arena: int = 0) -> dict:
+        self.feeds = {k: self.bind(k, v) for k, v in feeds.items()}
+        self.outputs, self.site, self.key = {}, 0, (fn.__name__, arena)
+        self.where = f"{fn.__name__}({', '.join(str(a) for a in args if isinstance(a, int))}) on {self.gpu.name}"
+        fn(self, *args)
+        return self.outputs
 
-for _name in OP_NAMES:
-    setattr(CudaOps, _name, _stub(_name))
-CudaOps.__abstractmethods__ = frozenset()
-if set(LAUNCHERS) != set(OP_NAMES):
-    raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ set(OP_NAMES))} differ from the op set")
+    def bind(self, name: str, value) -> Tensor:
+        """A feed as a Tensor: device arrays as they are, numpy arrays uploaded into a per-(name, shape) buffer."""
+        if not isinstance(value, np.ndarray):
+            return Tensor.of(value)
+        value = np.ascontiguousarray(value)
+        key = (name, value.shape, value.dtype.str)
+        if key not in self.bound:
+            self.bound[key] = self.gpu.alloc(value.shape, value.dtype)
+        self.gpu.copy_in(self.bound[key], value)
+        return Tensor.of(self.bound[key], host=value)
+
+    def new(self, shape, dtype) -> Tensor:
+        """The next op site's output buffer (allocated on first use, then reused)."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        key = (*self.key, self.site, shape, dtype.str)
+        self.site += 1
+        if key not in self.arena:
+            self.arena[key] = self.gpu.alloc(shape, dtype)
+        return Tensor.of(self.arena[key])
+
+    def copy(self, x: Tensor) -> Tensor:
+        if not x.contiguous:
+            raise ValueError(f"{self.where}: copy of a strided tensor {x.shape} {x.strides}")
+        out = self.new(x.shape, x.dtype)
+        self.gpu.copy_d2d(out.ptr, x.ptr, int(np.prod(x.shape)) * x.itemsize)
+        return out
+
+    def host(self, x: Tensor) -> np.ndarray:
+        if x.host is not None:
+            return x.host
+        if not x.contiguous:
+            raise ValueError(f"{self.where}: download of a strided tensor")
+        from ddtree.plugins.device import DeviceArray
+        return DeviceArray(self.gpu, x.ptr, x.shape, x.dtype).numpy()
+
+    def upload(self, array) -> Tensor:
+        array = np.ascontiguousarray(array)
+        out = self.new(array.shape, array.dtype)
+        from ddtree.plugins.device import DeviceArray
+        self.gpu.copy_in(DeviceArray(self.gpu, out.ptr, out.shape, out.dtype), array)
+        return replace(out, host=array)
+
+    def launcher(self, key: tuple, make):
+        if key not in self.kernels:
+            self.kernels[key] = make()
+        return self.kernels[key]
+
+    def _rows(self, x: Tensor, what: str) -> int:
+        if not 1 <= x.shape[0] <= self.max_tokens:
+            raise ValueError(f"{self.where}: {what} of {x.shape[0]} rows (the kernels take 1..{self.max_tokens})")
+        return x.shape[0]
+
+    def _single_rank(self, what: str) -> None:
+        if self.lay.tp != 1:
+            raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs the GPU collectives "
+                                      "(issue 25); only tp 1 runs on the GPU today")
+
+    # ---- graph boundary ------------------------------------------------------------------------
+    def input(self, name, shape, dtype):
+        if name not in self.feeds:
+            raise KeyError(f"{self.where}: input '{name}' {shape} was not fed")
+        x = self.feeds[name]
+        if len(x.shape) != len(shape) or any(isinstance(d, int) and x.shape[i] != d for i, d in enumerate(shape)):
+            raise ValueError(f"{self.where}: input '{name}' must be {shape}, got {list(x.shape)}")
+        if x.dtype != DTYPES[dtype]:
+            raise ValueError(f"{self.where}: input '{name}' must be {DTYPES[dtype].name}, got {x.dtype.name}")
+        return x
+
+    def weight(self, name):
+        return self.store.tensor(name)
+
+    def output(self, name, x, shape, dtype):
+        self.outputs[name] = x
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        new = tuple(x.shape[i] if d == 0 else int(d) for i, d in enumerate(shape))
+        if int(np.prod(new)) != int(np.prod(x.shape)):
+            raise ValueError(f"{self.where}: reshape {x.shape} -> {new}")
+        if x.contiguous:
+            return replace(x, shape=new, strides=dense_strides(new), host=None)
+        if len(x.shape) == 2 and new[0] == x.shape[0] and x.strides[1] == 1:     # [q, D] strided rows -> [q, ...]
+            return replace(x, shape=new, strides=(x.strides[0], *dense_strides(new[1:])), host=None)
+        raise ValueError(f"{self.where}: reshape of a strided {x.shape} {x.strides} to {new} needs a copy")
+
+    def slice(self, x, axis, start, stop):
+        shape = list(x.shape)
+        shape[axis] = stop - start
+        return replace(x, ptr=x.ptr + start * x.strides[axis] * x.itemsize, shape=tuple(shape), name=None, host=None)
+
+    def cast(self, x, dtype):
+        want = DTYPES[dtype]
+        if x.dtype == want:
+            return x
+        if x.dtype == np.float32 and want == np.uint16 and x.contiguous:
+            out = self.new(x.shape, want)
+            self.k.cast_f32_bf16(x.ptr, out.ptr, int(np.prod(x.shape)))
+            return out
+        raise NotImplementedError(f"cuda backend: cast {x.dtype.name} -> {want.name} has no kernel")
+
+    # ---- dense math ------------------------------------------------------------------------------
+    def add(self, a, b):
+        out, D = self.copy(a), a.shape[-1]
+        m_rows = int(np.prod(a.shape[:-1]))
+        scratch = self.new(a.shape, np.uint16)
+        self.k.add_rms_norm(out.ptr, b.ptr, self.store.ones(D).ptr, scratch.ptr, m_rows, D, 1.0)
+        return out
+
+    def rms_norm(self, x, w, eps):
+        D = w.shape[0]
+        stride = x.row_stride("rms_norm")
+        rows = int(np.prod(x.shape[:-1]))
+        out = self.new(x.shape, np.uint16)
+        self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=stride)
+        return out
+
+    def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
+        self._single_rank(f"all_reduce_add_rms_norm ({tag})")
+        h1, x2 = self.copy(h), self.new(h.shape, np.uint16)
+        self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps)
+        return h1, x2
+
+    def _gemm(self, x, tiled, N: int, out_dtype) -> Tensor:
+        from ddtree.plugins.gemm import SkinnyGemm
+        M, K = self._rows(x, "linear"), x.shape[1]
+        if len(x.shape) != 2 or not x.contiguous:
+            raise ValueError(f"{self.where}: linear needs a dense [m, K] input, got {x.shape} {x.strides}")
+        f32 = np.dtype(out_dtype) == np.float32
+        gemm = self.launcher(("gemm", N, K, f32), lambda: SkinnyGemm(self.gpu, N, K, self.max_tokens, out_f32=f32))
+        out = self.new((M, N), out_dtype)
+        gemm.run(x.ptr, tiled, out.ptr, M)
+        return out
+
+    def linear(self, x, w, out=ACT):
+        return self._gemm(x, self.store.tiled(w.name), w.shape[0], DTYPES[out])
+
+    def swiglu_mlp(self, x, gate, up, down):
+        I = gate.shape[0]
+        gu = self._gemm(x, self.store.gate_up(gate.name, up.name), 2 * I, np.uint16)     # [m, 2I]: gate | up
+        act = self.new((x.shape[0], I), np.uint16)
+        self.k.silu_mul(gu.ptr, act.ptr, x.shape[0], I)
+        return self._gemm(act, self.store.tiled(down.name), down.shape[0], np.uint16)
+
+    def embed(self, ids, table):
+        q, H = self._rows(ids, "embed"), table.shape[1]
+        out = self.new((q, H), np.uint16)
+        self.k.embed(ids.ptr, table.ptr, out.ptr, q, H, self.lay.vocab_start, table.shape[0])
+        return out
+
+    # ---- MLA -------------------------------------------------------------------------------------
+    def rope(self, x, pos, rope):
+        q, n, Dr = x.shape
+        rows, stride = q * n, x.row_stride("rope")
+        out = self.new(x.shape, np.uint16)
+        self.k.gather_rows(x.ptr, self.iota, out.ptr, rows, Dr, rows, src_stride=stride)
+        self.k.rope_interleaved(out.ptr, pos.ptr, self.store.rope_table("interleaved", rope, Dr), q, n)
+        return out
+
+    def kv_append(self, cache, cache_len, c_kv, k_pe):
+        from ddtree.plugins.compile import latent_defines
+        from ddtree.plugins.kv_cache import SOURCE, append_threads
+        from ddtree.plugins.device import ptr
+        q, R, Dr = self._rows(c_kv, "kv_append"), c_kv.shape[1], k_pe.shape[1]
+        if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
+            raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
+        g = self.gpu
+        g.launch(g.kernel(SOURCE, "kv_append", latent_defines(R, Dr)), q, append_threads(R, Dr), 0,
+                 ptr(cache.ptr), ptr(cache_len.ptr), ptr(c_kv.ptr), np.int32(c_kv.row_stride("kv_append c_kv")),
+                 ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=None, pdl=self.k.pdl)
+        return cache
+
+    def kv_compact(self, cache, cache_len, accepted, accepted_count):
+        from ddtree.plugins.compile import latent_defines
+        from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE
+        from ddtree.plugins.device import ptr
+        n = int(self.host(accepted_count)[0])                  # a host int today (the kernel's grid)
+        if not 0 <= n <= MAX_COMPACT:
+            raise ValueError(f"{self.where}: kv_compact of {n} rows (at most {MAX_COMPACT})")
+        if n:
+            entry, g = cache.shape[1], self.gpu
+            g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, 1),
+                     32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(cache.shape[0] * entry), ptr(cache_len.ptr),
+                     ptr(accepted.ptr), np.int32(n), stream=None, pdl=self.k.pdl)
+        return cache
+
+    def _absorb(self, spec):
+        from ddtree.plugins.mla_absorb import MlaAbsorb
+        return self.launcher(("absorb", spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank), lambda: MlaAbsorb(
+            self.gpu, spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank, self.max_tokens))
+
+    def mla_absorb_q(self, q_nope, kv_b, spec):
+        q, N, Dn = q_nope.shape
+        extra = q_nope.strides[1] - Dn
+        if q_nope.strides != (N * (Dn + extra), Dn + extra, 1):
+            raise ValueError(f"{self.where}: mla_absorb_q reads q_nope inside [q, N, Dn + Dr], got {q_nope.strides}")
+        out = self.new((q, N, spec.kv_lora_rank), np.uint16)
+        self._absorb(spec).q(q_nope.ptr, self.store.uk_t(kv_b.name, spec), out.ptr, self._rows(q_nope, "absorb"),
+                             rope=extra)
+        return out
+
+    def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
+        from ddtree.plugins.mla_attention import MlaTreeAttention
+        q, S = self._rows(q_lat, "mla_tree_attention"), cache.shape[0]
+        attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: MlaTreeAttention(
+            self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
+            max_q=self.max_tokens, max_context=S))
+        out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
+        hint = None if cache_len.host is None else min(S, int(cache_len.host[0]) + q)
+        attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out.ptr, context_hint=hint)
+        return out
+
+    def mla_absorb_out(self, o_lat, kv_b, spec):
+        q = self._rows(o_lat, "absorb")
+        out = self.new((q, spec.heads * spec.v_dim), np.uint16)
+        self._absorb(spec).out(o_lat.ptr, kv_b.ptr, out.ptr, q)
+        return out
+
+    # ---- MoE -------------------------------------------------------------------------------------
+    def moe(self, x, router, bias, experts, shared, spec):
+        from ddtree.plugins.moe import FusedMoE, MoEShape
+        if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
+            raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
+                                      "kernel's expert offset; tp 1 holds them all")
+        shared_out = self.swiglu_mlp(x, *shared)
+        shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
+                         spec.routed_scaling_factor, self.max_tokens)
+        keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
+                "down_scale": "down.scales"}
+        fused = self.launcher(("moe", router.name), lambda: FusedMoE(
+            self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
+            router=self.store.tiled(router.name), bias=self.store.device(bias.name)))
+        out = self.new(x.shape, np.uint16)
+        fused.run(x.ptr, out.ptr, self._rows(x, "moe"), shared=shared_out.ptr)
+        return out
+
+    # ---- drafter ---------------------------------------------------------------------------------
+    def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
+        from ddtree.plugins.draft_attention import DraftAttention
+        b, n, (S, Hk, d) = q.shape[0], ctx_k.shape[0], cache_k.shape
+        T = int(self.host(cache_len)[0])
+        if T + n > S:
+            raise ValueError(f"{self.where}: {n} context rows after {T} exceed the drafter cache's {S}")
+        table = self.store.rope_table("rotate_half", rope, d, spec.attention_factor)
+        row = Hk * d
+        if n:
+            ctx_pos = self.upload(np.arange(T, T + n, dtype=np.int32))          # host-fed (not capturable yet)
+            for src, dst in ((ctx_k, cache_k), (ctx_v, cache_v)):
+                self.gpu.copy_d2d(dst.ptr + T * row * 2, src.ptr, n * row * 2)
+            self.k.rope_rotate_half(cache_k.at(T * row, (n, Hk, d)).ptr, ctx_pos.ptr, table, n, Hk)
+        q_r, k_r = self.copy(q), self.copy(k)
+        self.k.rope_rotate_half(q_r.ptr, pos.ptr, table, b, spec.heads)
+        self.k.rope_rotate_half(k_r.ptr, pos.ptr, table, b, Hk)
+        attn = self.launcher(("draft", spec.heads, Hk, d, S), lambda: DraftAttention(
+            self.gpu, spec.heads, Hk, d, max_context=S))
+        out = self.new((b, spec.heads * d), np.uint16)
+        attn.run(q_r.ptr, k_r.ptr, v.ptr, cache_k.ptr, cache_v.ptr, cache_len.ptr, n, pos.ptr, out.ptr, b,
+                 window=spec.sliding_window)
+        return out, cache_k, cache_v
+
+    # ---- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, x, tag):
+        self._single_rank(f"all_reduce ({tag})")
+        return x
+
+    def all_gather(self, x, tag):
+        self._single_rank(f"all_gather ({tag})")
+        return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
+                       host=None if x.host is None else x.host[None])
+
+    # ---- sampling and the tree (host) ------------------------------------------------------------
+    def vocab_winner(self, logits, sample_pos, temperature, seed):
+        value, winner = m.vocab_winner(self.host(logits), self.host(sample_pos), float(self.host(temperature)[0]),
+                                       m.seed_of(self.host(seed)), self.lay.vocab_start)
+        return self.upload(value.astype(np.float32)), self.upload(winner)
+
+    def vocab_topk(self, logits, k):
+        return tuple(self.upload(a) for a in m.vocab_topk(self.host(logits), k, self.lay.vocab_start))
+
+    def tree_build(self, root, values, ids, row_max, row_sumexp, budget):
+        tree = m.tree_build(int(self.host(root)[0]), *(self.host(t) for t in (values, ids, row_max, row_sumexp)),
+                            budget)
+        return tuple(self.upload(np.asarray(a, np.int32)) for a in m.tree_tensors(tree))
+
+    def accept_walk(self, tokens, parents, win_value, win_id):
+        out = m.accept_walk_winners(*(self.host(t) for t in (tokens, parents, win_value, win_id)))
+        return tuple(self.upload(a) for a in out)

@@ -4,7 +4,7 @@ The layer functions (ops/layers.py) are written once over these ops; a backend i
     numpy  (ops/numpy_backend.py)  eager float64 (or float32) arrays, ranks in threads or processes
     onnx   (ops/onnx_backend.py)   emits the per-rank ONNX graphs (`ddtree` plugin nodes, TensorRT-RTX)
     meter  (ops/meter.py)          shapes only: bytes read/written, FLOPs, kernels, collectives per op
-    cuda   (ops/cuda_backend.py)   the kernels of ddtree/plugins captured into CUDA graphs (typed stubs)
+    cuda   (ops/cuda_backend.py)   the kernels of ddtree/plugins on one GPU (tp 1; graph capture to come)
 A tensor is whatever the backend returns (an ndarray, a graph variable, a shape record); layer code
 never looks inside it except through `shape`.
 

@@ -1,5 +1,4 @@
-"""Every backend implements the whole op set, with the op set's signatures; the cuda backend's ops are
-stubs that say which launcher will back them (nothing falls back silently)."""
+"""Every backend implements the whole op set, with the op set's signatures."""
 import inspect
 
 import pytest
@@ -28,10 +27,23 @@ def test_every_backend_implements_every_op_with_its_signature(backend):
         assert list(inspect.signature(getattr(backend, name)).parameters) == want, f"{backend.__name__}.{name}"
 
 
-def test_cuda_ops_name_their_launcher_until_they_exist():
-    ops = CudaOps(gpu=None, lay=LAY)
-    with pytest.raises(NotImplementedError, match=r"op 'mla_tree_attention' .*plugins/mla_attention.py"):
-        ops.mla_tree_attention(None, None, None, None, None, None)
-    with pytest.raises(NotImplementedError, match=r"op 'rope' .*plugins/layer_ops.py LayerOps.rope_interleaved"):
-        ops.rope(None, None, None)
+def test_cuda_ops_views_and_the_missing_collectives():
+    """CPU part of the cuda backend: reshape / slice are strided views (the GPU tests run them on kernels:
+    tests/runtime/test_cuda_executor_gpu.py); at tp > 1 the collectives raise naming issue 25."""
+    import numpy as np
+    from ddtree.ops.cuda_backend import Tensor
+    ops = object.__new__(CudaOps)
+    ops.lay, ops.where = LAY, "test"
+    q_all = Tensor(1000, (3, 4, 48), np.dtype(np.uint16), (192, 48, 1))
+    q_pe = ops.slice(q_all, 2, 32, 48)                                   # inside q_b's output
+    assert (q_pe.ptr, q_pe.shape, q_pe.strides, q_pe.row_stride("t")) == (1064, (3, 4, 16), (192, 48, 1), 48)
+    latent = Tensor(0, (3, 80), np.dtype(np.uint16), (80, 1))
+    k_pe = ops.reshape(ops.slice(latent, 1, 64, 80), [0, 1, 16])
+    assert (k_pe.ptr, k_pe.shape, k_pe.row_stride("t")) == (128, (3, 1, 16), 80)
+    with pytest.raises(ValueError, match="needs a copy"):
+        ops.reshape(ops.slice(latent, 1, 64, 80), [48])
+    assert ops.all_gather(latent, "x").shape == (1, 3, 80)
+    ops.lay = RankLayout(0, 2, 0, 128, 0, 8, 0, 32)
+    with pytest.raises(NotImplementedError, match="issue 25"):
+        ops.all_reduce(latent, "mlp")
     assert set(LAUNCHERS) == set(OP_NAMES)

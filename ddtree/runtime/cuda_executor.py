@@ -1,0 +1,281 @@
+"""The executor on one GPU: a tp 1 engine directory's layer functions (ops/layers.py) through the cuda backend.
+
+    ex = CudaExecutor(engine_dir, gpu=0, max_context=4096)
+    logits, taps = ex.target_forward(ids, pos, visible, ex.new_target_cache(), taps=(0, 1))
+
+Same primitives as EngineExecutor (docs/interfaces.md section 6), the same layer functions, on the kernels of
+ddtree/plugins: weights in bf16 as stored (GEMM weights tiled once at load, W_UK^T transposed once, the
+experts in the kernel layout the engine stores), activations bf16, logits float32. The logits are downloaded
+for the loop's interface, and sample / tree_build / accept_walk run on the host exactly as EngineExecutor's
+(so the two differ only in the logits). One sequence at a time: the caches are allocated once at load
+(max_context rows) and handed out reset by new_target_cache / new_drafter_cache.
+
+The memory plan (weights, KV caches, workspaces) is printed on stderr before anything is allocated, and a
+plan larger than the GPU's free memory is refused naming both numbers.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
+from ddtree.model.bf16 import as_float, f32_to_bf16
+from ddtree.ops import layers, vocab_parallel
+from ddtree.ops.cuda_backend import CudaOps, Tensor
+from ddtree.ops.opset import RankLayout
+from ddtree.tree.build import Tree, build_tree, pack_visibility
+from ddtree.tree.sampling import SamplingParams
+from ddtree.tree.walk import WalkResult, accept_walk
+
+WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
+GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+                 "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
+                 "lm_head.weight", "drafter.fc.weight")
+GATE_UP = ("gate_proj.weight", "up_proj.weight")
+
+
+def _tiled_bytes(shape) -> int:
+    return -(-shape[0] // 16) * 16 * shape[1] * 2
+
+
+class CudaWeights:
+    """A rank's tensors on the device: raw uploads (norms, embeddings, kv_b, experts, bias) and the kernels'
+    layouts (tiled GEMM weights, [gate; up] tiled, W_UK^T), each prepared once at load."""
+
+    def __init__(self, gpu, tensors: dict[str, np.ndarray], cfg, max_pos: int):
+        from ddtree.plugins.layout import tile_bf16
+        self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
+        self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        self.raw, self._tiled, self._ones, self._tables = {}, {}, {}, {}
+        for name, a in tensors.items():
+            if name.endswith(GEMM_SUFFIXES):
+                self._tiled[name] = gpu.upload(tile_bf16(a, name))
+            elif name.endswith(GATE_UP[0]):
+                up = tensors[name[: -len(GATE_UP[0])] + GATE_UP[1]]
+                self._tiled[name] = gpu.upload(tile_bf16(np.concatenate([a, up]), name))   # [gate; up] rows
+            elif not name.endswith(GATE_UP[1]):
+                self.raw[name] = gpu.upload(a)
+        self._uk = {}
+        Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        from ddtree.plugins.mla_absorb import uk_transposed
+        for name, a in tensors.items():
+            if name.endswith("kv_b_proj.weight"):
+                self._uk[name] = gpu.upload(uk_transposed(a, a.shape[0] // (Dn + Dv), Dn, Dv))
+
+    @staticmethod
+    def plan_bytes(tensors: dict[str, np.ndarray]) -> int:
+        """Device bytes CudaWeights will hold for these tensors."""
+        total = 0
+        for name, a in tensors.items():
+            if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):
+                total += _tiled_bytes(a.shape)
+            else:
+                total += a.nbytes
+            if name.endswith("kv_b_proj.weight"):
+                total += a.nbytes // 2              # W_UK^T: half of kv_b's rows (Dn = Dv in Kimi and tiny)
+        return total
+
+    def tensor(self, name: str) -> Tensor:
+        if name not in self.shapes:
+            raise KeyError(f"cuda executor: tensor '{name}' is not among the rank's weights")
+        if name in self.raw:
+            return Tensor.of(self.raw[name], name=name)
+        shape = self.shapes[name]             # held only in a kernel layout: its shape, no raw address
+        return Tensor(0, shape, np.dtype(np.uint16), (shape[1], 1), name)
+
+    def device(self, name: str):
+        return self.raw[name]
+
+    def tiled(self, name: str):
+        if name not in self._tiled:
+            raise KeyError(f"cuda executor: '{name}' has no tiled GEMM layout (GEMM_SUFFIXES)")
+        return self._tiled[name]
+
+    def gate_up(self, gate: str, up: str):
+        return self._tiled[gate]
+
+    def uk_t(self, kv_b: str, spec):
+        return self._uk[kv_b]
+
+    def ones(self, D: int):
+        if D not in self._ones:
+            self._ones[D] = self.gpu.upload(np.full(D, 0x3F80, np.uint16))        # bf16 1.0
+        return self._ones[D]
+
+    def rope_table(self, kind: str, rope, dim: int, factor: float | None = None):
+        from ddtree.plugins.layer_ops import RopeTable
+        key = (kind, rope, dim, factor)
+        if key not in self._tables:
+            self._tables[key] = (RopeTable.interleaved(self.gpu, rope, dim, self.max_pos) if kind == "interleaved"
+                                 else RopeTable.rotate_half(self.gpu, rope, dim, factor, self.max_pos))
+        return self._tables[key]
+
+
+class GpuTargetCache:
+    """The latent cache of every layer on the device (plugins/kv_cache.py DeviceLatentCache) + its length."""
+
+    def __init__(self, dev):
+        self.dev, self.length = dev, 0
+
+    @property
+    def capacity(self) -> int:
+        return self.dev.capacity
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            raise ValueError(f"GPU target cache: {rows} rows asked for, past its capacity of {self.capacity} "
+                             "(max_context)")
+
+    def layer(self, L: int) -> Tensor:
+        return Tensor.of(self.dev.layer(L))
+
+    def entries(self, layer: int, end: int | None = None) -> np.ndarray:
+        return self.dev.layer(layer).numpy()[: self.length if end is None else end]
+
+
+class GpuDraftCache:
+    def __init__(self, gpu, layers: int, capacity: int, kv_heads: int, d: int):
+        self.k = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
+        self.v = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
+        self.lengths = gpu.zeros(1, np.int32)
+        self.capacity, self.length = capacity, 0
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            raise ValueError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity}")
+
+
+class CudaExecutor:
+    name = "cuda"
+
+    def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True):
+        from ddtree.plugins.device import Gpu, _driver, check
+        from ddtree.plugins.kv_cache import DeviceLatentCache
+        self.engine_dir = Path(engine_dir)
+        self.meta, digests = check_engine(self.engine_dir, verify)
+        if int(self.meta["tp"]) != 1:
+            raise NotImplementedError(f"cuda executor: the engine is tp {self.meta['tp']}; one GPU runs tp 1 "
+                                      "engines (tp > 1 needs the GPU collectives, issue 25)")
+        self.config, self.drafter_config = cfg, d = engine_configs(self.engine_dir, self.meta)
+        self.max_context = int(max_context or min(cfg.max_position_embeddings, 4096))
+        self.moe_inter = self.meta["plan"]["per_rank"]["moe_intermediate"]
+        self.lay = RankLayout.from_plan(self.meta["plan"], 0)
+        tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
+        S, W = self.max_context, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        kv_heads = d.num_key_value_heads
+        plan = {"weights": CudaWeights.plan_bytes(tensors),
+                "KV": cfg.num_hidden_layers * S * W * 2 + 2 * d.num_hidden_layers * S * kv_heads * d.head_dim * 2,
+                "workspaces": WORKSPACE_BYTES + S * (cfg.qk_rope_head_dim + d.head_dim) * 4}
+        self.gpu = Gpu(gpu)
+        free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+        need = sum(plan.values())
+        print(f"cuda executor: memory plan on {self.gpu.name} (GPU {gpu}), max_context {S}: "
+              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in plan.items())
+              + f"; total {need / 2**20:.1f} MiB of {free / 2**20:.1f} MiB free", file=sys.stderr)
+        if need > free:
+            raise MemoryError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
+                              f"{free / 2**30:.2f} GiB free (lower --max-context)")
+        self.store = CudaWeights(self.gpu, tensors, cfg, S)
+        self.ops = CudaOps(self.gpu, self.lay, self.store)
+        self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
+                                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
+        self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
+        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
+
+    def _logits(self, t: Tensor) -> np.ndarray:
+        return self.ops.host(t).astype(np.float32)
+
+    # caches ------------------------------------------------------------------------------------
+    def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
+        """The executor's one target cache, emptied (its capacity is max_context, fixed at load)."""
+        if limit is not None and limit > self.max_context:
+            raise ValueError(f"cuda executor: {limit} cache rows asked for; max_context is {self.max_context}")
+        self.target_cache.length = 0
+        return self.target_cache
+
+    def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> GpuDraftCache:
+        self.draft_cache.length = 0
+        return self.draft_cache
+
+    # primitives --------------------------------------------------------------------------------
+    def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=()):
+        """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32, {L: h [q, H] float32}."""
+        cfg, ops = self.config, self.ops
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+        visible = np.asarray(visible, dtype=bool)
+        T, q = cache.length, len(ids)
+        if visible.shape != (q, T + q) or pos.shape != (q,):
+            raise ValueError(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
+                             f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
+        if q == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"target_forward: token ids must be a non-empty list in 0..{cfg.vocab_size - 1}")
+        if not visible[:, :T].all():
+            raise ValueError("target_forward: every new token must see the whole cache prefix")
+        if pos.max() >= self.max_context:
+            raise ValueError(f"target_forward: position {pos.max()} is past max_context {self.max_context}")
+        cache.reserve(T + q)
+        cache.dev.set_length(T)
+        step = {"pos": ops.bind("pos", pos.astype(np.int32)),
+                "cache_len": Tensor.of(cache.dev.lengths, host=np.array([T], np.int32)),
+                "tree_mask": ops.bind("tree_mask", pack_visibility(visible[:, T:]).view(np.int32))}
+        h = ops.call(layers.embed, cfg, feeds={"ids": ids.astype(np.int32)})["h"]
+        tapped = {}
+        for L in range(cfg.num_hidden_layers):
+            out = ops.call(layers.decoder_layer, cfg, L, self.moe_inter,
+                           feeds={**step, "h": h, "cache": cache.layer(L)}, arena=L % 2)
+            h = out["h_out"]
+            if L in taps:
+                tapped[L] = as_float(ops.host(h), np.float32)
+        cache.length = T + q
+        head = {"sample_pos": (pos + 1).astype(np.int32), "temperature": np.zeros(1, np.float32),
+                "seed": np.zeros(2, np.int32)}
+        return self._logits(ops.call(layers.head, cfg, feeds={**head, "h": h})["logits"]), tapped
+
+    def drafter_forward(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
+        """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] float32."""
+        d, ops = self.drafter_config, self.ops
+        ctx_taps = np.asarray(ctx_taps)
+        if ctx_taps.ndim != 2 or ctx_taps.shape[1] != d.num_taps * d.hidden_size or len(ctx_taps) < 1:
+            raise ValueError(f"drafter_forward: ctx_taps must be [n >= 1, {d.num_taps * d.hidden_size}], "
+                             f"got {list(ctx_taps.shape)}")
+        T, n, b = cache.length, len(ctx_taps), len(block_ids)
+        if not 2 <= b <= d.block_size:
+            raise ValueError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
+        cache.reserve(T + n)
+        self.gpu.copy_in(cache.lengths, np.array([T], np.int32))
+        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": f32_to_bf16(ctx_taps.astype(np.float64))})["ctx"]
+        h = ops.call(layers.embed, self.config, feeds={"ids": np.asarray(block_ids, np.int32)})["h"]
+        step = {"pos": ops.bind("draft_pos", np.asarray(pos, np.int32)),
+                "cache_len": Tensor.of(cache.lengths, host=np.array([T], np.int32))}
+        for L in range(d.num_hidden_layers):
+            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
+                **step, "h": h, "ctx": ctx, "cache_k": cache.k[L], "cache_v": cache.v[L]})["h_out"]
+        cache.length = T + n
+        k = layers.draft_topk(self.meta["budgets"], self.lay.vocab_stop - self.lay.vocab_start)
+        return self._logits(ops.call(layers.draft_head, d, k, b, feeds={"h": h})["logits"])
+
+    def compact(self, cache: GpuTargetCache, start: int, keep) -> None:
+        """Keep the verify's rows start + keep[i] at start + i (every layer), through the op set."""
+        keep = np.asarray(keep, dtype=np.int32).reshape(-1)
+        if not 0 <= start <= cache.length:
+            raise ValueError(f"compact: start {start} must be within the cache length {cache.length}")
+        cache.dev.set_length(start)
+        step = {"cache_len": Tensor.of(cache.dev.lengths, host=np.array([start], np.int32)),
+                "accepted": self.ops.bind("accepted", keep), "accepted_count": np.array([len(keep)], np.int32)}
+        for L in range(self.config.num_hidden_layers):
+            self.ops.call(layers.compact, self.config, feeds={**step, "cache": cache.layer(L)})
+        cache.length = start + len(keep)
+
+    def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
+        return vocab_parallel.sample([np.asarray(logits)], [0], positions, params)
+
+    def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
+        logp, ids = vocab_parallel.topk_logprobs([np.asarray(draft_logits)], [0], budget)
+        return build_tree(root_token, logp, ids, budget)
+
+    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
+        return accept_walk(tree, target_tokens)
