@@ -129,6 +129,9 @@ class CudaOps(Ops):
         self.kernels: dict[tuple, object] = {}             # launcher objects by their shapes
         self.iota = gpu.upload(np.arange(max_tokens * 128, dtype=np.int32))     # rows for gather copies
         self.feeds, self.outputs, self.where, self.site, self.key = {}, {}, "", 0, ()
+        self.stream = None                  # None: the GPU's stream; a graph builder while capturing
+        self.capturing = False              # recording a graph: no uploads, no allocations
+        self.graph_plans = False            # the plans a captured graph needs (attention for max_context)
 
     # ---- the call, buffers -----------------------------------------------------------------------
     def call(self, fn, *args, feeds: dict, arena: int = 0) -> dict:
@@ -142,6 +145,8 @@ class CudaOps(Ops):
         """A feed as a Tensor: device arrays as they are, numpy arrays uploaded into a per-(name, shape) buffer."""
         if not isinstance(value, np.ndarray):
             return Tensor.of(value)
+        if self.capturing:
+            raise RuntimeError(f"cuda backend: feed '{name}' is a host array while capturing a graph (bind it first)")
         value = np.ascontiguousarray(value)
         key = (name, value.shape, value.dtype.str)
         if key not in self.bound:
@@ -155,14 +160,20 @@ class CudaOps(Ops):
         key = (*self.key, self.site, shape, dtype.str)
         self.site += 1
         if key not in self.arena:
+            if self.capturing:
+                raise RuntimeError(f"cuda backend: {self.where} allocates while capturing (run it once first)")
             self.arena[key] = self.gpu.alloc(shape, dtype)
         return Tensor.of(self.arena[key])
 
     def copy(self, x: Tensor) -> Tensor:
         if not x.contiguous:
             raise ValueError(f"{self.where}: copy of a strided tensor {x.shape} {x.strides}")
-        out = self.new(x.shape, x.dtype)
-        self.gpu.copy_d2d(out.ptr, x.ptr, int(np.prod(x.shape)) * x.itemsize)
+        out, W = self.new(x.shape, x.dtype), x.shape[-1]
+        rows = int(np.prod(x.shape[:-1]))
+        if W * x.itemsize % 16 == 0 and rows <= self.iota.shape[0]:
+            self.k.gather_rows(x.ptr, self.iota, out.ptr, rows, W, rows, itemsize=x.itemsize, stream=self.stream)
+        else:
+            self.gpu.copy_d2d(out.ptr, x.ptr, rows * W * x.itemsize, stream=self.stream)
         return out
 
     def host(self, x: Tensor) -> np.ndarray:
@@ -237,7 +248,7 @@ class CudaOps(Ops):
             return x
         if x.dtype == np.float32 and want == np.uint16 and x.contiguous:
             out = self.new(x.shape, want)
-            self.k.cast_f32_bf16(x.ptr, out.ptr, int(np.prod(x.shape)))
+            self.k.cast_f32_bf16(x.ptr, out.ptr, int(np.prod(x.shape)), stream=self.stream)
             return out
         raise NotImplementedError(f"cuda backend: cast {x.dtype.name} -> {want.name} has no kernel")
 
@@ -246,7 +257,7 @@ class CudaOps(Ops):
         out, D = self.copy(a), a.shape[-1]
         m_rows = int(np.prod(a.shape[:-1]))
         scratch = self.new(a.shape, np.uint16)
-        self.k.add_rms_norm(out.ptr, b.ptr, self.store.ones(D).ptr, scratch.ptr, m_rows, D, 1.0)
+        self.k.add_rms_norm(out.ptr, b.ptr, self.store.ones(D).ptr, scratch.ptr, m_rows, D, 1.0, stream=self.stream)
         return out
 
     def rms_norm(self, x, w, eps):
@@ -254,13 +265,13 @@ class CudaOps(Ops):
         stride = x.row_stride("rms_norm")
         rows = int(np.prod(x.shape[:-1]))
         out = self.new(x.shape, np.uint16)
-        self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=stride)
+        self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=stride, stream=self.stream)
         return out
 
     def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
         self._single_rank(f"all_reduce_add_rms_norm ({tag})")
         h1, x2 = self.copy(h), self.new(h.shape, np.uint16)
-        self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps)
+        self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps, stream=self.stream)
         return h1, x2
 
     def _gemm(self, x, tiled, N: int, out_dtype) -> Tensor:
@@ -271,7 +282,7 @@ class CudaOps(Ops):
         f32 = np.dtype(out_dtype) == np.float32
         gemm = self.launcher(("gemm", N, K, f32), lambda: SkinnyGemm(self.gpu, N, K, self.max_tokens, out_f32=f32))
         out = self.new((M, N), out_dtype)
-        gemm.run(x.ptr, tiled, out.ptr, M)
+        gemm.run(x.ptr, tiled, out.ptr, M, stream=self.stream)
         return out
 
     def linear(self, x, w, out=ACT):
@@ -281,13 +292,13 @@ class CudaOps(Ops):
         I = gate.shape[0]
         gu = self._gemm(x, self.store.gate_up(gate.name, up.name), 2 * I, np.uint16)     # [m, 2I]: gate | up
         act = self.new((x.shape[0], I), np.uint16)
-        self.k.silu_mul(gu.ptr, act.ptr, x.shape[0], I)
+        self.k.silu_mul(gu.ptr, act.ptr, x.shape[0], I, stream=self.stream)
         return self._gemm(act, self.store.tiled(down.name), down.shape[0], np.uint16)
 
     def embed(self, ids, table):
         q, H = self._rows(ids, "embed"), table.shape[1]
         out = self.new((q, H), np.uint16)
-        self.k.embed(ids.ptr, table.ptr, out.ptr, q, H, self.lay.vocab_start, table.shape[0])
+        self.k.embed(ids.ptr, table.ptr, out.ptr, q, H, self.lay.vocab_start, table.shape[0], stream=self.stream)
         return out
 
     # ---- MLA -------------------------------------------------------------------------------------
@@ -295,8 +306,8 @@ class CudaOps(Ops):
         q, n, Dr = x.shape
         rows, stride = q * n, x.row_stride("rope")
         out = self.new(x.shape, np.uint16)
-        self.k.gather_rows(x.ptr, self.iota, out.ptr, rows, Dr, rows, src_stride=stride)
-        self.k.rope_interleaved(out.ptr, pos.ptr, self.store.rope_table("interleaved", rope, Dr), q, n)
+        self.k.gather_rows(x.ptr, self.iota, out.ptr, rows, Dr, rows, src_stride=stride, stream=self.stream)
+        self.k.rope_interleaved(out.ptr, pos.ptr, self.store.rope_table("interleaved", rope, Dr), q, n, stream=self.stream)
         return out
 
     def kv_append(self, cache, cache_len, c_kv, k_pe):
@@ -309,7 +320,7 @@ class CudaOps(Ops):
         g = self.gpu
         g.launch(g.kernel(SOURCE, "kv_append", latent_defines(R, Dr)), q, append_threads(R, Dr), 0,
                  ptr(cache.ptr), ptr(cache_len.ptr), ptr(c_kv.ptr), np.int32(c_kv.row_stride("kv_append c_kv")),
-                 ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=None, pdl=self.k.pdl)
+                 ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=self.stream, pdl=self.k.pdl)
         return cache
 
     def kv_compact(self, cache, cache_len, accepted, accepted_count):
@@ -323,7 +334,7 @@ class CudaOps(Ops):
             entry, g = cache.shape[1], self.gpu
             g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, 1),
                      32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(cache.shape[0] * entry), ptr(cache_len.ptr),
-                     ptr(accepted.ptr), np.int32(n), stream=None, pdl=self.k.pdl)
+                     ptr(accepted.ptr), np.int32(n), stream=self.stream, pdl=self.k.pdl)
         return cache
 
     def _absorb(self, spec):
@@ -338,7 +349,7 @@ class CudaOps(Ops):
             raise ValueError(f"{self.where}: mla_absorb_q reads q_nope inside [q, N, Dn + Dr], got {q_nope.strides}")
         out = self.new((q, N, spec.kv_lora_rank), np.uint16)
         self._absorb(spec).q(q_nope.ptr, self.store.uk_t(kv_b.name, spec), out.ptr, self._rows(q_nope, "absorb"),
-                             rope=extra)
+                             rope=extra, stream=self.stream)
         return out
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
@@ -348,14 +359,15 @@ class CudaOps(Ops):
             self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
             max_q=self.max_tokens, max_context=S))
         out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
-        hint = None if cache_len.host is None else min(S, int(cache_len.host[0]) + q)
-        attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out.ptr, context_hint=hint)
+        hint = None if cache_len.host is None or self.graph_plans else min(S, int(cache_len.host[0]) + q)
+        attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out.ptr, context_hint=hint,
+                 stream=self.stream)
         return out
 
     def mla_absorb_out(self, o_lat, kv_b, spec):
         q = self._rows(o_lat, "absorb")
         out = self.new((q, spec.heads * spec.v_dim), np.uint16)
-        self._absorb(spec).out(o_lat.ptr, kv_b.ptr, out.ptr, q)
+        self._absorb(spec).out(o_lat.ptr, kv_b.ptr, out.ptr, q, stream=self.stream)
         return out
 
     # ---- MoE -------------------------------------------------------------------------------------
@@ -373,7 +385,7 @@ class CudaOps(Ops):
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
             router=self.store.tiled(router.name), bias=self.store.device(bias.name)))
         out = self.new(x.shape, np.uint16)
-        fused.run(x.ptr, out.ptr, self._rows(x, "moe"), shared=shared_out.ptr)
+        fused.run(x.ptr, out.ptr, self._rows(x, "moe"), shared=shared_out.ptr, stream=self.stream)
         return out
 
     # ---- drafter ---------------------------------------------------------------------------------
@@ -388,16 +400,16 @@ class CudaOps(Ops):
         if n:
             ctx_pos = self.upload(np.arange(T, T + n, dtype=np.int32))          # host-fed (not capturable yet)
             for src, dst in ((ctx_k, cache_k), (ctx_v, cache_v)):
-                self.gpu.copy_d2d(dst.ptr + T * row * 2, src.ptr, n * row * 2)
-            self.k.rope_rotate_half(cache_k.at(T * row, (n, Hk, d)).ptr, ctx_pos.ptr, table, n, Hk)
+                self.gpu.copy_d2d(dst.ptr + T * row * 2, src.ptr, n * row * 2, stream=self.stream)
+            self.k.rope_rotate_half(cache_k.at(T * row, (n, Hk, d)).ptr, ctx_pos.ptr, table, n, Hk, stream=self.stream)
         q_r, k_r = self.copy(q), self.copy(k)
-        self.k.rope_rotate_half(q_r.ptr, pos.ptr, table, b, spec.heads)
-        self.k.rope_rotate_half(k_r.ptr, pos.ptr, table, b, Hk)
+        self.k.rope_rotate_half(q_r.ptr, pos.ptr, table, b, spec.heads, stream=self.stream)
+        self.k.rope_rotate_half(k_r.ptr, pos.ptr, table, b, Hk, stream=self.stream)
         attn = self.launcher(("draft", spec.heads, Hk, d, S), lambda: DraftAttention(
             self.gpu, spec.heads, Hk, d, max_context=S))
         out = self.new((b, spec.heads * d), np.uint16)
         attn.run(q_r.ptr, k_r.ptr, v.ptr, cache_k.ptr, cache_v.ptr, cache_len.ptr, n, pos.ptr, out.ptr, b,
-                 window=spec.sliding_window)
+                 window=spec.sliding_window, stream=self.stream)
         return out, cache_k, cache_v
 
     # ---- collectives -----------------------------------------------------------------------------

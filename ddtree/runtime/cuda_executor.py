@@ -29,6 +29,8 @@ from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import WalkResult, accept_walk
 
+from ddtree.runtime.loop import RequestError
+
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
 GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
                  "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
@@ -38,6 +40,29 @@ GATE_UP = ("gate_proj.weight", "up_proj.weight")
 
 def _tiled_bytes(shape) -> int:
     return -(-shape[0] // 16) * 16 * shape[1] * 2
+
+
+class MemoryPlanError(RequestError, MemoryError):
+    """The memory plan does not fit in the GPU's free memory."""
+
+
+def gpu_unavailable(gpu: int = 0) -> str | None:
+    """Why GPU `gpu` cannot run the executor (the cuda extra missing, no driver or GPU, a bad index), or None."""
+    try:
+        from cuda.bindings import driver
+        import cuda.core  # noqa: F401
+    except ImportError as e:
+        return f"cuda-python is not installed ({e}; pip install -e '.[cuda]')"
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as e:                                # cuda-bindings without a driver library
+        return f"no CUDA driver ({e})"
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"no CUDA GPU is visible (cuInit: {err.name})"
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS or not 0 <= gpu < count:
+        return f"--gpu {gpu}: this machine has {count if err == driver.CUresult.CUDA_SUCCESS else 0} CUDA GPU(s)"
+    return None
 
 
 class CudaWeights:
@@ -126,8 +151,8 @@ class GpuTargetCache:
 
     def reserve(self, rows: int) -> None:
         if rows > self.capacity:
-            raise ValueError(f"GPU target cache: {rows} rows asked for, past its capacity of {self.capacity} "
-                             "(max_context)")
+            raise RequestError(f"GPU target cache: {rows} rows asked for, past its capacity of {self.capacity} "
+                               "(--max-context)")
 
     def layer(self, L: int) -> Tensor:
         return Tensor.of(self.dev.layer(L))
@@ -145,13 +170,18 @@ class GpuDraftCache:
 
     def reserve(self, rows: int) -> None:
         if rows > self.capacity:
-            raise ValueError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity}")
+            raise RequestError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity} "
+                               "(--max-context)")
 
 
 class CudaExecutor:
     name = "cuda"
 
-    def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True):
+    def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
+                 graphs: bool = True):
+        """graphs: a one-token target_forward without taps (the AR decode step) replays one CUDA graph of the
+        embedding and every decoder layer, captured at the first such step (run eagerly with the capture's
+        plans); the head runs after it (its winner op is host-side today)."""
         from ddtree.plugins.device import Gpu, _driver, check
         from ddtree.plugins.kv_cache import DeviceLatentCache
         self.engine_dir = Path(engine_dir)
@@ -176,14 +206,15 @@ class CudaExecutor:
               + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in plan.items())
               + f"; total {need / 2**20:.1f} MiB of {free / 2**20:.1f} MiB free", file=sys.stderr)
         if need > free:
-            raise MemoryError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
-                              f"{free / 2**30:.2f} GiB free (lower --max-context)")
+            raise MemoryPlanError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
+                                  f"{free / 2**30:.2f} GiB free (lower --max-context)")
         self.store = CudaWeights(self.gpu, tensors, cfg, S)
         self.ops = CudaOps(self.gpu, self.lay, self.store)
         self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
+        self.graphs, self.decode_graph, self.decode_h = graphs, None, None
 
     def _logits(self, t: Tensor) -> np.ndarray:
         return self.ops.host(t).astype(np.float32)
@@ -192,7 +223,8 @@ class CudaExecutor:
     def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
         """The executor's one target cache, emptied (its capacity is max_context, fixed at load)."""
         if limit is not None and limit > self.max_context:
-            raise ValueError(f"cuda executor: {limit} cache rows asked for; max_context is {self.max_context}")
+            raise RequestError(f"prompt + new tokens need {limit} cache rows; the GPU caches hold {self.max_context} "
+                               "(--max-context)")
         self.target_cache.length = 0
         return self.target_cache
 
@@ -219,21 +251,50 @@ class CudaExecutor:
             raise ValueError(f"target_forward: position {pos.max()} is past max_context {self.max_context}")
         cache.reserve(T + q)
         cache.dev.set_length(T)
-        step = {"pos": ops.bind("pos", pos.astype(np.int32)),
+        step = {"ids": ops.bind("ids", ids.astype(np.int32)), "pos": ops.bind("pos", pos.astype(np.int32)),
                 "cache_len": Tensor.of(cache.dev.lengths, host=np.array([T], np.int32)),
                 "tree_mask": ops.bind("tree_mask", pack_visibility(visible[:, T:]).view(np.int32))}
-        h = ops.call(layers.embed, cfg, feeds={"ids": ids.astype(np.int32)})["h"]
         tapped = {}
-        for L in range(cfg.num_hidden_layers):
-            out = ops.call(layers.decoder_layer, cfg, L, self.moe_inter,
-                           feeds={**step, "h": h, "cache": cache.layer(L)}, arena=L % 2)
-            h = out["h_out"]
-            if L in taps:
-                tapped[L] = as_float(ops.host(h), np.float32)
+        if q == 1 and not taps and self.graphs and cache is self.target_cache:
+            h = self._decode_layers(step, cache)
+        else:
+            h = self._layers(step, cache, taps, tapped)
         cache.length = T + q
         head = {"sample_pos": (pos + 1).astype(np.int32), "temperature": np.zeros(1, np.float32),
                 "seed": np.zeros(2, np.int32)}
         return self._logits(ops.call(layers.head, cfg, feeds={**head, "h": h})["logits"]), tapped
+
+    def _layers(self, step: dict, cache: GpuTargetCache, taps=(), tapped=None) -> Tensor:
+        """The embedding and every decoder layer through the op set -> h [q, H] (taps downloaded)."""
+        cfg, ops = self.config, self.ops
+        h = ops.call(layers.embed, cfg, feeds={"ids": step["ids"]})["h"]
+        layer_feeds = {k: step[k] for k in ("pos", "cache_len", "tree_mask")}
+        for L in range(cfg.num_hidden_layers):
+            h = ops.call(layers.decoder_layer, cfg, L, self.moe_inter,
+                         feeds={**layer_feeds, "h": h, "cache": cache.layer(L)}, arena=L % 2)["h_out"]
+            if L in taps:
+                tapped[L] = as_float(ops.host(h), np.float32)
+        return h
+
+    def _decode_layers(self, step: dict, cache: GpuTargetCache) -> Tensor:
+        """The one-token step's layers: replay the captured graph (inputs already in its buffers), or, the
+        first time, run them eagerly with the capture's plans (allocating the arena) and capture them."""
+        if self.decode_graph is not None:
+            self.gpu.replay(self.decode_graph)
+            return self.decode_h
+        ops = self.ops
+        ops.graph_plans = True
+        try:
+            self.decode_h = self._layers(step, cache)                  # the step itself, and the warm-up
+
+            def body(stream):
+                ops.stream, ops.capturing = stream, True
+                self._layers(step, cache)
+            self.gpu.sync()
+            self.decode_graph = self.gpu.capture(body)
+        finally:
+            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+        return self.decode_h
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] float32."""

@@ -51,17 +51,18 @@ class DDTreeEngine:
 
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
-             ranks: str = "threads") -> "DDTreeEngine":
+             ranks: str = "threads", gpu: int = 0, max_context: int | None = None) -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
         ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
-        rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager)."""
+        rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager).
+        cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), caches of max_context rows
+        (default: the model's context, at most 4096)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
-            raise DeviceUnavailableError("device (--device) 'cuda': the GPU runtime is not available yet "
-                                         "(the CUDA executor lands with the kernel issues); use device 'cpu'")
+            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context)
         from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
@@ -95,6 +96,26 @@ class DDTreeEngine:
         drafter = Drafter.from_checkpoint(Path(drafter_dir), target)
         tokenizer = load_tokenizer(model_dir, target.config)
         return cls(NumpyExecutor(target, drafter), tokenizer, Path(model_dir), Path(drafter_dir))
+
+    @classmethod
+    def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None) -> "DDTreeEngine":
+        from ddtree.engine_dir import is_engine_dir, read_engine_config
+        if model_dir is None or not is_engine_dir(model_dir):
+            raise DeviceUnavailableError("device (--device) 'cuda' is not available for checkpoint dirs: it runs a "
+                                         "tp 1 engine directory (`ddtree build --tp 1 ...`, then --model ENGINE)")
+        if drafter_dir is not None:
+            raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
+                               f"do not pass a drafter dir (--drafter {drafter_dir})")
+        tp = int(read_engine_config(model_dir)["tp"])
+        if tp != 1:
+            raise DeviceUnavailableError(f"device (--device) 'cuda' is not available for a tp {tp} engine: one GPU "
+                                         "runs tp 1 engines (the GPU collectives are issue 25)")
+        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
+        why = gpu_unavailable(gpu)
+        if why:
+            raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
+        ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify)
+        return cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
 
     # ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:

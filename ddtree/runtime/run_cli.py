@@ -61,7 +61,11 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Drafter block size (default: the drafter's; depth = block size - 1).")
 @click.option("--mode", type=click.Choice(["ddtree", "ar", "both"]), default="ddtree", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: a tp 1 engine dir (--model) on one GPU.")
+@click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="--device cuda: the GPU index.")
+@click.option("--max-context", type=click.IntRange(min=1), default=None,
+              help="--device cuda: cache rows allocated at load (default: the model's context, at most 4096).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,
@@ -71,11 +75,12 @@ def _summary(stats: dict, label: str) -> str:
                    "of this process.")
 @reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, chat, as_json, skip_verify, ranks):
+                budget, block_size, mode, device, gpu, max_context, chat, as_json, skip_verify, ranks):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
     try:
-        with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks) as engine:
+        with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks, gpu=gpu,
+                               max_context=max_context) as engine:
             _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
                       as_json)
     except RankError as e:                   # a rank died, froze or failed: named, every rank stopped

@@ -104,19 +104,54 @@ def test_drafter_forward(engines):
         close(lg, lr, f"drafter step {step}")
 
 
+def near_ties(ref, prompt, tokens) -> int:
+    """Every greedy token is the float64 argmax after its prefix, or within TIE of it (a near-tie, counted)."""
+    seq = np.array(list(prompt) + list(tokens))
+    logits, _ = ref.target_forward(seq, np.arange(len(seq)), causal_visible(0, len(seq)), ref.new_target_cache())
+    ties = 0
+    for i, tok in enumerate(tokens):                                    # row len(prompt) - 1 + i predicts token i
+        row = logits[len(prompt) - 1 + i]
+        best = int(np.argmax(row))
+        if tok != best:
+            margin, tie = row[best] - row[tok], 2 * REL * np.abs(row).max()
+            assert margin < tie, f"prompt {prompt}, token {i}: GPU {tok} vs float64 {best}, margin {margin} >= {tie}"
+            ties += 1
+    return ties
+
+
 def test_greedy_ar_matches_float64_except_near_ties(engines):
+    """The decode steps replay one captured graph (CudaExecutor graphs=True); an eager executor runs too."""
+    import time
+    from ddtree.runtime.cuda_executor import CudaExecutor
     ref, gex = engines
-    params, ties, total = SamplingParams(), 0, 0
-    for prompt in PROMPTS:
-        gpu_tokens = run_to_end(ar_steps(gex, prompt, 12, params))
-        seq = np.array(list(prompt) + gpu_tokens)
-        logits, _ = ref.target_forward(seq, np.arange(len(seq)), causal_visible(0, len(seq)), ref.new_target_cache())
-        for i, tok in enumerate(gpu_tokens):                            # row len(prompt) - 1 + i predicts token i
-            row = logits[len(prompt) - 1 + i]
-            best = int(np.argmax(row))
-            total += 1
-            if tok != best:
-                margin, tie = row[best] - row[tok], 2 * REL * np.abs(row).max()
-                assert margin < tie, f"prompt {prompt}, token {i}: GPU {tok} vs float64 {best}, margin {margin} >= {tie}"
-                ties += 1
-    print(f"greedy AR: {total - ties} of {total} GPU tokens are the float64 argmax; {ties} near-ties")
+    eager = CudaExecutor(ref.engine_dir, max_context=256, graphs=False)
+    for ex in (gex, eager):
+        ties, total, t0 = 0, 0, time.perf_counter()
+        for prompt in PROMPTS:
+            tokens = run_to_end(ar_steps(ex, prompt, 24, SamplingParams()))
+            ties, total = ties + near_ties(ref, prompt, tokens), total + len(tokens)
+        graph = "captured" if ex.decode_graph is not None else "eager"
+        print(f"greedy AR ({graph}): {total - ties} of {total} GPU tokens are the float64 argmax, {ties} near-ties")
+    assert gex.decode_graph is not None and eager.decode_graph is None
+    for ex in (gex, eager):                                             # decode speed, 64 steps after the prefill
+        t0 = time.perf_counter()
+        run_to_end(ar_steps(ex, PROMPTS[0], 65, SamplingParams()))
+        print(f"AR decode ({'graph' if ex.graphs else 'eager'}): {64 / (time.perf_counter() - t0):.0f} tok/s")
+
+
+def test_cli_runs_ar_on_the_gpu(engines):
+    import json
+    from tests.cli.bad_input import ddtree
+    ref, gex = engines
+    r = ddtree(["run", "--model", str(ref.engine_dir), "--device", "cuda", "--max-context", "256", "--mode", "ar",
+                "--max-new-tokens", "16", "--json", "def fib(n):"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 16 or out["stats"]["finish_reason"] == "stop"
+    from ddtree.model.tokenizer import load_tokenizer
+    prompt = load_tokenizer(ref.tokenizer_dir, ref.config).encode("def fib(n):")
+    print(f"ddtree run --device cuda --mode ar: {len(out['tokens'])} tokens, {near_ties(ref, prompt, out['tokens'])} "
+          f"near-ties, {out['stats']['tokens_per_s']:.0f} tok/s; memory plan: {r.stderr.splitlines()[0]}")
+    r = ddtree(["run", "--model", str(ref.engine_dir), "--device", "cuda", "--max-context", "256", "--mode", "both",
+                "--max-new-tokens", "24", "--budget", "8", "--json", "def fib(n):"])
+    print(f"--mode both on the GPU: rc {r.returncode}, {r.stderr.strip().splitlines()[-2:]}")
