@@ -6,7 +6,8 @@
     onnx_backend.py   the per-rank ONNX graphs (onnx_graph.py builder, onnx_export.py the engine's graphs/,
                       onnx_nodes.py the `ddtree` nodes under onnx.reference, onnx_runner.py ranks as threads)
     meter.py          bytes, FLOPs, kernels and collectives per op, from shapes alone
-    cuda_backend.py   every op on one GPU with the kernels of ddtree/plugins (tp 1; runtime/cuda_executor.py)
+    cuda_backend.py   every op on one GPU with the kernels of ddtree/plugins (tp 1; runtime/cuda_executor.py),
+                      its tensors strided views (cuda_tensor.py)
     nodes.py          the `ddtree` custom-node table; tensorrt/ its TensorRT-RTX plugins
     vocab_parallel.py sampling and draft top-k on vocab-split logits (the executors' merges)
 The CUDA kernels live in ddtree/plugins/, which imports nothing from here; the float64 oracle in

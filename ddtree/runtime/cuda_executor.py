@@ -23,7 +23,8 @@ import numpy as np
 from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
 from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.ops import layers, vocab_parallel
-from ddtree.ops.cuda_backend import CudaOps, Tensor
+from ddtree.ops.cuda_backend import CudaOps
+from ddtree.ops.cuda_tensor import Tensor
 from ddtree.ops.opset import RankLayout
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams

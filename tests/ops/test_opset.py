@@ -31,7 +31,7 @@ def test_cuda_ops_views_and_the_missing_collectives():
     """CPU part of the cuda backend: reshape / slice are strided views (the GPU tests run them on kernels:
     tests/runtime/test_cuda_executor_gpu.py); at tp > 1 the collectives raise naming issue 25."""
     import numpy as np
-    from ddtree.ops.cuda_backend import Tensor
+    from ddtree.ops.cuda_tensor import Tensor
     ops = object.__new__(CudaOps)
     ops.lay, ops.where = LAY, "test"
     q_all = Tensor(1000, (3, 4, 48), np.dtype(np.uint16), (192, 48, 1))
