@@ -12,6 +12,11 @@ for the loop's interface, and sample / tree_build / accept_walk run on the host 
 
 The memory plan (weights, KV caches, workspaces) is printed on stderr before anything is allocated, and a
 plan larger than the GPU's free memory is refused naming both numbers.
+
+The kernels take at most MAX_TOKENS (256) rows a call, so a longer prompt runs as consecutive target_forward
+chunks of <= 256 rows, each seeing the cache (the chunks before it) and itself causally, and a longer drafter
+context as consecutive drafter calls that each append <= 256 context rows (the same block; only the last
+call's logits are kept). A call the GPU path cannot take is a CudaRequestError naming the limit.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import numpy as np
 from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
 from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.ops import layers, vocab_parallel
-from ddtree.ops.cuda_backend import CudaOps
+from ddtree.ops.cuda_backend import MAX_TOKENS, CudaOps
 from ddtree.ops.cuda_tensor import Tensor
 from ddtree.ops.opset import RankLayout
 from ddtree.tree.build import Tree, build_tree, pack_visibility
@@ -45,6 +50,24 @@ def _tiled_bytes(shape) -> int:
 
 class MemoryPlanError(RequestError, MemoryError):
     """The memory plan does not fit in the GPU's free memory."""
+
+
+class CudaRequestError(RequestError):
+    """A call the GPU executor cannot take: its shape, the ids, a position past the caches, a mask it cannot chunk."""
+
+
+def prefill_chunks(visible: np.ndarray, T: int, limit: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """visible [q, T + q] -> consecutive row ranges [a, b) of <= limit rows, each of which sees the whole
+    cache and every row of the chunks before it and nothing after itself (what one kernel call can take)."""
+    q = visible.shape[0]
+    bounds = [(a, min(a + limit, q)) for a in range(0, q, limit)]
+    for a, b in bounds:
+        if not visible[a:b, : T + a].all() or visible[a:b, T + b:].any():
+            raise CudaRequestError(
+                f"target_forward: {q} new tokens are more than the GPU kernels' {limit} per call, and rows "
+                f"{a}..{b - 1} do not see exactly the cache and the rows before them (only a causal prompt "
+                f"runs in chunks; a tree verify takes at most {limit} nodes: lower --budget)")
+    return bounds
 
 
 def gpu_unavailable(gpu: int = 0) -> str | None:
@@ -242,15 +265,18 @@ class CudaExecutor:
         visible = np.asarray(visible, dtype=bool)
         T, q = cache.length, len(ids)
         if visible.shape != (q, T + q) or pos.shape != (q,):
-            raise ValueError(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
-                             f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
+            raise CudaRequestError(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
+                                   f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
         if q == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"target_forward: token ids must be a non-empty list in 0..{cfg.vocab_size - 1}")
+            raise CudaRequestError(f"target_forward: token ids must be a non-empty list in 0..{cfg.vocab_size - 1}")
         if not visible[:, :T].all():
-            raise ValueError("target_forward: every new token must see the whole cache prefix")
-        if pos.max() >= self.max_context:
-            raise ValueError(f"target_forward: position {pos.max()} is past max_context {self.max_context}")
+            raise CudaRequestError("target_forward: every new token must see the whole cache prefix")
+        if pos.min() < 0 or pos.max() >= self.max_context:
+            raise CudaRequestError(f"target_forward: positions {pos.min()}..{pos.max()} must be in 0.."
+                                   f"{self.max_context - 1} (--max-context {self.max_context})")
         cache.reserve(T + q)
+        if q > self.ops.max_tokens:
+            return self._chunked(ids, pos, visible, cache, taps)
         cache.dev.set_length(T)
         step = {"ids": ops.bind("ids", ids.astype(np.int32)), "pos": ops.bind("pos", pos.astype(np.int32)),
                 "cache_len": Tensor.of(cache.dev.lengths, host=np.array([T], np.int32)),
@@ -264,6 +290,16 @@ class CudaExecutor:
         head = {"sample_pos": (pos + 1).astype(np.int32), "temperature": np.zeros(1, np.float32),
                 "seed": np.zeros(2, np.int32)}
         return self._logits(ops.call(layers.head, cfg, feeds={**head, "h": h})["logits"]), tapped
+
+    def _chunked(self, ids, pos, visible, cache: GpuTargetCache, taps):
+        """A prompt longer than one kernel call: consecutive calls of <= max_tokens rows (prefill_chunks)."""
+        T, logits, tapped = cache.length, [], {L: [] for L in taps}
+        for a, b in prefill_chunks(visible, T, self.ops.max_tokens):
+            lg, tp = self.target_forward(ids[a:b], pos[a:b], visible[a:b, : T + b], cache, taps)
+            logits.append(lg)
+            for L in taps:
+                tapped[L].append(tp[L])
+        return np.concatenate(logits), {L: np.concatenate(v) for L, v in tapped.items()}
 
     def _layers(self, step: dict, cache: GpuTargetCache, taps=(), tapped=None) -> Tensor:
         """The embedding and every decoder layer through the op set -> h [q, H] (taps downloaded)."""
@@ -302,12 +338,20 @@ class CudaExecutor:
         d, ops = self.drafter_config, self.ops
         ctx_taps = np.asarray(ctx_taps)
         if ctx_taps.ndim != 2 or ctx_taps.shape[1] != d.num_taps * d.hidden_size or len(ctx_taps) < 1:
-            raise ValueError(f"drafter_forward: ctx_taps must be [n >= 1, {d.num_taps * d.hidden_size}], "
-                             f"got {list(ctx_taps.shape)}")
+            raise CudaRequestError(f"drafter_forward: ctx_taps must be [n >= 1, {d.num_taps * d.hidden_size}], "
+                                   f"got {list(ctx_taps.shape)}")
         T, n, b = cache.length, len(ctx_taps), len(block_ids)
         if not 2 <= b <= d.block_size:
-            raise ValueError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
+            raise CudaRequestError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
         cache.reserve(T + n)
+        for a in range(0, n - self.ops.max_tokens, self.ops.max_tokens):    # context rows past one call's
+            self._draft(block_ids, pos, ctx_taps[a: a + self.ops.max_tokens], cache)   # (logits unused)
+        return self._draft(block_ids, pos, ctx_taps[(n - 1) // self.ops.max_tokens * self.ops.max_tokens:], cache)
+
+    def _draft(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
+        """One drafter call: appends ctx_taps' <= max_tokens rows to the cache and drafts the block after them."""
+        d, ops = self.drafter_config, self.ops
+        T, n, b = cache.length, len(ctx_taps), len(block_ids)
         self.gpu.copy_in(cache.lengths, np.array([T], np.int32))
         ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": f32_to_bf16(ctx_taps.astype(np.float64))})["ctx"]
         h = ops.call(layers.embed, self.config, feeds={"ids": np.asarray(block_ids, np.int32)})["h"]
@@ -324,7 +368,7 @@ class CudaExecutor:
         """Keep the verify's rows start + keep[i] at start + i (every layer), through the op set."""
         keep = np.asarray(keep, dtype=np.int32).reshape(-1)
         if not 0 <= start <= cache.length:
-            raise ValueError(f"compact: start {start} must be within the cache length {cache.length}")
+            raise CudaRequestError(f"compact: start {start} must be within the cache length {cache.length}")
         cache.dev.set_length(start)
         step = {"cache_len": Tensor.of(cache.dev.lengths, host=np.array([start], np.int32)),
                 "accepted": self.ops.bind("accepted", keep), "accepted_count": np.array([len(keep)], np.int32)}
