@@ -344,9 +344,10 @@ class CudaExecutor:
         if not 2 <= b <= d.block_size:
             raise CudaRequestError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
         cache.reserve(T + n)
-        for a in range(0, n - self.ops.max_tokens, self.ops.max_tokens):    # context rows past one call's
-            self._draft(block_ids, pos, ctx_taps[a: a + self.ops.max_tokens], cache)   # (logits unused)
-        return self._draft(block_ids, pos, ctx_taps[(n - 1) // self.ops.max_tokens * self.ops.max_tokens:], cache)
+        rows, starts = self.ops.max_tokens, range(0, n, self.ops.max_tokens)     # <= max_tokens context rows a call
+        for a in starts[:-1]:
+            self._draft(block_ids, pos, ctx_taps[a: a + rows], cache)           # appends rows; its logits unused
+        return self._draft(block_ids, pos, ctx_taps[starts[-1]:], cache)
 
     def _draft(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
         """One drafter call: appends ctx_taps' <= max_tokens rows to the cache and drafts the block after them."""
