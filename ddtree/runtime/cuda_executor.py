@@ -35,6 +35,7 @@ from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import WalkResult, accept_walk
 
+from ddtree.runtime.engine_executor import checked_forward_inputs
 from ddtree.runtime.loop import RequestError
 
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
@@ -260,17 +261,9 @@ class CudaExecutor:
     def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=()):
         """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32, {L: h [q, H] float32}."""
         cfg, ops = self.config, self.ops
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        pos = np.asarray(pos, dtype=np.int64).reshape(-1)
-        visible = np.asarray(visible, dtype=bool)
-        T, q = cache.length, len(ids)
-        if visible.shape != (q, T + q) or pos.shape != (q,):
-            raise CudaRequestError(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
-                                   f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
-        if q == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise CudaRequestError(f"target_forward: token ids must be a non-empty list in 0..{cfg.vocab_size - 1}")
-        if not visible[:, :T].all():
-            raise CudaRequestError("target_forward: every new token must see the whole cache prefix")
+        T = cache.length
+        ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, cfg.vocab_size, CudaRequestError)
+        q = len(ids)
         if pos.min() < 0 or pos.max() >= self.max_context:
             raise CudaRequestError(f"target_forward: positions {pos.min()}..{pos.max()} must be in 0.."
                                    f"{self.max_context - 1} (--max-context {self.max_context})")

@@ -36,6 +36,24 @@ from ddtree.tree.walk import WalkResult, accept_walk
 DRAFT_CAPACITY = 256            # drafter context rows to start with (grown on demand on CPU)
 
 
+def checked_forward_inputs(ids, pos, visible, T: int, vocab_size: int, error=ValueError) -> tuple:
+    """A target call's ids [q], pos [q], visible [q, T + q] as arrays, checked: shapes, ids in the vocab, and the
+    whole cache prefix visible (the kernels' contract: only the new tokens are masked). Raises `error`."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    visible = np.asarray(visible, dtype=bool)
+    q = len(ids)
+    if visible.shape != (q, T + q) or pos.shape != (q,):
+        raise error(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
+                    f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
+    if q == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+        raise error(f"target_forward: token ids must be a non-empty list in 0..{vocab_size - 1}")
+    if not visible[:, :T].all():
+        raise error("target_forward: every new token must see the whole cache prefix (the tree mask "
+                    "covers only the new tokens)")
+    return ids, pos, visible
+
+
 class EngineExecutor:
     name = "engine-numpy"
 
@@ -91,18 +109,9 @@ class EngineExecutor:
         """ids [q], pos [q], visible [q, T+q] -> logits [q, V] (all-gathered), {L: h [q, H]}.
         The whole cache prefix must be visible (the kernels' contract: only the new tokens are masked)."""
         cfg = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        pos = np.asarray(pos, dtype=np.int64).reshape(-1)
-        visible = np.asarray(visible, dtype=bool)
-        T, q = cache.length, len(ids)
-        if visible.shape != (q, T + q) or pos.shape != (q,):
-            raise ValueError(f"target_forward: pos must be [{q}] and visible [{q}, {T + q}] for a cache of "
-                             f"length {T}, got {list(pos.shape)} and {list(visible.shape)}")
-        if q == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"target_forward: token ids must be a non-empty list in 0..{cfg.vocab_size - 1}")
-        if not visible[:, :T].all():
-            raise ValueError("target_forward: every new token must see the whole cache prefix (the tree mask "
-                             "covers only the new tokens)")
+        T = cache.length
+        ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, cfg.vocab_size)
+        q = len(ids)
         cache.reserve(T + q)
         h = [o["h"] for o in self.ranks.call(layers.embed, cfg, feeds={"ids": ids.astype(np.int32)})]
         step = {"pos": pos.astype(np.int32), "cache_len": np.array([T], np.int32),
