@@ -22,7 +22,9 @@ values of order 1, and sigmoid's slope is at most 1/4, so a score moves by < 0.0
 row whose float64 routing margin is below it at some MoE layer as a routing near-tie. A row past the bound must
 be such a near-tie (counted and printed). The random router of tiny leaves many rows near-tied (and a flipped
 row reaches later rows through attention), so small-mla's engine gets a decisive router bias (+2 on its first
-k experts: a margin >= 1, no near-ties): there every row is held to the bound.
+k experts: a margin >= 1, no near-ties): there every row is held to the bound. The unbiased router at these
+dims is covered by tests/runtime/test_cuda_moe_routing_gpu.py (each MoE layer against route_logits and the
+expert twin; its differences from float64 are near-ties).
 """
 from contextlib import contextmanager
 
