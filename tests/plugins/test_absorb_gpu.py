@@ -20,14 +20,6 @@ DIMS = [(4, 32, 16, 32, 64), (8, 128, 64, 128, 512), (64, 128, 64, 128, 512)]
 TOKENS = (1, 7, 33, 256)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
 def bf16(rng, shape, scale=1.0):
     return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
 

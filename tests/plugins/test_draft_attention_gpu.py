@@ -27,14 +27,6 @@ CASES = [(0, 1, 1, 0), (0, 5, 4, 0), (5, 3, 16, 0), (100, 3, 8, 0), (100, 3, 8, 
 CAPACITY = 5200
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
 def bf16(rng, shape, scale=1.0):
     return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
 

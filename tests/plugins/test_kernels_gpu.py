@@ -18,14 +18,6 @@ pytestmark = pytest.mark.gpu
 MS = [1, 2, 3, 8, 16, 64, 256]
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
 def assert_close(y, ref, atol_rms=2e-2, what=""):
     y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(y).all(), f"{what}: non-finite output (unwritten or overflow)"

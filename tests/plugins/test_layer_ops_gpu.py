@@ -28,14 +28,6 @@ KIMI_T, KIMI_D = get_preset("kimi-k2.6", layers=2)[:2]
 
 
 @pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
-@pytest.fixture(scope="module")
 def ops(gpu):
     from ddtree.plugins.layer_ops import LayerOps
     return LayerOps(gpu)

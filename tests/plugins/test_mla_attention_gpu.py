@@ -20,14 +20,6 @@ pytestmark = pytest.mark.gpu
 DIMS_IDS = [f"l{latent}_r{rope}" for latent, rope in ac.DIMS]
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
 def nan_fill(gpu, shape, dtype):
     a = gpu.alloc(shape, dtype)
     gpu.memset(a, 0xFF)                       # bf16 0xFFFF and fp32 0xFFFFFFFF are NaN

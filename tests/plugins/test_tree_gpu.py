@@ -23,14 +23,6 @@ V_BIG = 163840
 
 
 @pytest.fixture(scope="module")
-def gpu():
-    from ddtree.plugins.device import Gpu
-    g = Gpu()
-    yield g
-    g.free_all()
-
-
-@pytest.fixture(scope="module")
 def builders(gpu):
     from ddtree.plugins.tree_build import DraftTreeBuilder
     cache = {}
