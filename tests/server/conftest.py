@@ -52,6 +52,27 @@ def live_server(*args: str, startup_s: float = 60.0):
                 proc.wait(10)
 
 
+@contextmanager
+def in_process_server(app):
+    """`app` served by uvicorn in a thread on a free loopback port -> its base URL; stopped at the end."""
+    import threading
+
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 @pytest.fixture(scope="session")
 def server():
     """The shared server's base URL (tests leave it idle: queue empty, nothing running)."""

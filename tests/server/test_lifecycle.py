@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from ddtree.server.app import create_app
-from tests.server.conftest import MODEL, free_port, live_server
+from tests.server.conftest import MODEL, in_process_server, live_server
 
 
 def test_sigterm_drains_the_stream_in_flight(engine):
@@ -60,18 +57,8 @@ class FailingEngine:
 
 @pytest.fixture()
 def failing_server(engine):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(FailingEngine(engine), MODEL, max_queue=4),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
+    with in_process_server(create_app(FailingEngine(engine), MODEL, max_queue=4)) as url:
+        yield url
 
 
 def complete(url: str, prompt: str) -> httpx.Response:

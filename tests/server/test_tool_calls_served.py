@@ -4,17 +4,14 @@ makes the target's logits pick a fixed Kimi-format answer, driven through the re
 official openai client, streamed and not."""
 from __future__ import annotations
 
-import threading
-import time
 
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.server.app import create_app
-from tests.server.conftest import MODEL, free_port
+from tests.server.conftest import MODEL, in_process_server
 
 ANSWER = ("I should look it up.</think>Checking the weather.<|tool_calls_section_begin|><|tool_call_begin|>"
           "functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"
@@ -52,18 +49,8 @@ def client():
     script = real.tokenizer.encode(ANSWER)
     scripted = ScriptedExecutor(real.executor, script, real.tokenizer.eos_id)
     engine = DDTreeEngine(scripted, real.tokenizer, real.model_dir, real.drafter_dir)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    server.should_exit = True
-    thread.join(30)
+    with in_process_server(create_app(engine, MODEL)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def ask(client, **kw):
