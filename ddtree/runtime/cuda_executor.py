@@ -35,7 +35,7 @@ from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import WalkResult, accept_walk
 
-from ddtree.runtime.engine_executor import checked_forward_inputs
+from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.loop import RequestError
 
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
@@ -328,14 +328,9 @@ class CudaExecutor:
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] float32."""
-        d, ops = self.drafter_config, self.ops
-        ctx_taps = np.asarray(ctx_taps)
-        if ctx_taps.ndim != 2 or ctx_taps.shape[1] != d.num_taps * d.hidden_size or len(ctx_taps) < 1:
-            raise CudaRequestError(f"drafter_forward: ctx_taps must be [n >= 1, {d.num_taps * d.hidden_size}], "
-                                   f"got {list(ctx_taps.shape)}")
-        T, n, b = cache.length, len(ctx_taps), len(block_ids)
-        if not 2 <= b <= d.block_size:
-            raise CudaRequestError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
+        d = self.drafter_config
+        ctx_taps = checked_drafter_inputs(ctx_taps, block_ids, d, min_rows=1, error=CudaRequestError)
+        T, n = cache.length, len(ctx_taps)
         cache.reserve(T + n)
         rows, starts = self.ops.max_tokens, range(0, n, self.ops.max_tokens)     # <= max_tokens context rows a call
         for a in starts[:-1]:

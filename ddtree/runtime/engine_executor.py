@@ -54,6 +54,19 @@ def checked_forward_inputs(ids, pos, visible, T: int, vocab_size: int, error=Val
     return ids, pos, visible
 
 
+def checked_drafter_inputs(ctx_taps, block_ids, dcfg, min_rows: int = 0, error=ValueError) -> np.ndarray:
+    """A drafter call's new context ctx_taps [n >= min_rows, K H] and block [2 .. block_size], checked.
+    Returns ctx_taps as an array. Raises `error`."""
+    ctx_taps = np.asarray(ctx_taps)
+    width = dcfg.num_taps * dcfg.hidden_size
+    if ctx_taps.ndim != 2 or ctx_taps.shape[1] != width or len(ctx_taps) < min_rows:
+        rows = f"n >= {min_rows}" if min_rows else "n"
+        raise error(f"drafter_forward: ctx_taps must be [{rows}, {width}], got {list(ctx_taps.shape)}")
+    if not 2 <= len(block_ids) <= dcfg.block_size:
+        raise error(f"drafter_forward: a block of {len(block_ids)} tokens (the drafter takes 2..{dcfg.block_size})")
+    return ctx_taps
+
+
 class EngineExecutor:
     name = "engine-numpy"
 
@@ -131,13 +144,8 @@ class EngineExecutor:
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] (all-gathered)."""
         d = self.drafter_config
-        ctx_taps = np.asarray(ctx_taps, dtype=self.dtype)
-        if ctx_taps.ndim != 2 or ctx_taps.shape[1] != d.num_taps * d.hidden_size:
-            raise ValueError(f"drafter_forward: ctx_taps must be [n, {d.num_taps * d.hidden_size}], "
-                             f"got {list(ctx_taps.shape)}")
+        ctx_taps = checked_drafter_inputs(ctx_taps, block_ids, d).astype(self.dtype, copy=False)
         T, n, b = cache.length, len(ctx_taps), len(block_ids)
-        if not 2 <= b <= d.block_size:
-            raise ValueError(f"drafter_forward: a block of {b} tokens (the drafter takes 2..{d.block_size})")
         cache.reserve(T + n)
         ctx = [o["ctx"] for o in self.ranks.call(layers.draft_fc, d, feeds={"ctx_taps": ctx_taps})]
         h = [o["h"] for o in self.ranks.call(layers.embed, self.config,
