@@ -140,26 +140,25 @@ DRAFTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path, value, fragments", TARGET_CASES, ids=[f"{c[0]}={c[1]!r}" for c in TARGET_CASES])
-def test_target_config_refused(tmp_path, path, value, fragments):
-    folder = write_config(tmp_path, mutate(tiny("target"), path, value))
+def assert_refused(tmp_path, kind: str, load, path, value, fragments) -> None:
+    """The tiny `kind` config with `path` set to `value` is a ConfigError naming the file and every fragment."""
+    folder = write_config(tmp_path, mutate(tiny(kind), path, value))
     with pytest.raises(ConfigError) as e:
-        load_model_config(folder)
+        load(folder)
     msg = str(e.value)
     assert msg.startswith(f"{folder / 'config.json'}: "), msg
     for f in fragments:
         assert f in msg, f"{f!r} not in {msg!r}"
+
+
+@pytest.mark.parametrize("path, value, fragments", TARGET_CASES, ids=[f"{c[0]}={c[1]!r}" for c in TARGET_CASES])
+def test_target_config_refused(tmp_path, path, value, fragments):
+    assert_refused(tmp_path, "target", load_model_config, path, value, fragments)
 
 
 @pytest.mark.parametrize("path, value, fragments", DRAFTER_CASES, ids=[f"{c[0]}={c[1]!r}" for c in DRAFTER_CASES])
 def test_drafter_config_refused(tmp_path, path, value, fragments):
-    folder = write_config(tmp_path, mutate(tiny("drafter"), path, value))
-    with pytest.raises(ConfigError) as e:
-        load_drafter_config(folder)
-    msg = str(e.value)
-    assert msg.startswith(f"{folder / 'config.json'}: "), msg
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
+    assert_refused(tmp_path, "drafter", load_drafter_config, path, value, fragments)
 
 
 @pytest.mark.parametrize("path, value, fragments", [
