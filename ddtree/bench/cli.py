@@ -21,3 +21,6 @@ bench.add_command(tree_command)
 
 from ddtree.bench.accept import accept  # noqa: E402  (imports after the group, no cycle)
 bench.add_command(accept)
+
+from ddtree.bench.project import project_command  # noqa: E402
+bench.add_command(project_command)

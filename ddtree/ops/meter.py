@@ -11,7 +11,9 @@ MLA attention reads the cache rows [0, T + q); the MoE op is three records: `moe
 weight + input, as `ddtree bench moe`'s router row), `moe.experts` (the routed experts a batch
 touches + the input in and the output out, as its experts row) and `moe.shared` (the shared expert's
 slice). Routed experts touched: with `routing="uniform"` each token picks top-k of E uniformly, so a
-rank holding E_r experts expects E_r (1 - (1 - k/E)^M) of them for M tokens. Collectives move no
+rank holding E_r experts expects E_r (1 - (1 - k/E)^M) of them for M tokens; with `routing="given"`
+the counts come from outside (`distinct=`: one number for every MoE layer, or one per MoE layer in call
+order, each the experts of this rank's E_r touched: ddtree/bench/routing.py). Collectives move no
 device-memory bytes here (the step benchmark models them apart); their message bytes are recorded.
 Kernel counts are the CUDA backend's launches per op (KERNELS).
 """
@@ -67,9 +69,13 @@ def expected_distinct(experts_held: int, n_routed: int, topk: int, tokens: int) 
 
 class MeterOps(Ops):
     def __init__(self, lay: RankLayout, specs: dict, dims: dict[str, int], act_bytes: int = 2, acc_bytes: int = 4,
-                 routing: str = "uniform"):
-        if routing != "uniform":
-            raise ValueError(f"meter: routing {routing!r} is not modelled (uniform only)")
+                 routing: str = "uniform", distinct=None):
+        if routing not in ("uniform", "given"):
+            raise ValueError(f"meter: routing {routing!r} is not modelled (uniform or given)")
+        if (routing == "given") != (distinct is not None):
+            raise ValueError("meter: distinct expert counts go with routing='given' (and only with it)")
+        self.distinct = None if distinct is None else np.atleast_1d(np.asarray(distinct, dtype=np.float64))
+        self.moe_calls = 0
         self.lay, self.specs, self.dims = lay, specs, dims
         self.sizes = {ACT: act_bytes, ACC: acc_bytes, I32: 4, F32: 4}
         self.records: list[Record] = []
@@ -193,7 +199,7 @@ class MeterOps(Ops):
     def moe(self, x, router, bias, experts, shared, spec):
         M, H = x.shape
         self._rec("moe.router", [x, router, bias], [], 2 * M * router.size)      # logits and routing stay on chip
-        distinct = expected_distinct(spec.experts, spec.n_routed_experts, spec.topk, M)
+        distinct = self._distinct(spec, M)
         per_expert = sum(w.nbytes for w in experts.values()) / spec.experts
         touched = Meta((round(distinct * per_expert),), 1, weight=True)
         y = Meta((M, H), self.sizes[ACT])
@@ -202,6 +208,18 @@ class MeterOps(Ops):
                   detail={"expected_distinct": distinct})
         self._rec("moe.shared", [x, *shared], [], 2 * M * sum(w.size for w in shared))   # added in down's epilogue
         return y
+
+    def _distinct(self, spec, M: int) -> float:
+        """Routed experts of this rank the M tokens of this MoE call touch."""
+        call, self.moe_calls = self.moe_calls, self.moe_calls + 1
+        if self.distinct is None:
+            return expected_distinct(spec.experts, spec.n_routed_experts, spec.topk, M)
+        if self.distinct.size > 1 and call >= self.distinct.size:
+            raise ValueError(f"meter: MoE call {call + 1} but only {self.distinct.size} distinct counts given")
+        d = float(self.distinct[call if self.distinct.size > 1 else 0])
+        if not 0 <= d <= spec.experts:
+            raise ValueError(f"meter: distinct experts {d} outside 0..{spec.experts} (the rank's experts)")
+        return d
 
     # drafter --------------------------------------------------------------------------------------
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):

@@ -1,0 +1,181 @@
+"""`ddtree bench project`: one DDTree step of rank 0 projected to 8x RTX PRO 6000 (issue 21; a PROJECTION).
+
+Per (context, budget, routing): the meter backend counts the step (drafter, tree, target verify of
+budget + 1 nodes after `context` cached tokens, acceptance walk, compaction; ddtree/ops/meter.py),
+ddtree/bench/projection.py turns each op call and each counted collective into microseconds on the
+target, and tokens/s = accept_len / step time. Routed experts touched per MoE layer: `uniform` = the
+meter's expectation E (1 - (1 - k/E)^M); `tree` = the routing generator (ddtree/bench/routing.py) on
+the budget's best-first tree, built by ddtree/tree/build.py from a stated draft profile: at every
+depth the drafter's rank-r candidate has probability top1 (1 - top1)^r.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ddtree.bench.projection import (ACCEPT_SOURCES, ALLREDUCE_CHOICES, HAND_SPLIT, PRO_6000, AcceptSource,
+                                     Projection, load_measured)
+from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
+from ddtree.cli_types import FiniteFloatRange
+from ddtree.errors import reported
+from ddtree.jsonout import emit_json
+from ddtree.ops.meter import expected_distinct, meter_step, totals
+from ddtree.ops.opset import RankLayout
+from ddtree.tree.build import MAX_BUDGET, Tree, build_tree
+
+
+@dataclass(frozen=True)
+class DraftProfile:
+    """The drafter's per-depth candidates the tree shape is built from (the same at every depth)."""
+    top1: float = 0.6          # ~ the first-position acceptance of an EAGLE3 chain on Kimi, 0.65
+    source: str = ("stated: rank r has probability top1 (1 - top1)^r at every depth; top1 0.6 ~ the 0.65 "
+                   "first-position acceptance of an EAGLE3 chain on Kimi (docs/hardware-and-kernels.md)")
+
+    def tree(self, budget: int, depths: int) -> Tree:
+        logp = np.log(self.top1 * (1.0 - self.top1) ** np.arange(budget))                # [k = budget]
+        table = np.tile(logp.astype(np.float32), (depths, 1))                             # [D, k]
+        return build_tree(0, table, np.tile(np.arange(budget, dtype=np.int32), (depths, 1)), budget)
+
+
+def depth_histogram(tree: Tree) -> list[int]:
+    """Nodes per depth, root (depth 0) first."""
+    return np.bincount(tree.depth).tolist()
+
+
+def project_row(model, proj: Projection, accept: AcceptSource, context: int, budget: int, routing: str,
+                reuse: float | None, tree: Tree, seed: int) -> dict:
+    """One row of the table: the meter's step under `routing`, projected."""
+    cfg, dcfg, plan, specs, rank = model
+    lay = RankLayout.from_plan(plan, rank)
+    held, E, k, M = lay.expert_stop - lay.expert_start, cfg.n_routed_experts, cfg.num_experts_per_tok, budget + 1
+    if routing == "tree":
+        ids = routing_ids("tree", tree.parents, E, k, reuse, len(cfg.moe_layers), seed)      # [L, M, k]
+        distinct = distinct_per_layer(ids, (lay.expert_start, lay.expert_stop))
+        recs = meter_step(cfg, dcfg, plan, specs, rank, context, budget, routing="given", distinct=distinct)
+        experts = {"mean": float(distinct.mean()), "min": int(distinct.min()), "max": int(distinct.max()),
+                   "source": f"routing generator, tree, reuse {reuse}, seed {seed}"}
+    else:
+        recs = meter_step(cfg, dcfg, plan, specs, rank, context, budget)
+        d = expected_distinct(held, E, k, M)
+        experts = {"mean": d, "min": d, "max": d, "source": "uniform expectation E (1 - (1 - k/E)^M)"}
+    t, step = totals(recs), proj.step(recs)
+    accept_len = accept.accept_len(budget)
+    step_s = step["step_us"] * 1e-6
+    nbytes = t["read"] + t["written"]
+    split_ms = {k2: v / 1e3 for k2, v in step["split_us"].items()}
+    return {"context": context, "budget": budget, "routing": routing, "reuse": reuse, "bytes": nbytes,
+            "flops": t["flops"], "kernels": t["kernels"], "distinct_experts": experts,
+            "tree": {"nodes": tree.size, "depth_histogram": depth_histogram(tree)},
+            "projection": {
+                "target": f"{proj.tp}x RTX PRO 6000", "bandwidth_tbps": proj.device.bandwidth_tbps,
+                "bf16_tflops": proj.device.bf16_tflops, "allreduce_model": proj.assumptions()["allreduce_model"],
+                "accept_len": accept_len, "accept_source": accept.source,
+                "accept_source_budget": accept.source_budget, "step_ms": step_s * 1e3,
+                "tokens_per_s": accept_len / step_s, "ideal_ms": nbytes / (proj.device.bandwidth_tbps * 1e9),
+                "split_ms": split_ms, "by_class_ms": {c: v / 1e3 for c, v in step["by_class_us"].items()},
+                "collectives": step["collectives"],
+                "dominant": sorted(split_ms, key=split_ms.get, reverse=True)[:3]}}
+
+
+def _ints(text: str, flag: str, lo: int, hi: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=flag)
+    if not values or not all(lo <= v <= hi for v in values):
+        raise click.BadParameter(f"expected integers in {lo}..{hi}, got {text!r}", param_hint=flag)
+    return values
+
+
+def _routings(routing: str, reuse: str | None) -> list[tuple[str, float | None]]:
+    kinds = [r.strip() for r in routing.split(",") if r.strip()]
+    bad = [r for r in kinds if r not in ROUTINGS]
+    if not kinds or bad:
+        raise click.BadParameter(f"unknown routing {', '.join(bad) or repr(routing)}; expected "
+                                 f"{' or '.join(ROUTINGS)} (comma-separated)", param_hint="--routing")
+    try:
+        ps = [float(p) for p in (reuse or "0.5").split(",") if p.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {reuse!r}", param_hint="--reuse")
+    if not ps or not all(0.0 <= p <= 1.0 for p in ps):
+        raise click.BadParameter(f"reuse is a probability in [0, 1], got {reuse!r}", param_hint="--reuse")
+    if reuse is not None and "tree" not in kinds:
+        raise click.BadParameter("applies to --routing tree only (uniform routing has no parent to reuse)",
+                                 param_hint="--reuse")
+    return [(r, None) for r in kinds if r == "uniform"] + [("tree", p) for p in ps if "tree" in kinds]
+
+
+def _table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    for name in ("budget", "context", "routing", "experts/layer", "step ms", "tokens/s", "dominant terms (ms)"):
+        table.add_column(name, justify="left" if name.startswith(("routing", "dominant")) else "right")
+    for r in rows:
+        p = r["projection"]
+        routing = r["routing"] if r["reuse"] is None else f"tree p={r['reuse']:g}"
+        dominant = ", ".join(f"{k} {p['split_ms'][k]:.2f}" for k in p["dominant"])
+        below = p["accept_source_budget"] is not None and r["budget"] < p["accept_source_budget"]
+        table.add_row(str(r["budget"]), str(r["context"]), routing, f"{r['distinct_experts']['mean']:.1f}",
+                      f"{p['step_ms']:.2f}", f"{p['tokens_per_s']:.1f}" + ("*" if below else ""), dominant)
+    return table
+
+
+@click.command("project")
+@click.option("--preset", default="kimi-k2.6", show_default=True, help="model dimensions (kimi-k2.6: all 61 layers)")
+@click.option("--tp", type=int, default=8, show_default=True)
+@click.option("--rank", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--budget", "budgets", default="4,8,16,32,64", show_default=True, help="comma-separated node budgets")
+@click.option("--context", "contexts", default="4096,32768", show_default=True, help="comma-separated cached tokens")
+@click.option("--routing", default="uniform,tree", show_default=True, help="uniform and/or tree, comma-separated")
+@click.option("--reuse", default=None, help="tree routing: comma-separated probabilities p in [0, 1] [default: 0.5]")
+@click.option("--accept", "accept_name", type=click.Choice(sorted(ACCEPT_SOURCES)), default="kimi-dflash-card",
+              show_default=True, help="acceptance length source")
+@click.option("--allreduce", type=click.Choice(sorted(ALLREDUCE_CHOICES)), default="auto", show_default=True,
+              help="PCIe all-reduce model (auto: the cheaper per message)")
+@click.option("--measured", type=click.Path(dir_okay=False), default=None,
+              help="JSON {\"rows\": [{kernel_class, bytes, flops, us}]} measured on the H200: refits those classes")
+@click.option("--top1", type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.6,
+              show_default=True, help="draft profile: top-1 probability at every depth (the tree's shape)")
+@click.option("--seed", type=int, default=0, show_default=True, help="routing generator seed")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
+def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured, top1,
+                    seed, as_json):
+    """Project one DDTree step to 8x RTX PRO 6000 (a projection from the meter's counts; no GPU)."""
+    from ddtree.builder.plan import make_plan
+    from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.model.presets import get_preset
+    budget_list = _ints(budgets, "--budget", 1, MAX_BUDGET)
+    routing_list = _routings(routing, reuse)
+    cfg, dcfg = get_preset(preset, 61 if preset == "kimi-k2.6" else None)
+    context_list = _ints(contexts, "--context", 1, cfg.max_position_embeddings - max(budget_list) - 1)
+    if rank >= tp:
+        raise click.BadParameter(f"rank {rank} is not below --tp {tp}", param_hint="--rank")
+    plan = make_plan(cfg, dcfg, tp)
+    classes = {**HAND_SPLIT, **(load_measured(measured) if measured else {})}
+    proj = Projection(PRO_6000, classes, ALLREDUCE_CHOICES[allreduce], tp)
+    accept = ACCEPT_SOURCES[accept_name]
+    model = (cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), rank)
+    profile = DraftProfile(top1)
+    trees = {b: profile.tree(b, dcfg.block_size - 1) for b in budget_list}
+    rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed)
+            for c in context_list for b in budget_list for r, p in routing_list]
+    assumptions = {**proj.assumptions(), "accept": asdict(accept), "draft_profile": asdict(profile),
+                   "preset": preset, "layers": cfg.num_hidden_layers, "rank": rank, "measured": measured,
+                   "drafter_new_context": dcfg.block_size, "routing_seed": seed}
+    obj = {"bench": "project", "device": f"cpu (a projection to {tp}x {PRO_6000.name}; nothing measured)",
+           "rows": rows, "ceiling": {"bandwidth_tbps": PRO_6000.bandwidth_tbps, "bf16_tflops": PRO_6000.bf16_tflops},
+           "assumptions": assumptions}
+    if as_json:
+        emit_json(obj)
+        return
+    console = Console(width=150)
+    console.print(_table(rows, f"PROJECTION of one DDTree step, rank {rank} of {tp}x {PRO_6000.name} "
+                               f"(accept: {accept.name})"))
+    console.print(f"accept length {accept.name}: {accept.source}")
+    if accept.source_budget is not None and min(budget_list) < accept.source_budget:
+        console.print(f"* budget below the {accept.source_budget} drafted tokens the accept length was measured at: "
+                      "optimistic")
