@@ -8,7 +8,9 @@ and the command exits 1; a folder that is not an engine (a checkpoint) is refuse
 directory holds. --json prints one object:
 {"engine", "format", "ok", "problems", "tp", "experts", "archs", "budgets", "block_size", "model",
  "drafter", "ranks": [{"name", "files", "bytes"}], "kernels": {arch: {file: bytes}}, "files", "bytes",
- "plans": plans.json (TensorRT-RTX plans with every input and output) or null}.
+ "plans": plans.json (TensorRT-RTX plans with every input and output) or null,
+ "tuning": tuning.json's fields (engine_dir/tuning.py; machine-specific, for --budget auto) or null}.
+An edited or invalid tuning.json is a problem; a missing one is not (the engine runs fixed budgets).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import click
 from rich.console import Console
 
 from ddtree.builder.trt_build import describe_plans, plan_lines
-from ddtree.engine_dir import PLANS, engine_configs, engine_files, engine_problems, kernels_rel, rank_name
+from ddtree.engine_dir import (
+    PLANS, describe_tuning, engine_configs, engine_files, engine_problems, kernels_rel, rank_name, tuning_problems)
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
@@ -62,6 +65,9 @@ def inspect_command(engine, as_json):
         info = describe(engine, meta)
         damaged = {p.split(": ", 1)[0] for p in problems}
         info["plans"] = None if PLANS in damaged else describe_plans(engine)     # (named among the problems)
+        tuning, bad_tuning = tuning_problems(engine)
+        problems = problems + bad_tuning
+    info["tuning"] = tuning.fields() if tuning else None
     info["ok"], info["problems"] = not problems, problems
     m, d = info["model"], info["drafter"]
     err.print(f"{engine}  ({info['format']}, {info['files']} files, {_mib(info['bytes'])})")
@@ -77,6 +83,8 @@ def inspect_command(engine, as_json):
         err.print(f"  kernels/{arch}: {', '.join(Path(f).name for f in cubins) or 'none'} "
                   f"({_mib(sum(cubins.values()))})")
     for line in plan_lines(info["plans"]):
+        err.print(line, markup=False)
+    for line in describe_tuning(tuning) if tuning else ["  tuning   none (`ddtree tune` writes it for --budget auto)"]:
         err.print(line, markup=False)
     if problems:
         for p in problems:

@@ -1,5 +1,6 @@
-"""The engine directory: its layout, config.json, manifest.json, the load-time check and the loader of one
-rank's tensors (layout.py, manifest.py, verify.py, tensors.py; every name is reachable as ddtree.engine_dir.X).
+"""The engine directory: its layout, config.json, manifest.json, the load-time check, the loader of one
+rank's tensors and the tuning file (layout.py, manifest.py, verify.py, tensors.py, tuning.py; every name is
+reachable as ddtree.engine_dir.X).
 
 Written by ddtree/builder, read by ddtree/runtime and ddtree/ops (docs/architecture.md). Every path in
 an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" itself.
@@ -17,6 +18,8 @@ an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" 
       tokenizer/                   the checkpoint's tokenizer files (absent for byte-tokenizer models)
       plans.json                   the plans with their inputs and outputs (builder/trt_build.py)
       manifest.json                size and sha256 of every other file (checked by `ddtree inspect`)
+      tuning.json                  optional, machine-specific: step times and calibration for `--budget auto`
+                                   (written by `ddtree tune`; not in the manifest, its own checksum; tuning.py)
 
 config.json is checked field by field on both sides: the builder cannot write, and the runtime will
 not read, one that misses a required field or holds one of the wrong type.
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 from ddtree.engine_dir.layout import (  # noqa: F401
     CONFIG, DRAFTER_PREFIX, ENGINE_FORMAT, EXPERT_MODES, EXPERT_STACKS, EngineFormatError, FORMAT_FAMILY, GRAPHS,
-    HASH_THREADS, KERNELS, MANIFEST, PACKED_SUFFIXES, PLANS, READ_BYTES, REQUIRED, TOKENIZER, WEIGHT_SUFFIX,
+    HASH_THREADS, KERNELS, MANIFEST, PACKED_SUFFIXES, PLANS, READ_BYTES, REQUIRED, TOKENIZER, TUNING, WEIGHT_SUFFIX,
     check_engine_config, config_path, engine_configs, graph_rel, graphs_dir, graphs_index_path, graphs_rank_dir, is_engine_dir,
     kernels_dir, kernels_rel, manifest_path, not_an_engine, plan_rel, plans_path, rank_dir, rank_name,
     read_engine_config, tokenizer_dir, write_engine_config)
@@ -49,3 +52,5 @@ from ddtree.engine_dir.verify import (  # noqa: F401
     PLAN_SOURCES, check_engine, config_problems, engine_problems, plan_all_reduce_counts, plan_per_rank)
 from ddtree.engine_dir.tensors import (  # noqa: F401
     BFLOAT16, STORED, load_rank_tensors)
+from ddtree.engine_dir.tuning import (  # noqa: F401
+    TUNING_FORMAT, Tuning, TuningError, describe_tuning, read_tuning, tuning_path, tuning_problems, write_tuning)

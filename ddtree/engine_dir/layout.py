@@ -15,6 +15,7 @@ ENGINE_FORMAT = "ddtree-engine/1"
 FORMAT_FAMILY = "ddtree-engine/"
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
+TUNING = "tuning.json"                        # machine-specific, outside the manifest (engine_dir/tuning.py)
 PLANS = "plans.json"
 GRAPHS = "graphs"
 KERNELS = "kernels"

@@ -10,7 +10,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
-from ddtree.engine_dir.layout import ENGINE_FORMAT, EngineFormatError, HASH_THREADS, MANIFEST, READ_BYTES, manifest_path
+from ddtree.engine_dir.layout import (
+    ENGINE_FORMAT, EngineFormatError, HASH_THREADS, MANIFEST, READ_BYTES, TUNING, manifest_path)
 
 
 def sha256_file(path: Path) -> str:
@@ -22,10 +23,11 @@ def sha256_file(path: Path) -> str:
 
 
 def engine_files(root) -> list[str]:
-    """Every regular file under root except the manifest, as sorted relative paths."""
+    """Every regular file under root except the manifest and the tuning file (machine-specific, written after
+    the build, checked by its own checksum: engine_dir/tuning.py), as sorted relative paths."""
     root = Path(root)
     rels = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    return sorted(rel for rel in rels if rel != MANIFEST)
+    return sorted(rel for rel in rels if rel not in (MANIFEST, TUNING))
 
 
 def _digests(root: Path, rels: list[str]) -> dict[str, dict]:
