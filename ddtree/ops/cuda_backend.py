@@ -280,14 +280,17 @@ class CudaOps(Ops):
         from ddtree.plugins.compile import latent_defines
         from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE
         from ddtree.plugins.device import ptr
-        n = int(self.host(accepted_count)[0])                  # a host int today (the kernel's grid)
+        if accepted_count.host is None:                        # on the device only (a captured step): the
+            n, count = accepted.shape[0], ptr(accepted_count.ptr)  # kernel moves min(n, count[0]) rows
+        else:
+            n, count = int(accepted_count.host[0]), ptr(None)
         if not 0 <= n <= MAX_COMPACT:
             raise ValueError(f"{self.where}: kv_compact of {n} rows (at most {MAX_COMPACT})")
         if n:
             entry, g = cache.shape[1], self.gpu
             g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, 1),
                      32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(cache.shape[0] * entry), ptr(cache_len.ptr),
-                     ptr(accepted.ptr), np.int32(n), stream=self.stream, pdl=self.k.pdl)
+                     ptr(accepted.ptr), np.int32(n), count, stream=self.stream, pdl=self.k.pdl)
         return cache
 
     def _absorb(self, spec):

@@ -4,6 +4,7 @@
     cache.set_length(T)                                           # committed prefix (device int32)
     cache.append(layer, c_kv, k_pe, q)                            # entries at T .. T + q - 1 of one layer
     cache.compact(keep, n)                                        # after acceptance, every layer
+    cache.compact(keep, n, count=count)                           # count on the device: min(n, count[0]) move
     cache.set_length(T + n)
 
 An entry is c_kv (latent = kv_lora_rank) then k_pe (rope = qk_rope_head_dim) in bf16; the kernels compile
@@ -74,9 +75,12 @@ class DeviceLatentCache:
                         0, ptr(self.layer(layer)), ptr(self.lengths), ptr(c_kv), np.int32(c_stride), ptr(k_pe),
                         np.int32(k_stride), stream=stream, pdl=self.pdl)
 
-    def compact(self, keep: DeviceArray | int, n: int, stream=None) -> None:
+    def compact(self, keep: DeviceArray | int, n: int, count: DeviceArray | int | None = None, stream=None) -> None:
         """Every layer: entry length + keep[i] -> length + i for i < n (keep int32, strictly increasing,
-        on the device). The caller then sets the length to length + n."""
+        on the device). The caller then sets the length to length + n.
+        count: a device int32 [1] (e.g. the acceptance walk's count, inside a captured graph): then only
+        the first min(n, count[0]) entries move, read at run time; n is the most a replay may move, and the
+        length update (length + count) is the caller's, on the device."""
         if not 0 <= n <= MAX_COMPACT:
             raise ValueError(f"DeviceLatentCache.compact: n = {n} outside [0, {MAX_COMPACT}]")
         if n == 0:
@@ -84,4 +88,4 @@ class DeviceLatentCache:
         threads = 32 * -(-n // 32)
         self.gpu.launch(self.gpu.kernel(SOURCE, "kv_compact", self.defines), (self.entry // 8, self.layers), threads,
                         0, ptr(self.buf), np.uint64(self.capacity * self.entry), ptr(self.lengths), ptr(keep),
-                        np.int32(n), stream=stream, pdl=self.pdl)
+                        np.int32(n), ptr(count), stream=stream, pdl=self.pdl)

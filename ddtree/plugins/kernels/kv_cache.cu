@@ -34,19 +34,21 @@ extern "C" __global__ void kv_append(bf16_t* __restrict__ cache, const int* __re
 // registers, synchronises, then writes. Nothing is read after any write to it and no two blocks touch
 // the same bytes, so the result never depends on scheduling. Grid (KV_VECS, layers), block >= n (n <= 1024).
 // start = lengths[0] (the committed prefix before the tree); the new length is start + n (set by the host
-// or the next step's length update, not here).
+// or the next step's length update, not here). count: null, or a device int (the acceptance walk's output
+// inside a captured graph): then min(n, *count) entries move, n being the block size the host launched.
 extern "C" __global__ void kv_compact(bf16_t* __restrict__ cache, size_t layer_stride, const int* __restrict__ lengths,
-                                      const int* __restrict__ keep, int n) {
+                                      const int* __restrict__ keep, int n, const int* __restrict__ count) {
     pdl_wait();
     pdl_trigger();
     const int v = blockIdx.x, i = threadIdx.x;
+    const int n_used = count ? min(n, ld_cg_s32(count)) : n;
     uint4* base = (uint4*)(cache + (size_t)blockIdx.y * layer_stride + (size_t)ld_cg_s32(lengths) * KV_DK) + v;
     uint4 value = make_uint4(0u, 0u, 0u, 0u);
     int src = -1;
-    if (i < n) {
+    if (i < n_used) {
         src = ld_cg_s32(&keep[i]);
         value = base[(size_t)src * KV_VECS];
     }
     __syncthreads();
-    if (i < n && src != i) base[(size_t)i * KV_VECS] = value;
+    if (i < n_used && src != i) base[(size_t)i * KV_VECS] = value;
 }
