@@ -62,15 +62,16 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
     rows = []
     for mode in modes:
         params = MODES[mode]
+        plan = sampler.set_params(params)           # the graphs read the parameters from the device record
 
         def walk_all(stream):
             for r in range(steps):
-                sampler.run(targets[r % copies], tree.positions, params, n, tree=tree, stream=stream)
+                sampler.launch(plan, targets[r % copies], tree.positions, n, tree=tree, stream=stream)
 
         def step_all(stream):
             for r in range(steps):
                 t = builder.run(drafts[r % copies], root, start, B, stream=stream)
-                sampler.run(targets[r % copies], t.positions, params, n, tree=t, stream=stream)
+                sampler.launch(plan, targets[r % copies], t.positions, n, tree=t, stream=stream)
 
         before = int(sampler.full_row_rows.numpy()[0])
         sampler.run(targets[0], tree.positions, params, n, tree=tree)

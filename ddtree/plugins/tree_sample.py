@@ -4,6 +4,20 @@
     out = sampler.run(logits, query_pos, params, n, tree=tree)      # 1 launch (3 for top-p alone), no host sync
     out.target [n], out.accepted [n] (node indices, then -1), out.count [1], out.bonus [1]
 
+    plan = sampler.set_params(params)                               # outside a graph: the device record
+    graph = gpu.capture(lambda s: sampler.launch(plan.mode, logits, query_pos, n, tree=tree, stream=s))
+    sampler.set_params(other_params_of_that_mode); gpu.replay(graph)  # the graph reads the new record
+
+How parameters reach the kernels: never as kernel arguments. set_params writes temperature, top_p,
+top_k, C (candidates per slice) and the seed into one device record (`params`, SAMPLE_PARAMS_DTYPE, the
+twin of SampleParamsDev in kernels/sample_common.cuh) with stream-ordered memsets on the launch stream, so
+it lands after the work already queued there and before what follows. Every sampling kernel reads the
+record through a pointer. The mode (greedy / gumbel / top_k / top_p) picks the kernels and is the only
+thing a launch fixes: a graph captured by launch(mode) serves any parameters of that mode set later, so a
+step graph is keyed by mode (set_params returns the plan whose mode picks the graph). A record of another
+mode is caught on the device and raised by check_status. run() = set_params + launch (inside a capture
+its memsets are captured too: that graph rewrites the record it was captured with at every replay).
+
 The token at every row is the sampling definition of docs/interfaces.md section 5 (ddtree/tree/sampling.py)
 for the position query_pos + 1: greedy, or Gumbel-max over z = l / T with top-k / top-p, in float64.
 With `tree` (a DeviceTree from DraftTreeBuilder), the last block walks it (ddtree/tree/walk.py).
@@ -20,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.device import DeviceArray, Gpu, ptr
+from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
 from ddtree.plugins.gemm import supports_pdl
 from ddtree.tree.sampling import SamplingParams
 
@@ -33,10 +47,13 @@ MAX_LIST_KEYS = 3072           # SP_MAX_LIST_KEYS: S * C keys of a row merged in
 MASS_BINS = 4096               # SP_BINS
 MAX_ROWS = 256
 GREEDY, GUMBEL, TOP_K, TOP_P = "greedy", "gumbel", "top_k", "top_p"
-STATUS_NAN_TARGET, STATUS_BIN_OVERFLOW = 2, 4
+STATUS_NAN_TARGET, STATUS_BIN_OVERFLOW, STATUS_WRONG_MODE = 2, 4, 8
 WINNER_BYTES = 16              # struct Winner { double value; int id; } (padded)
 PARTS_BYTES = 16               # struct SliceParts { float max, left_out; double sum; }
 ROW_STATE_BYTES = 32           # struct RowState (sample_common.cuh)
+# struct SampleParamsDev (sample_common.cuh): the device record every sampling kernel reads
+SAMPLE_PARAMS_DTYPE = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("top_k", "<i4"), ("candidates", "<i4"),
+                                ("seed_lo", "<u4"), ("seed_hi", "<u4")], align=True)
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,15 @@ def plan_sampling(params: SamplingParams, vocab: int) -> SamplePlan:
     if top_k:
         return SamplePlan(TOP_K, top_k, top_k)
     return SamplePlan(GUMBEL, 0, 0) if params.top_p >= 1 else SamplePlan(TOP_P, 0, CANDIDATES)
+
+
+def params_record(params: SamplingParams, plan: SamplePlan) -> np.ndarray:
+    """The device record of `params` under `plan` (greedy: temperature 0, the rest unused)."""
+    record = np.zeros((), SAMPLE_PARAMS_DTYPE)
+    record["temperature"], record["top_p"] = params.temperature, params.top_p
+    record["top_k"], record["candidates"] = plan.top_k, plan.candidates
+    record["seed_lo"], record["seed_hi"] = params.seed & 0xFFFFFFFF, params.seed >> 32
+    return record
 
 
 @dataclass
@@ -84,13 +110,38 @@ class TreeSampler:
         self.full_row_rows = gpu.zeros((1,), np.uint32)      # running count of rows that needed sample_top_p.cu
         self.row_tickets = gpu.zeros((max_rows,), np.uint32)
         self.done_ticket = gpu.zeros((1,), np.uint32)
+        self.params = gpu.zeros((SAMPLE_PARAMS_DTYPE.itemsize,), np.uint8)   # SampleParamsDev: set_params
         self.out = SampleOutputs(gpu.alloc((max_rows,), np.int32), gpu.alloc((max_rows,), np.int32),
                                  gpu.alloc((1,), np.int32), gpu.alloc((1,), np.int32))
 
+    def set_params(self, params: SamplingParams, stream=None) -> SamplePlan:
+        """Write `params` into the device record (stream-ordered memsets on `stream`, default the Gpu's);
+        returns the plan whose mode picks the kernels (and the graph) that serve it."""
+        plan = plan_sampling(params, self.V)
+        if plan.candidates and self.S * plan.candidates > MAX_LIST_KEYS:
+            raise ValueError(f"TreeSampler: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
+                             f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
+        words = params_record(params, plan).tobytes()
+        s = stream if stream is not None else self.gpu.stream
+        handle = getattr(s, "stream", s).handle              # a graph builder's stream while capturing
+        for i, word in enumerate(np.frombuffer(words, np.uint32)):
+            check(_driver().cuMemsetD32Async(self.params.ptr + 4 * i, int(word), 1, handle), "cuMemsetD32Async")
+        return plan
+
     def run(self, logits: DeviceArray, query_pos: DeviceArray, params: SamplingParams, n: int, tree=None,
             stream=None) -> SampleOutputs:
-        """logits [n, V] float32 (rows may be a prefix of a larger buffer), query_pos [n] int32.
-        Launches: greedy / plain Gumbel 1, top-k 1, top-p alone 3."""
+        """set_params + launch: logits [n, V] float32 (rows may be a prefix of a larger buffer), query_pos
+        [n] int32. Launches: greedy / plain Gumbel 1, top-k 1, top-p alone 3."""
+        return self.launch(self.set_params(params, stream=stream), logits, query_pos, n, tree=tree, stream=stream)
+
+    def launch(self, mode: str | SamplePlan, logits: DeviceArray, query_pos: DeviceArray, n: int, tree=None,
+               stream=None) -> SampleOutputs:
+        """The kernels of `mode` (GREEDY, GUMBEL, TOP_K, TOP_P, or a plan's) on the parameters in the device
+        record at run time (set_params, before the launch or between replays of a graph holding it)."""
+        mode = mode.mode if isinstance(mode, SamplePlan) else mode
+        if mode not in (GREEDY, GUMBEL, TOP_K, TOP_P):
+            raise ValueError(f"TreeSampler.launch: mode must be one of {GREEDY}, {GUMBEL}, {TOP_K}, {TOP_P} "
+                             f"(or a SamplePlan), got {mode!r}")
         if not 1 <= n <= self.max_rows:
             raise ValueError(f"TreeSampler.run: n {n} must be in 1..{self.max_rows} (max_rows)")
         if np.dtype(logits.dtype) != np.float32 or logits.shape[-1] != self.V or logits.shape[0] < n:
@@ -98,44 +149,41 @@ class TreeSampler:
                              f"got {np.dtype(logits.dtype).name} {list(logits.shape)}")
         if tree is not None and tree.tokens.shape[0] != n:
             raise ValueError(f"TreeSampler.run: the tree has {tree.tokens.shape[0]} nodes but n is {n}")
-        plan = plan_sampling(params, self.V)
-        if plan.candidates and self.S * plan.candidates > MAX_LIST_KEYS:
-            raise ValueError(f"TreeSampler.run: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
-                             f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
-        g, S, o, t = self.gpu, self.S, self.out, tree
-        args = (np.float64(params.temperature), np.float64(params.top_p), np.int32(plan.top_k),
-                np.uint32(params.seed & 0xFFFFFFFF), np.uint32(params.seed >> 32))
+        g, S, o, t, p = self.gpu, self.S, self.out, tree, ptr(self.params)
         walk = (ptr(t and t.tokens), ptr(t and t.parents), ptr(t and t.depth), ptr(o.accepted), ptr(o.count),
                 ptr(o.bonus), ptr(self.row_tickets), ptr(self.done_ticket))
 
         def launch(source, name, *a, threads=THREADS):          # grid: a block per slice of each row
             g.launch(g.kernel(source, name), (S, n, 1), (threads, 1, 1), 0, *a, stream=stream, pdl=self.pdl)
 
-        if plan.mode == GREEDY:
-            launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), ptr(self.keys), ptr(o.target),
+        if mode == GREEDY:
+            launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), p, ptr(self.keys), ptr(o.target),
                    ptr(self.status), *walk, threads=GREEDY_THREADS)
-        elif plan.mode == GUMBEL:
-            launch(SOURCE, "sample_gumbel", ptr(logits), np.int32(self.V), ptr(query_pos), *args, ptr(self.wins),
-                   ptr(o.target), *walk)
+        elif mode == GUMBEL:
+            launch(SOURCE, "sample_gumbel", ptr(logits), np.int32(self.V), ptr(query_pos), p, ptr(self.wins),
+                   ptr(o.target), ptr(self.status), *walk)
         else:
-            launch(SOURCE, "sample_filtered", ptr(logits), np.int32(self.V), ptr(query_pos), *args,
-                   np.int32(plan.candidates), ptr(self.keys), ptr(self.parts), ptr(self.state), ptr(o.target),
-                   ptr(self.status), ptr(self.full_row_rows), np.int32(plan.mode == TOP_P), *walk)
-            if plan.mode == TOP_P:
-                launch(TOP_P_SOURCE, "sample_mass", ptr(logits), np.int32(self.V), *args, ptr(self.state),
+            launch(SOURCE, "sample_filtered", ptr(logits), np.int32(self.V), ptr(query_pos), p, ptr(self.keys),
+                   ptr(self.parts), ptr(self.state), ptr(o.target), ptr(self.status), ptr(self.full_row_rows),
+                   np.int32(mode == TOP_P), *walk)
+            if mode == TOP_P:
+                launch(TOP_P_SOURCE, "sample_mass", ptr(logits), np.int32(self.V), p, ptr(self.state),
                        ptr(self.mass), ptr(self.status), ptr(self.row_tickets))
-                launch(TOP_P_SOURCE, "sample_kept", ptr(logits), np.int32(self.V), ptr(query_pos), *args,
+                launch(TOP_P_SOURCE, "sample_kept", ptr(logits), np.int32(self.V), ptr(query_pos), p,
                        ptr(self.state), ptr(self.wins), ptr(o.target), *walk)
         return SampleOutputs(o.target.view(0, (n,)), o.accepted.view(0, (n,)), o.count, o.bonus)
 
     def check_status(self) -> None:
-        """Raise if any run since the last check saw NaN target logits or an inexact top-p cut (synchronises;
-        outside graphs)."""
+        """Raise if any run since the last check saw NaN target logits, parameters of another mode or an
+        inexact top-p cut (synchronises; outside graphs)."""
         flags = int(self.status.numpy()[0])
         if flags:
             self.gpu.memset(self.status, 0)
         if flags & STATUS_NAN_TARGET:
             raise ValueError("TreeSampler: the target logits contained NaN (sampled tokens are meaningless)")
+        if flags & STATUS_WRONG_MODE:
+            raise ValueError("TreeSampler: kernels of one sampling mode ran with the parameters of another (replay "
+                             "the graph of the mode set_params returned; sampled tokens are meaningless)")
         if flags & STATUS_BIN_OVERFLOW:
             raise ValueError("TreeSampler: a top-p cut fell among more than 2048 logits within 1/128 of z of "
                              "each other; that bin was kept whole (not the exact definition)")

@@ -24,13 +24,14 @@
 
 // logits [n, V] fp32 -> target [n] int32 (the token for position query_pos + 1)
 extern "C" __global__ void __launch_bounds__(SP_GREEDY_THREADS)
-sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_keys, int* __restrict__ target,
-              int* status, SP_WALK_ARGS) {
+sample_greedy(const float* __restrict__ logits, int V, SP_ARGS, u64* __restrict__ slice_keys,
+              int* __restrict__ target, int* status, SP_WALK_ARGS) {
     __shared__ u64 scratch[32];
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
     pdl_wait();
+    check_mode(*params, SP_GREEDY, status);
     u64 best = 0;
     bool nan = false;
 #pragma unroll 8
@@ -58,12 +59,13 @@ sample_greedy(const float* __restrict__ logits, int V, u64* __restrict__ slice_k
 
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
 sample_gumbel(const float* __restrict__ logits, int V, const int* __restrict__ query_pos, SP_ARGS,
-              Winner* __restrict__ slice_wins, int* __restrict__ target, SP_WALK_ARGS) {
-    SP_MAKE_ARGS;
+              Winner* __restrict__ slice_wins, int* __restrict__ target, int* status, SP_WALK_ARGS) {
     __shared__ Winner scratch[32];
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     pdl_wait();
+    SP_MAKE_ARGS;
+    check_mode(sp, SP_GUMBEL, status);
     const u32 position = (u32)query_pos[r] + 1u;
     Winner w = gumbel_best(logits + (size_t)r * V, lo + threadIdx.x, hi, SP_THREADS, position, a,
                            [](int, float) { return true; });
@@ -167,19 +169,21 @@ __device__ void filtered_row(FilteredSmem& sm, const u64* lists, const SlicePart
     if (threadIdx.x == 0) target[r] = w.id;
 }
 
-// keys [n, S, C], parts [n, S], state [n] (zeroed by the full-row kernels after use); full_row_rows: a
+// params: the device record (C = params->candidates <= SP_CAND); keys [n, S, C], parts [n, S], state [n] (zeroed by the full-row kernels after use); full_row_rows: a
 // running count of rows handed to the full-row kernels (diagnostics for tests and benchmarks)
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
-sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__ query_pos, SP_ARGS, int C,
+sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__ query_pos, SP_ARGS,
                 u64* __restrict__ slice_keys, SliceParts* __restrict__ parts, RowState* __restrict__ state,
                 int* __restrict__ target, int* status, u32* full_row_rows, int full_row_follows, SP_WALK_ARGS) {
-    SP_MAKE_ARGS;
     __shared__ __align__(16) FilteredSmem sm;
     __shared__ u64 scratch[32];
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
     pdl_wait();
+    SP_MAKE_ARGS;
+    check_mode(sp, full_row_follows ? SP_TOP_P : SP_TOP_K, status);
+    const int C = a.candidates;                             // top_k, or SP_CAND for top-p alone
     u64 keys[SP_ITEMS];
     bool nan = false;
 #pragma unroll

@@ -1,4 +1,4 @@
-// Shared by sample.cu and sample_top_p.cu: the sampling arguments, per-row state, the float64 softmax
+// Shared by sample.cu and sample_top_p.cu: the sampling parameter record, per-row state, the float64 softmax
 // weight, the pruned Gumbel-max loop and the acceptance walk (ddtree/tree/walk.py).
 #pragma once
 #include "select.cuh"
@@ -16,16 +16,47 @@
 #define SP_STATUS_NAN_TARGET 2
 #define SP_STATUS_BIN_OVERFLOW 4         // a crossing bin held more tokens than SP_MAX_BIN_KEYS
 
-struct SampleArgs {                      // the launcher normalises top_k (0 < top_k < V, else 0)
+#define SP_STATUS_WRONG_MODE 8           // a mode's kernels ran with the parameters of another mode
+
+// The sampling parameters in device memory (written by TreeSampler.set_params between graph replays, never
+// a kernel argument: a captured graph reads whatever the record holds at replay). The launcher normalises
+// top_k (0 < top_k < V, else 0); candidates = C, the keys per slice of sample_filtered (0 for greedy and
+// plain Gumbel). numpy twin: tree_sample.py SAMPLE_PARAMS_DTYPE (natural alignment, no padding: offsets
+// 0, 8, 16, 20, 24, 28; tests/plugins/test_tree_plans.py reads this declaration and checks the twin).
+struct SampleParamsDev {
     double temperature, top_p;
-    int top_k;
+    int top_k, candidates;
+    u32 seed_lo, seed_hi;
+};
+static_assert(sizeof(SampleParamsDev) == 32, "SampleParamsDev layout");
+
+struct SampleArgs {                      // the record as the kernels use it
+    double temperature, top_p;
+    int top_k, candidates;
     u32 seed_lo, seed_hi;
     double inv_temperature;              // for softmax weights only; z itself is always l / T
     float inv_t32;
 };
-#define SP_ARGS double temperature, double top_p, int top_k, u32 seed_lo, u32 seed_hi
-#define SP_MAKE_ARGS const SampleArgs a{temperature, top_p, top_k, seed_lo, seed_hi, 1.0 / temperature, \
-                                        (float)(1.0 / temperature)}
+// Every sampling kernel takes the record's address; SP_MAKE_ARGS reads it after griddepcontrol.wait.
+#define SP_ARGS const SampleParamsDev* __restrict__ params
+#define SP_MAKE_ARGS const SampleParamsDev sp = *params; \
+    const SampleArgs a{sp.temperature, sp.top_p, sp.top_k, sp.candidates, sp.seed_lo, sp.seed_hi, \
+                       1.0 / sp.temperature, (float)(1.0 / sp.temperature)}
+
+// Modes (the launcher's plan; the kernels a graph holds): greedy T = 0; plain Gumbel T > 0, C = 0;
+// filtered T > 0, C > 0, top_k == 0 exactly when the full-row top-p kernels follow. A record of another
+// mode raises SP_STATUS_WRONG_MODE (block (0, 0) checks; the launcher's check_status reports it).
+#define SP_GREEDY 0
+#define SP_GUMBEL 1
+#define SP_TOP_K 2
+#define SP_TOP_P 3
+__device__ __forceinline__ void check_mode(const SampleParamsDev& p, int mode, int* status) {
+    if (blockIdx.x | blockIdx.y | threadIdx.x) return;
+    const bool ok = mode == SP_GREEDY ? p.temperature == 0.0
+                  : mode == SP_GUMBEL ? p.temperature > 0.0 && p.candidates == 0
+                  : p.temperature > 0.0 && p.candidates > 0 && (p.top_k == 0) == (mode == SP_TOP_P);
+    if (!ok) atomicOr(status, SP_STATUS_WRONG_MODE);
+}
 
 // Per-row hand-off from sample_filtered to the full-row top-p kernels.
 struct RowState {

@@ -28,12 +28,12 @@ union MassSmem {
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
 sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restrict__ state, u64* __restrict__ mass,
             int* status, u32* row_tickets) {
-    SP_MAKE_ARGS;
     __shared__ __align__(16) MassSmem sm;
     __shared__ double s_above;
     __shared__ int s_bin, s_count, s_cut;
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
     pdl_wait();
+    SP_MAKE_ARGS;
     if (!state[r].needs_full_row) { pdl_trigger(); return; }
     const float l_top = state[r].l_top;
     const double norm = state[r].norm, to_fixed = SP_MASS_ONE / norm;
@@ -130,10 +130,10 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restri
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
 sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ query_pos, SP_ARGS,
             RowState* __restrict__ state, Winner* __restrict__ slice_wins, int* __restrict__ target, SP_WALK_ARGS) {
-    SP_MAKE_ARGS;
     __shared__ Winner scratch[32];
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
     pdl_wait();
+    SP_MAKE_ARGS;
     const RowState st = state[r];
     if (st.needs_full_row) {
         const float scale = SP_BINS_PER_UNIT / (float)a.temperature;
