@@ -51,14 +51,15 @@ LAUNCHERS = {
     "rope": "plugins/layer_ops.py LayerOps.gather_rows (a dense copy) + rope_interleaved in place "
             "(RopeTable.interleaved: cos/sin built in float64)",
     "kv_append": "the kv_append kernel of plugins/kv_cache.py on the op's cache and cache_len",
-    "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count read on the host)",
+    "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count from the host copy, or read "
+                  "on the device when the count is a device tensor: the captured step)",
     "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
     "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down)",
-    "draft_attention": "copies of the context into the caches at cache_len (host-fed positions), "
-                       "LayerOps.rope_rotate_half on them and on copies of q / k, then "
-                       "plugins/draft_attention.py DraftAttention.run",
+    "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
+                       "written at cache_len (LayerOps.rows_at; cache_len read on the device), copies of q / k "
+                       "roped, then plugins/draft_attention.py DraftAttention.run",
     "all_reduce": "identity at tp 1 (tp > 1: missing collective, issue 25)",
     "all_gather": "a [1, ...] view at tp 1 (tp > 1: missing collective, issue 25)",
     "vocab_winner": "host: download, ops/numpy_math.vocab_winner, upload (GPU: plugins/tree_sample.py)",
@@ -348,16 +349,17 @@ class CudaOps(Ops):
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
         from ddtree.plugins.draft_attention import DraftAttention
         b, n, (S, Hk, d) = q.shape[0], ctx_k.shape[0], cache_k.shape
-        T = int(self.host(cache_len)[0])
-        if T + n > S:
-            raise ValueError(f"{self.where}: {n} context rows after {T} exceed the drafter cache's {S}")
+        if cache_len.host is not None and int(cache_len.host[0]) + n > S:
+            raise ValueError(f"{self.where}: {n} context rows after {int(cache_len.host[0])} exceed the drafter "
+                             f"cache's {S}")
         table = self.store.rope_table("rotate_half", rope, d, spec.attention_factor)
-        row = Hk * d
-        if n:
-            ctx_pos = self.upload(np.arange(T, T + n, dtype=np.int32))          # host-fed (not capturable yet)
-            for src, dst in ((ctx_k, cache_k), (ctx_v, cache_v)):
-                self.gpu.copy_d2d(dst.ptr + T * row * 2, src.ptr, n * row * 2, stream=self.stream)
-            self.k.rope_rotate_half(cache_k.at(T * row, (n, Hk, d)).ptr, ctx_pos.ptr, table, n, Hk, stream=self.stream)
+        if n:              # the new context rows, roped at cache_len + i and written there (all on the device)
+            ctx_pos = self.new((n,), np.int32)
+            self.k.positions_from(cache_len.ptr, ctx_pos.ptr, n, stream=self.stream)
+            ctx_k_r = self.copy(ctx_k)
+            self.k.rope_rotate_half(ctx_k_r.ptr, ctx_pos.ptr, table, n, Hk, stream=self.stream)
+            for src, dst in ((ctx_k_r, cache_k), (ctx_v if ctx_v.contiguous else self.copy(ctx_v), cache_v)):
+                self.k.rows_at(dst.ptr, S, cache_len.ptr, src.ptr, n, Hk * d, stream=self.stream)
         q_r, k_r = self.copy(q), self.copy(k)
         self.k.rope_rotate_half(q_r.ptr, pos.ptr, table, b, spec.heads, stream=self.stream)
         self.k.rope_rotate_half(k_r.ptr, pos.ptr, table, b, Hk, stream=self.stream)

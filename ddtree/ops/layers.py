@@ -1,7 +1,7 @@
 """The per-rank model, written once: each layer kind is one function over the op set (ops/opset.py).
 
 Every executor runs these functions through a backend: numpy (CPU ranks), onnx (the engine's graphs
-and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), later cuda. The float64 oracle in
+and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), cuda (one GPU). The float64 oracle in
 ddtree/reference/ is the only other copy of the model, written independently on purpose.
 
     embed        ids [q] -> this rank's rows, zeros elsewhere -> all-reduce -> h [q, H]
@@ -22,6 +22,8 @@ ddtree/reference/ is the only other copy of the model, written independently on 
     compact      one layer's cache after a verify: rows T + accepted[i] -> T + i (the accepted path)
     tree         this rank's candidates -> all-gather [tp, D, k] -> best-first tree of B drafted nodes
     accept       the tree and this rank's sampling winners -> all-gather [tp, n] -> the acceptance walk
+    head_logits, draft_logits   the two heads without their sampler / top-k (a backend that fuses sampling
+                 with the walk and top-k with the tree build at tp 1: the GPU step, runtime/cuda_step.py)
 The drafter's block embedding is the target's `embed` (the drafter has none of its own).
 Tensor names are the rank files' (builder/weights.py) and the graphs' I/O names.
 """
@@ -101,13 +103,23 @@ def compact(ops: Ops, cfg) -> None:
     ops.output("cache_out", ops.kv_compact(cache, cache_len, accepted, count), ["S", W], ACT)
 
 
-def head(ops: Ops, cfg) -> None:
+def _target_logits(ops: Ops, cfg):
     h = ops.input("h", ["q", cfg.hidden_size], ACT)
+    x = ops.rms_norm(h, ops.weight("model.norm.weight"), cfg.rms_norm_eps)
+    return ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                         # [q, V_r]
+
+
+def head_logits(ops: Ops, cfg) -> None:
+    """The head without its sampler: the logits alone, for a backend that samples them itself (the GPU step's
+    fused sampler + acceptance walk, runtime/cuda_step.py) or a host loop that downloads them."""
+    ops.output("logits", _target_logits(ops, cfg), ["q", ops.lay.vocab_stop - ops.lay.vocab_start], ACC)
+
+
+def head(ops: Ops, cfg) -> None:
+    logits = _target_logits(ops, cfg)
     sample_pos = ops.input("sample_pos", ["q"], I32)
     temperature = ops.input("temperature", [1], F32)
     seed = ops.input("seed", [2], I32)                                                  # (low word, high word)
-    x = ops.rms_norm(h, ops.weight("model.norm.weight"), cfg.rms_norm_eps)
-    logits = ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                       # [q, V_r]
     value, winner = ops.vocab_winner(logits, sample_pos, temperature, seed)
     ops.output("logits", logits, ["q", ops.lay.vocab_stop - ops.lay.vocab_start], ACC)
     ops.output("win_value", value, ["q"], ACC)
@@ -156,12 +168,23 @@ def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
     ops.output("cache_v_out", cache_v, ["S", kv_heads, d], ACT)
 
 
-def draft_head(ops: Ops, dcfg, k: int, block: int | None = None) -> None:
-    H, b, lay = dcfg.hidden_size, block or dcfg.block_size, ops.lay
-    D, V_r = b - 1, lay.vocab_stop - lay.vocab_start
-    h = ops.input("h", [b, H], ACT)
+def _draft_logits(ops: Ops, dcfg, b: int):
+    h = ops.input("h", [b, dcfg.hidden_size], ACT)
     x = ops.slice(ops.rms_norm(h, ops.weight("drafter.norm.weight"), dcfg.rms_norm_eps), 0, 1, b)   # [D, H]
-    logits = ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                       # [D, V_r]
+    return ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                         # [D, V_r]
+
+
+def draft_logits(ops: Ops, dcfg, block: int | None = None) -> None:
+    """The drafter head without its top-k: logits [b-1, V_r] (the GPU step builds the tree from them in
+    its fused top-k + build kernels, plugins/tree_build.py)."""
+    b, lay = block or dcfg.block_size, ops.lay
+    ops.output("logits", _draft_logits(ops, dcfg, b), [b - 1, lay.vocab_stop - lay.vocab_start], ACC)
+
+
+def draft_head(ops: Ops, dcfg, k: int, block: int | None = None) -> None:
+    b, lay = block or dcfg.block_size, ops.lay
+    D, V_r = b - 1, lay.vocab_stop - lay.vocab_start
+    logits = _draft_logits(ops, dcfg, b)
     values, ids, row_max, row_sumexp = ops.vocab_topk(ops.cast(logits, F32), k)
     ops.output("logits", logits, [D, V_r], ACC)
     ops.output("topk_values", values, [D, k], F32)

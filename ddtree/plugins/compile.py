@@ -41,6 +41,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "mla_absorb.cu": {"default": {}},
     "draft_attention.cu": {"default": {}},
     "layer_ops.cu": {"default": {}},           # embed, norms, rope, silu_mul, gather, cast
+    "step_state.cu": {"default": {}},          # the decode step's device state and record ring
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

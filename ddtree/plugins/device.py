@@ -77,6 +77,7 @@ class Gpu:
         self._kernels: dict[tuple, object] = {}        # (source, defines, name) -> kernel
         self._smem_set: dict[tuple, int] = {}
         self._allocs: list[int] = []
+        self._host_allocs: list[int] = []
 
     # ---- modules and launches -------------------------------------------------------------
     def defines(self, source: str) -> dict[str, int]:
@@ -128,6 +129,22 @@ class Gpu:
         self._allocs.append(address)
         return DeviceArray(self, address, shape, np.dtype(dtype))
 
+    def mapped(self, shape, dtype) -> tuple[np.ndarray, int]:
+        """Host memory the device writes directly (pinned, mapped): (a zeroed numpy view, its device address).
+        A kernel's writes are visible to the host once the kernel is known to have finished (an event or a
+        sync); the host reads, never writes, while the GPU may be writing."""
+        import ctypes
+        driver = _driver()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        host = int(check(driver.cuMemHostAlloc(nbytes, driver.CU_MEMHOSTALLOC_DEVICEMAP), f"cuMemHostAlloc({nbytes} B)"))
+        self._host_allocs.append(host)
+        device = int(check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+        view = np.frombuffer((ctypes.c_char * nbytes).from_address(host), dtype=dtype, count=nbytes // np.dtype(dtype).itemsize)
+        view = view.reshape(shape)
+        view[...] = 0
+        return view, device
+
     def zeros(self, shape, dtype) -> DeviceArray:
         a = self.alloc(shape, dtype)
         self.memset(a, 0)
@@ -156,14 +173,18 @@ class Gpu:
         check(_driver().cuMemsetD8Async(a.ptr, byte, a.nbytes, self.stream.handle), "cuMemsetD8Async")
 
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream=None) -> None:
-        s = (stream if stream is not None else self.stream).handle
-        check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, s), "cuMemcpyDtoDAsync")
+        s = stream if stream is not None else self.stream
+        handle = getattr(s, "stream", s).handle             # a graph builder's stream while capturing
+        check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, handle), "cuMemcpyDtoDAsync")
 
     def free_all(self) -> None:
         self.sync()
         for address in self._allocs:
             check(_driver().cuMemFree(address), "cuMemFree")
+        for address in self._host_allocs:
+            check(_driver().cuMemFreeHost(address), "cuMemFreeHost")
         self._allocs.clear()
+        self._host_allocs.clear()
 
     # ---- sync, timing, graphs -------------------------------------------------------------
     def sync(self) -> None:
@@ -186,7 +207,11 @@ class Gpu:
         """Record fn(stream_like) into a CUDA graph; returns the executable graph (launch with replay)."""
         builder = self.stream.create_graph_builder()
         builder.begin_building()
-        fn(builder)
+        try:
+            fn(builder)
+        except BaseException:
+            builder.end_building()                       # leave the stream usable, then report the real error
+            raise
         graph = builder.end_building().complete()
         graph.upload(self.stream)
         return graph

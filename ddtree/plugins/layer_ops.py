@@ -206,6 +206,24 @@ class LayerOps:
                      np.int32(src_rows), ptr(rows), ptr(out), np.int32(out_stride // vec), np.int32(W // vec),
                      stream=stream)
 
+    def positions_from(self, base, out, n: int, stream=None) -> None:
+        """out [n] int32 = base[0] + i (base: a device int32 length)."""
+        if n < 1:
+            raise ValueError(f"positions_from: n = {n} must be >= 1")
+        self._launch("positions_from", self._elements(n), ELEMENT_THREADS, ptr(base), ptr(out), np.int32(n),
+                     stream=stream)
+
+    def rows_at(self, dst, dst_rows: int, row0, src, n: int, W: int, itemsize: int = 2, stream=None) -> None:
+        """dst [dst_rows, W] rows row0[0] .. row0[0] + n - 1 = src [n, W] (row0: a device int32 length; rows past
+        dst_rows are skipped, so the caller checks capacity). Dense rows of a multiple of 16 bytes."""
+        if W * itemsize % 16 or n < 1:
+            raise ValueError(f"rows_at: W = {W} elements of {itemsize} B must be a multiple of 16 B and n = {n} >= 1")
+        _aligned("rows_at src", src, 16)
+        _aligned("rows_at dst", dst, 16)
+        vecs = W * itemsize // 16
+        self._launch("rows_at", n, _row_threads(vecs), ptr(dst), np.int32(vecs), np.int32(dst_rows), ptr(row0),
+                     ptr(src), np.int32(vecs), np.int32(vecs), stream=stream)
+
     def cast_f32_bf16(self, x, out, n: int, stream=None) -> None:
         """out [n] bf16 = x [n] float32 rounded to nearest even."""
         if n < 1:

@@ -5,10 +5,12 @@
 
 Same primitives as EngineExecutor (docs/interfaces.md section 6), the same layer functions, on the kernels of
 ddtree/plugins: weights in bf16 as stored (GEMM weights tiled once at load, W_UK^T transposed once, the
-experts in the kernel layout the engine stores), activations bf16, logits float32. The logits are downloaded
-for the loop's interface, and sample / tree_build / accept_walk run on the host exactly as EngineExecutor's
-(so the two differ only in the logits). One sequence at a time: the caches are allocated once at load
-(max_context rows) and handed out reset by new_target_cache / new_drafter_cache.
+experts in the kernel layout the engine stores), activations bf16, logits float32. The primitives download
+the logits for the loop's interface, and their sample / tree_build / accept_walk run on the host exactly as
+EngineExecutor's (so the two differ only in the logits). The loops' steps (ar_step, ddtree_step) are captured
+CUDA graphs instead (runtime/cuda_step.py): sampling, tree, walk and compaction on the device, one record read
+per step. One sequence at a time: the caches are allocated once at load (max_context rows) and handed out
+reset by new_target_cache / new_drafter_cache.
 
 The memory plan (weights, KV caches, workspaces) is printed on stderr before anything is allocated, and a
 plan larger than the GPU's free memory is refused naming both numbers.
@@ -204,9 +206,8 @@ class CudaExecutor:
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
                  graphs: bool = True):
-        """graphs: a one-token target_forward without taps (the AR decode step) replays one CUDA graph of the
-        embedding and every decoder layer, captured at the first such step (run eagerly with the capture's
-        plans); the head runs after it (its winner op is host-side today)."""
+        """graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
+        False: every step is the composition of the primitives below (host sampling, tree and walk)."""
         from ddtree.plugins.device import Gpu, _driver, check
         from ddtree.plugins.kv_cache import DeviceLatentCache
         self.engine_dir = Path(engine_dir)
@@ -239,7 +240,19 @@ class CudaExecutor:
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
-        self.graphs, self.decode_graph, self.decode_h = graphs, None, None
+        self.graphs = graphs
+        from ddtree.runtime.cuda_step import GpuSteps
+        self.steps = GpuSteps(self) if graphs else None
+
+    def ar_step(self, state, params: SamplingParams) -> list[int]:
+        """The AR loop's step (runtime/loop.py): one replay of the AR graph."""
+        from ddtree.runtime.loop import ar_step
+        return self.steps.ar_step(state, params) if self.steps else ar_step(self, state, params)
+
+    def ddtree_step(self, state, params: SamplingParams, budget: int) -> list[int]:
+        """The DDTree loop's step (runtime/loop.py): one replay of the step graph of (budget, block, mode)."""
+        from ddtree.runtime.loop import ddtree_step
+        return self.steps.ddtree_step(state, params, budget) if self.steps else ddtree_step(self, state, params, budget)
 
     def _logits(self, t: Tensor) -> np.ndarray:
         return self.ops.host(t).astype(np.float32)
@@ -251,6 +264,8 @@ class CudaExecutor:
             raise RequestError(f"prompt + new tokens need {limit} cache rows; the GPU caches hold {self.max_context} "
                                "(--max-context)")
         self.target_cache.length = 0
+        if self.steps:
+            self.steps.new_request()
         return self.target_cache
 
     def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> GpuDraftCache:
@@ -275,14 +290,9 @@ class CudaExecutor:
                 "cache_len": Tensor.of(cache.dev.lengths, host=np.array([T], np.int32)),
                 "tree_mask": ops.bind("tree_mask", pack_visibility(visible[:, T:]).view(np.int32))}
         tapped = {}
-        if q == 1 and not taps and self.graphs and cache is self.target_cache:
-            h = self._decode_layers(step, cache)
-        else:
-            h = self._layers(step, cache, taps, tapped)
+        h = self._layers(step, cache, taps, tapped)
         cache.length = T + q
-        head = {"sample_pos": (pos + 1).astype(np.int32), "temperature": np.zeros(1, np.float32),
-                "seed": np.zeros(2, np.int32)}
-        return self._logits(ops.call(layers.head, cfg, feeds={**head, "h": h})["logits"]), tapped
+        return self._logits(ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]), tapped
 
     def _chunked(self, ids, pos, visible, cache: GpuTargetCache, taps):
         """A prompt longer than one kernel call: consecutive calls of <= max_tokens rows (prefill_chunks)."""
@@ -305,26 +315,6 @@ class CudaExecutor:
             if L in taps:
                 tapped[L] = as_float(ops.host(h), np.float32)
         return h
-
-    def _decode_layers(self, step: dict, cache: GpuTargetCache) -> Tensor:
-        """The one-token step's layers: replay the captured graph (inputs already in its buffers), or, the
-        first time, run them eagerly with the capture's plans (allocating the arena) and capture them."""
-        if self.decode_graph is not None:
-            self.gpu.replay(self.decode_graph)
-            return self.decode_h
-        ops = self.ops
-        ops.graph_plans = True
-        try:
-            self.decode_h = self._layers(step, cache)                  # the step itself, and the warm-up
-
-            def body(stream):
-                ops.stream, ops.capturing = stream, True
-                self._layers(step, cache)
-            self.gpu.sync()
-            self.decode_graph = self.gpu.capture(body)
-        finally:
-            ops.capturing, ops.graph_plans, ops.stream = False, False, None
-        return self.decode_h
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] float32."""
@@ -350,8 +340,7 @@ class CudaExecutor:
             h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
                 **step, "h": h, "ctx": ctx, "cache_k": cache.k[L], "cache_v": cache.v[L]})["h_out"]
         cache.length = T + n
-        k = layers.draft_topk(self.meta["budgets"], self.lay.vocab_stop - self.lay.vocab_start)
-        return self._logits(ops.call(layers.draft_head, d, k, b, feeds={"h": h})["logits"])
+        return self._logits(ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"])
 
     def compact(self, cache: GpuTargetCache, start: int, keep) -> None:
         """Keep the verify's rows start + keep[i] at start + i (every layer), through the op set."""

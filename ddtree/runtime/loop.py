@@ -92,9 +92,56 @@ def _new_cache(make, rows_before: int, limit: int):
     return make(min(limit, rows_before + CACHE_CHUNK), limit)
 
 
+@dataclass
+class DecodeState:
+    """Where a sequence stands between steps (the host's view; a GPU executor mirrors it on the device)."""
+    cache: object                       # the target cache: `start` rows (every committed token but the bonus)
+    start: int                          # the bonus token's position = the committed length
+    bonus: int                          # the last committed token, not yet fed to the target
+    end: int                            # positions < end hold the prompt and every new token
+    dcache: object = None               # the drafter cache: start - len(ctx) rows
+    ctx: np.ndarray | None = None       # [a, K H] taps of committed positions not yet in the drafter cache
+    window: np.ndarray | None = None    # [<= b, K H] taps of the last b committed positions (the GPU step's
+                                        # drafter context window, runtime/cuda_step.py)
+    block: int = 0                      # the drafter block size b
+
+
+def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
+    """One autoregressive step: feed the bonus token, sample the next (the composition of the primitives)."""
+    logits, _ = ex.target_forward(np.array([st.bonus]), np.array([st.start]), causal_visible(st.cache.length, 1),
+                                  st.cache)
+    token = int(ex.sample(logits[-1:], np.array([st.start + 1]), params)[0])
+    st.start, st.bonus = st.start + 1, token
+    return [token]
+
+
+def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> list[int]:
+    """One DDTree step as the composition of the primitives (docs/interfaces.md section 6): draft, build,
+    verify, walk, compact, context update. -> the accepted drafts in depth order, then the new bonus."""
+    b, start = st.block, st.start
+    block = np.array([st.bonus] + [ex.drafter_config.mask_token_id] * (b - 1))
+    draft_logits = ex.drafter_forward(block, np.arange(start, start + b), st.ctx, st.dcache)   # [b-1, V]
+    depth = min(b, st.end - start) - 1    # the deepest node sits at start + depth <= end - 1 (depth >= 1 here)
+    tree = ex.tree_build(st.bonus, draft_logits[:depth], budget)
+    node_pos = tree.positions(start)                                       # [n]
+    visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
+    taps = tuple(ex.drafter_config.target_layer_ids)
+    logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, st.cache, taps)    # [n, V]
+    target_tokens = ex.sample(logits, node_pos + 1, params)               # [n]
+    walk = ex.accept_walk(tree, target_tokens)
+    ex.compact(st.cache, start, walk.accepted)
+    acc = walk.accepted                                                    # [a] node indices, acc[0] = root
+    st.ctx = np.concatenate([tapped[L][acc] for L in taps], axis=1)        # [a, K*H]
+    st.window = np.concatenate([st.window, st.ctx])[-b:]
+    st.start, st.bonus = start + len(acc), walk.bonus
+    return [int(t) for t in tree.tokens[acc[1:]]] + [walk.bonus]
+
+
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
              stats: RunStats | None = None) -> Iterator[list[int]]:
-    """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context."""
+    """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context.
+    Each step is `ex.ar_step(state, params)` where the executor has one (a captured GPU graph), else the
+    composition `ar_step` above."""
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
     eos = {int(e) for e in eos_ids}
@@ -104,24 +151,24 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
     t0 = time.perf_counter()
     # the last token fed sits at len(prompt) + n_new - 2: the cache never holds more than that + 1 rows
     cache = _new_cache(ex.new_target_cache, len(prompt), len(prompt) + n_new)
-    ids, pos = np.array(prompt), np.arange(len(prompt))
-    prefill = True
+    logits, _ = ex.target_forward(np.array(prompt), np.arange(len(prompt)), causal_visible(0, len(prompt)), cache)
+    token = int(ex.sample(logits[-1:], np.array([len(prompt)]), params)[0])
+    st = DecodeState(cache, len(prompt), token, len(prompt) + n_new)
+    step = getattr(ex, "ar_step", None) or (lambda s, p: ar_step(ex, s, p))
+    tokens = [token]
     while True:
-        logits, _ = ex.target_forward(ids, pos, causal_visible(cache.length, len(ids)), cache)
-        next_pos = int(pos[-1]) + 1                                       # where the new token sits
-        token = int(ex.sample(logits[-1:], np.array([next_pos]), params)[0])
-        if not prefill:                                    # the prefill is not a step, as in DDTree,
-            stats.steps += 1                               # so the two modes' stats compare
+        if stats.new_tokens:                          # the prefill's token is not a step, as in DDTree,
+            stats.steps += 1                          # so the two modes' stats compare
             stats.accept_lens.append(1)
-        prefill = False
         stats.new_tokens += 1
         stats.wall_s = time.perf_counter() - t0
+        token = tokens[0]
         if token in eos or stats.new_tokens >= n_new:
             stats.finish_reason = "stop" if token in eos else "length"
         yield [token]
         if stats.finish_reason is not None:
             return
-        ids, pos = np.array([token]), np.array([next_pos])
+        tokens = step(st, params)
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,
@@ -129,7 +176,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
                  ) -> Iterator[list[int]]:
     """Yields the tokens each DDTree step commits (the prefill's first token, then per step the
     accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
-    a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer)."""
+    a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer).
+    Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
+    graph), else the composition `ddtree_step` above."""
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
@@ -161,29 +210,15 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     dcache = _new_cache(ex.new_drafter_cache, len(prompt), end)
     logits, tapped = ex.target_forward(np.array(prompt), np.arange(len(prompt)),
                                        causal_visible(0, len(prompt)), cache, taps)
-    start = len(prompt)                                                    # the bonus token's position
-    bonus = int(ex.sample(logits[-1:], np.array([start]), params)[0])
+    bonus = int(ex.sample(logits[-1:], np.array([len(prompt)]), params)[0])
     ctx = np.concatenate([tapped[L] for L in taps], axis=1)               # [P, K*H]
+    st = DecodeState(cache, len(prompt), bonus, end, dcache, ctx, ctx[-b:], b)
+    step = getattr(ex, "ddtree_step", None) or (lambda s, p, B: ddtree_step(ex, s, p, B))
     out, done = commit([bonus])
     stats.wall_s = time.perf_counter() - t0
     yield out
-    mask = dcfg.mask_token_id
     while not done:
-        block = np.array([bonus] + [mask] * (b - 1))
-        draft_logits = ex.drafter_forward(block, np.arange(start, start + b), ctx, dcache)   # [b-1, V]
-        depth = min(b, end - start) - 1    # the deepest node sits at start + depth <= end - 1 (depth >= 1 here)
-        tree = ex.tree_build(bonus, draft_logits[:depth], budget)
-        node_pos = tree.positions(start)                                   # [n]
-        visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
-        logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, cache, taps)   # [n, V]
-        target_tokens = ex.sample(logits, node_pos + 1, params)           # [n]
-        walk = ex.accept_walk(tree, target_tokens)
-        ex.compact(cache, start, walk.accepted)
-        acc = walk.accepted                                                # [a] node indices, acc[0] = root
-        ctx = np.concatenate([tapped[L][acc] for L in taps], axis=1)      # [a, K*H]
-        start += len(acc)
-        bonus = walk.bonus
-        out, done = commit([int(t) for t in tree.tokens[acc[1:]]] + [bonus])
+        out, done = commit(step(st, params, budget))
         stats.steps += 1
         stats.accept_lens.append(len(out))                                # committed only: a cut step counts less
         stats.wall_s = time.perf_counter() - t0

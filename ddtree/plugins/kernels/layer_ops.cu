@@ -240,3 +240,23 @@ extern "C" __global__ void cast_f32_bf16(const float* __restrict__ x, bf16_t* __
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16(x[i]);
 }
+
+// out[i] = base[0] + i for i < n (positions of rows appended at a device-held length).
+extern "C" __global__ void positions_from(const int* __restrict__ base, int* __restrict__ out, int n) {
+    pdl_wait();
+    pdl_trigger();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = base[0] + i;
+}
+
+// dst row (row0[0] + i) = src row i for the n rows of one block each (grid n); rows past dst_rows are not
+// written (the launcher's caller checks capacity on the host; this only keeps a bad length inside the buffer).
+extern "C" __global__ void rows_at(uint4* __restrict__ dst, int dst_stride, int dst_rows, const int* __restrict__ row0,
+                                   const uint4* __restrict__ src, int src_stride, int row_vecs) {
+    pdl_wait();
+    pdl_trigger();
+    const int r = row0[0] + blockIdx.x;
+    if (r < 0 || r >= dst_rows) return;
+    const uint4* s = src + (size_t)blockIdx.x * src_stride;
+    uint4* o = dst + (size_t)r * dst_stride;
+    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) o[v] = s[v];
+}

@@ -1,0 +1,279 @@
+"""The DDTree step and the autoregressive step on one GPU, each one captured CUDA graph (docs/interfaces.md 6, 8).
+
+    steps = GpuSteps(ex)                         # ex: a CudaExecutor; ex.ar_step / ex.ddtree_step call these
+    tokens = steps.ddtree_step(state, params, budget)      # one graph replay, one record read
+
+A DDTree step graph (one per (budget, block size, sampling mode)) runs, with no host round trip:
+    prologue     state [start, bonus] -> block ids [bonus, MASK..], positions start + i, cache lengths
+    draft        draft_fc over the context window (the taps of the last b committed positions, re-appended
+                 at start - b: rows the drafter cache holds already are rewritten with the same keys), the
+                 drafter layers, draft_logits [b-1, V]                      (ops/layers.py, cuda backend)
+    tree         DraftTreeBuilder.run: per-depth top-k + best-first tree of `budget` nodes, root = bonus
+    verify       embed + every decoder layer over the tree (its ancestor mask), taps copied at the tap
+                 layers, head_logits [n, V]
+    sample+walk  TreeSampler.launch: the sampling definition at every node, then the acceptance walk
+    compact      every layer's cache: accepted rows -> start + i (count read on the device)
+    window       the context window shifted by the accepted count, the accepted nodes' taps appended
+    commit       accepted drafts + new bonus into the host-mapped record ring; state advanced
+The AR step graph is prologue, embed + layers + head_logits over one token, the sampler, commit.
+
+Both are captured after a warm-up: the first call of a key runs the step eagerly (it is that step; it
+allocates the arena and loads the modules), then records the same launches into a graph. Everything that
+changes between steps or requests is in device buffers (the state, the sampler's parameter record, the
+tree tensors, cache lengths), so a graph replays every step of every request with the same sampling mode.
+
+A step runs as a graph when it can (start >= b so the window is whole, its positions inside the context
+and the caches); otherwise it is the composition of the primitives (runtime/loop.py ddtree_step): the
+first steps after a prompt shorter than b, and the last ones near the end of the context.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ddtree.model.bf16 import as_float, f32_to_bf16
+from ddtree.ops import layers
+from ddtree.ops.cuda_tensor import Tensor, dense_strides
+from ddtree.tree.build import pack_visibility
+from ddtree.tree.sampling import SamplingParams
+
+
+def _array(gpu, t: Tensor):
+    from ddtree.plugins.device import DeviceArray
+    return DeviceArray(gpu, t.ptr, t.shape, t.dtype)
+
+
+class GpuSteps:
+    def __init__(self, ex):
+        from ddtree.plugins.step_state import StepState
+        from ddtree.plugins.tree_sample import TreeSampler
+        self.ex, self.gpu, self.ops = ex, ex.gpu, ex.ops
+        cfg, d = ex.config, ex.drafter_config
+        self.V = ex.lay.vocab_stop - ex.lay.vocab_start
+        self.sampler = TreeSampler(self.gpu, vocab=self.V, max_rows=self.ops.max_tokens)
+        self.B_max = d.block_size if d is not None else 1
+        self.state = StepState(self.gpu, max_tokens=max(self.B_max, 1))
+        self.taps = tuple(d.target_layer_ids) if d is not None else ()
+        self.H, self.KH = cfg.hidden_size, len(self.taps) * cfg.hidden_size
+        g = self.gpu
+        self.block_ids, self.block_pos = g.alloc((self.B_max,), np.int32), g.alloc((self.B_max,), np.int32)
+        self.draft_len = g.alloc((1,), np.int32)
+        self.ar_mask = g.upload(pack_visibility(np.ones((1, 1), bool)).view(np.int32))     # [1, 1]: sees itself
+        if self.KH:
+            self.window = g.alloc((self.B_max, self.KH), np.uint16)
+            self.window_next = g.alloc((self.B_max, self.KH), np.uint16)
+            self.tap_rows = g.alloc((self.ops.max_tokens, self.KH), np.uint16)
+        self.builders: dict[int, object] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.capture_s = 0.0
+        self.host_s, self.graph_steps = 0.0, 0
+        self.synced: tuple | None = None      # (start, bonus) the device state holds, when the host knows it
+        self.in_window = 0                    # > 0: the drafter context is the device window (its new rows)
+        self.plan = self.params = None
+        self.last: dict = {}                  # the last DDTree step's verify buffers (last_verify)
+        self.lasts: dict[tuple, dict] = {}
+        self.host_wait_s = 0.0
+
+    # ---- request set-up --------------------------------------------------------------------------
+    def new_request(self) -> None:
+        """A new sequence: the device state and window say nothing about it until its first graph step."""
+        self.synced, self.in_window = None, 0
+
+    def set_params(self, params: SamplingParams):
+        if params != self.params:
+            self.plan, self.params = self.sampler.set_params(params), params
+        return self.plan
+
+    def builder(self, depth: int):
+        from ddtree.plugins.tree_build import DraftTreeBuilder
+        if depth not in self.builders:
+            self.builders[depth] = DraftTreeBuilder(self.gpu, vocab=self.V, depth=depth,
+                                                    max_budget=min(255, self.ops.max_tokens - 1))
+        return self.builders[depth]
+
+    # ---- graphs ----------------------------------------------------------------------------------
+    def _run(self, key: tuple, body) -> None:
+        """Replay the graph of `key`, or run the step eagerly and capture it (the first time)."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.gpu.replay(graph)
+            self.last = self.lasts.get(key, {})
+            return
+        ops = self.ops
+        ops.graph_plans = True
+        try:
+            body()                                                     # the step itself, and the warm-up
+            self.lasts[key] = self.last
+            self.gpu.sync()
+            t0 = time.perf_counter()
+
+            def record(stream):
+                ops.stream, ops.capturing = stream, True
+                body()
+            self.graphs[key] = self.gpu.capture(record)
+            self.capture_s += time.perf_counter() - t0
+        finally:
+            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+
+    def _record(self) -> dict:
+        t0 = time.perf_counter()
+        self.gpu.sync()
+        wait = time.perf_counter() - t0
+        step = self.state.steps + 1
+        rec = self.state.record(step)
+        if rec is None:
+            raise RuntimeError(f"GPU step {step}: its record was not written (the graph did not run to its end)")
+        self.state.steps = step
+        if rec["status"]:
+            self.sampler.check_status()
+            for b in self.builders.values():
+                b.check_status()
+        self.host_wait_s = wait
+        return rec
+
+    def _sync_state(self, start: int, bonus: int) -> None:
+        if self.synced != (start, bonus):
+            self.state.set(start, bonus)
+
+    # ---- the autoregressive step -------------------------------------------------------------------
+    def _ar_body(self):
+        ex, ops, cfg, st = self.ex, self.ops, self.ex.config, self.state
+        lengths = ex.target_cache.dev.lengths
+        st.prologue(1, 0, 0, self.block_ids, self.block_pos, None, lengths, stream=ops.stream)
+        feeds = {"ids": Tensor.of(self.block_ids.view(0, (1,))), "pos": Tensor.of(self.block_pos.view(0, (1,))),
+                 "cache_len": Tensor.of(lengths), "tree_mask": Tensor.of(self.ar_mask)}
+        h = self._target_layers(feeds, 1)
+        logits = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]
+        out = self.sampler.launch(self.plan, _array(self.gpu, logits), self.block_pos, 1, stream=ops.stream)
+        st.commit(None, None, None, out.target, status=(self.sampler.status, None), stream=ops.stream)
+
+    def ar_step(self, s, params: SamplingParams) -> list[int]:
+        """One token through the AR graph; `s` a loop.DecodeState on the executor's target cache."""
+        if s.cache is not self.ex.target_cache or s.start + 1 > self.ex.max_context:
+            from ddtree.runtime.loop import ar_step
+            self.synced = None
+            return ar_step(self.ex, s, params)
+        t0 = time.perf_counter()
+        plan = self.set_params(params)
+        self._sync_state(s.start, s.bonus)
+        self._run(("ar", plan.mode), self._ar_body)
+        rec = self._record()
+        s.start, s.bonus = rec["start"], rec["tokens"][-1]
+        s.cache.length = s.start
+        self.synced = (s.start, s.bonus)
+        self._count_host(t0)
+        return rec["tokens"]
+
+    def _count_host(self, t0: float) -> None:
+        self.host_s += time.perf_counter() - t0 - self.host_wait_s
+        self.graph_steps += 1
+
+    # ---- the DDTree step -------------------------------------------------------------------------
+    def _target_layers(self, feeds: dict, n: int, taps: bool = False) -> Tensor:
+        ex, ops, cfg = self.ex, self.ops, self.ex.config
+        h = ops.call(layers.embed, cfg, feeds={"ids": feeds["ids"]})["h"]
+        layer_feeds = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
+        for L in range(cfg.num_hidden_layers):
+            h = ops.call(layers.decoder_layer, cfg, L, ex.moe_inter,
+                         feeds={**layer_feeds, "h": h, "cache": ex.target_cache.layer(L)}, arena=L % 2)["h_out"]
+            if taps and L in self.taps:                                # h [n, H] -> tap_rows[:, j H : (j+1) H]
+                j = self.taps.index(L)
+                ops.k.gather_rows(h.ptr, ops.iota, self.tap_rows.ptr + 2 * j * self.H, n, self.H, n,
+                                  out_stride=self.KH, stream=ops.stream)
+        return h
+
+    def _ddtree_body(self, budget: int, b: int):
+        ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
+        S, n, dc = ops.stream, budget + 1, ex.draft_cache
+        lengths = ex.target_cache.dev.lengths
+        st.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len, lengths, stream=S)
+        # draft: the window's b context rows at start - b, the block at start ..
+        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
+        h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
+        dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
+        for L in range(d.num_hidden_layers):
+            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
+                **dfeeds, "h": h, "ctx": ctx, "cache_k": dc.k[L], "cache_v": dc.v[L]})["h_out"]
+        draft = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]             # [b-1, V] float32
+        builder = self.builder(b - 1)
+        tree = builder.run(_array(g, draft), st.bonus_ptr, st.start_ptr, budget, stream=S)
+        # verify the tree after the committed rows
+        W = tree.vis.shape[1]
+        feeds = {"ids": Tensor.of(tree.tokens), "pos": Tensor.of(tree.positions), "cache_len": Tensor.of(lengths),
+                 "tree_mask": Tensor(tree.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
+        h = self._target_layers(feeds, n, taps=True)
+        logits = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]               # [n, V] float32
+        out = self.sampler.launch(self.plan, _array(g, logits), tree.positions, n, tree=tree, stream=S)
+        self.last = {"logits": _array(g, logits), "tree": tree, "sampled": out}
+        for L in range(cfg.num_hidden_layers):
+            ops.call(layers.compact, cfg, feeds={"cache": ex.target_cache.layer(L), "cache_len": Tensor.of(lengths),
+                                                 "accepted": Tensor.of(out.accepted),
+                                                 "accepted_count": Tensor.of(out.count)})
+        st.ctx_window(self.window, self.tap_rows, out.accepted, out.count, self.window_next, b, 2 * self.KH, stream=S)
+        g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
+        st.commit(tree.tokens, out.accepted, out.count, out.bonus, status=(self.sampler.status, builder.status),
+                  stream=S)
+
+    def graph_ready(self, s, budget: int) -> bool:
+        """Whether this step can run as the graph (else the composition of the primitives)."""
+        ex, b = self.ex, s.block
+        limit = min(ex.max_context, int(ex.config.max_position_embeddings))
+        return (s.cache is ex.target_cache and s.start >= b and s.start + b - 1 < limit
+                and s.start + budget + 1 <= ex.target_cache.capacity and budget + 1 <= self.ops.max_tokens
+                and (b - 1) * min(budget, self.V) >= budget)
+
+    def ddtree_step(self, s, params: SamplingParams, budget: int) -> list[int]:
+        from ddtree.runtime.loop import ddtree_step
+        ex, b = self.ex, s.block
+        if not self.graph_ready(s, budget):
+            self._leave_window(s)
+            return ddtree_step(ex, s, params, budget)
+        t0 = time.perf_counter()
+        plan = self.set_params(params)
+        self._enter_window(s)
+        self._sync_state(s.start, s.bonus)
+        self._run(("ddtree", budget, b, plan.mode), lambda: self._ddtree_body(budget, b))
+        rec = self._record()
+        old = s.start
+        s.start, s.bonus = rec["start"], rec["tokens"][-1]
+        s.cache.length, s.dcache.length = s.start, old
+        self.synced, self.in_window = (s.start, s.bonus), rec["count"]
+        self._count_host(t0)
+        return rec["tokens"]
+
+    def _enter_window(self, s) -> None:
+        """From the host's context to the device window: the drafter cache must hold every row before the
+        window (start - b), the window the taps of the last b positions."""
+        if self.in_window:
+            return
+        b, ex = s.block, self.ex
+        ahead = len(s.ctx) - b                          # pending rows before the window: append them now
+        if ahead > 0:
+            block = np.array([s.bonus] + [ex.drafter_config.mask_token_id] * (b - 1))
+            ex.drafter_forward(block, np.arange(s.start, s.start + b), s.ctx[:ahead], s.dcache)   # logits unused
+        s.dcache.length = s.start - b
+        self.gpu.copy_in(self.window, f32_to_bf16(np.asarray(s.window, np.float64)))
+        s.ctx = None
+
+    def _leave_window(self, s) -> None:
+        """Back to the host's context (the composition's steps): the window's new rows become s.ctx."""
+        if not self.in_window:
+            return
+        b = s.block
+        window = as_float(self.window.numpy()[:b], np.float32)
+        s.window, s.ctx = window, window[b - self.in_window:]
+        s.dcache.length = s.start - self.in_window
+        self.in_window, self.synced = 0, None
+
+    def last_verify(self) -> dict:
+        """The last DDTree step's verify on the host (its buffers hold it until the next step): logits [n, V],
+        the tree tensors, and the sampler's target tokens, accepted nodes, count and bonus (tests)."""
+        tree, out = self.last["tree"], self.last["sampled"]
+        return {"logits": self.last["logits"].numpy(), "tokens": tree.tokens.numpy(), "parents": tree.parents.numpy(),
+                "positions": tree.positions.numpy(), "target": out.target.numpy(), "accepted": out.accepted.numpy(),
+                "count": int(out.count.numpy()[0]), "bonus": int(out.bonus.numpy()[0])}
+
+    def stats(self) -> dict:
+        return {"capture_s": self.capture_s, "graph_steps": self.graph_steps,
+                "host_us_per_step": 1e6 * self.host_s / self.graph_steps if self.graph_steps else 0.0}
