@@ -24,3 +24,6 @@ bench.add_command(accept)
 
 from ddtree.bench.project import project_command  # noqa: E402
 bench.add_command(project_command)
+
+from ddtree.bench.e2e import e2e_command  # noqa: E402
+bench.add_command(e2e_command)

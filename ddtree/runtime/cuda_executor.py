@@ -205,8 +205,9 @@ class CudaExecutor:
     name = "cuda"
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
-                 graphs: bool = True):
-        """graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
+                 graphs: bool = True, cap_context: bool = False):
+        """cap_context: a max_context above the model's context is cut to it (a computed default), else an error.
+        graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
         False: every step is the composition of the primitives below (host sampling, tree and walk)."""
         from ddtree.plugins.device import Gpu, _driver, check
         from ddtree.plugins.kv_cache import DeviceLatentCache
@@ -216,7 +217,13 @@ class CudaExecutor:
             raise NotImplementedError(f"cuda executor: the engine is tp {self.meta['tp']}; one GPU runs tp 1 "
                                       "engines (tp > 1 needs the GPU collectives, issue 25)")
         self.config, self.drafter_config = cfg, d = engine_configs(self.engine_dir, self.meta)
-        self.max_context = int(max_context or min(cfg.max_position_embeddings, 4096))
+        context = int(cfg.max_position_embeddings)
+        self.max_context = int(max_context or min(context, 4096))
+        if self.max_context > context:
+            if not cap_context:
+                raise RequestError(f"--max-context {self.max_context} is more than the model's context of {context} "
+                                   "tokens (max_position_embeddings)")
+            self.max_context = context
         self.moe_inter = self.meta["plan"]["per_rank"]["moe_intermediate"]
         self.lay = RankLayout.from_plan(self.meta["plan"], 0)
         tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
@@ -225,6 +232,7 @@ class CudaExecutor:
         plan = {"weights": CudaWeights.plan_bytes(tensors),
                 "KV": cfg.num_hidden_layers * S * W * 2 + 2 * d.num_hidden_layers * S * kv_heads * d.head_dim * 2,
                 "workspaces": WORKSPACE_BYTES + S * (cfg.qk_rope_head_dim + d.head_dim) * 4}
+        self.memory_plan = plan                  # bytes by part (what the plan line below prints)
         self.gpu = Gpu(gpu)
         free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
         need = sum(plan.values())

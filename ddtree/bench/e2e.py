@@ -1,0 +1,274 @@
+"""`ddtree bench e2e`: end-to-end tokens/s of plain autoregressive decoding and of DDTree per budget (issue 20).
+
+One engine (default: the embedded tiny model's tp 1 engine, built into a temp dir), on the numpy
+EngineExecutor (--device cpu) or one GPU (--device cuda: CudaExecutor, every step a captured CUDA graph).
+For each mode, AR first, then DDTree at each budget:
+    warm-up   one request (the first prompt) that is not timed: on cuda it loads the modules and captures
+              the mode's graph, whose time is reported apart as capture_s
+    timed     every prompt x --repeats requests; one request = prefill + max_new_tokens new tokens (EOS is
+              not a stop, so every request makes the same count); a sample = new tokens / its wall time
+A row gives tokens/s over the samples as mean ± sd (sample stddev), min and max, the same over the decode
+alone (wall time after the prefill's first token), the mean acceptance length (committed tokens per step,
+bonus included; the prefill's token is not a step), the steps of one pass over the prompts, and on cuda the
+steps that replayed a graph vs those run eagerly (a step the graph cannot take: runtime/cuda_step.py), the
+host time per graph step, and the speedup of each mode's mean tokens/s over AR's.
+
+Lossless: every DDTree output is compared with the AR output of the same prompt. On the CPU (float64)
+they must be identical and a difference fails the command; on the GPU the verify and the one-token decode
+sum in different orders, so a row reports "identical" (near-ties are tests/runtime/test_cuda_step_gpu.py's).
+Per-phase step time (draft / tree / verify / walk) needs separately captured phase graphs: not measured yet.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ddtree.cli_types import FiniteFloatRange
+from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
+from ddtree.errors import reported
+from ddtree.jsonout import emit_json
+from ddtree.model.tokenizer import load_tokenizer
+from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
+from ddtree.training.corpus import load_prompts
+from ddtree.tree.build import MAX_BUDGET
+from ddtree.tree.sampling import SamplingParams
+
+DEFAULTS = {"cpu": {"prompts": 1, "max_new_tokens": 16, "repeats": 1},      # numpy float64: slow, keep it small
+            "cuda": {"prompts": 4, "max_new_tokens": 64, "repeats": 3}}
+PHASES_NOTE = "not measured yet (needs separately captured phase graphs: draft, tree, verify, walk)"
+
+
+class LosslessError(click.ClickException):
+    """DDTree committed other tokens than AR on the float64 CPU executor: a bug, reported as a failed bench."""
+
+
+def parse_budgets(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; anything else is a BadParameter naming --budget."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--budget")
+    if not budgets or not all(1 <= b <= MAX_BUDGET for b in budgets):
+        raise click.BadParameter(f"budgets must be integers in 1..{MAX_BUDGET}, got '{text}'", param_hint="--budget")
+    return list(dict.fromkeys(budgets))
+
+
+def heldout_texts(n: int) -> list[str]:
+    """n prompts spread evenly over the committed held-out file (ddtree/data/heldout_prompts.jsonl)."""
+    rows = load_prompts(HELDOUT_PROMPTS)
+    if n > len(rows):
+        raise click.BadParameter(f"{n} prompts asked for; the held-out file has {len(rows)}", param_hint="--prompts")
+    return [rows[i * len(rows) // n]["text"] for i in range(n)]
+
+
+def spread(values: list[float]) -> dict:
+    """{"mean", "sd" (sample stddev; 0 for one value), "min", "max"} of the samples."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
+
+
+def build_tiny_engine(out_dir: Path, log) -> Path:
+    """The embedded tiny model's tp 1 engine, built at out_dir/engine (kernels from the NVRTC cache)."""
+    from ddtree.builder.build import build_engine
+    log("building the embedded tiny model's tp 1 engine (a temp dir) ...")
+    return Path(build_engine(*tiny_model_dirs(), 1, ["sm_90"], out_dir / "engine", graphs=False)["engine"])
+
+
+def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | None):
+    if device == "cuda":
+        from ddtree.runtime.cuda_executor import CudaExecutor
+        return CudaExecutor(engine_dir, gpu=gpu, max_context=max_context)
+    from ddtree.runtime.engine_executor import EngineExecutor
+    return EngineExecutor(engine_dir)
+
+
+def one_request(ex, ids: list[int], budget: int | None, n_new: int, params: SamplingParams) -> dict:
+    """One request (budget None: AR) -> its tokens, RunStats and wall times (whole, and up to the first token)."""
+    stats = RunStats()
+    t0 = time.perf_counter()
+    steps = (ar_steps(ex, ids, n_new, params, (), stats) if budget is None
+             else ddtree_steps(ex, ids, n_new, params, budget, (), None, stats))
+    tokens, first_s = [], None
+    for chunk in steps:
+        tokens += chunk
+        if first_s is None:
+            first_s = time.perf_counter() - t0
+    return {"tokens": tokens, "stats": stats, "wall_s": time.perf_counter() - t0, "first_s": first_s}
+
+
+def graph_counters(ex) -> dict | None:
+    """The GPU steps' counters (capture seconds, graph steps, host seconds in them), or None on the CPU."""
+    steps = getattr(ex, "steps", None)
+    if steps is None:
+        return None
+    s = steps.stats()
+    return {"capture_s": s["capture_s"], "graph_steps": s["graph_steps"],
+            "host_s": s["host_us_per_step"] * s["graph_steps"] / 1e6}
+
+
+def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, params: SamplingParams,
+               repeats: int) -> tuple[dict, list[list[int]]]:
+    """One row (see the module docstring) and the outputs of its first timed pass, one per prompt."""
+    before_warm = graph_counters(ex)
+    one_request(ex, prompt_ids[0], budget, n_new, params)                      # warm-up: modules, capture
+    before = graph_counters(ex)
+    runs = [one_request(ex, ids, budget, n_new, params) for _ in range(repeats) for ids in prompt_ids]
+    after = graph_counters(ex)
+    first_pass = runs[: len(prompt_ids)]
+    steps = sum(r["stats"].steps for r in first_pass)
+    committed = sum(sum(r["stats"].accept_lens) for r in first_pass)
+    row = {"mode": "ar" if budget is None else "ddtree", "budget": budget,
+           "tokens_per_s": spread([len(r["tokens"]) / r["wall_s"] for r in runs]),
+           "decode_tokens_per_s": spread([(len(r["tokens"]) - 1) / max(r["wall_s"] - r["first_s"], 1e-9)
+                                          for r in runs]),
+           "prefill_s": statistics.fmean(r["first_s"] for r in runs),
+           "mean_accept_len": committed / steps if steps else 0.0, "steps": steps,
+           "new_tokens": sum(len(r["tokens"]) for r in first_pass), "samples": len(runs),
+           "graph_steps": None, "eager_steps": None, "host_us_per_step": None, "capture_s": None,
+           "phases": None}
+    if after is not None:
+        graph_steps = after["graph_steps"] - before["graph_steps"]
+        row.update(graph_steps=graph_steps, eager_steps=sum(r["stats"].steps for r in runs) - graph_steps,
+                   host_us_per_step=1e6 * (after["host_s"] - before["host_s"]) / graph_steps if graph_steps else None,
+                   capture_s=after["capture_s"] - before_warm["capture_s"])   # the warm-up's (and any later one)
+    return row, [r["tokens"] for r in first_pass]
+
+
+def check_lossless(ar_out: list[list[int]], dd_out: list[list[int]], budget: int) -> None:
+    """CPU: DDTree's tokens must be AR's, prompt by prompt; else a LosslessError naming where they part."""
+    for p, (ar, dd) in enumerate(zip(ar_out, dd_out)):
+        if ar != dd:
+            at = next((i for i, (a, d) in enumerate(zip(ar, dd)) if a != d), min(len(ar), len(dd)))
+            raise LosslessError(f"budget {budget}, prompt {p}: DDTree and AR differ at new token {at} "
+                                "on the float64 CPU executor: losslessness broken")
+
+
+def run_e2e(ex, prompt_ids, budgets, n_new: int, params: SamplingParams, repeats: int, device: str,
+            log=lambda s: None) -> list[dict]:
+    """Every row, AR first; speedups over AR; identical (DDTree vs AR outputs) per DDTree row."""
+    ar_row, ar_out = bench_mode(ex, prompt_ids, None, n_new, params, repeats)
+    ar_row.update(speedup_vs_ar=1.0, identical=None, identical_prompts=None)
+    log(f"ar: {ar_row['tokens_per_s']['mean']:.1f} tok/s")
+    rows = [ar_row]
+    for budget in budgets:
+        row, out = bench_mode(ex, prompt_ids, budget, n_new, params, repeats)
+        same = sum(a == d for a, d in zip(ar_out, out))
+        row.update(speedup_vs_ar=row["tokens_per_s"]["mean"] / ar_row["tokens_per_s"]["mean"],
+                   identical=same == len(prompt_ids), identical_prompts=same)
+        log(f"ddtree budget {budget}: {row['tokens_per_s']['mean']:.1f} tok/s, mean acceptance length "
+            f"{row['mean_accept_len']:.2f}, identical to AR {same}/{len(prompt_ids)}")
+        rows.append(row)
+        if device == "cpu":
+            check_lossless(ar_out, out, budget)
+    return rows
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def print_table(result: dict, console: Console) -> None:
+    cuda = result["device"] != "cpu"
+    table = Table(title=f"ddtree bench e2e: {result['device']}, {result['prompts']} prompts x "
+                        f"{result['max_new_tokens']} new tokens x {result['repeats']} repeats, "
+                        f"{result['sampling']['label']}")
+    for name in ("mode", "budget", "t/s", "min", "max", "decode t/s", "accept len", "steps"):
+        table.add_column(name, justify="right")
+    if cuda:
+        for name in ("graph/eager", "host us/step", "capture s"):
+            table.add_column(name, justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("identical", justify="right")
+    for r in result["rows"]:
+        t, dt = r["tokens_per_s"], r["decode_tokens_per_s"]
+        cells = [r["mode"], _fmt(r["budget"], "d"), f"{t['mean']:.1f} ± {t['sd']:.1f}", f"{t['min']:.1f}",
+                 f"{t['max']:.1f}", f"{dt['mean']:.1f} ± {dt['sd']:.1f}", f"{r['mean_accept_len']:.2f}",
+                 str(r["steps"])]
+        if cuda:
+            cells += [f"{r['graph_steps']}/{r['eager_steps']}", _fmt(r["host_us_per_step"], ".1f"),
+                      _fmt(r["capture_s"], ".3f")]
+        cells += [f"{r['speedup_vs_ar']:.2f}x", "-" if r["identical"] is None else str(r["identical"])]
+        table.add_row(*cells)
+    console.print(table)
+    if result["memory"]:
+        console.print("memory plan: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in result["memory"].items()))
+    console.print(f"phases: {PHASES_NOTE}")
+
+
+@click.command("e2e")
+@click.option("--model", "engine_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="engine dir from ddtree-build (tp 1 for --device cuda; default: the embedded tiny model's "
+                   "tp 1 engine, built into a temp dir)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: the numpy float64 EngineExecutor; cuda: one GPU, captured step graphs")
+@click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="--device cuda: the GPU index")
+@click.option("--max-context", type=click.IntRange(min=1), default=None,
+              help="--device cuda: cache rows allocated at load (default: the model's context, at most 4096)")
+@click.option("--budget", "budgets", default="1,4,16,64", show_default=True,
+              help=f"DDTree node budgets, comma-separated (1..{MAX_BUDGET})")
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=None,
+              help="held-out prompts (default: 4 on cuda, 1 on cpu)")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=None,
+              help="new tokens per request (default: 64 on cuda, 16 on cpu)")
+@click.option("--repeats", type=click.IntRange(min=1), default=None,
+              help="timed passes over the prompts (default: 3 on cuda, 1 on cpu)")
+@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off")
+@click.option("--top-p", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
+              help=">= 1 = off")
+@click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
+def e2e_command(engine_dir, device, gpu, max_context, budgets, n_prompts, max_new_tokens, repeats, temperature,
+                top_k, top_p, seed, as_json):
+    """End-to-end tokens/s of AR and of DDTree per budget (mean ± sd over prompts x repeats)."""
+    budget_list = parse_budgets(budgets)
+    defaults = DEFAULTS[device]
+    n_prompts = n_prompts or defaults["prompts"]
+    n_new = max_new_tokens or defaults["max_new_tokens"]
+    repeats = repeats or defaults["repeats"]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    texts = heldout_texts(n_prompts)
+    if device == "cuda":
+        from ddtree.runtime.cuda_executor import gpu_unavailable
+        why = gpu_unavailable(gpu)
+        if why:
+            raise click.ClickException(f"--device cuda is not available: {why}")
+    log = lambda s: print(s, file=sys.stderr)                                        # noqa: E731
+    with ExitStack() as stack:
+        if engine_dir is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-e2e-")))
+            engine, model = build_tiny_engine(tmp, log), "embedded tiny model (tp 1 engine built in a temp dir)"
+        else:
+            engine, model = Path(engine_dir), str(engine_dir)
+        ex = open_executor(engine, device, gpu, max_context)
+        tok = load_tokenizer(ex.tokenizer_dir, ex.config)
+        prompt_ids = [tok.encode(t) or [ex.config.bos_token_id] for t in texts]
+        t0 = time.perf_counter()
+        rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log)
+        wall = time.perf_counter() - t0
+    label = "greedy" if params.greedy else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
+    result = {"bench": "e2e", "device": ex.gpu.name if device == "cuda" else "cpu",
+              "executor": ex.name, "model": model, "prompts": n_prompts,
+              "prompt_tokens": [len(ids) for ids in prompt_ids], "max_new_tokens": n_new, "repeats": repeats,
+              "block_size": ex.drafter_config.block_size,
+              "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "label": label},
+              "memory": dict(ex.memory_plan) if device == "cuda" else None,
+              "rows": rows, "ceiling": {"max_accept_len": ex.drafter_config.block_size},
+              "notes": {"phases": PHASES_NOTE,
+                        "tokens_per_s": "new tokens / the request's wall time, prefill included; decode_tokens_per_s"
+                                        " from the prefill's first token on",
+                        "capture_s": "graph capture during the warm-up request, excluded from the timed ones"},
+              "wall_s": round(wall, 3)}
+    if as_json:
+        emit_json(result)
+    print_table(result, Console(stderr=as_json, width=160))
+
