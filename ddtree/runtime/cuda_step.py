@@ -28,6 +28,7 @@ first steps after a prompt shorter than b, and the last ones near the end of the
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
@@ -73,11 +74,13 @@ class GpuSteps:
         self.plan = self.params = None
         self.last: dict = {}                  # the last DDTree step's verify buffers (last_verify)
         self.lasts: dict[tuple, dict] = {}
-        self.host_wait_s = 0.0
+        self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
+        self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
 
     # ---- request set-up --------------------------------------------------------------------------
     def new_request(self) -> None:
         """A new sequence: the device state and window say nothing about it until its first graph step."""
+        self.drain()
         self.synced, self.in_window = None, 0
 
     def set_params(self, params: SamplingParams):
@@ -116,21 +119,52 @@ class GpuSteps:
         finally:
             ops.capturing, ops.graph_plans, ops.stream = False, False, None
 
-    def _record(self) -> dict:
+    def _step(self, key: tuple, body, prepare, ahead: bool) -> dict:
+        """Step k through the graph of `key` -> its record. When `ahead`, step k + 1 of the same graph is
+        enqueued before k's record is read (the state it needs is on the device), so the host's work overlaps
+        the GPU's; the next call with the same key takes it. `prepare()` readies the device for a step the
+        host starts (parameters, window, state); it is skipped for a step already in flight."""
         t0 = time.perf_counter()
-        self.gpu.sync()
-        wait = time.perf_counter() - t0
+        if self.inflight is not None and self.inflight[0] == key:
+            event = self.inflight[1]
+        else:
+            self.drain()
+            prepare()
+            self._run(key, body)
+            event = self.gpu.stream.record()
+        self.inflight = None
+        if ahead and self.pipeline and key in self.graphs:
+            self.gpu.replay(self.graphs[key])
+            self.inflight = (key, self.gpu.stream.record())
+        t1 = time.perf_counter()
+        event.sync()
+        wait = time.perf_counter() - t1
         step = self.state.steps + 1
         rec = self.state.record(step)
         if rec is None:
             raise RuntimeError(f"GPU step {step}: its record was not written (the graph did not run to its end)")
         self.state.steps = step
         if rec["status"]:
+            self.drain()
             self.sampler.check_status()
-            for b in self.builders.values():
-                b.check_status()
-        self.host_wait_s = wait
+            for builder in self.builders.values():
+                builder.check_status()
+        self.host_s += time.perf_counter() - t0 - wait
+        self.graph_steps += 1
         return rec
+
+    @staticmethod
+    def _check_follows(rec: dict, start: int) -> None:
+        if rec["start"] - rec["count"] != start:
+            raise RuntimeError(f"GPU step record starts at {rec['start'] - rec['count']}, the host's sequence at "
+                               f"{start} (a step ran on another state)")
+
+    def drain(self) -> None:
+        """Finish and drop a step enqueued ahead (a new request, an error): its record is never read."""
+        if self.inflight is not None:
+            self.inflight[1].sync()
+            self.state.steps += 1
+            self.inflight, self.synced, self.in_window = None, None, 0
 
     def _sync_state(self, start: int, bonus: int) -> None:
         if self.synced != (start, bonus):
@@ -152,22 +186,17 @@ class GpuSteps:
         """One token through the AR graph; `s` a loop.DecodeState on the executor's target cache."""
         if s.cache is not self.ex.target_cache or s.start + 1 > self.ex.max_context:
             from ddtree.runtime.loop import ar_step
+            self.drain()
             self.synced = None
             return ar_step(self.ex, s, params)
-        t0 = time.perf_counter()
-        plan = self.set_params(params)
-        self._sync_state(s.start, s.bonus)
-        self._run(("ar", plan.mode), self._ar_body)
-        rec = self._record()
+        key = ("ar", self.set_params(params).mode)
+        ahead = s.start + 2 < min(s.end, self.ex.max_context)     # step k + 1 needed and inside the cache
+        rec = self._step(key, self._ar_body, lambda: self._sync_state(s.start, s.bonus), ahead)
+        self._check_follows(rec, s.start)
         s.start, s.bonus = rec["start"], rec["tokens"][-1]
         s.cache.length = s.start
         self.synced = (s.start, s.bonus)
-        self._count_host(t0)
         return rec["tokens"]
-
-    def _count_host(self, t0: float) -> None:
-        self.host_s += time.perf_counter() - t0 - self.host_wait_s
-        self.graph_steps += 1
 
     # ---- the DDTree step -------------------------------------------------------------------------
     def _target_layers(self, feeds: dict, n: int, taps: bool = False) -> Tensor:
@@ -227,19 +256,23 @@ class GpuSteps:
         from ddtree.runtime.loop import ddtree_step
         ex, b = self.ex, s.block
         if not self.graph_ready(s, budget):
+            self.drain()
             self._leave_window(s)
             return ddtree_step(ex, s, params, budget)
-        t0 = time.perf_counter()
-        plan = self.set_params(params)
-        self._enter_window(s)
-        self._sync_state(s.start, s.bonus)
-        self._run(("ddtree", budget, b, plan.mode), lambda: self._ddtree_body(budget, b))
-        rec = self._record()
+        key = ("ddtree", budget, b, self.set_params(params).mode)
+        nxt = copy.copy(s)
+        nxt.start += b                                  # the furthest step k + 1 can start
+        ahead = nxt.start < s.end and self.graph_ready(nxt, budget)
+
+        def prepare():
+            self._enter_window(s)
+            self._sync_state(s.start, s.bonus)
+        rec = self._step(key, lambda: self._ddtree_body(budget, b), prepare, ahead)
+        self._check_follows(rec, s.start)
         old = s.start
         s.start, s.bonus = rec["start"], rec["tokens"][-1]
         s.cache.length, s.dcache.length = s.start, old
         self.synced, self.in_window = (s.start, s.bonus), rec["count"]
-        self._count_host(t0)
         return rec["tokens"]
 
     def _enter_window(self, s) -> None:

@@ -51,7 +51,8 @@ class DDTreeEngine:
 
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
-             ranks: str = "threads", gpu: int = 0, max_context: int | None = None) -> "DDTreeEngine":
+             ranks: str = "threads", gpu: int = 0, max_context: int | None = None,
+             cap_context: bool = False) -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
@@ -62,7 +63,7 @@ class DDTreeEngine:
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
-            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context)
+            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context)
         from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
@@ -98,7 +99,8 @@ class DDTreeEngine:
         return cls(NumpyExecutor(target, drafter), tokenizer, Path(model_dir), Path(drafter_dir))
 
     @classmethod
-    def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None) -> "DDTreeEngine":
+    def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None,
+                   cap_context: bool = False) -> "DDTreeEngine":
         from ddtree.engine_dir import is_engine_dir, read_engine_config
         if model_dir is None or not is_engine_dir(model_dir):
             raise DeviceUnavailableError("device (--device) 'cuda' is not available for checkpoint dirs: it runs a "
@@ -114,7 +116,7 @@ class DDTreeEngine:
         why = gpu_unavailable(gpu)
         if why:
             raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
-        ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify)
+        ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context)
         return cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
 
     # ------------------------------------------------------------------------------------------
@@ -163,6 +165,20 @@ class DDTreeEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def device(self) -> str:
+        return getattr(self.executor, "name", "cpu") if self.processes is None else "cpu"
+
+    def device_stats(self) -> dict:
+        """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""
+        ex = self.executor
+        if getattr(ex, "name", None) != "cuda":
+            return {}
+        out = {"device": ex.gpu.name, "memory": dict(ex.memory_plan)}
+        if ex.steps is not None:
+            out.update(ex.steps.stats())
+        return out
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,

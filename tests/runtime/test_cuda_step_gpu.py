@@ -3,18 +3,17 @@ DDTree == AR on the held-out prompts except at derived near-ties, every committe
 definition at its node, back-to-back requests with other seeds, budget changes, and the step-state kernels
 against their numpy twins.
 
-The near-tie rule (docs/interfaces.md section 6) is derived, not chosen: the verify (many rows a call) and the
-one-token decode sum in different orders, so the same sequence's logits differ by up to delta between the two
-paths. delta is measured here by teacher-forcing the AR tokens of every prompt through both paths; a DDTree /
-AR departure is a near-tie when the top-2 margin of the decode logits there is below 2 delta (greedy) or, on
-the Gumbel-perturbed scores z = l / T + g the sampler ranks, below 2 delta / T (sampled).
+The near-tie rule is runtime/near_tie.py's (derived, not chosen): delta, the largest logit difference between
+the verify and the one-token decode paths, measured here by teacher-forcing the AR tokens of every held-out
+prompt through both; a departure is a near-tie when the top-2 margin there is below 2 delta (/ T sampled).
 """
 import numpy as np
 import pytest
 
-from ddtree.runtime.loop import ar_steps, causal_visible, ddtree_steps, run_to_end
+from ddtree.runtime.loop import ar_steps, ddtree_steps, run_to_end
+from ddtree.runtime.near_tie import classify_departure, path_differences
 from ddtree.tree.build import Tree
-from ddtree.tree.sampling import SamplingParams, gumbel, kept_mask, sample
+from ddtree.tree.sampling import SamplingParams, sample
 from ddtree.tree.walk import accept_walk
 
 pytestmark = pytest.mark.gpu
@@ -37,39 +36,13 @@ def tiny(tmp_path_factory):
     return ex, [tok.encode(p) for p in prompts(4)]
 
 
-def decode_logits(ex, seq, P):
-    """Logits at positions P .. len(seq) - 1 feeding seq one token at a time after a P-token prefill."""
-    cache = ex.new_target_cache(limit=len(seq) + 1)
-    lg, _ = ex.target_forward(np.array(seq[:P]), np.arange(P), causal_visible(0, P), cache)
-    out = [lg[-1]]
-    for i in range(P, len(seq) - 1):
-        lg, _ = ex.target_forward(np.array(seq[i: i + 1]), np.array([i]), causal_visible(i, 1), cache)
-        out.append(lg[-1])
-    return np.array(out)                                    # row j: the logits that pick seq[P + j]
-
-
-def verify_logits(ex, seq, P, rows):
-    """The same logits through verify-shaped calls of `rows` rows (a chain: each row sees those before it)."""
-    cache = ex.new_target_cache(limit=len(seq) + 1)
-    lg, _ = ex.target_forward(np.array(seq[:P]), np.arange(P), causal_visible(0, P), cache)
-    out = [lg[-1]]
-    for a in range(P, len(seq) - 1, rows):
-        b = min(a + rows, len(seq) - 1)
-        lg, _ = ex.target_forward(np.array(seq[a:b]), np.arange(a, b), causal_visible(a, b - a), cache)
-        out.extend(lg)
-    return np.array(out)
-
-
 @pytest.fixture(scope="module")
 def delta(tiny):
     """The largest logit difference between the verify and decode paths over the prompts' AR sequences."""
     ex, prompts = tiny
     per_position = []
     for ids in prompts:
-        seq = list(ids) + run_to_end(ar_steps(ex, ids, N, GREEDY))
-        dec = decode_logits(ex, seq, len(ids))
-        for rows in (8, 65):
-            per_position.extend(np.abs(verify_logits(ex, seq, len(ids), rows) - dec).max(axis=1))
+        per_position.extend(path_differences(ex, ids, run_to_end(ar_steps(ex, ids, N, GREEDY))))
     per_position = np.array(per_position)
     d = float(per_position.max())
     print(f"delta (verify vs decode, teacher-forced, {len(prompts)} prompts x {N} tokens x 2 row counts): max "
@@ -78,18 +51,6 @@ def delta(tiny):
     # model's random router): a wrong verify path would move the median to the logits' own scale (~10)
     assert 0 < np.median(per_position) < 0.1
     return d
-
-
-def margin(logits_row, position, params):
-    """The top-2 gap of what the sampler ranks: logits (greedy) or z + g over the kept set (sampled)."""
-    if params.greedy:
-        top = np.sort(logits_row.astype(np.float64))[-2:]
-        return top[1] - top[0]
-    z = logits_row.astype(np.float64) / params.temperature
-    kept = kept_mask(z[None], params.top_k, params.top_p)[0]
-    scores = np.where(kept, z + gumbel(params.seed, position, np.arange(len(z))), -np.inf)
-    top = np.sort(scores)[-2:]
-    return top[1] - top[0]
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -106,14 +67,11 @@ def test_ddtree_graph_equals_ar_graph_except_near_ties(tiny, delta, params):
             total += N
             if dd == ar:
                 continue
-            i = next(j for j in range(N) if dd[j] != ar[j])
+            v = classify_departure(ex, ids, ar, dd, params, delta)
             departures += 1
-            seq = list(ids) + ar
-            row = decode_logits(ex, seq[: len(ids) + i + 1], len(ids))[-1]
-            m = margin(row, len(ids) + i, params)
-            bound = 2 * delta / (params.temperature or 1.0)
-            print(f"budget {budget}: departure at token {i}, margin {m:.3e} (near-tie below {bound:.3e})")
-            assert m < bound, f"budget {budget}: DDTree left AR at token {i} with margin {m:.3e} >= {bound:.3e}"
+            print(f"budget {budget}: departure at token {v['index']}, margin {v['margin']:.3e} (near-tie below "
+                  f"{v['bound']:.3e})")
+            assert v["near_tie"], f"budget {budget}: DDTree left AR at token {v['index']}, margin {v['margin']:.3e}"
             ties += 1
     rate = ties / total
     print(f"{params}: {departures} departures in {total} tokens, all near-ties; rate {rate:.4%}")
@@ -127,6 +85,7 @@ def test_every_committed_token_is_the_sampling_definition(tiny):
     accepted path and bonus the graph committed (a stale seed or a wrong graph would differ)."""
     ex, prompts = tiny
     checked = 0
+    ex.steps.pipeline = False                # last_verify must see the step just read, not the one after it
     for params, budget in ((SamplingParams(temperature=0.9, seed=1), 4), (SamplingParams(temperature=0.9, seed=2), 16),
                            (SamplingParams(temperature=0.7, top_k=20, seed=3), 4), (GREEDY, 16)):
         steps = ddtree_steps(ex, prompts[0], 200, params, budget)
@@ -145,6 +104,7 @@ def test_every_committed_token_is_the_sampling_definition(tiny):
             assert committed == expect                   # no EOS given and 200 tokens: no step is cut
             checked += 1
         steps.close()
+    ex.steps.pipeline = True
     assert checked == 12
 
 
