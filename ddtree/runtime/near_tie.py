@@ -20,7 +20,7 @@ from ddtree.tree.sampling import SamplingParams, gumbel, kept_mask
 def decode_logits(ex, seq, P: int) -> np.ndarray:
     """[len(seq) - P, V]: row j the logits that pick seq[P + j], feeding seq one token a call after a P-token
     prefill (the decode path)."""
-    cache = ex.new_target_cache(limit=len(seq) + 1)
+    cache = ex.new_target_cache(len(seq) + 1, limit=len(seq) + 1)
     lg, _ = ex.target_forward(np.array(seq[:P]), np.arange(P), causal_visible(0, P), cache)
     out = [lg[-1]]
     for i in range(P, len(seq) - 1):
@@ -31,7 +31,7 @@ def decode_logits(ex, seq, P: int) -> np.ndarray:
 
 def verify_logits(ex, seq, P: int, rows: int) -> np.ndarray:
     """The same rows as decode_logits through calls of `rows` tokens (a chain: each row sees those before it)."""
-    cache = ex.new_target_cache(limit=len(seq) + 1)
+    cache = ex.new_target_cache(len(seq) + 1, limit=len(seq) + 1)
     lg, _ = ex.target_forward(np.array(seq[:P]), np.arange(P), causal_visible(0, P), cache)
     out = [lg[-1]]
     for a in range(P, len(seq) - 1, rows):
