@@ -13,9 +13,10 @@ layer never writes over the output of the layer before it (its input). Feeds are
 host-side uses listed in LAUNCHERS). Activations (ACT) are bf16 bits (uint16), ACC is float32.
 
 tp 1 only: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1
-they raise naming the missing collective (issue 25). The sampling and tree ops run on the host (a download,
-the numpy math of ops/numpy_math.py, an upload); their kernels (plugins/tree_sample.py, tree_build.py) take
-different inputs and are wired by the GPU decode step, not here.
+they raise naming the missing collective (issue 25). The sampling and tree ops run on the host here (a download,
+the numpy math of ops/numpy_math.py, an upload): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
+without them (layers.head_logits, draft_logits) and fuses vocab_topk + tree_build (plugins/tree_build.py) and
+vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels.
 """
 from __future__ import annotations
 
