@@ -66,7 +66,7 @@ class GpuSteps:
             self.window_next = g.alloc((self.B_max, self.KH), np.uint16)
             self.tap_rows = g.alloc((self.ops.max_tokens, self.KH), np.uint16)
         self.builders: dict[int, object] = {}
-        self.graphs: dict[tuple, object] = {}
+        self.graphs: dict[tuple, list] = {}
         self.capture_s = 0.0
         self.host_s, self.graph_steps = 0.0, 0
         self.synced: tuple | None = None      # (start, bonus) the device state holds, when the host knows it
@@ -98,9 +98,8 @@ class GpuSteps:
     # ---- graphs ----------------------------------------------------------------------------------
     def _run(self, key: tuple, body) -> None:
         """Replay the graph of `key`, or run the step eagerly and capture it (the first time)."""
-        graph = self.graphs.get(key)
-        if graph is not None:
-            self.gpu.replay(graph)
+        if key in self.graphs:
+            self._replay(key)
             self.last = self.lasts.get(key, {})
             return
         ops = self.ops
@@ -114,7 +113,7 @@ class GpuSteps:
             def record(stream):
                 ops.stream, ops.capturing = stream, True
                 body()
-            self.graphs[key] = self.gpu.capture(record)
+            self.graphs[key] = [self.gpu.capture(record), self.gpu.capture(record)]
             self.capture_s += time.perf_counter() - t0
         finally:
             ops.capturing, ops.graph_plans, ops.stream = False, False, None
@@ -134,7 +133,7 @@ class GpuSteps:
             event = self.gpu.stream.record()
         self.inflight = None
         if ahead and self.pipeline and key in self.graphs:
-            self.gpu.replay(self.graphs[key])
+            self._replay(key)
             self.inflight = (key, self.gpu.stream.record())
         t1 = time.perf_counter()
         event.sync()
@@ -152,6 +151,13 @@ class GpuSteps:
         self.host_s += time.perf_counter() - t0 - wait
         self.graph_steps += 1
         return rec
+
+    def _replay(self, key: tuple) -> None:
+        """Two executable copies of each graph, launched in turn: a launch of the copy that is not running
+        (step k + 1 enqueued while step k runs) does not wait for the running one on the host."""
+        pair = self.graphs[key]
+        pair.reverse()
+        self.gpu.replay(pair[0])
 
     @staticmethod
     def _check_follows(rec: dict, start: int) -> None:
