@@ -43,7 +43,8 @@ from ddtree.tree.sampling import SamplingParams
 
 DEFAULTS = {"cpu": {"prompts": 1, "max_new_tokens": 16, "repeats": 1},      # numpy float64: slow, keep it small
             "cuda": {"prompts": 4, "max_new_tokens": 64, "repeats": 3}}
-PHASES_NOTE = "not measured yet (needs separately captured phase graphs: draft, tree, verify, walk)"
+PHASES_NOTE = ("device us per DDTree step phase, each captured alone and replayed (median): draft, tree, verify, "
+               "sample_walk, update; step = the whole step's graph; gaps = step - the phases' sum (cuda only)")
 
 
 class LosslessError(click.ClickException):
@@ -110,8 +111,11 @@ def graph_counters(ex) -> dict | None:
     if steps is None:
         return None
     s = steps.stats()
-    return {"capture_s": s["capture_s"], "graph_steps": s["graph_steps"],
-            "host_s": s["host_us_per_step"] * s["graph_steps"] / 1e6}
+    steady = s["graph_steps"] - s["started_steps"]                     # steps in flight when the loop asked
+    return {"capture_s": s["capture_s"], "graph_steps": s["graph_steps"], "steady_steps": steady,
+            "host_s": s["host_us_per_step"] * steady / 1e6,
+            "started_host_s": s["host_us_per_started_step"] * s["started_steps"] / 1e6,
+            "started_steps": s["started_steps"]}
 
 
 def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, params: SamplingParams,
@@ -132,13 +136,19 @@ def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, 
            "prefill_s": statistics.fmean(r["first_s"] for r in runs),
            "mean_accept_len": committed / steps if steps else 0.0, "steps": steps,
            "new_tokens": sum(len(r["tokens"]) for r in first_pass), "samples": len(runs),
-           "graph_steps": None, "eager_steps": None, "host_us_per_step": None, "capture_s": None,
-           "phases": None}
+           "graph_steps": None, "eager_steps": None, "host_us_per_step": None, "host_us_per_started_step": None,
+           "capture_s": None, "phases": None}
     if after is not None:
         graph_steps = after["graph_steps"] - before["graph_steps"]
+        steady = after["steady_steps"] - before["steady_steps"]
+        started = after["started_steps"] - before["started_steps"]
         row.update(graph_steps=graph_steps, eager_steps=sum(r["stats"].steps for r in runs) - graph_steps,
-                   host_us_per_step=1e6 * (after["host_s"] - before["host_s"]) / graph_steps if graph_steps else None,
+                   host_us_per_step=1e6 * (after["host_s"] - before["host_s"]) / steady if steady else None,
+                   host_us_per_started_step=(1e6 * (after["started_host_s"] - before["started_host_s"]) / started
+                                             if started else None),
                    capture_s=after["capture_s"] - before_warm["capture_s"])   # the warm-up's (and any later one)
+        if budget is not None:                                  # device time per phase, captured alone
+            row["phases"] = ex.steps.phase_times(budget, ex.drafter_config.block_size)
     return row, [r["tokens"] for r in first_pass]
 
 
@@ -201,6 +211,9 @@ def print_table(result: dict, console: Console) -> None:
     if result["memory"]:
         console.print("memory plan: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in result["memory"].items()))
     console.print(f"phases: {PHASES_NOTE}")
+    for r in result["rows"]:
+        if r.get("phases"):
+            console.print(f"  budget {r['budget']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))
 
 
 @click.command("e2e")

@@ -257,6 +257,11 @@ class CudaExecutor:
         from ddtree.runtime.loop import ar_step
         return self.steps.ar_step(state, params) if self.steps else ar_step(self, state, params)
 
+    def drafter_prefill(self, state) -> None:
+        """The DDTree loop's hook after the prefill (runtime/loop.py): the step graphs' drafter window."""
+        if self.steps:
+            self.steps.drafter_prefill(state)
+
     def ddtree_step(self, state, params: SamplingParams, budget: int) -> list[int]:
         """The DDTree loop's step (runtime/loop.py): one replay of the step graph of (budget, block, mode)."""
         from ddtree.runtime.loop import ddtree_step

@@ -68,12 +68,14 @@ class GpuSteps:
         self.builders: dict[int, object] = {}
         self.graphs: dict[tuple, list] = {}
         self.capture_s = 0.0
-        self.host_s, self.graph_steps = 0.0, 0
+        self.host_s, self.graph_steps = 0.0, 0           # steps already in flight when asked for
+        self.started_s, self.started_steps = 0.0, 0      # steps the host started (state uploaded)
         self.synced: tuple | None = None      # (start, bonus) the device state holds, when the host knows it
         self.in_window = 0                    # > 0: the drafter context is the device window (its new rows)
         self.plan = self.params = None
         self.last: dict = {}                  # the last DDTree step's verify buffers (last_verify)
         self.lasts: dict[tuple, dict] = {}
+        self.values: dict[tuple, dict] = {}   # (budget, b) -> the step's intermediate tensors (phase_times)
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
 
@@ -124,12 +126,18 @@ class GpuSteps:
         the GPU's; the next call with the same key takes it. `prepare()` readies the device for a step the
         host starts (parameters, window, state); it is skipped for a step already in flight."""
         t0 = time.perf_counter()
-        if self.inflight is not None and self.inflight[0] == key:
+        started = self.inflight is None or self.inflight[0] != key     # the host starts this step itself
+        if not started:
             event = self.inflight[1]
         else:
             self.drain()
             prepare()
-            self._run(key, body)
+            if key not in self.graphs:
+                capture = time.perf_counter()
+                self._run(key, body)
+                t0 += time.perf_counter() - capture                     # capture time is counted apart
+            else:
+                self._run(key, body)
             event = self.gpu.stream.record()
         self.inflight = None
         if ahead and self.pipeline and key in self.graphs:
@@ -148,8 +156,11 @@ class GpuSteps:
             self.sampler.check_status()
             for builder in self.builders.values():
                 builder.check_status()
-        self.host_s += time.perf_counter() - t0 - wait
-        self.graph_steps += 1
+        host = time.perf_counter() - t0 - wait
+        if started:
+            self.started_s, self.started_steps = self.started_s + host, self.started_steps + 1
+        else:
+            self.host_s, self.graph_steps = self.host_s + host, self.graph_steps + 1
         return rec
 
     def _replay(self, key: tuple) -> None:
@@ -218,37 +229,86 @@ class GpuSteps:
                                   out_stride=self.KH, stream=ops.stream)
         return h
 
-    def _ddtree_body(self, budget: int, b: int):
+    PHASES = ("draft", "tree", "verify", "sample_walk", "update")
+
+    def _ddtree_body(self, budget: int, b: int, only=None):
+        """The step's launches, phase by phase (PHASES); `only`: just those phases, on the buffers of the last
+        full run (phase_times captures each alone to time it)."""
         ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
         S, n, dc = ops.stream, budget + 1, ex.draft_cache
         lengths = ex.target_cache.dev.lengths
-        st.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len, lengths, stream=S)
-        # draft: the window's b context rows at start - b, the block at start ..
-        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
-        h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
-        dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
-        for L in range(d.num_hidden_layers):
-            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
-                **dfeeds, "h": h, "ctx": ctx, "cache_k": dc.k[L], "cache_v": dc.v[L]})["h_out"]
-        draft = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]             # [b-1, V] float32
+        v = self.values.setdefault((budget, b), {})
         builder = self.builder(b - 1)
-        tree = builder.run(_array(g, draft), st.bonus_ptr, st.start_ptr, budget, stream=S)
-        # verify the tree after the committed rows
-        W = tree.vis.shape[1]
-        feeds = {"ids": Tensor.of(tree.tokens), "pos": Tensor.of(tree.positions), "cache_len": Tensor.of(lengths),
-                 "tree_mask": Tensor(tree.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-        h = self._target_layers(feeds, n, taps=True)
-        logits = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]               # [n, V] float32
-        out = self.sampler.launch(self.plan, _array(g, logits), tree.positions, n, tree=tree, stream=S)
-        self.last = {"logits": _array(g, logits), "tree": tree, "sampled": out}
-        for L in range(cfg.num_hidden_layers):
-            ops.call(layers.compact, cfg, feeds={"cache": ex.target_cache.layer(L), "cache_len": Tensor.of(lengths),
-                                                 "accepted": Tensor.of(out.accepted),
-                                                 "accepted_count": Tensor.of(out.count)})
-        st.ctx_window(self.window, self.tap_rows, out.accepted, out.count, self.window_next, b, 2 * self.KH, stream=S)
-        g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
-        st.commit(tree.tokens, out.accepted, out.count, out.bonus, status=(self.sampler.status, builder.status),
-                  stream=S)
+
+        def draft():     # the window's b context rows at start - b, the block at start ..
+            st.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len, lengths, stream=S)
+            ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
+            h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
+            dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
+            for L in range(d.num_hidden_layers):
+                h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
+                    **dfeeds, "h": h, "ctx": ctx, "cache_k": dc.k[L], "cache_v": dc.v[L]})["h_out"]
+            v["draft"] = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]     # [b-1, V] float32
+
+        def tree():
+            v["tree"] = builder.run(_array(g, v["draft"]), st.bonus_ptr, st.start_ptr, budget, stream=S)
+
+        def verify():    # the tree after the committed rows, taps copied at the tap layers
+            t = v["tree"]
+            W = t.vis.shape[1]
+            feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
+                     "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
+            h = self._target_layers(feeds, n, taps=True)
+            v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
+
+        def sample_walk():
+            t = v["tree"]
+            v["out"] = self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=t, stream=S)
+            self.last = {"logits": _array(g, v["logits"]), "tree": t, "sampled": v["out"]}
+
+        def update():    # compaction, the context window, the record and the state
+            out = v["out"]
+            for L in range(cfg.num_hidden_layers):
+                ops.call(layers.compact, cfg, feeds={"cache": ex.target_cache.layer(L), "cache_len": Tensor.of(lengths),
+                                                     "accepted": Tensor.of(out.accepted),
+                                                     "accepted_count": Tensor.of(out.count)})
+            st.ctx_window(self.window, self.tap_rows, out.accepted, out.count, self.window_next, b, 2 * self.KH,
+                          stream=S)
+            g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
+            st.commit(v["tree"].tokens, out.accepted, out.count, out.bonus,
+                      status=(self.sampler.status, builder.status), stream=S)
+
+        for name, phase in zip(self.PHASES, (draft, tree, verify, sample_walk, update)):
+            if only is None or name in only:
+                phase()
+
+    def phase_times(self, budget: int, b: int, repeats: int = 20) -> dict:
+        """Median device time (us) of each phase captured alone and replayed, and of the whole step's graph; the
+        whole minus the phases' sum is the graph's launch gaps. For a benchmark after a request: the replays
+        run on the last step's buffers and leave the sequence's state meaningless (a new request resets it)."""
+        key = ("ddtree", budget, b, self.plan.mode)
+        if key not in self.graphs:
+            raise RuntimeError(f"phase_times: no step graph for budget {budget}, block {b} yet (run a request first)")
+        self.drain()
+        ops, out = self.ops, {}
+        graphs = {}
+        for name in self.PHASES:
+            def record(stream, name=name):
+                ops.stream, ops.capturing = stream, True
+                self._ddtree_body(budget, b, only=(name,))
+            ops.graph_plans = True
+            try:
+                graphs[name] = self.gpu.capture(record)
+            finally:
+                ops.capturing, ops.graph_plans, ops.stream = False, False, None
+        graphs["step"] = self.graphs[key][0]
+        for name, graph in graphs.items():
+            times = self.gpu.timed_ms(lambda: self.gpu.replay(graph), repeats)
+            out[name] = 1e3 * float(np.median(times))
+        out["gaps"] = out["step"] - sum(out[p] for p in self.PHASES)
+        self.new_request()
+        self.synced = None
+        return out
 
     def graph_ready(self, s, budget: int) -> bool:
         """Whether this step can run as the graph (else the composition of the primitives)."""
@@ -293,7 +353,13 @@ class GpuSteps:
             ex.drafter_forward(block, np.arange(s.start, s.start + b), s.ctx[:ahead], s.dcache)   # logits unused
         s.dcache.length = s.start - b
         self.gpu.copy_in(self.window, f32_to_bf16(np.asarray(s.window, np.float64)))
-        s.ctx = None
+        s.ctx, self.in_window = None, b                 # the window's b rows are not in the drafter cache yet
+
+    def drafter_prefill(self, s) -> None:
+        """The loop's hook after the prompt's prefill: the drafter ingests the prompt's context now (as the
+        target does), so the first step starts from the device window like every later one."""
+        if s.cache is self.ex.target_cache and s.start >= s.block:
+            self._enter_window(s)
 
     def _leave_window(self, s) -> None:
         """Back to the host's context (the composition's steps): the window's new rows become s.ctx."""
@@ -314,5 +380,10 @@ class GpuSteps:
                 "count": int(out.count.numpy()[0]), "bonus": int(out.bonus.numpy()[0])}
 
     def stats(self) -> dict:
-        return {"capture_s": self.capture_s, "graph_steps": self.graph_steps,
-                "host_us_per_step": 1e6 * self.host_s / self.graph_steps if self.graph_steps else 0.0}
+        """host_us_per_step: the host's time per step that was already in flight when the loop asked for it (the
+        steady state: replay the next, read this one's record); started steps (the first of a request or after a
+        step off the graph: state and window uploaded, synchronising) are counted apart, capture excluded."""
+        mean = lambda s, n: 1e6 * s / n if n else 0.0                  # noqa: E731
+        return {"capture_s": self.capture_s, "graph_steps": self.graph_steps + self.started_steps,
+                "host_us_per_step": mean(self.host_s, self.graph_steps),
+                "started_steps": self.started_steps, "host_us_per_started_step": mean(self.started_s, self.started_steps)}

@@ -213,6 +213,8 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     bonus = int(ex.sample(logits[-1:], np.array([len(prompt)]), params)[0])
     ctx = np.concatenate([tapped[L] for L in taps], axis=1)               # [P, K*H]
     st = DecodeState(cache, len(prompt), bonus, end, dcache, ctx, ctx[-b:], b)
+    if getattr(ex, "drafter_prefill", None) is not None:   # an executor that ingests the prompt's drafter context
+        ex.drafter_prefill(st)                             # during the prefill (the GPU step's window)
     step = getattr(ex, "ddtree_step", None) or (lambda s, p, B: ddtree_step(ex, s, p, B))
     out, done = commit([bonus])
     stats.wall_s = time.perf_counter() - t0

@@ -40,7 +40,7 @@ def test_json_schema(out):
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert set(r["tokens_per_s"]) == {"mean", "sd", "min", "max"}
         assert r["phases"] is None and r["capture_s"] is None and r["host_us_per_step"] is None   # CPU: no graphs
-    assert "not measured" in out["notes"]["phases"]
+    assert "captured alone" in out["notes"]["phases"]
 
 
 def test_numbers_are_sane_and_match_the_reference_executor(out):
