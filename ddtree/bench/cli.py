@@ -27,3 +27,9 @@ bench.add_command(project_command)
 
 from ddtree.bench.e2e import e2e_command  # noqa: E402
 bench.add_command(e2e_command)
+
+from ddtree.bench.step import step_command  # noqa: E402
+bench.add_command(step_command)
+
+from ddtree.bench.allreduce import allreduce_command  # noqa: E402
+bench.add_command(allreduce_command)

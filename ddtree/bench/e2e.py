@@ -147,8 +147,12 @@ def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, 
                    host_us_per_started_step=(1e6 * (after["started_host_s"] - before["started_host_s"]) / started
                                              if started else None),
                    capture_s=after["capture_s"] - before_warm["capture_s"])   # the warm-up's (and any later one)
+        from ddtree.runtime.step_profile import kernel_times, phase_times
         if budget is not None:                                  # device time per phase, captured alone
-            row["phases"] = ex.steps.phase_times(budget, ex.drafter_config.block_size)
+            row["phases"] = phase_times(ex.steps, budget, ex.drafter_config.block_size)
+        else:                                                   # the AR graph against its kernels alone
+            k = kernel_times(ex.steps)
+            row["ar_kernels"] = {name: k[name] for name in ("step_us", "kernels_us", "kernels", "gaps_us", "ratio")}
     return row, [r["tokens"] for r in first_pass]
 
 
@@ -212,6 +216,10 @@ def print_table(result: dict, console: Console) -> None:
         console.print("memory plan: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in result["memory"].items()))
     console.print(f"phases: {PHASES_NOTE}")
     for r in result["rows"]:
+        if r.get("ar_kernels"):
+            k = r["ar_kernels"]
+            console.print(f"  AR step graph {k['step_us']:.1f} us vs its {k['kernels']} kernels alone {k['kernels_us']:.1f} "
+                          f"us: ratio {k['ratio']:.2f}, launch gaps {k['gaps_us']:.1f} us")
         if r.get("phases"):
             console.print(f"  budget {r['budget']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))
 

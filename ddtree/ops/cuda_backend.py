@@ -12,8 +12,9 @@ layer never writes over the output of the layer before it (its input). Feeds are
 (bound as they are) or small numpy arrays (uploaded into a per-name buffer; their host copy is kept for the
 host-side uses listed in LAUNCHERS). Activations (ACT) are bf16 bits (uint16), ACC is float32.
 
-tp 1 only: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1
-they raise naming the missing collective (issue 25). The sampling and tree ops run on the host here (a download,
+tp 1: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1 they
+raise naming the missing collective (issue 25), or, with standin=True (ddtree bench step), move their bytes once
+on this GPU without summing anything. The sampling and tree ops run on the host here (a download,
 the numpy math of ops/numpy_math.py, an upload): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
 without them (layers.head_logits, draft_logits) and fuses vocab_topk + tree_build (plugins/tree_build.py) and
 vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels.
@@ -75,9 +76,15 @@ if set(LAUNCHERS) != set(OP_NAMES):
 class CudaOps(Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
-    def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS):
+    def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False):
+        """standin: at tp > 1, each collective is a stand-in that moves its bytes once on this GPU (a copy of
+        the partial; an all-gather copies it into every rank's slot) and sums nothing: rank r's step at its real
+        cost without the other ranks (ddtree bench step), not its results."""
         from ddtree.plugins.layer_ops import LayerOps
         self.gpu, self.lay, self.store, self.max_tokens = gpu, lay, store, max_tokens
+        self.standin = standin
+        self.tag = ""                       # "allreduce_standin" while a stand-in launches (bench attribution)
+        self.attention_context = None       # plan attention for at most this many cached keys (None: the caches')
         self.k = LayerOps(gpu)
         self.arena: dict[tuple, object] = {}
         self.bound: dict[tuple, object] = {}               # (name, shape, dtype) -> upload buffer
@@ -157,7 +164,7 @@ class CudaOps(Ops):
         return x.shape[0]
 
     def _single_rank(self, what: str) -> None:
-        if self.lay.tp != 1:
+        if self.lay.tp != 1 and not self.standin:
             raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs the GPU collectives "
                                       "(issue 25); only tp 1 runs on the GPU today")
 
@@ -225,6 +232,7 @@ class CudaOps(Ops):
 
     def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
         self._single_rank(f"all_reduce_add_rms_norm ({tag})")
+        partial = self._standin(partial)
         h1, x2 = self.copy(h), self.new(h.shape, np.uint16)
         self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps, stream=self.stream)
         return h1, x2
@@ -232,6 +240,11 @@ class CudaOps(Ops):
     def _gemm(self, x, tiled, N: int, out_dtype) -> Tensor:
         from ddtree.plugins.gemm import SkinnyGemm
         M, K = self._rows(x, "linear"), x.shape[1]
+        if len(x.shape) == 2 and not x.contiguous and x.strides[1] == 1 and K * x.itemsize % 16 == 0:
+            dense = self.new(x.shape, x.dtype)              # a column slice (tp > 1's fc input): rows made dense
+            self.k.gather_rows(x.ptr, self.iota, dense.ptr, M, K, M, src_stride=x.strides[0], itemsize=x.itemsize,
+                               stream=self.stream)
+            x = dense
         if len(x.shape) != 2 or not x.contiguous:
             raise ValueError(f"{self.where}: linear needs a dense [m, K] input, got {x.shape} {x.strides}")
         f32 = np.dtype(out_dtype) == np.float32
@@ -318,6 +331,8 @@ class CudaOps(Ops):
             max_q=self.max_tokens, max_context=S))
         out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
         hint = None if cache_len.host is None or self.graph_plans else min(S, int(cache_len.host[0]) + q)
+        if self.attention_context is not None:          # a stated upper bound on the keys (ddtree bench step)
+            hint = min(S, self.attention_context + q)
         attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out.ptr, context_hint=hint,
                  stream=self.stream)
         return out
@@ -374,12 +389,30 @@ class CudaOps(Ops):
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, x, tag):
         self._single_rank(f"all_reduce ({tag})")
-        return x
+        return self._standin(x)
 
     def all_gather(self, x, tag):
         self._single_rank(f"all_gather ({tag})")
+        tp = self.lay.tp
+        if tp > 1:                                             # stand-in: x copied into each rank's slot
+            out = self.new((tp, *x.shape), x.dtype)
+            n = int(np.prod(x.shape)) * x.itemsize
+            self.tag = "allreduce_standin"
+            for r in range(tp):
+                self.gpu.copy_d2d(out.ptr + r * n, x.ptr, n, stream=self.stream)
+            self.tag = ""
+            return out
         return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
                        host=None if x.host is None else x.host[None])
+
+    def _standin(self, x):
+        """tp > 1 with stand-ins: the partial copied once (the bytes an all-reduce moves into this rank)."""
+        if self.lay.tp == 1:
+            return x
+        self.tag = "allreduce_standin"
+        out = self.copy(x)
+        self.tag = ""
+        return out
 
     # ---- sampling and the tree (host) ------------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):

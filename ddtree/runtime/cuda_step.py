@@ -282,34 +282,6 @@ class GpuSteps:
             if only is None or name in only:
                 phase()
 
-    def phase_times(self, budget: int, b: int, repeats: int = 20) -> dict:
-        """Median device time (us) of each phase captured alone and replayed, and of the whole step's graph; the
-        whole minus the phases' sum is the graph's launch gaps. For a benchmark after a request: the replays
-        run on the last step's buffers and leave the sequence's state meaningless (a new request resets it)."""
-        key = ("ddtree", budget, b, self.plan.mode)
-        if key not in self.graphs:
-            raise RuntimeError(f"phase_times: no step graph for budget {budget}, block {b} yet (run a request first)")
-        self.drain()
-        ops, out = self.ops, {}
-        graphs = {}
-        for name in self.PHASES:
-            def record(stream, name=name):
-                ops.stream, ops.capturing = stream, True
-                self._ddtree_body(budget, b, only=(name,))
-            ops.graph_plans = True
-            try:
-                graphs[name] = self.gpu.capture(record)
-            finally:
-                ops.capturing, ops.graph_plans, ops.stream = False, False, None
-        graphs["step"] = self.graphs[key][0]
-        for name, graph in graphs.items():
-            times = self.gpu.timed_ms(lambda: self.gpu.replay(graph), repeats)
-            out[name] = 1e3 * float(np.median(times))
-        out["gaps"] = out["step"] - sum(out[p] for p in self.PHASES)
-        self.new_request()
-        self.synced = None
-        return out
-
     def graph_ready(self, s, budget: int) -> bool:
         """Whether this step can run as the graph (else the composition of the primitives)."""
         ex, b = self.ex, s.block

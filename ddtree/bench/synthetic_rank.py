@@ -1,0 +1,118 @@
+"""One rank of a model at real size on one GPU, weights generated on the device (ddtree bench step).
+
+    rank = SyntheticRank(gpu, cfg, dcfg, plan, rank=0, max_context=32768 + 128, seed=0)
+    steps = GpuSteps(rank)             # the real DDTree step graph of that rank (runtime/cuda_step.py)
+
+Every tensor of the rank (builder/weights.py rank_tensor_specs: the shapes the engine would hold) is allocated
+in the kernels' layout and filled on the device by plugins/randfill.py (seeded, no host transfer): GEMM weights
+tiled, [gate; up] stacked, W_UK^T, INT4 experts as random words with scales in [2^-8, 2^-7), bf16 weights with
+|w| in [2^-11, 2^-7), norms 1, the router's bias 0. Random weights are a layout's permutation of random
+weights, so a tiled buffer filled at random is as real as a tiled real one for timing; the values keep every
+activation finite (checked by the benchmark on the logits). The collectives are stand-ins that move their bytes
+once on this GPU (ops/cuda_backend.py standin): rank r's own work, not the others'.
+The KV caches are filled with random rows up to the context.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.ops.cuda_backend import CudaOps
+from ddtree.ops.opset import RankLayout
+from ddtree.runtime.cuda_executor import GATE_UP, GEMM_SUFFIXES, CudaWeights, GpuDraftCache, GpuTargetCache
+
+ONES_BF16 = (0, 0x3F803F80)
+ZEROS = (0, 0)
+
+
+def _preset(name: str):
+    from ddtree.plugins import randfill as rf
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return ONES_BF16
+    if name.endswith("e_score_correction_bias"):
+        return ZEROS
+    if name.endswith(".words"):
+        return rf.INT4_WORDS
+    if name.endswith(".scales"):
+        return rf.SCALES_BF16
+    if name.endswith("embed_tokens.weight"):
+        return rf.ACT_BF16
+    return rf.WEIGHT_BF16
+
+
+def _tiled_rows(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class SyntheticWeights(CudaWeights):
+    """CudaWeights' interface (tensor, device, tiled, gate_up, uk_t, ones, rope_table) over buffers filled on
+    the device instead of uploaded."""
+
+    def __init__(self, gpu, specs: dict, cfg, max_pos: int, seed: int = 0):
+        from ddtree.plugins.randfill import fill_device
+        self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
+        self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.shapes = {k: tuple(v.shape) for k, v in specs.items()}
+        self.raw, self._tiled, self._uk, self._ones, self._tables = {}, {}, {}, {}, {}
+        dtypes = {"BF16": np.uint16, "F32": np.float32, "I32": np.int32}
+
+        def filled(shape, dtype, name, i):
+            a = gpu.alloc(shape, dtype)
+            fill_device(gpu, a, seed * 1_000_003 + i, _preset(name))
+            return a
+        Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        for i, (name, spec) in enumerate(specs.items()):
+            shape = tuple(spec.shape)
+            if name.endswith(GEMM_SUFFIXES):
+                self._tiled[name] = filled((_tiled_rows(shape[0]) * shape[1],), np.uint16, name, i)
+            elif name.endswith(GATE_UP[0]):
+                self._tiled[name] = filled((_tiled_rows(2 * shape[0]) * shape[1],), np.uint16, name, i)
+            elif not name.endswith(GATE_UP[1]):
+                self.raw[name] = filled(shape, dtypes[spec.dtype], name, i)
+            if name.endswith("kv_b_proj.weight"):
+                heads = shape[0] // (Dn + Dv)
+                self._uk[name] = filled((heads, shape[1], Dn), np.uint16, name, i + 7919)
+
+    @staticmethod
+    def plan_bytes(specs: dict) -> int:
+        """Device bytes of the filled buffers (as CudaWeights.plan_bytes counts them)."""
+        from ddtree.runtime.cuda_executor import _tiled_bytes
+        total = 0
+        for name, spec in specs.items():
+            shape = tuple(spec.shape)
+            if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):
+                total += _tiled_bytes(shape)
+            else:
+                total += spec.nbytes
+            if name.endswith("kv_b_proj.weight"):
+                total += spec.nbytes // 2
+        return total
+
+
+class SyntheticRank:
+    """What GpuSteps needs of an executor (gpu, ops, configs, layout, caches), for rank `rank` of a tp plan."""
+    name = "cuda"
+
+    def __init__(self, gpu, cfg, dcfg, plan, rank: int, max_context: int, seed: int = 0):
+        from ddtree.builder.weights import rank_tensor_specs
+        from ddtree.plugins.kv_cache import DeviceLatentCache
+        self.gpu, self.config, self.drafter_config = gpu, cfg, dcfg
+        self.max_context, self.moe_inter = max_context, plan.moe_inter
+        self.plan_dict = plan.to_dict()
+        self.lay = RankLayout.from_plan(self.plan_dict, rank)
+        self.specs = rank_tensor_specs(plan)
+        self.store = SyntheticWeights(gpu, self.specs, cfg, max_context, seed)
+        self.ops = CudaOps(gpu, self.lay, self.store, standin=True)
+        self.target_cache = GpuTargetCache(DeviceLatentCache(gpu, cfg.num_hidden_layers, max_context,
+                                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
+        kv_heads = dcfg.num_key_value_heads // plan.tp if dcfg.num_key_value_heads >= plan.tp else 1
+        self.draft_cache = GpuDraftCache(gpu, dcfg.num_hidden_layers, max_context, kv_heads, dcfg.head_dim)
+        self.steps = None
+
+    def fill_caches(self, context: int, seed: int = 1) -> None:
+        """Random rows in every cache up to `context` (the committed sequence the step reads)."""
+        from ddtree.plugins import randfill as rf
+        for L in range(self.config.num_hidden_layers):
+            rf.fill_device(self.gpu, self.target_cache.dev.layer(L), seed + L, rf.ACT_BF16)
+        for i, a in enumerate(self.draft_cache.k + self.draft_cache.v):
+            rf.fill_device(self.gpu, a, seed + 1000 + i, rf.ACT_BF16)
+        self.target_cache.length = self.draft_cache.length = context

@@ -1,0 +1,48 @@
+"""ddtree bench step on the CPU: the split's kernel families, flag errors before any GPU is touched, and the
+synthetic rank's device bytes against the engine's rank files (the same tensors, the kernels' layouts)."""
+import pytest
+
+from ddtree.bench.step import kernel_family
+from tests.cli.bad_input import refuses
+
+
+def rec(kernel, fn="decoder_layer", tag="", n=None):
+    args = (0, 0, 0, 0, 0, 0, 1, n, 7168) if n is not None else ()
+    return {"kernel": kernel, "fn": fn, "tag": tag, "launch": (None, 1, 1, 0, args)}
+
+
+@pytest.mark.parametrize("r,family", [
+    (rec("gemm_bf16_mt1", n=20480), "lm_head"), (rec("gemm_bf16_mt1", fn="draft_logits", n=20480), "lm_head"),
+    (rec("gemm_bf16_mt1", n=384), "router"), (rec("moe_route"), "router"), (rec("moe_gate_up_r4c2"), "moe"),
+    (rec("moe_down_r4c2"), "moe"), (rec("mla_attention_w4_s3"), "attention"), (rec("kv_append"), "attention"),
+    (rec("gemm_bf16_mt2", n=1536), "dense"), (rec("mla_absorb_mt1"), "dense"),
+    (rec("gemm_bf16_mt1", fn="draft_layer", n=1024), "drafter"), (rec("draft_attention_d128", fn="draft_layer"), "drafter"),
+    (rec("draft_topk", fn="draft_logits"), "tree"), (rec("sample_greedy", fn="head_logits"), "tree"),
+    (rec("kv_compact", fn="compact"), "tree"), (rec("gather_rows", tag="allreduce_standin"), "allreduce_standin"),
+    (rec("rms_norm_rows"), "other"),
+])
+def test_kernel_families(r, family):
+    assert kernel_family(r, 20480, 384) == family
+
+
+def test_flag_errors_name_the_flag():
+    refuses(["bench", "step", "--budget", "0,4"], "--budget", code=2)
+    refuses(["bench", "step", "--context", "4k"], "--context", code=2)
+    refuses(["bench", "step", "--tp", "8", "--rank", "8"], "--rank", code=2)
+
+
+def test_synthetic_weights_bytes_are_the_engine_ranks():
+    """Kimi K2.6, 2 layers, tp 8: the filled buffers hold every rank tensor (GEMMs tiled to 16 rows, W_UK^T
+    added), so their bytes are the rank files' plus exactly those extras."""
+    from ddtree.bench.synthetic_rank import SyntheticWeights
+    from ddtree.builder.plan import make_plan
+    from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.model.presets import get_preset
+    cfg, dcfg = get_preset("kimi-k2.6", 2)
+    specs = rank_tensor_specs(make_plan(cfg, dcfg, 8))
+    stored = sum(s.nbytes for s in specs.values())
+    extra = sum(s.nbytes // 2 for n, s in specs.items() if n.endswith("kv_b_proj.weight"))
+    pad = sum((-(-s.shape[0] // 16) * 16 - s.shape[0]) * s.shape[1] * 2 for n, s in specs.items()
+              if len(s.shape) == 2 and n.endswith(("proj.weight", "gate.weight", "lm_head.weight", "fc.weight"))
+              and not n.endswith("kv_b_proj.weight"))
+    assert SyntheticWeights.plan_bytes(specs) == stored + extra + pad
