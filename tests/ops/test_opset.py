@@ -33,7 +33,7 @@ def test_cuda_ops_views_and_the_missing_collectives():
     import numpy as np
     from ddtree.ops.cuda_tensor import Tensor
     ops = object.__new__(CudaOps)
-    ops.lay, ops.where = LAY, "test"
+    ops.lay, ops.where, ops.standin = LAY, "test", False
     q_all = Tensor(1000, (3, 4, 48), np.dtype(np.uint16), (192, 48, 1))
     q_pe = ops.slice(q_all, 2, 32, 48)                                   # inside q_b's output
     assert (q_pe.ptr, q_pe.shape, q_pe.strides, q_pe.row_stride("t")) == (1064, (3, 4, 16), (192, 48, 1), 48)
