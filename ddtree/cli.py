@@ -17,6 +17,7 @@ from ddtree.builder.inspect_cli import inspect_command
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
 from ddtree.server.serve_cli import serve_command
+from ddtree.runtime.tune_cli import tune_command
 
 
 @click.group(cls=QuietGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,3 +32,4 @@ main.add_command(build_command, "build")
 main.add_command(inspect_command, "inspect")
 main.add_command(run_command, "run")
 main.add_command(serve_command, "serve")
+main.add_command(tune_command, "tune")

@@ -35,6 +35,7 @@ class StepRecord:
 class RecordingExecutor:
     """An executor that records every DDTree step (StepRecord) and otherwise is the one it wraps."""
     ddtree_step = None          # no fused step: the loop composes the primitives, so each step passes here
+    drafter_prefill = None      # nor the fused step's drafter window (the composition keeps the context)
 
     def __init__(self, ex):
         self.ex, self.steps, self._built = ex, [], None

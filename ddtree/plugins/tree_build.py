@@ -95,14 +95,21 @@ class DraftTreeBuilder:
                           self._vis.view(0, (n, vis_words(n))), self._count,
                           self._table[0].view(0, (self.D, K)), self._table[1].view(0, (self.D, K)))
 
-    def run(self, logits: DeviceArray, root: DeviceArray, start: DeviceArray, budget: int, stream=None) -> DeviceTree:
-        """logits [D, V] float32 (row d = depth d + 1), root [1] int32, start [1] int32. Two launches."""
+    def run(self, logits: DeviceArray, root: DeviceArray, start: DeviceArray, budget: int, stream=None,
+            k: int | None = None) -> DeviceTree:
+        """logits [D, V] float32 (row d = depth d + 1), root [1] int32, start [1] int32. Two launches.
+        k: candidates per depth in the table (default min(budget, V)); a larger k builds the same tree (a
+        best-first tree of B nodes never reaches rank B at any depth) and leaves a table that answers every
+        budget up to k (--budget auto's expected acceptance)."""
         self._check_budget(budget)
         if tuple(logits.shape) != (self.D, self.V) or np.dtype(logits.dtype) != np.float32:
             raise ValueError(f"DraftTreeBuilder.run: logits must be float32 [{self.D}, {self.V}], "
                              f"got {np.dtype(logits.dtype).name} {list(logits.shape)}")
-        g, K, S = self.gpu, min(budget, self.V), self.S
-        out = self.outputs(budget)
+        K = min(budget, self.V) if k is None else k
+        if not min(budget, self.V) <= K <= min(self.max_budget, self.V):
+            raise ValueError(f"DraftTreeBuilder.run: k {k} must be in {min(budget, self.V)}..{min(self.max_budget, self.V)}")
+        g, S = self.gpu, self.S
+        out = self.outputs(budget, K)
         g.launch(g.kernel(SOURCE, "draft_lse_parts"), (S, self.D, 1), (THREADS, 1, 1), 0,
                  ptr(logits), np.int32(self.V), ptr(self.parts), ptr(self.status), stream=stream, pdl=self.pdl)
         g.launch(g.kernel(SOURCE, "draft_topk"), (S, self.D, 1), (THREADS, 1, 1), 0,

@@ -76,6 +76,7 @@ class GpuSteps:
         self.last: dict = {}                  # the last DDTree step's verify buffers (last_verify)
         self.lasts: dict[tuple, dict] = {}
         self.values: dict[tuple, dict] = {}   # (budget, b) -> the step's intermediate tensors (phase_times)
+        self.table_host = None                # (host view, device address) of --budget auto's table buffer
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
 
@@ -231,9 +232,10 @@ class GpuSteps:
 
     PHASES = ("draft", "tree", "verify", "sample_walk", "update")
 
-    def _ddtree_body(self, budget: int, b: int, only=None):
+    def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None):
         """The step's launches, phase by phase (PHASES); `only`: just those phases, on the buffers of the last
-        full run (phase_times captures each alone to time it)."""
+        full run (phase_times captures each alone to time it). k: --budget auto's table width (the table is
+        copied to the host-mapped buffer table_host with the record)."""
         ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
         S, n, dc = ops.stream, budget + 1, ex.draft_cache
         lengths = ex.target_cache.dev.lengths
@@ -251,7 +253,7 @@ class GpuSteps:
             v["draft"] = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]     # [b-1, V] float32
 
         def tree():
-            v["tree"] = builder.run(_array(g, v["draft"]), st.bonus_ptr, st.start_ptr, budget, stream=S)
+            v["tree"] = builder.run(_array(g, v["draft"]), st.bonus_ptr, st.start_ptr, budget, stream=S, k=k)
 
         def verify():    # the tree after the committed rows, taps copied at the tap layers
             t = v["tree"]
@@ -275,12 +277,20 @@ class GpuSteps:
             st.ctx_window(self.window, self.tap_rows, out.accepted, out.count, self.window_next, b, 2 * self.KH,
                           stream=S)
             g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
+            if k:
+                g.copy_d2d(self._table(b - 1, k)[1], v["tree"].table_logp.ptr, (b - 1) * k * 4, stream=S)
             st.commit(v["tree"].tokens, out.accepted, out.count, out.bonus,
                       status=(self.sampler.status, builder.status), stream=S)
 
         for name, phase in zip(self.PHASES, (draft, tree, verify, sample_walk, update)):
             if only is None or name in only:
                 phase()
+
+    def _table(self, depth: int, k: int):
+        """The host-mapped [depth, k] float32 buffer a step copies its drafter table into (--budget auto)."""
+        if self.table_host is None or self.table_host[0].size < depth * k:
+            self.table_host = self.gpu.mapped((depth * k,), np.float32)
+        return self.table_host
 
     def graph_ready(self, s, budget: int) -> bool:
         """Whether this step can run as the graph (else the composition of the primitives)."""
@@ -297,16 +307,19 @@ class GpuSteps:
             self.drain()
             self._leave_window(s)
             return ddtree_step(ex, s, params, budget)
-        key = ("ddtree", budget, b, self.set_params(params).mode)
+        k = s.table_k
+        key = ("ddtree", budget, b, self.set_params(params).mode) + ((k,) if k else ())
         nxt = copy.copy(s)
         nxt.start += b                                  # the furthest step k + 1 can start
-        ahead = nxt.start < s.end and self.graph_ready(nxt, budget)
+        ahead = nxt.start < s.end and self.graph_ready(nxt, budget) and not k   # auto: the next budget waits
 
         def prepare():
             self._enter_window(s)
             self._sync_state(s.start, s.bonus)
-        rec = self._step(key, lambda: self._ddtree_body(budget, b), prepare, ahead)
+        rec = self._step(key, lambda: self._ddtree_body(budget, b, k=k), prepare, ahead)
         self._check_follows(rec, s.start)
+        if k:
+            s.draft_logp = self.table_host[0][: (b - 1) * k].reshape(b - 1, k).copy()
         old = s.start
         s.start, s.bonus = rec["start"], rec["tokens"][-1]
         s.cache.length, s.dcache.length = s.start, old

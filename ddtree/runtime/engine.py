@@ -143,8 +143,10 @@ class DDTreeEngine:
         check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
         if mode not in MODES:
             raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
-        if mode == "ddtree" and not 1 <= budget <= MAX_BUDGET:
-            raise RequestError(f"budget (--budget) {budget}: expected an integer in 1..{MAX_BUDGET}")
+        if mode == "ddtree" and budget == "auto":
+            budget = self.auto_budget()
+        elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
+            raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
         if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
             from ddtree.runtime.ranks import Request
             request = Request(mode, tuple(ids), max_new_tokens, params, budget, tuple(sorted(self.stop_ids)),
@@ -165,6 +167,22 @@ class DDTreeEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def auto_budget(self):
+        """--budget auto: the chooser over the engine's tuning file (`ddtree tune ENGINE_DIR` writes it)."""
+        from ddtree.engine_dir import is_engine_dir
+        from ddtree.engine_dir.tuning import read_tuning, tuning_path
+        from ddtree.runtime.auto_budget import AutoBudget
+        if self.model_dir is None or not is_engine_dir(self.model_dir):
+            raise RequestError("budget (--budget) 'auto' needs an engine directory with a tuning file "
+                               "(ddtree-build, then `ddtree tune ENGINE_DIR`); this model is a checkpoint")
+        if self.processes is not None and self.processes.tp > 1:
+            raise RequestError("budget (--budget) 'auto' runs tp 1 engines; tp > 1 rank processes take a fixed "
+                               "budget (each rank would have to agree on every choice)")
+        if not tuning_path(self.model_dir).is_file():
+            raise RequestError(f"budget (--budget) 'auto': {tuning_path(self.model_dir)} is missing (run "
+                               f"`ddtree tune {self.model_dir}` on this machine first)")
+        return AutoBudget(read_tuning(self.model_dir))
 
     @property
     def device(self) -> str:

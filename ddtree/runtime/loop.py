@@ -30,6 +30,7 @@ import numpy as np
 
 from ddtree.errors import InputError
 from ddtree.reference.model import causal_visible
+from ddtree.tree.build import topk_logprobs
 from ddtree.tree.sampling import SamplingParams
 
 CACHE_CHUNK = 256           # rows a cache starts with past the prompt; it grows (doubling) up to its limit
@@ -52,6 +53,8 @@ class RunStats:
     max_depth: int = 0
     wall_s: float = 0.0
     finish_reason: str | None = None                    # "stop" (an EOS) | "length" (max_new_tokens / context)
+    budgets: list = field(default_factory=list)         # per DDTree step: the budget it verified
+    auto: bool = False                                  # --budget auto chose them (to_dict reports them)
 
     def to_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -60,7 +63,9 @@ class RunStats:
                 "mean_accept_len": sum(self.accept_lens) / steps if self.steps else 0.0,
                 "per_depth_accept_rate": per_depth,
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
-                "wall_s": self.wall_s, "finish_reason": self.finish_reason}
+                "wall_s": self.wall_s, "finish_reason": self.finish_reason,
+                **({"budget_per_step": {str(b): self.budgets.count(b) for b in sorted(set(self.budgets))}}
+                   if self.auto else {})}
 
 
 def context_of(config) -> int:
@@ -104,6 +109,8 @@ class DecodeState:
     window: np.ndarray | None = None    # [<= b, K H] taps of the last b committed positions (the GPU step's
                                         # drafter context window, runtime/cuda_step.py)
     block: int = 0                      # the drafter block size b
+    table_k: int | None = None          # --budget auto: keep each step's drafter table with this many candidates
+    draft_logp: np.ndarray | None = None  # [D, table_k] that table (log-probabilities, descending per depth)
 
 
 def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
@@ -123,6 +130,8 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
     draft_logits = ex.drafter_forward(block, np.arange(start, start + b), st.ctx, st.dcache)   # [b-1, V]
     depth = min(b, st.end - start) - 1    # the deepest node sits at start + depth <= end - 1 (depth >= 1 here)
     tree = ex.tree_build(st.bonus, draft_logits[:depth], budget)
+    if st.table_k:                                                         # --budget auto's forecast
+        st.draft_logp = topk_logprobs(draft_logits[:depth], st.table_k)[0]
     node_pos = tree.positions(start)                                       # [n]
     visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
     taps = tuple(ex.drafter_config.target_layer_ids)
@@ -178,7 +187,8 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
     a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer).
     Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
-    graph), else the composition `ddtree_step` above."""
+    graph), else the composition `ddtree_step` above. `budget`: an int, or a chooser called with the state
+    before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's."""
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
@@ -206,13 +216,17 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
 
     # prefill: the prompt's logits give the first token; its taps are the drafter's first context.
     # A verify appends the whole tree (<= budget + 1 rows) after the start <= end - 2 committed rows.
+    choose = budget if callable(budget) else None
+    stats.auto = choose is not None
+    budget = max(budget.budgets) if choose else budget                     # the largest a step may verify
     cache = _new_cache(ex.new_target_cache, len(prompt), end + budget)
     dcache = _new_cache(ex.new_drafter_cache, len(prompt), end)
     logits, tapped = ex.target_forward(np.array(prompt), np.arange(len(prompt)),
                                        causal_visible(0, len(prompt)), cache, taps)
     bonus = int(ex.sample(logits[-1:], np.array([len(prompt)]), params)[0])
     ctx = np.concatenate([tapped[L] for L in taps], axis=1)               # [P, K*H]
-    st = DecodeState(cache, len(prompt), bonus, end, dcache, ctx, ctx[-b:], b)
+    st = DecodeState(cache, len(prompt), bonus, end, dcache, ctx, ctx[-b:], b,
+                     table_k=min(choose.table_k, ex.config.vocab_size) if choose else None)
     if getattr(ex, "drafter_prefill", None) is not None:   # an executor that ingests the prompt's drafter context
         ex.drafter_prefill(st)                             # during the prefill (the GPU step's window)
     step = getattr(ex, "ddtree_step", None) or (lambda s, p, B: ddtree_step(ex, s, p, B))
@@ -220,7 +234,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     stats.wall_s = time.perf_counter() - t0
     yield out
     while not done:
-        out, done = commit(step(st, params, budget))
+        step_budget = choose(st) if choose else budget
+        stats.budgets.append(step_budget)
+        out, done = commit(step(st, params, step_budget))
         stats.steps += 1
         stats.accept_lens.append(len(out))                                # committed only: a cut step counts less
         stats.wall_s = time.perf_counter() - t0

@@ -54,7 +54,7 @@ class Request:
     prompt: tuple[int, ...]
     max_new_tokens: int
     params: SamplingParams
-    budget: int
+    budget: int                        # or a per-step chooser (runtime/auto_budget.py; tp 1 only)
     eos_ids: tuple[int, ...]
     block_size: int | None = None
 
@@ -76,7 +76,8 @@ class ControlRecord:
     def of(cls, req: Request, step: int, committed: int, stop: bool = False) -> "ControlRecord":
         p = req.params
         start = 0 if step == 0 else len(req.prompt) + committed - 1
-        return cls(step, start, req.budget, p.temperature, p.top_k, p.top_p, p.seed, stop)
+        budget = req.budget if isinstance(req.budget, int) else -1          # -1: chosen per step (tp 1 only)
+        return cls(step, start, budget, p.temperature, p.top_k, p.top_p, p.seed, stop)
 
 
 def decode_steps(ex, req: Request, stats: RunStats | None = None) -> Iterator[list[int]]:

@@ -46,6 +46,22 @@ def default_max_context(text: str, max_new_tokens: int, budget: int, chat: bool)
     return -(-rows // 256) * 256
 
 
+class BudgetParam(click.ParamType):
+    """--budget: an integer in 1..MAX_BUDGET, or 'auto' (chosen per step from the engine's tuning file)."""
+    name = "budget"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            b = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither an integer in 1..{MAX_BUDGET} nor 'auto'", param, ctx)
+        if not 1 <= b <= MAX_BUDGET:
+            self.fail(f"{b} is not in the range 1..{MAX_BUDGET} (or 'auto')", param, ctx)
+        return b
+
+
 def _summary(stats: dict, label: str) -> str:
     return (f"{label}: {stats['new_tokens']} new tokens, {stats['steps']} steps, mean acceptance length "
             f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s), "
@@ -67,7 +83,7 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--top-p", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               help=">= 1 = off.")
 @click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
-@click.option("--budget", type=click.IntRange(1, MAX_BUDGET), default=16, show_default=True,
+@click.option("--budget", type=BudgetParam(), default="16", show_default=True,
               help="Drafted tree nodes per step (root excluded).")
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Drafter block size (default: the drafter's; depth = block size - 1).")
@@ -92,7 +108,7 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
     text = _read_prompt(prompt, prompt_file)
     cap = device == "cuda" and max_context is None
     if cap:
-        max_context = default_max_context(text, max_new_tokens, budget, chat)
+        max_context = default_max_context(text, max_new_tokens, MAX_BUDGET if budget == "auto" else budget, chat)
     try:
         with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks, gpu=gpu,
                                max_context=max_context, cap_context=cap) as engine:
@@ -151,7 +167,8 @@ def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
         return 0
     ids = engine.encode(request)
     block = kw["block_size"] or engine.drafter_config.block_size
-    delta = float(path_differences(engine.executor, ids, ar_tokens, rows=(block, kw["budget"] + 1)).max())
+    rows = (block, MAX_BUDGET + 1 if kw["budget"] == "auto" else kw["budget"] + 1)
+    delta = float(path_differences(engine.executor, ids, ar_tokens, rows=rows).max())
     params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"])
     v = classify_departure(engine.executor, ids, ar_tokens, dd_tokens, params, delta)
     click.echo(f"first departure at new token {v['index']}: top-2 margin {v['margin']:.3e}, near-tie bound "

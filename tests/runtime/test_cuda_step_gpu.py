@@ -150,3 +150,70 @@ def test_step_state_kernels_match_their_twins(tiny):
     want = np.zeros((20, 64), np.uint16)
     want[9:14] = src
     assert (dst.numpy() == want).all() and (p.numpy() == np.arange(9, 14)).all()
+
+
+def test_auto_budget_on_the_gpu(tiny, delta):
+    """--budget auto through the step graphs: DDTree == AR except derived near-ties; with a hand-made cost
+    table whose best rates lie in the middle (budget 16 far too slow), the choices are 4 and 8, each the
+    brute-force best rate for the table the graph handed back; then `ddtree tune --device cuda` and a
+    `ddtree run --budget auto --mode both` on its file."""
+    import json
+    from ddtree.engine_dir.tuning import Tuning, now_utc
+    from ddtree.runtime.auto_budget import AutoBudget
+    from ddtree.runtime.loop import RunStats
+    from ddtree.tree.budget import Calibration, expected_accept_for_table
+    from tests.cli.bad_input import ddtree
+    ex, prompts = tiny
+    budgets, times = (1, 4, 8, 16), (100.0, 110.0, 120.0, 5000.0)
+    tuning = Tuning("hand-made", now_utc(), budgets, (4096,), tuple((t,) for t in times), (0.0,) * 4,
+                    Calibration.identity())
+    seen = []
+
+    class Spy(AutoBudget):
+        def __call__(self, st):
+            seen.append(None if st.draft_logp is None else st.draft_logp.copy())
+            return super().__call__(st)
+    for ids in prompts[:2]:
+        chooser, stats = Spy(tuning), RunStats()
+        before = ex.steps.graph_steps
+        dd = run_to_end(ddtree_steps(ex, ids, N, GREEDY, chooser, stats=stats))
+        ar = run_to_end(ar_steps(ex, ids, N, GREEDY))
+        assert ex.steps.graph_steps > before
+        v = classify_departure(ex, ids, ar, dd, GREEDY, delta)
+        assert v is None or v["near_tie"], v
+        assert set(stats.budgets) <= {1, 4, 8} and stats.budgets == chooser.chosen
+        for table, b in zip(seen[-len(chooser.chosen) + 1:], chooser.chosen[1:]):
+            e = expected_accept_for_table(0, table, np.tile(np.arange(table.shape[1], dtype=np.int32),
+                                                            (table.shape[0], 1)), 16)
+            rates = {c: e[c] / t for c, t in zip(budgets, times)}
+            assert rates[b] >= max(rates.values()) * (1 - 1e-9)
+        print(f"auto budgets {stats.to_dict()['budget_per_step']}, mean acceptance {stats.to_dict()['mean_accept_len']:.2f}")
+    engine = str(ex.engine_dir)
+    r = ddtree(["tune", engine, "--device", "cuda", "--budget", "1,2,4,8,16,32,64", "--context", "128,512",
+                "--prompts", "4", "--json"])
+    assert r.returncode == 0, r.stderr
+    print("ddtree tune (H200, tiny):", json.loads(r.stdout.strip().splitlines()[-1])["step_time_us"])
+    r = ddtree(["run", "--model", engine, "--device", "cuda", "--budget", "auto", "--mode", "both",
+                "--max-new-tokens", "96", "--json", "def fibonacci(n):"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print("ddtree run --budget auto:", out["stats"]["budget_per_step"], f"{out['stats']['tokens_per_s']:.0f} tok/s,",
+          "identical" if out["identical"] else f"near-ties {out['stats'].get('near_ties')}")
+
+
+def test_a_wider_table_builds_the_same_tree(tiny):
+    """plugins/tree_build.py run(k=...): the best-first tree of B nodes never reaches rank B, so a table of
+    k > B candidates per depth (--budget auto's) leaves the tree unchanged, and its first B columns are the
+    narrow table."""
+    from ddtree.plugins.tree_build import DraftTreeBuilder
+    ex, _ = tiny
+    g = ex.gpu
+    logits = g.upload(np.random.default_rng(3).normal(0, 3, (7, 512)).astype(np.float32))
+    root, start = g.upload(np.array([17], np.int32)), g.upload(np.array([40], np.int32))
+    b = DraftTreeBuilder(g, vocab=512, depth=7)
+    for budget in (1, 4, 16):
+        narrow = b.run(logits, root, start, budget).numpy()
+        wide = b.run(logits, root, start, budget, k=64).numpy()
+        for name in ("tokens", "parents", "depth", "positions", "vis"):
+            assert (narrow[name] == wide[name]).all(), (budget, name)
+        assert (wide["table_logp"][:, :budget] == narrow["table_logp"]).all()
