@@ -1,0 +1,189 @@
+"""One-shot all-reduce of bf16 between rank processes whose GPUs map each other's memory (kernels/allreduce.cu;
+docs/interfaces.md section 9: the `one-shot` implementation).
+
+    ar = OneShotAllReduce(gpu, rank, nranks, max_elems=65 * 7168)
+    handles = exchange(ar.ipc_handle())            # the caller moves the bytes between processes (a pipe)
+    ar.connect(handles)                             # opens every peer's buffer (CUDA IPC, peer access)
+    ar(x, out, elems)                               # launches only: capturable, no sync, no allocation
+    ar.error_ranks()                                # after a sync: peers that did not answer in time
+
+Protocol (push, one kernel): collective number seq = the device counter + 1 uses slot seq & 1 of every
+rank's exchange buffer. Each block pushes its chunk of x into data[slot][rank] of every peer, publishes
+flags[slot][rank][block] = seq there (release, system scope), waits for its own flags[slot][r][block] ==
+seq from every peer r (acquire, at most max_spins polls, then bit r of the error word), and sums the
+parts in rank order 0..N-1 in float32 with one rounding to bf16, so every rank holds identical bits
+(reference_sum is the numpy twin). The last block stores seq into the counter: a captured graph replays
+with the count moving on, and every rank must run the same sequence of collectives on its buffer.
+Double buffering is safe: a rank reaches collective k + 2 only after k + 1 completed, which needed every
+peer's k + 1 flags, which a peer publishes only after its kernel k (all reads of slot k & 1) finished.
+
+Layout of one exchange buffer (bytes): flags [2, AR_MAX_RANKS, AR_MAX_BLOCKS] u64, then
+data [2 slot, N src, region_bytes(max_elems)].
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
+from ddtree.plugins.compile import defines_for
+from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
+
+SOURCE = "allreduce.cu"
+THREADS = 256                       # threads per block; one 16-byte vector (8 bf16) per thread and step
+VECTOR = 8                          # bf16 per 16-byte vector: elems must be a multiple of it
+DEFAULT_MAX_SPINS = 2_000_000       # polls of one flag before a peer counts as lost (~1 s: 200 ns sleeps)
+
+
+class AllReduceError(RuntimeError):
+    """A peer rank did not publish its part within the spin bound (dead, hung or out of sequence)."""
+
+
+def limits() -> tuple[int, int]:
+    """(max ranks, max blocks) the kernel is compiled for (compile.SOURCES, the one table)."""
+    d = defines_for(SOURCE, "sm_90")
+    return d["AR_MAX_RANKS"], d["AR_MAX_BLOCKS"]
+
+
+def flag_bytes() -> int:
+    max_ranks, max_blocks = limits()
+    return 2 * max_ranks * max_blocks * 8
+
+
+def region_bytes(max_elems: int) -> int:
+    """Bytes of one (slot, src) part: max_elems bf16, rounded up to 256 B."""
+    return -(-2 * max_elems // 256) * 256
+
+
+def exchange_bytes(nranks: int, max_elems: int) -> int:
+    return flag_bytes() + 2 * nranks * region_bytes(max_elems)
+
+
+def slot_of(seq: int) -> int:
+    """The slot collective number seq (1, 2, ...) uses."""
+    return seq & 1
+
+
+def region_offset(slot: int, src: int, nranks: int, max_elems: int) -> int:
+    """Byte offset of src's part of `slot` in a rank's exchange buffer."""
+    return flag_bytes() + (slot * nranks + src) * region_bytes(max_elems)
+
+
+def flag_offset(slot: int, src: int, block: int) -> int:
+    max_ranks, max_blocks = limits()
+    return ((slot * max_ranks + src) * max_blocks + block) * 8
+
+
+def grid_for(elems: int) -> tuple[int, int]:
+    """(blocks, vectors per block) for elems bf16: one block per THREADS vectors, at most AR_MAX_BLOCKS."""
+    n8 = elems // VECTOR
+    blocks = max(1, min(limits()[1], -(-n8 // THREADS)))
+    return blocks, -(-n8 // blocks)
+
+
+def reference_sum(partials: list[np.ndarray]) -> np.ndarray:
+    """The numpy twin: bf16 bits of the rank-ordered float32 sum of bf16 parts (uint16 bits in, out)."""
+    acc = bf16_to_f32(partials[0]).copy()
+    for p in partials[1:]:
+        acc += bf16_to_f32(p)
+    return f32_to_bf16(acc)
+
+
+# ---- CUDA IPC and peer access (cuda.bindings.driver) -----------------------------------------------
+def ipc_handle(address: int) -> bytes:
+    """The 64-byte IPC handle of a cuMemAlloc allocation (its base address)."""
+    handle = check(_driver().cuIpcGetMemHandle(address), "cuIpcGetMemHandle")
+    return ctypes.string_at(handle.getPtr(), _driver().CU_IPC_HANDLE_SIZE)
+
+
+def open_ipc(handle_bytes: bytes) -> int:
+    """Map a peer's allocation into this process (peer access enabled): its address here."""
+    driver = _driver()
+    handle = driver.CUipcMemHandle()
+    ctypes.memmove(handle.getPtr(), bytes(handle_bytes), driver.CU_IPC_HANDLE_SIZE)
+    flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    return int(check(driver.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle"))
+
+
+def close_ipc(address: int) -> None:
+    check(_driver().cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
+
+
+def can_access_peer(device: int, peer: int) -> bool:
+    driver = _driver()
+    return bool(check(driver.cuDeviceCanAccessPeer(driver.CUdevice(device), driver.CUdevice(peer)),
+                      "cuDeviceCanAccessPeer"))
+
+
+class OneShotAllReduce:
+    """One rank's side. max_elems: the largest message (bf16 elements) a call may reduce."""
+
+    def __init__(self, gpu: Gpu, rank: int, nranks: int, max_elems: int, max_spins: int = DEFAULT_MAX_SPINS):
+        max_ranks, _ = limits()
+        if not 2 <= nranks <= max_ranks or not 0 <= rank < nranks:
+            raise ValueError(f"one-shot all-reduce: rank {rank} of {nranks}; 2..{max_ranks} ranks are supported")
+        if max_elems < VECTOR or max_elems % VECTOR:
+            raise ValueError(f"one-shot all-reduce: max_elems = {max_elems} must be a positive multiple of {VECTOR}")
+        self.gpu, self.rank, self.nranks, self.max_elems = gpu, rank, nranks, max_elems
+        self.max_spins = int(max_spins)
+        self.buffer = gpu.zeros(exchange_bytes(nranks, max_elems), np.uint8)
+        self.state = gpu.zeros(4, np.uint64)           # [0] last seq, [1] blocks done, [2] low word: error bits
+        self.error = self.state.view(2, (2,)).ptr      # int32 at byte 16
+        self.kernel = gpu.kernel(SOURCE, "allreduce_push")
+        self.opened: list[int] = []
+        self.peers: DeviceArray | None = None
+        gpu.sync()                                     # zeroed before any peer can see the buffer
+
+    def ipc_handle(self) -> bytes:
+        return ipc_handle(self.buffer.ptr)
+
+    def connect(self, handles: list[bytes]) -> None:
+        """handles[r]: rank r's ipc_handle(), in rank order (this rank's own is not opened)."""
+        if len(handles) != self.nranks:
+            raise ValueError(f"one-shot all-reduce: {len(handles)} handles for {self.nranks} ranks")
+        addresses = []
+        for r, h in enumerate(handles):
+            if r == self.rank:
+                addresses.append(self.buffer.ptr)
+            else:
+                addresses.append(open_ipc(h))
+                self.opened.append(addresses[-1])
+        self.peers = self.gpu.upload(np.array(addresses, np.uint64))
+
+    def __call__(self, x, out, elems: int, stream=None) -> None:
+        """out [elems] bf16 = the rank-ordered sum of every rank's x [elems] (out may be x)."""
+        if self.peers is None:
+            raise RuntimeError("one-shot all-reduce: connect(handles) first")
+        if not 0 < elems <= self.max_elems or elems % VECTOR:
+            raise ValueError(f"one-shot all-reduce: elems = {elems} must be a multiple of {VECTOR} in "
+                             f"[{VECTOR}, {self.max_elems}]")
+        for what, a in (("x", x), ("out", out)):
+            if int(ptr(a)) % 16:
+                raise ValueError(f"one-shot all-reduce: {what} address {int(ptr(a)):#x} is not 16-byte aligned")
+        blocks, _ = grid_for(elems)
+        self.gpu.launch(self.kernel, blocks, THREADS, 0, ptr(x), ptr(out), np.uint32(elems // VECTOR),
+                        ptr(self.peers), np.int32(self.rank), np.int32(self.nranks),
+                        np.uint64(region_bytes(self.max_elems)), ptr(self.state), np.uint64(self.error),
+                        np.uint32(self.max_spins), stream=stream)
+
+    def sequence(self) -> int:
+        """Collectives completed on this rank (syncs)."""
+        return int(self.state.numpy()[0])
+
+    def error_ranks(self) -> list[int]:
+        """Peers that did not answer within the bound in some call so far (syncs)."""
+        bits = int(self.state.numpy()[2]) & 0xFFFFFFFF
+        return [r for r in range(self.nranks) if bits >> r & 1]
+
+    def check(self) -> None:
+        late = self.error_ranks()
+        if late:
+            raise AllReduceError(f"one-shot all-reduce on rank {self.rank}: rank(s) {late} did not publish "
+                                 f"their part within {self.max_spins} polls (dead, hung or out of sequence)")
+
+    def close(self) -> None:
+        self.gpu.sync()
+        for address in self.opened:
+            close_ipc(address)
+        self.opened.clear()

@@ -1,0 +1,139 @@
+// One-shot all-reduce of bf16 between GPUs that map each other's memory (CUDA IPC + peer access).
+// Launcher, layout and protocol: ddtree/plugins/allreduce.py.
+//
+// Each rank owns one exchange buffer that every peer has mapped (peers[r] = rank r's buffer, as this
+// rank sees it; peers[rank] is its own):
+//   flags [2 slot][AR_MAX_RANKS src][AR_MAX_BLOCKS block] u64     (AR_FLAG_BYTES)
+//   data  [2 slot][nranks src][region_bytes]                      (src's part, pushed by src)
+// Collective number seq (1, 2, ...; read from state[0] on the device, so graph replays count on) uses
+// slot seq & 1. Block b of rank s copies its chunk of x into data[slot][s] of every peer, then publishes
+// flags[slot][s][b] = seq there (st.release.sys after the block's barrier: the payload is visible
+// first). It waits until its own flags[slot][r][b] == seq for every peer r (ld.acquire.sys, at most
+// max_spins polls; past that it sets bit r of *error and goes on), then sums the nranks parts of its
+// chunk in rank order 0..nranks-1 in float32 and rounds once to bf16: every rank writes the same bits.
+// Once *error is set, later calls skip the waits (a dead peer costs one bound, not one per call).
+#include "common.cuh"
+
+#ifndef AR_MAX_RANKS
+#define AR_MAX_RANKS 8
+#endif
+#ifndef AR_MAX_BLOCKS
+#define AR_MAX_BLOCKS 32
+#endif
+#define AR_FLAG_BYTES (2 * AR_MAX_RANKS * AR_MAX_BLOCKS * 8)
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 ld_cg_u4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        acc[2 * j] += bf16lo_to_f32(w[j]);
+        acc[2 * j + 1] += bf16hi_to_f32(w[j]);
+    }
+}
+
+// x, out: [n8] 16-byte vectors (8 bf16 each); out may be x. grid <= AR_MAX_BLOCKS, the same on every rank.
+// state: [0] the last collective's seq, [1] blocks done (reset by the last block). error: bit r = peer r late.
+extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
+        const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
+        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+    __shared__ u64 s_seq;
+    __shared__ int s_failed;
+    if (threadIdx.x == 0) {
+        s_seq = *(volatile u64*)&state[0] + 1;
+        s_failed = *(volatile int*)error;
+    }
+    __syncthreads();
+    const u64 seq = s_seq;
+    const int slot = (int)(seq & 1);
+    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
+    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
+
+    // push: my chunk into data[slot][rank] of every peer
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const uint4 v = x[i];
+        for (int d = 0; d < nranks; ++d) {
+            if (d == rank) continue;
+            uint4* dst = (uint4*)(peers[d] + AR_FLAG_BYTES + ((u64)slot * nranks + rank) * region_bytes);
+            dst[i] = v;
+        }
+    }
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r < nranks && r != rank) {       // publish to peer r, then wait for peer r's part
+        st_release_sys((u64*)peers[r] + (slot * AR_MAX_RANKS + rank) * AR_MAX_BLOCKS + blockIdx.x, seq);
+        if (!s_failed) {
+            const u64* flag = (const u64*)peers[rank] + (slot * AR_MAX_RANKS + r) * AR_MAX_BLOCKS + blockIdx.x;
+            u32 spins = 0;
+            while (ld_acquire_sys(flag) != seq) {
+                if (++spins > max_spins) {
+                    atomicOr(error, 1 << r);
+                    break;
+                }
+                if (spins > 4096) __nanosleep(200);
+            }
+        }
+    }
+    __syncthreads();
+
+    // sum in rank order 0..nranks-1 in float32, one rounding
+    const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)slot * nranks * region_bytes;
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float acc[8];
+        uint4 v = rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = bf16lo_to_f32(w[j]);
+            acc[2 * j + 1] = bf16hi_to_f32(w[j]);
+        }
+        for (int s = 1; s < nranks; ++s)
+            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4((const uint4*)(mine + s * region_bytes) + i));
+        out[i] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
+                            pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
+    }
+
+    // the last block to finish moves the device counter on (every block has read it by then)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&state[1], 1ull) == gridDim.x - 1) {
+            state[1] = 0;
+            state[0] = seq;
+        }
+    }
+}
+
+// Probe: `rounds` round trips of a system-scope flag between two GPUs (thread 0 of one block on each).
+// The first side stores k into *peer_flag and waits for *my_flag == k; the other waits, then answers.
+// Values are base + k (base: a number larger than any earlier run's, so one buffer serves many probes).
+// ns_out[0] = mean round trip in ns (first side), *error = 1 when a wait passed max_spins polls.
+extern "C" __global__ void allreduce_pingpong(u64* my_flag, u64* peer_flag, int first, u64 base, u32 rounds,
+                                              u32 max_spins, int* error, u64* ns_out) {
+    if (threadIdx.x != 0) return;
+    const u64 t0 = global_ns();
+    for (u32 k = 1; k <= rounds; ++k) {
+        if (first) st_release_sys(peer_flag, base + k);
+        u32 spins = 0;
+        while (ld_acquire_sys(my_flag) != base + k) {
+            if (++spins > max_spins) {
+                *error = 1;
+                return;
+            }
+        }
+        if (!first) st_release_sys(peer_flag, base + k);
+    }
+    ns_out[0] = (global_ns() - t0) / rounds;
+}
