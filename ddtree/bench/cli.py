@@ -33,6 +33,3 @@ bench.add_command(step_command)
 
 from ddtree.bench.allreduce import allreduce_command  # noqa: E402
 bench.add_command(allreduce_command)
-
-from ddtree.bench.allreduce import allreduce_command  # noqa: E402
-bench.add_command(allreduce_command)
