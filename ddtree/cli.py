@@ -17,7 +17,7 @@ from ddtree.builder.inspect_cli import inspect_command
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
 from ddtree.server.serve_cli import serve_command
-from ddtree.runtime.tune_cli import tune_command
+from ddtree.bench.tune import tune_command
 
 
 @click.group(cls=QuietGroup, context_settings={"help_option_names": ["-h", "--help"]})
