@@ -48,6 +48,7 @@ class DDTreeEngine:
         self.model_dir, self.drafter_dir = model_dir, drafter_dir
         self.stop_ids = frozenset(self.config.eos_token_ids) | frozenset(tokenizer.stop_ids)
         self.processes = None                     # runtime/ranks.RankProcesses when the ranks are processes
+        self.repacked: Path | None = None         # --device cuda: the temporary engine a checkpoint became
 
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
@@ -58,8 +59,8 @@ class DDTreeEngine:
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
         ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
         rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager).
-        cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), caches of max_context rows
-        (default: the model's context, at most 4096)."""
+        cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), or checkpoint dirs repacked at load into
+        one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
@@ -102,9 +103,13 @@ class DDTreeEngine:
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None,
                    cap_context: bool = False) -> "DDTreeEngine":
         from ddtree.engine_dir import is_engine_dir, read_engine_config
-        if model_dir is None or not is_engine_dir(model_dir):
-            raise DeviceUnavailableError("device (--device) 'cuda' is not available for checkpoint dirs: it runs a "
-                                         "tp 1 engine directory (`ddtree build --tp 1 ...`, then --model ENGINE)")
+        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
+        built = None
+        if model_dir is None or not is_engine_dir(model_dir):     # a checkpoint: repacked at load (interfaces 8)
+            why = gpu_unavailable(gpu)                               # said before any build
+            if why:
+                raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
+            model_dir, drafter_dir, built = cls._repack_for_gpu(model_dir, drafter_dir, gpu)
         if drafter_dir is not None:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
@@ -112,12 +117,39 @@ class DDTreeEngine:
         if tp != 1:
             raise DeviceUnavailableError(f"device (--device) 'cuda' is not available for a tp {tp} engine: one GPU "
                                          "runs tp 1 engines (the GPU collectives are issue 25)")
-        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         why = gpu_unavailable(gpu)
         if why:
             raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
         ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context)
-        return cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
+        engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
+        engine.repacked = built
+        return engine
+
+    @staticmethod
+    def _repack_for_gpu(model_dir, drafter_dir, gpu: int):
+        """A checkpoint (default: the embedded tiny model) and its drafter -> a tp 1 engine directory for this
+        GPU's architecture, built in a temporary directory (removed by close() and at exit): the same
+        ddtree-build an engine dir comes from, so the GPU path stays one. -> (engine dir, None, temp dir)."""
+        import atexit
+        import shutil
+        import sys
+        import tempfile
+        from ddtree.builder.build import build_engine
+        from ddtree.plugins.device import Gpu
+        if model_dir is None:
+            from ddtree.data import tiny_model_dirs
+            model_dir, default_drafter = tiny_model_dirs()
+            drafter_dir = drafter_dir or default_drafter
+        if drafter_dir is None:
+            raise RequestError(f"--device cuda repacks the checkpoint {model_dir} with its drafter into a tp 1 "
+                               "engine: give the drafter dir (--drafter)")
+        arch = Gpu(gpu).arch
+        tmp = Path(tempfile.mkdtemp(prefix="ddtree-cuda-engine-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        print(f"--device cuda: repacking {model_dir} + {drafter_dir} into a tp 1 {arch} engine in {tmp} "
+              "(build it once with `ddtree build --tp 1` and pass --model ENGINE to skip this)", file=sys.stderr)
+        engine = build_engine(model_dir, drafter_dir, 1, [arch], tmp / "engine", graphs=False)["engine"]
+        return engine, None, tmp
 
     # ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -158,9 +190,13 @@ class DDTreeEngine:
                             block_size, stats)
 
     def close(self) -> None:
-        """Stop the rank processes, if any (idempotent)."""
+        """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
         if self.processes is not None:
             self.processes.close()
+        if self.repacked is not None:
+            import shutil
+            shutil.rmtree(self.repacked, ignore_errors=True)
+            self.repacked = None
 
     def __enter__(self) -> "DDTreeEngine":
         return self
