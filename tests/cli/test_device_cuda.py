@@ -32,7 +32,7 @@ def test_without_the_cuda_extra_it_says_so(engine, tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_is_not_repacked_where_no_gpu_can_run_it():
-    """Checkpoint dirs are repacked into a tp 1 engine at load (interfaces.md 8), but only after the GPU is
+    """Checkpoint dirs are repacked into a tp 1 engine at load (docs/interfaces.md 8), but only after the GPU is
     known to be there: without one the error names why, and nothing is built."""
     from ddtree.runtime.cuda_executor import gpu_unavailable
     why = gpu_unavailable(0)
