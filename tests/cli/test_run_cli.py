@@ -62,7 +62,7 @@ def test_stdin_prompt_file_and_streamed_text(dirs, tmp_path):
     (["--budget", "256"], "--budget"),
     (["--temperature", "-0.5"], "--temperature"),
     (["--block-size", "9"], "above the drafter's block_size 4"),
-    (["--device", "cuda"], "'cuda' is not available for checkpoint dirs"),
+    (["--device", "cuda", "--gpu", "99"], "'cuda' is not available"),      # no driver here; no GPU 99 anywhere
     (["--mode", "fast"], "--mode"),
 ])
 def test_bad_flags(dirs, args, message):
