@@ -11,9 +11,11 @@ timed alone in a graph of its own, the same kernel shape timed once; `gaps` = st
 bytes the meter counts for the step (ops/meter.py, uniform routing expectation), ideal = bytes / the measured
 copy ceiling, and % of that roofline.
 
-Routing: the router runs on its random weights (close to uniform: no `--routing` override yet, said in the
-JSON). The accepted length is whatever random weights give (about 1 a step), so compaction and the context
-window cost their minimum; both are small against the verify.
+Routing (`--routing`): `router` = the router's own choice on random weights (near uniform); `uniform` / `tree`
+= the router runs, then the MoE uses generated ids for the budget's stated best-first tree (bench/routing.py:
+tree = each of a node's experts one of its parent's with probability --reuse), so the distinct experts per layer
+are known (reported). The accepted length is whatever random weights give (about 1 a step), so compaction and
+the context window cost their minimum; both are small against the verify.
 """
 from __future__ import annotations
 
@@ -57,6 +59,21 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
     return "other"
 
 
+def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
+    """--routing / --reuse -> [(routing, reuse)]: tree once per reuse, the others once."""
+    names = [r.strip() for r in routings.split(",") if r.strip()]
+    bad = [r for r in names if r not in ("router", "uniform", "tree")]
+    if not names or bad:
+        raise click.BadParameter(f"expected router, uniform or tree, got {routings!r}", param_hint="--routing")
+    try:
+        ps = [float(p) for p in reuses.split(",") if p.strip()]
+    except ValueError:
+        raise click.BadParameter(f"'{reuses}' is not a comma-separated list of numbers", param_hint="--reuse")
+    if not ps or not all(0 <= p <= 1 for p in ps):
+        raise click.BadParameter(f"reuse probabilities must be in [0, 1], got '{reuses}'", param_hint="--reuse")
+    return [(r, p) for r in names for p in (ps if r == "tree" else [None])]
+
+
 def parse_contexts(text: str) -> list[int]:
     try:
         values = [int(c) for c in text.split(",") if c.strip()]
@@ -67,13 +84,42 @@ def parse_contexts(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, repeats: int) -> dict:
+def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: int = 0) -> dict | None:
+    """routing 'router': None (the router's own choice). 'uniform' / 'tree': ids for the budget's stated tree
+    (bench/project.py DraftProfile) from bench/routing.py, written into the rank's routing buffers (one per MoE
+    layer, the rows past the tree unused) that CudaOps.moe uses after its router ran; -> the distinct experts
+    per layer, from those ids."""
+    from ddtree.bench.project import DraftProfile, depth_histogram
+    from ddtree.bench.routing import distinct_per_layer, routing_ids
+    if routing == "router":
+        rank.ops.routing = None
+        return None
+    cfg, gpu = rank.config, rank.gpu
+    k, layers = cfg.num_experts_per_tok, cfg.moe_layers
+    tree = DraftProfile().tree(budget, rank.drafter_config.block_size - 1)
+    ids = routing_ids(routing, tree.parents, cfg.n_routed_experts, k, reuse or 0.0, len(layers), seed)   # [L, n, k]
+    if rank.routing_buffers is None:
+        rows = rank.ops.max_tokens
+        rank.routing_buffers = {L: (gpu.zeros((rows, k), np.int32), gpu.alloc((rows, k), np.float32)) for L in layers}
+    weight = np.full((len(tree.parents), k), cfg.routed_scaling_factor / k, np.float32)
+    for i, L in enumerate(layers):
+        gpu.copy_in(rank.routing_buffers[L][0], ids[i].astype(np.int32))
+        gpu.copy_in(rank.routing_buffers[L][1], weight)
+    rank.ops.routing = {f"model.layers.{L}.mlp.gate.weight": rank.routing_buffers[L] for L in layers}
+    d = distinct_per_layer(ids)
+    return {"mean": float(d.mean()), "min": int(d.min()), "max": int(d.max()),
+            "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}
+
+
+def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, repeats: int, routing: str = "router",
+                reuse: float | None = None) -> dict:
     from ddtree.ops.meter import meter_step, totals
     from ddtree.plugins import randfill as rf
     from ddtree.runtime.step_profile import record_launches, time_launches
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
-    key = ("ddtree", budget, b, steps.plan.mode, context)    # a graph per context: attention planned for it
+    distinct = given_routing(rank, budget, routing, reuse)
+    key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router")   # attention planned per context
     rank.ops.attention_context = context + 2 * b + repeats + 64
     steps.state.set(start=context, bonus=1)
     rf.fill_device(gpu, steps.window, 7, rf.ACT_BF16)
@@ -93,13 +139,15 @@ def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, rep
         split[kernel_family(rec, rank.lay.vocab_stop - rank.lay.vocab_start, cfg.n_routed_experts)] += us
     step_us = 1e3 * step_ms
     split["gaps"] = step_us - sum(split.values())
-    t = totals(meter_step(cfg, dcfg, rank.plan_dict, rank.specs, rank.lay.rank, context, budget))
+    meter_kw = {} if distinct is None else {"routing": "given", "distinct": distinct["mean"]}
+    t = totals(meter_step(cfg, dcfg, rank.plan_dict, rank.specs, rank.lay.rank, context, budget, **meter_kw))
     nbytes = t["read"] + t["written"]
     ideal_us = nbytes / (ceiling_gbps * 1e3)
-    return {"context": context, "budget": budget, "routing": "router (random weights)", "reuse": None,
+    return {"context": context, "budget": budget,
+            "routing": "router (random weights)" if routing == "router" else routing, "reuse": reuse,
             "step_us": step_us, "split_us": split, "kernels": len(launches), "bytes": nbytes,
             "ideal_us": ideal_us, "pct_roofline": 100 * ideal_us / step_us,
-            "distinct_experts": None, "accepted_per_step": None}
+            "distinct_experts": distinct, "accepted_per_step": None}
 
 
 @click.command("step")
@@ -110,16 +158,21 @@ def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, rep
 @click.option("--rank", "rank_id", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--context", "contexts", default="4096,32768", show_default=True)
 @click.option("--budget", "budgets", default="4,8,16,32,64", show_default=True)
+@click.option("--routing", "routings", default="router", show_default=True,
+              help="router (the router's own choice on random weights), uniform (random top-k per token), tree "
+                   "(a node's experts reuse its parent's with probability --reuse); comma-separated")
+@click.option("--reuse", "reuses", default="0.5", show_default=True, help="--routing tree: reuse probabilities")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--gpu", "gpu_id", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @reported()
-def step_command(preset, layers, tp, rank_id, contexts, budgets, repeats, gpu_id, as_json):
+def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, repeats, gpu_id, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
     from ddtree.model.presets import get_preset
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
+    cases = parse_routing(routings, reuses)
     if rank_id >= tp:
         raise click.BadParameter(f"rank {rank_id} is not below tp {tp}", param_hint="--rank")
     cfg, dcfg = get_preset(preset, layers or (61 if preset == "kimi-k2.6" else None))
@@ -148,14 +201,16 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, repeats, gpu_id
     for context in contexts:
         rank.fill_caches(context)
         for budget in budgets:
-            row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats)
-            rows.append(row)
-            click.echo(f"context {context}, budget {budget}: step {row['step_us']:.0f} us, "
-                       f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
+            for routing, reuse in cases:
+                row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse)
+                rows.append(row)
+                click.echo(f"context {context}, budget {budget}, {routing} {reuse if reuse is not None else ''}: "
+                           f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "rows": rows,
               "notes": {"collectives": "stand-ins moving their bytes once on this GPU; not in the roofline",
-                        "routing": "the router on random weights (near uniform); no override yet",
+                        "routing": "router: the router's choice on random weights; uniform/tree: generated ids "
+                                   "used after the router ran (bench/routing.py on the stated tree)",
                         "split": "each launch timed alone in a graph of 10 back-to-back copies, one per kernel shape; "
                                  "gaps = step - the kernels' sum",
                         "bytes": "ops/meter.py meter_step (uniform routing expectation, the block as new context)"}}
@@ -165,10 +220,12 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, repeats, gpu_id
     table = Table(title=f"ddtree bench step: {gpu.name}, rank {rank_id} of tp {tp}, {preset}")
     short = {"attention": "attn", "router": "route", "lm_head": "lm", "drafter": "draft",
              "allreduce_standin": "ar*", "other": "other"}
-    for name in ("ctx", "B", "step us", "ideal", "%", *(short.get(k, k) for k in SPLIT), "gaps"):
+    for name in ("ctx", "B", "routing", "experts", "step us", "ideal", "%", *(short.get(k, k) for k in SPLIT), "gaps"):
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(str(r["context"]), str(r["budget"]), f"{r['step_us']:.0f}", f"{r['ideal_us']:.0f}",
+        label = r["routing"].split(" ")[0] + ("" if r["reuse"] is None else f" {r['reuse']}")
+        experts = "-" if r["distinct_experts"] is None else f"{r['distinct_experts']['mean']:.0f}"
+        table.add_row(str(r["context"]), str(r["budget"]), label, experts, f"{r['step_us']:.0f}", f"{r['ideal_us']:.0f}",
                       f"{r['pct_roofline']:.0f}", *(f"{r['split_us'][k]:.0f}" for k in (*SPLIT, "gaps")))
     Console(stderr=False, width=160).print(table)
     click.echo("split columns: us of each kernel family alone (ar* = the collectives' stand-ins); gaps = step - sum")

@@ -107,6 +107,7 @@ class SyntheticRank:
         kv_heads = dcfg.num_key_value_heads // plan.tp if dcfg.num_key_value_heads >= plan.tp else 1
         self.draft_cache = GpuDraftCache(gpu, dcfg.num_hidden_layers, max_context, kv_heads, dcfg.head_dim)
         self.steps = None
+        self.routing_buffers = None           # {MoE layer: (ids, weights)} for a given routing (bench step)
 
     def fill_caches(self, context: int, seed: int = 1) -> None:
         """Random rows in every cache up to `context` (the committed sequence the step reads)."""

@@ -58,7 +58,8 @@ LAUNCHERS = {
     "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
-    "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down)",
+    "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down; "
+           "with a given routing: route, then launch_route + experts on it)",
     "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
                        "written at cache_len (LayerOps.rows_at; cache_len read on the device), copies of q / k "
                        "roped, then plugins/draft_attention.py DraftAttention.run",
@@ -85,6 +86,8 @@ class CudaOps(Ops):
         self.standin = standin
         self.tag = ""                       # "allreduce_standin" while a stand-in launches (bench attribution)
         self.attention_context = None       # plan attention for at most this many cached keys (None: the caches')
+        self.routing = None                 # {router weight name: (ids [rows, k] int32, weights [rows, k] fp32)}:
+                                            # the MoE uses that routing after its router ran (ddtree bench step)
         self.k = LayerOps(gpu)
         self.arena: dict[tuple, object] = {}
         self.bound: dict[tuple, object] = {}               # (name, shape, dtype) -> upload buffer
@@ -357,8 +360,15 @@ class CudaOps(Ops):
         fused = self.launcher(("moe", router.name), lambda: FusedMoE(
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
             router=self.store.tiled(router.name), bias=self.store.device(bias.name)))
-        out = self.new(x.shape, np.uint16)
-        fused.run(x.ptr, out.ptr, self._rows(x, "moe"), shared=shared_out.ptr, stream=self.stream)
+        out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
+        given = self.routing.get(router.name) if self.routing else None
+        if given is None:
+            fused.run(x.ptr, out.ptr, M, shared=shared_out.ptr, stream=self.stream)
+        else:                              # the router runs (its cost is real), then the given routing is used
+            ids, weights = given
+            fused.route(x.ptr, M, stream=self.stream)
+            fused.launch_route(None, M, ids, weights, self.stream)
+            fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
         return out
 
     # ---- drafter ---------------------------------------------------------------------------------

@@ -46,3 +46,43 @@ def test_synthetic_weights_bytes_are_the_engine_ranks():
               if len(s.shape) == 2 and n.endswith(("proj.weight", "gate.weight", "lm_head.weight", "fc.weight"))
               and not n.endswith("kv_b_proj.weight"))
     assert SyntheticWeights.plan_bytes(specs) == stored + extra + pad
+
+
+def test_routing_flags():
+    from ddtree.bench.step import parse_routing
+    assert parse_routing("router,tree", "0,0.5") == [("router", None), ("tree", 0.0), ("tree", 0.5)]
+    refuses(["bench", "step", "--routing", "random"], "--routing", code=2)
+    refuses(["bench", "step", "--routing", "tree", "--reuse", "1.5"], "--reuse", code=2)
+
+
+def test_given_routing_writes_the_generators_ids_for_the_stated_tree():
+    """What the MoE will use, per MoE layer: bench/routing.py's ids for the budget's stated tree, weights
+    routed_scaling_factor / k; the distinct experts reported are those ids' (no GPU: a recording stand-in)."""
+    import numpy as np
+    from types import SimpleNamespace
+    from ddtree.bench.project import DraftProfile
+    from ddtree.bench.routing import distinct_per_layer, routing_ids
+    from ddtree.bench.step import given_routing
+    from ddtree.model.presets import get_preset
+
+    class Host:                                   # the Gpu calls given_routing makes, on numpy arrays
+        def zeros(self, shape, dtype):
+            return np.zeros(shape, dtype)
+
+        def alloc(self, shape, dtype):
+            return np.empty(shape, dtype)
+
+        def copy_in(self, dst, a):
+            dst[: len(a)] = a
+    cfg, dcfg = get_preset("kimi-k2.6", 3)
+    rank = SimpleNamespace(config=cfg, drafter_config=dcfg, gpu=Host(), routing_buffers=None,
+                           ops=SimpleNamespace(max_tokens=256, routing=None))
+    d = given_routing(rank, 16, "tree", 0.5, seed=3)
+    tree = DraftProfile().tree(16, dcfg.block_size - 1)
+    want = routing_ids("tree", tree.parents, cfg.n_routed_experts, cfg.num_experts_per_tok, 0.5,
+                       len(cfg.moe_layers), 3)
+    for i, L in enumerate(cfg.moe_layers):
+        ids, w = rank.ops.routing[f"model.layers.{L}.mlp.gate.weight"]
+        assert (ids[:17] == want[i]).all() and np.allclose(w[:17], cfg.routed_scaling_factor / 8)
+    assert d["mean"] == distinct_per_layer(want).mean()
+    assert given_routing(rank, 16, "router", None) is None and rank.ops.routing is None
