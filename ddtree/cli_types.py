@@ -35,6 +35,23 @@ class FiniteFloatRange(click.FloatRange):
         return super().convert(number, param, ctx)
 
 
+def comma_list(text: str, flag: str | None, kind=int, lo=None, hi=None) -> list:
+    """'1,4,16' -> [1, 4, 16] (kind int or float), in order; text that is not such a list, an empty one, or a
+    value outside lo..hi is a BadParameter naming `flag`."""
+    what = "integers" if kind is int else "numbers"
+    try:
+        values = [kind(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of {what}", param_hint=flag)
+    if not values:
+        raise click.BadParameter(f"'{text}': expected at least one of the comma-separated {what}", param_hint=flag)
+    bad = [v for v in values if (lo is not None and v < lo) or (hi is not None and v > hi)]
+    if bad:
+        span = f"{'' if lo is None else lo}..{'' if hi is None else hi}"
+        raise click.BadParameter(f"{what} must be in {span}, got '{text}'", param_hint=flag)
+    return values
+
+
 class PromptError(InputError):
     """A prompt that cannot be read as text (named: the file, `<stdin>` or the PROMPT argument)."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ddtree.cli_types import FiniteFloatRange
+from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
@@ -106,12 +106,7 @@ def run_accept(ex: NumpyExecutor, prompt_ids: list[list[int]], budgets, max_new_
 def accept(target_dir, drafter_dir, budgets, max_new_tokens, prompts_path, num_prompts, block_size,
            attention_factor, as_json):
     """Acceptance length vs budget on held-out prompts (greedy, numpy reference)."""
-    try:
-        budget_list = [int(b) for b in budgets.split(",") if b.strip()]
-    except ValueError:
-        raise click.BadParameter(f"'{budgets}' is not a comma-separated list of integers", param_hint="--budgets")
-    if not budget_list or not all(1 <= b <= 255 for b in budget_list):
-        raise click.BadParameter(f"budgets must be integers in 1..255, got '{budgets}'", param_hint="--budgets")
+    budget_list = comma_list(budgets, "--budgets", int, 1, 255)
     if (target_dir is None) != (drafter_dir is None):
         raise click.UsageError("give both --target and --drafter, or neither (the embedded tiny model)")
     if target_dir is None:

@@ -31,7 +31,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ddtree.cli_types import FiniteFloatRange
+from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
@@ -52,14 +52,8 @@ class LosslessError(click.ClickException):
 
 
 def parse_budgets(text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]; anything else is a BadParameter naming --budget."""
-    try:
-        budgets = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise click.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--budget")
-    if not budgets or not all(1 <= b <= MAX_BUDGET for b in budgets):
-        raise click.BadParameter(f"budgets must be integers in 1..{MAX_BUDGET}, got '{text}'", param_hint="--budget")
-    return list(dict.fromkeys(budgets))
+    """'1,4,16' -> [1, 4, 16] (duplicates dropped); anything else is a BadParameter naming --budget."""
+    return list(dict.fromkeys(comma_list(text, "--budget", int, 1, MAX_BUDGET)))
 
 
 def heldout_texts(n: int) -> list[str]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 
 import click
+
+from ddtree.cli_types import comma_list
 import numpy as np
 
 from ddtree.errors import reported
@@ -34,10 +36,7 @@ GEMM_SHAPES = {
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+    return comma_list(text, None, int)
 
 
 def _ring(text: str | None) -> tuple | None:

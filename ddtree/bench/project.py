@@ -20,7 +20,7 @@ from rich.table import Table
 from ddtree.bench.projection import (ACCEPT_SOURCES, ALLREDUCE_CHOICES, HAND_SPLIT, PRO_6000, AcceptSource,
                                      Projection, load_measured)
 from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
-from ddtree.cli_types import FiniteFloatRange
+from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.ops.meter import expected_distinct, meter_step, totals
@@ -82,13 +82,7 @@ def project_row(model, proj: Projection, accept: AcceptSource, context: int, bud
 
 
 def _ints(text: str, flag: str, lo: int, hi: int) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=flag)
-    if not values or not all(lo <= v <= hi for v in values):
-        raise click.BadParameter(f"expected integers in {lo}..{hi}, got {text!r}", param_hint=flag)
-    return values
+    return comma_list(text, flag, int, lo, hi)
 
 
 def _routings(routing: str, reuse: str | None) -> list[tuple[str, float | None]]:
@@ -97,12 +91,7 @@ def _routings(routing: str, reuse: str | None) -> list[tuple[str, float | None]]
     if not kinds or bad:
         raise click.BadParameter(f"unknown routing {', '.join(bad) or repr(routing)}; expected "
                                  f"{' or '.join(ROUTINGS)} (comma-separated)", param_hint="--routing")
-    try:
-        ps = [float(p) for p in (reuse or "0.5").split(",") if p.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {reuse!r}", param_hint="--reuse")
-    if not ps or not all(0.0 <= p <= 1.0 for p in ps):
-        raise click.BadParameter(f"reuse is a probability in [0, 1], got {reuse!r}", param_hint="--reuse")
+    ps = comma_list(reuse or "0.5", "--reuse", float, 0.0, 1.0)
     if reuse is not None and "tree" not in kinds:
         raise click.BadParameter("applies to --routing tree only (uniform routing has no parent to reuse)",
                                  param_hint="--reuse")

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddtree.bench.e2e import parse_budgets
+from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
@@ -65,23 +66,12 @@ def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
     bad = [r for r in names if r not in ("router", "uniform", "tree")]
     if not names or bad:
         raise click.BadParameter(f"expected router, uniform or tree, got {routings!r}", param_hint="--routing")
-    try:
-        ps = [float(p) for p in reuses.split(",") if p.strip()]
-    except ValueError:
-        raise click.BadParameter(f"'{reuses}' is not a comma-separated list of numbers", param_hint="--reuse")
-    if not ps or not all(0 <= p <= 1 for p in ps):
-        raise click.BadParameter(f"reuse probabilities must be in [0, 1], got '{reuses}'", param_hint="--reuse")
+    ps = comma_list(reuses, "--reuse", float, 0.0, 1.0)
     return [(r, p) for r in names for p in (ps if r == "tree" else [None])]
 
 
 def parse_contexts(text: str) -> list[int]:
-    try:
-        values = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise click.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--context")
-    if not values or min(values) < 16:
-        raise click.BadParameter(f"contexts must be integers >= 16, got '{text}'", param_hint="--context")
-    return sorted(set(values))
+    return sorted(set(comma_list(text, "--context", int, 16)))
 
 
 def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: int = 0) -> dict | None:

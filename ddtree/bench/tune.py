@@ -19,6 +19,7 @@ import time
 
 import click
 
+from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
@@ -26,13 +27,7 @@ DEFAULT_BUDGETS = "1,2,4,8,16,32,64"
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise click.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint=flag)
-    if not values or values[0] < 1:
-        raise click.BadParameter(f"expected positive integers, got '{text}'", param_hint=flag)
-    return values
+    return sorted(set(comma_list(text, flag, int, 1)))
 
 
 def cuda_step_times(ex, prompt: list[int], budgets, contexts, repeats: int) -> list[list[float]]:

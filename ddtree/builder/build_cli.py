@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from ddtree.builder.build import DEFAULT_BUDGETS, build_engine
 from ddtree.builder.plan import EXPERT_MODES
-from ddtree.cli_types import QuietCommand
+from ddtree.cli_types import QuietCommand, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 
@@ -47,10 +47,7 @@ class RichStages:
 
 
 def parse_budgets(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers, e.g. 16,32,64", param_hint="--budgets")
+    return comma_list(text, "--budgets", int)
 
 
 @click.command("build", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})

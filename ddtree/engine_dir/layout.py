@@ -157,6 +157,18 @@ def _config_json(root) -> dict | None:
     return d if isinstance(d, dict) else None
 
 
+def json_object(path: Path, bad) -> dict:
+    """path's JSON object; not JSON, or JSON but not an object, is bad(why) raised (the caller's error type,
+    naming the file and what to do)."""
+    try:
+        d = json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"not JSON ({e}); damaged or edited") from e
+    if not isinstance(d, dict):
+        raise bad(f"expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def is_engine_dir(root) -> bool:
     """True iff root/config.json declares a ddtree engine format (any version), or root holds a
     manifest.json (only engines have one: a damaged engine config.json is still an engine's, and named)."""

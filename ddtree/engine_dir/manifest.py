@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from ddtree.engine_dir.layout import (
-    ENGINE_FORMAT, EngineFormatError, HASH_THREADS, MANIFEST, READ_BYTES, TUNING, manifest_path)
+    ENGINE_FORMAT, EngineFormatError, HASH_THREADS, MANIFEST, READ_BYTES, TUNING, json_object, manifest_path)
 
 
 def sha256_file(path: Path) -> str:
@@ -70,12 +70,7 @@ def read_manifest(root) -> dict:
     def bad(why: str) -> EngineFormatError:
         return EngineFormatError(f"{path}: not a valid manifest: {why}")
 
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"not JSON ({e}); damaged or edited") from e
-    if not isinstance(manifest, dict):
-        raise bad(f"expected a JSON object, got {type(manifest).__name__}")
+    manifest = json_object(path, bad)
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise bad(f"field 'files' must be an object {{path: {{\"size\", \"sha256\"}}}}, got {files!r:.80}")

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree.engine_dir.layout import TUNING, is_engine_dir, not_an_engine
+from ddtree.engine_dir.layout import TUNING, is_engine_dir, json_object, not_an_engine
 from ddtree.errors import InputError
 from ddtree.tree.budget import BudgetError, Calibration
 
@@ -148,12 +148,7 @@ def read_tuning(root, where=None) -> Tuning:
     where = path if where is None else where
     if not path.is_file():
         raise TuningError(f"{where}: missing (`ddtree tune ENGINE_DIR` measures this machine and writes it)")
-    try:
-        d = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TuningError(f"{where}: not JSON ({e}); damaged or edited, re-run `ddtree tune`") from e
-    if not isinstance(d, dict):
-        raise TuningError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    d = json_object(path, lambda why: TuningError(f"{where}: {why} (re-run `ddtree tune`)"))
     if not isinstance(d.get("sha256"), str):
         raise TuningError(f"{where}: field 'sha256' must be the file's checksum (64 hex digits), "
                           f"got {d.get('sha256')!r:.80}")

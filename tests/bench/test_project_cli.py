@@ -81,8 +81,8 @@ def test_measured_rows_refit_their_class(tmp_path):
     (["--budget", "four"], ["--budget", "'four'"]),
     (["--context", "4096,x"], ["--context"]),
     (["--routing", "zipf"], ["--routing", "zipf", "uniform or tree"]),
-    (["--routing", "tree", "--reuse", "1.5"], ["--reuse", "[0, 1]", "1.5"]),
-    (["--routing", "uniform", "--reuse", "-0.1"], ["--reuse", "[0, 1]"]),
+    (["--routing", "tree", "--reuse", "1.5"], ["--reuse", "0.0..1.0", "1.5"]),
+    (["--routing", "uniform", "--reuse", "-0.1"], ["--reuse", "0.0..1.0"]),
     (["--routing", "uniform", "--reuse", "0.5"], ["--reuse", "--routing tree only"]),
     (["--accept", "paper"], ["--accept", "paper"]),
 ])

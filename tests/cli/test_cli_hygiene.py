@@ -216,3 +216,17 @@ def test_sampling_and_request_errors_are_input_errors():
         DDTreeEngine.load(device="tpu")
     with pytest.raises(NotImplementedError, match="--device"):               # still what it was for callers
         DDTreeEngine.load(device="cuda")
+
+
+def test_comma_lists_one_rule():
+    """ddtree/cli_types.comma_list, the one parser of every comma-separated flag: values in order, a bad item,
+    an empty list or a value out of range is a BadParameter naming the flag."""
+    import click
+    from ddtree.cli_types import comma_list
+    assert comma_list("4, 16,64", "--budget", int, 1, 255) == [4, 16, 64]
+    assert comma_list("0,0.5", "--reuse", float, 0.0, 1.0) == [0.0, 0.5]
+    for text, kw, why in (("4,x", {}, "comma-separated list of integers"), (",", {}, "at least one"),
+                          ("0,4", {"lo": 1, "hi": 255}, "must be in 1..255")):
+        with pytest.raises(click.BadParameter, match=why) as e:
+            comma_list(text, "--budget", int, **kw)
+        assert e.value.param_hint == "--budget"
