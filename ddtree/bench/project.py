@@ -47,8 +47,9 @@ def depth_histogram(tree: Tree) -> list[int]:
 
 
 def project_row(model, proj: Projection, accept: AcceptSource, context: int, budget: int, routing: str,
-                reuse: float | None, tree: Tree, seed: int) -> dict:
-    """One row of the table: the meter's step under `routing`, projected."""
+                reuse: float | None, tree: Tree, seed: int, measured_step: tuple | None = None) -> dict:
+    """One row of the table: the meter's step under `routing`, projected (and corrected by a measured step:
+    measured_step = (rows of bench/step_correction.load_measured_step, its path))."""
     cfg, dcfg, plan, specs, rank = model
     lay = RankLayout.from_plan(plan, rank)
     held, E, k, M = lay.expert_stop - lay.expert_start, cfg.n_routed_experts, cfg.num_experts_per_tok, budget + 1
@@ -67,7 +68,7 @@ def project_row(model, proj: Projection, accept: AcceptSource, context: int, bud
     step_s = step["step_us"] * 1e-6
     nbytes = t["read"] + t["written"]
     split_ms = {k2: v / 1e3 for k2, v in step["split_us"].items()}
-    return {"context": context, "budget": budget, "routing": routing, "reuse": reuse, "bytes": nbytes,
+    row = {"context": context, "budget": budget, "routing": routing, "reuse": reuse, "bytes": nbytes,
             "flops": t["flops"], "kernels": t["kernels"], "distinct_experts": experts,
             "tree": {"nodes": tree.size, "depth_histogram": depth_histogram(tree)},
             "projection": {
@@ -79,6 +80,11 @@ def project_row(model, proj: Projection, accept: AcceptSource, context: int, bud
                 "split_ms": split_ms, "by_class_ms": {c: v / 1e3 for c, v in step["by_class_us"].items()},
                 "collectives": step["collectives"],
                 "dominant": sorted(split_ms, key=split_ms.get, reverse=True)[:3]}}
+    if measured_step is not None:
+        from ddtree.bench.step_correction import correction
+        row["projection"]["measured_correction"] = correction(measured_step[0], proj.classes, proj.tp, recs, row,
+                                                              measured_step[1])
+    return row
 
 
 def _ints(text: str, flag: str, lo: int, hi: int) -> list[int]:
@@ -100,15 +106,21 @@ def _routings(routing: str, reuse: str | None) -> list[tuple[str, float | None]]
 
 def _table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    for name in ("budget", "context", "routing", "experts/layer", "step ms", "tokens/s", "dominant terms (ms)"):
+    corrected = any(r["projection"].get("measured_correction") for r in rows)
+    names = ("budget", "context", "routing", "experts/layer", "step ms", "tokens/s",
+             *(("x measured", "corr. ms", "corr. tok/s") if corrected else ()), "dominant terms (ms)")
+    for name in names:
         table.add_column(name, justify="left" if name.startswith(("routing", "dominant")) else "right")
     for r in rows:
         p = r["projection"]
         routing = r["routing"] if r["reuse"] is None else f"tree p={r['reuse']:g}"
         dominant = ", ".join(f"{k} {p['split_ms'][k]:.2f}" for k in p["dominant"])
         below = p["accept_source_budget"] is not None and r["budget"] < p["accept_source_budget"]
+        c = p.get("measured_correction")
+        extra = ((f"{c['factor']:.2f}", f"{c['step_ms']:.2f}", f"{c['tokens_per_s']:.1f}") if c else ("-",) * 3) \
+            if corrected else ()
         table.add_row(str(r["budget"]), str(r["context"]), routing, f"{r['distinct_experts']['mean']:.1f}",
-                      f"{p['step_ms']:.2f}", f"{p['tokens_per_s']:.1f}" + ("*" if below else ""), dominant)
+                      f"{p['step_ms']:.2f}", f"{p['tokens_per_s']:.1f}" + ("*" if below else ""), *extra, dominant)
     return table
 
 
@@ -126,13 +138,16 @@ def _table(rows: list[dict], title: str) -> Table:
               help="PCIe all-reduce model (auto: the cheaper per message)")
 @click.option("--measured", type=click.Path(dir_okay=False), default=None,
               help="JSON {\"rows\": [{kernel_class, bytes, flops, us}]} measured on the H200: refits those classes")
+@click.option("--measured-step", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="a `ddtree bench step --json` file from the H200: each matching row also gets the projection "
+                   "corrected by the measured / modelled factor (bench/step_correction.py)")
 @click.option("--top1", type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.6,
               show_default=True, help="draft profile: top-1 probability at every depth (the tree's shape)")
 @click.option("--seed", type=int, default=0, show_default=True, help="routing generator seed")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured, top1,
-                    seed, as_json):
+def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured,
+                    measured_step, top1, seed, as_json):
     """Project one DDTree step to 8x RTX PRO 6000 (a projection from the meter's counts; no GPU)."""
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
@@ -150,7 +165,11 @@ def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_
     model = (cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), rank)
     profile = DraftProfile(top1)
     trees = {b: profile.tree(b, dcfg.block_size - 1) for b in budget_list}
-    rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed)
+    corrected = None
+    if measured_step:
+        from ddtree.bench.step_correction import load_measured_step
+        corrected = (load_measured_step(measured_step), measured_step)
+    rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed, corrected)
             for c in context_list for b in budget_list for r, p in routing_list]
     assumptions = {**proj.assumptions(), "accept": asdict(accept), "draft_profile": asdict(profile),
                    "preset": preset, "layers": cfg.num_hidden_layers, "rank": rank, "measured": measured,
