@@ -81,6 +81,7 @@ def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: in
     per layer, from those ids."""
     from ddtree.bench.project import DraftProfile, depth_histogram
     from ddtree.bench.routing import distinct_per_layer, routing_ids
+    from ddtree.ops.layers import router_weight
     if routing == "router":
         rank.ops.routing = None
         return None
@@ -95,7 +96,7 @@ def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: in
     for i, L in enumerate(layers):
         gpu.copy_in(rank.routing_buffers[L][0], ids[i].astype(np.int32))
         gpu.copy_in(rank.routing_buffers[L][1], weight)
-    rank.ops.routing = {f"model.layers.{L}.mlp.gate.weight": rank.routing_buffers[L] for L in layers}
+    rank.ops.routing = {router_weight(L): rank.routing_buffers[L] for L in layers}
     d = distinct_per_layer(ids)
     return {"mean": float(d.mean()), "min": int(d.min()), "max": int(d.max()),
             "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}

@@ -72,21 +72,6 @@ class SyntheticWeights(CudaWeights):
                 heads = shape[0] // (Dn + Dv)
                 self._uk[name] = filled((heads, shape[1], Dn), np.uint16, name, i + 7919)
 
-    @staticmethod
-    def plan_bytes(specs: dict) -> int:
-        """Device bytes of the filled buffers (as CudaWeights.plan_bytes counts them)."""
-        from ddtree.runtime.cuda_executor import _tiled_bytes
-        total = 0
-        for name, spec in specs.items():
-            shape = tuple(spec.shape)
-            if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):
-                total += _tiled_bytes(shape)
-            else:
-                total += spec.nbytes
-            if name.endswith("kv_b_proj.weight"):
-                total += spec.nbytes // 2
-        return total
-
 
 class SyntheticRank:
     """What GpuSteps needs of an executor (gpu, ops, configs, layout, caches), for rank `rank` of a tp plan."""

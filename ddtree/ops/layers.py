@@ -69,8 +69,21 @@ def moe(ops: Ops, cfg, m: str, x, inter: int):
     experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
                                                            "down.scales")}
     shared = tuple(ops.weight(f"{m}shared_experts.{k}_proj.weight") for k in ("gate", "up", "down"))
-    return ops.moe(x, ops.weight(m + "gate.weight"), ops.weight(m + "gate.e_score_correction_bias"), experts,
+    return ops.moe(x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
                    shared, spec)
+
+
+ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def router_weight(layer: int) -> str:
+    """Decoder layer `layer`'s router weight name: what a backend's given routing is keyed by (ops.moe's
+    router.name; ddtree bench step)."""
+    return f"{layer_prefix(layer)}mlp.{ROUTER}"
 
 
 def dense_mlp(ops: Ops, m: str, x):
@@ -79,7 +92,7 @@ def dense_mlp(ops: Ops, m: str, x):
 
 def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     """Decoder layer `layer` (dense MLP or MoE by the config)."""
-    p, H, W = f"model.layers.{layer}.", cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     h = ops.input("h", ["q", H], ACT)
     pos = ops.input("pos", ["q"], I32)
     cache = ops.input("cache", ["S", W], ACT)

@@ -118,8 +118,8 @@ class CudaWeights:
                 self._uk[name] = gpu.upload(uk_transposed(a, a.shape[0] // (Dn + Dv), Dn, Dv))
 
     @staticmethod
-    def plan_bytes(tensors: dict[str, np.ndarray]) -> int:
-        """Device bytes CudaWeights will hold for these tensors."""
+    def plan_bytes(tensors: dict) -> int:
+        """Device bytes CudaWeights will hold for these tensors (arrays, or TensorSpecs: shape and nbytes)."""
         total = 0
         for name, a in tensors.items():
             if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):

@@ -99,27 +99,36 @@ class GpuSteps:
         return self.builders[depth]
 
     # ---- graphs ----------------------------------------------------------------------------------
+    def capture(self, body):
+        """body's launches recorded into an executable CUDA graph (nothing runs): the ops in capture mode
+        (no allocation, no host feed) with the graphs' plans (attention planned for the caches' rows)."""
+        ops = self.ops
+
+        def record(stream):
+            ops.stream, ops.capturing = stream, True
+            body()
+        ops.graph_plans = True
+        try:
+            return self.gpu.capture(record)
+        finally:
+            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+
     def _run(self, key: tuple, body) -> None:
         """Replay the graph of `key`, or run the step eagerly and capture it (the first time)."""
         if key in self.graphs:
             self._replay(key)
             self.last = self.lasts.get(key, {})
             return
-        ops = self.ops
-        ops.graph_plans = True
+        self.ops.graph_plans = True                   # the step itself, and the warm-up: the capture's plans
         try:
-            body()                                                     # the step itself, and the warm-up
+            body()
             self.lasts[key] = self.last
             self.gpu.sync()
-            t0 = time.perf_counter()
-
-            def record(stream):
-                ops.stream, ops.capturing = stream, True
-                body()
-            self.graphs[key] = [self.gpu.capture(record), self.gpu.capture(record)]
-            self.capture_s += time.perf_counter() - t0
         finally:
-            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+            self.ops.graph_plans = False
+        t0 = time.perf_counter()
+        self.graphs[key] = [self.capture(body), self.capture(body)]
+        self.capture_s += time.perf_counter() - t0
 
     def _step(self, key: tuple, body, prepare, ahead: bool) -> dict:
         """Step k through the graph of `key` -> its record. When `ahead`, step k + 1 of the same graph is

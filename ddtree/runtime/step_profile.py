@@ -20,24 +20,15 @@ def phase_times(steps, budget: int, b: int, repeats: int = 20) -> dict:
     if key not in steps.graphs:
         raise RuntimeError(f"phase_times: no step graph for budget {budget}, block {b} yet (run a request first)")
     steps.drain()
-    ops, out = steps.ops, {}
-    graphs = {}
-    for name in steps.PHASES:
-        def record(stream, name=name):
-            ops.stream, ops.capturing = stream, True
-            steps._ddtree_body(budget, b, only=(name,))
-        ops.graph_plans = True
-        try:
-            graphs[name] = steps.gpu.capture(record)
-        finally:
-            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+    out = {}
+    graphs = {name: steps.capture(lambda name=name: steps._ddtree_body(budget, b, only=(name,)))
+              for name in steps.PHASES}
     graphs["step"] = steps.graphs[key][0]
     for name, graph in graphs.items():
         times = steps.gpu.timed_ms(lambda: steps.gpu.replay(graph), repeats)
         out[name] = 1e3 * float(np.median(times))
     out["gaps"] = out["step"] - sum(out[p] for p in steps.PHASES)
     steps.new_request()
-    steps.synced = None
     return out
 
 
@@ -52,16 +43,11 @@ def record_launches(steps, body) -> list[dict]:
         launches.append({"kernel": names.get(id(kernel), "?"), "fn": ops.key[0] if ops.key else "", "tag": ops.tag,
                          "launch": (kernel, grid, block, smem, args)})
         launch(kernel, grid, block, smem, *args, stream=stream, pdl=pdl)
-
-    def record(stream):
-        ops.stream, ops.capturing = stream, True
-        body()
-    g.launch, ops.graph_plans = spy, True
+    g.launch = spy
     try:
-        g.capture(record)
+        steps.capture(body)
     finally:
         del g.launch
-        ops.capturing, ops.graph_plans, ops.stream = False, False, None
     return launches
 
 

@@ -158,21 +158,13 @@ def test_auto_budget_on_the_gpu(tiny, delta):
     brute-force best rate for the table the graph handed back; then `ddtree tune --device cuda` and a
     `ddtree run --budget auto --mode both` on its file."""
     import json
-    from ddtree.engine_dir.tuning import Tuning, now_utc
-    from ddtree.runtime.auto_budget import AutoBudget
     from ddtree.runtime.loop import RunStats
-    from ddtree.tree.budget import Calibration, expected_accept_for_table
+    from ddtree.tree.budget import expected_accept_for_table
     from tests.cli.bad_input import ddtree
+    from tests.runtime.test_auto_budget import BUDGETS as budgets, Spy, hand_tuning
     ex, prompts = tiny
-    budgets, times = (1, 4, 8, 16), (100.0, 110.0, 120.0, 5000.0)
-    tuning = Tuning("hand-made", now_utc(), budgets, (4096,), tuple((t,) for t in times), (0.0,) * 4,
-                    Calibration.identity())
-    seen = []
-
-    class Spy(AutoBudget):
-        def __call__(self, st):
-            seen.append(None if st.draft_logp is None else st.draft_logp.copy())
-            return super().__call__(st)
+    times = (100.0, 110.0, 120.0, 5000.0)
+    tuning = hand_tuning(times)
     for ids in prompts[:2]:
         chooser, stats = Spy(tuning), RunStats()
         before = ex.steps.graph_steps
@@ -182,7 +174,7 @@ def test_auto_budget_on_the_gpu(tiny, delta):
         v = classify_departure(ex, ids, ar, dd, GREEDY, delta)
         assert v is None or v["near_tie"], v
         assert set(stats.budgets) <= {1, 4, 8} and stats.budgets == chooser.chosen
-        for table, b in zip(seen[-len(chooser.chosen) + 1:], chooser.chosen[1:]):
+        for table, b in zip(chooser.seen[1:], chooser.chosen[1:]):
             e = expected_accept_for_table(0, table, np.tile(np.arange(table.shape[1], dtype=np.int32),
                                                             (table.shape[0], 1)), 16)
             rates = {c: e[c] / t for c, t in zip(budgets, times)}
