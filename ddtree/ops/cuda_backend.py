@@ -12,9 +12,9 @@ layer never writes over the output of the layer before it (its input). Feeds are
 (bound as they are) or small numpy arrays (uploaded into a per-name buffer; their host copy is kept for the
 host-side uses listed in LAUNCHERS). Activations (ACT) are bf16 bits (uint16), ACC is float32.
 
-tp 1: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1 they
-raise naming the missing collective (issue 25), or, with standin=True (ddtree bench step), move their bytes once
-on this GPU without summing anything. The sampling and tree ops run on the host here (a download,
+tp 1: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1 they go
+through the rank's `collective` (ops/cuda_collectives.py), or, with standin=True (ddtree bench step), move their
+bytes once on this GPU without summing anything, and without either they raise naming what is missing. The sampling and tree ops run on the host here (a download,
 the numpy math of ops/numpy_math.py, an upload): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
 without them (layers.head_logits, draft_logits) and fuses vocab_topk + tree_build (plugins/tree_build.py) and
 vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels.
@@ -44,8 +44,8 @@ LAUNCHERS = {
     "add": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of a (its norm output to a scratch buffer; the "
            "GEMM-epilogue fusion is missing)",
     "rms_norm": "plugins/layer_ops.py LayerOps.rms_norm (rows, strided; [m, n, d] as m n rows of d)",
-    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of h (tp 1; tp > 1: "
-                               "missing collective, issue 25)",
+    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of h, after all_reduce at "
+                               "tp > 1",
     "linear": "plugins/gemm.py SkinnyGemm.run (weight tiled once at load by plugins/layout.tile_bf16)",
     "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run ([gate; up] stacked and tiled once, down) + "
                   "plugins/layer_ops.py LayerOps.silu_mul",
@@ -63,8 +63,9 @@ LAUNCHERS = {
     "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
                        "written at cache_len (LayerOps.rows_at; cache_len read on the device), copies of q / k "
                        "roped, then plugins/draft_attention.py DraftAttention.run",
-    "all_reduce": "identity at tp 1 (tp > 1: missing collective, issue 25)",
-    "all_gather": "a [1, ...] view at tp 1 (tp > 1: missing collective, issue 25)",
+    "all_reduce": "identity at tp 1; tp > 1: the rank's collective (ops/cuda_collectives.py: ranks as threads, "
+                  "allreduce_sum_local) or a stand-in (bench step); the one-shot across processes is issue 25's",
+    "all_gather": "a [1, ...] view at tp 1; tp > 1: the rank's collective (copies in rank order) or a stand-in",
     "vocab_winner": "host: download, ops/numpy_math.vocab_winner, upload (GPU: plugins/tree_sample.py)",
     "vocab_topk": "host: download, ops/numpy_math.vocab_topk, upload (GPU: plugins/tree_build.py)",
     "tree_build": "host: ops/numpy_math.tree_build (GPU: plugins/tree_build.py DraftTreeBuilder)",
@@ -77,13 +78,18 @@ if set(LAUNCHERS) != set(OP_NAMES):
 class CudaOps(Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
-    def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False):
+    def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False,
+                 collective=None):
         """standin: at tp > 1, each collective is a stand-in that moves its bytes once on this GPU (a copy of
         the partial; an all-gather copies it into every rank's slot) and sums nothing: rank r's step at its real
-        cost without the other ranks (ddtree bench step), not its results."""
+        cost without the other ranks (ddtree bench step), not its results. collective: at tp > 1, this rank's
+        member of a GPU collective (ops/cuda_collectives.py: all_reduce(x, out), all_gather(x, out)), which
+        the all-reduces and all-gathers go through (eager calls only)."""
+        if collective is not None and standin:
+            raise ValueError("cuda backend: a rank has either stand-in collectives or a real one, not both")
         from ddtree.plugins.layer_ops import LayerOps
         self.gpu, self.lay, self.store, self.max_tokens = gpu, lay, store, max_tokens
-        self.standin = standin
+        self.standin, self.collective = standin, collective
         self.tag = ""                       # "allreduce_standin" while a stand-in launches (bench attribution)
         self.attention_context = None       # plan attention for at most this many cached keys (None: the caches')
         self.routing = None                 # {router weight name: (ids [rows, k] int32, weights [rows, k] fp32)}:
@@ -167,9 +173,10 @@ class CudaOps(Ops):
         return x.shape[0]
 
     def _single_rank(self, what: str) -> None:
-        if self.lay.tp != 1 and not self.standin:
-            raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs the GPU collectives "
-                                      "(issue 25); only tp 1 runs on the GPU today")
+        if self.lay.tp != 1 and not self.standin and self.collective is None:
+            raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs a collective: "
+                                      "CudaOps(collective=...) (ops/cuda_collectives.py: ranks as threads of one "
+                                      "process) or stand-ins (bench step); rank processes on their own GPUs: issue 25")
 
     # ---- graph boundary ------------------------------------------------------------------------
     def input(self, name, shape, dtype):
@@ -404,6 +411,10 @@ class CudaOps(Ops):
     def all_gather(self, x, tag):
         self._single_rank(f"all_gather ({tag})")
         tp = self.lay.tp
+        if tp > 1 and self.collective is not None:             # [tp, ...]: every rank's x in rank order
+            out = self.new((tp, *x.shape), x.dtype)
+            self._collective().all_gather(self.gpu, x, out)
+            return out
         if tp > 1:                                             # stand-in: x copied into each rank's slot
             out = self.new((tp, *x.shape), x.dtype)
             n = int(np.prod(x.shape)) * x.itemsize
@@ -415,10 +426,21 @@ class CudaOps(Ops):
         return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
                        host=None if x.host is None else x.host[None])
 
+    def _collective(self):
+        if self.capturing:
+            raise RuntimeError(f"{self.where}: the in-process collective syncs and waits on the host; it cannot be "
+                               "captured in a graph")
+        return self.collective
+
     def _standin(self, x):
-        """tp > 1 with stand-ins: the partial copied once (the bytes an all-reduce moves into this rank)."""
+        """tp > 1 with stand-ins: the partial copied once (the bytes an all-reduce moves into this rank). With a
+        collective: the rank-ordered sum of every rank's partial (a new tensor)."""
         if self.lay.tp == 1:
             return x
+        if self.collective is not None:
+            out = self.new(x.shape, x.dtype)
+            self._collective().all_reduce(self.gpu, x, out)
+            return out
         self.tag = "allreduce_standin"
         out = self.copy(x)
         self.tag = ""

@@ -17,18 +17,18 @@ WEIGHT_BF16 = (0x81FF81FF, 0x3A003A00)       # bf16 pairs, random sign, |w| in [
 _GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def hash_u32(n: int, seed: int, mask: int = 0xFFFFFFFF, bits_or: int = 0) -> np.ndarray:
-    """n uint32 words of stream `seed` (numpy twin of fill_hash_u32)."""
+def hash_u32(n: int, seed: int, mask: int = 0xFFFFFFFF, bits_or: int = 0, start: int = 0) -> np.ndarray:
+    """Words start .. start + n - 1 of stream `seed` (numpy twin of fill_hash_u32, which writes words 0 ..)."""
     out = np.empty(n, dtype=np.uint32)
     step = 1 << 24
     with np.errstate(over="ignore"):
-        for start in range(0, n, step):
-            z = np.arange(start + 1, min(n, start + step) + 1, dtype=np.uint64) * _GOLDEN
+        for a in range(0, n, step):
+            z = np.arange(start + a + 1, start + min(n, a + step) + 1, dtype=np.uint64) * _GOLDEN
             z += np.uint64((seed & 0xFFFFFFFF) << 32)
             z = (z ^ (z >> np.uint64(30))) * _M1
             z = (z ^ (z >> np.uint64(27))) * _M2
             z ^= z >> np.uint64(31)
-            out[start:start + len(z)] = ((z >> np.uint64(32)).astype(np.uint32) & np.uint32(mask)) | np.uint32(bits_or)
+            out[a:a + len(z)] = ((z >> np.uint64(32)).astype(np.uint32) & np.uint32(mask)) | np.uint32(bits_or)
     return out
 
 

@@ -209,14 +209,34 @@ class CudaExecutor:
         """cap_context: a max_context above the model's context is cut to it (a computed default), else an error.
         graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
         False: every step is the composition of the primitives below (host sampling, tree and walk)."""
-        from ddtree.plugins.device import Gpu, _driver, check
-        from ddtree.plugins.kv_cache import DeviceLatentCache
         self.engine_dir = Path(engine_dir)
         self.meta, digests = check_engine(self.engine_dir, verify)
         if int(self.meta["tp"]) != 1:
             raise NotImplementedError(f"cuda executor: the engine is tp {self.meta['tp']}; one GPU runs tp 1 "
                                       "engines (tp > 1 needs the GPU collectives, issue 25)")
-        self.config, self.drafter_config = cfg, d = engine_configs(self.engine_dir, self.meta)
+        cfg, d = engine_configs(self.engine_dir, self.meta)
+        tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
+        self._setup(cfg, d, self.meta["plan"], 0, tensors, gpu, max_context, cap_context, graphs, None)
+        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
+
+    @classmethod
+    def of_weights(cls, cfg, dcfg, plan: dict, tensors: dict, rank: int = 0, gpu: int = 0,
+                   max_context: int | None = None, collective=None, graphs: bool = False) -> "CudaExecutor":
+        """Rank `rank` of `plan` (TPPlan.to_dict()) over tensors given in memory (its rank tensors as an engine
+        stores them: a test's model, bench/hash_model.py), no engine directory. collective: the GPU collective
+        of tp > 1 (ops/cuda_collectives.py), None at tp 1."""
+        self = cls.__new__(cls)
+        self.engine_dir, self.tokenizer_dir = None, None
+        self.meta = {"tp": plan["tp"], "plan": plan}
+        self._setup(cfg, dcfg, plan, rank, tensors, gpu, max_context, False, graphs, collective)
+        return self
+
+    def _setup(self, cfg, d, plan: dict, rank: int, tensors: dict, gpu: int, max_context, cap_context: bool,
+               graphs: bool, collective) -> None:
+        """The memory plan, then the weights, ops and caches of rank `rank` on GPU `gpu`."""
+        from ddtree.plugins.device import Gpu, _driver, check
+        from ddtree.plugins.kv_cache import DeviceLatentCache
+        self.config, self.drafter_config = cfg, d
         context = int(cfg.max_position_embeddings)
         self.max_context = int(max_context or min(context, 4096))
         if self.max_context > context:
@@ -224,30 +244,28 @@ class CudaExecutor:
                 raise RequestError(f"--max-context {self.max_context} is more than the model's context of {context} "
                                    "tokens (max_position_embeddings)")
             self.max_context = context
-        self.moe_inter = self.meta["plan"]["per_rank"]["moe_intermediate"]
-        self.lay = RankLayout.from_plan(self.meta["plan"], 0)
-        tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
+        self.moe_inter = plan["per_rank"]["moe_intermediate"]
+        self.lay = RankLayout.from_plan(plan, rank)
         S, W = self.max_context, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        kv_heads = d.num_key_value_heads
-        plan = {"weights": CudaWeights.plan_bytes(tensors),
-                "KV": cfg.num_hidden_layers * S * W * 2 + 2 * d.num_hidden_layers * S * kv_heads * d.head_dim * 2,
-                "workspaces": WORKSPACE_BYTES + S * (cfg.qk_rope_head_dim + d.head_dim) * 4}
-        self.memory_plan = plan                  # bytes by part (what the plan line below prints)
+        kv_heads = d.num_key_value_heads // self.lay.tp if d.num_key_value_heads >= self.lay.tp else 1
+        mem = {"weights": CudaWeights.plan_bytes(tensors),
+               "KV": cfg.num_hidden_layers * S * W * 2 + 2 * d.num_hidden_layers * S * kv_heads * d.head_dim * 2,
+               "workspaces": WORKSPACE_BYTES + S * (cfg.qk_rope_head_dim + d.head_dim) * 4}
+        self.memory_plan = mem                   # bytes by part (what the plan line below prints)
         self.gpu = Gpu(gpu)
         free, total = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
-        need = sum(plan.values())
+        need = sum(mem.values())
         print(f"cuda executor: memory plan on {self.gpu.name} (GPU {gpu}), max_context {S}: "
-              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in plan.items())
+              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items())
               + f"; total {need / 2**20:.1f} MiB of {free / 2**20:.1f} MiB free", file=sys.stderr)
         if need > free:
             raise MemoryPlanError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
                                   f"{free / 2**30:.2f} GiB free (lower --max-context)")
         self.store = CudaWeights(self.gpu, tensors, cfg, S)
-        self.ops = CudaOps(self.gpu, self.lay, self.store)
+        self.ops = CudaOps(self.gpu, self.lay, self.store, collective=collective)
         self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
-        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
         self.graphs = graphs
         from ddtree.runtime.cuda_step import GpuSteps
         self.steps = GpuSteps(self) if graphs else None

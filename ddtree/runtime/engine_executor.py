@@ -78,8 +78,27 @@ class EngineExecutor:
         when the caller already has it (rank processes: rank 0 checks once, each rank hashes its weights)."""
         self.engine_dir = Path(engine_dir)
         self.meta, digests = checked if checked is not None else check_engine(self.engine_dir, verify)
+        cfg, dcfg = engine_configs(self.engine_dir, self.meta)
+        local = list(range(int(self.meta["tp"]))) if rank is None else [rank]
+        weights = [load_rank_tensors(self.engine_dir, r, self.meta["weight_files"], convert=np.dtype(dtype),
+                                     digests=digests) for r in local]
+        self._setup(cfg, dcfg, weights, dtype, rank, collective)
+        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
+
+    @classmethod
+    def of_weights(cls, cfg, dcfg, plan: dict, weights: list[dict], budgets=(16,), dtype=np.float64) -> "EngineExecutor":
+        """Every rank of `plan` (TPPlan.to_dict()) over tensors given in memory (weights[r]: rank r's tensors as an
+        engine stores them, or objects numpy reads as such: bench/hash_model.py) instead of an engine directory;
+        ranks as threads. budgets: the largest sets the drafter head's top-k (an engine's manifest budgets)."""
+        self = cls.__new__(cls)
+        self.engine_dir, self.tokenizer_dir = None, None
+        self.meta = {"tp": plan["tp"], "plan": plan, "budgets": list(budgets)}
+        self._setup(cfg, dcfg, weights, dtype, None, None)
+        return self
+
+    def _setup(self, cfg, dcfg, weights: list[dict], dtype, rank: int | None, collective) -> None:
         meta = self.meta
-        self.config, self.drafter_config = engine_configs(self.engine_dir, meta)
+        self.config, self.drafter_config = cfg, dcfg
         self.dtype = np.dtype(dtype)
         self.tp = int(meta["tp"])
         self.moe_inter = meta["plan"]["per_rank"]["moe_intermediate"]
@@ -87,13 +106,9 @@ class EngineExecutor:
         self.local = list(range(self.tp)) if rank is None else [rank]          # the ranks held here
         self.held = len(self.local)
         self.collective = collective_for(self.tp) if rank is None else collective
-        files = meta["weight_files"]
-        weights = [load_rank_tensors(self.engine_dir, r, files, convert=self.dtype, digests=digests)
-                   for r in self.local]
         self.ranks = NumpyRanks([NumpyOps(w, self.layouts[r], self.collective, self.dtype)
                                  for w, r in zip(weights, self.local)])
         self.offsets = [lay.vocab_start for lay in self.layouts]
-        self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
     def _gathered(self, outs: list[dict], what: str) -> np.ndarray:
         """Every rank's logits slice [q, V_r] -> [q, V]: joined here, or all-gathered from the other processes."""

@@ -101,3 +101,26 @@ def test_bad_input_names_the_tensor(engines):
     small = TPPlan(replace(plan.cfg, moe_intermediate_size=128), plan.dcfg, 4)   # I_r = 32: not a 64-chunk
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.mlp\.experts\.\*: .* I_r = 128 / 4 = 32"):
         reslice_rank(full, small, 0)
+
+
+def test_resliced_ranks_in_memory_compute_the_tp1_logits(engines):
+    """EngineExecutor.of_weights (ranks as threads over tensors in memory) on the tp 4 slices of the tp 1 tensors:
+    the float64 logits of a prefill and a tree verify equal tp 1's up to summation order."""
+    from ddtree.reference.model import causal_visible
+    from ddtree.runtime.engine_executor import EngineExecutor
+    plan1, (full,) = engines(1)
+    plan4, _ = engines(4)
+    cfg, dcfg = plan1.cfg, plan1.dcfg
+    tp1 = EngineExecutor.of_weights(cfg, dcfg, plan1.to_dict(), [{k: np.asarray(v) for k, v in full.items()}])
+    tp4 = EngineExecutor.of_weights(cfg, dcfg, plan4.to_dict(), [reslice_rank(full, plan4, r) for r in range(4)])
+    ids, vis = np.array([256, 17, 99, 3, 140]), causal_visible(0, 5)
+    tree_vis = np.ones((3, 8), bool)
+    tree_vis[1, 7] = tree_vis[2, 6] = False                   # nodes 1 and 2 both children of node 0
+    out = []
+    for ex in (tp1, tp4):
+        cache = ex.new_target_cache()
+        a, _ = ex.target_forward(ids, np.arange(5), vis, cache)
+        b, _ = ex.target_forward([7, 8, 9], [5, 6, 6], tree_vis, cache)
+        out.append(np.concatenate([a, b]))
+    assert np.abs(out[0]).max() > 0.1
+    np.testing.assert_allclose(out[1], out[0], rtol=0, atol=1e-9 * np.abs(out[0]).max())

@@ -29,11 +29,11 @@ def test_every_backend_implements_every_op_with_its_signature(backend):
 
 def test_cuda_ops_views_and_the_missing_collectives():
     """CPU part of the cuda backend: reshape / slice are strided views (the GPU tests run them on kernels:
-    tests/runtime/test_cuda_executor_gpu.py); at tp > 1 the collectives raise naming issue 25."""
+    tests/runtime/test_cuda_executor_gpu.py); at tp > 1 without a collective the collectives raise naming it."""
     import numpy as np
     from ddtree.ops.cuda_tensor import Tensor
     ops = object.__new__(CudaOps)
-    ops.lay, ops.where, ops.standin = LAY, "test", False
+    ops.lay, ops.where, ops.standin, ops.collective = LAY, "test", False, None
     q_all = Tensor(1000, (3, 4, 48), np.dtype(np.uint16), (192, 48, 1))
     q_pe = ops.slice(q_all, 2, 32, 48)                                   # inside q_b's output
     assert (q_pe.ptr, q_pe.shape, q_pe.strides, q_pe.row_stride("t")) == (1064, (3, 4, 16), (192, 48, 1), 48)
@@ -44,6 +44,6 @@ def test_cuda_ops_views_and_the_missing_collectives():
         ops.reshape(ops.slice(latent, 1, 64, 80), [48])
     assert ops.all_gather(latent, "x").shape == (1, 3, 80)
     ops.lay = RankLayout(0, 2, 0, 128, 0, 8, 0, 32)
-    with pytest.raises(NotImplementedError, match="issue 25"):
+    with pytest.raises(NotImplementedError, match="collective="):
         ops.all_reduce(latent, "mlp")
     assert set(LAUNCHERS) == set(OP_NAMES)

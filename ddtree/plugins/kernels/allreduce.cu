@@ -116,6 +116,24 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
     }
 }
 
+// Ranks that share one process and one GPU (ops/cuda_collectives.py): out = the float32 sum of parts[0..nranks-1]
+// in rank order, rounded once to bf16: the bits allreduce_push gives. parts: nranks addresses of [n8] vectors.
+extern "C" __global__ void allreduce_sum_local(const u64* __restrict__ parts, int nranks, uint4* out, u32 n8) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += gridDim.x * blockDim.x) {
+        float acc[8];
+        const uint4 v = ((const uint4*)parts[0])[i];
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = bf16lo_to_f32(w[j]);
+            acc[2 * j + 1] = bf16hi_to_f32(w[j]);
+        }
+        for (int r = 1; r < nranks; ++r) add_bf16x8(acc, ((const uint4*)parts[r])[i]);
+        out[i] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
+                            pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
+    }
+}
+
 // Probe: `rounds` round trips of a system-scope flag between two GPUs (thread 0 of one block on each).
 // The first side stores k into *peer_flag and waits for *my_flag == k; the other waits, then answers.
 // Values are base + k (base: a number larger than any earlier run's, so one buffer serves many probes).

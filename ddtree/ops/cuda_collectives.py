@@ -1,0 +1,104 @@
+"""GPU collectives for tp ranks that are threads of one process on one GPU (docs/interfaces.md section 9).
+
+    group = ThreadRankGroup(tp)
+    ex_r = CudaExecutor.of_weights(cfg, dcfg, plan, tensors_r, rank=r, collective=group.member(r))   # per thread
+
+Each rank has its own Gpu (its own stream) and runs its layer functions in its own thread; the ranks meet in
+every all-reduce: a rank finishes its stream (its partial is written), deposits the partial's address and
+meets the others (a barrier); each then sums every rank's partial in rank order 0..tp-1 in float32 with one
+rounding to bf16 (kernels/allreduce.cu allreduce_sum_local: the bits the one-shot all-reduce gives, so every
+rank holds the same), finishes, and meets them again, so no partial is overwritten before every rank has read
+it. All-gather: each rank copies every rank's part into its [tp, ...] output in rank order. This is how a test
+runs every rank slice of a tp N model on one device (the collectives summed there); rank processes on their
+own GPUs use the one-shot all-reduce (plugins/allreduce.py). Eager only: host syncs and barriers cannot be
+captured in a graph. A rank that fails aborts the barrier, which releases the others (BrokenBarrierError).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ddtree.plugins.allreduce import SOURCE, THREADS, VECTOR
+
+
+class ThreadRankGroup:
+    def __init__(self, size: int, timeout_s: float = 300.0):
+        if size < 2:
+            raise ValueError(f"ThreadRankGroup: {size} rank(s); a group is 2 or more (tp 1 needs no collective)")
+        self.size = size
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+
+    def member(self, rank: int) -> "ThreadRankMember":
+        return ThreadRankMember(self, rank)
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+
+class ThreadRankMember:
+    """One rank's side, what CudaOps(collective=...) calls: all_reduce(gpu, x, out), all_gather(gpu, x, out) (x, out:
+    Tensors on this rank's gpu; launched on its stream)."""
+
+    def __init__(self, group: ThreadRankGroup, rank: int):
+        self.group, self.rank = group, rank
+        self.parts = None                  # device array of the tp partial addresses (made on first use)
+
+    def _meet(self, gpu, x) -> list:
+        """Finish this rank's work on x, publish it, wait for every rank's -> the tp tensors in rank order."""
+        if not x.contiguous:
+            self.group.abort()
+            raise ValueError(f"rank {self.rank}: a collective on a strided tensor {x.shape} {x.strides}")
+        gpu.sync()
+        self.group.slots[self.rank] = x
+        self.group.barrier.wait()
+        return list(self.group.slots)
+
+    def _done(self, gpu) -> None:
+        gpu.sync()
+        self.group.barrier.wait()          # every rank has read every partial before anyone goes on
+
+    def all_reduce(self, gpu, x, out) -> None:
+        """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape."""
+        parts = self._meet(gpu, x)
+        n = int(np.prod(x.shape))
+        if x.dtype != np.uint16 or out.dtype != np.uint16 or n % VECTOR or any(p.shape != x.shape for p in parts):
+            self.group.abort()
+            raise ValueError(f"rank {self.rank}: all-reduce of bf16 {x.shape} (a multiple of {VECTOR} elements, the "
+                             f"same shape on every rank), got {x.dtype} and shapes {[p.shape for p in parts]}")
+        if self.parts is None:
+            self.parts = gpu.alloc(self.group.size, np.uint64)
+        gpu.copy_in(self.parts, np.array([p.ptr for p in parts], np.uint64))
+        n8 = n // VECTOR
+        blocks = min(-(-n8 // THREADS), 4 * gpu.sm_count)
+        gpu.launch(gpu.kernel(SOURCE, "allreduce_sum_local"), blocks, THREADS, 0, np.uint64(self.parts.ptr),
+                   np.int32(self.group.size), np.uint64(out.ptr), np.uint32(n8))
+        self._done(gpu)
+
+    def all_gather(self, gpu, x, out) -> None:
+        """out [tp, *x.shape] = every rank's x in rank order."""
+        parts = self._meet(gpu, x)
+        nbytes = int(np.prod(x.shape)) * x.itemsize
+        for r, p in enumerate(parts):
+            gpu.copy_d2d(out.ptr + r * nbytes, p.ptr, nbytes)
+        self._done(gpu)
+
+
+def run_ranks(executors: list, fn) -> list:
+    """fn(ex) for every rank's executor, each in a thread of its own with its GPU current; results in rank order.
+    A rank that raises aborts its group (the others' waits end) and its error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def body(ex):
+        ex.gpu.dev.set_current()
+        try:
+            return fn(ex)
+        except BaseException:
+            member = ex.ops.collective
+            if member is not None:
+                member.group.abort()
+            raise
+    with ThreadPoolExecutor(len(executors)) as pool:
+        futures = [pool.submit(body, ex) for ex in executors]
+        return [f.result() for f in futures]
