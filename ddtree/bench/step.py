@@ -14,8 +14,11 @@ copy ceiling, and % of that roofline.
 Routing (`--routing`): `router` = the router's own choice on random weights (near uniform); `uniform` / `tree`
 = the router runs, then the MoE uses generated ids for the budget's stated best-first tree (bench/routing.py:
 tree = each of a node's experts one of its parent's with probability --reuse), so the distinct experts per layer
-are known (reported). The accepted length is whatever random weights give (about 1 a step), so compaction and
-the context window cost their minimum; both are small against the verify.
+are known (reported). The accepted length is fixed (`--accept`, default 4 committed tokens a step): after the
+sampler, the walk's path is replaced by the tree's first-child chain of that many nodes (plugins/step_state.py
+force_accept), so compaction, the context window and the record cost what such a step costs (random weights
+alone accept ~1). `--ar` adds the autoregressive step (its own graph: one token through the target and the
+sampler) at each context: tokens/s = 1 / its latency.
 """
 from __future__ import annotations
 
@@ -102,43 +105,94 @@ def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: in
             "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}
 
 
-def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, repeats: int, routing: str = "router",
-                reuse: float | None = None) -> dict:
-    from ddtree.ops.meter import meter_step, totals
+def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
+    """[depths, vocab] float32 logits whose log-softmax is DraftProfile's stated table (token r: log top1 (1-top1)^r
+    for r < budget, the rest of the mass on token `budget`, nothing elsewhere): the tree builder then builds
+    DraftProfile.tree(budget, depths), the shape the routing generator and the projection use."""
+    from ddtree.bench.project import DraftProfile
+    top1 = DraftProfile().top1
+    logp = np.log(top1) + np.arange(budget) * np.log(1.0 - top1)          # a geometric series: its rest is
+    if vocab <= budget:
+        raise click.ClickException(f"a rank's vocab slice of {vocab} cannot hold a budget {budget} tree's candidates")
+    row = np.full(vocab, -1e30, np.float64)
+    row[:budget], row[budget] = logp, budget * np.log(1.0 - top1)          # (1 - top1)^budget
+    return np.tile(row.astype(np.float32), (depths, 1))
+
+
+def tree_depths(parents) -> list[int]:
+    """Nodes per depth of a tree given by its parents (root first)."""
+    depth = np.zeros(len(parents), np.int64)
+    for i, p in enumerate(parents[1:], 1):
+        depth[i] = depth[p] + 1
+    return np.bincount(depth).tolist()
+
+
+def stated_depths(budget: int, depths: int) -> list[int]:
+    from ddtree.bench.project import DraftProfile, depth_histogram
+    return depth_histogram(DraftProfile().tree(budget, depths))
+
+
+def context_room(repeats: int, accept: int, b: int) -> int:
+    """Cache rows past the context a row's replays use: each replay commits `accept` tokens (the AR step one)."""
+    return (repeats + 3) * max(accept, 1) + 2 * b + 64
+
+
+def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: float, repeats: int,
+                routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
+    """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
+    has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
+    from ddtree.ops.meter import meter_ar_step, meter_step, totals
     from ddtree.plugins import randfill as rf
     from ddtree.runtime.step_profile import record_launches, time_launches
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
-    distinct = given_routing(rank, budget, routing, reuse)
-    key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router")   # attention planned per context
-    rank.ops.attention_context = context + 2 * b + repeats + 64
+    distinct = given_routing(rank, budget or 1, routing, reuse) if budget else given_routing(rank, 1, "router", None)
+    rank.ops.attention_context = context + context_room(repeats, accept, b)          # attention planned per context
     steps.state.set(start=context, bonus=1)
-    rf.fill_device(gpu, steps.window, 7, rf.ACT_BF16)
-    body = lambda: steps._ddtree_body(budget, b)             # noqa: E731
+    if budget is None:
+        key, body = ("ar", steps.plan.mode, context), steps._ar_body
+    else:
+        rf.fill_device(gpu, steps.window, 7, rf.ACT_BF16)
+        key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router", accept)
+        body = lambda: steps._ddtree_body(budget, b)         # noqa: E731
+        vocab = rank.lay.vocab_stop - rank.lay.vocab_start
+        steps.stated_draft = gpu.upload(stated_draft_logits(budget, b - 1, vocab))
+    steps.forced_accept = accept if budget else None
     steps._run(key, body)                                     # the first step eagerly, then its capture
     gpu.sync()
-    logits = steps.last["logits"].numpy()
-    if not np.isfinite(logits).all():
-        raise click.ClickException(f"context {context}, budget {budget}: the verify logits are not finite "
-                                   "(the synthetic weights' scales let activations overflow)")
+    accepted = depths = None
+    if budget:
+        logits = steps.last["logits"].numpy()
+        if not np.isfinite(logits).all():
+            raise click.ClickException(f"context {context}, budget {budget}: the verify logits are not finite "
+                                       "(the synthetic weights' scales let activations overflow)")
+        accepted = int(steps.last["sampled"].count.numpy()[0])
+        depths = tree_depths(steps.last["tree"].parents.numpy())
     steps.state.set(start=context, bonus=1)
     step_ms = statistics.median(gpu.timed_ms(lambda: steps._replay(key), repeats))
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
+    steps.forced_accept = steps.stated_draft = None
     split = dict.fromkeys(SPLIT, 0.0)
     for rec, us in zip(launches, times):
         split[kernel_family(rec, rank.lay.vocab_stop - rank.lay.vocab_start, cfg.n_routed_experts)] += us
     step_us = 1e3 * step_ms
     split["gaps"] = step_us - sum(split.values())
     meter_kw = {} if distinct is None else {"routing": "given", "distinct": distinct["mean"]}
-    t = totals(meter_step(cfg, dcfg, rank.plan_dict, rank.specs, rank.lay.rank, context, budget, **meter_kw))
+    if budget is None:
+        recs = meter_ar_step(cfg, rank.plan_dict, rank.specs, rank.lay.rank, context)
+    else:
+        recs = meter_step(cfg, dcfg, rank.plan_dict, rank.specs, rank.lay.rank, context, budget,
+                          new_context=accepted, **meter_kw)
+    t = totals(recs)
     nbytes = t["read"] + t["written"]
     ideal_us = nbytes / (ceiling_gbps * 1e3)
-    return {"context": context, "budget": budget,
+    return {"context": context, "mode": "ar" if budget is None else "ddtree", "budget": budget,
             "routing": "router (random weights)" if routing == "router" else routing, "reuse": reuse,
             "step_us": step_us, "split_us": split, "kernels": len(launches), "bytes": nbytes,
             "ideal_us": ideal_us, "pct_roofline": 100 * ideal_us / step_us,
-            "distinct_experts": distinct, "accepted_per_step": None}
+            "distinct_experts": distinct, "accepted_per_step": 1 if budget is None else accepted,
+            "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None}
 
 
 @click.command("step")
@@ -153,11 +207,17 @@ def measure_row(rank, steps, context: int, budget: int, ceiling_gbps: float, rep
               help="router (the router's own choice on random weights), uniform (random top-k per token), tree "
                    "(a node's experts reuse its parent's with probability --reuse); comma-separated")
 @click.option("--reuse", "reuses", default="0.5", show_default=True, help="--routing tree: reuse probabilities")
+@click.option("--accept", type=click.IntRange(min=1), default=4, show_default=True,
+              help="tokens each DDTree step commits (the walk's path replaced by the tree's first-child chain of "
+                   "this many nodes: compaction and the context window cost what they would; fewer if the tree is "
+                   "shallower, reported per row); 4 ~ SGLang DDTree's reported 4.5")
+@click.option("--ar", "with_ar", is_flag=True, help="also the autoregressive step (one token) at each context")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--gpu", "gpu_id", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @reported()
-def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, repeats, gpu_id, as_json):
+def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_id,
+                 as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
@@ -180,7 +240,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
-    max_context = max(contexts) + max(budgets) + 2 * dcfg.block_size + repeats + 64
+    max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
@@ -191,15 +251,22 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     rows = []
     for context in contexts:
         rank.fill_caches(context)
+        if with_ar:
+            rows.append(measure_row(rank, steps, context, None, ceiling["gbps"], repeats))
+            click.echo(f"context {context}, AR: step {rows[-1]['step_us']:.0f} us, {1e6 / rows[-1]['step_us']:.0f} "
+                       f"tok/s, {rows[-1]['pct_roofline']:.0f} % of the copy roofline", err=True)
         for budget in budgets:
             for routing, reuse in cases:
-                row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse)
+                row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept)
                 rows.append(row)
                 click.echo(f"context {context}, budget {budget}, {routing} {reuse if reuse is not None else ''}: "
                            f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
-              "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "rows": rows,
+              "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
+              "rows": rows,
               "notes": {"collectives": "stand-ins moving their bytes once on this GPU; not in the roofline",
+                        "accept": "each DDTree step commits accepted_per_step tokens: the walk's path replaced by "
+                                  "the tree's first-child chain (random weights accept ~1 on their own)",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "
                                    "used after the router ran (bench/routing.py on the stated tree)",
                         "split": "each launch timed alone in a graph of 10 back-to-back copies, one per kernel shape; "
@@ -211,12 +278,14 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     table = Table(title=f"ddtree bench step: {gpu.name}, rank {rank_id} of tp {tp}, {preset}")
     short = {"attention": "attn", "router": "route", "lm_head": "lm", "drafter": "draft",
              "allreduce_standin": "ar*", "other": "other"}
-    for name in ("ctx", "B", "routing", "experts", "step us", "ideal", "%", *(short.get(k, k) for k in SPLIT), "gaps"):
+    for name in ("ctx", "B", "acc", "routing", "experts", "step us", "ideal", "%", *(short.get(k, k) for k in SPLIT),
+                 "gaps"):
         table.add_column(name, justify="right")
     for r in rows:
         label = r["routing"].split(" ")[0] + ("" if r["reuse"] is None else f" {r['reuse']}")
         experts = "-" if r["distinct_experts"] is None else f"{r['distinct_experts']['mean']:.0f}"
-        table.add_row(str(r["context"]), str(r["budget"]), label, experts, f"{r['step_us']:.0f}", f"{r['ideal_us']:.0f}",
+        table.add_row(str(r["context"]), "AR" if r["budget"] is None else str(r["budget"]), str(r["accepted_per_step"]),
+                      label, experts, f"{r['step_us']:.0f}", f"{r['ideal_us']:.0f}",
                       f"{r['pct_roofline']:.0f}", *(f"{r['split_us'][k]:.0f}" for k in (*SPLIT, "gaps")))
     Console(stderr=False, width=160).print(table)
     click.echo("split columns: us of each kernel family alone (ar* = the collectives' stand-ins); gaps = step - sum")

@@ -309,3 +309,16 @@ def totals(records: list[Record]) -> dict:
             "all_reduces": sum(r.collective == "all_reduce" for r in records),
             "message_bytes": sum(r.message_bytes for r in records)}
 
+
+
+def meter_ar_step(cfg, plan: dict, specs: dict, rank: int = 0, context: int = 4096, **kw) -> list[Record]:
+    """One autoregressive step of rank `rank`: the target over one token after `context` cached tokens, and its
+    head (the sampler reads the logits). No drafter, no tree, no compaction."""
+    lay = RankLayout.from_plan(plan, rank)
+    ops = MeterOps(lay, specs, {"q": 1, "T": context, "S": context + 1, "W": 1, "nodes": 1}, **kw)
+    recs = meter_call(ops, "embed", layers.embed, cfg)
+    inter = plan["per_rank"]["moe_intermediate"]
+    for L in range(cfg.num_hidden_layers):
+        recs += meter_call(ops, "moe_layer" if cfg.is_moe_layer(L) else "dense_layer", layers.decoder_layer, cfg, L,
+                           inter)
+    return recs + meter_call(ops, "head", layers.head, cfg)

@@ -40,6 +40,15 @@ def ctx_window_ref(window: np.ndarray, taps: np.ndarray, accepted, count: int) -
     return np.concatenate([window[c:], taps[np.asarray(accepted[:c])]])
 
 
+def force_accept_ref(parents, a: int) -> list[int]:
+    """The root's first-child chain, at most `a` nodes (parents[i] < i; a child's first is its lowest index)."""
+    path = [0]
+    for j in range(1, len(parents)):
+        if len(path) < a and parents[j] == path[-1]:
+            path.append(j)
+    return path
+
+
 def commit_ref(state, tree_tokens, accepted, count: int | None, token: int) -> tuple[list[int], np.ndarray]:
     """-> (the committed tokens, the state after). count None: the autoregressive step (one token)."""
     tokens = [int(token)] if count is None else [int(tree_tokens[a]) for a in accepted[1:count]] + [int(token)]
@@ -93,6 +102,13 @@ class StepState:
         vecs = row_bytes // 16
         self._launch("ctx_window", b, min(256, 32 * -(-vecs // 32)), ptr(window_in), ptr(taps), ptr(accepted),
                      ptr(count), ptr(window_out), np.int32(vecs), stream=stream)
+
+    def force_accept(self, parents, n: int, a: int, accepted, count, stream=None) -> None:
+        """Benchmarks only: accepted[:count] = force_accept_ref(parents[:n], a) (the walk's result replaced)."""
+        if a < 1:
+            raise ValueError(f"step_force_accept: a = {a} accepted nodes; at least the root (1)")
+        self._launch("step_force_accept", 1, 32, ptr(parents), np.int32(n), np.int32(a), ptr(accepted), ptr(count),
+                     stream=stream)
 
     def commit(self, tree_tokens, accepted, count, token, status=(None, None), stream=None) -> None:
         self._launch("step_commit", 1, 128, ptr(self.state), ptr(tree_tokens), ptr(accepted), ptr(count), ptr(token),

@@ -79,6 +79,10 @@ class GpuSteps:
         self.table_host = None                # (host view, device address) of --budget auto's table buffer
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
+        self.forced_accept = None             # benchmarks only (bench step --accept a): the walk's path replaced by
+                                              # the tree's first-child chain of a nodes (set before capture)
+        self.stated_draft = None              # benchmarks only: [b-1, V] float32 logits copied over the drafter's
+                                              # (its cost kept), so the tree has a stated shape
 
     # ---- request set-up --------------------------------------------------------------------------
     def new_request(self) -> None:
@@ -260,6 +264,8 @@ class GpuSteps:
                 h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
                     **dfeeds, "h": h, "ctx": ctx, "cache_k": dc.k[L], "cache_v": dc.v[L]})["h_out"]
             v["draft"] = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]     # [b-1, V] float32
+            if self.stated_draft is not None:        # bench step: the tree's shape from a stated profile's logits
+                g.copy_d2d(v["draft"].ptr, self.stated_draft.ptr, self.stated_draft.nbytes, stream=S)
 
         def tree():
             v["tree"] = builder.run(_array(g, v["draft"]), st.bonus_ptr, st.start_ptr, budget, stream=S, k=k)
@@ -275,6 +281,8 @@ class GpuSteps:
         def sample_walk():
             t = v["tree"]
             v["out"] = self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=t, stream=S)
+            if self.forced_accept:                   # ddtree bench step --accept: a fixed-length accepted path
+                st.force_accept(t.parents, n, self.forced_accept, v["out"].accepted, v["out"].count, stream=S)
             self.last = {"logits": _array(g, v["logits"]), "tree": t, "sampled": v["out"]}
 
         def update():    # compaction, the context window, the record and the state

@@ -29,6 +29,7 @@ def test_flag_errors_name_the_flag():
     refuses(["bench", "step", "--budget", "0,4"], "--budget", code=2)
     refuses(["bench", "step", "--context", "4k"], "--context", code=2)
     refuses(["bench", "step", "--tp", "8", "--rank", "8"], "--rank", code=2)
+    refuses(["bench", "step", "--accept", "0"], "--accept", code=2)
 
 
 def test_synthetic_weights_bytes_are_the_engine_ranks():
@@ -86,3 +87,21 @@ def test_given_routing_writes_the_generators_ids_for_the_stated_tree():
         assert (ids[:17] == want[i]).all() and np.allclose(w[:17], cfg.routed_scaling_factor / 8)
     assert d["mean"] == distinct_per_layer(want).mean()
     assert given_routing(rank, 16, "router", None) is None and rank.ops.routing is None
+
+
+@pytest.mark.parametrize("budget", [4, 16, 64])
+def test_stated_draft_logits_build_the_stated_tree(budget):
+    """The logits bench step copies over the drafter's: the host tree builder (the GPU builder's twin) makes the
+    projection's DraftProfile tree from them (the same nodes per depth; which of two equal-probability siblings
+    comes first is the rounding's choice), and its first-child chain is long enough for --accept 4."""
+    import numpy as np
+    from ddtree.bench.project import DraftProfile
+    from ddtree.bench.step import stated_draft_logits, tree_depths
+    from ddtree.ops import vocab_parallel
+    from ddtree.plugins.step_state import force_accept_ref
+    from ddtree.tree.build import build_tree
+    logits = stated_draft_logits(budget, 7, 20480)
+    logp, ids = vocab_parallel.topk_logprobs([logits], [0], budget)
+    tree, stated = build_tree(5, logp, ids, budget), DraftProfile().tree(budget, 7)
+    assert tree_depths(tree.parents) == np.bincount(tree.depth).tolist() == np.bincount(stated.depth).tolist()
+    assert len(force_accept_ref(tree.parents, 4)) == 4

@@ -74,3 +74,20 @@ def test_all_reduces_per_step_equal_the_plan(kimi_tp8):
     assert [r.kind for r in gathers] == ["tree"] * 4 + ["accept"] * 2      # candidates, then sampling winners
     assert gathers[0].message_bytes == (dcfg.block_size - 1) * 16 * 4     # [D, k] fp32 values of one rank
     assert t["kernels"] > 0 and t["flops"] > 0
+
+
+def test_an_ar_step_reads_the_target_once_and_k_experts(kimi_tp8):
+    """meter_ar_step: every target weight of the rank once (the embedding: one row), a MoE layer's routed experts
+    only the expected k of E (one token), the KV cache prefix of each layer, no drafter weight."""
+    from ddtree.ops.meter import meter_ar_step
+    cfg, _, plan, specs = kimi_tp8
+    recs = meter_ar_step(cfg, plan.to_dict(), specs, rank=0, context=4096)
+    target = {n: s.nbytes for n, s in specs.items() if not n.startswith("drafter.")}
+    routed = sum(b for n, b in target.items() if ".mlp.experts." in n)
+    embed = target.pop("model.embed_tokens.weight")
+    want = sum(b for n, b in target.items() if ".mlp.experts." not in n) + routed * K / E + embed // specs[
+        "model.embed_tokens.weight"].shape[0]
+    assert sum(r.weight_read for r in recs) == pytest.approx(want, abs=2)
+    attn = [r for r in recs if r.op == "mla_tree_attention"]
+    assert len(attn) == cfg.num_hidden_layers and all(r.read >= 4097 * 576 * 2 for r in attn)
+    assert totals(recs)["all_reduces"] == 1 + 2 * cfg.num_hidden_layers    # the embedding, attention and MLP

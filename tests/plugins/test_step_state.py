@@ -33,6 +33,14 @@ def test_twins_by_hand():
     assert tokens == [5] and after.tolist() == [41, 5, 4, 0]
 
 
+def test_force_accept_twin_follows_the_first_child_chain():
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 3]            # chain 0 -> 1 -> 3 -> 6 -> 7; 2, 4, 5, 8 off it
+    assert ss.force_accept_ref(parents, 1) == [0]
+    assert ss.force_accept_ref(parents, 3) == [0, 1, 3]
+    assert ss.force_accept_ref(parents, 9) == [0, 1, 3, 6, 7]        # the chain ends at depth 4
+    assert ss.force_accept_ref([-1, 0, 0, 0], 4) == [0, 1]           # a flat tree: depth 1
+
+
 def test_the_host_trusts_a_slot_only_with_its_step_number():
     st = object.__new__(ss.StepState)
     st.slots, st.record_words = 4, ss.TOKENS + 8

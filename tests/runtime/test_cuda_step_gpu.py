@@ -141,6 +141,12 @@ def test_step_state_kernels_match_their_twins(tiny):
         st.steps += 1
         assert rec["tokens"] == want_tokens and rec["count"] == count and rec["start"] == after[0]
         assert st.read() == (int(after[0]), 77)
+    for a in (1, 3, 6, 17):                              # bench step --accept: the first-child chain
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, 17)], np.int32)
+        accepted, count = g.upload(np.full(17, -1, np.int32)), g.zeros(1, np.int32)
+        st.force_accept(g.upload(parents), 17, a, accepted, count)
+        want = ss.force_accept_ref(parents, a)
+        assert int(count.numpy()[0]) == len(want) and accepted.numpy()[: len(want)].tolist() == want
     src = rng.integers(0, 60000, (5, 64), dtype=np.uint16)
     dst = g.upload(np.zeros((20, 64), np.uint16))
     base = g.upload(np.array([9], np.int32))

@@ -11,6 +11,9 @@
 //                   that committed c tokens, row i is the old row i + c (i < b - c) or the tap of accepted node
 //                   i - (b - c). Re-appending rows the drafter cache already holds writes the same keys at the
 //                   same positions, so the window needs no device-side row count in the drafter's attention.
+//   step_force_accept  benchmarks only (ddtree bench step --accept): the walk's accepted path replaced by the
+//                   tree's first-child chain from the root, `a` nodes long (fewer when the tree is shallower),
+//                   so compaction, the window and the record cost what a step committing `a` tokens costs
 //   step_commit     the step's committed tokens (accepted drafts in depth order, then the new bonus; or one
 //                   token in the autoregressive step) into a host-mapped record ring, then the state advanced
 //
@@ -85,4 +88,20 @@ extern "C" __global__ void step_commit(int* __restrict__ state, const int* __res
         state[ST_BONUS] = token[0];
         state[ST_STEPS] = steps;
     }
+}
+
+// One thread. parents [n] (node 0 the root, parents[i] < i); accepted [>= a], count [1] overwritten.
+extern "C" __global__ void step_force_accept(const int* __restrict__ parents, int n, int a, int* __restrict__ accepted,
+                                             int* __restrict__ count) {
+    pdl_wait();
+    pdl_trigger();
+    if (threadIdx.x != 0) return;
+    int node = 0, c = 1;
+    accepted[0] = 0;
+    for (int j = 1; j < n && c < a; ++j)
+        if (parents[j] == node) {
+            accepted[c++] = j;
+            node = j;
+        }
+    count[0] = c;
 }
