@@ -23,12 +23,15 @@ NO_COLLECTIVES = (AllReduceModel("excluded", 0.0, float("inf"), "the measured st
 
 def load_measured_step(path) -> dict:
     """{(context, budget, routing, reuse): measured row} of a `ddtree bench step --json` file; a measured
-    'router' row (the router's own near-uniform choice) serves the projection's 'uniform'."""
+    'router' row (the router's own near-uniform choice) serves the projection's 'uniform'; the autoregressive
+    rows (`--ar`) have no DDTree step to correct and are left out."""
     try:
         obj = json.loads(open(path).read())
         rows = obj["rows"]
         out = {}
         for r in rows:
+            if r.get("mode") == "ar":
+                continue
             routing = "uniform" if r["routing"].startswith("router") else r["routing"]
             key = (int(r["context"]), int(r["budget"]), routing, r.get("reuse"))
             out[key] = {"step_us": float(r["step_us"]),

@@ -59,7 +59,7 @@ LAUNCHERS = {
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
     "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down; "
-           "with a given routing: route, then launch_route + experts on it)",
+           "with a given routing: the router GEMM, then the route kernel aligns the given ids: route_given)",
     "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
                        "written at cache_len (LayerOps.rows_at; cache_len read on the device), copies of q / k "
                        "roped, then plugins/draft_attention.py DraftAttention.run",
@@ -373,8 +373,7 @@ class CudaOps(Ops):
             fused.run(x.ptr, out.ptr, M, shared=shared_out.ptr, stream=self.stream)
         else:                              # the router runs (its cost is real), then the given routing is used
             ids, weights = given
-            fused.route(x.ptr, M, stream=self.stream)
-            fused.launch_route(None, M, ids, weights, self.stream)
+            fused.route_given(x.ptr, M, ids, weights, stream=self.stream)
             fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
         return out
 

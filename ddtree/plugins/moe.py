@@ -231,6 +231,15 @@ class FusedMoE:
         self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
         self.launch_route(self.logits, M, self.topk_ids, self.topk_w, stream)
 
+    def route_given(self, x, M: int, ids, weights, stream=None) -> None:
+        """Benchmarks' given routing (ddtree bench step --routing uniform|tree): the router GEMM runs (its cost is
+        real; its logits are not used), then the route kernel aligns the given ids [M, topk] / weights (its
+        top-k skipped): one route launch, as in route()."""
+        if self.router is None:
+            raise ValueError("FusedMoE.route_given: constructed without router weights")
+        self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
+        self.launch_route(None, M, ids, weights, stream)
+
     def launch_route(self, logits, M, ids, weights, stream) -> None:
         """The route kernel alone. logits [M, E] fp32 (device): routes into ids [M, topk] int32 and
         weights [M, topk] fp32, then fills the tile lists; logits None: ids/weights are a given routing,
