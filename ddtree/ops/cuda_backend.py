@@ -41,16 +41,16 @@ LAUNCHERS = {
     "reshape": "a view (contiguous, or row-strided with dense rows)", "slice": "a strided view",
     "cast": "identity between equal dtypes (ACC and F32 are both float32); F32 -> ACT plugins/layer_ops.py "
             "LayerOps.cast_f32_bf16; other pairs raise",
-    "add": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of a (its norm output to a scratch buffer; the "
-           "GEMM-epilogue fusion is missing)",
+    "add": "plugins/layer_ops.py LayerOps.add (add_rows: one pass into a new tensor; the GEMM-epilogue fusion is "
+           "missing)",
     "rms_norm": "plugins/layer_ops.py LayerOps.rms_norm (rows, strided; [m, n, d] as m n rows of d)",
-    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm on a copy of h, after all_reduce at "
-                               "tp > 1",
+    "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm from h into a new h (h_in), after "
+                               "all_reduce at tp > 1",
     "linear": "plugins/gemm.py SkinnyGemm.run (weight tiled once at load by plugins/layout.tile_bf16)",
     "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run ([gate; up] stacked and tiled once, down) + "
                   "plugins/layer_ops.py LayerOps.silu_mul",
     "embed": "plugins/layer_ops.py LayerOps.embed",
-    "rope": "plugins/layer_ops.py LayerOps.gather_rows (a dense copy) + rope_interleaved in place "
+    "rope": "plugins/layer_ops.py LayerOps.rope_interleaved from the strided view into a dense copy, one pass "
             "(RopeTable.interleaved: cos/sin built in float64)",
     "kv_append": "the kv_append kernel of plugins/kv_cache.py on the op's cache and cache_len",
     "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count from the host copy, or read "
@@ -61,8 +61,8 @@ LAUNCHERS = {
     "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down; "
            "with a given routing: the router GEMM, then the route kernel aligns the given ids: route_given)",
     "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
-                       "written at cache_len (LayerOps.rows_at; cache_len read on the device), copies of q / k "
-                       "roped, then plugins/draft_attention.py DraftAttention.run",
+                       "written at cache_len (LayerOps.rows_at; cache_len read on the device), q / k roped into "
+                       "dense copies (one pass each), then plugins/draft_attention.py DraftAttention.run",
     "all_reduce": "identity at tp 1; tp > 1: the rank's collective (ops/cuda_collectives.py: ranks as threads, "
                   "allreduce_sum_local) or a stand-in (bench step); the one-shot across processes is issue 25's",
     "all_gather": "a [1, ...] view at tp 1; tp > 1: the rank's collective (copies in rank order) or a stand-in",
@@ -226,10 +226,10 @@ class CudaOps(Ops):
 
     # ---- dense math ------------------------------------------------------------------------------
     def add(self, a, b):
-        out, D = self.copy(a), a.shape[-1]
-        m_rows = int(np.prod(a.shape[:-1]))
-        scratch = self.new(a.shape, np.uint16)
-        self.k.add_rms_norm(out.ptr, b.ptr, self.store.ones(D).ptr, scratch.ptr, m_rows, D, 1.0, stream=self.stream)
+        if not (a.contiguous and b.contiguous) or a.shape != b.shape:
+            raise ValueError(f"{self.where}: add of {a.shape} {a.strides} and {b.shape} {b.strides} (dense, one shape)")
+        out = self.new(a.shape, np.uint16)
+        self.k.add(a.ptr, b.ptr, out.ptr, int(np.prod(a.shape)), stream=self.stream)
         return out
 
     def rms_norm(self, x, w, eps):
@@ -243,8 +243,11 @@ class CudaOps(Ops):
     def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
         self._single_rank(f"all_reduce_add_rms_norm ({tag})")
         partial = self._standin(partial)
-        h1, x2 = self.copy(h), self.new(h.shape, np.uint16)
-        self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps, stream=self.stream)
+        if not (h.contiguous and partial.contiguous):
+            raise ValueError(f"{self.where}: all_reduce_add_rms_norm of a strided h {h.strides} or partial")
+        h1, x2 = self.new(h.shape, np.uint16), self.new(h.shape, np.uint16)
+        self.k.add_rms_norm(h1.ptr, partial.ptr, w.ptr, x2.ptr, h.shape[0], h.shape[1], eps, stream=self.stream,
+                            h_in=h.ptr)
         return h1, x2
 
     def _gemm(self, x, tiled, N: int, out_dtype) -> Tensor:
@@ -281,11 +284,15 @@ class CudaOps(Ops):
 
     # ---- MLA -------------------------------------------------------------------------------------
     def rope(self, x, pos, rope):
-        q, n, Dr = x.shape
-        rows, stride = q * n, x.row_stride("rope")
+        return self._roped(x, pos.ptr, self.store.rope_table("interleaved", rope, x.shape[2]), self.k.rope_interleaved)
+
+    def _roped(self, x, pos_ptr: int, table, launch) -> Tensor:
+        """A dense copy of x [q, n, d] (token and head strides as they are, elements dense) roped in one pass."""
+        if len(x.shape) != 3 or x.strides[2] != 1:
+            raise ValueError(f"{self.where}: rope of {x.shape} {x.strides}: [q, n, d] with dense elements")
         out = self.new(x.shape, np.uint16)
-        self.k.gather_rows(x.ptr, self.iota, out.ptr, rows, Dr, rows, src_stride=stride, stream=self.stream)
-        self.k.rope_interleaved(out.ptr, pos.ptr, self.store.rope_table("interleaved", rope, Dr), q, n, stream=self.stream)
+        launch(out.ptr, pos_ptr, table, x.shape[0], x.shape[1], stream=self.stream, src=x.ptr,
+               src_token_stride=x.strides[0], src_head_stride=x.strides[1])
         return out
 
     def kv_append(self, cache, cache_len, c_kv, k_pe):
@@ -378,6 +385,14 @@ class CudaOps(Ops):
         return out
 
     # ---- drafter ---------------------------------------------------------------------------------
+    @staticmethod
+    def _heads(x, n: int) -> Tensor:
+        """x [rows, n d] (or already [rows, n, d]) as a [rows, n, d] view."""
+        if len(x.shape) == 3:
+            return x
+        return replace(x, shape=(x.shape[0], n, x.shape[1] // n), strides=(x.strides[0], x.shape[1] // n, 1),
+                       host=None)
+
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
         from ddtree.plugins.draft_attention import DraftAttention
         b, n, (S, Hk, d) = q.shape[0], ctx_k.shape[0], cache_k.shape
@@ -388,13 +403,11 @@ class CudaOps(Ops):
         if n:              # the new context rows, roped at cache_len + i and written there (all on the device)
             ctx_pos = self.new((n,), np.int32)
             self.k.positions_from(cache_len.ptr, ctx_pos.ptr, n, stream=self.stream)
-            ctx_k_r = self.copy(ctx_k)
-            self.k.rope_rotate_half(ctx_k_r.ptr, ctx_pos.ptr, table, n, Hk, stream=self.stream)
+            ctx_k_r = self._roped(self._heads(ctx_k, Hk), ctx_pos.ptr, table, self.k.rope_rotate_half)
             for src, dst in ((ctx_k_r, cache_k), (ctx_v if ctx_v.contiguous else self.copy(ctx_v), cache_v)):
                 self.k.rows_at(dst.ptr, S, cache_len.ptr, src.ptr, n, Hk * d, stream=self.stream)
-        q_r, k_r = self.copy(q), self.copy(k)
-        self.k.rope_rotate_half(q_r.ptr, pos.ptr, table, b, spec.heads, stream=self.stream)
-        self.k.rope_rotate_half(k_r.ptr, pos.ptr, table, b, Hk, stream=self.stream)
+        q_r = self._roped(self._heads(q, spec.heads), pos.ptr, table, self.k.rope_rotate_half)
+        k_r = self._roped(self._heads(k, Hk), pos.ptr, table, self.k.rope_rotate_half)
         attn = self.launcher(("draft", spec.heads, Hk, d, S), lambda: DraftAttention(
             self.gpu, spec.heads, Hk, d, max_context=S))
         out = self.new((b, spec.heads * d), np.uint16)

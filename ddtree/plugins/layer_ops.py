@@ -122,17 +122,28 @@ class LayerOps:
         self._launch("rms_norm_rows", m, _row_threads(D // 8), ptr(x), np.int32(x_stride), ptr(w), ptr(out),
                      np.int32(out_stride), np.int32(D), np.float32(eps), stream=stream)
 
-    def add_rms_norm(self, h, delta, w, out, m: int, D: int, eps: float, stream=None) -> None:
-        """h [m, D] += delta [m, D] (in place, rounded to bf16), then out [m, D] = RMSNorm(h) with w [D]:
-        the residual add and the next norm after an all-reduce (all_reduce_add_rms_norm at tp 1)."""
+    def add_rms_norm(self, h, delta, w, out, m: int, D: int, eps: float, stream=None, h_in=None) -> None:
+        """h [m, D] = h_in + delta [m, D] (rounded to bf16; h_in None: h itself, in place), then out [m, D] =
+        RMSNorm(h) with w [D]: the residual add and the next norm after an all-reduce."""
         _multiple("add_rms_norm", D=(D, 8))
-        for what, a in (("add_rms_norm h", h), ("add_rms_norm delta", delta), ("add_rms_norm w", w),
-                        ("add_rms_norm out", out)):
+        h_in = h if h_in is None else h_in
+        for what, a in (("add_rms_norm h", h), ("add_rms_norm h_in", h_in), ("add_rms_norm delta", delta),
+                        ("add_rms_norm w", w), ("add_rms_norm out", out)):
             _aligned(what, a, 16)
         if m < 1:
             raise ValueError(f"add_rms_norm: m = {m} must be >= 1")
-        self._launch("add_rms_norm_rows", m, _row_threads(D // 8), ptr(h), ptr(delta), ptr(w), ptr(out),
+        self._launch("add_rms_norm_rows", m, _row_threads(D // 8), ptr(h_in), ptr(h), ptr(delta), ptr(w), ptr(out),
                      np.int32(D), np.float32(eps), stream=stream)
+
+    def add(self, a, b, out, n: int, stream=None) -> None:
+        """out [n] = bf16(a + b) element-wise, bf16 [n] each, n % 8 == 0 (the residual of add_rms_norm alone)."""
+        _multiple("add", n=(n, 8))
+        for what, x in (("add a", a), ("add b", b), ("add out", out)):
+            _aligned(what, x, 16)
+        if n < 8:
+            raise ValueError(f"add: n = {n} must be >= 8")
+        self._launch("add_rows", self._elements(n // 8), ELEMENT_THREADS, ptr(a), ptr(b), ptr(out),
+                     np.int64(n // 8), stream=stream)
 
     def head_rms_norm(self, x, w, m: int, n: int, d: int, eps: float, token_stride: int | None = None,
                       head_stride: int | None = None, stream=None) -> None:
@@ -150,30 +161,43 @@ class LayerOps:
                      stream=stream)
 
     # ---- rope -----------------------------------------------------------------------------------
-    def _rope(self, name: str, x, pos, table: RopeTable, q: int, n: int, token_stride, head_stride, stream):
+    def _rope(self, name: str, x, pos, table: RopeTable, q: int, n: int, token_stride, head_stride, stream,
+              src=None, src_token_stride=None, src_head_stride=None):
         d = table.dim
         head_stride = head_stride or d
         token_stride = token_stride or n * head_stride
+        if src is None:
+            src, src_token_stride, src_head_stride = x, token_stride, head_stride
+        src_head_stride = src_head_stride or d
+        src_token_stride = src_token_stride or n * src_head_stride
         if q < 1 or n < 1:
             raise ValueError(f"{name}: q = {q} and n = {n} must be >= 1")
         if name == "rope_interleaved":          # pairs are read as one 4-byte word
-            _multiple(name, token_stride=(token_stride, 2), head_stride=(head_stride, 2))
+            _multiple(name, token_stride=(token_stride, 2), head_stride=(head_stride, 2),
+                      src_token_stride=(src_token_stride, 2), src_head_stride=(src_head_stride, 2))
             _aligned(f"{name} x", x, 4)
-        self._launch(name, self._elements(q * n * d // 2), ELEMENT_THREADS, ptr(x), np.int32(token_stride),
-                     np.int32(head_stride), ptr(pos), ptr(table.table), np.int32(table.max_pos), np.int32(q),
-                     np.int32(n), np.int32(d // 2), stream=stream)
+            _aligned(f"{name} src", src, 4)
+        self._launch(name, self._elements(q * n * d // 2), ELEMENT_THREADS, ptr(src), np.int32(src_token_stride),
+                     np.int32(src_head_stride), ptr(x), np.int32(token_stride), np.int32(head_stride), ptr(pos),
+                     ptr(table.table), np.int32(table.max_pos), np.int32(q), np.int32(n), np.int32(d // 2),
+                     stream=stream)
 
     def rope_interleaved(self, x, pos, table: RopeTable, q: int, n: int, token_stride: int | None = None,
-                         head_stride: int | None = None, stream=None) -> None:
-        """x [q, n, d] (d = table.dim) in place: pairs (2i, 2i+1) turned by pos[t] phi_i (the target's MLA
+                         head_stride: int | None = None, stream=None, src=None, src_token_stride: int | None = None,
+                         src_head_stride: int | None = None) -> None:
+        """x [q, n, d] (d = table.dim) = src with pairs (2i, 2i+1) turned by pos[t] phi_i (the target's MLA
         rope, GPT-J pairs, YaRN frequencies); pos [q] int32 on the device. Element (t, h, c) at
-        t token_stride + h head_stride + c (defaults: dense), so q_pe can stay inside q_b's output."""
-        self._rope("rope_interleaved", x, pos, table, q, n, token_stride, head_stride, stream)
+        t token_stride + h head_stride + c (defaults: dense), so q_pe can stay inside q_b's output; src None:
+        x in place, else src's elements at its own strides (a strided view roped into a dense x in one pass)."""
+        self._rope("rope_interleaved", x, pos, table, q, n, token_stride, head_stride, stream, src,
+                   src_token_stride, src_head_stride)
 
     def rope_rotate_half(self, x, pos, table: RopeTable, q: int, n: int, token_stride: int | None = None,
-                         head_stride: int | None = None, stream=None) -> None:
+                         head_stride: int | None = None, stream=None, src=None, src_token_stride: int | None = None,
+                         src_head_stride: int | None = None) -> None:
         """As rope_interleaved with the drafter's NeoX pairs (i, i + d/2) (table from RopeTable.rotate_half)."""
-        self._rope("rope_rotate_half", x, pos, table, q, n, token_stride, head_stride, stream)
+        self._rope("rope_rotate_half", x, pos, table, q, n, token_stride, head_stride, stream, src,
+                   src_token_stride, src_head_stride)
 
     # ---- element-wise and copies ----------------------------------------------------------------
     def silu_mul(self, gu, out, m: int, I: int, stream=None) -> None:

@@ -1,6 +1,8 @@
 """CPU tests of the per-layer kernels' host side (plugins/layer_ops.py): the rope table is the float64
 cos/sin rounded once to fp32 (and an fp32 angle would not be), the twins agree with the op set's numpy
 math, and the launchers refuse shapes the kernels cannot take before launching anything."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,10 @@ class FakeGpu:
     (lambda o: o.rms_norm(0, 0, 0, 4, 512, 1e-6, x_stride=580), "x_stride = 580 must be a multiple of 8"),
     (lambda o: o.rms_norm(8, 0, 0, 4, 512, 1e-6), "rms_norm x: address 0x8 is not 16-byte aligned"),
     (lambda o: o.add_rms_norm(0, 0, 0, 0, 0, 7168, 1e-6), "m = 0 must be >= 1"),
+    (lambda o: o.add_rms_norm(0, 0, 0, 0, 2, 7168, 1e-6, h_in=8), "add_rms_norm h_in: address 0x8"),
+    (lambda o: o.add(0, 0, 0, 12), "n = 12 must be a multiple of 8"),
+    (lambda o: o.rope_interleaved(0, 0, SimpleNamespace(dim=64, table=0, max_pos=8), 2, 1, src=0,
+                                  src_token_stride=65), "src_token_stride = 65 must be a multiple of 2"),
     (lambda o: o.embed(0, 0, 0, 3, 100, 0, 10), "H = 100 must be a multiple of 8"),
     (lambda o: o.head_rms_norm(0, 0, 2, 4, 15, 1e-6), "d = 15 must be a multiple of 2"),
     (lambda o: o.silu_mul(0, 0, 2, 7), "I = 7 must be a multiple of 2"),

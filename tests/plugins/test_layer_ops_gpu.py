@@ -104,6 +104,20 @@ def test_add_rms_norm(gpu, ops, m, D):
     h1, ref = reference.add_rms_norm(h, delta, w, 1e-6)
     np.testing.assert_array_equal(hd.numpy(), h1)                    # the residual stream, bit for bit
     assert_bf16(out.numpy(), ref, what=f"add_rms_norm {m}x{D}")
+    h_in, h_out, out2 = gpu.upload(h), poisoned(gpu, (m, D)), poisoned(gpu, (m, D))   # out of place (h_in kept)
+    ops.add_rms_norm(h_out, gpu.upload(delta), gpu.upload(w), out2, m, D, 1e-6, h_in=h_in)
+    np.testing.assert_array_equal(h_out.numpy(), h1)
+    np.testing.assert_array_equal(h_in.numpy(), h)
+    np.testing.assert_array_equal(out2.numpy(), out.numpy())
+
+
+@pytest.mark.parametrize("n", [8, TINY_T.hidden_size * 5, KIMI_T.hidden_size * 17])
+def test_add_is_add_rms_norms_residual(gpu, ops, n):
+    rng = np.random.default_rng(n)
+    a, b = bits(rng, (1, n), 4.0), bits(rng, (1, n), 1.0)
+    out = poisoned(gpu, (1, n))
+    ops.add(gpu.upload(a), gpu.upload(b), out, n)
+    np.testing.assert_array_equal(out.numpy(), reference.add_rms_norm(a, b, np.full(n, 0x3F80, np.uint16), 1e-6)[0])
 
 
 HEAD_NORMS = {  # name: (m, n, d, head_stride)
@@ -175,6 +189,11 @@ def test_rope_interleaved(gpu, ops, name):
     for h in range(n):
         untouched[col + h * hs: col + h * hs + d] = False
     np.testing.assert_array_equal(y[:, untouched], x[:, untouched])
+    src, dense = gpu.upload(x), poisoned(gpu, (q, n, d))             # the strided view roped into a dense copy
+    ops.rope_interleaved(dense, gpu.upload(pos), table, q, n, src=src.view(col, (q, width - col)),
+                         src_token_stride=width, src_head_stride=hs)
+    np.testing.assert_array_equal(dense.numpy(), got)
+    np.testing.assert_array_equal(src.numpy(), x)
 
 
 DRAFT_ROPES = {  # name: (drafter cfg, q, heads, head stride (>= d), attention factor)
@@ -204,6 +223,10 @@ def test_rope_rotate_half(gpu, ops, name):
     assert_bf16(y[..., :d], ref, atol=1e-6 * factor * pair, what=name)
     assert np.abs(bf16_to_f32(y[..., :d]) - ref).max() <= 1e-2 * factor
     np.testing.assert_array_equal(y[..., d:], x[..., d:])
+    dense = poisoned(gpu, (q, n, d))                                  # out of place from the padded heads
+    ops.rope_rotate_half(dense, gpu.upload(pos), table, q, n, src=gpu.upload(x), src_token_stride=n * hs,
+                         src_head_stride=hs)
+    np.testing.assert_array_equal(dense.numpy(), y[..., :d])
 
 
 def test_rope_position_outside_the_table_is_nan(gpu, ops):

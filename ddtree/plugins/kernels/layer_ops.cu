@@ -1,8 +1,8 @@
-// The small per-layer kernels of the op set (ddtree/ops/opset.py): embedding gather, RMSNorm, add + RMSNorm,
+// The small per-layer kernels of the op set (ddtree/ops/opset.py): embedding gather, RMSNorm, add + RMSNorm, add,
 // interleaved (YaRN) and rotate-half rope, per-head RMSNorm, SiLU * up, row gather, fp32 -> bf16 cast.
 // Launchers: ddtree/plugins/layer_ops.py (LayerOps, RopeTable). Numpy twins: ddtree/plugins/reference.py
 // (embed, rms_norm, add_rms_norm, rope_interleaved, rope_rotate_half, head_rms_norm, silu_mul, gather_rows,
-// ddtree/model/bf16.py f32_to_bf16 for the cast).
+// ddtree/model/bf16.py f32_to_bf16 for the cast; add_rows is add_rms_norm's residual).
 //
 // bf16 storage, fp32 math, one round to bf16 per output (cvt.rn: nearest even). Per-step values (positions,
 // gathered rows, ids) are read from device buffers, so one captured graph serves every step. Every kernel
@@ -85,22 +85,23 @@ extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf
     }
 }
 
-// h[r, :] <- bf16(h + delta) (in place: the residual stream), out[r, :] = RMSNorm(that rounded h) (the norm
-// reads the bf16 h every later layer and every rank sees). h, delta, out [m, D] dense, D % 8 == 0.
+// h[r, :] <- bf16(h_in + delta) (the residual stream; h_in may be h: in place), out[r, :] = RMSNorm(that rounded
+// h) (the norm reads the bf16 h every later layer and every rank sees). h_in, h, delta, out [m, D] dense, D % 8 == 0.
 // Grid m, block <= 256 threads over the D / 8 vectors.
-extern "C" __global__ void add_rms_norm_rows(bf16_t* h, const bf16_t* __restrict__ delta,
+extern "C" __global__ void add_rms_norm_rows(const bf16_t* h_in, bf16_t* h, const bf16_t* __restrict__ delta,
                                              const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int D,
                                              float eps) {
     pdl_wait();
     pdl_trigger();
     const int nv = D >> 3;
+    const uint4* hi = (const uint4*)(h_in + (size_t)blockIdx.x * D);     // may be h itself (in place)
     uint4* hr = (uint4*)(h + (size_t)blockIdx.x * D);
     const uint4* dr = (const uint4*)(delta + (size_t)blockIdx.x * D);
     uint4* orow = (uint4*)(out + (size_t)blockIdx.x * D);
     float ss = 0.f;
     for (int v = threadIdx.x; v < nv; v += blockDim.x) {
         float a[8], b[8];
-        unpack8(hr[v], a);
+        unpack8(hi[v], a);
         unpack8(dr[v], b);
 #pragma unroll
         for (int j = 0; j < 8; ++j) a[j] += b[j];
@@ -121,8 +122,24 @@ extern "C" __global__ void add_rms_norm_rows(bf16_t* h, const bf16_t* __restrict
     }
 }
 
+// out = bf16(a + b) element-wise (fp32 add, one rounding: add_rms_norm_rows' residual bits); n8 16-byte vectors
+// of 8 bf16, grid-stride; out may be a or b.
+extern "C" __global__ void add_rows(const uint4* a, const uint4* b, uint4* out, long long n8) {
+    pdl_wait();
+    pdl_trigger();
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < n8; v += (long long)gridDim.x * blockDim.x) {
+        float x[8], y[8];
+        unpack8(a[v], x);
+        unpack8(b[v], y);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[j] += y[j];
+        out[v] = pack8(x);
+    }
+}
+
 // ---- rope ----------------------------------------------------------------------------------------------
-// x [q, n, d] bf16 in place, element (t, h, c) at t * token_stride + h * head_stride + c; pos [q] int32 on
+// x [q, n, d] bf16 = rope(src [q, n, d]) (src may be x: in place), element (t, h, c) at t * token_stride +
+// h * head_stride + c (src: its own strides), so a strided view is roped into a dense copy in one pass; pos [q] int32 on
 // the device; table [max_pos, d/2] float2 (m cos(p phi_i), m sin(p phi_i)) built on the host in float64
 // (layer_ops.RopeTable: an fp32 angle p * phi_i at p ~ 2.6e5 is off by up to ~1e-2 rad). A position outside
 // [0, max_pos) writes NaN into that token's pairs (visible, never a silent wrong rotation).
@@ -131,7 +148,8 @@ extern "C" __global__ void add_rms_norm_rows(bf16_t* h, const bf16_t* __restrict
 //   rotate_half (the drafter's NeoX halves):          (x[i], x[i + d/2])
 // both turned as (a, b) -> (a c - b s, a s + b c).
 template <bool INTERLEAVED>
-__device__ __forceinline__ void rope(bf16_t* x, int token_stride, int head_stride, const int* __restrict__ pos,
+__device__ __forceinline__ void rope(const bf16_t* src, int src_token_stride, int src_head_stride, bf16_t* x,
+                                     int token_stride, int head_stride, const int* __restrict__ pos,
                                      const float2* __restrict__ table, int max_pos, int q, int n, int half) {
     pdl_wait();
     pdl_trigger();
@@ -141,15 +159,18 @@ __device__ __forceinline__ void rope(bf16_t* x, int token_stride, int head_strid
         const size_t th = k / half;
         const int hd = (int)(th % n), t = (int)(th / n);
         bf16_t* row = x + (size_t)t * token_stride + (size_t)hd * head_stride;
+        const bf16_t* srow = src + (size_t)t * src_token_stride + (size_t)hd * src_head_stride;
         bf16_t* pa = row + (INTERLEAVED ? 2 * i : i);
         bf16_t* pb = row + (INTERLEAVED ? 2 * i + 1 : i + half);
+        const bf16_t* sa = srow + (INTERLEAVED ? 2 * i : i);
+        const bf16_t* sb = srow + (INTERLEAVED ? 2 * i + 1 : i + half);
         const int p = pos[t];
         float ya, yb;
         if (p < 0 || p >= max_pos) {
             ya = yb = __int_as_float(0x7fc00000);
         } else {
             const float2 cs = table[(size_t)p * half + i];
-            const float a = bf16_to_f32(*pa), b = bf16_to_f32(*pb);
+            const float a = bf16_to_f32(*sa), b = bf16_to_f32(*sb);
             ya = a * cs.x - b * cs.y;
             yb = a * cs.y + b * cs.x;
         }
@@ -158,14 +179,16 @@ __device__ __forceinline__ void rope(bf16_t* x, int token_stride, int head_strid
     }
 }
 
-extern "C" __global__ void rope_interleaved(bf16_t* x, int token_stride, int head_stride, const int* pos,
+extern "C" __global__ void rope_interleaved(const bf16_t* src, int src_token_stride, int src_head_stride, bf16_t* x,
+                                            int token_stride, int head_stride, const int* pos,
                                             const float2* table, int max_pos, int q, int n, int half) {
-    rope<true>(x, token_stride, head_stride, pos, table, max_pos, q, n, half);
+    rope<true>(src, src_token_stride, src_head_stride, x, token_stride, head_stride, pos, table, max_pos, q, n, half);
 }
 
-extern "C" __global__ void rope_rotate_half(bf16_t* x, int token_stride, int head_stride, const int* pos,
+extern "C" __global__ void rope_rotate_half(const bf16_t* src, int src_token_stride, int src_head_stride, bf16_t* x,
+                                            int token_stride, int head_stride, const int* pos,
                                             const float2* table, int max_pos, int q, int n, int half) {
-    rope<false>(x, token_stride, head_stride, pos, table, max_pos, q, n, half);
+    rope<false>(src, src_token_stride, src_head_stride, x, token_stride, head_stride, pos, table, max_pos, q, n, half);
 }
 
 // ---- per-head RMSNorm (the drafter's q_norm / k_norm) ----------------------------------------------------
