@@ -15,8 +15,8 @@ import numpy as np
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 
 SOURCE = "gemm.cu"
-X_SMEM_MAX = 64 * 1024                             # token rows of one k-split, at most
 MAX_WARPS = 8                                      # DD_GEMM_MAX_WARPS in gemm.cu
+WAVES_X_BYTES = 64 * 1024                          # M <= 16: token rows of one k-split, at most
 
 
 def supports_pdl(gpu) -> bool:
@@ -43,40 +43,62 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int, stages: int,
-              splits: int | None = None, tpw: int | None = None, x_budget: int = X_SMEM_MAX) -> GemmPlan:
-    """Token blocking and split-K: the k-split with the fewest whole waves of resident blocks times the
-    work per block (so small grids fill the SMs and big ones avoid a ragged last wave), with the block's
-    token rows (one k-split) in at most 64 KB of shared memory. `splits` forces S (must divide K / 64).
-    Two weight tiles per warp at 9..16 tokens for weights >= 64 MB (H200 sweep: the blocks' token-row loads
-    and ramps amortised over twice the weights, +5..9 points; smaller weights lose the grid to it)."""
+def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int | None, stages: int,
+              splits: int | None = None, tpw: int | None = None, x_budget: int | None = None) -> GemmPlan:
+    """Token blocking, warps per block (`warps` forces it) and split-K (`splits` forces S, which must divide
+    K / 64), the block's token rows (one k-split) in shared memory beside the weight ring (at most `x_budget`
+    bytes when given: sweeps). Two weight tiles per warp at 9..16 tokens for weights >= 64 MB (H200 sweep: the
+    blocks' token-row loads and ramps amortised over twice the weights, +5..9 points; smaller weights lose the
+    grid to it).
+
+    The choice, from an H200 sweep of every (warps, splits) plan of Kimi's tp 8 GEMMs at M = 1..65
+    (tests/plugins/sweep_gemm.py; the table in ddtree/plugins/kernels/NOTES.md):
+    - M <= 16: 4 warps, token rows in <= 64 KB, the k-split with the fewest whole waves of resident blocks times
+      the work per block (chunks per warp + a ramp of ~6): within 9 % of the best plan there.
+    - M > 16 (the verify's rows), 4 or 8 warps and any split that fits, by a cost fitted to the sweep:
+          bytes = W (1 + 2 M / (16 warps tpw))       the weights, and the token rows each n-block re-reads
+                + 16 S M N   (S > 1)                 the fp32 split partials, written and read back
+          cost  = bytes / (fill ramp),  fill = min(1, blocks warps / (4 SMs)),  ramp = (K/64/S) / (K/64/S + 8)
+      (4 warps in flight a SM keep the copies busy; a warp's pipeline takes ~8 chunks to fill): the sweep's
+      GEMMs take 13-21 % less time at 17, 33 and 65 rows than under the waves model, whose splits were too many.
+    Ties go to fewer splits, then fewer warps."""
+    if warps is not None and not 1 <= warps <= MAX_WARPS:
+        raise ValueError(f"skinny GEMM: warps per block must be in [1, {MAX_WARPS}], got {warps}")
     kc = K // 64
+    if splits is not None and kc % splits:
+        raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
     mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     if tpw is None:
         tpw = 2 if mt == 2 and N * K * 2 >= 64 << 20 else 1
-    mb = -(-M // (8 * mt))
-    nb = -(-(-(-N // 16)) // (warps * tpw))
-    ring = warps * stages * 4 * 32 * 16
+    mb, fitted = -(-M // (8 * mt)), M > 16
+    x_cap = x_budget or (smem_limit if fitted else WAVES_X_BYTES)
 
-    def x_bytes(s):
-        return 8 * mt * ((kc // s) * 64 + 32) * 2
+    def plan(w: int, s: int) -> GemmPlan | None:
+        ring = w * stages * 4 * 32 * 16
+        x_bytes = 8 * mt * ((kc // s) * 64 + 32) * 2
+        if x_bytes > min(x_cap, smem_limit - ring - 1024):
+            return None
+        return GemmPlan(mt, mb, w, tpw, -(-(-(-N // 16)) // (w * tpw)), s, x_bytes + ring)
 
-    budget = min(x_budget, smem_limit - ring - 1024)
-    if not 1 <= warps <= MAX_WARPS:
-        raise ValueError(f"skinny GEMM: warps per block must be in [1, {MAX_WARPS}], got {warps}")
-    if splits is None:
-        fits = [s for s in _divisors(kc) if x_bytes(s) <= budget and (kc // s >= 4 or s == 1)]
-        fits = fits or [s for s in _divisors(kc) if x_bytes(s) <= budget]
-        if not fits:
-            raise ValueError(f"skinny GEMM: K = {K} leaves no k-split that fits {budget} B of shared memory")
+    def fitted_cost(p: GemmPlan) -> tuple:
+        chunks = kc // p.splits
+        nbytes = N * K * 2 * (1 + 2 * M / (16 * p.warps * p.tpw)) + (16 * p.splits * M * N if p.splits > 1 else 0)
+        fill = min(1.0, p.blocks * p.warps / (4 * sm_count))
+        return nbytes / (fill * chunks / (chunks + 8)), p.splits, p.warps
 
-        def waves_cost(s):          # whole waves of resident blocks x (chunks per warp + a ramp of ~6)
-            per_sm = max(1, min(2, (smem_limit + 1024) // (x_bytes(s) + ring + 1024)))
-            return -(-(mb * nb * s) // (per_sm * sm_count)) * (kc // s + 6)
-        splits = min(fits, key=lambda s: (waves_cost(s), s))
-    elif kc % splits:
-        raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
-    return GemmPlan(mt, mb, warps, tpw, nb, splits, x_bytes(splits) + ring)
+    def waves_cost(p: GemmPlan) -> tuple:
+        per_sm = max(1, min(2, (smem_limit + 1024) // (p.smem + 1024)))
+        return -(-p.blocks // (per_sm * sm_count)) * (kc // p.splits + 6), p.splits, p.warps
+
+    ws = (warps,) if warps else ((4, 8) if fitted else (4,))
+    ss = (splits,) if splits else _divisors(kc)
+    options = [p for p in (plan(w, s) for w in ws for s in ss) if p is not None]
+    if not splits:                          # at least 4 chunks a warp, unless nothing else fits
+        options = [p for p in options if kc // p.splits >= 4 or p.splits == 1] or options
+    if not options:
+        raise ValueError(f"skinny GEMM: K = {K} leaves no k-split whose token rows fit the shared memory "
+                         f"({smem_limit} B a block, the weight ring included)")
+    return min(options, key=fitted_cost if fitted else waves_cost)
 
 
 class SkinnyGemm:
@@ -101,13 +123,13 @@ class SkinnyGemm:
     def plan(self, M: int) -> GemmPlan:
         if M in self._overrides:
             return self._overrides[M]
-        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, self.warps, self.stages)
+        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages)
 
     def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
-                 x_budget: int = X_SMEM_MAX) -> GemmPlan:
+                 x_budget: int | None = None) -> GemmPlan:
         """Benchmark sweeps: force a plan for M (grows the workspaces if needed; call before capturing)."""
-        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps or self.warps, self.stages,
-                      splits, tpw, x_budget)
+        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps, self.stages, splits, tpw,
+                      x_budget)
         if p.smem > self.smem_limit:
             raise ValueError(f"skinny GEMM plan {p} needs {p.smem} B of shared memory; the device allows {self.smem_limit}")
         need = p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4

@@ -168,3 +168,28 @@ def test_combine_shape_divides_the_latent():
             assert groups * lanes == 256 and (latent // 4) % lanes == 0 and lanes >= 8
     assert [combine_shape(s, 512) for s in (2, 3, 5, 17, 200)] == [(2, 128), (4, 64), (8, 32), (16, 16), (16, 16)]
     assert combine_shape(2, 64) == (16, 16) and combine_shape(3, 96) == (32, 8)
+
+
+def test_gemm_plans_against_the_recorded_h200_sweep():
+    """tests/fixtures/plugins/gemm_sweep_h200_tp8.json (tests/plugins/sweep_gemm.py on an H200: every (warps,
+    splits) plan of Kimi's tp 8 GEMMs timed at M = 1..65, and the plan the waves model chose then): at M <= 16
+    plan_gemm still picks that plan; at M > 16 its plans' measured times sum to >= 10 % less than the waves
+    model's and within 5 % of the best plan's at every M."""
+    import json
+    from collections import defaultdict
+    from pathlib import Path
+    sweep = json.loads((Path(__file__).parents[1] / "fixtures" / "plugins" / "gemm_sweep_h200_tp8.json").read_text())
+    sums = defaultdict(lambda: [0.0, 0.0, 0.0])                   # M -> (chosen, waves model, best) us
+    for r in sweep["rows"]:
+        p = plan_gemm(r["M"], r["N"], r["K"], 132, 232448, None, STAGES)
+        chosen = [c for c in r["candidates"] if (c["warps"], c["splits"]) == (p.warps, p.splits)]
+        assert chosen, f"{r['name']} M={r['M']}: plan {p} was not swept"
+        if r["M"] <= 16:
+            assert (p.warps, p.splits) == (r["planned"]["warps"], r["planned"]["splits"]), (r["name"], r["M"])
+        s = sums[r["M"]]
+        s[0] += chosen[0]["us"]
+        s[1] += r["planned"]["us"]
+        s[2] += min(c["us"] for c in r["candidates"])
+    for M, (chosen, waves, best) in sums.items():
+        if M > 16:
+            assert chosen <= 0.9 * waves and chosen <= 1.05 * best, (M, chosen, waves, best)

@@ -1,0 +1,62 @@
+"""Every (warps, k-splits) plan of the skinny GEMM (plugins/gemm.py) timed per shape and row count, next to the
+plan plan_gemm picks, so its cost model can be checked against the device (on the GPU machine):
+    python3 tests/plugins/sweep_gemm.py [tp] [M,M,..] > sweep.json
+Each candidate is a graph of launches over enough weight copies to defeat L2 (as ddtree bench gemm times).
+Output: one JSON object {"device", "rows": [{"name", "N", "K", "M", "planned": {"warps", "splits", "us"},
+"candidates": [{"warps", "splits", "blocks", "us"}, ...]}]}.
+"""
+import json
+import sys
+
+import numpy as np
+
+from ddtree.bench.kernels import GEMM_SHAPES, time_graph
+from ddtree.plugins import randfill
+from ddtree.plugins.device import Gpu
+from ddtree.plugins.gemm import SkinnyGemm, _divisors
+
+
+def sweep(gpu, tp: int, ms: list[int]) -> list[dict]:
+    rows = []
+    for name, N, K, residual in GEMM_SHAPES[tp]:
+        copies = max(1, -(-4 * gpu.l2_bytes // (N * K * 2)))
+        ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
+        for i, w in enumerate(ws):
+            randfill.fill_device(gpu, w, i, randfill.WEIGHT_BF16)
+        x = gpu.alloc((max(ms), K), np.uint16)
+        randfill.fill_device(gpu, x, 99, randfill.ACT_BF16)
+        out = gpu.zeros((max(ms), N), np.uint16)
+        launches = copies * max(1, -(-8 // copies))
+        for M in ms:
+            gemm = SkinnyGemm(gpu, N, K, max(ms))
+            res = out if residual else None
+
+            def timed():
+                gemm.run(x, ws[0], out, M, residual=res)
+                gpu.sync()
+                return time_graph(gpu, lambda s: [gemm.run(x, ws[i % copies], out, M, residual=res, stream=s)
+                                                  for i in range(launches)]) * 1e3 / launches
+            p = gemm.plan(M)
+            row = {"name": name, "N": N, "K": K, "M": M,
+                   "planned": {"warps": p.warps, "splits": p.splits, "blocks": p.blocks, "us": round(timed(), 2)},
+                   "candidates": []}
+            for warps in (4, 8):
+                for s in _divisors(K // 64):
+                    try:
+                        q = gemm.override(M, splits=s, warps=warps)
+                    except ValueError:
+                        continue
+                    row["candidates"].append({"warps": warps, "splits": s, "blocks": q.blocks, "us": round(timed(), 2)})
+            best = min(row["candidates"], key=lambda c: c["us"])
+            print(f"{name:15s} M={M:3d} planned w{p.warps} s{p.splits:3d} {row['planned']['us']:7.1f} us; best "
+                  f"w{best['warps']} s{best['splits']:3d} {best['us']:7.1f} us", file=sys.stderr)
+            rows.append(row)
+        gpu.free_all()
+    return rows
+
+
+if __name__ == "__main__":
+    tp = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    ms = [int(m) for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 17, 33, 65]
+    g = Gpu(0)
+    print(json.dumps({"device": g.name, "tp": tp, "rows": sweep(g, tp, ms)}))
