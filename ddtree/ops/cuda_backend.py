@@ -26,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from ddtree.ops import numpy_math as m
+from ddtree.ops.cuda_collectives import CollectiveOps
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
 from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, Ops, RankLayout
 
@@ -75,7 +76,7 @@ if set(LAUNCHERS) != set(OP_NAMES):
     raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ set(OP_NAMES))} differ from the op set")
 
 
-class CudaOps(Ops):
+class CudaOps(CollectiveOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False,
@@ -172,12 +173,6 @@ class CudaOps(Ops):
             raise ValueError(f"{self.where}: {what} of {x.shape[0]} rows (the kernels take 1..{self.max_tokens})")
         return x.shape[0]
 
-    def _single_rank(self, what: str) -> None:
-        if self.lay.tp != 1 and not self.standin and self.collective is None:
-            raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs a collective: "
-                                      "CudaOps(collective=...) (ops/cuda_collectives.py: ranks as threads of one "
-                                      "process) or stand-ins (bench step); rank processes on their own GPUs: issue 25")
-
     # ---- graph boundary ------------------------------------------------------------------------
     def input(self, name, shape, dtype):
         if name not in self.feeds:
@@ -242,7 +237,7 @@ class CudaOps(Ops):
 
     def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
         self._single_rank(f"all_reduce_add_rms_norm ({tag})")
-        partial = self._standin(partial)
+        partial = self._reduced(partial)
         if not (h.contiguous and partial.contiguous):
             raise ValueError(f"{self.where}: all_reduce_add_rms_norm of a strided h {h.strides} or partial")
         h1, x2 = self.new(h.shape, np.uint16), self.new(h.shape, np.uint16)
@@ -414,49 +409,6 @@ class CudaOps(Ops):
         attn.run(q_r.ptr, k_r.ptr, v.ptr, cache_k.ptr, cache_v.ptr, cache_len.ptr, n, pos.ptr, out.ptr, b,
                  window=spec.sliding_window, stream=self.stream)
         return out, cache_k, cache_v
-
-    # ---- collectives -----------------------------------------------------------------------------
-    def all_reduce(self, x, tag):
-        self._single_rank(f"all_reduce ({tag})")
-        return self._standin(x)
-
-    def all_gather(self, x, tag):
-        self._single_rank(f"all_gather ({tag})")
-        tp = self.lay.tp
-        if tp > 1 and self.collective is not None:             # [tp, ...]: every rank's x in rank order
-            out = self.new((tp, *x.shape), x.dtype)
-            self._collective().all_gather(self.gpu, x, out)
-            return out
-        if tp > 1:                                             # stand-in: x copied into each rank's slot
-            out = self.new((tp, *x.shape), x.dtype)
-            n = int(np.prod(x.shape)) * x.itemsize
-            self.tag = "allreduce_standin"
-            for r in range(tp):
-                self.gpu.copy_d2d(out.ptr + r * n, x.ptr, n, stream=self.stream)
-            self.tag = ""
-            return out
-        return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
-                       host=None if x.host is None else x.host[None])
-
-    def _collective(self):
-        if self.capturing:
-            raise RuntimeError(f"{self.where}: the in-process collective syncs and waits on the host; it cannot be "
-                               "captured in a graph")
-        return self.collective
-
-    def _standin(self, x):
-        """tp > 1 with stand-ins: the partial copied once (the bytes an all-reduce moves into this rank). With a
-        collective: the rank-ordered sum of every rank's partial (a new tensor)."""
-        if self.lay.tp == 1:
-            return x
-        if self.collective is not None:
-            out = self.new(x.shape, x.dtype)
-            self._collective().all_reduce(self.gpu, x, out)
-            return out
-        self.tag = "allreduce_standin"
-        out = self.copy(x)
-        self.tag = ""
-        return out
 
     # ---- sampling and the tree (host) ------------------------------------------------------------
     def vocab_winner(self, logits, sample_pos, temperature, seed):

@@ -1,4 +1,5 @@
-"""GPU collectives for tp ranks that are threads of one process on one GPU (docs/interfaces.md section 9).
+"""GPU collectives for tp ranks that are threads of one process on one GPU (docs/interfaces.md section 9), and the
+op set's collective ops of the cuda backend (CollectiveOps, mixed into CudaOps).
 
     group = ThreadRankGroup(tp)
     ex_r = CudaExecutor.of_weights(cfg, dcfg, plan, tensors_r, rank=r, collective=group.member(r))   # per thread
@@ -16,10 +17,65 @@ captured in a graph. A rank that fails aborts the barrier, which releases the ot
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 
 from ddtree.plugins.allreduce import SOURCE, THREADS, VECTOR
+
+
+class CollectiveOps:
+    """The op set's collectives for CudaOps (ops/cuda_backend.py): identity at tp 1; at tp > 1 through the rank's
+    `collective` (a ThreadRankMember), or stand-ins that move the bytes once on this GPU (ddtree bench step:
+    `standin`), else an error naming what is missing."""
+
+    def _single_rank(self, what: str) -> None:
+        if self.lay.tp != 1 and not self.standin and self.collective is None:
+            raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs a collective: "
+                                      "CudaOps(collective=...) (ops/cuda_collectives.py: ranks as threads of one "
+                                      "process) or stand-ins (bench step); rank processes on their own GPUs: issue 25")
+
+    def all_reduce(self, x, tag):
+        self._single_rank(f"all_reduce ({tag})")
+        return self._reduced(x)
+
+    def all_gather(self, x, tag):
+        self._single_rank(f"all_gather ({tag})")
+        tp = self.lay.tp
+        if tp > 1 and self.collective is not None:             # [tp, ...]: every rank's x in rank order
+            out = self.new((tp, *x.shape), x.dtype)
+            self._collective().all_gather(self.gpu, x, out)
+            return out
+        if tp > 1:                                             # stand-in: x copied into each rank's slot
+            out = self.new((tp, *x.shape), x.dtype)
+            n = int(np.prod(x.shape)) * x.itemsize
+            self.tag = "allreduce_standin"
+            for r in range(tp):
+                self.gpu.copy_d2d(out.ptr + r * n, x.ptr, n, stream=self.stream)
+            self.tag = ""
+            return out
+        return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
+                       host=None if x.host is None else x.host[None])
+
+    def _collective(self):
+        if self.capturing:
+            raise RuntimeError(f"{self.where}: the in-process collective syncs and waits on the host; it cannot be "
+                               "captured in a graph")
+        return self.collective
+
+    def _reduced(self, x):
+        """x summed over the ranks: itself at tp 1; with a collective the rank-ordered sum of every rank's x (a new
+        tensor); with stand-ins x copied once (the bytes an all-reduce moves into this rank), summing nothing."""
+        if self.lay.tp == 1:
+            return x
+        if self.collective is not None:
+            out = self.new(x.shape, x.dtype)
+            self._collective().all_reduce(self.gpu, x, out)
+            return out
+        self.tag = "allreduce_standin"
+        out = self.copy(x)
+        self.tag = ""
+        return out
 
 
 class ThreadRankGroup:
