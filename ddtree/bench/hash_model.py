@@ -21,13 +21,16 @@ import numpy as np
 from ddtree.plugins import randfill as rf
 
 ONES_BF16 = (0, 0x3F803F80)
+ZEROS = (0, 0)
 _DTYPES = {"BF16": np.dtype(np.uint16), "F32": np.dtype(np.float32), "I32": np.dtype(np.int32)}
 
 
 def preset_of(name: str) -> tuple[int, int]:
-    """The randfill (mask, bits_or) of a rank tensor, by name."""
+    """The randfill (mask, bits_or) of a rank tensor, by name (the router bias: zeros; HashModel sets its own)."""
     if name.endswith(("norm.weight", "layernorm.weight")):
         return ONES_BF16
+    if name.endswith("e_score_correction_bias"):
+        return ZEROS
     if name.endswith(".words"):
         return rf.INT4_WORDS
     if name.endswith(".scales"):

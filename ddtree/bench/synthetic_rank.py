@@ -16,27 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.bench.hash_model import preset_of
 from ddtree.ops.cuda_backend import CudaOps
 from ddtree.ops.opset import RankLayout
 from ddtree.runtime.cuda_executor import GATE_UP, GEMM_SUFFIXES, CudaWeights, GpuDraftCache, GpuTargetCache
-
-ONES_BF16 = (0, 0x3F803F80)
-ZEROS = (0, 0)
-
-
-def _preset(name: str):
-    from ddtree.plugins import randfill as rf
-    if name.endswith(("norm.weight", "layernorm.weight")):
-        return ONES_BF16
-    if name.endswith("e_score_correction_bias"):
-        return ZEROS
-    if name.endswith(".words"):
-        return rf.INT4_WORDS
-    if name.endswith(".scales"):
-        return rf.SCALES_BF16
-    if name.endswith("embed_tokens.weight"):
-        return rf.ACT_BF16
-    return rf.WEIGHT_BF16
 
 
 def _tiled_rows(n: int) -> int:
@@ -57,7 +40,7 @@ class SyntheticWeights(CudaWeights):
 
         def filled(shape, dtype, name, i):
             a = gpu.alloc(shape, dtype)
-            fill_device(gpu, a, seed * 1_000_003 + i, _preset(name))
+            fill_device(gpu, a, seed * 1_000_003 + i, preset_of(name))
             return a
         Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
         for i, (name, spec) in enumerate(specs.items()):

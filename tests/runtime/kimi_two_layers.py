@@ -31,15 +31,12 @@ def config():
 
 
 def tree_visible(parents, T: int) -> np.ndarray:
-    """visible [n, T + n]: the prefix, then each node's ancestors and itself."""
+    """visible [n, T + n]: the prefix, then each node's ancestors and itself (ddtree/tree/build.py Tree.visible)."""
+    from ddtree.tree.build import Tree
     n = len(parents)
-    vis = np.zeros((n, T + n), bool)
-    vis[:, :T] = True
-    for i, p in enumerate(parents):
-        vis[i, T + i] = True
-        if p >= 0:
-            vis[i, T:] |= vis[p, T:]
-    return vis
+    nodes = Tree(np.zeros(n, np.int32), np.asarray(parents, np.int32), depths(parents).astype(np.int32), [()] * n,
+                 np.zeros(n, np.float32)).visible()
+    return np.concatenate([np.ones((n, T), bool), nodes], axis=1)
 
 
 def depths(parents) -> np.ndarray:

@@ -26,7 +26,6 @@ k experts: a margin >= 1, no near-ties): there every row is held to the bound. T
 dims is covered by tests/runtime/test_cuda_moe_routing_gpu.py (each MoE layer against route_logits and the
 expert twin; its differences from float64 are near-ties).
 """
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -39,6 +38,7 @@ from ddtree.ops.opset import ACC
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import ar_steps, causal_visible, run_to_end
 from ddtree.tree.sampling import SamplingParams
+from tests.runtime.kimi_two_layers import tree_visible
 
 pytestmark = pytest.mark.gpu
 REL = 0.04
@@ -110,18 +110,6 @@ def ref_forward(ref, *args):
     return logits, taps, np.min(margins, axis=0) < ROUTE_TIE
 
 
-def tree_mask(parents, T):
-    """visible [n, T + n]: the prefix, then each node's ancestors and itself."""
-    n = len(parents)
-    vis = np.zeros((n, T + n), bool)
-    vis[:, :T] = True
-    for i, p in enumerate(parents):
-        vis[i, T + i] = True
-        if p >= 0:
-            vis[i, T:] |= vis[p, T:]
-    return vis
-
-
 def test_target_prefill_verify_compact(engines):
     ref, gex = engines
     prompt = np.array(PROMPTS[0])
@@ -131,7 +119,7 @@ def test_target_prefill_verify_compact(engines):
     close(lg, lr, "prefill", tie0)
     T, parents = len(prompt), [-1, 0, 0, 1, 1, 2]                      # a tree: root, two children, ...
     depth = [0, 1, 1, 2, 2, 2]
-    ids, pos, vis = np.array([5, 9, 33, 41, 7, 300]), T + np.array(depth), tree_mask(parents, T)
+    ids, pos, vis = np.array([5, 9, 33, 41, 7, 300]), T + np.array(depth), tree_visible(parents, T)
     lr, _, tie1 = ref_forward(ref, ids, pos, vis, rc)
     lg, _ = gex.target_forward(ids, pos, vis, gc)
     close(lg, lr, "tree verify", tie1)
