@@ -14,10 +14,12 @@ copy ceiling, and % of that roofline.
 Routing (`--routing`): `router` = the router's own choice on random weights (near uniform); `uniform` / `tree`
 = the router runs, then the MoE uses generated ids for the budget's stated best-first tree (bench/routing.py:
 tree = each of a node's experts one of its parent's with probability --reuse), so the distinct experts per layer
-are known (reported). The accepted length is fixed (`--accept`, default 4 committed tokens a step): after the
-sampler, the walk's path is replaced by the tree's first-child chain of that many nodes (plugins/step_state.py
-force_accept), so compaction, the context window and the record cost what such a step costs (random weights
-alone accept ~1). `--ar` adds the autoregressive step (its own graph: one token through the target and the
+are known (reported). The tree has the stated shape: the drafter's logits (computed, their cost kept) are
+overwritten by the stated profile's table (stated_draft_logits), so the device builds DraftProfile's tree (its
+depths reported next to the stated ones). The accepted length is fixed (`--accept`, default 4 committed tokens
+a step): after the sampler, the walk's path is replaced by the tree's first-child chain of that many nodes
+(plugins/step_state.py force_accept), so compaction, the context window and the record cost what such a step
+costs (random weights alone accept ~1). `--ar` adds the autoregressive step (its own graph: one token through the target and the
 sampler) at each context: tokens/s = 1 / its latency.
 """
 from __future__ import annotations
@@ -111,7 +113,7 @@ def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
     DraftProfile.tree(budget, depths), the shape the routing generator and the projection use."""
     from ddtree.bench.project import DraftProfile
     top1 = DraftProfile().top1
-    logp = np.log(top1) + np.arange(budget) * np.log(1.0 - top1)          # a geometric series: its rest is
+    logp = np.log(top1) + np.arange(budget) * np.log(1.0 - top1)          # a geometric series, whose rest is
     if vocab <= budget:
         raise click.ClickException(f"a rank's vocab slice of {vocab} cannot hold a budget {budget} tree's candidates")
     row = np.full(vocab, -1e30, np.float64)
@@ -146,7 +148,7 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     from ddtree.runtime.step_profile import record_launches, time_launches
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
-    distinct = given_routing(rank, budget or 1, routing, reuse) if budget else given_routing(rank, 1, "router", None)
+    distinct = given_routing(rank, budget, routing, reuse) if budget else given_routing(rank, 1, "router", None)
     rank.ops.attention_context = context + context_room(repeats, accept, b)          # attention planned per context
     steps.state.set(start=context, bonus=1)
     if budget is None:

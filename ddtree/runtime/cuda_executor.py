@@ -305,7 +305,8 @@ class CudaExecutor:
 
     # primitives --------------------------------------------------------------------------------
     def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=()):
-        """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32, {L: h [q, H] float32}."""
+        """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32 (a rank of tp N: its vocab slice [q, V/N]),
+        {L: h [q, H] float32}."""
         cfg, ops = self.config, self.ops
         T = cache.length
         ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, cfg.vocab_size, CudaRequestError)
