@@ -32,9 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ddtree.bench.e2e import parse_budgets
+from ddtree.bench.project import depth_histogram
 from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.tree.build import Tree
 
 SPLIT = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce_standin", "other")
 
@@ -121,16 +123,8 @@ def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
     return np.tile(row.astype(np.float32), (depths, 1))
 
 
-def tree_depths(parents) -> list[int]:
-    """Nodes per depth of a tree given by its parents (root first)."""
-    depth = np.zeros(len(parents), np.int64)
-    for i, p in enumerate(parents[1:], 1):
-        depth[i] = depth[p] + 1
-    return np.bincount(depth).tolist()
-
-
 def stated_depths(budget: int, depths: int) -> list[int]:
-    from ddtree.bench.project import DraftProfile, depth_histogram
+    from ddtree.bench.project import DraftProfile
     return depth_histogram(DraftProfile().tree(budget, depths))
 
 
@@ -169,7 +163,7 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             raise click.ClickException(f"context {context}, budget {budget}: the verify logits are not finite "
                                        "(the synthetic weights' scales let activations overflow)")
         accepted = int(steps.last["sampled"].count.numpy()[0])
-        depths = tree_depths(steps.last["tree"].parents.numpy())
+        depths = depth_histogram(Tree.from_parents(steps.last["tree"].parents.numpy()))
     steps.state.set(start=context, bonus=1)
     step_ms = statistics.median(gpu.timed_ms(lambda: steps._replay(key), repeats))
     launches = record_launches(steps, body)

@@ -200,10 +200,7 @@ def accept_walk_winners(tokens, parents, win_value, win_id) -> tuple:
     top = win_value.max(axis=0)                                           # [n]
     target = np.where(win_value == top, win_id.astype(np.int64), NO_ID).min(axis=0)
     n = len(tokens)
-    depth = np.zeros(n, np.int32)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
-    walk = accept_walk(Tree(np.asarray(tokens), np.asarray(parents), depth, [()] * n, np.zeros(n, np.float32)), target)
+    walk = accept_walk(Tree.from_parents(parents, tokens), target)
     accepted = np.full(n, -1, np.int32)
     accepted[: len(walk.accepted)] = walk.accepted
     return (target.astype(np.int32), accepted, np.array([len(walk.accepted)], np.int32),

@@ -28,6 +28,18 @@ class Tree:
     ranks: list             # [n] rank tuple of each node (root: ())
     scores: np.ndarray      # [n] float32 path log-probability (root 0)
 
+    @classmethod
+    def from_parents(cls, parents, tokens=None) -> "Tree":
+        """A tree known only by its parents (parents[i] < i) and tokens (default zeros): depth derived, ranks and
+        scores left empty (the walk, visibility and positions need no more)."""
+        parents = np.asarray(parents)
+        n = len(parents)
+        depth = np.zeros(n, np.int32)
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        tokens = np.zeros(n, np.int32) if tokens is None else np.asarray(tokens)
+        return cls(tokens, parents, depth, [()] * n, np.zeros(n, np.float32))
+
     @property
     def size(self) -> int:
         return len(self.tokens)

@@ -96,12 +96,15 @@ def test_stated_draft_logits_build_the_stated_tree(budget):
     comes first is the rounding's choice), and its first-child chain is long enough for --accept 4."""
     import numpy as np
     from ddtree.bench.project import DraftProfile
-    from ddtree.bench.step import stated_draft_logits, tree_depths
+    from ddtree.bench.project import depth_histogram
+    from ddtree.bench.step import stated_draft_logits
+    from ddtree.tree.build import Tree
     from ddtree.ops import vocab_parallel
     from ddtree.plugins.step_state import force_accept_ref
     from ddtree.tree.build import build_tree
     logits = stated_draft_logits(budget, 7, 20480)
     logp, ids = vocab_parallel.topk_logprobs([logits], [0], budget)
     tree, stated = build_tree(5, logp, ids, budget), DraftProfile().tree(budget, 7)
-    assert tree_depths(tree.parents) == np.bincount(tree.depth).tolist() == np.bincount(stated.depth).tolist()
+    assert depth_histogram(Tree.from_parents(tree.parents)) == np.bincount(tree.depth).tolist() \
+        == np.bincount(stated.depth).tolist()
     assert len(force_accept_ref(tree.parents, 4)) == 4

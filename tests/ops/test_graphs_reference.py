@@ -11,7 +11,7 @@ import pytest
 from ddtree.ops.onnx_runner import GraphRanks, mask_words
 from ddtree.reference.model import causal_visible
 from ddtree.ops import vocab_parallel
-from ddtree.tree.build import build_tree
+from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import accept_walk, sample_positions
 
@@ -36,11 +36,6 @@ def ancestors(parents) -> np.ndarray:
     return vis
 
 
-def depth_of(parents) -> np.ndarray:
-    depth = np.zeros(len(parents), np.int64)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return depth
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +72,7 @@ def test_target_prefill_and_tree_verify_match_reference(ranks, oracles, key):
         close(got.taps[L], want32_taps[L], EXACT)
         close(got.taps[L], want_taps[L], F32_ATTRS)
     # a DDTree verify step: the nodes at P + depth see the whole cache plus their ancestors
-    pos = P + depth_of(TREE_PARENTS)
+    pos = Tree.from_parents(TREE_PARENTS).positions(P)
     tree_vis = ancestors(TREE_PARENTS)
     visible = np.concatenate([np.ones((len(pos), P), bool), tree_vis], axis=1)
     got = g.target_forward(TREE_TOKENS, pos, mask_words(tree_vis), caches, taps)

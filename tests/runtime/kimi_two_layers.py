@@ -33,25 +33,16 @@ def config():
 def tree_visible(parents, T: int) -> np.ndarray:
     """visible [n, T + n]: the prefix, then each node's ancestors and itself (ddtree/tree/build.py Tree.visible)."""
     from ddtree.tree.build import Tree
-    n = len(parents)
-    nodes = Tree(np.zeros(n, np.int32), np.asarray(parents, np.int32), depths(parents).astype(np.int32), [()] * n,
-                 np.zeros(n, np.float32)).visible()
-    return np.concatenate([np.ones((n, T), bool), nodes], axis=1)
-
-
-def depths(parents) -> np.ndarray:
-    d = np.zeros(len(parents), np.int64)
-    for i, p in enumerate(parents):
-        d[i] = 0 if p < 0 else d[p] + 1
-    return d
+    return np.concatenate([np.ones((len(parents), T), bool), Tree.from_parents(parents).visible()], axis=1)
 
 
 def calls():
     """The two target_forward calls: (ids, pos, visible) of the prefill, then of the verify."""
     from ddtree.reference.model import causal_visible
+    from ddtree.tree.build import Tree
     T = len(PROMPT)
     return [(np.array(PROMPT), np.arange(T), causal_visible(0, T)),
-            (np.array(TREE_IDS), T + depths(TREE_PARENTS), tree_visible(TREE_PARENTS, T))]
+            (np.array(TREE_IDS), Tree.from_parents(TREE_PARENTS).positions(T), tree_visible(TREE_PARENTS, T))]
 
 
 def build(path: Path = FIXTURE) -> Path:
