@@ -168,7 +168,6 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             moe.route(x, M)
             gpu.sync()
             us_r = time_graph(gpu, lambda s: [moe.route(x, M, stream=s) for _ in range(launches)]) * 1e3 / launches
-            rows.append(_row({"tp": tp, "part": "router", "M": M}, E * H * 2 + M * H * 2, us_r, ceiling_gbps))
             if parts:   # the router's kernels alone: its fp32 GEMM; the route kernel on those logits (top-k + tiles)
                 gemm = lambda s: [moe.router_gemm.run(x, moe.router, moe.logits, M, stream=s)   # noqa: E731
                                   for _ in range(launches)]
@@ -179,7 +178,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                                  "latency_us": round(time_graph(gpu, fn) * 1e3 / launches, 2)})
                 _say(f"  moe tp{tp} M={M:4d} router GEMM {rows[-2]['latency_us']:.1f} us, route kernel with top-k "
                      f"{rows[-1]['latency_us']:.1f} us")
-                rows.append(rows.pop(-3))             # the router row last (the summary line reads it)
+            rows.append(_row({"tp": tp, "part": "router", "M": M}, E * H * 2 + M * H * 2, us_r, ceiling_gbps))
         main = next(r for r in reversed(rows) if r["part"] == "experts")
         _say(f"  moe tp{tp} M={M:4d} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
              f"{main['pct_of_ceiling']:5.1f}%" + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))

@@ -142,7 +142,10 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     from ddtree.runtime.step_profile import record_launches, time_launches
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
-    distinct = given_routing(rank, budget, routing, reuse) if budget else given_routing(rank, 1, "router", None)
+    if budget:
+        distinct = given_routing(rank, budget, routing, reuse)
+    else:                                                     # the AR step: the router's own choice
+        rank.ops.routing, distinct = None, None
     rank.ops.attention_context = context + context_room(repeats, accept, b)          # attention planned per context
     steps.state.set(start=context, bonus=1)
     if budget is None:
