@@ -30,18 +30,11 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ uint4 ld_cg_u4(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v) {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    float f[8];
+    unpack8(v, f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        acc[2 * j] += bf16lo_to_f32(w[j]);
-        acc[2 * j + 1] += bf16hi_to_f32(w[j]);
-    }
+    for (int j = 0; j < 8; ++j) acc[j] += f[j];
 }
 
 // x, out: [n8] 16-byte vectors (8 bf16 each); out may be x. grid <= AR_MAX_BLOCKS, the same on every rank.
@@ -92,17 +85,10 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
     const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)slot * nranks * region_bytes;
     for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float acc[8];
-        uint4 v = rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            acc[2 * j] = bf16lo_to_f32(w[j]);
-            acc[2 * j + 1] = bf16hi_to_f32(w[j]);
-        }
+        unpack8(rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i), acc);
         for (int s = 1; s < nranks; ++s)
             add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4((const uint4*)(mine + s * region_bytes) + i));
-        out[i] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
-                            pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
+        out[i] = pack8(acc);
     }
 
     // the last block to finish moves the device counter on (every block has read it by then)
@@ -121,16 +107,9 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
 extern "C" __global__ void allreduce_sum_local(const u64* __restrict__ parts, int nranks, uint4* out, u32 n8) {
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += gridDim.x * blockDim.x) {
         float acc[8];
-        const uint4 v = ((const uint4*)parts[0])[i];
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            acc[2 * j] = bf16lo_to_f32(w[j]);
-            acc[2 * j + 1] = bf16hi_to_f32(w[j]);
-        }
+        unpack8(((const uint4*)parts[0])[i], acc);
         for (int r = 1; r < nranks; ++r) add_bf16x8(acc, ((const uint4*)parts[r])[i]);
-        out[i] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
-                            pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
+        out[i] = pack8(acc);
     }
 }
 

@@ -133,11 +133,27 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {     // lo in th
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {      // 8 bf16 (16 bytes) -> fp32
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { f[2 * j] = bf16lo_to_f32(w[j]); f[2 * j + 1] = bf16hi_to_f32(w[j]); }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {         // fp32 -> 8 bf16, each rounded once
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                      pack_bf16x2(f[6], f[7]));
+}
 // Named barrier among `threads` threads (a multiple of 32) of the block; id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
+__device__ __forceinline__ uint4 ld_cg_u4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ float4 ld_cg_f4(const float4* p) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");

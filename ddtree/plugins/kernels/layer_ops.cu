@@ -28,17 +28,6 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(v);
 }
 
-__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {      // 8 bf16 (16 bytes) -> fp32
-    const u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) { f[2 * j] = bf16lo_to_f32(w[j]); f[2 * j + 1] = bf16hi_to_f32(w[j]); }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
-                      pack_bf16x2(f[6], f[7]));
-}
-
 // ---- embedding -----------------------------------------------------------------------------------------
 // out[t, :] = table[ids[t] - vocab_start, :] when that row is this rank's ([0, vocab_rows)), zeros otherwise
 // (another rank holds it; the all-reduce adds it). table [vocab_rows, H], out [q, H] bf16, H % 8 == 0.
