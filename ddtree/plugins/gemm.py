@@ -71,7 +71,7 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     if tpw is None:
         tpw = 2 if mt == 2 and N * K * 2 >= 64 << 20 else 1
     mb, fitted = -(-M // (8 * mt)), M > 16
-    x_cap = x_budget or (smem_limit if fitted else WAVES_X_BYTES)
+    x_cap = x_budget or (smem_limit if fitted or splits else WAVES_X_BYTES)   # a forced split: the device's limit
 
     def plan(w: int, s: int) -> GemmPlan | None:
         ring = w * stages * 4 * 32 * 16
