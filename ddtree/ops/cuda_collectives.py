@@ -16,11 +16,11 @@ captured in a graph. A rank that fails aborts the barrier, which releases the ot
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import numpy as np
 
+from ddtree.ops.collectives import RankGroup
 from ddtree.plugins.allreduce import SOURCE, THREADS, VECTOR
 
 
@@ -78,67 +78,65 @@ class CollectiveOps:
         return out
 
 
-class ThreadRankGroup:
+class ThreadRankGroup(RankGroup):
+    """The CPU ranks' group (ops/collectives.py: slots and a barrier, a rank's exchange with a combine), its
+    members on the GPU."""
+
     def __init__(self, size: int, timeout_s: float = 300.0):
         if size < 2:
             raise ValueError(f"ThreadRankGroup: {size} rank(s); a group is 2 or more (tp 1 needs no collective)")
-        self.size = size
-        self.slots: list = [None] * size
-        self.barrier = threading.Barrier(size, timeout=timeout_s)
+        super().__init__(size, timeout_s)
 
     def member(self, rank: int) -> "ThreadRankMember":
         return ThreadRankMember(self, rank)
 
-    def abort(self) -> None:
-        self.barrier.abort()
-
 
 class ThreadRankMember:
     """One rank's side, what CudaOps(collective=...) calls: all_reduce(gpu, x, out), all_gather(gpu, x, out) (x, out:
-    Tensors on this rank's gpu; launched on its stream)."""
+    Tensors on this rank's gpu; launched on its stream). Each finishes this rank's stream, then exchanges x's
+    Tensor through the group (RankGroup._exchange), the combine launching on every rank's partials and finishing
+    before the exchange's second barrier, so no partial is overwritten before every rank has read it."""
 
     def __init__(self, group: ThreadRankGroup, rank: int):
         self.group, self.rank = group, rank
         self.parts = None                  # device array of the tp partial addresses (made on first use)
 
-    def _meet(self, gpu, x) -> list:
-        """Finish this rank's work on x, publish it, wait for every rank's -> the tp tensors in rank order."""
+    def _exchange(self, gpu, x, combine) -> None:
         if not x.contiguous:
             self.group.abort()
             raise ValueError(f"rank {self.rank}: a collective on a strided tensor {x.shape} {x.strides}")
-        gpu.sync()
-        self.group.slots[self.rank] = x
-        self.group.barrier.wait()
-        return list(self.group.slots)
+        gpu.sync()                         # x written before any rank reads it
 
-    def _done(self, gpu) -> None:
-        gpu.sync()
-        self.group.barrier.wait()          # every rank has read every partial before anyone goes on
+        def launched(parts):
+            combine(parts)
+            gpu.sync()
+        self.group._exchange(self.rank, x, launched)
 
     def all_reduce(self, gpu, x, out) -> None:
         """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape."""
-        parts = self._meet(gpu, x)
         n = int(np.prod(x.shape))
-        if x.dtype != np.uint16 or out.dtype != np.uint16 or n % VECTOR or any(p.shape != x.shape for p in parts):
-            self.group.abort()
-            raise ValueError(f"rank {self.rank}: all-reduce of bf16 {x.shape} (a multiple of {VECTOR} elements, the "
-                             f"same shape on every rank), got {x.dtype} and shapes {[p.shape for p in parts]}")
-        if self.parts is None:
-            self.parts = gpu.alloc(self.group.size, np.uint64)
-        gpu.copy_in(self.parts, np.array([p.ptr for p in parts], np.uint64))
-        n8 = n // VECTOR
-        blocks = min(-(-n8 // THREADS), 4 * gpu.sm_count)
-        gpu.launch(gpu.kernel(SOURCE, "allreduce_sum_local"), blocks, THREADS, 0, np.uint64(self.parts.ptr),
-                   np.int32(self.group.size), np.uint64(out.ptr), np.uint32(n8))
-        self._done(gpu)
+
+        def summed(parts):
+            if x.dtype != np.uint16 or out.dtype != np.uint16 or n % VECTOR or any(p.shape != x.shape for p in parts):
+                self.group.abort()
+                raise ValueError(f"rank {self.rank}: all-reduce of bf16 {x.shape} (a multiple of {VECTOR} elements, "
+                                 f"the same shape on every rank), got {x.dtype} and shapes {[p.shape for p in parts]}")
+            if self.parts is None:
+                self.parts = gpu.alloc(self.group.size, np.uint64)
+            gpu.copy_in(self.parts, np.array([p.ptr for p in parts], np.uint64))
+            n8 = n // VECTOR
+            gpu.launch(gpu.kernel(SOURCE, "allreduce_sum_local"), min(-(-n8 // THREADS), 4 * gpu.sm_count), THREADS,
+                       0, np.uint64(self.parts.ptr), np.int32(self.group.size), np.uint64(out.ptr), np.uint32(n8))
+        self._exchange(gpu, x, summed)
 
     def all_gather(self, gpu, x, out) -> None:
         """out [tp, *x.shape] = every rank's x in rank order."""
-        parts = self._meet(gpu, x)
         nbytes = int(np.prod(x.shape)) * x.itemsize
-        for r, p in enumerate(parts):
-            gpu.copy_d2d(out.ptr + r * nbytes, p.ptr, nbytes)
-        self._done(gpu)
+
+        def stacked(parts):
+            for r, p in enumerate(parts):
+                gpu.copy_d2d(out.ptr + r * nbytes, p.ptr, nbytes)
+        self._exchange(gpu, x, stacked)
 
 
 def run_ranks(executors: list, fn) -> list:
