@@ -201,6 +201,21 @@ class GpuDraftCache:
                                "(--max-context)")
 
 
+def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None) -> Tensor:
+    """The embedding and every decoder layer of ex (an executor, or bench step's SyntheticRank: ops, config,
+    moe_inter) through the op set (feeds: ids, pos, cache_len, tree_mask) -> h [q, H]; tap(L, h) after layer L
+    (the primitives download taps, the step graph copies them on the device)."""
+    cfg, ops = ex.config, ex.ops
+    h = ops.call(layers.embed, cfg, feeds={"ids": feeds["ids"]})["h"]
+    layer_feeds = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
+    for L in range(cfg.num_hidden_layers):
+        h = ops.call(layers.decoder_layer, cfg, L, ex.moe_inter,
+                     feeds={**layer_feeds, "h": h, "cache": cache.layer(L)}, arena=L % 2)["h_out"]
+        if tap:
+            tap(L, h)
+    return h
+
+
 class CudaExecutor:
     name = "cuda"
 
@@ -322,7 +337,11 @@ class CudaExecutor:
                 "cache_len": Tensor.of(cache.dev.lengths, host=np.array([T], np.int32)),
                 "tree_mask": ops.bind("tree_mask", pack_visibility(visible[:, T:]).view(np.int32))}
         tapped = {}
-        h = self._layers(step, cache, taps, tapped)
+
+        def tap(L: int, h: Tensor) -> None:
+            if L in taps:
+                tapped[L] = as_float(ops.host(h), np.float32)
+        h = target_layers(self, step, cache, tap)
         cache.length = T + q
         return self._logits(ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]), tapped
 
@@ -335,18 +354,6 @@ class CudaExecutor:
             for L in taps:
                 tapped[L].append(tp[L])
         return np.concatenate(logits), {L: np.concatenate(v) for L, v in tapped.items()}
-
-    def _layers(self, step: dict, cache: GpuTargetCache, taps=(), tapped=None) -> Tensor:
-        """The embedding and every decoder layer through the op set -> h [q, H] (taps downloaded)."""
-        cfg, ops = self.config, self.ops
-        h = ops.call(layers.embed, cfg, feeds={"ids": step["ids"]})["h"]
-        layer_feeds = {k: step[k] for k in ("pos", "cache_len", "tree_mask")}
-        for L in range(cfg.num_hidden_layers):
-            h = ops.call(layers.decoder_layer, cfg, L, self.moe_inter,
-                         feeds={**layer_feeds, "h": h, "cache": cache.layer(L)}, arena=L % 2)["h_out"]
-            if L in taps:
-                tapped[L] = as_float(ops.host(h), np.float32)
-        return h
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: GpuDraftCache) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] float32."""

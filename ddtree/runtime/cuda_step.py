@@ -36,6 +36,7 @@ import numpy as np
 from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.ops import layers
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
+from ddtree.runtime.cuda_executor import target_layers
 from ddtree.tree.build import pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -208,7 +209,7 @@ class GpuSteps:
         st.prologue(1, 0, 0, self.block_ids, self.block_pos, None, lengths, stream=ops.stream)
         feeds = {"ids": Tensor.of(self.block_ids.view(0, (1,))), "pos": Tensor.of(self.block_pos.view(0, (1,))),
                  "cache_len": Tensor.of(lengths), "tree_mask": Tensor.of(self.ar_mask)}
-        h = self._target_layers(feeds, 1)
+        h = target_layers(ex, feeds, ex.target_cache)
         logits = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]
         out = self.sampler.launch(self.plan, _array(self.gpu, logits), self.block_pos, 1, stream=ops.stream)
         st.commit(None, None, None, out.target, status=(self.sampler.status, None), stream=ops.stream)
@@ -230,18 +231,12 @@ class GpuSteps:
         return rec["tokens"]
 
     # ---- the DDTree step -------------------------------------------------------------------------
-    def _target_layers(self, feeds: dict, n: int, taps: bool = False) -> Tensor:
-        ex, ops, cfg = self.ex, self.ops, self.ex.config
-        h = ops.call(layers.embed, cfg, feeds={"ids": feeds["ids"]})["h"]
-        layer_feeds = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
-        for L in range(cfg.num_hidden_layers):
-            h = ops.call(layers.decoder_layer, cfg, L, ex.moe_inter,
-                         feeds={**layer_feeds, "h": h, "cache": ex.target_cache.layer(L)}, arena=L % 2)["h_out"]
-            if taps and L in self.taps:                                # h [n, H] -> tap_rows[:, j H : (j+1) H]
-                j = self.taps.index(L)
-                ops.k.gather_rows(h.ptr, ops.iota, self.tap_rows.ptr + 2 * j * self.H, n, self.H, n,
-                                  out_stride=self.KH, stream=ops.stream)
-        return h
+    def _copy_tap(self, L: int, h: Tensor) -> None:
+        """After target layer L: h [n, H] -> tap_rows[:, j H : (j+1) H] when L is the drafter's j-th tap layer."""
+        if L in self.taps:
+            n, j, ops = h.shape[0], self.taps.index(L), self.ops
+            ops.k.gather_rows(h.ptr, ops.iota, self.tap_rows.ptr + 2 * j * self.H, n, self.H, n, out_stride=self.KH,
+                              stream=ops.stream)
 
     PHASES = ("draft", "tree", "verify", "sample_walk", "update")
 
@@ -275,7 +270,7 @@ class GpuSteps:
             W = t.vis.shape[1]
             feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
                      "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-            h = self._target_layers(feeds, n, taps=True)
+            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap)
             v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
 
         def sample_walk():
