@@ -270,7 +270,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                    "used after the router ran (bench/routing.py on the stated tree)",
                         "split": "each launch timed alone in a graph of 10 back-to-back copies, one per kernel shape; "
                                  "gaps = step - the kernels' sum",
-                        "bytes": "ops/meter.py meter_step (uniform routing expectation, the block as new context)"}}
+                        "bytes": "ops/meter.py meter_step (the generated ids' distinct experts for uniform/tree, the "
+                                 "uniform expectation for router; the accepted tokens as the drafter's new "
+                                 "context); meter_ar_step for the AR rows"}}
     if as_json:
         emit_json(result)
         return
