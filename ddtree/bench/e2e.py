@@ -77,10 +77,10 @@ def build_tiny_engine(out_dir: Path, log) -> Path:
     return Path(build_engine(*tiny_model_dirs(), 1, ["sm_90"], out_dir / "engine", graphs=False)["engine"])
 
 
-def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | None):
+def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | None, kernel_plan: str = "fast"):
     if device == "cuda":
         from ddtree.runtime.cuda_executor import CudaExecutor
-        return CudaExecutor(engine_dir, gpu=gpu, max_context=max_context)
+        return CudaExecutor(engine_dir, gpu=gpu, max_context=max_context, kernel_plan=kernel_plan)
     from ddtree.runtime.engine_executor import EngineExecutor
     return EngineExecutor(engine_dir)
 
@@ -227,6 +227,8 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="--device cuda: the GPU index")
 @click.option("--max-context", type=click.IntRange(min=1), default=None,
               help="--device cuda: cache rows allocated at load (default: the model's context, at most 4096)")
+@click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
+              help="--device cuda: batch-invariant fixes every kernel's split for all row counts (DDTree == AR bitwise)")
 @click.option("--budget", "budgets", default="1,4,16,64", show_default=True,
               help=f"DDTree node budgets, comma-separated (1..{MAX_BUDGET})")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=None,
@@ -242,10 +244,13 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def e2e_command(engine_dir, device, gpu, max_context, budgets, n_prompts, max_new_tokens, repeats, temperature,
+def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_prompts, max_new_tokens, repeats, temperature,
                 top_k, top_p, seed, as_json):
     """End-to-end tokens/s of AR and of DDTree per budget (mean ± sd over prompts x repeats)."""
     budget_list = parse_budgets(budgets)
+    if device == "cpu" and kernel_plan != "fast":
+        raise click.BadParameter(f"{kernel_plan} is a plan of the GPU kernels; --device cpu runs float64 numpy",
+                                 param_hint="--kernel-plan")
     defaults = DEFAULTS[device]
     n_prompts = n_prompts or defaults["prompts"]
     n_new = max_new_tokens or defaults["max_new_tokens"]
@@ -264,7 +269,7 @@ def e2e_command(engine_dir, device, gpu, max_context, budgets, n_prompts, max_ne
             engine, model = build_tiny_engine(tmp, log), "embedded tiny model (tp 1 engine built in a temp dir)"
         else:
             engine, model = Path(engine_dir), str(engine_dir)
-        ex = open_executor(engine, device, gpu, max_context)
+        ex = open_executor(engine, device, gpu, max_context, kernel_plan)
         tok = load_tokenizer(ex.tokenizer_dir, ex.config)
         prompt_ids = [tok.encode(t) or [ex.config.bos_token_id] for t in texts]
         t0 = time.perf_counter()
@@ -273,6 +278,7 @@ def e2e_command(engine_dir, device, gpu, max_context, budgets, n_prompts, max_ne
     label = "greedy" if params.greedy else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
     result = {"bench": "e2e", "device": ex.gpu.name if device == "cuda" else "cpu",
               "executor": ex.name, "model": model, "prompts": n_prompts,
+              "kernel_plan": kernel_plan if device == "cuda" else None,
               "prompt_tokens": [len(ids) for ids in prompt_ids], "max_new_tokens": n_new, "repeats": repeats,
               "block_size": ex.drafter_config.block_size,
               "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "label": label},

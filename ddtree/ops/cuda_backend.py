@@ -32,6 +32,10 @@ from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, Ops, RankLayout
 
 DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
 MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
+# "fast": each kernel's split plan follows the row count (a verify row's sums run in another order than the
+# one-token decode's: DDTree departs from AR only at near-ties, runtime/near_tie.py). "batch-invariant": one plan
+# for every row count and the position-ordered attention, so DDTree == AR bitwise (slower; docs/interfaces.md 6).
+KERNEL_PLANS = ("fast", "batch-invariant")
 
 # op -> how it is implemented here
 LAUNCHERS = {
@@ -80,17 +84,22 @@ class CudaOps(CollectiveOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False,
-                 collective=None):
+                 collective=None, kernel_plan: str = "fast"):
         """standin: at tp > 1, each collective is a stand-in that moves its bytes once on this GPU (a copy of
         the partial; an all-gather copies it into every rank's slot) and sums nothing: rank r's step at its real
         cost without the other ranks (ddtree bench step), not its results. collective: at tp > 1, this rank's
         member of a GPU collective (ops/cuda_collectives.py: all_reduce(x, out), all_gather(x, out)), which
-        the all-reduces and all-gathers go through (eager calls only)."""
+        the all-reduces and all-gathers go through (eager calls only). kernel_plan: "fast" (plans by row count)
+        or "batch-invariant" (KERNEL_PLANS: every GEMM, absorb and MoE split fixed for all row counts, and the
+        position-ordered attention of plugins/mla_invariant.py, so a verify row is bitwise the decode's)."""
+        if kernel_plan not in KERNEL_PLANS:
+            raise ValueError(f"cuda backend: kernel plan {kernel_plan!r}; choose from {', '.join(KERNEL_PLANS)}")
         if collective is not None and standin:
             raise ValueError("cuda backend: a rank has either stand-in collectives or a real one, not both")
         from ddtree.plugins.layer_ops import LayerOps
         self.gpu, self.lay, self.store, self.max_tokens = gpu, lay, store, max_tokens
         self.standin, self.collective = standin, collective
+        self.invariant = kernel_plan == "batch-invariant"
         self.tag = ""                       # "allreduce_standin" while a stand-in launches (bench attribution)
         self.attention_context = None       # plan attention for at most this many cached keys (None: the caches')
         self.routing = None                 # {router weight name: (ids [rows, k] int32, weights [rows, k] fp32)}:
@@ -256,7 +265,8 @@ class CudaOps(CollectiveOps, Ops):
         if len(x.shape) != 2 or not x.contiguous:
             raise ValueError(f"{self.where}: linear needs a dense [m, K] input, got {x.shape} {x.strides}")
         f32 = np.dtype(out_dtype) == np.float32
-        gemm = self.launcher(("gemm", N, K, f32), lambda: SkinnyGemm(self.gpu, N, K, self.max_tokens, out_f32=f32))
+        gemm = self.launcher(("gemm", N, K, f32), lambda: SkinnyGemm(self.gpu, N, K, self.max_tokens, out_f32=f32,
+                                                                          invariant=self.invariant))
         out = self.new((M, N), out_dtype)
         gemm.run(x.ptr, tiled, out.ptr, M, stream=self.stream)
         return out
@@ -323,7 +333,7 @@ class CudaOps(CollectiveOps, Ops):
     def _absorb(self, spec):
         from ddtree.plugins.mla_absorb import MlaAbsorb
         return self.launcher(("absorb", spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank), lambda: MlaAbsorb(
-            self.gpu, spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank, self.max_tokens))
+            self.gpu, spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank, self.max_tokens, invariant=self.invariant))
 
     def mla_absorb_q(self, q_nope, kv_b, spec):
         q, N, Dn = q_nope.shape
@@ -337,8 +347,10 @@ class CudaOps(CollectiveOps, Ops):
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
         from ddtree.plugins.mla_attention import MlaTreeAttention
+        from ddtree.plugins.mla_invariant import MlaInvariantAttention
         q, S = self._rows(q_lat, "mla_tree_attention"), cache.shape[0]
-        attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: MlaTreeAttention(
+        form = MlaInvariantAttention if self.invariant else MlaTreeAttention
+        attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: form(
             self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
             max_q=self.max_tokens, max_context=S))
         out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
@@ -368,7 +380,7 @@ class CudaOps(CollectiveOps, Ops):
                 "down_scale": "down.scales"}
         fused = self.launcher(("moe", router.name), lambda: FusedMoE(
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
-            router=self.store.tiled(router.name), bias=self.store.device(bias.name)))
+            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
         given = self.routing.get(router.name) if self.routing else None
         if given is None:

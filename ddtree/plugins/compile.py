@@ -33,7 +33,8 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "gemm.cu": {"default": {"DD_WARPS": 4, "DD_STAGES": 6}},
     "fill.cu": {"default": {}},
     "mla_attention.cu": {"default": {}},       # (warps, stages) variants are templates (plugins/mla_attention.py);
-    "mla_decode.cu": {"default": {}},          # these three also take the model's latent_defines
+    "mla_decode.cu": {"default": {}},          # these four also take the model's latent_defines
+    "mla_invariant.cu": {"default": {}},       # the batch-invariant plan's attention (plugins/mla_invariant.py)
     "kv_cache.cu": {"default": {}},
     "tree_build.cu": {"default": {}},
     "sample.cu": {"default": {}},
@@ -46,7 +47,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)
-LATENT_SOURCES = ("mla_attention.cu", "mla_decode.cu", "kv_cache.cu")
+LATENT_SOURCES = ("mla_attention.cu", "mla_decode.cu", "mla_invariant.cu", "kv_cache.cu")
 KIMI_LATENT, KIMI_ROPE = 512, 64                   # Kimi K2.6: kv_lora_rank, qk_rope_head_dim
 MAX_LATENT = 512
 

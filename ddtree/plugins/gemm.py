@@ -104,7 +104,12 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
 class SkinnyGemm:
     """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
 
-    def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True):
+    def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True,
+                 invariant: bool = False):
+        """invariant: the batch-invariant plan (docs/interfaces.md section 6): one k-split for every M (the one
+        planned for max_tokens, whose token tile is the largest), so a row's sums run in the same order
+        whatever the rows beside it; the warps, token tiles and weight tiles per warp still follow M (they
+        change which mma computes a row, not the order of its sum)."""
         if N < 1 or K % 64:
             raise ValueError(f"skinny GEMM needs K % 64 == 0 (any N >= 1), got N = {N}, K = {K}")
         if not 1 <= max_tokens <= 256:
@@ -115,6 +120,9 @@ class SkinnyGemm:
         defs = gpu.defines(SOURCE)
         self.warps, self.stages = defs["DD_WARPS"], defs["DD_STAGES"]
         self._overrides: dict[int, GemmPlan] = {}
+        self.fixed_splits = None
+        if invariant:
+            self.fixed_splits = self.plan(max_tokens).splits
         plans = [self.plan(m) for m in range(1, max_tokens + 1)]
         part = max(p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
         self.partial = gpu.alloc(max(part, 4), np.float32)
@@ -123,7 +131,8 @@ class SkinnyGemm:
     def plan(self, M: int) -> GemmPlan:
         if M in self._overrides:
             return self._overrides[M]
-        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages)
+        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages,
+                         self.fixed_splits)
 
     def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
                  x_budget: int | None = None) -> GemmPlan:

@@ -35,12 +35,15 @@ class AbsorbPlan:
         return n_out // 16, heads, self.mb
 
 
-def plan_absorb(M: int, heads: int, n_out: int, K: int, sm_count: int) -> AbsorbPlan:
+def plan_absorb(M: int, heads: int, n_out: int, K: int, sm_count: int, ks: int | None = None) -> AbsorbPlan:
     """Up to 32 tokens per block (MT 4: decode reads each weight once); K split over up to 8 warps while
     the (head, 16-row tile, token block) warps are fewer than 4 per SM and each warp keeps >= 2 k-chunks
-    of 32 (absorb_out at tp 8: 64 tiles -> 8 warps each)."""
+    of 32 (absorb_out at tp 8: 64 tiles -> 8 warps each). `ks` forces the K split (the batch-invariant
+    plan: the one of M = 1 for every M, so a row's sum runs in the same order whatever its batch)."""
     mt = min(4, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     mb = -(-M // (8 * mt))
+    if ks is not None:
+        return AbsorbPlan(mt, mb, ks)
     tiles, ks = (n_out // 16) * heads * mb, 1
     while ks < MAX_WARPS and K % (64 * ks) == 0 and tiles * ks < 4 * sm_count:
         ks *= 2
@@ -58,7 +61,8 @@ class MlaAbsorb:
     """absorb_q / absorb_out of one layer shape (heads N_r, Dn, Dv, R) for M <= max_tokens tokens."""
 
     def __init__(self, gpu: Gpu, heads: int, nope: int, v: int, latent: int, max_tokens: int = MAX_TOKENS,
-                 pdl: bool = True):
+                 pdl: bool = True, invariant: bool = False):
+        """invariant: the batch-invariant plan (every M takes M = 1's K split over warps)."""
         for name, value, step in (("nope (Dn)", nope, 32), ("v (Dv)", v, 16), ("latent (R)", latent, 32)):
             if value < step or value % step:
                 raise ValueError(f"MLA absorb: {name} = {value} must be a positive multiple of {step} "
@@ -68,12 +72,17 @@ class MlaAbsorb:
         self.gpu, self.heads, self.nope, self.v, self.latent = gpu, heads, nope, v, latent
         self.max_tokens = max_tokens
         self.pdl = pdl and supports_pdl(gpu)
+        self.invariant = invariant
 
     def plan_q(self, M: int) -> AbsorbPlan:
-        return plan_absorb(M, self.heads, self.latent, self.nope, self.gpu.sm_count)
+        return self._plan(M, self.latent, self.nope)
 
     def plan_out(self, M: int) -> AbsorbPlan:
-        return plan_absorb(M, self.heads, self.v, self.latent, self.gpu.sm_count)
+        return self._plan(M, self.v, self.latent)
+
+    def _plan(self, M: int, n_out: int, K: int) -> AbsorbPlan:
+        ks = plan_absorb(1, self.heads, n_out, K, self.gpu.sm_count).ks if self.invariant else None
+        return plan_absorb(M, self.heads, n_out, K, self.gpu.sm_count, ks)
 
     def _launch(self, p: AbsorbPlan, n_out: int, K: int, x, x_tok: int, x_head: int, w, w_head: int, w_row: int,
                 out, o_tok: int, o_head: int, M: int, stream) -> None:

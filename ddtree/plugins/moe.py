@@ -169,10 +169,13 @@ def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tup
 
 class FusedMoE:
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
-                 router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True):
+                 router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True,
+                 invariant: bool = False):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
         (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
-        needed only for routed runs. pdl: programmatic dependent launch (sm_90+)."""
+        needed only for routed runs. pdl: programmatic dependent launch (sm_90+). invariant: the batch-invariant
+        plan (docs/interfaces.md section 6): gate_up's k-split is the one planned for max_tokens at every M and the
+        router GEMM's likewise (SkinnyGemm invariant), so a token's sums do not depend on the tokens beside it."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -185,6 +188,9 @@ class FusedMoE:
         self._overrides: dict[int, MoEPlan] = {}
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
+        self.invariant, self.fixed_splits = invariant, None
+        if invariant:
+            self.fixed_splits = self.plan(mx).gu_splits
         plans = [self.plan(m) for m in range(1, mx + 1)]
         P = mx * shape.topk
         self.topk_ids = gpu.alloc((mx, shape.topk), np.int32)
@@ -201,11 +207,13 @@ class FusedMoE:
         self.logits = None
         if router is not None:
             self.logits = gpu.alloc((mx, E), np.float32)
-            self.router_gemm = SkinnyGemm(gpu, E, H, mx, out_f32=True, pdl=pdl)
+            self.router_gemm = SkinnyGemm(gpu, E, H, mx, out_f32=True, pdl=pdl, invariant=invariant)
 
     def plan(self, M: int) -> MoEPlan:
         if M in self._overrides:
             return self._overrides[M]
+        if self.fixed_splits:
+            return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, gu_splits=self.fixed_splits)
         return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring)
 
     def override(self, M: int, **kw) -> MoEPlan:

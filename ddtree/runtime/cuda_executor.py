@@ -220,8 +220,9 @@ class CudaExecutor:
     name = "cuda"
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
-                 graphs: bool = True, cap_context: bool = False):
+                 graphs: bool = True, cap_context: bool = False, kernel_plan: str = "fast"):
         """cap_context: a max_context above the model's context is cut to it (a computed default), else an error.
+        kernel_plan: "fast" or "batch-invariant" (ops/cuda_backend.py KERNEL_PLANS: DDTree == AR bitwise).
         graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
         False: every step is the composition of the primitives below (host sampling, tree and walk)."""
         self.engine_dir = Path(engine_dir)
@@ -231,23 +232,24 @@ class CudaExecutor:
                                       "engines (tp > 1 needs the GPU collectives, issue 25)")
         cfg, d = engine_configs(self.engine_dir, self.meta)
         tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
-        self._setup(cfg, d, self.meta["plan"], 0, tensors, gpu, max_context, cap_context, graphs, None)
+        self._setup(cfg, d, self.meta["plan"], 0, tensors, gpu, max_context, cap_context, graphs, None, kernel_plan)
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
     @classmethod
     def of_weights(cls, cfg, dcfg, plan: dict, tensors: dict, rank: int = 0, gpu: int = 0,
-                   max_context: int | None = None, collective=None, graphs: bool = False) -> "CudaExecutor":
+                   max_context: int | None = None, collective=None, graphs: bool = False,
+                   kernel_plan: str = "fast") -> "CudaExecutor":
         """Rank `rank` of `plan` (TPPlan.to_dict()) over tensors given in memory (its rank tensors as an engine
         stores them: a test's model, bench/hash_model.py), no engine directory. collective: the GPU collective
         of tp > 1 (ops/cuda_collectives.py), None at tp 1."""
         self = cls.__new__(cls)
         self.engine_dir, self.tokenizer_dir = None, None
         self.meta = {"tp": plan["tp"], "plan": plan}
-        self._setup(cfg, dcfg, plan, rank, tensors, gpu, max_context, False, graphs, collective)
+        self._setup(cfg, dcfg, plan, rank, tensors, gpu, max_context, False, graphs, collective, kernel_plan)
         return self
 
     def _setup(self, cfg, d, plan: dict, rank: int, tensors: dict, gpu: int, max_context, cap_context: bool,
-               graphs: bool, collective) -> None:
+               graphs: bool, collective, kernel_plan: str = "fast") -> None:
         """The memory plan, then the weights, ops and caches of rank `rank` on GPU `gpu`."""
         from ddtree.plugins.device import Gpu, _driver, check
         from ddtree.plugins.kv_cache import DeviceLatentCache
@@ -277,7 +279,8 @@ class CudaExecutor:
             raise MemoryPlanError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
                                   f"{free / 2**30:.2f} GiB free (lower --max-context)")
         self.store = CudaWeights(self.gpu, tensors, cfg, S)
-        self.ops = CudaOps(self.gpu, self.lay, self.store, collective=collective)
+        self.ops = CudaOps(self.gpu, self.lay, self.store, collective=collective, kernel_plan=kernel_plan)
+        self.kernel_plan = kernel_plan
         self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)

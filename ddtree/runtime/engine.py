@@ -53,18 +53,22 @@ class DDTreeEngine:
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
              ranks: str = "threads", gpu: int = 0, max_context: int | None = None,
-             cap_context: bool = False) -> "DDTreeEngine":
+             cap_context: bool = False, kernel_plan: str = "fast") -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
         ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
         rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager).
         cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), or checkpoint dirs repacked at load into
-        one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096)."""
+        one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096),
+        kernels under kernel_plan ("fast" or "batch-invariant": ops/cuda_backend.py KERNEL_PLANS)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
-            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context)
+            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan)
+        if kernel_plan != "fast":
+            raise RequestError(f"--kernel-plan {kernel_plan} is a plan of the GPU kernels (--device cuda); the cpu "
+                               "executor's float64 numpy has none")
         from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
@@ -101,7 +105,7 @@ class DDTreeEngine:
 
     @classmethod
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None,
-                   cap_context: bool = False) -> "DDTreeEngine":
+                   cap_context: bool = False, kernel_plan: str = "fast") -> "DDTreeEngine":
         from ddtree.engine_dir import is_engine_dir, read_engine_config
         from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         built = None
@@ -120,7 +124,8 @@ class DDTreeEngine:
         why = gpu_unavailable(gpu)
         if why:
             raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
-        ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context)
+        ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context,
+                          kernel_plan=kernel_plan)
         engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
         engine.repacked = built
         return engine

@@ -94,6 +94,9 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--max-context", type=click.IntRange(min=1), default=None,
               help="--device cuda: cache rows allocated at load (default: the prompt's bytes + max new tokens + "
                    "budget + 1, rounded up to 256, at most the model's context).")
+@click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
+              help="--device cuda: batch-invariant fixes every kernel's split for all row counts, so DDTree commits "
+                   "AR's tokens bitwise (slower).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,
@@ -103,7 +106,7 @@ def _summary(stats: dict, label: str) -> str:
                    "of this process.")
 @reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, gpu, max_context, chat, as_json, skip_verify, ranks):
+                budget, block_size, mode, device, gpu, max_context, kernel_plan, chat, as_json, skip_verify, ranks):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
     cap = device == "cuda" and max_context is None
@@ -111,7 +114,7 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
         max_context = default_max_context(text, max_new_tokens, MAX_BUDGET if budget == "auto" else budget, chat)
     try:
         with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks, gpu=gpu,
-                               max_context=max_context, cap_context=cap) as engine:
+                               max_context=max_context, cap_context=cap, kernel_plan=kernel_plan) as engine:
             _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
                       as_json)
     except RankError as e:                   # a rank died, froze or failed: named, every rank stopped

@@ -22,6 +22,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                                + [f"mla_attention_p{w // 2}_s{s}" for f, w, s, _ in VARIANTS if f == "tree"],
            "mla_decode.cu": ["mla_decode_smem_sizes"]
                             + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
+           "mla_invariant.cu": ["mla_invariant_split", "mla_invariant_combine"],
            "kv_cache.cu": ["kv_append", "kv_compact"],
            "mla_absorb.cu": ["mla_absorb_mt1", "mla_absorb_mt2", "mla_absorb_mt4"],
            "draft_attention.cu": ["draft_attention_d32", "draft_attention_d64", "draft_attention_d128",
