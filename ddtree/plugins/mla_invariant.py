@@ -8,7 +8,8 @@ Each (query row, head) walks its visible keys in position order (prefix, then th
 chunks and splits aligned to absolute positions, so a tree node's output is bitwise the one-token decode's at
 the same position with the same cache contents: no choice depends on q, the tree or the other rows. It is
 one warp per (split of 256 positions, head, row), far slower than the fast forms: a plan for proving
-losslessness bitwise, not for serving (ddtree bench attention --form invariant measures its cost).
+losslessness bitwise, not for serving (`ddtree bench e2e --device cuda --kernel-plan batch-invariant` measures
+what the whole plan costs).
 """
 from __future__ import annotations
 

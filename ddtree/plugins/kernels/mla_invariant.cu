@@ -16,8 +16,8 @@
 //           o = o alpha, then o += p_i v_i key by key in position order (lane owns MLA_DL / 32 dims)
 //   combine the splits of a row in order: M = max m_s, L = sum l_s 2^(m_s - M), out = sum o_s 2^(m_s - M) / L
 // so the decode of position p and a tree node at position p run the same operations on the same values.
-// One warp per (split, head, row): slow by design (a validation plan; ddtree bench attention --form invariant
-// measures it), not a fast path.
+// One warp per (split, head, row): slow by design (a validation plan; ddtree bench e2e --kernel-plan
+// batch-invariant measures the plan), not a fast path.
 #include "mla_common.cuh"
 
 #define INV_SPLIT 256                 // positions per split (a multiple of 32)
