@@ -52,8 +52,8 @@ LAUNCHERS = {
     "all_reduce_add_rms_norm": "plugins/layer_ops.py LayerOps.add_rms_norm from h into a new h (h_in), after "
                                "all_reduce at tp > 1",
     "linear": "plugins/gemm.py SkinnyGemm.run (weight tiled once at load by plugins/layout.tile_bf16)",
-    "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run ([gate; up] stacked and tiled once, down) + "
-                  "plugins/layer_ops.py LayerOps.silu_mul",
+    "swiglu_mlp": "plugins/gemm.py SkinnyGemm.run twice: [gate; up] interleaved per 8 rows and tiled once, the "
+                  "SwiGLU in that GEMM's epilogue (swiglu=True), then down",
     "embed": "plugins/layer_ops.py LayerOps.embed",
     "rope": "plugins/layer_ops.py LayerOps.rope_interleaved from the strided view into a dense copy, one pass "
             "(RopeTable.interleaved: cos/sin built in float64)",
@@ -254,7 +254,7 @@ class CudaOps(CollectiveOps, Ops):
                             h_in=h.ptr)
         return h1, x2
 
-    def _gemm(self, x, tiled, N: int, out_dtype) -> Tensor:
+    def _gemm(self, x, tiled, N: int, out_dtype, swiglu: bool = False) -> Tensor:
         from ddtree.plugins.gemm import SkinnyGemm
         M, K = self._rows(x, "linear"), x.shape[1]
         if len(x.shape) == 2 and not x.contiguous and x.strides[1] == 1 and K * x.itemsize % 16 == 0:
@@ -267,8 +267,8 @@ class CudaOps(CollectiveOps, Ops):
         f32 = np.dtype(out_dtype) == np.float32
         gemm = self.launcher(("gemm", N, K, f32), lambda: SkinnyGemm(self.gpu, N, K, self.max_tokens, out_f32=f32,
                                                                           invariant=self.invariant))
-        out = self.new((M, N), out_dtype)
-        gemm.run(x.ptr, tiled, out.ptr, M, stream=self.stream)
+        out = self.new((M, N // 2 if swiglu else N), out_dtype)
+        gemm.run(x.ptr, tiled, out.ptr, M, stream=self.stream, swiglu=swiglu)
         return out
 
     def linear(self, x, w, out=ACT):
@@ -276,9 +276,7 @@ class CudaOps(CollectiveOps, Ops):
 
     def swiglu_mlp(self, x, gate, up, down):
         I = gate.shape[0]
-        gu = self._gemm(x, self.store.gate_up(gate.name, up.name), 2 * I, np.uint16)     # [m, 2I]: gate | up
-        act = self.new((x.shape[0], I), np.uint16)
-        self.k.silu_mul(gu.ptr, act.ptr, x.shape[0], I, stream=self.stream)
+        act = self._gemm(x, self.store.gate_up(gate.name, up.name), 2 * I, np.uint16, swiglu=True)   # [m, I]
         return self._gemm(act, self.store.tiled(down.name), down.shape[0], np.uint16)
 
     def embed(self, ids, table):

@@ -150,13 +150,18 @@ class SkinnyGemm:
         return p
 
     def run(self, x: DeviceArray | int, w: DeviceArray | int, out: DeviceArray | int, M: int,
-            residual: DeviceArray | int | None = None, stream=None) -> None:
+            residual: DeviceArray | int | None = None, stream=None, swiglu: bool = False) -> None:
+        """swiglu: w is [gate; up] interleaved per 8 rows (layout.fuse_gate_up of two [N / 2, K]) and out
+        [M, N / 2] bf16 = silu(gate) * up, each of gate and up rounded to bf16 first (LayerOps.silu_mul's bits)."""
         if not 1 <= M <= self.max_tokens:
             raise ValueError(f"skinny GEMM: M = {M} outside [1, {self.max_tokens}]")
+        if swiglu and (self.N % 16 or self.out_f32 or residual is not None):
+            raise ValueError(f"skinny GEMM swiglu: needs N % 16 == 0 (whole 8-channel tiles), bf16 out and no "
+                             f"residual; got N = {self.N}, out_f32 = {self.out_f32}, residual = {residual is not None}")
         p = self.plan(M)
         name = f"gemm_bf16_mt{p.mt}"
         self.gpu.allow_smem(SOURCE, name, p.smem)
         self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
                         ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),
                         np.int32(M), np.int32(self.N), np.int32(self.K), np.int32(p.splits), np.int32(p.tpw),
-                        np.int32(1 if self.out_f32 else 0), stream=stream, pdl=self.pdl)
+                        np.int32(1 if self.out_f32 else 0), np.int32(1 if swiglu else 0), stream=stream, pdl=self.pdl)

@@ -94,10 +94,10 @@ def gpu_unavailable(gpu: int = 0) -> str | None:
 
 class CudaWeights:
     """A rank's tensors on the device: raw uploads (norms, embeddings, kv_b, experts, bias) and the kernels'
-    layouts (tiled GEMM weights, [gate; up] tiled, W_UK^T), each prepared once at load."""
+    layouts (tiled GEMM weights, [gate; up] interleaved per 8 rows and tiled, W_UK^T), each prepared once at load."""
 
     def __init__(self, gpu, tensors: dict[str, np.ndarray], cfg, max_pos: int):
-        from ddtree.plugins.layout import tile_bf16
+        from ddtree.plugins.layout import fuse_gate_up, tile_bf16
         self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
         self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -107,7 +107,8 @@ class CudaWeights:
                 self._tiled[name] = gpu.upload(tile_bf16(a, name))
             elif name.endswith(GATE_UP[0]):
                 up = tensors[name[: -len(GATE_UP[0])] + GATE_UP[1]]
-                self._tiled[name] = gpu.upload(tile_bf16(np.concatenate([a, up]), name))   # [gate; up] rows
+                # gate and up rows interleaved per 8: the GEMM's epilogue applies the SwiGLU (gemm.cu swiglu)
+                self._tiled[name] = gpu.upload(tile_bf16(fuse_gate_up(a, up), name))
             elif not name.endswith(GATE_UP[1]):
                 self.raw[name] = gpu.upload(a)
         self._uk = {}

@@ -1,4 +1,7 @@
-// BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]).
+// BF16 skinny GEMM for M <= 256 tokens: out[M, N] = x[M, K] @ w[N, K]^T (+ residual[M, N]), or with swiglu
+// out[M, N / 2] = silu(gate) * up where w holds [gate; up] interleaved per 8 rows (layout.fuse_gate_up), so a
+// lane's two accumulator rows g | g + 8 of a 16-row tile are the gate and up of one channel: the SwiGLU of
+// LayerOps.silu_mul on the bf16-rounded pair, in the epilogue, with no [M, 2I] round trip or extra launch.
 // Numpy twin: ddtree/plugins/reference.py gemm. Launcher and split plan: ddtree/plugins/gemm.py
 // (SkinnyGemm, plan_gemm).
 // Any N, K % 64 == 0. The weight comes tiled (ddtree/plugins/layout.py tile_bf16: rows padded to 16,
@@ -24,13 +27,13 @@ struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8
 // share a weight tile run together and re-reads hit L2; warps <= DD_GEMM_MAX_WARPS),
 // dynamic smem = 8 MT * (K/S + 32) * 2 + warps * sizeof(Bf16Ring).
 //   x [M, K] bf16   w [ceil(N/16), K/64, 4, 32] uint4 (tile_bf16)   residual [M, N] bf16 or null (may alias out)
-//   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1)
+//   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); swiglu = 1: out [M, N / 2] bf16 (N % 16 == 0, no residual)
 //   partial [NB, MB, S, warps * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
 template <int MT>
 __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                             const bf16_t* residual, void* out, float4* __restrict__ partial,
                                             u32* __restrict__ counters, int M, int N, int K, int S, int tpw,
-                                            int out_f32) {
+                                            int out_f32, int swiglu) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warps = blockDim.x >> 5;
@@ -85,6 +88,13 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 const int m = row0 + mt * 8 + 2 * t + q;
                 if (m >= M) continue;
                 float lo = v[mt][q], hi = v[mt][2 + q];
+                if (swiglu) {                            // channel 8 tile + g: gate = row g, up = row g + 8
+                    if (n < N) {
+                        const float gate = bf16_to_f32(f32_to_bf16(lo)), up = bf16_to_f32(f32_to_bf16(hi));
+                        ((bf16_t*)out)[(size_t)m * (N >> 1) + (nt_begin + r) * 8 + g] = f32_to_bf16(silu(gate) * up);
+                    }
+                    continue;
+                }
                 const size_t o = (size_t)m * N + n;
                 if (n < N) {
                     if (residual) lo += bf16_to_f32(residual[o]);
@@ -157,8 +167,9 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 #define DD_DEFINE_GEMM(MT)                                                                            \
     extern "C" __global__ void __launch_bounds__(DD_GEMM_MAX_WARPS * 32, 1)                           \
     gemm_bf16_mt##MT(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out,            \
-                     float4* partial, u32* counters, int M, int N, int K, int S, int tpw, int out_f32) { \
-        skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32);            \
+                     float4* partial, u32* counters, int M, int N, int K, int S, int tpw, int out_f32, \
+                     int swiglu) {                                                                      \
+        skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu);    \
     }
 DD_DEFINE_GEMM(1)
 DD_DEFINE_GEMM(2)

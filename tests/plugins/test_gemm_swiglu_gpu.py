@@ -1,0 +1,42 @@
+"""The skinny GEMM's SwiGLU epilogue (gemm.cu swiglu, what CudaOps.swiglu_mlp runs): against the unfused pair it
+replaced (the [gate; up] GEMM to [M, 2I] then LayerOps.silu_mul) bitwise, and against numpy, at the tp 8 shared
+expert's shape (I = 256 of 7168, split-K plans) and the tiny model's (I = 512 of 128), M from 1 to 65."""
+import numpy as np
+import pytest
+
+from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
+from ddtree.plugins import layout, reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("I, K", [(256, 7168), (512, 128), (2304, 7168)])
+@pytest.mark.parametrize("M", [1, 5, 17, 65])
+def test_swiglu_epilogue_is_the_unfused_pair_bitwise(gpu, I, K, M):
+    from ddtree.plugins.gemm import SkinnyGemm
+    from ddtree.plugins.layer_ops import LayerOps
+    rng = np.random.default_rng(I + K + M)
+    gate, up = (f32_to_bf16(rng.standard_normal((I, K)).astype(np.float32) * 0.03) for _ in range(2))
+    x = f32_to_bf16(rng.standard_normal((M, K)).astype(np.float32))
+    xd = gpu.upload(x)
+    gemm = SkinnyGemm(gpu, 2 * I, K, 256)
+
+    fused = gpu.alloc((M, I), np.uint16)
+    gpu.memset(fused, 0xFF)
+    gemm.run(xd, gpu.upload(layout.tile_bf16(layout.fuse_gate_up(gate, up))), fused, M, swiglu=True)
+    gu, unfused = gpu.alloc((M, 2 * I), np.uint16), gpu.alloc((M, I), np.uint16)
+    gemm.run(xd, gpu.upload(layout.tile_bf16(np.concatenate([gate, up]))), gu, M)
+    LayerOps(gpu).silu_mul(gu, unfused, M, I)
+    gpu.sync()
+    assert np.array_equal(fused.numpy(), unfused.numpy())
+
+    xf = bf16_to_f32(x).astype(np.float64)
+    want = reference.silu_mul(np.concatenate([xf @ bf16_to_f32(gate).T, xf @ bf16_to_f32(up).T], axis=1))
+    got = bf16_to_f32(fused.numpy())
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_swiglu_needs_whole_channel_tiles(gpu):
+    from ddtree.plugins.gemm import SkinnyGemm
+    with pytest.raises(ValueError, match="swiglu: needs N % 16 == 0"):
+        SkinnyGemm(gpu, 24, 64, 8).run(0, 0, 0, 1, swiglu=True)
