@@ -33,39 +33,11 @@ from rich.table import Table
 
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.project import depth_histogram
+from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals  # noqa: F401  (kernel_family: tests)
 from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.tree.build import Tree
-
-SPLIT = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce_standin", "other")
-
-
-def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
-    """The split's bucket of one recorded launch (runtime/step_profile.record_launches)."""
-    k, fn = rec["kernel"], rec["fn"]
-    if rec["tag"]:
-        return "allreduce_standin"
-    if k.startswith("gemm_bf16"):
-        n = int(rec["launch"][4][7])                            # the GEMM's N (SkinnyGemm.run's argument order)
-        if n == vocab_per_rank:
-            return "lm_head"
-        if n == experts:
-            return "router"
-    if k.startswith(("draft_lse", "draft_topk", "draft_merge", "sample_", "step_", "ctx_window", "kv_compact")):
-        return "tree"
-    if k == "moe_route":
-        return "router"
-    if fn.startswith("draft"):
-        return "drafter"
-    if k.startswith(("mla_attention", "mla_decode")) or k == "kv_append":
-        return "attention"
-    if k.startswith(("moe_gate_up", "moe_down")):
-        return "moe"
-    if k.startswith(("gemm_bf16", "mla_absorb")):
-        return "dense"
-    return "other"
-
 
 def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
     """--routing / --reuse -> [(routing, reuse)]: tree once per reuse, the others once."""
@@ -137,6 +109,7 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
                 routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
     """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
     has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
+    from ddtree.bench.attention import dense_peak
     from ddtree.ops.meter import meter_ar_step, meter_step, totals
     from ddtree.plugins import randfill as rf
     from ddtree.runtime.step_profile import record_launches, time_launches
@@ -172,23 +145,24 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
     steps.forced_accept = steps.stated_draft = None
-    split = dict.fromkeys(SPLIT, 0.0)
-    for rec, us in zip(launches, times):
-        split[kernel_family(rec, rank.lay.vocab_stop - rank.lay.vocab_start, cfg.n_routed_experts)] += us
-    step_us = 1e3 * step_ms
-    split["gaps"] = step_us - sum(split.values())
     meter_kw = {} if distinct is None else {"routing": "given", "distinct": distinct["mean"]}
     if budget is None:
         recs = meter_ar_step(cfg, rank.plan_dict, rank.specs, rank.lay.rank, context)
     else:
         recs = meter_step(cfg, dcfg, rank.plan_dict, rank.specs, rank.lay.rank, context, budget,
                           new_context=accepted, **meter_kw)
+    parts = part_ideals(recs, ceiling_gbps, dense_peak(gpu.name))
+    split = part_times(launches, times, rank.lay.vocab_stop - rank.lay.vocab_start, cfg.n_routed_experts, parts)
+    for name, p in parts.items():
+        p["us"], p["overhead_us"] = split[name], split[name] - p["ideal_us"]
+    step_us = 1e3 * step_ms
+    split["gaps"] = step_us - sum(split.values())
     t = totals(recs)
     nbytes = t["read"] + t["written"]
     ideal_us = nbytes / (ceiling_gbps * 1e3)
     return {"context": context, "mode": "ar" if budget is None else "ddtree", "budget": budget,
             "routing": "router (random weights)" if routing == "router" else routing, "reuse": reuse,
-            "step_us": step_us, "split_us": split, "kernels": len(launches), "bytes": nbytes,
+            "step_us": step_us, "split_us": split, "parts": parts, "kernels": len(launches), "bytes": nbytes,
             "ideal_us": ideal_us, "pct_roofline": 100 * ideal_us / step_us,
             "distinct_experts": distinct, "accepted_per_step": 1 if budget is None else accepted,
             "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None}
@@ -272,7 +246,11 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                  "gaps = step - the kernels' sum",
                         "bytes": "ops/meter.py meter_step (the generated ids' distinct experts for uniform/tree, the "
                                  "uniform expectation for router; the accepted tokens as the drafter's new "
-                                 "context); meter_ar_step for the AR rows"}}
+                                 "context); meter_ar_step for the AR rows",
+                        "parts": "per part of the split: ideal_us = max(bytes / copy ceiling, FLOPs / dense bf16 "
+                                 "peak) over the meter's records of that part (bench/step_parts.py meter_family), us "
+                                 "= its kernels' times, overhead_us = us - ideal_us; every kernel does one part's "
+                                 "work today (a kernel of several would be split in proportion to their ideals)"}}
     if as_json:
         emit_json(result)
         return

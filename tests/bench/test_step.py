@@ -13,7 +13,8 @@ def rec(kernel, fn="decoder_layer", tag="", n=None):
 
 @pytest.mark.parametrize("r,family", [
     (rec("gemm_bf16_mt1", n=20480), "lm_head"), (rec("gemm_bf16_mt1", fn="draft_logits", n=20480), "lm_head"),
-    (rec("gemm_bf16_mt1", n=384), "router"), (rec("moe_route"), "router"), (rec("moe_gate_up_r4c2"), "moe"),
+    (rec("gemm_bf16_mt1", n=384), "router"), (rec("moe_route"), "router"), (rec("router_fused_mt3"), "router"),
+    (rec("moe_gate_up_r4c2"), "moe"),
     (rec("moe_down_r4c2"), "moe"), (rec("mla_attention_w4_s3"), "attention"), (rec("kv_append"), "attention"),
     (rec("gemm_bf16_mt2", n=1536), "dense"), (rec("mla_absorb_mt1"), "dense"),
     (rec("gemm_bf16_mt1", fn="draft_layer", n=1024), "drafter"), (rec("draft_attention_d128", fn="draft_layer"), "drafter"),
@@ -108,3 +109,32 @@ def test_stated_draft_logits_build_the_stated_tree(budget):
     assert depth_histogram(Tree.from_parents(tree.parents)) == np.bincount(tree.depth).tolist() \
         == np.bincount(stated.depth).tolist()
     assert len(force_accept_ref(tree.parents, 4)) == 4
+
+
+def test_every_metered_op_has_the_part_of_its_kernels():
+    """meter_family mirrors kernel_family: a Kimi tp 8 step's records land in the parts whose kernels do that work,
+    and the parts' ideals add up to the step's bytes at the ceiling."""
+    from ddtree.bench.step_parts import SPLIT, meter_family, part_ideals
+    from ddtree.builder.plan import make_plan
+    from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.model.presets import get_preset
+    from ddtree.ops.meter import meter_step, totals
+    cfg, dcfg = get_preset("kimi-k2.6", layers=3)
+    plan = make_plan(cfg, dcfg, 8)
+    recs = meter_step(cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), 0, 4096, 16)
+    seen = {}
+    for r in recs:
+        seen.setdefault(meter_family(r), set()).add((r.kind, r.op))
+    assert ("head", "linear") in seen["lm_head"] and ("draft_head", "linear") in seen["lm_head"]
+    assert {op for _, op in seen["attention"]} == {"mla_tree_attention", "kv_append"}
+    assert {op for _, op in seen["moe"]} == {"moe.experts"} and {op for _, op in seen["router"]} == {"moe.router"}
+    assert ("moe_layer", "moe.shared") in seen["dense"] and ("draft_layer", "linear") in seen["drafter"]
+    assert {op for _, op in seen["tree"]} == {"vocab_topk", "tree_build", "vocab_winner", "accept_walk", "kv_compact"}
+    assert all(k.startswith("draft") for k, _ in seen["drafter"])
+    parts = part_ideals(recs, 4000.0, None)
+    t = totals(recs)
+    assert sum(p["bytes"] for p in parts.values()) == t["read"] + t["written"]
+    assert abs(sum(p["ideal_us"] for p in parts.values()) - (t["read"] + t["written"]) / 4e6) < 1e-6
+    flops = part_ideals(recs, 4000.0, 1e-3)              # a tiny peak: every part with FLOPs is compute-bound
+    assert all(p["ideal_us"] == p["flops"] / 1e3 for p in flops.values() if p["flops"] > 0)
+    assert set(parts) == set(SPLIT)
