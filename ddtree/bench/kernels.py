@@ -165,24 +165,48 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                 rows.append({"tp": tp, "part": f"prefix_{upto}", "M": M, "latency_us": round(us_p, 2)})
             _say(f"  moe tp{tp} M={M:4d} route {rows[-2]['latency_us']:.1f} us, + gate_up {rows[-1]['latency_us']:.1f} us")
         if router:
-            moe.route(x, M)
-            gpu.sync()
-            us_r = time_graph(gpu, lambda s: [moe.route(x, M, stream=s) for _ in range(launches)]) * 1e3 / launches
-            if parts:   # the router's kernels alone: its fp32 GEMM; the route kernel on those logits (top-k + tiles)
-                gemm = lambda s: [moe.router_gemm.run(x, moe.router, moe.logits, M, stream=s)   # noqa: E731
-                                  for _ in range(launches)]
-                topk = lambda s: [moe.launch_route(moe.logits, M, moe.topk_ids, moe.topk_w, s)  # noqa: E731
-                                  for _ in range(launches)]
-                for part, fn in (("router_gemm", gemm), ("route_topk", topk)):
-                    rows.append({"tp": tp, "part": part, "M": M,
-                                 "latency_us": round(time_graph(gpu, fn) * 1e3 / launches, 2)})
-                _say(f"  moe tp{tp} M={M:4d} router GEMM {rows[-2]['latency_us']:.1f} us, route kernel with top-k "
-                     f"{rows[-1]['latency_us']:.1f} us")
-            rows.append(_row({"tp": tp, "part": "router", "M": M}, E * H * 2 + M * H * 2, us_r, ceiling_gbps))
+            rows += router_rows(gpu, moe, x, tp, M, launches, parts, ceiling_gbps)
         main = next(r for r in reversed(rows) if r["part"] == "experts")
         _say(f"  moe tp{tp} M={M:4d} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
              f"{main['pct_of_ceiling']:5.1f}%" + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))
     gpu.free_all()
+    return rows
+
+
+def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceiling_gbps: float) -> list[dict]:
+    """The router's rows, 'router' last: FusedMoE.route as the engine runs it (the fused kernel, plugins/router.py).
+    With parts, before it: 'router_unfused' (the path it replaced: the fp32 router GEMM, then moe_route),
+    'router_gemm' and 'route_topk' (those two kernels alone) and 'router_fused_given' (the fused kernel aligning
+    given ids, as bench step's given routing runs it)."""
+    E, H = moe.shape.experts, moe.shape.hidden
+
+    def timed(launch) -> float:              # us a launch; one launch outside the capture (compile, smem limit)
+        launch(gpu.stream)
+        gpu.sync()
+        return time_graph(gpu, lambda s: [launch(s) for _ in range(launches)]) * 1e3 / launches
+
+    def unfused(s):
+        moe.fused_router = False
+        try:
+            moe.route(x, M, stream=s)
+        finally:
+            moe.fused_router = True
+
+    rows = []
+    if parts:
+        for part, launch in (
+                ("router_unfused", unfused),
+                ("router_gemm", lambda s: moe.router_gemm.run(x, moe.router, moe.logits, M, stream=s)),
+                ("route_topk", lambda s: moe.launch_route(moe.logits, M, moe.topk_ids, moe.topk_w, s)),
+                ("router_fused_given", lambda s: moe.route_given(x, M, moe.topk_ids, moe.topk_w, stream=s))):
+            rows.append({"tp": tp, "part": part, "M": M, "latency_us": round(timed(launch), 2)})
+        _say(f"  moe tp{tp} M={M:4d} router before: {rows[0]['latency_us']:.1f} us (GEMM {rows[1]['latency_us']:.1f}, "
+             f"route kernel with top-k {rows[2]['latency_us']:.1f}); fused, given ids {rows[3]['latency_us']:.1f} us")
+    us = timed(lambda s: moe.route(x, M, stream=s))
+    p = moe.router_fused.plan(M)
+    plan = {"fused": True, "mt": p.mt, "token_blocks": p.mb, "warps": p.warps, "tiles": p.tiles, "n_blocks": p.nb,
+            "splits": p.splits, "blocks": p.blocks, "smem": p.smem}
+    rows.append(_row({"tp": tp, "part": "router", "M": M, "plan": plan}, E * H * 2 + M * H * 2, us, ceiling_gbps))
     return rows
 
 
@@ -244,7 +268,8 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--gu-ring", default=None, help="gate_up ring SLOTSxCHUNKS, e.g. 8x1 or 4x2 (sweeps)")
 @click.option("--down-ring", default=None, help="down ring SLOTSxCHUNKS (sweeps)")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
-@click.option("--parts", is_flag=True, help="also time the route and route + gate_up prefixes")
+@click.option("--parts", is_flag=True, help="also time the route and route + gate_up prefixes, and the router's "
+              "parts and the unfused router it replaced")
 @click.option("--no-router", is_flag=True, help="skip the router rows")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")

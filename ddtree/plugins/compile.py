@@ -44,6 +44,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "layer_ops.cu": {"default": {}},           # embed, norms, rope, silu_mul, gather, cast
     "step_state.cu": {"default": {}},          # the decode step's device state and record ring
     "allreduce.cu": {"default": {"AR_MAX_RANKS": 8, "AR_MAX_BLOCKS": 32}},   # one-shot all-reduce (plugins/allreduce.py)
+    "router.cu": {"default": {}},              # the fused MoE router (plugins/router.py)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
+from ddtree.plugins.router import FusedRouter, RouterShape
 
 SOURCE = "moe.cu"
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
@@ -168,6 +169,10 @@ def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tup
 
 
 class FusedMoE:
+    # route() / route_given(): True = one fused router kernel (plugins/router.py); False = the router GEMM
+    # (SkinnyGemm, fp32 out) then moe_route, as before issue 22 (kept for bench moe --parts' before/after)
+    fused_router = True
+
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
                  router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True,
                  invariant: bool = False):
@@ -208,6 +213,8 @@ class FusedMoE:
         if router is not None:
             self.logits = gpu.alloc((mx, E), np.float32)
             self.router_gemm = SkinnyGemm(gpu, E, H, mx, out_f32=True, pdl=pdl, invariant=invariant)
+            self.router_fused = FusedRouter(gpu, RouterShape(E, H, shape.topk, shape.n_group, shape.topk_group,
+                                                             shape.scaling, mx), router, bias, pdl, invariant)
 
     def plan(self, M: int) -> MoEPlan:
         if M in self._overrides:
@@ -233,9 +240,12 @@ class FusedMoE:
         return p
 
     def route(self, x: DeviceArray | int, M: int, stream=None) -> None:
-        """Router logits (fp32) + top-k + alignment."""
+        """Router logits (fp32) + top-k + alignment: one fused launch, or (fused_router False) two."""
         if self.router is None:
             raise ValueError("FusedMoE.route: constructed without router weights")
+        if self.fused_router:
+            self.router_fused.run(x, M, self.logits, self.topk_ids, self.topk_w, self._tiles(), stream=stream)
+            return
         self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
         self.launch_route(self.logits, M, self.topk_ids, self.topk_w, stream)
 
@@ -245,8 +255,14 @@ class FusedMoE:
         top-k skipped): one route launch, as in route()."""
         if self.router is None:
             raise ValueError("FusedMoE.route_given: constructed without router weights")
+        if self.fused_router:            # the fused kernel computes the logits, skips its top-k, aligns the ids
+            self.router_fused.run(x, M, self.logits, ids, weights, self._tiles(), given=True, stream=stream)
+            return
         self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
         self.launch_route(None, M, ids, weights, stream)
+
+    def _tiles(self) -> tuple:
+        return self.tile_expert, self.tile_pairs, self.num_tiles
 
     def launch_route(self, logits, M, ids, weights, stream) -> None:
         """The route kernel alone. logits [M, E] fp32 (device): routes into ids [M, topk] int32 and

@@ -1,0 +1,382 @@
+// Fused MoE router for 1 <= M <= 256 tokens (issue 22), one launch: the fp32 logits x W^T, then sigmoid,
+// + e_score_correction_bias for the choice only, (grouped) top-k with the lowest id winning ties, normalise,
+// x routed_scaling_factor, and the token -> expert tile lists that moe_route writes (same outputs, same
+// layout; kernels/moe.cu reads them). Launcher and plan: ddtree/plugins/router.py (FusedRouter, plan_router).
+// Numpy twins: ddtree/model/routing.py route_logits over ddtree/plugins/reference.py gemm (the rule), and
+// ddtree/plugins/router.py select_ref (this kernel's selection: lane maxima, threshold, candidates, ranks).
+//
+// Grid (MB, S, NB), block W = TW * KW warps. Block (mb, s, nb) owns token rows [8 MT mb, +8 MT), the 16-row
+// weight tiles [TW nb, +TW) (16 experts each) and k-chunks [CPS s, +CPS) of 64 (CPS = K / 64 / S); warp
+// (kw, tw) streams tile tw's chunks kw, kw + KW, ... . Every chunk a warp needs is requested at once
+// (cp.async, evict-first), before griddepcontrol.wait: the weights never depend on the previous kernel.
+// The KW warps of a tile are summed in shared memory (fixed order); then three hand-offs, each to the
+// last block to arrive (arrive_last, common.cuh), each reading in a fixed order (deterministic):
+//   1. the last of the S k-splits of (mb, nb) sums the S partials [S, M, E] of its experts -> logits
+//   2. the last of the NB n-blocks of mb routes its rows, one warp per token (route_token)
+//   3. the last of the MB token blocks aligns all M * topk pairs into tiles of 8 (as moe_route)
+// A hand-off that has one contributor is skipped (S = 1 writes the logits directly).
+// route = 0: the ids are given (topk_ids is an input; bench step's given routing): the logits are still
+// computed (their cost is real), steps 2's routing is skipped and step 3 aligns the given ids.
+//
+// Routing one token (one warp, lane l holds experts l + 32 j): the top-k of the 32 lane maxima's k-th,
+// T, bounds the token's top-k from below (k lanes hold an element >= T); the candidates >= T come from
+// exactly k lanes (<= k ceil(E/32) of them, ~k in practice), and each candidate's rank is the number of
+// candidates that beat it: no chain of k dependent arg-max rounds. "Beats" is (value, lower id), a strict
+// total order, so the ranks are distinct and equal those of moe_route's arg-max rounds: the same ids in
+// the same order, and the same weights bit for bit (same fp32 sigmoid, sum in selection order).
+#include "common.cuh"
+
+#define RT_MAX_WARPS 16
+#define RT_EPL 16                    // experts per lane of a routing warp: E <= 512
+
+__device__ __forceinline__ bool beats(float av, int ai, float bv, int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
+
+// (value, index) arg-max across the warp; ties -> lower index.
+__device__ __forceinline__ void warp_argmax_rt(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        int oi = __shfl_xor_sync(0xffffffffu, i, off);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// n_group > 1: a group scores the sum of its top-2 choices; only the best topk_group groups stay selectable
+// (the rule of moe_route; not on Kimi's path, where n_group = 1).
+__device__ void keep_best_groups(float (&choice)[RT_EPL], int E, int n_group, int topk_group, int lane) {
+    const int per_group = E / n_group;
+    float group_score = DD_NEG_INF;                                  // lane gi holds group gi's score
+    for (int gi = 0; gi < n_group; ++gi) {
+        float v1 = DD_NEG_INF; int i1 = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < RT_EPL; ++j) {
+            int e = lane + 32 * j;
+            if (e < E && e / per_group == gi && choice[j] > v1) { v1 = choice[j]; i1 = e; }
+        }
+        warp_argmax_rt(v1, i1);
+        float v2 = DD_NEG_INF; int i2 = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < RT_EPL; ++j) {
+            int e = lane + 32 * j;
+            if (e < E && e / per_group == gi && e != i1 && choice[j] > v2) { v2 = choice[j]; i2 = e; }
+        }
+        warp_argmax_rt(v2, i2);
+        if (lane == gi) group_score = v1 + v2;
+    }
+    u32 kept = 0;
+    for (int r = 0; r < topk_group; ++r) {
+        const bool taken = (kept >> lane) & 1u;
+        float v = taken ? DD_NEG_INF : group_score;
+        int i = (lane < n_group && !taken) ? lane : 0x7fffffff;
+        warp_argmax_rt(v, i);
+        kept |= 1u << i;
+    }
+#pragma unroll
+    for (int j = 0; j < RT_EPL; ++j) {
+        int e = lane + 32 * j;
+        if (e < E && !((kept >> (e / per_group)) & 1u)) choice[j] = DD_NEG_INF;
+    }
+}
+
+// Per-warp scratch of route_token: candidates (choice, id, score) [cmax], the selection (id, score) [topk].
+struct RouteScratch {
+    float* cand_v;
+    int* cand_i;
+    float* cand_s;
+    int* sel_i;
+    float* sel_s;
+    int cmax;                        // topk * ceil(E / 32)
+};
+
+__device__ __forceinline__ RouteScratch route_scratch(unsigned char* base, int warp, int topk, int E) {
+    RouteScratch r;
+    r.cmax = topk * ((E + 31) >> 5);
+    float* w = (float*)base + (size_t)warp * (3 * r.cmax + 2 * topk);
+    r.cand_v = w;
+    r.cand_i = (int*)(w + r.cmax);
+    r.cand_s = w + 2 * r.cmax;
+    r.sel_i = (int*)(w + 3 * r.cmax);
+    r.sel_s = w + 3 * r.cmax + topk;
+    return r;
+}
+
+// One warp routes one token from its fp32 logits row (written by other blocks: read through L2).
+__device__ void route_token(const float* logits_row, const float* bias, int E, int topk, int n_group,
+                            int topk_group, float scaling, int* ids_out, float* w_out, const RouteScratch& sc,
+                            int lane) {
+    float score[RT_EPL], choice[RT_EPL];
+#pragma unroll
+    for (int j = 0; j < RT_EPL; ++j) {
+        const int e = lane + 32 * j;
+        score[j] = 0.0f;
+        choice[j] = DD_NEG_INF;                                      // past E: loses to every expert
+        if (e < E) {
+            const float l = __ldcg(logits_row + e);
+            score[j] = 1.0f / (1.0f + expf(-l));                     // g = sigmoid(logit), fp32 (as moe_route)
+            choice[j] = score[j] + (bias ? bias[e] : 0.0f);         // selection only
+        }
+    }
+    if (n_group > 1) keep_best_groups(choice, E, n_group, topk_group, lane);
+
+    float best_v = choice[0];                                        // the lane's best (value, lowest id)
+    int best_i = lane;
+#pragma unroll
+    for (int j = 1; j < RT_EPL; ++j)
+        if (choice[j] > best_v) { best_v = choice[j]; best_i = lane + 32 * j; }
+    int lane_rank = 0;                                               // lanes whose best beats this lane's
+#pragma unroll
+    for (int src = 0; src < 32; ++src) {
+        const float ov = __shfl_sync(0xffffffffu, best_v, src);
+        const int oi = __shfl_sync(0xffffffffu, best_i, src);
+        lane_rank += beats(ov, oi, best_v, best_i);
+    }
+    const u32 at_k = __ballot_sync(0xffffffffu, lane_rank == topk - 1);
+    const int t_lane = at_k ? __ffs(at_k) - 1 : 0;                   // (ranks are a permutation of 0..31)
+    const float t_v = __shfl_sync(0xffffffffu, best_v, t_lane);
+    const int t_i = __shfl_sync(0xffffffffu, best_i, t_lane);
+
+    u32 cand = 0;                                                    // elements that T does not beat: >= T
+#pragma unroll
+    for (int j = 0; j < RT_EPL; ++j)
+        if (!beats(t_v, t_i, choice[j], lane + 32 * j)) cand |= 1u << j;
+    const int n = __popc(cand);
+    int incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += o;
+    }
+    const int count = min(__shfl_sync(0xffffffffu, incl, 31), sc.cmax);
+    int slot = incl - n;
+#pragma unroll
+    for (int j = 0; j < RT_EPL; ++j) {
+        if ((cand >> j) & 1u) {
+            if (slot < sc.cmax) {
+                sc.cand_v[slot] = choice[j];
+                sc.cand_i[slot] = lane + 32 * j;
+                sc.cand_s[slot] = score[j];
+            }
+            ++slot;
+        }
+    }
+    __syncwarp();
+    for (int c = lane; c < count; c += 32) {                         // rank = candidates that beat this one
+        const float v = sc.cand_v[c];
+        const int id = sc.cand_i[c];
+        int rank = 0;
+        for (int q = 0; q < count; ++q) rank += beats(sc.cand_v[q], sc.cand_i[q], v, id);
+        if (rank < topk) { sc.sel_i[rank] = id; sc.sel_s[rank] = sc.cand_s[c]; }
+    }
+    __syncwarp();
+    if (lane < topk) {
+        float sum = 0.0f;
+        for (int q = 0; q < topk; ++q) sum += sc.sel_s[q];           // selection order, as moe_route
+        ids_out[lane] = sc.sel_i[lane];
+        w_out[lane] = sc.sel_s[lane] / (sum + 1e-20f) * scaling;
+    }
+    __syncwarp();                                                    // the scratch is free for the next token
+}
+
+// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size). ids [P] are read through L2.
+// Shared: count [E] int, tile_start [E + 1] int, rank [P] short.
+__device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
+                            int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+    int* count = (int*)smem;
+    int* tile_start = count + E;
+    short* rank = (short*)(tile_start + E + 1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[ld_cg_s32(&ids[p])], 1);
+    __syncthreads();
+    if (warp == 0) {                                                 // exclusive scan of tiles per expert
+        int carry = 0;
+        for (int base = 0; base < E; base += 32) {
+            const int e = base + lane;
+            const int n = e < E ? (count[e] + 7) >> 3 : 0;
+            int incl = n;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int o = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += o;
+            }
+            if (e < E) tile_start[e] = carry + incl - n;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
+    }
+    __syncthreads();
+    const int tiles = tile_start[E];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
+    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = ld_cg_s32(&ids[p]), r = rank[p];
+        tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
+    }
+}
+
+// Dynamic shared memory (plugins/router.py router_smem): the maximum of
+//   GEMM     x rows [8 MT][CPS 64 + 32] bf16, then W warps x ceil(CPS / KW) chunks x 2 KB of weights
+//   KW sum   [W][MT][32] float4 (KW > 1)
+//   routing  W x (3 topk ceil(E/32) + 2 topk) x 4 B
+//   tiles    (2 E + 1) x 4 B + M topk x 2 B
+//   x [M, K] bf16   w [ceil(E/16), K/64, 4, 32] uint4 (layout.tile_bf16)   bias [E] fp32 or null
+//   logits [M, E] fp32 (written)   partial [S, M, E] fp32 (S > 1)   counters [MB NB + MB + 1] (zero, reset)
+//   topk_ids, topk_w [M, topk] (written; topk_ids read when route = 0)   tile lists as moe_route
+template <int MT>
+__device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                                            const float* __restrict__ bias, float* logits, float* partial,
+                                            u32* counters, int* topk_ids, float* topk_w, int* tile_expert,
+                                            int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW,
+                                            int topk, int n_group, int topk_group, float scaling, int route) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int W = blockDim.x >> 5, KW = W / TW, tw = warp % TW, kw = warp / TW;
+    const int MB = gridDim.x, NB = gridDim.z, mb = blockIdx.x, s = blockIdx.y, nb = blockIdx.z;
+    const int KC = K >> 6, CPS = KC / S, c0 = s * CPS, CPW = (CPS + KW - 1) / KW;
+    const int kspan = CPS * 64, xstride = kspan + 32;               // +64 B per row: conflict-free uint4 reads
+    const int row0 = mb * 8 * MT, rows = min(8 * MT, M - row0);
+    const int NT = (E + 15) >> 4, nt = nb * TW + tw;
+    const int my_chunks = nt < NT ? max(0, (CPS - kw + KW - 1) / KW) : 0;
+    bf16_t* xs = (bf16_t*)smem;                                      // [8 MT][xstride]
+    uint4* wbuf = (uint4*)(smem + (size_t)8 * MT * xstride * 2) + (size_t)warp * CPW * 128;   // [CPW][4][32]
+
+    // every chunk of this warp in flight at once (2 KB each: [4][32 lanes] uint4, j = 2 h + row half)
+    const u64 policy = evict_first_policy();
+    const uint4* wp = (const uint4*)w + ((size_t)nt * KC + c0 + kw) * 128 + lane;
+    for (int i = 0; i < my_chunks; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async16_stream(wbuf + i * 128 + j * 32 + lane, wp + 32 * j, policy);
+        wp += (size_t)KW * 128;
+    }
+    cp_async_commit();
+    pdl_wait();                                                      // x written; earlier readers of our outputs done
+    pdl_trigger();
+    const int vec_per_row = kspan >> 3;
+    for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
+        const int r = i / vec_per_row, v = i - r * vec_per_row;
+        bf16_t* dst = xs + r * xstride + v * 8;
+        if (r < rows) cp_async16(dst, x + (size_t)(row0 + r) * K + c0 * 64 + v * 8);
+        else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // acc[mt] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = tile row g, m = token 8 mt + 2t
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+    for (int i = 0; i < my_chunks; ++i) {
+        const int c = kw + i * KW;
+        const uint4* wc = wbuf + i * 128 + lane;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 row_g = wc[64 * h], row_g8 = wc[64 * h + 32];
+            const u32 a_u0[4] = {row_g.x, row_g8.x, row_g.y, row_g8.y};   // k 32h + 8t + 0..3
+            const u32 a_u1[4] = {row_g.z, row_g8.z, row_g.w, row_g8.w};   // k 32h + 8t + 4..7
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt * 8 >= rows) continue;                        // all-zero token rows
+                const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
+                mma_bf16_16816(acc[mt], a_u0, xb.x, xb.y);
+                mma_bf16_16816(acc[mt], a_u1, xb.z, xb.w);
+            }
+        }
+    }
+    if (KW > 1) {                                                    // tile tw = sum over kw = 0..KW-1, in order
+        __syncthreads();                                             // x rows and weight slots are free
+        float4* red = (float4*)smem;                                 // [W][MT][32]
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            red[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        __syncthreads();
+        if (kw == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int k = 0; k < KW; ++k) {
+                    const float4 v = red[((k * TW + tw) * MT + mt) * 32 + lane];
+                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                }
+                acc[mt][0] = sum.x; acc[mt][1] = sum.y; acc[mt][2] = sum.z; acc[mt][3] = sum.w;
+            }
+        }
+    }
+    if (kw == 0 && nt < NT) {                                        // this block's [rows, 16 TW] of split s
+        float* dst = S == 1 ? logits : partial + (size_t)s * M * E;
+        const int n = nt * 16 + g;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int m = mt * 8 + 2 * t + q;
+                if (m >= rows) continue;
+                float* row = dst + (size_t)(row0 + m) * E;
+                if (n < E) row[n] = acc[mt][q];
+                if (n + 8 < E) row[n + 8] = acc[mt][2 + q];
+            }
+        }
+    }
+
+    // 1. the last k-split of (mb, nb): logits = sum over s = 0..S-1 of partial[s], in that order (a row's
+    //    order depends on S and KW alone, not on M: the batch-invariant plan fixes both)
+    if (S > 1) {
+        if (!arrive_last(&counters[mb * NB + nb], (u32)S)) return;
+        const int e0 = nb * TW * 16, ne = min(TW * 16, E - e0);
+        const size_t split_stride = (size_t)M * E;
+        for (int item = threadIdx.x; item < rows * ne; item += blockDim.x) {
+            const int m = row0 + item / ne, e = e0 + item % ne;
+            const float* p = partial + (size_t)m * E + e;
+            float v = 0.f;
+#pragma unroll 8
+            for (int sp = 0; sp < S; ++sp) v += __ldcg(p + sp * split_stride);
+            logits[(size_t)m * E + e] = v;
+        }
+    }
+    // 2. the last n-block of mb routes its rows
+    if (NB > 1) {
+        if (!arrive_last(&counters[MB * NB + mb], (u32)NB)) return;
+    } else {
+        __threadfence();                                             // logits of this block's warps, via L2
+        __syncthreads();                                             // (and the GEMM's shared memory is free)
+    }
+    if (route) {
+        const RouteScratch sc = route_scratch(smem, warp, topk, E);
+        for (int r = warp; r < rows; r += W) {
+            const int m = row0 + r;
+            route_token(logits + (size_t)m * E, bias, E, topk, n_group, topk_group, scaling,
+                        topk_ids + (size_t)m * topk, topk_w + (size_t)m * topk, sc, lane);
+        }
+    }
+    // 3. the last token block aligns every token's pairs
+    if (MB > 1) {
+        if (!arrive_last(&counters[MB * NB + MB], (u32)MB)) return;
+    } else {
+        __threadfence();
+        __syncthreads();
+    }
+    align_tiles(topk_ids, M * topk, E, smem, tile_expert, tile_pairs, num_tiles);
+}
+
+#define DD_ROUTER(MT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(RT_MAX_WARPS * 32, 1) router_fused_mt##MT(               \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,      \
+        float* logits, float* partial, u32* counters, int* topk_ids, float* topk_w, int* tile_expert,     \
+        int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW, int topk, int n_group,       \
+        int topk_group, float scaling, int route) {                                                       \
+        router_impl<MT>(x, w, bias, logits, partial, counters, topk_ids, topk_w, tile_expert, tile_pairs, \
+                        num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route);            \
+    }
+DD_ROUTER(1)
+DD_ROUTER(2)
+DD_ROUTER(3)
+DD_ROUTER(4)
+DD_ROUTER(5)
+DD_ROUTER(6)
+DD_ROUTER(7)
+DD_ROUTER(8)

@@ -1,0 +1,251 @@
+"""Launcher for the fused MoE router (kernels/router.cu), 1 <= M <= max_tokens <= 256 tokens.
+
+    router = FusedRouter(gpu, RouterShape(experts, hidden, topk, ...), weight, bias)
+    router.run(x, M, logits, ids, weights, tiles)               # logits, top-k, tile lists: one launch
+    router.run(x, M, logits, ids, weights, tiles, given=True)   # ids given: logits + tile lists only
+
+Letters: M tokens, H hidden (K of the GEMM), E experts, S k-splits, W warps a block, TW weight tiles (16
+experts) a block, KW = W / TW warps a tile, MT 8-token sub-tiles a block, MB token blocks, NB = E/16/TW
+n-blocks. The weight comes tiled (layout.tile_bf16), the bias fp32 or None. Workspaces (split partials,
+hand-off counters) are allocated here for max_tokens; run() only launches (graph-safe). FusedMoE.route uses
+it (plugins/moe.py); the kernel writes the outputs of the router GEMM + moe_route pair it replaces.
+
+select_ref is the numpy twin of the kernel's top-k selection (checked against routing.topk_lowest_id on
+the CPU); the routing rule's twin is ddtree/model/routing.py route_logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddtree.plugins.device import DeviceArray, Gpu, ptr
+from ddtree.plugins.gemm import supports_pdl
+
+SOURCE = "router.cu"
+MAX_WARPS = 16                          # RT_MAX_WARPS in router.cu
+LANE_EXPERTS = 16                       # RT_EPL: E <= 512
+MAX_MT = 8
+WARP_CHOICES = (4, 8, 16)
+# Cost model of plan_router (us). Guesses from the H200's datasheet and the route kernel's timings in
+# kernels/NOTES.md, to be replaced by a fit to tests/plugins/sweep_router.py's sweep.
+DRAM_B_PER_US = 4.0e6                   # the weights stream once from HBM
+SM_B_PER_US = 5.0e4                     # what one SM pulls from L2 (weights, token rows, partials)
+HANDOFF_US = 0.5                        # one arrive_last: fence, atomic, barrier
+ROUTE_US = 0.3                          # one token routed by one warp
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    experts: int                  # E
+    hidden: int                   # H = K
+    topk: int
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0          # routed_scaling_factor
+    max_tokens: int = 256
+
+    def __post_init__(self):
+        if self.hidden % 64 or self.hidden < 64:
+            raise ValueError(f"fused router: hidden must be a positive multiple of 64, got {self.hidden}")
+        if not 1 <= self.topk <= min(32, self.experts) or self.experts > 32 * LANE_EXPERTS:
+            raise ValueError(f"fused router: need 1 <= topk <= 32, topk <= experts <= {32 * LANE_EXPERTS}; "
+                             f"got topk {self.topk}, experts {self.experts}")
+        if not 1 <= self.max_tokens <= 256:
+            raise ValueError(f"fused router: max_tokens must be in [1, 256], got {self.max_tokens}")
+        if self.n_group > 1 and (self.experts % self.n_group or self.n_group > 32
+                                 or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"fused router: bad grouping n_group {self.n_group}, topk_group {self.topk_group} "
+                             f"for {self.experts} experts")
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    mt: int          # 8-token sub-tiles a block (1..8)
+    mb: int          # token blocks
+    warps: int       # W
+    tiles: int       # TW: 16-expert weight tiles a block
+    nb: int          # n-blocks
+    splits: int      # S
+    smem: int        # dynamic shared memory, bytes
+
+    @property
+    def kw(self) -> int:
+        return self.warps // self.tiles
+
+    @property
+    def blocks(self) -> int:
+        return self.mb * self.splits * self.nb
+
+    @property
+    def kernel(self) -> str:
+        return f"router_fused_mt{self.mt}"
+
+    def partial_floats(self, M: int, E: int) -> int:
+        return self.splits * M * E if self.splits > 1 else 0
+
+
+def token_blocks(M: int) -> tuple[int, int]:
+    """(mt, mb): at most 64 rows a block, the rows spread evenly over the fewest blocks."""
+    subtiles = -(-M // 8)
+    mb = -(-subtiles // MAX_MT)
+    mt = -(-subtiles // mb)
+    return mt, -(-M // (8 * mt))
+
+
+def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, splits: int) -> int:
+    """Bytes of dynamic shared memory: the largest of the kernel's phases (router.cu's table)."""
+    chunks = shape.hidden // 64 // splits
+    per_warp = -(-chunks // (warps // tiles))
+    gemm = 8 * mt * (chunks * 64 + 32) * 2 + warps * per_warp * 2048
+    kw_sum = warps * mt * 32 * 16 if warps > tiles else 0
+    cmax = shape.topk * -(-shape.experts // 32)
+    route = warps * (3 * cmax + 2 * shape.topk) * 4
+    align = (2 * shape.experts + 1) * 4 + M * shape.topk * 2
+    return max(gemm, kw_sum, route, align)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_cost(M: int, shape: RouterShape, p: RouterPlan, sm_count: int) -> float:
+    """Modelled microseconds of one launch (module constants above)."""
+    E, K = shape.experts, shape.hidden
+    rows = min(M, 8 * p.mt)
+    chunks = K // 64 // p.splits
+    block_bytes = p.tiles * chunks * 2048 + rows * chunks * 128
+    load = max(E * K * 2 / DRAM_B_PER_US, -(-p.blocks // sm_count) * block_bytes / SM_B_PER_US)
+    reduce = p.splits * rows * min(16 * p.tiles, E) * 4 / SM_B_PER_US if p.splits > 1 else 0.0
+    handoffs = (p.splits > 1) + (p.nb > 1) + (p.mb > 1)
+    return load + reduce + handoffs * HANDOFF_US + -(-rows // p.warps) * ROUTE_US
+
+
+def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warps: int | None = None,
+                tiles: int | None = None, splits: int | None = None) -> RouterPlan:
+    """Token blocks of <= 64 rows (token_blocks); W, TW and S (forced by the knobs, for sweeps) by the
+    smallest plan_cost among the plans whose shared memory fits `smem_limit`, each warp with >= 1 chunk."""
+    E, kc = shape.experts, shape.hidden // 64
+    nt = -(-E // 16)
+    if warps is not None and warps not in WARP_CHOICES:
+        raise ValueError(f"fused router: warps must be one of {WARP_CHOICES}, got {warps}")
+    if splits is not None and (splits < 1 or kc % splits):
+        raise ValueError(f"fused router: splits {splits} must divide hidden / 64 = {kc}")
+    if tiles is not None and not 1 <= tiles <= min(nt, MAX_WARPS):
+        raise ValueError(f"fused router: tiles {tiles} must be in [1, {min(nt, MAX_WARPS)}] (16 experts each)")
+    mt, mb = token_blocks(M)
+    options = []
+    for w in (warps,) if warps else WARP_CHOICES:
+        for tw in (tiles,) if tiles else [d for d in range(1, min(nt, w) + 1)]:
+            if w % tw:
+                continue
+            for s in (splits,) if splits else _divisors(kc):
+                if kc // s < w // tw:                 # a warp without a chunk
+                    continue
+                smem = router_smem(M, shape, mt, w, tw, s)
+                if smem <= smem_limit:
+                    options.append(RouterPlan(mt, mb, w, tw, -(-nt // tw), s, smem))
+    if not options:
+        raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}) "
+                         f"fits {smem_limit} B of shared memory with every warp given a chunk")
+    return min(options, key=lambda p: (plan_cost(M, shape, p, sm_count), p.splits, p.warps, p.tiles))
+
+
+class FusedRouter:
+    def __init__(self, gpu: Gpu, shape: RouterShape, weight: DeviceArray | int, bias: DeviceArray | int | None,
+                 pdl: bool = True, invariant: bool = False):
+        """weight: the [E, H] bf16 router gate in layout.tile_bf16 (device); bias [E] fp32 or None.
+        invariant: the batch-invariant plan (docs/interfaces.md section 6): the warps, tiles and k-splits
+        planned for max_tokens at every M, so a row's logit sums run in one order whatever the rows beside it."""
+        self.gpu, self.shape, self.weight, self.bias = gpu, shape, weight, bias
+        self.pdl = pdl and supports_pdl(gpu)
+        self._overrides: dict[int, RouterPlan] = {}
+        self.fixed: dict = {}
+        if invariant:
+            p = self.plan(shape.max_tokens)
+            self.fixed = {"warps": p.warps, "tiles": p.tiles, "splits": p.splits}
+        plans = [(m, self.plan(m)) for m in range(1, shape.max_tokens + 1)]
+        self.partial = gpu.alloc(max([p.partial_floats(m, shape.experts) for m, p in plans] + [1]), np.float32)
+        self.counters = gpu.zeros(max(p.mb * p.nb + p.mb + 1 for _, p in plans), np.uint32)
+
+    def plan(self, M: int) -> RouterPlan:
+        if M in self._overrides:
+            return self._overrides[M]
+        return plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, **self.fixed)
+
+    def override(self, M: int, warps: int | None = None, tiles: int | None = None,
+                 splits: int | None = None) -> RouterPlan:
+        """Sweeps: force a plan for M (grows the workspaces if it needs more; call it before capturing)."""
+        p = plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, warps, tiles, splits)
+        if p.partial_floats(M, self.shape.experts) > self.partial.shape[0]:
+            self.partial = self.gpu.alloc(p.partial_floats(M, self.shape.experts), np.float32)
+        if p.mb * p.nb + p.mb + 1 > self.counters.shape[0]:
+            self.counters = self.gpu.zeros(p.mb * p.nb + p.mb + 1, np.uint32)
+        self._overrides[M] = p
+        return p
+
+    def run(self, x: DeviceArray | int, M: int, logits, ids, weights, tiles: tuple, given: bool = False,
+            stream=None) -> None:
+        """logits [M, E] fp32, ids [M, topk] int32, weights [M, topk] fp32 (written; ids read when `given`),
+        tiles = (tile_expert, tile_pairs, num_tiles) as FusedMoE allocates them (written)."""
+        s = self.shape
+        if not 1 <= M <= s.max_tokens:
+            raise ValueError(f"fused router: M = {M} outside [1, {s.max_tokens}]")
+        p, g = self.plan(M), self.gpu
+        tile_expert, tile_pairs, num_tiles = tiles
+        g.allow_smem(SOURCE, p.kernel, p.smem)
+        g.launch(g.kernel(SOURCE, p.kernel), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
+                 ptr(x), ptr(self.weight), ptr(self.bias), ptr(logits), ptr(self.partial), ptr(self.counters),
+                 ptr(ids), ptr(weights), ptr(tile_expert), ptr(tile_pairs), ptr(num_tiles), np.int32(M),
+                 np.int32(s.experts), np.int32(s.hidden), np.int32(p.splits), np.int32(p.tiles), np.int32(s.topk),
+                 np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), np.int32(0 if given else 1),
+                 stream=stream, pdl=self.pdl)
+
+
+def select_ref(choice: np.ndarray, k: int) -> np.ndarray:
+    """The kernel's selection for one token, in numpy: choice [E] -> the k best ids in selection order
+    ((value, lower id) first). Lane l holds ids l + 32 j (past E: -inf); T = the k-th best of the 32 lane
+    maxima; the candidates are the elements T does not beat; an id's place is the number of candidates
+    that beat it."""
+    E = choice.shape[0]
+    slots = 32 * LANE_EXPERTS
+    values = np.full(slots, -np.inf)
+    values[:E] = choice
+    ids = np.arange(slots)
+    order_key = lambda v, i: (-v, i)                      # noqa: E731   smaller = better
+    lanes = [sorted(((values[l + 32 * j], l + 32 * j) for j in range(LANE_EXPERTS)), key=lambda a: order_key(*a))[0]
+             for l in range(32)]
+    lanes.sort(key=lambda a: order_key(*a))
+    t = order_key(*lanes[k - 1])
+    cand = [(values[i], i) for i in ids if order_key(values[i], i) <= t]
+    if len(cand) > k * -(-E // 32):
+        raise AssertionError(f"select_ref: {len(cand)} candidates exceed the kernel's buffer of k ceil(E/32)")
+    cand.sort(key=lambda a: order_key(*a))
+    return np.array([i for _, i in cand[:k]], dtype=np.int64)
+
+
+def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's routing of fp32 logits [M, E] in numpy float32 (sigmoid, + bias for the choice, the groups'
+    top-2 sums, select_ref, weights normalised in selection order) -> ids [M, topk], weights [M, topk]."""
+    M, E = logits.shape
+    k, one = shape.topk, np.float32(1.0)
+    ids = np.zeros((M, k), np.int64)
+    weights = np.zeros((M, k), np.float32)
+    for m in range(M):
+        score = one / (one + np.exp(-logits[m].astype(np.float32)))
+        choice = score + (np.float32(0.0) if bias is None else bias.astype(np.float32))
+        if shape.n_group > 1:
+            grouped = choice.reshape(shape.n_group, -1)
+            top2 = -np.sort(-grouped, axis=1)[:, :2]
+            group_score = top2[:, 0] + top2[:, 1]
+            kept = np.argsort(-group_score, kind="stable")[:shape.topk_group]
+            mask = np.zeros(shape.n_group, bool)
+            mask[kept] = True
+            choice = np.where(np.repeat(mask, E // shape.n_group), choice, -np.inf).astype(np.float32)
+        ids[m] = select_ref(choice, k)
+        picked = score[ids[m]]
+        total = np.float32(0.0)
+        for s in picked:                                     # selection order, fp32
+            total = np.float32(total + s)
+        weights[m] = picked / (total + np.float32(1e-20)) * np.float32(shape.scaling)
+    return ids, weights

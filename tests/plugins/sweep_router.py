@@ -1,0 +1,81 @@
+"""Fused-router plans (plugins/router.py: warps, weight tiles a block, k-splits) timed at Kimi's tp 8 router
+(E 384, H 7168, top-8) per row count, beside the plan plan_router picks and the unfused path it replaced
+(router GEMM + moe_route), so plan_router's cost model can be fitted to the device (on the GPU machine):
+    python3 tests/plugins/sweep_router.py [M,M,..] > sweep.json
+Each launch of a graph reads its own copy of the weight, enough copies to defeat L2 (as each layer's router
+in a step); `*_l2_us` repeat one copy (L2-warm, as `ddtree bench moe` times the router).
+Output: one JSON object {"device", "rows": [{"M", "planned": {..., "us", "l2_us"}, "unfused_us",
+"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "blocks", "us"}, ...]}]}.
+"""
+import json
+import sys
+
+import numpy as np
+
+from ddtree.bench.kernels import time_graph
+from ddtree.plugins import randfill
+from ddtree.plugins.device import Gpu
+from ddtree.plugins.moe import FusedMoE, MoEShape
+
+E, H, TOPK = 384, 7168, 8
+WARPS, TILES, SPLITS = (4, 8, 16), (1, 2, 4, 8), (2, 4, 7, 8, 14, 16, 28)
+
+
+def sweep(gpu, ms: list[int]) -> list[dict]:
+    copies = max(2, -(-4 * gpu.l2_bytes // (E * H * 2)))
+    ws = [gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
+    for i, w in enumerate(ws):
+        randfill.fill_device(gpu, w, 300 + i, randfill.WEIGHT_BF16)
+    shape = MoEShape(H, 64, E, TOPK, scaling=2.827, max_tokens=max(ms))
+    experts = {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),      # unused by route()
+               "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}
+    moe = FusedMoE(gpu, shape, experts, router=ws[0], bias=gpu.upload(np.zeros(E, np.float32)))
+    x = gpu.alloc((max(ms), H), np.uint16)
+    randfill.fill_device(gpu, x, 99, randfill.ACT_BF16)
+    rows = []
+    for M in ms:
+        def fused(s, w):
+            moe.router_fused.weight = w
+            moe.route(x, M, stream=s)
+
+        def unfused(s, w):
+            moe.router, moe.fused_router = w, False
+            moe.route(x, M, stream=s)
+            moe.fused_router = True
+
+        def timed(launch, n=copies):
+            launch(gpu.stream, ws[0])
+            gpu.sync()
+            us = time_graph(gpu, lambda s: [launch(s, ws[i % n]) for i in range(copies)]) * 1e3 / copies
+            return round(us, 2)
+
+        p = moe.router_fused.plan(M)
+        row = {"M": M, "planned": {"warps": p.warps, "tiles": p.tiles, "splits": p.splits, "blocks": p.blocks,
+                                   "us": timed(fused), "l2_us": timed(fused, 1)},
+               "unfused_us": timed(unfused), "unfused_l2_us": timed(unfused, 1), "candidates": []}
+        for warps in WARPS:
+            for tiles in TILES:
+                for splits in SPLITS:
+                    try:
+                        q = moe.router_fused.override(M, warps=warps, tiles=tiles, splits=splits)
+                    except ValueError:
+                        continue
+                    row["candidates"].append({"warps": warps, "tiles": tiles, "splits": splits, "blocks": q.blocks,
+                                              "us": timed(fused)})
+        moe.router_fused._overrides.pop(M, None)
+        best = min(row["candidates"], key=lambda c: c["us"])
+        print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} {row['planned']['us']:6.2f} us "
+              f"(L2-warm {row['planned']['l2_us']:.2f}); best w{best['warps']} t{best['tiles']} s{best['splits']:3d} "
+              f"{best['us']:6.2f} us; unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f})",
+              file=sys.stderr)
+        rows.append(row)
+    gpu.free_all()
+    return rows
+
+
+if __name__ == "__main__":
+    ms = [int(m) for m in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 17, 65]
+    g = Gpu(0)
+    print(json.dumps({"device": g.name, "E": E, "H": H, "topk": TOPK, "rows": sweep(g, ms)}))

@@ -1,0 +1,122 @@
+"""CPU tests of the fused router (plugins/router.py, kernels/router.cu): its selection's numpy twin picks
+what the routing rule picks (routing.topk_lowest_id / route_logits), ties and masked experts included, with
+no more candidates than the kernel's buffer; every plan fits both archs' shared memory (H200 sm_90: 227 KB,
+RTX PRO 6000 sm_120: 99 KB) and covers every row, expert and k-chunk; the batch-invariant plan is one split
+order for every M; bad knobs are named."""
+import numpy as np
+import pytest
+
+from ddtree.model.routing import route_logits, topk_lowest_id
+from ddtree.plugins.router import (MAX_WARPS, RouterShape, plan_router, route_ref, router_smem, select_ref,
+                                   token_blocks)
+
+ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
+SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),
+          "grouped": RouterShape(64, 512, 6, n_group=8, topk_group=3, scaling=1.5),
+          "small": RouterShape(16, 1024, 4, scaling=2.5),
+          "ragged": RouterShape(200, 2048, 32, max_tokens=64)}
+
+
+@pytest.mark.parametrize("E, k", [(384, 8), (512, 32), (200, 8), (33, 5), (16, 4), (8, 8), (64, 1)])
+def test_selection_twin_equals_the_rule(E, k):
+    rng = np.random.default_rng(E * 100 + k)
+    for trial in range(40):
+        kind = trial % 4
+        if kind == 0:                              # continuous
+            choice = rng.standard_normal(E)
+        elif kind == 1:                            # many exact ties: the lower id must win
+            choice = rng.integers(0, 3, E).astype(np.float64)
+        elif kind == 2:                            # all equal
+            choice = np.full(E, 0.25)
+        else:                                      # masked experts (a dropped group) at -inf, ties among them
+            choice = rng.standard_normal(E)
+            choice[rng.random(E) < 0.7] = -np.inf
+            if np.isfinite(choice).sum() < k:
+                choice[:k] = 1.0
+        got = select_ref(choice, k)
+        want = topk_lowest_id(choice[None], k)[0]
+        np.testing.assert_array_equal(got, want, err_msg=f"E {E} k {k} trial {trial}")
+
+
+def test_selection_candidates_fit_the_kernel_buffer_at_worst():
+    """The candidates come from k lanes: k ceil(E/32) at most, reached when each of k lanes holds its
+    whole column above every other lane (select_ref raises past the bound)."""
+    E, k = 384, 8
+    choice = np.zeros(E)
+    for lane in range(k):
+        choice[lane::32] = 10.0 + lane              # lanes 0..7 hold all 12 of their experts high
+    assert list(select_ref(choice, k)) == list(topk_lowest_id(choice[None], k)[0])
+
+
+@pytest.mark.parametrize("name", ["kimi_tp8", "grouped", "small"])
+def test_route_twin_matches_route_logits(name):
+    shape = SHAPES[name]
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((64, shape.experts)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(shape.experts) * 0.05).astype(np.float32)
+    ids, w = route_ref(logits, bias, shape)
+    ids_ref, w_ref, margin = route_logits(logits.astype(np.float64), bias, shape.topk, shape.n_group,
+                                          shape.topk_group, shape.scaling)
+    decided = margin > 1e-5                        # fp32 scores vs float64: a rounding-level margin may flip
+    assert decided.mean() > 0.9
+    np.testing.assert_array_equal(ids[decided], ids_ref[decided])
+    np.testing.assert_allclose(w[decided], w_ref[decided], rtol=2e-6)
+
+
+def test_token_blocks_cover_the_rows_evenly():
+    for M in range(1, 257):
+        mt, mb = token_blocks(M)
+        assert 1 <= mt <= 8 and mb == -(-M // (8 * mt)) and mb <= 4
+        assert (mb - 1) * 8 * mt < M <= mb * 8 * mt            # no empty token block
+        assert mb == -(-M // 64)                               # the fewest blocks of <= 64 rows
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_plans_fit_and_cover(arch, name):
+    a, shape = ARCHS[arch], SHAPES[name]
+    kc, nt = shape.hidden // 64, -(-shape.experts // 16)
+    for M in range(1, shape.max_tokens + 1):
+        p = plan_router(M, shape, a["sm_count"], a["smem_limit"])
+        assert p.smem <= a["smem_limit"], f"{arch} {name} M={M}: {p.smem} B"
+        assert p.warps * 32 <= MAX_WARPS * 32 and p.warps % p.tiles == 0
+        assert kc % p.splits == 0 and kc // p.splits >= p.kw             # every warp has a chunk
+        assert p.nb * p.tiles >= nt > (p.nb - 1) * p.tiles              # every expert tile, no empty n-block
+        assert p.mb * 8 * p.mt >= M and p.mb <= 65535 and p.splits * p.nb <= 65535 * 65535
+        assert p.smem == router_smem(M, shape, p.mt, p.warps, p.tiles, p.splits)
+
+
+def test_smem_formula_by_hand():
+    """Kimi tp 8 at M = 17, 16 warps as 2 tiles x 8, 8 splits: x rows 24 x (896 + 32) bf16 + 16 warps x 2
+    chunks x 2 KB; the routing scratch 16 x (3 x 8 x 12 + 16) x 4 B and the tile lists are smaller."""
+    shape = SHAPES["kimi_tp8"]
+    assert router_smem(17, shape, 3, 16, 2, 8) == 24 * 928 * 2 + 16 * 2 * 2048
+    assert router_smem(1, shape, 1, 16, 16, 112) == max(8 * 96 * 2 + 16 * 2048, 16 * (3 * 96 + 16) * 4,
+                                                        (2 * 384 + 1) * 4 + 8 * 2)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_invariant_plan_is_one_split_order(arch):
+    a, shape = ARCHS[arch], SHAPES["kimi_tp8"]
+    top = plan_router(shape.max_tokens, shape, a["sm_count"], a["smem_limit"])
+    fixed = {"warps": top.warps, "tiles": top.tiles, "splits": top.splits}
+    for M in range(1, shape.max_tokens + 1):
+        p = plan_router(M, shape, a["sm_count"], a["smem_limit"], **fixed)
+        assert (p.warps, p.tiles, p.splits) == (top.warps, top.tiles, top.splits)
+        assert p.smem <= a["smem_limit"]
+
+
+def test_bad_knobs_are_named():
+    shape, a = SHAPES["kimi_tp8"], ARCHS["sm_90"]
+    with pytest.raises(ValueError, match="warps must be one of"):
+        plan_router(1, shape, a["sm_count"], a["smem_limit"], warps=6)
+    with pytest.raises(ValueError, match="splits 5 must divide hidden / 64 = 112"):
+        plan_router(1, shape, a["sm_count"], a["smem_limit"], splits=5)
+    with pytest.raises(ValueError, match="tiles 25 must be in"):
+        plan_router(1, shape, a["sm_count"], a["smem_limit"], tiles=25)
+    with pytest.raises(ValueError, match="no plan for M = 64"):
+        plan_router(64, shape, a["sm_count"], 101376, warps=16, tiles=1, splits=1)
+    with pytest.raises(ValueError, match="topk <= 32"):
+        RouterShape(384, 7168, 33)
+    with pytest.raises(ValueError, match="hidden must be a positive multiple of 64"):
+        RouterShape(384, 7000, 8)

@@ -1,0 +1,157 @@
+"""GPU tests of the fused router (kernels/router.cu through plugins/router.py and FusedMoE.route).
+
+References: the fp32 logits against reference.gemm in float64; the routing against the rule
+(routing.route_logits, float64) over the kernel's own logits, identical ids (selection order) wherever the
+margin is not a rounding-level near-tie, weights to fp32 tolerance; on exact logits (one nonzero per token
+row) every row, ties included; against moe_route on the same logits bit for bit; tile lists checked
+against the ids. Outputs are poisoned before each run, so an unwritten element fails.
+"""
+import numpy as np
+import pytest
+
+from ddtree.model.bf16 import bf16_to_f32
+from ddtree.model.routing import route_logits
+from ddtree.plugins import layout, randfill, reference
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"kimi": dict(experts=384, hidden=7168, topk=8, n_group=1, topk_group=1, scaling=2.827),
+          "grouped": dict(experts=64, hidden=512, topk=6, n_group=8, topk_group=3, scaling=1.5),
+          "ragged": dict(experts=200, hidden=1024, topk=32, n_group=1, topk_group=1, scaling=1.0)}
+
+
+def make_router(gpu, name, invariant=False, max_tokens=256):
+    from ddtree.plugins.router import FusedRouter, RouterShape
+    shape = RouterShape(**SHAPES[name], max_tokens=max_tokens)
+    E, H = shape.experts, shape.hidden
+    w = randfill.hash_array((E, H), np.uint16, 501, randfill.WEIGHT_BF16)
+    bias = (np.random.default_rng(E).standard_normal(E) * 0.05).astype(np.float32)
+    router = FusedRouter(gpu, shape, gpu.upload(layout.tile_bf16(w)), gpu.upload(bias), invariant=invariant)
+    mx = shape.max_tokens
+    out = dict(logits=gpu.alloc((mx, E), np.float32), ids=gpu.alloc((mx, shape.topk), np.int32),
+               w=gpu.alloc((mx, shape.topk), np.float32), tile_expert=gpu.alloc(mx * shape.topk + 7 * E, np.int32),
+               tile_pairs=gpu.alloc((mx * shape.topk + 7 * E, 8), np.int32), num_tiles=gpu.zeros(1, np.int32))
+    return router, w, bias, out
+
+
+def run(gpu, router, x, M, out, given=False):
+    for key in ("logits", "w", "tile_expert", "tile_pairs"):
+        gpu.memset(out[key], 0xFF)                                   # NaN / -1
+    if not given:
+        gpu.memset(out["ids"], 0xFF)
+    router.run(gpu.upload(x) if isinstance(x, np.ndarray) else x, M, out["logits"], out["ids"], out["w"],
+               (out["tile_expert"], out["tile_pairs"], out["num_tiles"]), given=given)
+    gpu.sync()
+    k = router.shape.topk
+    return out["logits"].numpy()[:M], out["ids"].numpy()[:M].reshape(M, k), out["w"].numpy()[:M].reshape(M, k)
+
+
+def check_tiles(out, ids, E):
+    """Each pair once, in a tile of its expert; the fewest tiles (ceil(count / 8) per expert)."""
+    n = int(out["num_tiles"].numpy()[0])
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert n == int(np.sum((counts + 7) // 8))
+    experts, pairs = out["tile_expert"].numpy()[:n], out["tile_pairs"].numpy()[:n]
+    flat = pairs.reshape(-1)
+    assert sorted(flat[flat >= 0].tolist()) == list(range(ids.size))
+    for z in range(n):
+        assert all(ids.reshape(-1)[p] == experts[z] for p in pairs[z][pairs[z] >= 0])
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 65, 256])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_fused_router_against_the_rule(gpu, name, M):
+    router, w, bias, out = make_router(gpu, name)
+    s = router.shape
+    x = randfill.hash_array((M, s.hidden), np.uint16, 502 + M, randfill.ACT_BF16)
+    logits, ids, wts = run(gpu, router, x, M, out)
+    ref = reference.gemm(x, w)                                       # [M, E] float64
+    assert np.abs(logits - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-6
+    # the rule over the kernel's own fp32 logits: equal where the margin is above fp32 sigmoid rounding
+    ids_ref, w_ref, margin = route_logits(logits.astype(np.float64), bias, s.topk, s.n_group, s.topk_group, s.scaling)
+    decided = margin > 1e-5
+    assert decided.mean() > 0.9
+    np.testing.assert_array_equal(ids[decided], ids_ref[decided])
+    np.testing.assert_allclose(wts[decided], w_ref[decided], rtol=1e-5)
+    check_tiles(out, ids, s.experts)
+    again = run(gpu, router, x, M, out)                              # the hand-off counters were reset
+    for a, b in zip(again, (logits, ids, wts)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("M", [1, 17, 64])
+def test_exact_logits_route_every_row_as_the_rule(gpu, M):
+    """Token m's row is 512 at one column: its logits are 512 w[:, col] exactly (one product), so the kernel
+    and the rule see the same numbers; the bias (multiples of 1/8) leaves no near-tie (checked first: every
+    margin is 0, an exact tie of equal logits and biases, or > 1e-4), and every row's ids and weights agree."""
+    router, w, _, out = make_router(gpu, "kimi")
+    s = router.shape
+    bias = (np.random.default_rng(0).integers(-2, 3, s.experts) * 0.125).astype(np.float32)
+    router.bias = gpu.upload(bias)
+    cols = (np.arange(M) * 37 + 5) % s.hidden
+    x = np.zeros((M, s.hidden), np.float32)
+    x[np.arange(M), cols] = 512.0
+    x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    exact = 512.0 * bf16_to_f32(w).astype(np.float64)[:, cols].T  # [M, E]
+    ids_ref, w_ref, margin = route_logits(exact, bias, s.topk, s.n_group, s.topk_group, s.scaling)
+    assert np.all((margin == 0) | (margin > 1e-4)), "test data: a near-tie"
+    logits, ids, wts = run(gpu, router, x_bits, M, out)
+    np.testing.assert_array_equal(logits, exact.astype(np.float32))
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_allclose(wts, w_ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 17, 65])
+def test_fused_equals_moe_route_bitwise(gpu, M):
+    """FusedMoE.route (fused) and the route kernel it replaced, on the fused logits: the same ids and weights
+    bit for bit (same fp32 sigmoid, the same order of the weights' sum); the unfused GEMM's logits agree to
+    fp32 accumulation."""
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    r = SHAPES["kimi"]
+    E, H = r["experts"], r["hidden"]
+    shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=128)
+    weights = {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),       # unused by route()
+               "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
+               "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
+               "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}
+    w_router = randfill.hash_array((E, H), np.uint16, 601, randfill.WEIGHT_BF16)
+    bias = (np.random.default_rng(7).standard_normal(E) * 0.05).astype(np.float32)
+    moe = FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))
+    x = gpu.upload(randfill.hash_array((M, H), np.uint16, 602 + M, randfill.ACT_BF16))
+    moe.route(x, M)
+    logits = moe.logits.numpy()[:M]
+    ids, wts = moe.topk_ids.numpy()[:M], moe.topk_w.numpy()[:M]
+    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, ids, E)
+    ids_old, w_old = gpu.alloc((M, r["topk"]), np.int32), gpu.alloc((M, r["topk"]), np.float32)
+    moe.launch_route(moe.logits, M, ids_old, w_old, None)
+    np.testing.assert_array_equal(ids_old.numpy(), ids)
+    np.testing.assert_array_equal(w_old.numpy(), wts)
+    moe.fused_router = False
+    moe.route(x, M)
+    unfused = moe.logits.numpy()[:M]
+    assert np.abs(unfused - logits).max() <= 1e-5 * np.abs(logits).max()
+
+
+def test_given_ids_are_aligned_and_left_alone(gpu):
+    router, _, _, out = make_router(gpu, "kimi")
+    s, M = router.shape, 33
+    ids = np.stack([np.random.default_rng(m).permutation(s.experts)[:s.topk] for m in range(M)]).astype(np.int32)
+    gpu.copy_in(out["ids"], np.concatenate([ids.reshape(-1), np.full(out["ids"].shape[0] * s.topk - ids.size, -1)]))
+    x = randfill.hash_array((M, s.hidden), np.uint16, 77, randfill.ACT_BF16)
+    logits, got, _ = run(gpu, router, x, M, out, given=True)
+    np.testing.assert_array_equal(got, ids)
+    assert np.isfinite(logits).all()                                  # the logits are still computed
+    check_tiles(out, ids, s.experts)
+
+
+def test_invariant_logits_do_not_depend_on_the_batch(gpu):
+    router, _, _, out = make_router(gpu, "kimi", invariant=True, max_tokens=65)
+    s, M = router.shape, 65
+    assert len({(router.plan(m).splits, router.plan(m).kw) for m in (1, 8, 17, 33, 65)}) == 1
+    x = randfill.hash_array((M, s.hidden), np.uint16, 91, randfill.ACT_BF16)
+    xd = gpu.upload(x)
+    batch = [a.copy() for a in run(gpu, router, xd, M, out)]
+    for m in (0, 16, 64):
+        one = run(gpu, router, xd.ptr + m * s.hidden * 2, 1, out)
+        for a, b in zip(one, batch):
+            np.testing.assert_array_equal(a[0], b[m], err_msg=f"row {m}: M = 1 != M = {M}")
