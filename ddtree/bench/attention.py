@@ -9,9 +9,13 @@ recursive tree of q nodes. Bytes = the keys read once ((T + q) x 1152 B) plus qu
 FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense attention would).
 The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
 peak is the device's dense bf16 tensor rate from a table (null for devices not in it).
+Sweeps: --form / --warps / --stages / --splits / --row-groups force the plan (comma lists: every
+combination that compiles and fits is run, the others are named on stderr). --parts adds the split kernel
+alone and the combine alone, each timed the same way (where the time of a launch goes).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import click
@@ -46,7 +50,7 @@ def tree_visibility(q: int, seed: int) -> np.ndarray:
 
 
 def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: float, forced: dict,
-               l2_resident: bool = False) -> dict:
+               l2_resident: bool = False, parts: bool = False) -> dict:
     from ddtree.plugins import randfill
     from ddtree.plugins.mla_attention import MlaTreeAttention
     entry_bytes = 576 * 2
@@ -71,6 +75,20 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
             attn.run(q_lat, q_rope, caches[r % copies], vis, lengths, q, out, context_hint=T, stream=stream)
 
     us = time_graph(gpu, launch_all) * 1e3 / launches
+    split_us = combine_us = None
+    if parts:
+        p = attn.checked_plan(q, T)
+
+        def splits_only(stream):
+            for r in range(launches):
+                attn.launch_splits(p, q_lat, q_rope, caches[r % copies], vis, lengths, q, out, stream=stream)
+
+        def combine_only(stream):
+            for _ in range(launches):
+                attn.launch_combine(p, q, out, stream=stream)
+
+        split_us = round(time_graph(gpu, splits_only) * 1e3 / launches, 2)
+        combine_us = round(time_graph(gpu, combine_only) * 1e3 / launches, 2) if p.splits > 1 else 0.0
     nbytes = cache_bytes + q * heads * (576 + 512) * 2
     flops = 2.0 * q * heads * (T + q) * (576 + 512)
     gbps = nbytes / us / 1e3
@@ -81,6 +99,8 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
                     "row_tiles": plan.row_tiles,
                     "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own}, "caches": copies,
            "launches": launches}
+    if parts:
+        row["split_us"], row["combine_us"] = split_us, combine_us
     peak = dense_peak(gpu.name)
     row["pct_of_dense_bf16"] = round(100 * row["tflops"] / peak, 1) if peak else None
     gpu.free_all()
@@ -95,31 +115,41 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--launches", default=8, show_default=True,
               help="launches per captured graph (at least one per distinct cache)")
 @click.option("--form", type=click.Choice(["tree", "decode"]), default=None, help="force the kernel form (sweeps)")
-@click.option("--warps", type=int, default=None, help="force warps per block (sweeps)")
-@click.option("--stages", type=int, default=None, help="force the key-ring depth (sweeps)")
-@click.option("--splits", type=int, default=None, help="force the number of prefix splits (sweeps)")
-@click.option("--row-groups", type=int, default=None, help="force 8-row groups per block (sweeps)")
+@click.option("--warps", default=None, help="force warps per block (sweeps; a comma list runs each)")
+@click.option("--stages", default=None, help="force the key-ring depth (sweeps; a comma list runs each)")
+@click.option("--splits", default=None, help="force the number of prefix splits (sweeps; a comma list runs each)")
+@click.option("--row-groups", default=None, help="force 8-row groups per block (sweeps; a comma list runs each)")
+@click.option("--parts", is_flag=True, help="also time the split kernel alone and the combine alone")
 @click.option("--l2-resident", is_flag=True,
               help="diagnosis: one cache, re-read by every launch (served from L2 when it fits): the kernel's "
                    "compute-side rate, not a bandwidth result")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, l2_resident,
-                      as_json):
+def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, parts,
+                      l2_resident, as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
     contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
-    forced = {k: v for k, v in (("form", form), ("warps", warps), ("stages", stages), ("splits", splits),
-                                ("row_groups", row_groups)) if v is not None}
+    knobs = {k: _ints(v) if v is not None else [None] for k, v in
+             (("warps", warps), ("stages", stages), ("splits", splits), ("row_groups", row_groups))}
+    sweeps = [{"form": form, **dict(zip(knobs, combo))} for combo in itertools.product(*knobs.values())]
+    sweeps = [{k: v for k, v in f.items() if v is not None} for f in sweeps]
     gpu, ceiling = open_gpu()
     _say(f"{gpu.name}: dense bf16 peak {dense_peak(gpu.name)} TFLOP/s")
     rows = []
     for heads in heads_list:
         for T in contexts:
             for q in qs:
-                row = bench_case(gpu, T, q, heads, launches, ceiling["gbps"], forced, l2_resident)
-                rows.append(row)
-                _say(f"H {heads:3d} T {T:6d} q {q:3d}: {row['latency_us']:9.2f} us  {row['gbps']:7.1f} GB/s "
-                     f"({row['pct_of_ceiling']:5.1f} %)  {row['tflops']:6.1f} TFLOP/s  plan {row['plan']}")
+                for forced in sweeps:
+                    try:
+                        row = bench_case(gpu, T, q, heads, launches, ceiling["gbps"], forced, l2_resident, parts)
+                    except ValueError as e:                   # a forced combination not compiled or too big
+                        gpu.free_all()
+                        _say(f"H {heads:3d} T {T:6d} q {q:3d} {forced}: skipped: {e}")
+                        continue
+                    rows.append(row)
+                    extra = f"  split {row['split_us']} + combine {row['combine_us']} us" if parts else ""
+                    _say(f"H {heads:3d} T {T:6d} q {q:3d}: {row['latency_us']:9.2f} us  {row['gbps']:7.1f} GB/s "
+                         f"({row['pct_of_ceiling']:5.1f} %)  {row['tflops']:6.1f} TFLOP/s  plan {row['plan']}{extra}")
     result = {"bench": "attention", "device": gpu.name, "l2_resident": l2_resident, "rows": rows,
               "ceiling": {**ceiling, "dense_bf16_tflops": dense_peak(gpu.name)}}
     if as_json:

@@ -43,7 +43,7 @@ MIN_CHUNK = 64                     # keys per prefix split at least
 # q * H up to DECODE_MAX_ROWS rows take the decode form, up to DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
 # on (H200, 64 rows: the one-stream 8-row-group decode block is 2x slower than the tree form at 4096 keys,
 # 13 % faster at 32768 and 1.5x at 131072)
-DECODE_MAX_ROWS, DECODE_WIDE_ROWS, DECODE_WIDE_CONTEXT = 32, 64, 16384
+DECODE_MAX_ROWS, DECODE_WIDE_ROWS, DECODE_WIDE_CONTEXT = 32, 32, 16384
 MAX_Q, MAX_HEADS = 256, 128
 
 
@@ -62,19 +62,22 @@ def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int,
         return (pairs * 16 * row * 2 + stages * 32 * row * 2
                 + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 8 * stages)
     ring = stages * 16 * row * 2
-    merge = warps * 8 * latent * 4 + 2 * warps * 8 * 4
+    merge = warps * 8 * (latent + 4) * 4 + 2 * warps * 8 * 4          # fp32 rows padded by 4 (DEC_OROW)
     return (row_groups * 8 * row * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2
             + 2 * 8 * stages)
 
 
-def combine_shape(splits: int, latent: int) -> tuple[int, int]:
-    """(split groups, lanes) of mla_attention_combine's 256 threads: groups a power of two near the split
-    count (2 .. 16), lanes = 256 / groups 4-dim columns, fewer (more groups) when latent / 4 has no room
-    for them: the grid's y is latent / (4 lanes), so lanes must divide latent / 4 (a power of two >= 8
-    does, latent being a multiple of 32)."""
-    groups = min(16, max(2, 1 << (splits - 1).bit_length()))
-    lanes = 256 // groups
-    while (latent // 4) % lanes:
+def combine_shape(splits: int, latent: int, rows: int, sm_count: int) -> tuple[int, int]:
+    """(split groups, lanes) of mla_attention_combine's 256 threads (grid rows x latent / (4 lanes)): lanes of
+    4-dim columns as wide as latent / 4 allows (a power of two dividing it, <= 128), halved (groups doubled)
+    while the grid would not give every SM a block and the groups do not yet cover the splits (power of two),
+    down to 8 lanes. H200: 136 rows x 26 splits took 7.4 us as 1088 blocks of 16 x 16 (over one wave at 64
+    registers) where one block per row covers the row."""
+    top = 8
+    while top < 128 and (latent // 4) % (2 * top) == 0:
+        top *= 2
+    lanes = top
+    while lanes > 8 and rows * (latent // (4 * lanes)) < sm_count and 256 // lanes < 1 << (splits - 1).bit_length():
         lanes //= 2
     return 256 // lanes, lanes
 
@@ -140,13 +143,18 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
                          f"at latent {latent}, rope {rope}")
     if row_groups is None:
-        want = -(-rows // 8) if form == "decode" else 2 if rows <= 64 else 4 if rows <= 256 else 8
+        want = -(-rows // 8) if form == "decode" else 2 if rows <= 32 else 4 if rows <= 256 else 8
         groups = sorted({g for w, _, g in fits if warps is None or w == warps})
         row_groups = next((g for g in groups if g >= want), groups[-1])
     if warps is None:
         warps = max(w for w, _, g in fits if g == row_groups)
     if stages is None:
-        stages = max([s for w, s, g in fits if w == warps and g == row_groups] or [0])
+        rings = [s for w, s, g in fits if w == warps and g == row_groups] or [0]
+        # tree: the ring that keeps the most blocks resident, then the deepest (H200, 136 rows x 32768 keys:
+        # two 4-warp blocks of a 2-deep ring per SM 1.27x faster than one of a 3-deep ring); decode: the deepest
+        resident = (lambda s: blocks_per_sm(smem_bytes(form, warps, s, row_groups, latent, rope), smem_limit)) \
+            if form == "tree" else (lambda s: 1)
+        stages = max(rings, key=lambda s: (resident(s), s))
     if (form, warps, stages, row_groups) not in VARIANTS:
         raise ValueError(f"MLA tree attention: (form, warps, stages, row groups) = ({form!r}, {warps}, {stages}, "
                          f"{row_groups}) not compiled; have {VARIANTS}")
@@ -230,27 +238,42 @@ class MlaTreeAttention:
             vis: DeviceArray | int, lengths: DeviceArray | int, q: int, out: DeviceArray | int,
             lse: DeviceArray | int | None = None, context_hint: int | None = None, stream=None) -> AttentionPlan:
         """Launch (no host sync). context_hint picks the plan (default max_context); T comes from lengths."""
+        p = self.checked_plan(q, context_hint)
+        self.launch_splits(p, q_lat, q_rope, cache, vis, lengths, q, out, lse, stream)
+        if p.splits > 1:
+            self.launch_combine(p, q, out, lse, stream)
+        return p
+
+    def checked_plan(self, q: int, context_hint: int | None = None) -> AttentionPlan:
+        """The plan run() launches for q tokens at context_hint (default max_context), checked against the
+        workspace."""
         if not 1 <= q <= self.max_q:
             raise ValueError(f"MLA tree attention: q = {q} outside [1, {self.max_q}]")
         context = self.max_context if context_hint is None else context_hint
         if not 0 <= context <= self.max_context:
             raise ValueError(f"MLA tree attention: context_hint {context} outside [0, {self.max_context}]")
         p = self.plan(q, context)
-        rows = q * self.heads
-        if p.splits > 1 and p.splits * rows > self._part_rows:
-            raise ValueError(f"MLA tree attention: plan {p} needs {p.splits * rows} partial rows; "
+        if p.splits > 1 and p.splits * q * self.heads > self._part_rows:
+            raise ValueError(f"MLA tree attention: plan {p} needs {p.splits * q * self.heads} partial rows; "
                              f"the workspace has {self._part_rows}")
+        return p
+
+    def launch_splits(self, p: AttentionPlan, q_lat, q_rope, cache, vis, lengths, q: int, out, lse=None,
+                      stream=None) -> None:
+        """The split kernel alone: out / lse when p has one split, else the partials for launch_combine."""
         scale_log2 = np.float32(self.scale * math.log2(math.e))
         self.gpu.allow_smem(p.source, p.kernel, p.smem, self.defines)
         self.gpu.launch(self.gpu.kernel(p.source, p.kernel, self.defines), (p.row_tiles, p.splits), p.warps * 32,
                         p.smem, ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
-                        ptr(self.part_o), ptr(self.part_lse), np.int32(rows), np.int32(self.heads), np.int32(q),
-                        np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,
+                        ptr(self.part_o), ptr(self.part_lse), np.int32(q * self.heads), np.int32(self.heads),
+                        np.int32(q), np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,
                         stream=stream, pdl=self.pdl)
-        if p.splits > 1:
-            _, lanes = combine_shape(p.splits, self.latent)             # split groups x lanes = 256 threads
-            self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine", self.defines),
-                            (rows, self.latent // (4 * lanes)), 256, 256 * 16 + 4 * p.splits,
-                            ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
-                            np.int32(rows), np.int32(p.splits), np.int32(lanes), stream=stream, pdl=self.pdl)
-        return p
+
+    def launch_combine(self, p: AttentionPlan, q: int, out, lse=None, stream=None) -> None:
+        """mla_attention_combine alone: merges the partials of p's splits into out / lse."""
+        rows = q * self.heads
+        _, lanes = combine_shape(p.splits, self.latent, rows, self.gpu.sm_count)   # groups x lanes = 256 threads
+        self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine", self.defines),
+                        (rows, self.latent // (4 * lanes)), 256, 256 * 16 + 4 * p.splits,
+                        ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
+                        np.int32(rows), np.int32(p.splits), np.int32(lanes), stream=stream, pdl=self.pdl)

@@ -148,9 +148,9 @@ def test_attention_smem_follows_the_latent_dims():
     from ddtree.plugins.mla_attention import plan_attention, smem_bytes
     # tree, 2 pairs, 3 stages: q 32 rows + kv 3 x 32 rows of 88 bf16, p 2 x 16 x 40 bf16, swap 2 x 2 x 16 fp32, 3 u64
     assert smem_bytes("tree", 4, 3, 4, 64, 16) == 32 * 88 * 2 + 96 * 88 * 2 + 2 * 16 * 40 * 2 + 2 * 2 * 16 * 4 + 3 * 8
-    # decode, 1 row group x 2 streams, 4 slots: q 8 rows; union(ring 4 x 16 rows, merge 2 x 8 x 64 fp32 + m, l);
-    # pt 2 x 8 x 24 bf16; full + empty 2 x 4 u64
-    assert smem_bytes("decode", 2, 4, 1, 64, 16) == 8 * 88 * 2 + max(4 * 16 * 88 * 2, 2 * 8 * 64 * 4 + 2 * 2 * 8 * 4) \
+    # decode, 1 row group x 2 streams, 4 slots: q 8 rows; union(ring 4 x 16 rows, merge 2 x 8 x (64 + 4) fp32
+    # + m, l); pt 2 x 8 x 24 bf16; full + empty 2 x 4 u64
+    assert smem_bytes("decode", 2, 4, 1, 64, 16) == 8 * 88 * 2 + max(4 * 16 * 88 * 2, 2 * 8 * 68 * 4 + 2 * 2 * 8 * 4) \
         + 2 * 8 * 24 * 2 + 2 * 4 * 8
     assert smem_bytes("tree", 4, 3, 4, 512, 64) == 32 * 584 * 2 + 96 * 584 * 2 + 2 * 16 * 40 * 2 + 2 * 2 * 16 * 4 + 24
     tiny = plan_attention(64, 4, 4096, 188, 101376, latent=64, rope=16)
@@ -159,15 +159,23 @@ def test_attention_smem_follows_the_latent_dims():
 
 
 def test_combine_shape_divides_the_latent():
-    """mla_attention_combine's grid y is latent / (4 lanes): lanes shrink (groups grow) where latent / 4
-    does not divide by them; Kimi's shape is what it was (groups = pow2 >= splits, 2 .. 16)."""
+    """mla_attention_combine's grid y is latent / (4 lanes): lanes divide latent / 4 at every dims; they narrow
+    (groups grow, up to the split count's power of two) only while the grid would leave SMs without a block."""
     from ddtree.plugins.mla_attention import combine_shape
     for latent in (32, 64, 96, 160, 512):
         for splits in (2, 3, 5, 17, 200):
-            groups, lanes = combine_shape(splits, latent)
-            assert groups * lanes == 256 and (latent // 4) % lanes == 0 and lanes >= 8
-    assert [combine_shape(s, 512) for s in (2, 3, 5, 17, 200)] == [(2, 128), (4, 64), (8, 32), (16, 16), (16, 16)]
-    assert combine_shape(2, 64) == (16, 16) and combine_shape(3, 96) == (32, 8)
+            for rows in (8, 64, 136, 2048):
+                groups, lanes = combine_shape(splits, latent, rows, 132)
+                blocks = rows * latent // (4 * lanes)
+                assert groups * lanes == 256 and (latent // 4) % lanes == 0 and 8 <= lanes <= 128
+                if lanes > 8:      # narrower would not have helped: the grid fills the GPU or groups cover the splits
+                    assert blocks >= 132 or groups >= 2 ** (splits - 1).bit_length()
+    # H200 shapes: 136 rows x 26 splits one block per row (it was 1088 blocks of 16 x 16: over one wave);
+    # 8 rows x 132 splits 32 groups of 8 lanes; few splits over few rows as before
+    assert combine_shape(26, 512, 136, 132) == (2, 128)
+    assert combine_shape(132, 512, 8, 132) == (32, 8)
+    assert [combine_shape(s, 512, 8, 132) for s in (2, 3, 5)] == [(2, 128), (4, 64), (8, 32)]
+    assert combine_shape(2, 64, 8, 132) == (16, 16) and combine_shape(3, 96, 8, 132) == (32, 8)
 
 
 def test_gemm_plans_against_the_recorded_h200_sweep():

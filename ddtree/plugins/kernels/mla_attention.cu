@@ -53,8 +53,16 @@ __device__ __forceinline__ void mla_attention_split(
     const int rows_per_block = NPAIR * 16, row0 = blockIdx.x * rows_per_block;
     const int split = blockIdx.y, n_splits = P + tree_own;
 
+    PROF_NS
+    PROF_T(0)
     pdl_wait();                                      // queries, lengths and new cache entries come from earlier kernels
     pdl_trigger();
+    PROF_T(1)
+    // ---- loads: the query rows (cp.async, in flight while T is read), then the key ring (bulk copies,
+    // one key row per copy: a few instructions instead of 72 cp.async per key; keys past `end` copy the
+    // last valid row, whose probability the mask sets to 0) ------------------------------------------------
+    mla_load_queries<NPAIR * 16>(sm.q, q_lat, q_rope, row0, R);
+    cp_async_commit();
     const int T = ld_cg_s32(lengths);
 
     // key range of this split; keys >= T are tree nodes and only visible along ancestor chains
@@ -62,16 +70,11 @@ __device__ __forceinline__ void mla_attention_split(
     const int begin = range.begin, end = range.end;
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
 
-    // ---- loads: the query rows (cp.async), then the key ring (bulk copies, one key row per copy:
-    // a few instructions instead of 72 cp.async per key; keys past `end` copy the last valid row, whose
-    // probability the mask sets to 0) --------------------------------------------------------------------
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) mbar_init(&sm.full[i], 1);
         mbar_init_fence();
     }
-    mla_load_queries<NPAIR * 16>(sm.q, q_lat, q_rope, row0, R);
-    cp_async_commit();
     __syncthreads();                                 // barriers initialised
     // MLA_NB = 32 key rows, one bulk copy each, spread over the warps (a copy may complete before thread 0
     // arms the barrier: the transaction count may go negative, the phase cannot complete before the arrive)
@@ -102,6 +105,7 @@ __device__ __forceinline__ void mla_attention_split(
     const bf16_t* qa = &sm.q[pair * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][(lane >> 4) * 8];   // A: x4 over (rows, k)
 
     PROF_INIT
+    PROF_T(2)
     for (int b = 0; b < nblk; ++b) {
         PROF_MARK(5)
         if (b) __syncthreads();                      // everyone is done with block b - 1's slot
@@ -113,17 +117,38 @@ __device__ __forceinline__ void mla_attention_split(
         const bf16_t (*kv)[MLA_ROW] = sm.kv[b % STAGES];
         const int key0 = begin + b * MLA_NB;
 
-        // scores of 16 rows x this warp's 16 keys (two n-tiles), over MLA_DK dims
+        // scores of 16 rows x this warp's 16 keys (two n-tiles), over MLA_DK dims: four accumulator chains
+        // (n-tile x even / odd 16-dim step), half the dependent-mma depth of two (H200, one warp per SMSP:
+        // the two-chain loop took ~36 mma latencies per block)
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         const bf16_t* kb = &kv[half * 16 + (lane & 7) + (lane >> 4) * 8][((lane >> 3) & 1) * 8];  // B: x4 over (keys, k)
 #pragma unroll
-        for (int k = 0; k < MLA_DK; k += 16) {
+        for (int k = 0; k + 32 <= MLA_DK; k += 32) {
+            u32 a[4], bk[4], a1[4], bk1[4];
+            ldsm_x4(a, qa + k);
+            ldsm_x4(bk, kb + k);
+            ldsm_x4(a1, qa + k + 16);
+            ldsm_x4(bk1, kb + k + 16);
+            mma_bf16_16816(s[0], a, bk[0], bk[1]);
+            mma_bf16_16816(s[1], a, bk[2], bk[3]);
+            mma_bf16_16816(s_odd[0], a1, bk1[0], bk1[1]);
+            mma_bf16_16816(s_odd[1], a1, bk1[2], bk1[3]);
+        }
+#if MLA_DK % 32 != 0
+        {                                            // the last 16 dims when MLA_DK is an odd multiple of 16
+            constexpr int k = MLA_DK - 16;
             u32 a[4], bk[4];
             ldsm_x4(a, qa + k);
             ldsm_x4(bk, kb + k);
             mma_bf16_16816(s[0], a, bk[0], bk[1]);
             mma_bf16_16816(s[1], a, bk[2], bk[3]);
         }
+#endif
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] += s_odd[nt][e];
         PROF_MARK(2)
         // scale to log2 units, mask keys past the split and tree keys off the ancestor chain
         const bool masked = key0 + MLA_NB > T;
@@ -200,6 +225,7 @@ __device__ __forceinline__ void mla_attention_split(
         }
     }
     PROF_MARK(5)
+    PROF_T(3)
     PROF_PRINT("tree", nblk)
 
     // ---- finish: full row sums from both halves, normalise, write -----------------------------------
@@ -240,14 +266,17 @@ __device__ __forceinline__ void mla_attention_split(
             if (half == 0 && t == 0) part_lse[(size_t)split * R + rr[hi]] = lse2[hi];
         }
     }
+    PROF_TIMELINE("tree")
 }
 
 // Merge the splits (both forms write the same partials): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) o_s.
 // Grid (R, MLA_DL / (4 * lanes)), block 256 = groups x lanes with groups = 256 / lanes a power of two: thread
-// (group, lane) sums splits group, group + groups, .. for 4 dims (loads unrolled by 4: independent, so
-// they are in flight together; a serial loop would pay one L2 round trip per split), then the groups add
-// up in shared memory. Dynamic smem: n_splits floats (the weights) + groups * lanes float4.
+// (group, lane) sums splits group, group + groups, .. for 4 dims, then the groups add up in shared memory.
+// The first CMB_PREFETCH of a thread's partials are loaded right after the wait, before the weights are
+// known, so their L2 round trip overlaps the one of the log-sum-exps (the rest: loads unrolled by 4,
+// independent, in flight together). Dynamic smem: n_splits floats (the weights) + groups * lanes float4.
 // Empty splits carry lse = -inf and zero outputs, so their weight 0 multiplies zeros.
+#define CMB_PREFETCH 8                // partials per thread loaded before the weights (a float4 each)
 extern "C" __global__ void __launch_bounds__(256)
 mla_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse, bf16_t* __restrict__ out,
                       float* __restrict__ lse_out, int R, int n_splits, int lanes) {
@@ -263,6 +292,14 @@ mla_attention_combine(const float* __restrict__ part_o, const float* __restrict_
     const int r = blockIdx.x, groups = blockDim.x / lanes;
     const int group = threadIdx.x / lanes, lane = threadIdx.x - group * lanes, d = (blockIdx.y * lanes + lane) * 4;
     const int warp = threadIdx.x >> 5;
+    const float* base = part_o + (size_t)r * MLA_DL + d;
+    const size_t step = (size_t)R * MLA_DL;
+    float4 pre[CMB_PREFETCH];                        // splits group + u * groups, u < CMB_PREFETCH
+#pragma unroll
+    for (int u = 0; u < CMB_PREFETCH; ++u) {
+        const int s = group + u * groups;
+        pre[u] = s < n_splits ? ld_cg_f4((const float4*)(base + (size_t)s * step)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float m = DD_NEG_INF;
     for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
         const float v = ld_cg_f32(&part_lse[(size_t)s * R + r]);
@@ -290,9 +327,15 @@ mla_attention_combine(const float* __restrict__ part_o, const float* __restrict_
     for (int i = 0; i < (int)(blockDim.x >> 5); ++i) wsum += s_sum[i];
 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float* base = part_o + (size_t)r * MLA_DL + d;
-    const size_t step = (size_t)R * MLA_DL;
-    int s = group;
+#pragma unroll
+    for (int u = 0; u < CMB_PREFETCH; ++u) {
+        const int s = group + u * groups;
+        if (s < n_splits) {
+            const float e = w[s];
+            acc.x += e * pre[u].x; acc.y += e * pre[u].y; acc.z += e * pre[u].z; acc.w += e * pre[u].w;
+        }
+    }
+    int s = group + CMB_PREFETCH * groups;
     for (; s + 3 * groups < n_splits; s += 4 * groups) {
         float4 v[4];
 #pragma unroll

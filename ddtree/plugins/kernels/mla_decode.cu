@@ -21,6 +21,7 @@
 #define DEC_ROWS 8                 // query rows per block (the mma N)
 #define DEC_PROW 24                // P^T row stride in bf16 (48 B)
 #define DEC_MT (MLA_DL / 16)       // 16-dim m-tiles of O^T (Kimi: 32)
+#define DEC_OROW (MLA_DL + 4)      // merge-area row in fp32: + 4 puts lanes (g, t) of a store on 32 distinct banks
 
 template <int RG, int KS, int RS>
 struct DecodeSmem {
@@ -28,7 +29,7 @@ struct DecodeSmem {
     bf16_t q[RG * DEC_ROWS][MLA_ROW];
     union {
         bf16_t kv[RS][16][MLA_ROW];
-        struct { float o[W][DEC_ROWS][MLA_DL]; float m[W][DEC_ROWS]; float l[W][DEC_ROWS]; } merge;
+        struct { float o[W][DEC_ROWS][DEC_OROW]; float m[W][DEC_ROWS]; float l[W][DEC_ROWS]; } merge;
     };
     bf16_t pt[W][DEC_ROWS][DEC_PROW];          // a warp's probabilities, [row][key]
     u64 full[RS];                              // slot landed (phase = use count & 1)
@@ -58,6 +59,8 @@ __device__ __forceinline__ void mla_decode_split(
     pdl_wait();
     pdl_trigger();
     PROF_T(1)
+    mla_load_queries<RG * DEC_ROWS>(sm.q, q_lat, q_rope, row0, R);        // in flight while T is read
+    cp_async_commit();
     const int T = ld_cg_s32(lengths);
     const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, RG * DEC_ROWS, NB);
     const int begin = range.begin, end = range.end;
@@ -71,8 +74,6 @@ __device__ __forceinline__ void mla_decode_split(
         }
         mbar_init_fence();
     }
-    mla_load_queries<RG * DEC_ROWS>(sm.q, q_lat, q_rope, row0, R);
-    cp_async_commit();
     __syncthreads();                                 // barriers initialised
     // sub-block j (of this warp's stream; called by its row-group-0 warp) into slot j % RS, one key row per
     // lane. Keys past `end` copy the last valid row: finite values whose probability the mask sets to 0.
@@ -204,7 +205,7 @@ __device__ __forceinline__ void mla_decode_split(
     PROF_PRINT("decode", nsub)
     __syncthreads();                                 // every issued copy was waited for: the ring becomes the merge area
 
-    // ---- merge the warps: weights 2^(m_w - M), exact ------------------------------------------------
+    // ---- merge the warps: weights 2^(m_w - M) / L per (row, stream), exact ------------------------------
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi)
 #pragma unroll
@@ -221,29 +222,43 @@ __device__ __forceinline__ void mla_decode_split(
         sm.merge.o[warp][2 * t + 1][16 * mt + g + 8] = o[mt][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < RG * DEC_ROWS * (MLA_DL / 2); i += blockDim.x) {
-        const int rowb = i / (MLA_DL / 2), d = (i - rowb * (MLA_DL / 2)) * 2, r = row0 + rowb;
-        if (r >= R) continue;
+    // one thread per row: m[w][row] becomes the stream's weight 2^(m_w - M) / L, l[w0][row] the row's log2-sum-exp
+    for (int rowb = threadIdx.x; rowb < RG * DEC_ROWS; rowb += blockDim.x) {
         const int w0 = (rowb / DEC_ROWS) * KS, row = rowb % DEC_ROWS;     // the KS warps of this row group
         float M = DD_NEG_INF;
 #pragma unroll
         for (int k = 0; k < KS; ++k) M = fmaxf(M, sm.merge.m[w0 + k][row]);
         const float M_use = M == DD_NEG_INF ? 0.f : M;
-        float L = 0.f, v0 = 0.f, v1 = 0.f;
+        float e[KS], L = 0.f;
 #pragma unroll
         for (int k = 0; k < KS; ++k) {
-            const float e = exp2f(sm.merge.m[w0 + k][row] - M_use);
-            L += e * sm.merge.l[w0 + k][row];
-            v0 += e * sm.merge.o[w0 + k][row][d];
-            v1 += e * sm.merge.o[w0 + k][row][d + 1];
+            e[k] = exp2f(sm.merge.m[w0 + k][row] - M_use);
+            L += e[k] * sm.merge.l[w0 + k][row];
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
-        const float lse2 = L > 0.f ? M_use + log2f(L) : DD_NEG_INF;
+#pragma unroll
+        for (int k = 0; k < KS; ++k) sm.merge.m[w0 + k][row] = e[k] * inv;
+        sm.merge.l[w0][row] = L > 0.f ? M_use + log2f(L) : DD_NEG_INF;
+    }
+    __syncthreads();
+    // 4 dims per item: consecutive threads take consecutive 16-byte pieces of a row (coalesced writes)
+    for (int i = threadIdx.x; i < RG * DEC_ROWS * (MLA_DL / 4); i += blockDim.x) {
+        const int rowb = i / (MLA_DL / 4), d = (i - rowb * (MLA_DL / 4)) * 4, r = row0 + rowb;
+        if (r >= R) continue;
+        const int w0 = (rowb / DEC_ROWS) * KS, row = rowb % DEC_ROWS;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < KS; ++k) {
+            const float e = sm.merge.m[w0 + k][row];
+            const float4 x = *(const float4*)&sm.merge.o[w0 + k][row][d];
+            v.x += e * x.x; v.y += e * x.y; v.z += e * x.z; v.w += e * x.w;
+        }
+        const float lse2 = sm.merge.l[w0][row];
         if (n_splits == 1) {
-            *(u32*)(out + (size_t)r * MLA_DL + d) = pack_bf16x2(v0 * inv, v1 * inv);
+            *(uint2*)(out + (size_t)r * MLA_DL + d) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
             if (lse_out && d == 0) lse_out[r] = lse2 * 0.69314718055994531f;
         } else {
-            *(float2*)(part_o + ((size_t)split * R + r) * MLA_DL + d) = make_float2(v0 * inv, v1 * inv);
+            *(float4*)(part_o + ((size_t)split * R + r) * MLA_DL + d) = v;
             if (d == 0) part_lse[(size_t)split * R + r] = lse2;
         }
     }
