@@ -32,7 +32,7 @@ WARP_CHOICES = (4, 8, 16)
 DRAM_B_PER_US = 4.0e6                   # the weights stream once from HBM
 SM_B_PER_US = 5.0e4                     # what one SM pulls from L2 (weights, token rows, partials)
 HANDOFF_US = 0.5                        # one arrive_last: fence, atomic, barrier
-ROUTE_US = 0.3                          # one token routed by one warp
+ROUTE_US = 1.0                          # one token routed by one warp (~7 us before the loads were hoisted)
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,19 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
     if not options:
         raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}) "
                          f"fits {smem_limit} B of shared memory with every warp given a chunk")
-    return min(options, key=lambda p: (plan_cost(M, shape, p, sm_count), p.splits, p.warps, p.tiles))
+    # near-ties (within 3 %: the weights' DRAM floor binds most plans at few rows) go to more warps, then fewer
+    # splits: 16 warps were the best or within 2 % at 1, 17 and 65 rows in the H200 sweep (kernels/NOTES.md)
+    best = min(plan_cost(M, shape, p, sm_count) for p in options)
+    near = [p for p in options if plan_cost(M, shape, p, sm_count) <= 1.03 * best]
+    return min(near, key=lambda p: (-p.warps, p.splits, p.tiles))
+
+
+def invariant_knobs(shape: RouterShape, sm_count: int, smem_limit: int) -> dict:
+    """The batch-invariant plan's knobs: the warps, tiles and k-splits planned for the row count with the
+    widest token block (the most shared memory for token rows), used at every M up to max_tokens."""
+    widest = max(range(1, shape.max_tokens + 1), key=lambda m: token_blocks(m)[0])
+    p = plan_router(widest, shape, sm_count, smem_limit)
+    return {"warps": p.warps, "tiles": p.tiles, "splits": p.splits}
 
 
 class FusedRouter:
@@ -160,10 +172,7 @@ class FusedRouter:
         self.gpu, self.shape, self.weight, self.bias = gpu, shape, weight, bias
         self.pdl = pdl and supports_pdl(gpu)
         self._overrides: dict[int, RouterPlan] = {}
-        self.fixed: dict = {}
-        if invariant:
-            p = self.plan(shape.max_tokens)
-            self.fixed = {"warps": p.warps, "tiles": p.tiles, "splits": p.splits}
+        self.fixed = invariant_knobs(shape, gpu.sm_count, gpu.smem_optin) if invariant else {}
         plans = [(m, self.plan(m)) for m in range(1, shape.max_tokens + 1)]
         self.partial = gpu.alloc(max([p.partial_floats(m, shape.experts) for m, p in plans] + [1]), np.float32)
         self.counters = gpu.zeros(max(p.mb * p.nb + p.mb + 1 for _, p in plans), np.uint32)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ddtree.model.routing import route_logits, topk_lowest_id
-from ddtree.plugins.router import (MAX_WARPS, RouterShape, plan_router, route_ref, router_smem, select_ref,
-                                   token_blocks)
+from ddtree.plugins.router import (MAX_WARPS, RouterShape, invariant_knobs, plan_router, route_ref, router_smem,
+                                   select_ref, token_blocks)
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
 SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),
@@ -96,13 +96,17 @@ def test_smem_formula_by_hand():
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_invariant_plan_is_one_split_order(arch):
-    a, shape = ARCHS[arch], SHAPES["kimi_tp8"]
-    top = plan_router(shape.max_tokens, shape, a["sm_count"], a["smem_limit"])
-    fixed = {"warps": top.warps, "tiles": top.tiles, "splits": top.splits}
-    for M in range(1, shape.max_tokens + 1):
+@pytest.mark.parametrize("max_tokens", [1, 16, 57, 65, 100, 256])
+def test_invariant_plan_is_one_split_order(arch, max_tokens):
+    """One (warps, tiles, splits) for every M up to max_tokens, fitting at each (65 rows: two blocks of 40
+    and 25, narrower than 57..64's one block of 64: the H200 run of b851a9b's GPU test found the plan taken at
+    max_tokens that did not fit at 49 rows)."""
+    a = ARCHS[arch]
+    shape = RouterShape(384, 7168, 8, scaling=2.827, max_tokens=max_tokens)
+    fixed = invariant_knobs(shape, a["sm_count"], a["smem_limit"])
+    for M in range(1, max_tokens + 1):
         p = plan_router(M, shape, a["sm_count"], a["smem_limit"], **fixed)
-        assert (p.warps, p.tiles, p.splits) == (top.warps, top.tiles, top.splits)
+        assert (p.warps, p.tiles, p.splits) == (fixed["warps"], fixed["tiles"], fixed["splits"])
         assert p.smem <= a["smem_limit"]
 
 
