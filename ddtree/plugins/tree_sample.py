@@ -22,10 +22,14 @@ The token at every row is the sampling definition of docs/interfaces.md section 
 for the position query_pos + 1: greedy, or Gumbel-max over z = l / T with top-k / top-p, in float64.
 With `tree` (a DeviceTree from DraftTreeBuilder), the last block walks it (ddtree/tree/walk.py).
 Without a tree it is a plain sampler (autoregressive decoding: n = 1).
-Limits: top_k <= 256 (a larger top_k raises; 0 or >= V means off). The top-p normaliser sums the far
-tail (below z_max - 20) in float32: the kept set can differ from a float64 sum only when the cumulative
-probability lands within ~1e-9 of top_p (see kernels/sample.cu). A top-p cut among more than 2048 logits
-within 1/128 of z of each other is not exact and is reported by check_status (kernels/sample_top_p.cu).
+Limits: top_k <= 256 (a larger top_k raises; 0 or >= V means off).
+Top-p without top-k (kernels/sample_top_p.cu, numpy twin plugins/top_p_bins.py): float32 weights in exact
+fixed point per bin, the cut in float64, and a certified bound. A row whose cumulative probability at the
+cut lies within the bound of top_p (about 2e-11 at V 163840: the definition's own float64 rounding
+dominates it) keeps the kernels' cut and is *flagged*, not recomputed: SP_STATUS_INEXACT, per row in
+row_state(n)["flags"] and counted in inexact_rows; a cut bin of more than 4096 tokens (logits within 1/128
+of z of each other) is kept whole and flagged BIN_OVERFLOW. check_status raises on either unless
+allow_inexact=True (then it returns the flags).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
 from ddtree.plugins.gemm import supports_pdl
+from ddtree.plugins.top_p_bins import bin_scales
 from ddtree.tree.sampling import SamplingParams
 
 SOURCE, TOP_P_SOURCE = "sample.cu", "sample_top_p.cu"
@@ -45,12 +50,17 @@ SLICE = 16384                  # SP_SLICE
 CANDIDATES = 256               # SP_CAND: per slice, top-p without top-k; also the largest top_k
 MAX_LIST_KEYS = 3072           # SP_MAX_LIST_KEYS: S * C keys of a row merged in shared memory
 MASS_BINS = 4096               # SP_BINS
+MAX_BIN_KEYS = 4096            # SP_MAX_BIN_KEYS: tokens of a top-p crossing bin sorted in shared memory
+MAX_TOP_P_VOCAB = 1 << 28      # a row's fixed-point bin sums (2^35 per token) stay below 2^64
 MAX_ROWS = 256
+ROW_MAX_THREADS = 256          # SP_MAX_THREADS (sample_row_max)
 GREEDY, GUMBEL, TOP_K, TOP_P = "greedy", "gumbel", "top_k", "top_p"
-STATUS_NAN_TARGET, STATUS_BIN_OVERFLOW, STATUS_WRONG_MODE = 2, 4, 8
+STATUS_NAN_TARGET, STATUS_BIN_OVERFLOW, STATUS_WRONG_MODE, STATUS_INEXACT = 2, 4, 8, 16
 WINNER_BYTES = 16              # struct Winner { double value; int id; } (padded)
-PARTS_BYTES = 16               # struct SliceParts { float max, left_out; double sum; }
-ROW_STATE_BYTES = 32           # struct RowState (sample_common.cuh)
+# struct RowState (sample_common.cuh): top-p's per-row decision, read back by tests and diagnostics
+ROW_STATE_DTYPE = np.dtype([("l_top", "<f4"), ("bin", "<i4"), ("above", "<f8"), ("norm", "<f8"),
+                            ("err_above", "<f8"), ("err_below", "<f8"), ("cut_key", "<u8"), ("kept", "<u4"),
+                            ("flags", "<u4")], align=True)
 # struct SampleParamsDev (sample_common.cuh): the device record every sampling kernel reads
 SAMPLE_PARAMS_DTYPE = np.dtype([("temperature", "<f8"), ("top_p", "<f8"), ("top_k", "<i4"), ("candidates", "<i4"),
                                 ("seed_lo", "<u4"), ("seed_hi", "<u4")], align=True)
@@ -102,12 +112,16 @@ class TreeSampler:
         self.S = math.ceil(vocab / SLICE)
         self.pdl = supports_pdl(gpu) if pdl is None else pdl
         self.keys = gpu.alloc((max_rows * self.S * CANDIDATES,), np.uint64)
-        self.wins = gpu.alloc((max_rows * self.S * WINNER_BYTES,), np.uint8)
-        self.parts = gpu.alloc((max_rows * self.S * PARTS_BYTES,), np.uint8)
-        self.state = gpu.zeros((max_rows * ROW_STATE_BYTES,), np.uint8)      # cleared by the kernels after use
+        self.wins = gpu.alloc((max_rows * self.S * 2 * WINNER_BYTES,), np.uint8)  # top-p: above the bin, in it
+        self.slice_max = gpu.alloc((max_rows * self.S,), np.float32)
+        self.state = gpu.zeros((max_rows * ROW_STATE_DTYPE.itemsize,), np.uint8)
         self.mass = gpu.zeros((max_rows, MASS_BINS), np.uint64)              # fixed point; cleared after use
+        self.bin_keys = gpu.alloc((max_rows, MAX_BIN_KEYS), np.uint64)
+        self.row_counts = gpu.zeros((2 * max_rows,), np.uint32)              # cleared after use
+        self.bin_scale = gpu.upload(bin_scales())                            # exp(-b / 128)
         self.status = gpu.zeros((1,), np.int32)
-        self.full_row_rows = gpu.zeros((1,), np.uint32)      # running count of rows that needed sample_top_p.cu
+        self.full_row_rows = gpu.zeros((1,), np.uint32)      # running count of top-p rows that kept > 256 tokens
+        self.inexact_rows = gpu.zeros((1,), np.uint32)       # running count of flagged top-p rows
         self.row_tickets = gpu.zeros((max_rows,), np.uint32)
         self.done_ticket = gpu.zeros((1,), np.uint32)
         self.params = gpu.zeros((SAMPLE_PARAMS_DTYPE.itemsize,), np.uint8)   # SampleParamsDev: set_params
@@ -118,7 +132,9 @@ class TreeSampler:
         """Write `params` into the device record (stream-ordered memsets on `stream`, default the Gpu's);
         returns the plan whose mode picks the kernels (and the graph) that serve it."""
         plan = plan_sampling(params, self.V)
-        if plan.candidates and self.S * plan.candidates > MAX_LIST_KEYS:
+        if plan.mode == TOP_P and self.V > MAX_TOP_P_VOCAB:
+            raise ValueError(f"TreeSampler: top-p without top-k supports vocab <= {MAX_TOP_P_VOCAB}, got {self.V}")
+        if plan.mode == TOP_K and self.S * plan.candidates > MAX_LIST_KEYS:
             raise ValueError(f"TreeSampler: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
                              f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
         words = params_record(params, plan).tobytes()
@@ -162,20 +178,27 @@ class TreeSampler:
         elif mode == GUMBEL:
             launch(SOURCE, "sample_gumbel", ptr(logits), np.int32(self.V), ptr(query_pos), p, ptr(self.wins),
                    ptr(o.target), ptr(self.status), *walk)
-        else:
+        elif mode == TOP_K:
             launch(SOURCE, "sample_filtered", ptr(logits), np.int32(self.V), ptr(query_pos), p, ptr(self.keys),
-                   ptr(self.parts), ptr(self.state), ptr(o.target), ptr(self.status), ptr(self.full_row_rows),
-                   np.int32(mode == TOP_P), *walk)
-            if mode == TOP_P:
-                launch(TOP_P_SOURCE, "sample_mass", ptr(logits), np.int32(self.V), p, ptr(self.state),
-                       ptr(self.mass), ptr(self.status), ptr(self.row_tickets))
-                launch(TOP_P_SOURCE, "sample_kept", ptr(logits), np.int32(self.V), ptr(query_pos), p,
-                       ptr(self.state), ptr(self.wins), ptr(o.target), *walk)
+                   ptr(o.target), ptr(self.status), *walk)
+        else:
+            launch(TOP_P_SOURCE, "sample_row_max", ptr(logits), np.int32(self.V), p, ptr(self.slice_max),
+                   ptr(self.status), threads=ROW_MAX_THREADS)
+            launch(TOP_P_SOURCE, "sample_mass", ptr(logits), np.int32(self.V), p, ptr(self.slice_max),
+                   ptr(self.bin_scale), ptr(self.state), ptr(self.mass), ptr(self.row_tickets))
+            launch(TOP_P_SOURCE, "sample_kept", ptr(logits), np.int32(self.V), ptr(query_pos), p,
+                   ptr(self.bin_scale), ptr(self.state), ptr(self.wins), ptr(self.bin_keys), ptr(self.row_counts),
+                   ptr(o.target), ptr(self.status), ptr(self.full_row_rows), ptr(self.inexact_rows), *walk)
         return SampleOutputs(o.target.view(0, (n,)), o.accepted.view(0, (n,)), o.count, o.bonus)
 
-    def check_status(self) -> None:
-        """Raise if any run since the last check saw NaN target logits, parameters of another mode or an
-        inexact top-p cut (synchronises; outside graphs)."""
+    def row_state(self, n: int) -> np.ndarray:
+        """The last top-p launch's per-row decision [n] ROW_STATE_DTYPE (bin, kept, cut_key, flags, ...)."""
+        return self.state.numpy()[: n * ROW_STATE_DTYPE.itemsize].view(ROW_STATE_DTYPE)
+
+    def check_status(self, allow_inexact: bool = False) -> int:
+        """Raise if any run since the last check saw NaN target logits, parameters of another mode or (unless
+        allow_inexact) a top-p cut not certified to be the definition's; returns the flags (synchronises;
+        outside graphs)."""
         flags = int(self.status.numpy()[0])
         if flags:
             self.gpu.memset(self.status, 0)
@@ -184,6 +207,10 @@ class TreeSampler:
         if flags & STATUS_WRONG_MODE:
             raise ValueError("TreeSampler: kernels of one sampling mode ran with the parameters of another (replay "
                              "the graph of the mode set_params returned; sampled tokens are meaningless)")
-        if flags & STATUS_BIN_OVERFLOW:
-            raise ValueError("TreeSampler: a top-p cut fell among more than 2048 logits within 1/128 of z of "
-                             "each other; that bin was kept whole (not the exact definition)")
+        if flags & STATUS_BIN_OVERFLOW and not allow_inexact:
+            raise ValueError(f"TreeSampler: a top-p cut fell among more than {MAX_BIN_KEYS} logits within 1/128 of z "
+                             "of each other; that bin was kept whole (not the exact definition)")
+        if flags & STATUS_INEXACT and not allow_inexact:
+            raise ValueError("TreeSampler: a top-p cut lay within the certified error bound of top_p (inexact: the "
+                             "kernels' cut may not be the float64 definition's; row_state(n)['flags'] says which row)")
+        return flags

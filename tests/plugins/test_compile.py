@@ -29,7 +29,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                                   "draft_attention_combine"],
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
            "sample.cu": ["sample_greedy", "sample_gumbel", "sample_filtered"],
-           "sample_top_p.cu": ["sample_mass", "sample_kept"],
+           "sample_top_p.cu": ["sample_row_max", "sample_mass", "sample_kept"],
            "layer_ops.cu": ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "add_rows", "rope_interleaved",
                             "rope_rotate_half", "head_rms_norm", "silu_mul", "gather_rows", "cast_f32_bf16", "positions_from", "rows_at"],
            "step_state.cu": ["step_prologue", "ctx_window", "step_commit", "step_force_accept"],
@@ -37,15 +37,16 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)]}
 
 
-# sha256 of Kimi's (latent 512, rope 64) cubins as built before the dims became defines (commit 760fc5a, the
-# kernels the H200 numbers in ddtree/plugins/kernels/NOTES.md were measured with), by NVRTC version.
-# kv_cache.cu's were recomputed (compile_cubin, NVRTC 13.5) when kv_compact gained its device count
-# (min(n, *count) entries move); its timings are not among ddtree/plugins/kernels/NOTES.md numbers.
+# sha256 of Kimi's (latent 512, rope 64) cubins, by NVRTC version: the kernels the H200 numbers in
+# ddtree/plugins/kernels/NOTES.md were measured with. The attention's (mla_attention.cu, mla_decode.cu) are
+# those of commit c79509e (issue 23's before/after tables and plan sweep); kv_cache.cu's were recomputed
+# (compile_cubin, NVRTC 13.5) when kv_compact gained its device count (min(n, *count) entries move); its
+# timings are not among ddtree/plugins/kernels/NOTES.md numbers.
 KIMI_CUBINS = {(13, 5): {
-    ("mla_attention.cu", "sm_90"): "b1fb4d307cb0b403b93c8fe26d42b4633c20e5c8943430c3c410ffb8e970287f",
-    ("mla_attention.cu", "sm_120"): "c31e5a1363fdbb382ac31b7dca77d1a4b3bca95285f32cb34122bee3e28eaf85",
-    ("mla_decode.cu", "sm_90"): "c489f4979fb913949d811201bafc2c89f4bb4fbfbf88a136ed16f9205033393f",
-    ("mla_decode.cu", "sm_120"): "a889461e5d4b338c4655c6aa45238977465a7113b467fdca017d146ce4281f21",
+    ("mla_attention.cu", "sm_90"): "4c1ff59424fbe0a3de8dbd1e50fbd8114319612cc9a9d0e9490e24e25da5d9fa",
+    ("mla_attention.cu", "sm_120"): "c3da5aaab42f39b77e5a6bcefd394025ec807fe09d4e2d90d821115b65b3b3b1",
+    ("mla_decode.cu", "sm_90"): "48c730e87cce4b727378722d7bc98d150e7cf374c825c87d23de81ba1de0b3ef",
+    ("mla_decode.cu", "sm_120"): "56fec0e972faf5190afc9023e4c9ebbd164e13e14cb9021aa2e9a9c3057928b0",
     ("kv_cache.cu", "sm_90"): "619b9c185da2e84db7616cfdfece6502f36d222ba100c900af4fe4a305d1bd7e",
     ("kv_cache.cu", "sm_120"): "e415db6fa09ac0e2a34fbbc1b0f2f701c4855b6885d5bec1248a63e947df1833"}}
 

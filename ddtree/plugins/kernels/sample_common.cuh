@@ -1,22 +1,21 @@
-// Shared by sample.cu and sample_top_p.cu: the sampling parameter record, per-row state, the float64 softmax
-// weight, the pruned Gumbel-max loop and the acceptance walk (ddtree/tree/walk.py).
+// Shared by sample.cu and sample_top_p.cu: the sampling parameter record, per-row state, the pruned
+// Gumbel-max loop and the acceptance walk (ddtree/tree/walk.py).
 #pragma once
 #include "select.cuh"
+#include "top_p_fixed.cuh"
 
 #define SP_THREADS 512
 #define SP_ITEMS 32
 #define SP_SLICE (SP_THREADS * SP_ITEMS)
-#define SP_CAND 256                      // candidates per slice for top-p without top-k
+#define SP_CAND 256                      // the largest top_k (candidates per slice of sample_filtered)
 #define SP_MERGED 512                    // merge buffer (>= SP_CAND + 1, a power of two)
 #define SP_MAX_LIST_KEYS 3072            // S * C keys of one row, merged in registers (6 per thread)
-#define SP_EXACT_RANGE 20.0f             // below z_max - 20 the softmax weight is summed in float32
-#define SP_BINS 4096                     // full-row top-p: probability mass per 1/128 of z below the top
-#define SP_BINS_PER_UNIT 128.0f
-#define SP_MAX_BIN_KEYS 2048             // tokens of the crossing bin sorted in shared memory
+#define SP_BINS TP_BINS                  // top-p: probability mass per 1/128 of z below the top
+#define SP_MAX_BIN_KEYS 4096             // tokens of the crossing bin sorted in shared memory
 #define SP_STATUS_NAN_TARGET 2
 #define SP_STATUS_BIN_OVERFLOW 4         // a crossing bin held more tokens than SP_MAX_BIN_KEYS
-
 #define SP_STATUS_WRONG_MODE 8           // a mode's kernels ran with the parameters of another mode
+#define SP_STATUS_INEXACT 16             // a top-p cut within the certified bound of top_p (top_p_bins.py)
 
 // The sampling parameters in device memory (written by TreeSampler.set_params between graph replays, never
 // a kernel argument: a captured graph reads whatever the record holds at replay). The launcher normalises
@@ -34,18 +33,18 @@ struct SampleArgs {                      // the record as the kernels use it
     double temperature, top_p;
     int top_k, candidates;
     u32 seed_lo, seed_hi;
-    double inv_temperature;              // for softmax weights only; z itself is always l / T
-    float inv_t32;
+    float inv_t32, inv_t_lo;             // 1/T as a float pair (hi, lo): top-p weights (top_p_fixed.cuh)
 };
 // Every sampling kernel takes the record's address; SP_MAKE_ARGS reads it after griddepcontrol.wait.
 #define SP_ARGS const SampleParamsDev* __restrict__ params
 #define SP_MAKE_ARGS const SampleParamsDev sp = *params; \
     const SampleArgs a{sp.temperature, sp.top_p, sp.top_k, sp.candidates, sp.seed_lo, sp.seed_hi, \
-                       1.0 / sp.temperature, (float)(1.0 / sp.temperature)}
+                       (float)(1.0 / sp.temperature), \
+                       (float)(1.0 / sp.temperature - (double)(float)(1.0 / sp.temperature))}
 
 // Modes (the launcher's plan; the kernels a graph holds): greedy T = 0; plain Gumbel T > 0, C = 0;
-// filtered T > 0, C > 0, top_k == 0 exactly when the full-row top-p kernels follow. A record of another
-// mode raises SP_STATUS_WRONG_MODE (block (0, 0) checks; the launcher's check_status reports it).
+// top-k (sample_filtered) T > 0, C = top_k > 0; top-p alone (sample_top_p.cu) T > 0, C > 0, top_k == 0.
+// A record of another mode raises SP_STATUS_WRONG_MODE (block (0, 0) checks; check_status reports it).
 #define SP_GREEDY 0
 #define SP_GUMBEL 1
 #define SP_TOP_K 2
@@ -58,30 +57,17 @@ __device__ __forceinline__ void check_mode(const SampleParamsDev& p, int mode, i
     if (!ok) atomicOr(status, SP_STATUS_WRONG_MODE);
 }
 
-// Per-row hand-off from sample_filtered to the full-row top-p kernels.
+// Per-row state of top-p alone (sample_top_p.cu): sample_mass's decision, then sample_kept's cut.
+// numpy twin: tree_sample.py ROW_STATE_DTYPE (tests read it back).
 struct RowState {
-    int needs_full_row;                  // the candidates did not reach top_p
-    int keep_all;                        // the cumulative never reached top_p (rounding): keep every token
-    int bin;                             // kept: tokens in bins < bin, and in `bin` those with key >= key_cut
     float l_top;                         // the row's largest logit
-    double norm;                         // sum over the row of exp(z - z_top)
-    u64 key_cut;
+    int bin;                             // the crossing bin b*: kept = bins < b*, and a key-order prefix of b*
+    double above, norm;                  // mass of the bins < b*, and of the whole row (units of exp(0))
+    double err_above, err_below;         // error bounds of the masses of the bins < b* and > b*
+    u64 cut_key;                         // the last kept key of b* (0 when b* overflowed)
+    u32 kept, flags;                     // tokens kept; SP_STATUS_INEXACT / SP_STATUS_BIN_OVERFLOW of this row
 };
-
-// float64 exp(z - z_ref) for tokens near the maximum; float32 (added to tail) far below it
-// (z - z_ref = (l - l_ref) / T, times 1 / T: within an ulp or two of l / T - l_ref / T, which moves a
-// weight by ~1e-14 relative at most: the same near-tie class as the normaliser's sum order)
-__device__ __forceinline__ double softmax_weight(float l, float l_ref, const SampleArgs& a, float& tail) {
-    const float approx = (l - l_ref) * a.inv_t32;
-    if (approx < -SP_EXACT_RANGE) { tail += expf(approx); return 0.0; }
-    return exp(((double)l - (double)l_ref) * a.inv_temperature);
-}
-
-// The probability-mass bin of a logit: z distance below the top in 1/128 units, clamped (monotone in l).
-__device__ __forceinline__ int mass_bin(float l, float l_top, float bin_scale) {
-    const float d = (l_top - l) * bin_scale;
-    return d < (float)(SP_BINS - 1) ? (int)d : SP_BINS - 1;
-}
+static_assert(sizeof(RowState) == 56, "RowState layout");
 
 // Best z + g over the tokens `take(v)` accepts among lo, lo + stride, .. < hi; float64 only where the
 // float32 estimate (gumbel32) can still win. Ascending v: equal values keep the lower id.

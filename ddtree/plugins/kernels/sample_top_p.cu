@@ -1,155 +1,387 @@
-// Top-p over the whole vocabulary for rows whose candidates (sample.cu sample_filtered) did not reach
-// top_p, e.g. flat distributions that need thousands of tokens. Both kernels run on grid (S, n) and
-// return at once for rows that do not need them. Launcher: ddtree/plugins/tree_sample.py.
+// Top-p without top-k: three kernels on grid (S, n), float32 per token, float64 per bin and at the cut.
+// Launcher: ddtree/plugins/tree_sample.py. numpy twin of the decision and its bound:
+// ddtree/plugins/top_p_bins.py (the derivation is its docstring).
 //
-//   sample_mass  each slice adds its tokens' probabilities (float64, the weights of sample_filtered) into
-//                4096 bins of z below the row's top (1/128 wide, monotone in the logit). The last slice of
-//                the row finds the bin where the cumulative probability reaches top_p, sorts that bin's
-//                tokens (key order = probability desc, id asc) and finds the exact cut in it.
-//   sample_kept  Gumbel-max over the kept tokens (bins above the cut bin, and the cut bin's prefix); the
-//                last slice writes the row's token; the last block of all walks the tree.
+//   sample_row_max  each slice's largest logit (and the NaN check); 256-thread blocks.
+//   sample_mass     every token's F = round(exp(r) 2^35) (top_p_fixed.cuh: float32, no float64) into its
+//                   bin (1/128 of z below the row's top) by two u32 shared atomics (hi, lo: exact sums),
+//                   then 64-bit global adds per bin. The row's last slice block: bin masses
+//                   M_b = s_b F_b 2^-35 (s_b = exp(-b/128), a float64 table), the first bin whose
+//                   cumulative mass reaches top_p x norm (b*), and the error bounds of the masses above and
+//                   below it -> RowState.
+//   sample_kept     Gumbel-max over the tokens of the bins above b* (and, apart, over b*'s), b*'s tokens
+//                   gathered; the row's last slice block sorts them into key order (logit desc, id asc:
+//                   the definition's order), sums their F along it (exact) and cuts at the first whose
+//                   cumulative reaches top_p x norm; certify() says whether that is the definition's cut
+//                   whatever the roundings; Gumbel-max over the kept prefix decides the row's token. The
+//                   last block of all walks the tree.
 //
-// Bin masses are fixed point (probability x 2^60 in u64, rounded per token): integer atomics are exact in
-// any order, so the result is deterministic; the rounding (<= 2^-61 per token, < 1e-13 for the row) can
-// change the kept set only when the cumulative probability lands that close to top_p (a near-tie).
-// A cut bin with more than 2048 tokens (2048 logits within 1/128 of z of each other) is kept whole and
-// raises SP_STATUS_BIN_OVERFLOW: the launcher's check_status reports it as inexact.
+// Uncertified cuts are kept and flagged SP_STATUS_INEXACT (RowState.flags and the status word: the
+// launcher's check_status raises unless told to allow it); a crossing bin of more than SP_MAX_BIN_KEYS
+// tokens is kept whole and flagged SP_STATUS_BIN_OVERFLOW. Letters: n rows, V vocab, S slices.
 #include "sample_common.cuh"
 
-#define SP_MASS_ONE 1152921504606846976.0          // 2^60: fixed-point unit of probability
+#define SP_MAX_THREADS 256
+#define SP_TOKEN_EPS (1.5 * 0x1p-35)        // per token, relative (top_p_bins.py TOKEN_EPS)
+#define SP_ARG_EPS 0x1p-44                  // per token and unit of |d| (ARG_EPS)
+#define SP_CLAMP_EPS 0x1p-16                // per token of bin 4095, in s_4095 (CLAMP_EPS)
+#define SP_BIN_SLACK 0x1p-51                // per bin, relative (BIN_SLACK)
+#define SP_U64 0x1p-53
+#define SP_SUM_SLACK (64 * SP_U64)          // float64 sums, x norm (SUM_SLACK)
 
-union MassSmem {
-    u64 hist[SP_BINS];
-    double mass[SP_BINS];
-    struct { u64 keys[SP_MAX_BIN_KEYS]; double prob[SP_MAX_BIN_KEYS]; } bin;
-};
+struct MinIntOp { __device__ int operator()(int a, int b) const { return min(a, b); } };
+struct MaxIntOp { __device__ int operator()(int a, int b) const { return max(a, b); } };
 
-// mass [n, SP_BINS] u64 fixed point, zero before the first launch (the row's last block clears it after use)
-extern "C" __global__ void __launch_bounds__(SP_THREADS)
-sample_mass(const float* __restrict__ logits, int V, SP_ARGS, RowState* __restrict__ state, u64* __restrict__ mass,
-            int* status, u32* row_tickets) {
-    __shared__ __align__(16) MassSmem sm;
-    __shared__ double s_above;
-    __shared__ int s_bin, s_count, s_cut;
-    const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
-    pdl_wait();
-    SP_MAKE_ARGS;
-    if (!state[r].needs_full_row) { pdl_trigger(); return; }
-    const float l_top = state[r].l_top;
-    const double norm = state[r].norm, to_fixed = SP_MASS_ONE / norm;
-    const float scale = SP_BINS_PER_UNIT / (float)a.temperature;
-    const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
-    const float* row = logits + (size_t)r * V;
-    for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) sm.hist[i] = 0;
-    __syncthreads();
-#pragma unroll 8
-    for (int v = lo + threadIdx.x; v < hi; v += SP_THREADS) {
-        const float l = row[v];
-        float tail = 0.f;
-        const double e = softmax_weight(l, l_top, a, tail) + (double)tail;
-        atomicAdd(&sm.hist[mass_bin(l, l_top, scale)], (u64)__double2ull_rn(e * to_fixed));
+// Exclusive block scan (every thread gets its exclusive prefix; `total` the block's sum). blockDim.x a
+// multiple of 32; scratch: 32 T of shared memory.
+template <typename T>
+__device__ T block_scan_excl(T v, T& total, T* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    T x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
     }
+    T excl = __shfl_up_sync(0xffffffffu, x, 1);
+    if (lane == 0) excl = T(0);
+    if (lane == 31) scratch[warp] = x;
     __syncthreads();
-    u64* row_mass = mass + (size_t)r * SP_BINS;
-    for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS)
-        if (sm.hist[i]) atomicAdd(row_mass + i, sm.hist[i]);
-    if (!arrive_last(row_tickets + r, (u32)S)) { pdl_trigger(); return; }
-    // ---- the row: the bin where the cumulative probability reaches top_p ----
-    for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) {
-        sm.mass[i] = (double)ld_cg_u64(row_mass + i) / SP_MASS_ONE;
-        row_mass[i] = 0;                                     // ready for the next step
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {                                  // lane l: bins [128 l, 128 l + 128)
-        const int lane = threadIdx.x, per = SP_BINS / 32;
-        double sum = 0.0;
-        for (int b = 0; b < per; ++b) sum += sm.mass[lane * per + b];
-        double incl = sum;
+    if (warp == 0) {
+        T w = lane < warps ? scratch[lane] : T(0);
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const double x = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += x;
+            const T y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
         }
-        const u32 crossing = __ballot_sync(0xffffffffu, incl >= a.top_p);
-        if (lane == 0) s_bin = -1;
-        __syncwarp();
-        if (crossing && lane == __ffs(crossing) - 1) {
-            double above = incl - sum;
-            for (int b = 0; b < per; ++b) {
-                const double m = sm.mass[lane * per + b];
-                if (above + m >= a.top_p) { s_bin = lane * per + b; s_above = above; break; }
-                above += m;
-            }
-        }
+        scratch[lane] = w;                                   // inclusive sums of the warp totals
     }
-    if (threadIdx.x == 0) s_count = 0;
     __syncthreads();
-    const int bin = s_bin;
-    if (bin < 0) {                                           // never reached (rounding): keep every token
-        if (threadIdx.x == 0) state[r].keep_all = 1;
-        pdl_trigger();
-        return;
-    }
-    // ---- the cut bin's tokens, sorted, and the exact cut among them ----
+    const T before = warp ? scratch[warp - 1] : T(0);
+    total = scratch[warps - 1];
+    __syncthreads();
+    return before + excl;
+}
+
+// logits [n, V] -> slice_max [n, S]
+extern "C" __global__ void __launch_bounds__(SP_MAX_THREADS)
+sample_row_max(const float* __restrict__ logits, int V, SP_ARGS, float* __restrict__ slice_max, int* status) {
+    __shared__ float scratch[32];
+    const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
+    const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
+    const float* row = logits + (size_t)r * V;
+    pdl_wait();
+    check_mode(*params, SP_TOP_P, status);
+    float m = DD_NEG_INF;
+    bool nan = false;
 #pragma unroll 8
-    for (int v = threadIdx.x; v < V; v += SP_THREADS) {
+    for (int v = lo + threadIdx.x; v < hi; v += SP_MAX_THREADS) {
         const float l = row[v];
-        if (mass_bin(l, l_top, scale) != bin) continue;
-        const int slot = atomicAdd(&s_count, 1);
-        if (slot < SP_MAX_BIN_KEYS) sm.bin.keys[slot] = pack_key(l, v);
+        nan |= l != l;
+        m = fmaxf(m, l);
     }
-    __syncthreads();
-    const int count = s_count;
-    if (count > SP_MAX_BIN_KEYS) {
-        if (threadIdx.x == 0) { atomicOr(status, SP_STATUS_BIN_OVERFLOW); state[r].bin = bin; state[r].key_cut = 1; }
-        pdl_trigger();
-        return;
-    }
-    const int n_pad = pow2_at_least(count);
-    for (int i = count + threadIdx.x; i < n_pad; i += SP_THREADS) sm.bin.keys[i] = 0;
-    __syncthreads();
-    block_sort_desc<SP_THREADS>(sm.bin.keys, n_pad);
-    for (int i = threadIdx.x; i < count; i += SP_THREADS) {  // probabilities in parallel, summed in order
-        float tail = 0.f;
-        sm.bin.prob[i] = (softmax_weight(key_value(sm.bin.keys[i]), l_top, a, tail) + (double)tail) / norm;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double cum = s_above;
-        int cut = count - 1;                                 // not reached inside the bin (rounding): all of it
-        for (int i = 0; i < count; ++i) {
-            cum += sm.bin.prob[i];
-            if (cum >= a.top_p) { cut = i; break; }
-        }
-        state[r].bin = bin;
-        state[r].key_cut = sm.bin.keys[cut];
-    }
+    if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
+    m = block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
+    if (threadIdx.x == 0) slice_max[r * S + s] = m;
     pdl_trigger();
 }
 
+// Bound of |M_b - the exact mass of bin b| (top_p_bins.py bin_errors).
+__device__ __forceinline__ double bin_error(int b, double m, double s_clamp, int V) {
+    if (b == TP_CLAMP) return s_clamp * (double)V * SP_CLAMP_EPS + SP_BIN_SLACK * m;
+    return (1.02 * (SP_TOKEN_EPS + SP_ARG_EPS * (double)(b + 1) * (1.0 / 128.0)) + SP_BIN_SLACK) * m;
+}
+
+// The row's crossing bin from its fixed-point bin sums (the row's last slice block; 8 bins a thread).
+__device__ void mass_decide(u64* row_mass, const double* bin_scale, const SampleArgs& a, int V, float l_top,
+                            RowState* state) {
+    constexpr int PER = SP_BINS / SP_THREADS;
+    __shared__ double dscratch[32];
+    __shared__ int iscratch[32];
+    __shared__ double s_above;
+    double m[PER], sum = 0.0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int b = threadIdx.x * PER + j;
+        const u64 F = ld_cg_u64(row_mass + b);
+        row_mass[b] = 0;                                     // ready for the next launch
+        m[j] = bin_scale[b] * ((double)F * 0x1p-35);
+        sum += m[j];
+    }
+    double norm;
+    const double excl = block_scan_excl(sum, norm, dscratch);
+    const double goal = a.top_p * norm;
+    int found = 0x7fffffff, last = -1;
+    double c = excl;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int b = threadIdx.x * PER + j;
+        if (m[j] > 0.0) {
+            if (found == 0x7fffffff && c + m[j] >= goal) found = b;
+            last = b;
+        }
+        c += m[j];
+    }
+    found = block_reduce(found, MinIntOp(), 0x7fffffff, iscratch);
+    last = block_reduce(last, MaxIntOp(), -1, iscratch);
+    const int bin = found != 0x7fffffff ? found : max(last, 0);     // not reached (rounding): the last bin
+    double err_above = 0.0, err_below = 0.0;
+    c = excl;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int b = threadIdx.x * PER + j;
+        const double e = bin_error(b, m[j], bin_scale[TP_CLAMP], V);
+        if (b < bin) err_above += e;
+        else if (b > bin) err_below += e;
+        else s_above = c;
+        c += m[j];
+    }
+    err_above = block_reduce(err_above, SumOp<double>(), 0.0, dscratch);
+    err_below = block_reduce(err_below, SumOp<double>(), 0.0, dscratch);
+    if (threadIdx.x == 0) *state = RowState{l_top, bin, s_above, norm, err_above, err_below, 0ull, 0u, 0u};
+}
+
+// slice_max [n, S] (sample_row_max) -> state [n]; mass [n, SP_BINS] u64, zero before the first launch (the
+// row's last block clears it); bin_scale [SP_BINS] float64 exp(-b / 128)
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
+sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __restrict__ slice_max,
+            const double* __restrict__ bin_scale, RowState* __restrict__ state, u64* __restrict__ mass,
+            u32* row_tickets) {
+    __shared__ u32 hist_hi[SP_BINS], hist_lo[SP_BINS];
+    const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
+    const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
+    const float* row = logits + (size_t)r * V;
+    float vals[SP_ITEMS];                                    // written two launches back: loaded before the wait
+#pragma unroll
+    for (int j = 0; j < SP_ITEMS; ++j) {
+        const int v = lo + j * SP_THREADS + threadIdx.x;
+        vals[j] = v < hi ? ld_cg_f32(row + v) : DD_NEG_INF;
+    }
+    for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) { hist_hi[i] = 0u; hist_lo[i] = 0u; }
+    pdl_wait();
+    SP_MAKE_ARGS;
+    float l_top = DD_NEG_INF;
+    for (int i = 0; i < S; ++i) l_top = fmaxf(l_top, slice_max[r * S + i]);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < SP_ITEMS; ++j) {                     // per block and bin: hi < 2^31, lo < 2^32
+        int b;
+        const long long F = tp_token_fixed(vals[j], l_top, a.inv_t32, a.inv_t_lo, b);
+        if (F) {
+            atomicAdd(&hist_hi[b], (u32)(F >> 18));
+            atomicAdd(&hist_lo[b], (u32)F & 0x3ffffu);
+        }
+    }
+    __syncthreads();
+    u64* row_mass = mass + (size_t)r * SP_BINS;
+    for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) {
+        const u64 F = ((u64)hist_hi[i] << 18) + (u64)hist_lo[i];
+        if (F) atomicAdd(row_mass + i, F);
+    }
+    if (arrive_last(row_tickets + r, (u32)S)) mass_decide(row_mass, bin_scale, a, V, l_top, state + r);
+    pdl_trigger();
+}
+
+// best <- the better of best and token (l, v) (ties: lower id); float64 only where the float32 estimate
+// can still reach best (as gumbel_best).
+__device__ __forceinline__ void gumbel_consider(Winner& best, float l, int v, u32 position, const SampleArgs& a) {
+    const float z32 = l * a.inv_t32;
+    const float margin = DD_GUMBEL_MARGIN(z32);
+    if ((double)(z32 + DD_GUMBEL_MAX + margin) < best.value) return;
+    const u32 x = philox_word0(position, (u32)v, a.seed_lo, a.seed_hi);
+    if ((double)(z32 + gumbel32(x) + margin) < best.value) return;
+    best = better(best, Winner{(double)l / a.temperature + gumbel64(x), v});
+}
+
+// Is the cut with the crossing bin's first `cut + 1` tokens above it (prefix sums p_cut, p_prev before it,
+// total the bin's) the definition's, whatever the roundings? (top_p_bins.py certify)
+__device__ bool certify(const RowState& st, double scale, u64 p_prev, u64 p_cut, u64 total, int cut, int count,
+                        double top_p, int V, double z_top) {
+    const double slack = SP_SUM_SLACK * st.norm;
+    const double eps = 1.02 * (SP_TOKEN_EPS + SP_ARG_EPS * (double)(st.bin + 1) * (1.0 / 128.0)) + SP_BIN_SLACK;
+    double A[2], B[2], ea[2], eb[2];
+    const u64 p[2] = {p_cut, p_prev};
+    const int k[2] = {cut + 1, cut};                          // bin tokens in the prefix
+    for (int i = 0; i < 2; ++i) {
+        const double a_in = scale * ((double)p[i] * 0x1p-35), b_in = scale * ((double)(total - p[i]) * 0x1p-35);
+        const double e_a = st.bin == TP_CLAMP ? scale * SP_CLAMP_EPS * k[i] : eps * a_in;
+        const double e_b = st.bin == TP_CLAMP ? scale * SP_CLAMP_EPS * (count - k[i]) : eps * b_in;
+        A[i] = st.above + a_in;
+        B[i] = st.norm - A[i];
+        ea[i] = st.err_above + e_a + slack;
+        eb[i] = st.err_below + e_b + slack;
+    }
+    const double e_def = 1.05 * SP_U64 * ((double)V + 4.0 * fabs(z_top) + log2((double)max(V, 2)) + 200.0)
+                         + 8.0 * SP_U64;
+    const double low = (A[0] - ea[0]) / ((A[0] - ea[0]) + B[0] + eb[0]);
+    const double high = (A[1] + ea[1]) / ((A[1] + ea[1]) + fmax(B[1] - eb[1], 0.0));
+    return low - e_def >= top_p && high + e_def < top_p;
+}
+
+// Could the cut token and the next in key order have equal float64 probabilities with different logits
+// (the definition then orders them by id)? The bin's last token: the nearest float below. (order_tie)
+__device__ bool order_tie(const u64* keys, int cut, int count, double T, double z_top) {
+    const float l_cut = key_value(keys[cut]);
+    const float l_next = cut + 1 < count ? key_value(keys[cut + 1]) : nextafterf(l_cut, DD_NEG_INF);
+    if (l_next == l_cut) return false;
+    const double d_cut = fabs((double)l_cut / T - z_top);
+    return ((double)l_cut - (double)l_next) / T <= 0x1p-44 * (1.0 + fabs(z_top) + d_cut);
+}
+
+// The row's cut and token (its last slice block of sample_kept). row_counts [2 n]: the crossing bin's
+// tokens gathered, the tokens kept above it (both cleared here).
+__device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, const SampleArgs& a,
+                         const double* bin_scale, const Winner* slice_wins, const u64* keys_in, u32* row_counts,
+                         RowState* state, int* target, int* status, u32* full_row_rows, u32* inexact_rows) {
+    constexpr int PER = SP_MAX_BIN_KEYS / SP_THREADS;
+    __shared__ u64 keys[SP_MAX_BIN_KEYS];
+    __shared__ Winner wscratch[32];
+    __shared__ u64 uscratch[32];
+    __shared__ int iscratch[32];
+    __shared__ u64 s_p_cut, s_p_prev;
+    __shared__ int s_count;
+    __shared__ u32 s_kept_above;
+    if (threadIdx.x == 0) {
+        s_count = ld_cg_s32((const int*)row_counts + 2 * r);
+        s_kept_above = (u32)ld_cg_s32((const int*)row_counts + 2 * r + 1);
+        row_counts[2 * r] = 0u;                              // the row's other blocks are done with them
+        row_counts[2 * r + 1] = 0u;
+        s_p_prev = 0ull;
+    }
+    Winner w_above{DD_NEG_INF, 0x7fffffff}, w_bin{DD_NEG_INF, 0x7fffffff};
+    for (int i = threadIdx.x; i < S; i += SP_THREADS) {      // written by the row's other blocks: past L1
+        const volatile Winner* p = slice_wins + 2 * (r * S + i);
+        w_above = better(w_above, Winner{p[0].value, p[0].id});
+        w_bin = better(w_bin, Winner{p[1].value, p[1].id});
+    }
+    w_above = block_winner(w_above, wscratch);
+    w_bin = block_winner(w_bin, wscratch);
+    const int count = s_count;
+    Winner token = w_above;
+    u32 kept = s_kept_above, flags = 0u;
+    u64 cut_key = 0ull;
+    if (count > SP_MAX_BIN_KEYS) {                           // kept whole: not the definition's cut
+        token = better(w_above, w_bin);
+        kept += (u32)count;
+        flags = SP_STATUS_BIN_OVERFLOW;
+    } else if (count > 0) {                                  // (0 only for rows without a finite top: NaN)
+        const int n_pad = pow2_at_least(count);
+        for (int i = threadIdx.x; i < n_pad; i += SP_THREADS) keys[i] = i < count ? ld_cg_u64(keys_in + i) : 0ull;
+        __syncthreads();
+        if (n_pad <= SP_THREADS) {
+            const u64 k = keys[threadIdx.x];                 // keys[n_pad ..] are stale: masked below
+            __syncthreads();
+            block_sort_desc_1<SP_THREADS>(threadIdx.x < n_pad ? k : 0ull, keys);
+        } else {
+            block_sort_desc<SP_THREADS>(keys, n_pad);
+        }
+        long long F[PER];                                    // positions PER t .. PER t + PER - 1
+        u64 local = 0ull;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x * PER + j;
+            int b;
+            F[j] = i < count ? tp_token_fixed(key_value(keys[i]), st.l_top, a.inv_t32, a.inv_t_lo, b) : 0ll;
+            local += (u64)F[j];
+        }
+        u64 total;
+        const u64 excl = block_scan_excl(local, total, uscratch);
+        const double scale = bin_scale[st.bin], goal = a.top_p * st.norm;
+        int found = 0x7fffffff;
+        u64 P = excl;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x * PER + j;
+            P += (u64)F[j];
+            if (i < count && found == 0x7fffffff && st.above + scale * ((double)P * 0x1p-35) >= goal) found = i;
+        }
+        found = block_reduce(found, MinIntOp(), 0x7fffffff, iscratch);
+        const int cut = found != 0x7fffffff ? found : count - 1;     // not reached (rounding): the whole bin
+        P = excl;
+        Winner w = w_above;                                  // Gumbel-max over the kept prefix of the bin
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x * PER + j;
+            P += (u64)F[j];
+            if (i == cut) s_p_cut = P;
+            if (i == cut - 1) s_p_prev = P;
+            if (i <= cut) gumbel_consider(w, key_value(keys[i]), key_id(keys[i]), position, a);
+        }
+        token = block_winner(w, wscratch);
+        kept += (u32)(cut + 1);
+        cut_key = keys[cut];
+        if (threadIdx.x == 0) {
+            const double z_top = (double)st.l_top / a.temperature;
+            const bool certified = certify(st, scale, s_p_prev, s_p_cut, total, cut, count, a.top_p, V, z_top);
+            if (!certified || order_tie(keys, cut, count, a.temperature, z_top)) flags = SP_STATUS_INEXACT;
+        }
+    }
+    if (threadIdx.x == 0) {
+        target[r] = token.id == 0x7fffffff ? 0 : token.id;
+        state[r].cut_key = cut_key;
+        state[r].kept = kept;
+        state[r].flags = flags;
+        if (flags) {
+            atomicOr(status, (int)flags);
+            atomicAdd(inexact_rows, 1u);
+        }
+        if (kept > SP_CAND) atomicAdd(full_row_rows, 1u);    // more than the old candidate path could hold
+    }
+}
+
+// state [n] (sample_mass) -> target [n]; slice_wins [n, S, 2] (above the bin, in it); bin_keys [n,
+// SP_MAX_BIN_KEYS]; row_counts [2 n] zero before the first launch; full_row_rows / inexact_rows: running
+// counts of rows that kept more than SP_CAND tokens / were flagged (diagnostics)
+extern "C" __global__ void __launch_bounds__(SP_THREADS, 2)     // 2 blocks an SM: <= 64 registers
 sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ query_pos, SP_ARGS,
-            RowState* __restrict__ state, Winner* __restrict__ slice_wins, int* __restrict__ target, SP_WALK_ARGS) {
+            const double* __restrict__ bin_scale, RowState* __restrict__ state, Winner* __restrict__ slice_wins,
+            u64* __restrict__ bin_keys, u32* __restrict__ row_counts, int* __restrict__ target, int* status,
+            u32* full_row_rows, u32* inexact_rows, SP_WALK_ARGS) {
     __shared__ Winner scratch[32];
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
+    const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
+    const float* row = logits + (size_t)r * V;
     pdl_wait();
     SP_MAKE_ARGS;
     const RowState st = state[r];
-    if (st.needs_full_row) {
-        const float scale = SP_BINS_PER_UNIT / (float)a.temperature;
-        const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
-        Winner w = gumbel_best(logits + (size_t)r * V, lo + threadIdx.x, hi, SP_THREADS, (u32)query_pos[r] + 1u, a,
-                               [&](int v, float l) {
-            if (st.keep_all) return true;
-            const int b = mass_bin(l, st.l_top, scale);
-            return b < st.bin || (b == st.bin && pack_key(l, v) >= st.key_cut);
-        });
-        int token;
-        if (row_winner(w, slice_wins, r, s, S, row_tickets, scratch, token) && threadIdx.x == 0) {
-            target[r] = token;
-            state[r] = RowState{};
+    const u32 position = (u32)query_pos[r] + 1u;
+    u64* keys_out = bin_keys + (size_t)r * SP_MAX_BIN_KEYS;
+    const int lane = threadIdx.x & 31;
+    Winner above{DD_NEG_INF, 0x7fffffff}, in_bin{DD_NEG_INF, 0x7fffffff};
+    u32 kept = 0u;
+#pragma unroll 4
+    for (int j = 0; j < SP_ITEMS; ++j) {                     // warp-uniform: every lane reaches the ballot
+        const int v = lo + j * SP_THREADS + threadIdx.x;
+        const float l = v < hi ? row[v] : DD_NEG_INF;
+        const int b = v < hi ? tp_token_bin(l, st.l_top, a.inv_t32) : SP_BINS;
+        const bool at_cut = b == st.bin;
+        const u32 votes = __ballot_sync(0xffffffffu, at_cut);
+        if (votes) {                                         // the crossing bin's tokens: one atomic a warp
+            int base = 0;
+            if (lane == 0) base = (int)atomicAdd(row_counts + 2 * r, (u32)__popc(votes));
+            base = __shfl_sync(0xffffffffu, base, 0);
+            const int slot = base + __popc(votes & ((1u << lane) - 1u));
+            if (at_cut && slot < SP_MAX_BIN_KEYS) keys_out[slot] = pack_key(l, v);
+        }
+        if (b <= st.bin) {
+            Winner w = b < st.bin ? above : in_bin;
+            gumbel_consider(w, l, v, position, a);
+            if (b < st.bin) above = w; else in_bin = w;
+            kept += b < st.bin;
         }
     }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
+    if (lane == 0 && kept) atomicAdd(row_counts + 2 * r + 1, kept);
+    above = block_winner(above, scratch);
+    in_bin = block_winner(in_bin, scratch);
+    if (threadIdx.x == 0) {
+        slice_wins[2 * (r * S + s)] = above;
+        slice_wins[2 * (r * S + s) + 1] = in_bin;
+    }
+    if (arrive_last(row_tickets + r, (u32)S))
+        kept_row(st, r, S, V, position, a, bin_scale, slice_wins, keys_out, row_counts, state, target, status,
+                 full_row_rows, inexact_rows);
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);
     pdl_trigger();
 }
