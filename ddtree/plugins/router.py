@@ -26,7 +26,7 @@ SOURCE = "router.cu"
 MAX_WARPS = 16                          # RT_MAX_WARPS in router.cu
 LANE_EXPERTS = 16                       # RT_EPL: E <= 512
 MAX_MT = 8
-WARP_CHOICES = (4, 8, 16)
+WARP_CHOICES = (1, 2, 4, 8, 16)        # 1 and 2 serve short hiddens (the tiny model: 128 = 2 chunks)
 # Cost model of plan_router (us). Guesses from the H200's datasheet and the route kernel's timings in
 # kernels/NOTES.md, to be replaced by a fit to tests/plugins/sweep_router.py's sweep.
 DRAM_B_PER_US = 4.0e6                   # the weights stream once from HBM

@@ -14,7 +14,8 @@ ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count
 SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),
           "grouped": RouterShape(64, 512, 6, n_group=8, topk_group=3, scaling=1.5),
           "small": RouterShape(16, 1024, 4, scaling=2.5),
-          "ragged": RouterShape(200, 2048, 32, max_tokens=64)}
+          "ragged": RouterShape(200, 2048, 32, max_tokens=64),
+          "tiny": RouterShape(8, 128, 2, scaling=2.5, max_tokens=256)}     # the embedded tiny model's MoE
 
 
 @pytest.mark.parametrize("E, k", [(384, 8), (512, 32), (200, 8), (33, 5), (16, 4), (8, 8), (64, 1)])
