@@ -40,10 +40,6 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;    // +64 B per row: conflict-free uint4 reads
     const int row0 = blockIdx.x * 8 * MT, NT = (N + 15) >> 4, nb = blockIdx.z;
-    // 8-token sub-tiles holding a real row: MT rounds ceil(M / 8) up to a power of two and the last token
-    // block may hold a single row (M = 65: 64 + 1), so the sub-tiles past M skip their x loads, mma and
-    // partials (warp-uniform) instead of computing zeros (M = 33: 5 of 8 sub-tiles; 65: 8 + 1 of 16)
-    const int live = min(MT, (M - row0 + 7) >> 3);
     bf16_t* xs = (bf16_t*)smem;                          // [8 MT][xstride]
     Bf16Ring& ring = ((Bf16Ring*)(smem + 8 * MT * xstride * 2))[warp];
 
@@ -71,7 +67,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     pdl_wait();                                            // x (and residual) written by the previous kernel
     pdl_trigger();
     const int vec_per_row = kspan >> 3;
-    for (int i = threadIdx.x; i < 8 * live * vec_per_row; i += blockDim.x) {   // the live sub-tiles' rows
+    for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
         int row = i / vec_per_row, v = i - row * vec_per_row;
         bf16_t* dst = xs + row * xstride + v * 8;
         if (row0 + row < M) cp_async16(dst, x + (size_t)(row0 + row) * K + c0 * 64 + v * 8);
@@ -128,7 +124,6 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
             const u32 a_u1[4] = {row_g.z, row_g8.z, row_g.w, row_g8.w};   // k 32h + 8t + 4..7
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                if (mt >= live) break;
                 const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
                 mma_bf16_16816(acc[mt], a_u0, xb.x, xb.y);
                 mma_bf16_16816(acc[mt], a_u1, xb.z, xb.w);
@@ -141,7 +136,6 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
             } else {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    if (mt >= live) break;
                     size_t idx = (((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane;
                     partial[idx] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
                 }
@@ -161,7 +155,6 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
-            if (mt >= live) continue;                    // past M: never written, never stored (finish skips it)
             for (int s = 0; s < S; ++s) {                // fixed order: deterministic
                 float4 v = ld_cg_f4(&partial[(((part_base + s) * ntb + warp * tpw + r) * MT + mt) * 32 + lane]);
                 sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
