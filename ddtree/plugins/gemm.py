@@ -24,9 +24,18 @@ def supports_pdl(gpu) -> bool:
     return int(gpu.arch[3:].rstrip("a")) >= 90
 
 
+def token_tiles(M: int) -> tuple[int, int]:
+    """(MT, MB): the fewest token blocks of at most 64 rows, each with the 8-token sub-tiles it needs (MT = 1..8,
+    every count compiled): M = 17 -> (3, 1), 33 -> (5, 1), 65 -> (5, 2). A sub-tile past M costs its x loads and
+    mma like a real one (the kernel's time grows with MT past 16 rows), so MT is not rounded to a power of two."""
+    sub = -(-M // 8)
+    mb = -(-sub // 8)
+    return -(-sub // mb), mb
+
+
 @dataclass(frozen=True)
 class GemmPlan:
-    mt: int          # 8-token sub-tiles per block (1, 2, 4, 8)
+    mt: int          # 8-token sub-tiles per block (1 .. 8)
     mb: int          # token blocks
     warps: int       # warps per block
     tpw: int         # 16-row weight tiles per warp
@@ -67,17 +76,20 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     kc = K // 64
     if splits is not None and kc % splits:
         raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
-    mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
+    mt, mb = token_tiles(M)
+    # the (warps, splits) choice stays the one fitted to the H200 sweep, whose kernel took a power-of-two tile:
+    # candidates are held to that tile's shared memory (the sweep's set), then launched with the exact tile
+    swept_mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     if tpw is None:
         tpw = 2 if mt == 2 and N * K * 2 >= 64 << 20 else 1
-    mb, fitted = -(-M // (8 * mt)), M > 16
+    fitted = M > 16
     x_cap = x_budget or (smem_limit if fitted or splits else WAVES_X_BYTES)   # a forced split: the device's limit
 
     def plan(w: int, s: int) -> GemmPlan | None:
         ring = w * stages * 4 * 32 * 16
-        x_bytes = 8 * mt * ((kc // s) * 64 + 32) * 2
-        if x_bytes > min(x_cap, smem_limit - ring - 1024):
+        if 8 * swept_mt * ((kc // s) * 64 + 32) * 2 > min(x_cap, smem_limit - ring - 1024):
             return None
+        x_bytes = 8 * mt * ((kc // s) * 64 + 32) * 2
         return GemmPlan(mt, mb, w, tpw, -(-(-(-N // 16)) // (w * tpw)), s, x_bytes + ring)
 
     def fitted_cost(p: GemmPlan) -> tuple:

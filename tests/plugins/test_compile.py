@@ -16,7 +16,7 @@ from ddtree.plugins.moe import RINGS
 
 # every extern "C" kernel the launchers look up, per source
 KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down") for r, c in RINGS],
-           "gemm.cu": ["gemm_bf16_mt1", "gemm_bf16_mt2", "gemm_bf16_mt4", "gemm_bf16_mt8"],
+           "gemm.cu": [f"gemm_bf16_mt{mt}" for mt in range(1, 9)],
            "fill.cu": ["fill_hash_u32"],
            "mla_attention.cu": ["mla_attention_combine", "mla_attention_smem_sizes"]
                                + [f"mla_attention_p{w // 2}_s{s}" for f, w, s, _ in VARIANTS if f == "tree"],

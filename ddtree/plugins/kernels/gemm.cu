@@ -23,7 +23,7 @@ struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8
     uint4 w[DD_STAGES][4][32];      // 16 rows x 64 k bf16 = 2 KB per stage
 };
 
-// Grid (MB = ceil(M / (8 MT)), S, NB), block warps * 32 (token blocks fastest, so the blocks that
+// Grid (MB = ceil(M / (8 MT)), S, NB), MT in 1..8 (plugins/gemm.py token_tiles), block warps * 32 (token blocks fastest, so the blocks that
 // share a weight tile run together and re-reads hit L2; warps <= DD_GEMM_MAX_WARPS),
 // dynamic smem = 8 MT * (K/S + 32) * 2 + warps * sizeof(Bf16Ring).
 //   x [M, K] bf16   w [ceil(N/16), K/64, 4, 32] uint4 (tile_bf16)   residual [M, N] bf16 or null (may alias out)
@@ -171,7 +171,14 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                      int swiglu) {                                                                      \
         skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu);    \
     }
+// every sub-tile count 1..8: plugins/gemm.py token_tiles gives a block exactly the 8-token sub-tiles it needs
+// (M = 17: 3, 33: 5, 65: two blocks of 5), not the next power of two (4, 8, two of 8), whose zero rows cost
+// their x loads and mma like real ones
 DD_DEFINE_GEMM(1)
 DD_DEFINE_GEMM(2)
+DD_DEFINE_GEMM(3)
 DD_DEFINE_GEMM(4)
+DD_DEFINE_GEMM(5)
+DD_DEFINE_GEMM(6)
+DD_DEFINE_GEMM(7)
 DD_DEFINE_GEMM(8)
