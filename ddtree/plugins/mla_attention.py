@@ -10,17 +10,19 @@ entries already appended at T .., vis [q, ceil(q/32)] uint32 (docs/interfaces.md
 int32 [1] holding T. out [q, H, DL] bf16; lse [q, H] fp32 (natural log) when given. Numpy twin:
 ddtree.plugins.reference.mla_tree_attention.
 
-Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32 (64 at long contexts), bandwidth-bound: keys
-are the mma M, 8 query rows the N, all rows in one block so every key is read once; "tree"
-(kernels/mla_attention.cu) beyond, compute-bound: warp pairs share 16 query rows. Both split the committed prefix over the SMs, give the tree
+Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32, bandwidth-bound: keys are the mma M, 8 query
+rows the N, all rows in one block so every key is read once; "tree" (kernels/mla_attention.cu) beyond,
+compute-bound: warp pairs share 16 query rows. Both split the committed prefix over the SMs, give the tree
 keys (the only masked ones) their own split or the end of the last one, and merge splits exactly by
 log-sum-exp (mla_attention_combine). The plan (form, block shape, ring depth, number of prefix splits P)
-depends on q, H and the context; T itself is read on the device, so a graph captured with the plan for a
-context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to the block's keys).
-Workspaces are sized in the constructor for (max_q, max_context); run() only launches.
+depends on q, H and the context: decode by a wave model of the splits, tree up to TREE_FIT_ROWS rows by a
+cost model fitted to an H200 sweep (tree_cost). T itself is read on the device, so a graph captured with
+the plan for a context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to the
+block's keys). Workspaces are sized in the constructor for (max_q, max_context); run() only launches.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -40,11 +42,18 @@ VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4,
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
             ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8))
 MIN_CHUNK = 64                     # keys per prefix split at least
-# q * H up to DECODE_MAX_ROWS rows take the decode form, up to DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
-# on (H200, 64 rows: the one-stream 8-row-group decode block is 2x slower than the tree form at 4096 keys,
-# 13 % faster at 32768 and 1.5x at 131072)
-DECODE_MAX_ROWS, DECODE_WIDE_ROWS, DECODE_WIDE_CONTEXT = 32, 32, 16384
+# q * H up to DECODE_MAX_ROWS rows take the decode form (H200, 64 rows: the tree form's 2 x 4-warp blocks per
+# SM beat the one-stream 8-row-group decode block 1.2x at 32768 keys and 1.5x at 131072)
+DECODE_MAX_ROWS = 32
 MAX_Q, MAX_HEADS = 256, 128
+# Tree plans up to TREE_FIT_ROWS rows minimise tree_cost, a least-squares fit (relative error) of 135 swept
+# plans on the H200 (T 4096 .. 131072, 64 .. 264 rows at 8 heads, every tree variant at 0.5 / 1 / 2 x the wave
+# model's splits; tests/fixtures/plugins/attention_sweep_h200.json; rms error 6.7 %, worst 42 % on 3-wave
+# plans): us per 32-key step of one block by (warps, blocks sharing its SM), us per call, per wave of
+# blocks, and per partial row (a split's fp32 [latent] output, written, then read by the combine)
+TREE_FIT_ROWS = 264
+TREE_STEP_US = {(2, 1): 1.652, (2, 2): 1.963, (4, 1): 1.895, (4, 2): 2.723, (8, 1): 2.896}
+TREE_CALL_US, TREE_WAVE_US, TREE_PARTIAL_ROW_US = 5.02, 0.72, 1.265e-3
 
 
 def row_stride(latent: int, rope: int) -> int:
@@ -118,15 +127,52 @@ def blocks_per_sm(smem: int, smem_limit: int) -> int:
     return max(1, min(2, (smem_limit + 1024) // (smem + 1024)))
 
 
+def tree_cost(warps: int, stages: int, row_groups: int, splits: int, context: int, q: int, rows: int,
+              sm_count: int, smem_limit: int, latent: int, rope: int) -> float:
+    """Modelled us of a tree-form plan with `splits` prefix splits (the tree keys get their own from 2 on):
+    TREE_CALL_US + waves x (TREE_WAVE_US + steps per block x step us) + partial rows x TREE_PARTIAL_ROW_US.
+    A block's step slows when another block shares its SM (2 x 4 warps: 1.44x, 2 x 2 warps: 1.19x); sharing
+    not measured is priced as fully serial."""
+    per_sm = blocks_per_sm(smem_bytes("tree", warps, stages, row_groups, latent, rope), smem_limit)
+    own = int(splits >= 2)
+    blocks = math.ceil(rows / (8 * row_groups)) * (splits + own)
+    sharing = min(per_sm, math.ceil(blocks / sm_count))
+    waves = math.ceil(blocks / (sm_count * per_sm))
+    chunk = math.ceil(math.ceil(context / splits) / 32) * 32
+    steps = math.ceil(min(chunk, context) / 32) + (0 if own else math.ceil(q / 32))
+    step_us = TREE_STEP_US.get((warps, sharing)) or sharing * TREE_STEP_US[(warps, 1)]
+    partial_rows = (splits + own) * rows if splits + own > 1 else 0
+    return TREE_CALL_US + waves * (TREE_WAVE_US + steps * step_us) + TREE_PARTIAL_ROW_US * partial_rows
+
+
+def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_limit: int, latent: int, rope: int,
+                     warps, stages, row_groups, splits) -> tuple[int, int, int, int] | None:
+    """(warps, stages, row groups, splits) of least tree_cost among the compiled variants that fit and match
+    the forced knobs (None where none does); splits from 1 to two waves of blocks, chunks >= MIN_CHUNK keys."""
+    best = None
+    for w, s, g in fits:
+        if any(f is not None and f != v for f, v in ((warps, w), (stages, s), (row_groups, g))):
+            continue
+        tiles = math.ceil(rows / (8 * g))
+        capacity = sm_count * blocks_per_sm(smem_bytes("tree", w, s, g, latent, rope), smem_limit)
+        top = max(1, min(math.ceil(context / MIN_CHUNK), 2 * capacity // tiles))
+        for P in [splits] if splits is not None else range(1, top + 1):
+            cost = tree_cost(w, s, g, P, context, q, rows, sm_count, smem_limit, latent, rope)
+            best = min(best or (cost, -s, w, g, P), (cost, -s, w, g, P))        # ties: the deeper ring
+    return (best[2], -best[1], best[3], best[4]) if best else None
+
+
+@functools.lru_cache(maxsize=4096)
 def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, *, latent: int, rope: int,
                    form: str | None = None, warps: int | None = None, stages: int | None = None,
                    splits: int | None = None, row_groups: int | None = None) -> AttentionPlan:
-    """Form: decode while q * H <= DECODE_MAX_ROWS, or DECODE_WIDE_ROWS from DECODE_WIDE_CONTEXT keys
-    (bandwidth-bound: all rows in one block, so the keys are read once), else tree. Tree blocks: 16 rows while q * H <= 64, 32 up to 256 rows, else 64 (more rows
-    per block: the keys are re-read from L2 fewer times). Then the most warps and the deepest ring that fit.
-    Prefix splits: choose_splits' wave model, chunks of at least MIN_CHUNK keys.
-    `form`, `warps`, `stages`, `splits`, `row_groups` force a choice (benchmark sweeps). Shared memory is
-    sized for the model's (latent, rope); dims the kernels cannot take raise LatentDimsError."""
+    """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
+    read once), else tree. Tree up to TREE_FIT_ROWS rows: the variant and prefix splits of least tree_cost.
+    Otherwise block rows by q * H (decode: all of them up to 64; tree: 64 rows), the most warps, the ring
+    that keeps the most blocks resident (tree) or the deepest (decode), and choose_splits' wave model with
+    chunks of at least MIN_CHUNK keys. `form`, `warps`, `stages`, `splits`, `row_groups` force a choice
+    (benchmark sweeps). Shared memory is sized for the model's (latent, rope); dims the kernels cannot take
+    raise LatentDimsError."""
     latent_defines(latent, rope)
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MLA tree attention: q = {q} new tokens outside [1, {MAX_Q}]")
@@ -136,22 +182,25 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         raise ValueError(f"MLA tree attention: context = {context} must be >= 0")
     rows = q * heads
     if form is None:
-        wide = rows <= DECODE_WIDE_ROWS and context >= DECODE_WIDE_CONTEXT
-        form = "decode" if rows <= DECODE_MAX_ROWS or wide else "tree"
+        form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
     fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
                          f"at latent {latent}, rope {rope}")
+    fitted = None
+    if form == "tree" and rows <= TREE_FIT_ROWS:
+        fitted = fitted_tree_plan(fits, q, rows, context, sm_count, smem_limit, latent, rope, warps, stages,
+                                  row_groups, splits)
+    if fitted:
+        warps, stages, row_groups, splits = fitted
     if row_groups is None:
-        want = -(-rows // 8) if form == "decode" else 2 if rows <= 32 else 4 if rows <= 256 else 8
+        want = -(-rows // 8) if form == "decode" else 8
         groups = sorted({g for w, _, g in fits if warps is None or w == warps})
         row_groups = next((g for g in groups if g >= want), groups[-1])
     if warps is None:
         warps = max(w for w, _, g in fits if g == row_groups)
     if stages is None:
         rings = [s for w, s, g in fits if w == warps and g == row_groups] or [0]
-        # tree: the ring that keeps the most blocks resident, then the deepest (H200, 136 rows x 32768 keys:
-        # two 4-warp blocks of a 2-deep ring per SM 1.27x faster than one of a 3-deep ring); decode: the deepest
         resident = (lambda s: blocks_per_sm(smem_bytes(form, warps, s, row_groups, latent, rope), smem_limit)) \
             if form == "tree" else (lambda s: 1)
         stages = max(rings, key=lambda s: (resident(s), s))

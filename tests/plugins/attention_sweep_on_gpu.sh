@@ -10,8 +10,8 @@ deadline=$((SECONDS + ${BUDGET:-140}))   # every step ends by then, whatever its
 step() {   # timeout, log name, command...: run it, say how long it took
   local limit=$1 name=$2 t0=$SECONDS; shift 2
   (( limit > deadline - SECONDS )) && limit=$((deadline - SECONDS))
-  (( limit > 0 )) || { echo "  $name: no time left"; return; }
-  timeout "$limit" "$@" 2>>"$out/$name.log"; echo "  $name rc=$? $((SECONDS - t0)) s"
+  (( limit > 0 )) || { echo "  $name: no time left" >&2; return; }
+  timeout "$limit" "$@" 2>>"$out/$name.log"; echo "  $name rc=$? $((SECONDS - t0)) s" >&2
 }
 SHAPES="--context ${BEFORE_CONTEXTS:-4096,32768} --q 1,2,8,17 --heads 8"
 if [[ -n ${BEFORE:-} && -d $BEFORE ]]; then

@@ -95,8 +95,7 @@ def test_moe_small_shapes_fall_back_to_one_chunk_slots(arch, hidden, inter):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_attention_plans_fit_and_fill_the_gpu(arch, preset):
-    from ddtree.plugins.mla_attention import (DECODE_MAX_ROWS, DECODE_WIDE_CONTEXT, DECODE_WIDE_ROWS, MIN_CHUNK,
-                                              blocks_per_sm, plan_attention)
+    from ddtree.plugins.mla_attention import DECODE_MAX_ROWS, MIN_CHUNK, blocks_per_sm, plan_attention
     a, dims = ARCHS[arch], preset_latent(preset)
     for heads in (4, 8, 64):
         for context in (0, 1, 100, 4096, 131072):
@@ -104,8 +103,7 @@ def test_attention_plans_fit_and_fill_the_gpu(arch, preset):
                 p = plan_attention(q, heads, context, a["sm_count"], a["smem_limit"], **dims)
                 assert p.smem <= a["smem_limit"]
                 assert p.row_tiles * p.rows_per_block >= q * heads > (p.row_tiles - 1) * p.rows_per_block
-                wide = q * heads <= DECODE_WIDE_ROWS and context >= DECODE_WIDE_CONTEXT
-                assert p.form == ("decode" if q * heads <= DECODE_MAX_ROWS or wide else "tree")
+                assert p.form == ("decode" if q * heads <= DECODE_MAX_ROWS else "tree")
                 assert p.prefix_splits >= 1 and p.tree_own == (p.prefix_splits >= 2)
                 # no split shorter than MIN_CHUNK keys, at most 4 waves' worth of splits
                 capacity = a["sm_count"] * blocks_per_sm(p.smem, a["smem_limit"])
