@@ -22,6 +22,7 @@
 #include "sample_common.cuh"
 
 #define SP_MAX_THREADS 256
+#define SP_KEPT_CHUNK 8                     // sample_kept: logits loaded per batch (8 round trips -> 4 per slice)
 #define SP_TOKEN_EPS (1.5 * 0x1p-35)        // per token, relative (top_p_bins.py TOKEN_EPS)
 #define SP_ARG_EPS 0x1p-44                  // per token and unit of |d| (ARG_EPS)
 #define SP_CLAMP_EPS 0x1p-16                // per token of bin 4095, in s_4095 (CLAMP_EPS)
@@ -349,25 +350,34 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
     const int lane = threadIdx.x & 31;
     Winner above{DD_NEG_INF, 0x7fffffff}, in_bin{DD_NEG_INF, 0x7fffffff};
     u32 kept = 0u;
-#pragma unroll 4
-    for (int j = 0; j < SP_ITEMS; ++j) {                     // warp-uniform: every lane reaches the ballot
-        const int v = lo + j * SP_THREADS + threadIdx.x;
-        const float l = v < hi ? row[v] : DD_NEG_INF;
-        const int b = v < hi ? tp_token_bin(l, st.l_top, a.inv_t32) : SP_BINS;
-        const bool at_cut = b == st.bin;
-        const u32 votes = __ballot_sync(0xffffffffu, at_cut);
-        if (votes) {                                         // the crossing bin's tokens: one atomic a warp
-            int base = 0;
-            if (lane == 0) base = (int)atomicAdd(row_counts + 2 * r, (u32)__popc(votes));
-            base = __shfl_sync(0xffffffffu, base, 0);
-            const int slot = base + __popc(votes & ((1u << lane) - 1u));
-            if (at_cut && slot < SP_MAX_BIN_KEYS) keys_out[slot] = pack_key(l, v);
+#pragma unroll 1
+    for (int c = 0; c < SP_ITEMS; c += SP_KEPT_CHUNK) {
+        float vals[SP_KEPT_CHUNK];           // loaded first, all in flight (a load inside the branchy body below
+#pragma unroll                               // waits a round trip per token: one LDG per iteration in the SASS)
+        for (int j = 0; j < SP_KEPT_CHUNK; ++j) {
+            const int v = lo + (c + j) * SP_THREADS + threadIdx.x;
+            vals[j] = v < hi ? row[v] : DD_NEG_INF;
         }
-        if (b <= st.bin) {
-            Winner w = b < st.bin ? above : in_bin;
-            gumbel_consider(w, l, v, position, a);
-            if (b < st.bin) above = w; else in_bin = w;
-            kept += b < st.bin;
+#pragma unroll
+        for (int j = 0; j < SP_KEPT_CHUNK; ++j) {            // warp-uniform: every lane reaches the ballot
+            const int v = lo + (c + j) * SP_THREADS + threadIdx.x;
+            const float l = vals[j];
+            const int b = v < hi ? tp_token_bin(l, st.l_top, a.inv_t32) : SP_BINS;
+            const bool at_cut = b == st.bin;
+            const u32 votes = __ballot_sync(0xffffffffu, at_cut);
+            if (votes) {                                         // the crossing bin's tokens: one atomic a warp
+                int base = 0;
+                if (lane == 0) base = (int)atomicAdd(row_counts + 2 * r, (u32)__popc(votes));
+                base = __shfl_sync(0xffffffffu, base, 0);
+                const int slot = base + __popc(votes & ((1u << lane) - 1u));
+                if (at_cut && slot < SP_MAX_BIN_KEYS) keys_out[slot] = pack_key(l, v);
+            }
+            if (b <= st.bin) {
+                Winner w = b < st.bin ? above : in_bin;
+                gumbel_consider(w, l, v, position, a);
+                if (b < st.bin) above = w; else in_bin = w;
+                kept += b < st.bin;
+            }
         }
     }
 #pragma unroll
