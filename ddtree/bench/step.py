@@ -33,7 +33,7 @@ from rich.table import Table
 
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.project import depth_histogram
-from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals  # noqa: F401  (kernel_family: tests)
+from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times  # noqa: F401  (kernel_family: tests)
 from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json

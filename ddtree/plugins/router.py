@@ -140,8 +140,9 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
             if w % tw:
                 continue
             for s in (splits,) if splits else _divisors(kc):
-                if kc // s < w // tw:                 # a warp without a chunk
-                    continue
+                if kc // s < w // tw and not (s == 1 and kc < w // tw):
+                    continue                          # a warp without a chunk, unless K itself is that short:
+                                                      # the route phase still uses every warp (a token a warp)
                 smem = router_smem(M, shape, mt, w, tw, s)
                 if smem <= smem_limit:
                     options.append(RouterPlan(mt, mb, w, tw, -(-nt // tw), s, smem))
