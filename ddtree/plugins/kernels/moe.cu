@@ -16,34 +16,23 @@
 // Weights use the repacked layout of ddtree/plugins/layout.py: per (16-row tile, 64-k chunk) one
 // uint4 per lane (4 mma steps) and one uint2 of bf16 scales per row group g; tiles interleaved in
 // pairs per chunk, so a warp streams one contiguous 1 KB block per step.
-#include "common.cuh"
+#include "route_common.cuh"
 
 #ifndef DD_MAX_E
 #define DD_MAX_E 1024
 #endif
-#define DD_ROUTE_EPL 16             // experts per lane in the top-k warp: E <= 512
 #define DD_MAX_PAIRS 4096
 
 // --------------------------------------------------------------------------------------------
 // routing
 // --------------------------------------------------------------------------------------------
 
-// (value, index) argmax across the warp; ties -> lower index.
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, off);
-        int oi = __shfl_xor_sync(0xffffffffu, i, off);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-}
-
 // One warp routes one token: the lane holds experts lane + 32 j.
 __device__ void route_token(const float* logits, const float* bias, int m, int E, int topk, int n_group,
                             int topk_group, float scaling, int* topk_ids, float* topk_w, int lane) {
-    float score[DD_ROUTE_EPL], choice[DD_ROUTE_EPL];
+    float score[ROUTE_EPL], choice[ROUTE_EPL];
 #pragma unroll
-    for (int j = 0; j < DD_ROUTE_EPL; ++j) {
+    for (int j = 0; j < ROUTE_EPL; ++j) {
         int e = lane + 32 * j;
         if (e < E) {
             float l = logits[(size_t)m * E + e];
@@ -54,51 +43,18 @@ __device__ void route_token(const float* logits, const float* bias, int m, int E
             choice[j] = DD_NEG_INF;
         }
     }
-    if (n_group > 1) {                                               // keep the best topk_group groups
-        int per_group = E / n_group;
-        float group_score = DD_NEG_INF;                              // lane gi holds group gi's score
-        for (int gi = 0; gi < n_group; ++gi) {
-            float v1 = DD_NEG_INF; int i1 = 0x7fffffff;
-#pragma unroll
-            for (int j = 0; j < DD_ROUTE_EPL; ++j) {
-                int e = lane + 32 * j;
-                if (e < E && e / per_group == gi && choice[j] > v1) { v1 = choice[j]; i1 = e; }
-            }
-            warp_argmax(v1, i1);
-            float v2 = DD_NEG_INF; int i2 = 0x7fffffff;
-#pragma unroll
-            for (int j = 0; j < DD_ROUTE_EPL; ++j) {
-                int e = lane + 32 * j;
-                if (e < E && e / per_group == gi && e != i1 && choice[j] > v2) { v2 = choice[j]; i2 = e; }
-            }
-            warp_argmax(v2, i2);
-            if (lane == gi) group_score = v1 + v2;
-        }
-        u32 kept = 0;
-        for (int r = 0; r < topk_group; ++r) {
-            float v = (kept >> lane) & 1u ? DD_NEG_INF : group_score;
-            int i = lane < n_group ? lane : 0x7fffffff;
-            if ((kept >> lane) & 1u) i = 0x7fffffff;
-            warp_argmax(v, i);
-            kept |= 1u << i;
-        }
-#pragma unroll
-        for (int j = 0; j < DD_ROUTE_EPL; ++j) {
-            int e = lane + 32 * j;
-            if (e < E && !((kept >> (e / per_group)) & 1u)) choice[j] = DD_NEG_INF;
-        }
-    }
+    if (n_group > 1) keep_best_groups(choice, E, n_group, topk_group, lane);   // keep the best topk_group groups
     float my_w = 0.0f, sum = 0.0f;
     int my_id = 0;
     for (int k = 0; k < topk; ++k) {
         float v = DD_NEG_INF; int i = 0x7fffffff;
 #pragma unroll
-        for (int j = 0; j < DD_ROUTE_EPL; ++j)                      // e grows with j: strict > keeps the lowest id
+        for (int j = 0; j < ROUTE_EPL; ++j)                      // e grows with j: strict > keeps the lowest id
             if (choice[j] > v) { v = choice[j]; i = lane + 32 * j; }
         warp_argmax(v, i);
         float s = 0.0f;
 #pragma unroll
-        for (int j = 0; j < DD_ROUTE_EPL; ++j)
+        for (int j = 0; j < ROUTE_EPL; ++j)
             if (lane + 32 * j == i) { s = score[j]; choice[j] = DD_NEG_INF; }
         s = __shfl_sync(0xffffffffu, s, i & 31);
         sum += s;
@@ -116,9 +72,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int topk,
           int n_group, int topk_group, float scaling, int* topk_ids, float* topk_w,
           int* __restrict__ tile_expert, int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
-    __shared__ int count[DD_MAX_E];
-    __shared__ int tile_start[DD_MAX_E + 1];
-    __shared__ short rank[DD_MAX_PAIRS];
+    __shared__ __align__(16) unsigned char align_smem[(2 * DD_MAX_E + 1) * 4 + DD_MAX_PAIRS * 2];   // align_tiles
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int P = M * topk;
     pdl_wait();                                      // logits / ids written, last readers of the lists done
@@ -128,40 +82,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
         for (int m = warp; m < M; m += nwarps)
             route_token(logits, bias, m, E, topk, n_group, topk_group, scaling, topk_ids, topk_w, lane);
     }
-    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
-    __syncthreads();                                 // topk_ids (global) and count visible to the block
-
-    for (int p = threadIdx.x; p < P; p += blockDim.x)
-        rank[p] = (short)atomicAdd(&count[topk_ids[p]], 1);
-    __syncthreads();
-
-    if (warp == 0) {                                 // exclusive scan of tiles per expert
-        int carry = 0;
-        for (int base = 0; base < E; base += 32) {
-            int e = base + lane;
-            int n = e < E ? (count[e] + 7) >> 3 : 0;
-            int incl = n;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                int o = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += o;
-            }
-            if (e < E) tile_start[e] = carry + incl - n;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
-    }
-    __syncthreads();
-
-    const int tiles = tile_start[E];
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
-    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        int e = topk_ids[p], r = rank[p];
-        tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
-    }
+    __syncthreads();                                 // topk_ids (global) written by the block's warps
+    align_tiles(topk_ids, P, E, align_smem, tile_expert, tile_pairs, num_tiles);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -24,60 +24,12 @@
 // candidates that beat it: no chain of k dependent arg-max rounds. "Beats" is (value, lower id), a strict
 // total order, so the ranks are distinct and equal those of moe_route's arg-max rounds: the same ids in
 // the same order, and the same weights bit for bit (same fp32 sigmoid, sum in selection order).
-#include "common.cuh"
+#include "route_common.cuh"
 
 #define RT_MAX_WARPS 16
-#define RT_EPL 16                    // experts per lane of a routing warp: E <= 512
 
 __device__ __forceinline__ bool beats(float av, int ai, float bv, int bi) {
     return av > bv || (av == bv && ai < bi);
-}
-
-// (value, index) arg-max across the warp; ties -> lower index.
-__device__ __forceinline__ void warp_argmax_rt(float& v, int& i) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, off);
-        int oi = __shfl_xor_sync(0xffffffffu, i, off);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-}
-
-// n_group > 1: a group scores the sum of its top-2 choices; only the best topk_group groups stay selectable
-// (the rule of moe_route; not on Kimi's path, where n_group = 1).
-__device__ void keep_best_groups(float (&choice)[RT_EPL], int E, int n_group, int topk_group, int lane) {
-    const int per_group = E / n_group;
-    float group_score = DD_NEG_INF;                                  // lane gi holds group gi's score
-    for (int gi = 0; gi < n_group; ++gi) {
-        float v1 = DD_NEG_INF; int i1 = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < RT_EPL; ++j) {
-            int e = lane + 32 * j;
-            if (e < E && e / per_group == gi && choice[j] > v1) { v1 = choice[j]; i1 = e; }
-        }
-        warp_argmax_rt(v1, i1);
-        float v2 = DD_NEG_INF; int i2 = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < RT_EPL; ++j) {
-            int e = lane + 32 * j;
-            if (e < E && e / per_group == gi && e != i1 && choice[j] > v2) { v2 = choice[j]; i2 = e; }
-        }
-        warp_argmax_rt(v2, i2);
-        if (lane == gi) group_score = v1 + v2;
-    }
-    u32 kept = 0;
-    for (int r = 0; r < topk_group; ++r) {
-        const bool taken = (kept >> lane) & 1u;
-        float v = taken ? DD_NEG_INF : group_score;
-        int i = (lane < n_group && !taken) ? lane : 0x7fffffff;
-        warp_argmax_rt(v, i);
-        kept |= 1u << i;
-    }
-#pragma unroll
-    for (int j = 0; j < RT_EPL; ++j) {
-        int e = lane + 32 * j;
-        if (e < E && !((kept >> (e / per_group)) & 1u)) choice[j] = DD_NEG_INF;
-    }
 }
 
 // Per-warp scratch of route_token: candidates (choice, id, score) [cmax], the selection (id, score) [topk].
@@ -109,16 +61,16 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
     // every load first, unconditional (index clamped), so the 16 round trips to L2 overlap: with the loads
     // inside `if (e < E)` each waited for the previous slot's sigmoid (its division has a called slow
     // path), 16 L2 latencies in a row, ~7 us a token on the H200 (moe_route's top-k has the same pattern)
-    float logit[RT_EPL], add[RT_EPL];
+    float logit[ROUTE_EPL], add[ROUTE_EPL];
 #pragma unroll
-    for (int j = 0; j < RT_EPL; ++j) {
+    for (int j = 0; j < ROUTE_EPL; ++j) {
         const int e = min(lane + 32 * j, E - 1);
         logit[j] = __ldcg(logits_row + e);
         add[j] = bias ? bias[e] : 0.0f;
     }
-    float score[RT_EPL], choice[RT_EPL];
+    float score[ROUTE_EPL], choice[ROUTE_EPL];
 #pragma unroll
-    for (int j = 0; j < RT_EPL; ++j) {
+    for (int j = 0; j < ROUTE_EPL; ++j) {
         score[j] = 0.0f;
         choice[j] = DD_NEG_INF;                                      // past E: loses to every expert
         if (lane + 32 * j < E) {
@@ -131,7 +83,7 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
     float best_v = choice[0];                                        // the lane's best (value, lowest id)
     int best_i = lane;
 #pragma unroll
-    for (int j = 1; j < RT_EPL; ++j)
+    for (int j = 1; j < ROUTE_EPL; ++j)
         if (choice[j] > best_v) { best_v = choice[j]; best_i = lane + 32 * j; }
     int lane_rank = 0;                                               // lanes whose best beats this lane's
 #pragma unroll
@@ -147,7 +99,7 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
 
     u32 cand = 0;                                                    // elements that T does not beat: >= T
 #pragma unroll
-    for (int j = 0; j < RT_EPL; ++j)
+    for (int j = 0; j < ROUTE_EPL; ++j)
         if (!beats(t_v, t_i, choice[j], lane + 32 * j)) cand |= 1u << j;
     const int n = __popc(cand);
     int incl = n;
@@ -159,7 +111,7 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
     const int count = min(__shfl_sync(0xffffffffu, incl, 31), sc.cmax);
     int slot = incl - n;
 #pragma unroll
-    for (int j = 0; j < RT_EPL; ++j) {
+    for (int j = 0; j < ROUTE_EPL; ++j) {
         if ((cand >> j) & 1u) {
             if (slot < sc.cmax) {
                 sc.cand_v[slot] = choice[j];
@@ -185,46 +137,6 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
         w_out[lane] = sc.sel_s[lane] / (sum + 1e-20f) * scaling;
     }
     __syncwarp();                                                    // the scratch is free for the next token
-}
-
-// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size). ids [P] are read through L2.
-// Shared: count [E] int, tile_start [E + 1] int, rank [P] short.
-__device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
-                            int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
-    int* count = (int*)smem;
-    int* tile_start = count + E;
-    short* rank = (short*)(tile_start + E + 1);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[ld_cg_s32(&ids[p])], 1);
-    __syncthreads();
-    if (warp == 0) {                                                 // exclusive scan of tiles per expert
-        int carry = 0;
-        for (int base = 0; base < E; base += 32) {
-            const int e = base + lane;
-            const int n = e < E ? (count[e] + 7) >> 3 : 0;
-            int incl = n;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int o = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += o;
-            }
-            if (e < E) tile_start[e] = carry + incl - n;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
-    }
-    __syncthreads();
-    const int tiles = tile_start[E];
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
-    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
-    __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const int e = ld_cg_s32(&ids[p]), r = rank[p];
-        tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
-    }
 }
 
 // Dynamic shared memory (plugins/router.py router_smem): the maximum of

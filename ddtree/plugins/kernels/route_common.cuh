@@ -1,0 +1,93 @@
+// Routing pieces shared by moe.cu's moe_route and router.cu's fused router (one copy each): the warp arg-max
+// with the lower id winning ties, the n_group > 1 group filter, and the token -> expert tile alignment.
+#pragma once
+#include "common.cuh"
+
+#define ROUTE_EPL 16                 // experts per lane of a routing warp: E <= 512
+
+// (value, index) arg-max across the warp; ties -> lower index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        int oi = __shfl_xor_sync(0xffffffffu, i, off);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// n_group > 1: a group scores the sum of its top-2 choices; only the best topk_group groups stay selectable
+// (the rule of moe_route; not on Kimi's path, where n_group = 1).
+__device__ void keep_best_groups(float (&choice)[ROUTE_EPL], int E, int n_group, int topk_group, int lane) {
+    const int per_group = E / n_group;
+    float group_score = DD_NEG_INF;                                  // lane gi holds group gi's score
+    for (int gi = 0; gi < n_group; ++gi) {
+        float v1 = DD_NEG_INF; int i1 = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            int e = lane + 32 * j;
+            if (e < E && e / per_group == gi && choice[j] > v1) { v1 = choice[j]; i1 = e; }
+        }
+        warp_argmax(v1, i1);
+        float v2 = DD_NEG_INF; int i2 = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            int e = lane + 32 * j;
+            if (e < E && e / per_group == gi && e != i1 && choice[j] > v2) { v2 = choice[j]; i2 = e; }
+        }
+        warp_argmax(v2, i2);
+        if (lane == gi) group_score = v1 + v2;
+    }
+    u32 kept = 0;
+    for (int r = 0; r < topk_group; ++r) {
+        const bool taken = (kept >> lane) & 1u;
+        float v = taken ? DD_NEG_INF : group_score;
+        int i = (lane < n_group && !taken) ? lane : 0x7fffffff;
+        warp_argmax(v, i);
+        kept |= 1u << i;
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTE_EPL; ++j) {
+        int e = lane + 32 * j;
+        if (e < E && !((kept >> (e / per_group)) & 1u)) choice[j] = DD_NEG_INF;
+    }
+}
+
+// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size). ids [P] are read through L2.
+// Shared: count [E] int, tile_start [E + 1] int, rank [P] short.
+__device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
+                            int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+    int* count = (int*)smem;
+    int* tile_start = count + E;
+    short* rank = (short*)(tile_start + E + 1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[ld_cg_s32(&ids[p])], 1);
+    __syncthreads();
+    if (warp == 0) {                                                 // exclusive scan of tiles per expert
+        int carry = 0;
+        for (int base = 0; base < E; base += 32) {
+            const int e = base + lane;
+            const int n = e < E ? (count[e] + 7) >> 3 : 0;
+            int incl = n;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int o = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += o;
+            }
+            if (e < E) tile_start[e] = carry + incl - n;
+            carry += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
+    }
+    __syncthreads();
+    const int tiles = tile_start[E];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
+    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = ld_cg_s32(&ids[p]), r = rank[p];
+        tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
+    }
+}
