@@ -19,7 +19,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
-from ddtree.plugins.router import FusedRouter, RouterShape
+from ddtree.plugins.router import FusedRouter, RouterShape, check_routing
 
 SOURCE = "moe.cu"
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
@@ -29,7 +29,7 @@ RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) co
 # 227 KB. sm_120 (99 KB per block): 3 x 2 keeps the smem of the former 6 x 1 ring.
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
 ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
-MAX_EXPERTS, MAX_PAIRS, MAX_TOPK = 512, 4096, 32
+MAX_EXPERTS, MAX_PAIRS = 512, 4096
 
 
 class RingMismatch(ValueError):
@@ -54,15 +54,10 @@ class MoEShape:
     def __post_init__(self):
         if self.hidden % 64 or self.inter % 64:
             raise ValueError(f"MoE kernel needs hidden and inter multiples of 64, got {self.hidden}, {self.inter}")
-        if not 1 <= self.topk <= min(MAX_TOPK, self.experts) or self.experts > MAX_EXPERTS:
-            raise ValueError(f"MoE kernel: need topk <= 32, topk <= experts <= {MAX_EXPERTS}; "
-                             f"got topk {self.topk}, experts {self.experts}")
-        if not 1 <= self.max_tokens <= 256 or self.max_tokens * self.topk > MAX_PAIRS:
-            raise ValueError(f"MoE kernel: max_tokens must be in [1, 256] with max_tokens * topk <= {MAX_PAIRS}")
-        if self.n_group > 1 and (self.experts % self.n_group or self.n_group > 32
-                                 or not 1 <= self.topk_group <= self.n_group):
-            raise ValueError(f"MoE kernel: bad grouping n_group {self.n_group}, topk_group {self.topk_group} "
-                             f"for {self.experts} experts")
+        check_routing("MoE kernel", self.experts, self.topk, self.n_group, self.topk_group, self.max_tokens,
+                      MAX_EXPERTS)
+        if self.max_tokens * self.topk > MAX_PAIRS:
+            raise ValueError(f"MoE kernel: max_tokens * topk = {self.max_tokens * self.topk} > {MAX_PAIRS} pairs")
 
     def max_tiles(self, M: int) -> int:
         """Upper bound of sum_e ceil(count_e / 8) over any routing of M tokens."""

@@ -35,6 +35,19 @@ HANDOFF_US = 0.5                        # one arrive_last: fence, atomic, barrie
 ROUTE_US = 1.0                          # one token routed by one warp (~7 us before the loads were hoisted)
 
 
+def check_routing(who: str, experts: int, topk: int, n_group: int, topk_group: int, max_tokens: int,
+                  max_experts: int) -> None:
+    """The routing shape both routing kernels take (this fused router and moe.cu's moe_route), or a ValueError
+    naming `who` and the bad value."""
+    if not 1 <= topk <= min(32, experts) or experts > max_experts:
+        raise ValueError(f"{who}: need 1 <= topk <= 32, topk <= experts <= {max_experts}; "
+                         f"got topk {topk}, experts {experts}")
+    if not 1 <= max_tokens <= 256:
+        raise ValueError(f"{who}: max_tokens must be in [1, 256], got {max_tokens}")
+    if n_group > 1 and (experts % n_group or n_group > 32 or not 1 <= topk_group <= n_group):
+        raise ValueError(f"{who}: bad grouping n_group {n_group}, topk_group {topk_group} for {experts} experts")
+
+
 @dataclass(frozen=True)
 class RouterShape:
     experts: int                  # E
@@ -48,15 +61,8 @@ class RouterShape:
     def __post_init__(self):
         if self.hidden % 64 or self.hidden < 64:
             raise ValueError(f"fused router: hidden must be a positive multiple of 64, got {self.hidden}")
-        if not 1 <= self.topk <= min(32, self.experts) or self.experts > 32 * LANE_EXPERTS:
-            raise ValueError(f"fused router: need 1 <= topk <= 32, topk <= experts <= {32 * LANE_EXPERTS}; "
-                             f"got topk {self.topk}, experts {self.experts}")
-        if not 1 <= self.max_tokens <= 256:
-            raise ValueError(f"fused router: max_tokens must be in [1, 256], got {self.max_tokens}")
-        if self.n_group > 1 and (self.experts % self.n_group or self.n_group > 32
-                                 or not 1 <= self.topk_group <= self.n_group):
-            raise ValueError(f"fused router: bad grouping n_group {self.n_group}, topk_group {self.topk_group} "
-                             f"for {self.experts} experts")
+        check_routing("fused router", self.experts, self.topk, self.n_group, self.topk_group, self.max_tokens,
+                      32 * LANE_EXPERTS)
 
 
 @dataclass(frozen=True)

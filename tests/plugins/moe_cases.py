@@ -62,3 +62,25 @@ def build(name: str) -> None:
 if __name__ == "__main__":
     for case_name in CASES:
         build(case_name)
+
+
+def random_experts(rng, E: int, H: int, I: int, std: float):
+    """E experts of (gate [I, H], up [I, H], down [H, I]) as compressed-tensors triples (packed int4 words,
+    scales, shape), for layout.repack_experts: a small checkpoint-format expert set."""
+    from ddtree.model.int4 import pack_int4, quantize_int4
+    experts = []
+    for _ in range(E):
+        triple = []
+        for shp in ((I, H), (I, H), (H, I)):
+            q, s = quantize_int4(rng.standard_normal(shp).astype(np.float32) * std)
+            triple.append((pack_int4(q), s, np.array(shp, np.int32)))
+        experts.append(tuple(triple))
+    return experts
+
+
+def route_only_weights(gpu, E: int, H: int) -> dict:
+    """Expert buffers of the right shapes for FusedMoE(inter 64) whose route() never reads them."""
+    return {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),
+            "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
+            "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
+            "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}

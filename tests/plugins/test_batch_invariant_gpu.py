@@ -114,17 +114,10 @@ def test_invariant_absorb_rows_do_not_depend_on_the_batch(gpu):
 
 def test_invariant_moe_rows_do_not_depend_on_the_batch(gpu):
     from ddtree.plugins.moe import FusedMoE, MoEShape
-    from ddtree.model.int4 import pack_int4, quantize_int4
+    from moe_cases import random_experts
     rng = np.random.default_rng(5)
     H, I, E, k, M = 1024, 256, 16, 4, 33
-    experts = []
-    for _ in range(E):
-        triple = []
-        for shp in ((I, H), (I, H), (H, I)):
-            q, s = quantize_int4(rng.standard_normal(shp).astype(np.float32) * 0.05)
-            triple.append((pack_int4(q), s, np.array(shp, np.int32)))
-        experts.append(tuple(triple))
-    packed = layout.repack_experts(experts)
+    packed = layout.repack_experts(random_experts(rng, E, H, I, 0.05))
     router = bf16(rng, (E, H), 0.05)
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
     moe = FusedMoE(gpu, MoEShape(H, I, E, k, scaling=2.5, max_tokens=64), {key: gpu.upload(v) for key, v in packed.items()},

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
-from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout, randfill, reference
 from ddtree.model.routing import route_logits, sigmoid
 
-from moe_cases import CASES, FIXTURES, TOKENS, TOPK, tensor_specs
+from moe_cases import CASES, FIXTURES, TOKENS, TOPK, random_experts, route_only_weights, tensor_specs
 
 pytestmark = pytest.mark.gpu
 MS = [1, 2, 3, 8, 16, 64, 256]
@@ -105,10 +104,7 @@ def test_router(gpu, name, M):
     r = ROUTERS[name]
     E, H = r["experts"], r["hidden"]
     shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=256)
-    weights = {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),       # unused by route()
-               "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
-               "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
-               "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}
+    weights = route_only_weights(gpu, E, H)
     w_router = randfill.hash_array((E, H), np.uint16, 501, randfill.WEIGHT_BF16)
     x = randfill.hash_array((M, H), np.uint16, 502 + M, randfill.ACT_BF16)
     bias = (np.random.default_rng(M).standard_normal(E) * 0.05).astype(np.float32)
@@ -136,14 +132,7 @@ def test_moe_end_to_end_from_checkpoint_tensors(gpu):
     from ddtree.plugins.moe import FusedMoE, MoEShape
     rng = np.random.default_rng(7)
     E, H, I, k, M = 8, 128, 64, 2, 5
-    experts = []
-    for _ in range(E):
-        triple = []
-        for shp in ((I, H), (I, H), (H, I)):
-            q, s = quantize_int4(rng.standard_normal(shp).astype(np.float32) * 0.2)
-            triple.append((pack_int4(q), s, np.array(shp, np.int32)))
-        experts.append(tuple(triple))
-    packed = layout.repack_experts(experts)
+    packed = layout.repack_experts(random_experts(rng, E, H, I, 0.2))
     router = f32_to_bf16(rng.standard_normal((E, H)).astype(np.float32) * 0.1)
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
     x = f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))

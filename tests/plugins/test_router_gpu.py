@@ -12,6 +12,7 @@ import pytest
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import route_logits
 from ddtree.plugins import layout, randfill, reference
+from moe_cases import route_only_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -110,10 +111,7 @@ def test_fused_equals_moe_route_bitwise(gpu, M):
     r = SHAPES["kimi"]
     E, H = r["experts"], r["hidden"]
     shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=128)
-    weights = {"gate_up": gpu.alloc((E, 4, H // 64, 2, 32, 4), np.int32),       # unused by route()
-               "gate_up_scale": gpu.alloc((E, 4, H // 64, 2, 8, 4), np.uint16),
-               "down": gpu.alloc((E, H // 32, 1, 2, 32, 4), np.int32),
-               "down_scale": gpu.alloc((E, H // 32, 1, 2, 8, 4), np.uint16)}
+    weights = route_only_weights(gpu, E, H)
     w_router = randfill.hash_array((E, H), np.uint16, 601, randfill.WEIGHT_BF16)
     bias = (np.random.default_rng(7).standard_normal(E) * 0.05).astype(np.float32)
     moe = FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))

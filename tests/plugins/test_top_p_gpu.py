@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ddtree.plugins import top_p_bins as tb
+from test_top_p_bins import lm_row
 from ddtree.tree.sampling import SamplingParams, kept_mask, sample
 
 pytestmark = pytest.mark.gpu
@@ -26,15 +27,6 @@ def samplers(gpu):
             cache[V] = TreeSampler(gpu, vocab=V, max_rows=80)
         return cache[V]
     return get
-
-
-def lm_row(rng, V: int, shape: str) -> np.ndarray:
-    x = rng.standard_normal(V).astype(np.float32)
-    if shape == "lm":
-        x *= 2
-        strong = rng.choice(V, size=20, replace=False)
-        x[strong] += rng.uniform(6, 14, size=20).astype(np.float32)
-    return x
 
 
 def cumulative(l, T):

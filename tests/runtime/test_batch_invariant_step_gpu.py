@@ -18,16 +18,8 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from ddtree.builder.build import build_engine
-    from ddtree.data import tiny_model_dirs
-    from ddtree.model.tokenizer import load_tokenizer
-    from ddtree.runtime.cuda_executor import CudaExecutor
-    from tests.runtime.test_ddtree_trained import prompts
-    root = tmp_path_factory.mktemp("tiny-invariant")
-    engine = build_engine(*tiny_model_dirs(), 1, ["sm_90"], root / "engine", graphs=False)["engine"]
-    ex = CudaExecutor(engine, max_context=512, kernel_plan="batch-invariant")
-    tok = load_tokenizer(ex.tokenizer_dir, ex.config)
-    return ex, [tok.encode(p) for p in prompts(4)]
+    from tests.runtime.tiny_gpu import tiny_gpu_executor
+    return tiny_gpu_executor(tmp_path_factory, "tiny-invariant", kernel_plan="batch-invariant")
 
 
 def test_verify_logits_are_the_decode_logits_bitwise(tiny):
