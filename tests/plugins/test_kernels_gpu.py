@@ -256,7 +256,7 @@ def test_moe_graph_back_to_back(gpu, moe_case):
 def test_skinny_gemm_forced_plans(gpu, gemm_case, plan):
     c = gemm_case
     try:
-        for M in (1, 16, 64):
+        for M in (1, 16, 17, 33, 64, 65):
             try:
                 c["gemm"].override(M, **plan)
             except ValueError as exc:                              # splits=1 can exceed the smem budget
@@ -269,6 +269,25 @@ def test_skinny_gemm_forced_plans(gpu, gemm_case, plan):
             assert_close(y, c["ref"][:M], atol_rms=2e-3, what=f"gemm {c['name']} {plan} M={M}")
     finally:
         c["gemm"]._overrides.clear()
+
+
+@pytest.mark.parametrize("M", [9, 17, 33, 65])
+def test_skinny_gemm_paired_tiles_bitwise(gpu, gemm_case, M):
+    """Two tiles a warp stream chunk by chunk and share each x fragment (gemm.cu paired): each tile's sum runs
+    in the order it runs alone, so tpw 2 gives tpw 1's bits at the same k-split (ragged_n: a last warp holding
+    one tile takes the single path)."""
+    c, outs = gemm_case, []
+    splits = c["gemm"].plan(M).splits
+    try:
+        for tpw in (1, 2):
+            c["gemm"].override(M, warps=4, tpw=tpw, splits=splits)
+            gpu.memset(c["out"], 0xFF)
+            c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
+            gpu.sync()
+            outs.append(c["out"].numpy()[:M].copy())
+    finally:
+        c["gemm"]._overrides.clear()
+    assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8)), f"gemm {c['name']} M={M}: tpw 2 != tpw 1"
 
 
 @pytest.mark.parametrize("pdl", [True, False])

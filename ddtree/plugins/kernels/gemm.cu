@@ -19,6 +19,7 @@
 
 #define DD_GEMM_MAX_WARPS 8
 
+static_assert(DD_STAGES >= 4, "the paired loop keeps two stages free and two in flight");
 struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8) x (h0 | h1)][lane]
     uint4 w[DD_STAGES][4][32];      // 16 rows x 64 k bf16 = 2 KB per stage
 };
@@ -46,24 +47,33 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int ntb = warps * tpw, nt_begin = (nb * warps + warp) * tpw;
     const int my_tiles = max(0, min(tpw, NT - nt_begin));
     const int items = my_tiles * CPS;
+    // paired: a warp's two tiles stream chunk by chunk (tile 0 chunk c, tile 1 chunk c, ...) and each x fragment
+    // loaded from shared memory feeds both tiles' mma: half the x reads per weight byte, which bind past 16
+    // rows. Each tile's sum runs in the same order as alone (bitwise the same outputs).
+    const bool paired = my_tiles == 2;
     // tiled weights: (tile, chunk) = 2 KB contiguous = [4][32 lanes] uint4, so a warp streams 2 KB per step
-    const uint4* wp = (const uint4*)w + ((size_t)nt_begin * KC + c0) * 128 + lane;
-    const size_t skip = (size_t)(KC - CPS) * 128;
+    const uint4* wbase = (const uint4*)w + ((size_t)nt_begin * KC + c0) * 128 + lane;
     const u64 policy = evict_first_policy();
     int issue_r = 0, issue_c = 0, issue_st = 0;
-    auto issue = [&]() {                                 // counters instead of divisions
-        if (issue_r < my_tiles) {
+    auto issue = [&]() {                                 // (tile, chunk) in the order the loop consumes them
+        if (issue_r < my_tiles && issue_c < CPS) {
+            const uint4* wp = wbase + ((size_t)issue_r * KC + issue_c) * 128;
 #pragma unroll
             for (int j = 0; j < 4; ++j)                  // j = 2 h + (row g | row g+8)
                 cp_async16_stream(&ring.w[issue_st][j][lane], wp + 32 * j, policy);
-            wp += 128;
-            if (++issue_c == CPS) { issue_c = 0; ++issue_r; wp += skip; }
+            if (paired) {
+                if (++issue_r == 2) { issue_r = 0; ++issue_c; }
+            } else if (++issue_c == CPS) {
+                issue_c = 0; ++issue_r;
+            }
         }
         cp_async_commit();
         if (++issue_st == DD_STAGES) issue_st = 0;
     };
+    // weights first (independent of earlier kernels): all stages but one ahead, two when paired (a paired step
+    // issues tile 0 and tile 1 of a chunk before it reads the two oldest stages)
 #pragma unroll 1
-    for (int st = 0; st < DD_STAGES - 1; ++st) issue();     // weights first: independent of earlier kernels
+    for (int st = 0; st < DD_STAGES - (paired ? 2 : 1); ++st) issue();
     pdl_wait();                                            // x (and residual) written by the previous kernel
     pdl_trigger();
     const int vec_per_row = kspan >> 3;
@@ -110,11 +120,52 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         }
     };
 
+    auto store_partial = [&](int r, const float (&v)[MT][4]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            size_t idx = (((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane;
+            partial[idx] = make_float4(v[mt][0], v[mt][1], v[mt][2], v[mt][3]);
+        }
+    };
     float acc[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
     int r = 0, c = 0, st = 0;
-    for (int it = 0; it < items; ++it) {
+    if (paired) {
+        float acc1[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc1[mt][0] = acc1[mt][1] = acc1[mt][2] = acc1[mt][3] = 0.f;
+        for (c = 0; c < CPS; ++c) {
+            cp_async_wait<DD_STAGES - 4>();              // the two oldest stages (tile 0 and 1, chunk c) landed
+            issue();
+            issue();
+            const int st1 = st + 1 == DD_STAGES ? 0 : st + 1;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 g0 = ring.w[st][2 * h][lane], g08 = ring.w[st][2 * h + 1][lane];
+                const uint4 g1 = ring.w[st1][2 * h][lane], g18 = ring.w[st1][2 * h + 1][lane];
+                const u32 a0_u0[4] = {g0.x, g08.x, g0.y, g08.y}, a0_u1[4] = {g0.z, g08.z, g0.w, g08.w};
+                const u32 a1_u0[4] = {g1.x, g18.x, g1.y, g18.y}, a1_u1[4] = {g1.z, g18.z, g1.w, g18.w};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
+                    mma_bf16_16816(acc[mt], a0_u0, xb.x, xb.y);
+                    mma_bf16_16816(acc[mt], a0_u1, xb.z, xb.w);
+                    mma_bf16_16816(acc1[mt], a1_u0, xb.x, xb.y);
+                    mma_bf16_16816(acc1[mt], a1_u1, xb.z, xb.w);
+                }
+            }
+            st = st1 + 1 == DD_STAGES ? 0 : st1 + 1;
+        }
+        if (S == 1) {
+            finish(0, acc);
+            finish(1, acc1);
+        } else {
+            store_partial(0, acc);
+            store_partial(1, acc1);
+        }
+    }
+    for (int it = 0; it < (paired ? 0 : items); ++it) {
         cp_async_wait<DD_STAGES - 2>();
         issue();
 #pragma unroll
@@ -134,11 +185,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
             if (S == 1) {
                 finish(r, acc);
             } else {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    size_t idx = (((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane;
-                    partial[idx] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-                }
+                store_partial(r, acc);
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
