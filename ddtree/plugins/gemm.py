@@ -56,9 +56,10 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
               splits: int | None = None, tpw: int | None = None, x_budget: int | None = None) -> GemmPlan:
     """Token blocking, warps per block (`warps` forces it) and split-K (`splits` forces S, which must divide
     K / 64), the block's token rows (one k-split) in shared memory beside the weight ring (at most `x_budget`
-    bytes when given: sweeps). Two weight tiles per warp at 9..16 tokens for weights >= 64 MB (H200 sweep: the
-    blocks' token-row loads and ramps amortised over twice the weights, +5..9 points; smaller weights lose the
-    grid to it).
+    bytes when given: sweeps). Two weight tiles per warp from 9 tokens for weights >= 64 MB: at 9..16 (H200 sweep)
+    the blocks' token-row loads and ramps amortised over twice the weights, +5..9 points; past 16 the two tiles
+    share each x fragment (gemm.cu paired): lm_head 137 -> 115 us at 33 rows, 249 -> 195 at 65 (H200, same
+    call); smaller weights lose the grid to it (q_b, kv_b, the shared expert and router 30-120 % slower).
 
     The choice, from an H200 sweep of every (warps, splits) plan of Kimi's tp 8 GEMMs at M = 1..65
     (tests/plugins/sweep_gemm.py; the table in ddtree/plugins/kernels/NOTES.md):
@@ -81,7 +82,7 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     # candidates are held to that tile's shared memory (the sweep's set), then launched with the exact tile
     swept_mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     if tpw is None:
-        tpw = 2 if mt == 2 and N * K * 2 >= 64 << 20 else 1
+        tpw = 2 if mt >= 2 and N * K * 2 >= 64 << 20 else 1
     fitted = M > 16
     x_cap = x_budget or (smem_limit if fitted or splits else WAVES_X_BYTES)   # a forced split: the device's limit
 

@@ -67,13 +67,13 @@ def test_gemm_plan_rejects_bad_warps():
         plan_gemm(1, 1536, 7168, 132, 232448, 16, STAGES)
 
 
-def test_gemm_two_tiles_per_warp_only_for_big_weights_at_9_to_16_tokens():
+def test_gemm_two_tiles_per_warp_only_for_big_weights_from_9_tokens():
     big, small = (163840, 7168), (1536, 7168)
-    assert plan_gemm(16, *big, 132, 232448, 4, STAGES).tpw == 2
-    assert plan_gemm(9, *big, 132, 232448, 4, STAGES).tpw == 2
+    for M in (9, 16, 17, 33, 65, 256):
+        assert plan_gemm(M, *big, 132, 232448, 4, STAGES).tpw == 2
     assert plan_gemm(8, *big, 132, 232448, 4, STAGES).tpw == 1
-    assert plan_gemm(17, *big, 132, 232448, 4, STAGES).tpw == 1
-    assert plan_gemm(16, *small, 132, 232448, 4, STAGES).tpw == 1
+    for M in (16, 17, 65):
+        assert plan_gemm(M, *small, 132, 232448, 4, STAGES).tpw == 1
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
