@@ -202,7 +202,9 @@ class LayerOps:
     # ---- element-wise and copies ----------------------------------------------------------------
     def silu_mul(self, gu, out, m: int, I: int, stream=None) -> None:
         """out [m, I] = silu(gate) * up with gu [m, 2I] = SkinnyGemm(x, [gate; up]): gate columns 0 .. I-1,
-        up columns I .. 2I-1 of each row."""
+        up columns I .. 2I-1 of each row. The model's MLPs apply it in the GEMM's epilogue instead
+        (SkinnyGemm.run swiglu=True, the same bits); this unfused form is that epilogue's reference on the GPU
+        (tests/plugins/test_gemm_swiglu_gpu.py)."""
         _multiple("silu_mul", I=(I, 2))
         _aligned("silu_mul gu", gu, 4)
         _aligned("silu_mul out", out, 4)
