@@ -72,17 +72,16 @@ class MlaAbsorb:
         self.gpu, self.heads, self.nope, self.v, self.latent = gpu, heads, nope, v, latent
         self.max_tokens = max_tokens
         self.pdl = pdl and supports_pdl(gpu)
-        self.invariant = invariant
+        # (n_out, K) of absorb_q and absorb_out, and their K splits under the batch-invariant plan (M = 1's)
+        self.shapes = {"q": (latent, nope), "out": (v, latent)}
+        self.fixed_ks = {k: plan_absorb(1, heads, *nk, gpu.sm_count).ks if invariant else None
+                         for k, nk in self.shapes.items()}
 
     def plan_q(self, M: int) -> AbsorbPlan:
-        return self._plan(M, self.latent, self.nope)
+        return plan_absorb(M, self.heads, *self.shapes["q"], self.gpu.sm_count, self.fixed_ks["q"])
 
     def plan_out(self, M: int) -> AbsorbPlan:
-        return self._plan(M, self.v, self.latent)
-
-    def _plan(self, M: int, n_out: int, K: int) -> AbsorbPlan:
-        ks = plan_absorb(1, self.heads, n_out, K, self.gpu.sm_count).ks if self.invariant else None
-        return plan_absorb(M, self.heads, n_out, K, self.gpu.sm_count, ks)
+        return plan_absorb(M, self.heads, *self.shapes["out"], self.gpu.sm_count, self.fixed_ks["out"])
 
     def _launch(self, p: AbsorbPlan, n_out: int, K: int, x, x_tok: int, x_head: int, w, w_head: int, w_row: int,
                 out, o_tok: int, o_head: int, M: int, stream) -> None:

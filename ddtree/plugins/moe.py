@@ -188,7 +188,7 @@ class FusedMoE:
         self._overrides: dict[int, MoEPlan] = {}
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
-        self.invariant, self.fixed_splits = invariant, None
+        self.fixed_splits = None                    # the batch-invariant plan's gate_up k-split (None: by M)
         if invariant:
             self.fixed_splits = self.plan(mx).gu_splits
         plans = [self.plan(m) for m in range(1, mx + 1)]
@@ -214,9 +214,7 @@ class FusedMoE:
     def plan(self, M: int) -> MoEPlan:
         if M in self._overrides:
             return self._overrides[M]
-        if self.fixed_splits:
-            return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, gu_splits=self.fixed_splits)
-        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring)
+        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, gu_splits=self.fixed_splits)
 
     def override(self, M: int, **kw) -> MoEPlan:
         """Benchmark sweeps: force plan_moe keywords for M (grows the workspaces if the plan needs more;

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
-from ddtree.plugins.gemm import supports_pdl
+from ddtree.plugins.gemm import supports_pdl, token_tiles
 
 SOURCE = "router.cu"
 MAX_WARPS = 16                          # RT_MAX_WARPS in router.cu
 LANE_EXPERTS = 16                       # RT_EPL: E <= 512
-MAX_MT = 8
 WARP_CHOICES = (1, 2, 4, 8, 16)        # 1 and 2 serve short hiddens (the tiny model: 128 = 2 chunks)
 # Cost model of plan_router (us). Guesses from the H200's datasheet and the route kernel's timings in
 # kernels/NOTES.md, to be replaced by a fit to tests/plugins/sweep_router.py's sweep.
@@ -91,14 +90,6 @@ class RouterPlan:
         return self.splits * M * E if self.splits > 1 else 0
 
 
-def token_blocks(M: int) -> tuple[int, int]:
-    """(mt, mb): at most 64 rows a block, the rows spread evenly over the fewest blocks."""
-    subtiles = -(-M // 8)
-    mb = -(-subtiles // MAX_MT)
-    mt = -(-subtiles // mb)
-    return mt, -(-M // (8 * mt))
-
-
 def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, splits: int) -> int:
     """Bytes of dynamic shared memory: the largest of the kernel's phases (router.cu's table)."""
     chunks = shape.hidden // 64 // splits
@@ -129,8 +120,9 @@ def plan_cost(M: int, shape: RouterShape, p: RouterPlan, sm_count: int) -> float
 
 def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warps: int | None = None,
                 tiles: int | None = None, splits: int | None = None) -> RouterPlan:
-    """Token blocks of <= 64 rows (token_blocks); W, TW and S (forced by the knobs, for sweeps) by the
-    smallest plan_cost among the plans whose shared memory fits `smem_limit`, each warp with >= 1 chunk."""
+    """Token blocks of <= 64 rows (gemm.token_tiles, the skinny GEMM's); W, TW and S (forced by the knobs, for
+    sweeps) by the smallest plan_cost among the plans whose shared memory fits `smem_limit`, each warp with >= 1
+    chunk unless K has fewer chunks than a block's warps (the route phase still uses them all)."""
     E, kc = shape.experts, shape.hidden // 64
     nt = -(-E // 16)
     if warps is not None and warps not in WARP_CHOICES:
@@ -139,7 +131,7 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
         raise ValueError(f"fused router: splits {splits} must divide hidden / 64 = {kc}")
     if tiles is not None and not 1 <= tiles <= min(nt, MAX_WARPS):
         raise ValueError(f"fused router: tiles {tiles} must be in [1, {min(nt, MAX_WARPS)}] (16 experts each)")
-    mt, mb = token_blocks(M)
+    mt, mb = token_tiles(M)
     options = []
     for w in (warps,) if warps else WARP_CHOICES:
         for tw in (tiles,) if tiles else [d for d in range(1, min(nt, w) + 1)]:
@@ -154,7 +146,7 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
                     options.append(RouterPlan(mt, mb, w, tw, -(-nt // tw), s, smem))
     if not options:
         raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}) "
-                         f"fits {smem_limit} B of shared memory with every warp given a chunk")
+                         f"fits {smem_limit} B of shared memory with every warp given a chunk (or K that short)")
     # near-ties (within 3 %: the weights' DRAM floor binds most plans at few rows) go to more warps, then fewer
     # splits: 16 warps were the best or within 2 % at 1, 17 and 65 rows in the H200 sweep (kernels/NOTES.md)
     best = min(plan_cost(M, shape, p, sm_count) for p in options)
@@ -165,7 +157,7 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
 def invariant_knobs(shape: RouterShape, sm_count: int, smem_limit: int) -> dict:
     """The batch-invariant plan's knobs: the warps, tiles and k-splits planned for the row count with the
     widest token block (the most shared memory for token rows), used at every M up to max_tokens."""
-    widest = max(range(1, shape.max_tokens + 1), key=lambda m: token_blocks(m)[0])
+    widest = max(range(1, shape.max_tokens + 1), key=lambda m: token_tiles(m)[0])
     p = plan_router(widest, shape, sm_count, smem_limit)
     return {"warps": p.warps, "tiles": p.tiles, "splits": p.splits}
 

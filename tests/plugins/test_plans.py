@@ -202,12 +202,14 @@ def test_gemm_plans_against_the_recorded_h200_sweep():
 
 
 def test_gemm_token_tiles_are_exact():
-    """A token block holds exactly the 8-token sub-tiles it needs: the fewest blocks of <= 64 rows, balanced,
-    never a whole empty sub-tile (the rounding to a power of two it replaced computed 64 rows for 33)."""
+    """A token block holds exactly the 8-token sub-tiles it needs (the skinny GEMM's and the fused router's
+    blocks): the fewest blocks of <= 64 rows, balanced, never an empty block nor a whole empty sub-tile (the
+    rounding to a power of two it replaced computed 64 rows for 33)."""
     from ddtree.plugins.gemm import token_tiles
     assert [token_tiles(M) for M in (1, 8, 9, 17, 33, 64, 65, 129, 256)] == [
         (1, 1), (1, 1), (2, 1), (3, 1), (5, 1), (8, 1), (5, 2), (6, 3), (8, 4)]
     for M in range(1, 257):
         mt, mb = token_tiles(M)
-        assert 1 <= mt <= 8 and mb == -(-M // 64)
+        assert 1 <= mt <= 8 and mb == -(-M // 64) == -(-M // (8 * mt))
+        assert (mb - 1) * 8 * mt < M <= mb * 8 * mt            # no empty token block
         assert 0 <= mb * mt * 8 - M < 8 * mb                   # less than one sub-tile of padding a block

@@ -8,7 +8,7 @@ import pytest
 
 from ddtree.model.routing import route_logits, topk_lowest_id
 from ddtree.plugins.router import (MAX_WARPS, RouterShape, invariant_knobs, plan_router, route_ref, router_smem,
-                                   select_ref, token_blocks)
+                                   select_ref)
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
 SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),
@@ -62,14 +62,6 @@ def test_route_twin_matches_route_logits(name):
     assert decided.mean() > 0.9
     np.testing.assert_array_equal(ids[decided], ids_ref[decided])
     np.testing.assert_allclose(w[decided], w_ref[decided], rtol=2e-6)
-
-
-def test_token_blocks_cover_the_rows_evenly():
-    for M in range(1, 257):
-        mt, mb = token_blocks(M)
-        assert 1 <= mt <= 8 and mb == -(-M // (8 * mt)) and mb <= 4
-        assert (mb - 1) * 8 * mt < M <= mb * 8 * mt            # no empty token block
-        assert mb == -(-M // 64)                               # the fewest blocks of <= 64 rows
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
