@@ -14,8 +14,9 @@ host-side uses listed in LAUNCHERS). Activations (ACT) are bf16 bits (uint16), A
 
 tp 1: all_reduce / all_gather are the identity and all_reduce_add_rms_norm is add + RMSNorm; at tp > 1 they go
 through the rank's `collective` (ops/cuda_collectives.py), or, with standin=True (ddtree bench step), move their
-bytes once on this GPU without summing anything, and without either they raise naming what is missing. The sampling and tree ops run on the host here (a download,
-the numpy math of ops/numpy_math.py, an upload): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
+bytes once on this GPU without summing anything, and without either they raise naming what is missing. The sampling and tree ops launch the node kernels of
+plugins/vocab_nodes.py at any tp (per-rank winners / top-k, then the gathered merge, on the device, no host
+round trip; the TensorRT plugins launch the same): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
 without them (layers.head_logits, draft_logits) and fuses vocab_topk + tree_build (plugins/tree_build.py) and
 vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels.
 """
@@ -71,10 +72,13 @@ LAUNCHERS = {
     "all_reduce": "identity at tp 1; tp > 1: the rank's collective (ops/cuda_collectives.py: ranks as threads, "
                   "allreduce_sum_local) or a stand-in (bench step); the one-shot across processes is issue 25's",
     "all_gather": "a [1, ...] view at tp 1; tp > 1: the rank's collective (copies in rank order) or a stand-in",
-    "vocab_winner": "host: download, ops/numpy_math.vocab_winner, upload (GPU: plugins/tree_sample.py)",
-    "vocab_topk": "host: download, ops/numpy_math.vocab_topk, upload (GPU: plugins/tree_build.py)",
-    "tree_build": "host: ops/numpy_math.tree_build (GPU: plugins/tree_build.py DraftTreeBuilder)",
-    "accept_walk": "host: ops/numpy_math.accept_walk_winners (GPU: plugins/tree_sample.py TreeSampler)",
+    "vocab_winner": "plugins/vocab_nodes.py VocabWinner (kernels/sample.cu node_vocab_winner: greedy or Gumbel "
+                    "by the temperature on the device)",
+    "vocab_topk": "plugins/vocab_nodes.py VocabTopK (kernels/tree_build.cu node_vocab_topk)",
+    "tree_build": "plugins/vocab_nodes.py TreeBuild (kernels/tree_build.cu node_tree_build: the ranks' normaliser, "
+                  "merge and best-first build)",
+    "accept_walk": "plugins/vocab_nodes.py AcceptWalk (kernels/sample.cu node_accept_walk: the ranks' winners "
+                   "merged, then the walk)",
 }
 if set(LAUNCHERS) != set(OP_NAMES):
     raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ set(OP_NAMES))} differ from the op set")
@@ -420,20 +424,63 @@ class CudaOps(CollectiveOps, Ops):
                  window=spec.sliding_window, stream=self.stream)
         return out, cache_k, cache_v
 
-    # ---- sampling and the tree (host) ------------------------------------------------------------
+    # ---- sampling and the tree (plugins/vocab_nodes.py) ------------------------------------------
+    def _dense(self, what: str, *pairs) -> None:
+        """Each (tensor, dtype): dense and of that dtype (the node kernels read dense rows)."""
+        for x, dtype in pairs:
+            if not x.contiguous or x.dtype != np.dtype(dtype):
+                raise ValueError(f"{self.where}: {what} needs dense {np.dtype(dtype).name} inputs, got "
+                                 f"{x.dtype.name} {x.shape} {x.strides}")
+
     def vocab_winner(self, logits, sample_pos, temperature, seed):
-        value, winner = m.vocab_winner(self.host(logits), self.host(sample_pos), float(self.host(temperature)[0]),
-                                       m.seed_of(self.host(seed)), self.lay.vocab_start)
-        return self.upload(value.astype(np.float32)), self.upload(winner)
+        from ddtree.plugins.vocab_nodes import VocabWinner
+        q, V = self._rows(logits, "vocab_winner"), logits.shape[1]
+        self._dense("vocab_winner", (logits, np.float32), (sample_pos, np.int32), (temperature, np.float32),
+                    (seed, np.int32))
+        start = self.lay.vocab_start
+        kernel = self.launcher(("vocab_winner", V, start), lambda: VocabWinner(self.gpu, V, start, self.max_tokens))
+        value, winner = self.new((q,), np.float32), self.new((q,), np.int32)
+        kernel.run(logits.ptr, sample_pos.ptr, temperature.ptr, seed.ptr, value.ptr, winner.ptr, q, stream=self.stream)
+        return value, winner
 
     def vocab_topk(self, logits, k):
-        return tuple(self.upload(a) for a in m.vocab_topk(self.host(logits), k, self.lay.vocab_start))
+        from ddtree.plugins.vocab_nodes import VocabTopK
+        D, V = self._rows(logits, "vocab_topk"), logits.shape[1]
+        self._dense("vocab_topk", (logits, np.float32))
+        start = self.lay.vocab_start
+        kernel = self.launcher(("vocab_topk", V, k, start), lambda: VocabTopK(self.gpu, V, k, start, self.max_tokens))
+        values, ids = self.new((D, k), np.float32), self.new((D, k), np.int32)
+        row_max, row_sumexp = self.new((D,), np.float32), self.new((D,), np.float32)
+        kernel.run(logits.ptr, values.ptr, ids.ptr, row_max.ptr, row_sumexp.ptr, D, stream=self.stream)
+        return values, ids, row_max, row_sumexp
 
     def tree_build(self, root, values, ids, row_max, row_sumexp, budget):
-        tree = m.tree_build(int(self.host(root)[0]), *(self.host(t) for t in (values, ids, row_max, row_sumexp)),
-                            budget)
-        return tuple(self.upload(np.asarray(a, np.int32)) for a in m.tree_tensors(tree))
+        from ddtree.plugins.vocab_nodes import TreeBuild
+        tp, D, k = values.shape
+        self._dense("tree_build", (root, np.int32), (values, np.float32), (ids, np.int32), (row_max, np.float32),
+                    (row_sumexp, np.float32))
+        if ids.shape != values.shape or row_max.shape != (tp, D) or row_sumexp.shape != (tp, D):
+            raise ValueError(f"{self.where}: tree_build of values {values.shape}, ids {ids.shape}, row_max "
+                             f"{row_max.shape}, row_sumexp {row_sumexp.shape} ([tp, D, k] and [tp, D])")
+        kernel = self.launcher(("tree_build", tp, D, k, budget), lambda: TreeBuild(self.gpu, tp, D, k, budget))
+        n = budget + 1
+        tokens, parents, depth = (self.new((n,), np.int32) for _ in range(3))
+        visibility = self.new((n, -(-n // 32)), np.int32)
+        kernel.run(root.ptr, values.ptr, ids.ptr, row_max.ptr, row_sumexp.ptr, tokens.ptr, parents.ptr, depth.ptr,
+                   visibility.ptr, stream=self.stream)
+        return tokens, parents, depth, visibility
 
     def accept_walk(self, tokens, parents, win_value, win_id):
-        out = m.accept_walk_winners(*(self.host(t) for t in (tokens, parents, win_value, win_id)))
-        return tuple(self.upload(a) for a in out)
+        from ddtree.plugins.vocab_nodes import AcceptWalk
+        n, tp = tokens.shape[0], win_value.shape[0]
+        self._dense("accept_walk", (tokens, np.int32), (parents, np.int32), (win_value, np.float32),
+                    (win_id, np.int32))
+        if parents.shape != (n,) or win_value.shape != (tp, n) or win_id.shape != (tp, n):
+            raise ValueError(f"{self.where}: accept_walk of tokens {tokens.shape}, parents {parents.shape}, "
+                             f"win_value {win_value.shape}, win_id {win_id.shape} ([n] and [tp, n])")
+        kernel = self.launcher(("accept_walk", tp), lambda: AcceptWalk(self.gpu, tp, self.max_tokens))
+        target, accepted = self.new((n,), np.int32), self.new((n,), np.int32)
+        count, bonus = self.new((1,), np.int32), self.new((1,), np.int32)
+        kernel.run(tokens.ptr, parents.ptr, win_value.ptr, win_id.ptr, target.ptr, accepted.ptr, count.ptr, bonus.ptr,
+                   n, stream=self.stream)
+        return target, accepted, count, bonus

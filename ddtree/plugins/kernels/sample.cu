@@ -168,3 +168,74 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);
     pdl_trigger();
 }
+
+// ---- the vocab-parallel nodes (ops/nodes.py VocabWinner, AcceptWalk; launcher plugins/vocab_nodes.py) --------
+// At any tp a rank picks the winner of its vocab slice per row (node_vocab_winner); the ranks' winners are
+// gathered and every rank merges them and walks the tree (node_accept_walk). numpy twins:
+// ops/numpy_math.vocab_winner and accept_walk_winners.
+
+// logits [q, V] fp32 of this rank's slice (global id vocab_start + v), grid (S, q) -> value [q] (the winning
+// float64 value rounded to float32) and id [q] (global). temperature [1] fp32 and seed [2] (low, high word) are
+// read on the device, so one kernel serves both: T == 0 the largest logit (value = the logit); T > 0 the
+// largest l / T + g(seed, sample_pos[r], id) (gumbel_best: sample_gumbel's noise, for the position given).
+// Ties -> the lower id. Each slice writes its winner; the row's last slice merges the S winners.
+extern "C" __global__ void __launch_bounds__(SP_THREADS)
+node_vocab_winner(const float* __restrict__ logits, int V, int vocab_start, const int* __restrict__ sample_pos,
+                  const float* __restrict__ temperature, const int* __restrict__ seed, Winner* __restrict__ slice_wins,
+                  float* __restrict__ value, int* __restrict__ id, u32* __restrict__ row_tickets) {
+    __shared__ Winner scratch[32];
+    const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
+    const int lo = vocab_start + s * SP_SLICE, hi = vocab_start + min(V, (s + 1) * SP_SLICE);
+    const float* row = logits + (size_t)r * V - vocab_start;       // row[g]: global id g's logit, g in [lo, hi)
+    pdl_wait();
+    const float t = *temperature;
+    Winner w{DD_NEG_INF, 0x7fffffff};
+    if (t == 0.f) {
+#pragma unroll 8
+        for (int g = lo + threadIdx.x; g < hi; g += SP_THREADS) w = better(w, Winner{(double)row[g], g});
+    } else {
+        const SampleArgs a{(double)t, 1.0, 0, 0, (u32)seed[0], (u32)seed[1], 0.f, 0.f};
+        w = gumbel_best(row, lo + threadIdx.x, hi, SP_THREADS, (u32)sample_pos[r], a, [](int, float) { return true; });
+    }
+    w = block_winner(w, scratch);
+    if (threadIdx.x == 0) slice_wins[r * S + s] = w;
+    if (arrive_last(row_tickets + r, (u32)S)) {
+        Winner best{DD_NEG_INF, 0x7fffffff};
+        for (int i = threadIdx.x; i < S; i += SP_THREADS) {
+            const volatile Winner* p = slice_wins + r * S + i;      // written by the row's other blocks
+            best = better(best, Winner{p->value, p->id});
+        }
+        best = block_winner(best, scratch);
+        if (threadIdx.x == 0) { value[r] = (float)best.value; id[r] = best.id; }
+    }
+    pdl_trigger();
+}
+
+// The ranks' winners win_value / win_id [tp, n] -> target [n] (the largest value, the lowest id among equal
+// values), then accept_walk over the tree tokens / parents [n] (depth derived from the parents, as
+// tree/build.py Tree.from_parents: parents[i] < i) -> accepted [n] (-1 after the path), count [1], bonus [1].
+// One block of SP_WALK_THREADS; n <= 256 nodes.
+#define SP_WALK_THREADS 256
+extern "C" __global__ void __launch_bounds__(SP_WALK_THREADS)
+node_accept_walk(const int* __restrict__ tokens, const int* __restrict__ parents, const float* __restrict__ win_value,
+                 const int* __restrict__ win_id, int tp, int n, int* target, int* accepted, int* count, int* bonus) {
+    __shared__ int s_dep[256];
+    pdl_wait();
+    for (int i = threadIdx.x; i < n; i += SP_WALK_THREADS) {
+        float best = win_value[i];
+        int who = win_id[i];
+        for (int r = 1; r < tp; ++r) {
+            const float v = win_value[r * n + i];
+            const int g = win_id[r * n + i];
+            if (v > best || (v == best && g < who)) { best = v; who = g; }
+        }
+        target[i] = who;
+        int dep = 0;
+        for (int j = i; j > 0 && dep < n; j = parents[j]) ++dep;
+        s_dep[i] = dep;
+    }
+    __threadfence();                                     // target is read back past L1 (accept_walk's ld.cg)
+    __syncthreads();
+    accept_walk(target, tokens, parents, s_dep, n, accepted, count, bonus);
+    pdl_trigger();
+}

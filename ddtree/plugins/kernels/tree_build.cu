@@ -305,3 +305,106 @@ draft_merge(const u64* __restrict__ lists, int S, int K, TB_BUILD_ARGS) {
                parents, depth, positions, scores, vis, count, row_tickets, done_ticket);
     pdl_trigger();
 }
+
+// ---- the vocab-parallel nodes (ops/nodes.py VocabTopK, TreeBuild; launcher plugins/vocab_nodes.py) ------------
+// At any tp a rank takes the top-k of its vocab slice with its (max, sum exp) (node_vocab_topk); the ranks'
+// candidates are gathered, and every rank builds the same tree from them (node_tree_build). numpy twins:
+// ops/numpy_math.vocab_topk and tree_build.
+
+// logits [rows, V] fp32 of this rank's slice (global id vocab_start + v), grid (S, rows) -> per row the k
+// largest (x, -id) keys as raw values [rows, k] and global ids [rows, k], row_max [rows] and row_sumexp [rows]
+// = sum of exp(x - row_max) fp32. Each slice writes its (max, sum exp(x - max)) part and its k largest keys;
+// the row's last slice combines the parts in slice order (top = max m_s, sum_s sum_s exp(m_s - top)) and merges
+// the S lists (S k <= TB_MAX_LIST_KEYS). k <= TB_MAX_K and k <= V.
+extern "C" __global__ void __launch_bounds__(TB_THREADS)
+node_vocab_topk(const float* __restrict__ logits, int V, int vocab_start, int k, float2* __restrict__ parts,
+                u64* __restrict__ lists, float* __restrict__ values, int* __restrict__ ids,
+                float* __restrict__ row_max, float* __restrict__ row_sumexp, u32* __restrict__ row_tickets) {
+    __shared__ __align__(16) TreeSmem sm;
+    __shared__ float scratch[32];
+    const int s = blockIdx.x, d = blockIdx.y, S = gridDim.x;
+    const float* row = logits + (size_t)d * V;
+    const int lo = s * TB_SLICE, hi = min(V, lo + TB_SLICE);
+    pdl_wait();
+    float x[TB_ITEMS], m = DD_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < TB_ITEMS; ++j) {
+        const int v = lo + j * TB_THREADS + threadIdx.x;
+        x[j] = v < hi ? row[v] : DD_NEG_INF;
+        m = fmaxf(m, x[j]);
+    }
+    m = block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
+    float sum = 0.f;
+    u64 keys[TB_ITEMS];
+#pragma unroll
+    for (int j = 0; j < TB_ITEMS; ++j) {
+        const int v = lo + j * TB_THREADS + threadIdx.x;
+        sum += v < hi ? expf(x[j] - m) : 0.f;
+        keys[j] = v < hi ? pack_key(x[j], vocab_start + v) : 0ull;
+    }
+    sum = block_reduce(sum, SumOp<float>(), 0.f, scratch);
+    const int kk = min(k, hi - lo);
+    block_top_keys<TB_THREADS, TB_ITEMS>(keys, kk, sm.slice.top, sm.slice.picked);
+    u64* out = lists + ((size_t)d * S + s) * k;
+    for (int r = threadIdx.x; r < k; r += TB_THREADS) out[r] = r < kk ? sm.slice.picked[r] : 0ull;
+    if (threadIdx.x == 0) parts[d * S + s] = make_float2(m, sum);
+    if (arrive_last(row_tickets + d, (u32)S)) {
+        if (threadIdx.x == 0) {                          // the parts in slice order (S = 1: m and sum as they are)
+            const float* p = reinterpret_cast<const float*>(parts + d * S);
+            float top = DD_NEG_INF, total = 0.f;
+            for (int i = 0; i < S; ++i) top = fmaxf(top, ld_cg_f32(p + 2 * i));
+            for (int i = 0; i < S; ++i)
+                total = __fadd_rn(total, __fmul_rn(ld_cg_f32(p + 2 * i + 1), expf(__fsub_rn(ld_cg_f32(p + 2 * i), top))));
+            row_max[d] = top;
+            row_sumexp[d] = S == 1 ? sum : total;
+        }
+        u64 all[TB_MAX_LIST_KEYS / TB_THREADS];
+        load_keys_cg<TB_THREADS>(all, lists + (size_t)d * S * k, S * k);
+        block_top_keys<TB_THREADS, TB_MAX_LIST_KEYS / TB_THREADS>(all, k, sm.merge.top, sm.merge.merged);
+        for (int r = threadIdx.x; r < k; r += TB_THREADS) {
+            values[d * k + r] = key_value(sm.merge.merged[r]);
+            ids[d * k + r] = key_id(sm.merge.merged[r]);
+        }
+    }
+    pdl_trigger();
+}
+
+// The ranks' gathered candidates values / cand_ids [tp, D, k] (raw logits, global ids) and parts row_max /
+// row_sumexp [tp, D] -> the tree (grid D). Block d: the normaliser in numpy's fp32 operations and rank order
+// (top = max_r m_r, total = s_0 exp(m_0 - top) + s_1 exp(m_1 - top) + ..., lse = top + log(total)), the tp k keys
+// (logp = x - lse, id), their K = min(B, tp k) largest into the table row; the last row done builds the tree
+// (best_first, as draft_merge). tp k <= TB_MAX_LIST_KEYS, K <= TB_MAX_K.
+extern "C" __global__ void __launch_bounds__(TB_THREADS)
+node_tree_build(const float* __restrict__ values, const int* __restrict__ cand_ids, const float* __restrict__ row_max,
+                const float* __restrict__ row_sumexp, int tp, int k, int K, TB_BUILD_ARGS) {
+    __shared__ __align__(16) TreeSmem sm;
+    __shared__ float s_lse;
+    const int d = blockIdx.x, D = gridDim.x;
+    pdl_wait();
+    if (threadIdx.x == 0) {
+        float top = row_max[d];
+        for (int r = 1; r < tp; ++r) top = fmaxf(top, row_max[r * D + d]);
+        float total = __fmul_rn(row_sumexp[d], expf(__fsub_rn(row_max[d], top)));
+        for (int r = 1; r < tp; ++r)
+            total = __fadd_rn(total, __fmul_rn(row_sumexp[r * D + d], expf(__fsub_rn(row_max[r * D + d], top))));
+        s_lse = __fadd_rn(top, logf(total));
+    }
+    __syncthreads();
+    const float lse = s_lse;
+    u64 keys[TB_MAX_LIST_KEYS / TB_THREADS];
+#pragma unroll
+    for (int j = 0; j < TB_MAX_LIST_KEYS / TB_THREADS; ++j) {
+        const int e = j * TB_THREADS + threadIdx.x, r = e / k;
+        const size_t at = ((size_t)r * D + d) * k + (e - r * k);
+        keys[j] = e < tp * k ? pack_key(__fsub_rn(values[at], lse), cand_ids[at]) : 0ull;
+    }
+    block_top_keys<TB_THREADS, TB_MAX_LIST_KEYS / TB_THREADS>(keys, K, sm.merge.top, sm.merge.merged);
+    for (int r = threadIdx.x; r < K; r += TB_THREADS) {
+        const u64 key = sm.merge.merged[r];
+        table[d * K + r] = key;
+        table_logp[d * K + r] = key_value(key);
+        table_ids[d * K + r] = key_id(key);
+    }
+    if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_OUT);
+    pdl_trigger();
+}
