@@ -109,9 +109,14 @@ def moe_touched_bytes(distinct: float, expert_bytes: float, M: int, H: int) -> f
     return distinct * expert_bytes + 2 * M * H * 2
 
 
+MOE_PATHS = {"auto": None, "two-kernel": False, "stream": True}     # FusedMoE.streaming per --paths name
+
+
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
                    overrides: dict | None = None, router: bool = True, pdl: bool = True,
-                   parts: bool = False) -> list[dict]:
+                   parts: bool = False, paths: tuple = ("auto",), stream_knobs: dict | None = None) -> list[dict]:
+    """Rows of the experts (route kernel + gate_up -> down) per M and per path of `paths` (MOE_PATHS: the plan's
+    choice, the two launches, the streaming launch), then the router's rows."""
     from ddtree.plugins import randfill
     from ddtree.plugins.moe import FusedMoE, MoEShape
     inter = TP_SHAPES[tp]["inter"]
@@ -133,6 +138,9 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     for M in ms:
         if overrides:
             moe.override(M, **overrides)
+        if "stream" in paths and (stream_knobs or overrides):     # the streaming launch on the same gate_up knobs
+            moe.override_stream(M, **(stream_knobs or {}),
+                                **{k: v for k, v in (overrides or {}).items() if k.startswith("gu_")})
         routes, distinct = [], []
         for _ in range(launches):
             ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(M)]).astype(np.int32)
@@ -140,20 +148,13 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             routes.append((gpu.upload(ids), gpu.upload(w)))
             distinct.append(len(np.unique(ids)))
         touched = moe_touched_bytes(float(np.mean(distinct)), expert_bytes, M, H)
-        moe.run(x, out, M, topk=routes[0])             # compile, set smem limits, outside capture
-        gpu.sync()
-
-        def launch_all(stream):
-            for r in routes:
-                moe.run(x, out, M, topk=r, stream=stream)
-        us = time_graph(gpu, launch_all) * 1e3 / launches
-        p = moe.plan(M)
-        plan = {"gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
-                "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb,
-                "down_splits": p.dn_splits, "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring,
-                "gate_up_tpw": p.gu_tpw, "pdl": moe.pdl}
-        rows.append(_row({"tp": tp, "part": "experts", "M": M, "distinct_experts": round(float(np.mean(distinct)), 1),
-                          "plan": plan}, touched, us, ceiling_gbps))
+        for path in paths:
+            moe.streaming = MOE_PATHS[path]
+            us = time_moe(gpu, moe, x, out, M, routes)
+            rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path,
+                              "distinct_experts": round(float(np.mean(distinct)), 1), "plan": moe_plan_row(moe, M)},
+                             touched, us, ceiling_gbps))
+        moe.streaming = MOE_PATHS[paths[0]]
         if parts:       # cumulative prefixes of the chain: route; route + gate_up (same routings, same graph shape)
             def prefix(stream, upto):
                 for ids, w in routes:
@@ -166,11 +167,36 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             _say(f"  moe tp{tp} M={M:4d} route {rows[-2]['latency_us']:.1f} us, + gate_up {rows[-1]['latency_us']:.1f} us")
         if router:
             rows += router_rows(gpu, moe, x, tp, M, launches, parts, ceiling_gbps)
-        main = next(r for r in reversed(rows) if r["part"] == "experts")
-        _say(f"  moe tp{tp} M={M:4d} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
-             f"{main['pct_of_ceiling']:5.1f}%" + (f"   router {rows[-1]['latency_us']:.1f} us" if router else ""))
+        for main in [r for r in rows if r["part"] == "experts" and r["M"] == M]:
+            _say(f"  moe tp{tp} M={M:4d} {main['path']:10s} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
+                 f"{main['pct_of_ceiling']:5.1f}%")
     gpu.free_all()
     return rows
+
+
+def time_moe(gpu, moe, x, out, M: int, routes: list) -> float:
+    """us per moe.run (route kernel + experts), one launch per routing in one graph."""
+    moe.run(x, out, M, topk=routes[0])             # compile, set smem limits, outside capture
+    gpu.sync()
+
+    def launch_all(stream):
+        for r in routes:
+            moe.run(x, out, M, topk=r, stream=stream)
+    return time_graph(gpu, launch_all) * 1e3 / len(routes)
+
+
+def moe_plan_row(moe, M: int) -> dict:
+    """The plan of the path moe.run takes at M (the streaming launch's or the two launches')."""
+    if moe.uses_stream(M):
+        p = moe.stream_plan(M)
+        return {"stream": True, "warps": p.warps, "ring": "%dx%d" % p.ring, "gate_up_splits": p.gu_splits,
+                "gate_up_blocks_x": p.gu_nb, "gate_up_tpw": p.gu_tpw, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb,
+                "blocks": p.blocks, "prefetch_tiles": p.prefetch_tiles, "smem": p.smem, "pdl": moe.pdl}
+    p = moe.plan(M)
+    return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
+            "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb, "down_splits": p.dn_splits,
+            "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring, "gate_up_tpw": p.gu_tpw,
+            "pdl": moe.pdl}
 
 
 def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceiling_gbps: float) -> list[dict]:
@@ -268,6 +294,12 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--gu-ring", default=None, help="gate_up ring SLOTSxCHUNKS, e.g. 8x1 or 4x2 (sweeps)")
 @click.option("--down-ring", default=None, help="down ring SLOTSxCHUNKS (sweeps)")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
+@click.option("--paths", default="auto", show_default=True,
+              help="experts paths to time, comma-separated: auto (the plan's choice), two-kernel, stream")
+@click.option("--stream-dn-tpw", type=int, default=None, help="force the streaming launch's down tile pairs per warp")
+@click.option("--stream-blocks-per-sm", type=int, default=None, help="force the streaming launch's blocks per SM")
+@click.option("--stream-prefetch", type=int, default=None,
+              help="streaming launch: L2-prefetch the down weights up to this many tiles (0: never)")
 @click.option("--parts", is_flag=True, help="also time the route and route + gate_up prefixes, and the router's "
               "parts and the unfused router it replaced")
 @click.option("--no-router", is_flag=True, help="skip the router rows")
@@ -275,8 +307,13 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
-                no_pdl, parts, no_router, seed, as_json):
+                no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
+    path_list = tuple(p.strip() for p in paths.split(",") if p.strip())
+    if not path_list or any(p not in MOE_PATHS for p in path_list):
+        raise click.BadParameter(f"--paths: expected names among {sorted(MOE_PATHS)}, got {paths!r}")
+    stream_knobs = {k: v for k, v in (("dn_tpw", stream_dn_tpw), ("blocks_per_sm", stream_blocks_per_sm),
+                                      ("prefetch", stream_prefetch)) if v is not None}
     gpu, ceiling = open_gpu()
     rows = []
     for tp in _ints(tps):
@@ -286,7 +323,7 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
                                        ("dn_splits", down_splits), ("dn_tpw", down_tpw), ("gu_tpw", gu_tpw),
                                        ("gu_ring", _ring(gu_ring)), ("dn_ring", _ring(down_ring))) if v}
         rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router,
-                               not no_pdl, parts)
+                               not no_pdl, parts, path_list, stream_knobs)
     _emit("moe", gpu, rows, ceiling, as_json)
 
 

@@ -37,7 +37,7 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
         return "drafter"
     if k.startswith(("mla_attention", "mla_decode", "mla_invariant")) or k == "kv_append":
         return "attention"
-    if k.startswith(("moe_gate_up", "moe_down")):
+    if k.startswith(("moe_gate_up", "moe_down", "moe_stream")):
         return "moe"
     if k.startswith(("gemm_bf16", "mla_absorb")):
         return "dense"

@@ -3,6 +3,7 @@
     moe = FusedMoE(gpu, MoEShape(hidden, inter, experts, topk), weights, router=...)
     moe.run(x, out, M)                    # router GEMM -> route -> gate_up -> down + combine
     moe.run(x, out, M, topk=(ids, w))     # given routing (tests, benchmarks)
+    FusedMoE(..., streaming=True)         # gate_up -> down in one persistent launch (plugins/moe_stream.py)
 
 Letters: M tokens, H hidden, I expert intermediate (per rank), E experts, P = M * topk pairs.
 Weights are in the layout of ddtree/plugins/layout.py, stacked over experts. Every workspace is
@@ -19,6 +20,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
+from ddtree.plugins.moe_stream import StreamPlan, plan_stream
 from ddtree.plugins.router import FusedRouter, RouterShape, check_routing
 
 SOURCE = "moe.cu"
@@ -30,6 +32,15 @@ RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) co
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
 ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
 MAX_EXPERTS, MAX_PAIRS = 512, 4096
+# Largest M at which the streaming launch (moe_stream) beat the two launches on the H200, by down K chunks
+# (inter / 64 <= 8: tp 8) and arch; elsewhere (and on unmeasured archs) the two launches run.
+# ddtree/plugins/kernels/NOTES.md "MoE streaming (issue 22)" has the measurement.
+STREAM_MEASURED = {("sm_90", True): 0, ("sm_90", False): 0}
+
+
+def stream_default(arch: str, shape: "MoEShape", M: int) -> bool:
+    """Whether FusedMoE(streaming=None) takes the streaming launch at M tokens (the measured table above)."""
+    return M <= STREAM_MEASURED.get((arch.rstrip("a"), shape.inter // 64 <= 8), 0)
 
 
 class RingMismatch(ValueError):
@@ -163,6 +174,19 @@ def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tup
                    dn_smem, dn_ring)
 
 
+def plan_moe_stream(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, l2_bytes: int = 0,
+                    base: MoEPlan | None = None, dn_tpw: int | None = None, blocks_per_sm: int | None = None,
+                    prefetch: int | None = None, **gate_up_knobs) -> StreamPlan:
+    """The streaming launch's plan at M (plugins/moe_stream.py plan_stream): the gate_up part of `base` (default
+    plan_moe with gate_up_knobs: gu_splits, gu_warps, gu_tpw, gu_ring) for every item; one ring for both parts,
+    so a ring whose slots do not divide down's k span (inter / 64 chunks) becomes ONE_CHUNK_RING."""
+    base = base or plan_moe(shape, M, sm_count, smem_limit, ring, **gate_up_knobs)
+    if (shape.inter // 64) % base.gu_ring[1]:
+        base = plan_moe(shape, M, sm_count, smem_limit, ring, gu_splits=base.gu_splits, gu_warps=base.gu_warps,
+                        gu_tpw=base.gu_tpw, gu_ring=ONE_CHUNK_RING)
+    return plan_stream(shape, M, base, sm_count, smem_limit, l2_bytes, dn_tpw, blocks_per_sm, prefetch)
+
+
 class FusedMoE:
     # route() / route_given(): True = one fused router kernel (plugins/router.py); False = the router GEMM
     # (SkinnyGemm, fp32 out) then moe_route, as before issue 22 (kept for bench moe --parts' before/after)
@@ -170,12 +194,15 @@ class FusedMoE:
 
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
                  router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True,
-                 invariant: bool = False):
+                 invariant: bool = False, streaming: bool | None = None):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
         (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
         needed only for routed runs. pdl: programmatic dependent launch (sm_90+). invariant: the batch-invariant
         plan (docs/interfaces.md section 6): gate_up's k-split is the one planned for max_tokens at every M and the
-        router GEMM's likewise (SkinnyGemm invariant), so a token's sums do not depend on the tokens beside it."""
+        router GEMM's likewise (SkinnyGemm invariant), so a token's sums do not depend on the tokens beside it.
+        streaming: experts() as one persistent launch (moe_stream: gate_up -> down without a kernel boundary; the
+        same sums, bitwise, at the same gate_up split) if True, as moe_gate_up + moe_down if False; None: by
+        stream_default (the M range where the H200 measured it faster). uses_stream(M) says which runs."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -186,12 +213,23 @@ class FusedMoE:
         self.gpu, self.shape, self.w, self.router, self.bias = gpu, shape, weights, router, bias
         self.pdl = pdl and supports_pdl(gpu)
         self._overrides: dict[int, MoEPlan] = {}
+        self._stream_overrides: dict[int, StreamPlan] = {}
+        self.streaming = streaming
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
         self.fixed_splits = None                    # the batch-invariant plan's gate_up k-split (None: by M)
         if invariant:
             self.fixed_splits = self.plan(mx).gu_splits
         plans = [self.plan(m) for m in range(1, mx + 1)]
+        self.stream_fallback: dict[int, str] = {}      # M -> why no streaming plan fits (streaming None: two launches)
+        splans = []
+        for m in range(1, mx + 1) if streaming is not False else ():
+            try:
+                splans.append(self.stream_plan(m))
+            except ValueError as exc:
+                if streaming:
+                    raise
+                self.stream_fallback[m] = str(exc)
         P = mx * shape.topk
         self.topk_ids = gpu.alloc((mx, shape.topk), np.int32)
         self.topk_w = gpu.alloc((mx, shape.topk), np.float32)
@@ -200,10 +238,13 @@ class FusedMoE:
         self.num_tiles = gpu.zeros(1, np.int32)
         self.act = gpu.alloc((P, I), np.uint16)
         self.y = gpu.alloc(max(p.dn_splits * m * shape.topk * H for m, p in enumerate(plans, 1)), np.float32)
-        part = max(p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 for p in plans)
+        part = max([p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4 for p in plans]
+                   + [p.tiles * p.gu_nb * p.gu_splits * p.warps * 2 * p.gu_tpw * 32 * 4 for p in splans])
         self.gu_partial = gpu.alloc(part, np.float32)
-        self.gu_counters = gpu.zeros(max(p.tiles * p.gu_nb for p in plans), np.uint32)
-        self.dn_counters = gpu.zeros(mx * max(p.dn_nb for p in plans), np.uint32)
+        self.gu_counters = gpu.zeros(max(p.tiles * p.gu_nb for p in plans + splans), np.uint32)
+        self.dn_counters = gpu.zeros(mx * max(p.dn_nb for p in plans + splans), np.uint32)
+        self.queue = gpu.zeros(2, np.uint32)                 # moe_stream: tickets, blocks done (reset by the kernel)
+        self.ready = gpu.zeros(shape.max_tiles(mx), np.uint32)   # moe_stream: complete act n-blocks per tile
         self.logits = None
         if router is not None:
             self.logits = gpu.alloc((mx, E), np.float32)
@@ -215,6 +256,40 @@ class FusedMoE:
         if M in self._overrides:
             return self._overrides[M]
         return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, gu_splits=self.fixed_splits)
+
+    def uses_stream(self, M: int) -> bool:
+        """Whether experts() at M tokens is the streaming launch (moe_stream) or moe_gate_up + moe_down:
+        `streaming` if set, else an overridden stream plan or stream_default (unless its plan failed)."""
+        if self.streaming is not None:
+            return self.streaming
+        if M in self._stream_overrides:
+            return True
+        return stream_default(self.gpu.arch, self.shape, M) and M not in self.stream_fallback
+
+    def stream_plan(self, M: int) -> StreamPlan:
+        if M in self._stream_overrides:
+            return self._stream_overrides[M]
+        g = self.gpu
+        return plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, base=self.plan(M))
+
+    def override_stream(self, M: int, dn_tpw: int | None = None, blocks_per_sm: int | None = None,
+                        prefetch: int | None = None, **plan_kw) -> StreamPlan:
+        """Benchmark sweeps and tests: take the streaming launch at M with forced knobs (plan_stream's, and
+        plan_moe's gate_up ones: gu_splits, gu_warps, gu_tpw, gu_ring); grows the workspaces if needed (call it
+        before capturing a graph)."""
+        g = self.gpu
+        p = plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, dn_tpw=dn_tpw,
+                            blocks_per_sm=blocks_per_sm, prefetch=prefetch,
+                            **{"gu_splits": self.fixed_splits, **plan_kw})
+        part = p.tiles * p.gu_nb * p.gu_splits * p.warps * 2 * p.gu_tpw * 32 * 4
+        if part > self.gu_partial.shape[0]:
+            self.gu_partial = self.gpu.alloc(part, np.float32)
+        if p.tiles * p.gu_nb > self.gu_counters.shape[0]:
+            self.gu_counters = self.gpu.zeros(p.tiles * p.gu_nb, np.uint32)
+        if self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]:
+            self.dn_counters = self.gpu.zeros(self.shape.max_tokens * p.dn_nb, np.uint32)
+        self._stream_overrides[M] = p
+        return p
 
     def override(self, M: int, **kw) -> MoEPlan:
         """Benchmark sweeps: force plan_moe keywords for M (grows the workspaces if the plan needs more;
@@ -282,9 +357,25 @@ class FusedMoE:
         self.experts(x, out, M, ids, weights, shared, stream)
 
     def experts(self, x, out, M, ids, weights, shared=None, stream=None) -> None:
-        """gate_up + down/combine, after the route kernel filled the tile lists."""
+        """gate_up + down/combine, after the route kernel filled the tile lists: one streaming launch or two."""
+        if self.uses_stream(M):
+            self.stream_experts(x, out, M, weights, shared, stream)
+            return
         self.gate_up(x, M, stream)
         self.down(out, M, weights, shared, stream)
+
+    def stream_experts(self, x, out, M, weights, shared=None, stream=None) -> None:
+        """out[M, H] = sum_k weights[:, k] expert_k(x) (+ shared) in one persistent launch (kernels/moe_stream.cuh)."""
+        s, p, g = self.shape, self.stream_plan(M), self.gpu
+        g.allow_smem(SOURCE, p.kernel, p.smem)
+        g.launch(g.kernel(SOURCE, p.kernel), p.blocks, p.warps * 32, p.smem,
+                 ptr(x), ptr(self.w["gate_up"]), ptr(self.w["gate_up_scale"]), ptr(self.w["down"]),
+                 ptr(self.w["down_scale"]), ptr(self.tile_expert), ptr(self.tile_pairs), ptr(self.num_tiles),
+                 ptr(self.act), ptr(self.gu_partial), ptr(self.gu_counters), ptr(self.y), ptr(weights), ptr(shared),
+                 ptr(out), ptr(self.dn_counters), ptr(self.queue), ptr(self.ready), np.int32(s.hidden),
+                 np.int32(s.inter), np.int32(s.topk), np.int32(p.gu_splits), np.int32(p.gu_tpw), np.int32(p.gu_nb),
+                 np.int32(p.dn_tpw), np.int32(p.dn_nb), np.int32(M * s.topk), np.int32(p.prefetch_tiles),
+                 stream=stream, pdl=self.pdl)
 
     def gate_up(self, x, M, stream=None) -> None:
         """act[pair] = silu(x W_gate^T) * (x W_up^T) for every routed pair (after the route kernel)."""

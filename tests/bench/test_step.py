@@ -14,7 +14,7 @@ def rec(kernel, fn="decoder_layer", tag="", n=None):
 @pytest.mark.parametrize("r,family", [
     (rec("gemm_bf16_mt1", n=20480), "lm_head"), (rec("gemm_bf16_mt1", fn="draft_logits", n=20480), "lm_head"),
     (rec("gemm_bf16_mt1", n=384), "router"), (rec("moe_route"), "router"), (rec("router_fused_mt3"), "router"),
-    (rec("moe_gate_up_r4c2"), "moe"),
+    (rec("moe_gate_up_r4c2"), "moe"), (rec("moe_stream_r4c2"), "moe"),
     (rec("moe_down_r4c2"), "moe"), (rec("mla_attention_w4_s3"), "attention"), (rec("kv_append"), "attention"),
     (rec("gemm_bf16_mt2", n=1536), "dense"), (rec("mla_absorb_mt1"), "dense"),
     (rec("gemm_bf16_mt1", fn="draft_layer", n=1024), "drafter"), (rec("draft_attention_d128", fn="draft_layer"), "drafter"),

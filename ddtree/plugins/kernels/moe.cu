@@ -8,6 +8,8 @@
 //   moe_gate_up  act[pair, I] = silu(x W_gate^T) * (x W_up^T), INT4 weights, split-K with a ticket
 //   moe_down     y[split, pair, H] = act W_down^T (split-K partials); the last expert block to finish a
 //                token's rows writes out[token] = sum_k w_k sum_s y[s, pair_k] (+ shared expert)
+//   moe_stream   both in one persistent launch: the same work items taken by ticket, a down item waiting for
+//                its tile's act rows (moe_stream.cuh; launcher FusedMoE.stream_experts, plan plugins/moe_stream.py)
 // With programmatic dependent launch the three kernels overlap their launch and prologue with the
 // previous kernel's tail; moe_down fills its weight ring before waiting for moe_gate_up.
 //
@@ -97,8 +99,7 @@ struct W4Slot {                     // one warp's ring slot
                                     // groups): 128 B per chunk copied once by 8 lanes, read by broadcast
 };
 
-// Shared main loop. The block owns one tile (8 slots of one expert), n-block blockIdx.x and k-split
-// blockIdx.y of S; warp w streams `tpw` pairs of 16-row n-tiles, tiles [nt_begin, nt_begin + 2 tpw), over the
+// Shared main loop. The block owns one tile (8 slots of one expert), n-block bx and k-split by of S; warp w streams `tpw` pairs of 16-row n-tiles, tiles [nt_begin, nt_begin + 2 tpw), over the
 // split's chunks (two tiles per chunk share the activation fragments and the loop overhead) and hands
 // each finished 16x8 accumulator to `epi(local tile, acc)`.
 //   STAGES, CPSLOT  ring of STAGES slots per warp, each CPSLOT consecutive chunks (one contiguous request
@@ -113,12 +114,13 @@ struct W4Slot {                     // one warp's ring slot
 template <int MODE, bool PREFETCH, int STAGES, int CPSLOT, class BeforeX, class Epi>
 __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, const uint4* __restrict__ wq,
                                             const uint2* __restrict__ wscale, const int* pairs, int e, int K,
-                                            int NT, int topk, int S, int tpw, BeforeX before_x, Epi epi) {
+                                            int NT, int topk, int S, int tpw, int bx, int by, BeforeX before_x,
+                                            Epi epi) {
     extern __shared__ __align__(16) unsigned char smem[];
     typedef W4Slot<CPSLOT> Slot;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nwarps = blockDim.x >> 5;
-    const int KC = K >> 6, CPS = KC / S, c0 = blockIdx.y * CPS;
+    const int KC = K >> 6, CPS = KC / S, c0 = by * CPS;
     const int kspan = CPS * 64, xstride = kspan + 32;   // +64 B per row: conflict-free uint4 reads
     bf16_t* xs = (bf16_t*)smem;                          // [8][xstride]
     float4* xcorr = (float4*)(smem + 16 * xstride);      // [2 CPS][4]: slots (2t, 2t+1, 2t, 2t+1)
@@ -142,7 +144,7 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     };
 
     // this warp's items = (tile pair r, chunk c), streamed through the ring; counters, no divisions
-    const int nt_begin = 2 * (blockIdx.x * nwarps + warp) * tpw;
+    const int nt_begin = 2 * (bx * nwarps + warp) * tpw;
     const int my_pairs = max(0, min(tpw, (NT - nt_begin) / 2));
     const int slots = my_pairs * (CPS / CPSLOT);
     // a tile pair's chunk is 1 KB of weights (64 uint4) + 128 B of scales (16 uint2), pairs contiguous
@@ -283,32 +285,29 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     cp_async_wait<0>();
 }
 
-// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (K/S + 32) + 2 * K/S
-// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>) (x rows, xcorr, rings). Each warp owns 2 tpw consecutive n-tiles (NT even).
+// One gate_up work item: tile z (8 slots of one expert), n-block bx of NB, k-split by of S (blockIdx in
+// moe_gate_up, a ticket's item in moe_stream). Each warp owns 2 tpw consecutive n-tiles (NT even).
 // Fused tile f holds gate rows 8f..8f+7 (A rows 0-7) and up rows 8f..8f+7 (A rows 8-15), so a lane's
 // acc = {gate(slot 2t), gate(slot 2t+1), up(slot 2t), up(slot 2t+1)} for intermediate j = 8f + g.
 //   x        [M, K] bf16        wq [E, NT, K/64, 32] uint4     wscale [E, NT, K/64, 8] uint2
 //   act      [M * topk, I] bf16 (I = 8 NT)
 //   partial  [max_tiles, NB, S, nwarps * 2 tpw, 32] float4, counters [max_tiles * NB] (zeroed once)
+// Returns true in the block that wrote act for (z, bx): every block when S == 1, else the last split to arrive.
+// Outputs of earlier kernels are read with ld.global.cg or cp.async (L2), never through the non-coherent
+// path that `const __restrict__` allows: with PDL (and in moe_stream) they are written during our lifetime.
 template <int STAGES, int CPSLOT>
-__device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
+__device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
                                              const uint2* __restrict__ wscale, const int* tile_expert,
-                                             const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,
+                                             const int* tile_pairs, bf16_t* __restrict__ act,
                                              float4* __restrict__ partial, u32* __restrict__ counters, int K,
-                                             int NT, int topk, int S, int tpw) {
-    // Outputs of earlier kernels are read with ld.global.cg or cp.async (L2), never through the
-    // non-coherent path that `const __restrict__` allows: with PDL they are written during our lifetime.
-    pdl_wait();                                          // tile lists (route) and x; the weights need the lists
-    pdl_trigger();                                       // the down kernel may start prefetching its weights
-    const int z = blockIdx.z;
-    if (z >= ld_cg_s32(num_tiles)) return;
+                                             int NT, int topk, int S, int tpw, int z, int bx, int by, int NB) {
     __shared__ int pairs[8];
     if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles_pw = 2 * tpw, ntb = (blockDim.x >> 5) * tiles_pw;
-    const int I = NT * 8, nt_begin = (blockIdx.x * (blockDim.x >> 5) + warp) * tiles_pw;
-    const size_t part_base = ((size_t)z * gridDim.x + blockIdx.x) * S;   // [.., S, ntb, 32]
+    const int I = NT * 8, nt_begin = (bx * (blockDim.x >> 5) + warp) * tiles_pw;
+    const size_t part_base = ((size_t)z * NB + bx) * S;   // [.., S, ntb, 32]
 
     auto finish = [&](int r, const float* v) {           // v = {gate 2t, gate 2t+1, up 2t, up 2t+1}
         const int j = (nt_begin + r) * 8 + g;
@@ -322,14 +321,15 @@ __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const
         if (S == 1) {
             finish(r, acc);
         } else {
-            size_t idx = ((part_base + blockIdx.y) * ntb + warp * tiles_pw + r) * 32 + lane;
+            size_t idx = ((part_base + by) * ntb + warp * tiles_pw + r) * 32 + lane;
             partial[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         }
     };
-    w4_mainloop<0, false, STAGES, CPSLOT>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw, [] {}, epi);
+    w4_mainloop<0, false, STAGES, CPSLOT>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw,
+                                          bx, by, [] {}, epi);
 
-    if (S == 1) return;
-    if (!arrive_last(&counters[(size_t)z * gridDim.x + blockIdx.x], (u32)S)) return;
+    if (S == 1) return true;
+    if (!arrive_last(&counters[(size_t)z * NB + bx], (u32)S)) return false;
     const int my_tiles = 2 * max(0, min(tpw, (NT - nt_begin) / 2));
     for (int r = 0; r < my_tiles; ++r) {
         float sum[4] = {0.f, 0.f, 0.f, 0.f};
@@ -339,34 +339,45 @@ __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const
         }
         finish(r, sum);
     }
+    return true;
 }
 
-// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (I/S + 32) + 2 * I/S
-// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>). Split s of S covers k = I/S * [s, s + 1) and writes its own
-// partial rows y[s]; the combine adds the S partials of each expert (fixed order: deterministic).
+// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (K/S + 32) + 2 * K/S
+// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>) (x rows, xcorr, rings). Blocks past the tile count exit.
+template <int STAGES, int CPSLOT>
+__device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
+                                             const uint2* __restrict__ wscale, const int* tile_expert,
+                                             const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,
+                                             float4* __restrict__ partial, u32* __restrict__ counters, int K,
+                                             int NT, int topk, int S, int tpw) {
+    pdl_wait();                                          // tile lists (route) and x; the weights need the lists
+    pdl_trigger();                                       // the down kernel may start prefetching its weights
+    if ((int)blockIdx.z >= ld_cg_s32(num_tiles)) return;
+    gate_up_item<STAGES, CPSLOT>(x, wq, wscale, tile_expert, tile_pairs, act, partial, counters, K, NT, topk, S,
+                                 tpw, blockIdx.z, blockIdx.x, blockIdx.y, gridDim.x);
+}
+
+// One down work item: tile z, n-block bx of NB, k-split by of S. Split s covers k = I/S * [s, s + 1) and writes
+// its own partial rows y[s]; the combine adds the S partials of each expert (fixed order: deterministic).
 //   act [P, I] bf16 (P = M * topk)   wq [E, H/16, I/64, 32] uint4   wscale [E, H/16, I/64, 8] uint2
 //   y   [S, P, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
 //   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk * S expert blocks)
-// The tile lists come from the route kernel two launches back, complete before gate_up triggered this
-// launch: they are read (ld.global.cg) and the weight ring is filled before waiting for gate_up.
-template <int STAGES, int CPSLOT>
-__device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const uint4* __restrict__ wq,
+// The weight ring is filled first, then wait_for_act() (every thread calls it), then the act rows load.
+template <int STAGES, int CPSLOT, class WaitAct>
+__device__ __forceinline__ void down_item(const bf16_t* __restrict__ act, const uint4* __restrict__ wq,
                                           const uint2* __restrict__ wscale, const int* tile_expert,
-                                          const int* tile_pairs, const int* num_tiles, float* __restrict__ y,
-                                          const float* topk_w, const bf16_t* shared_out, bf16_t* __restrict__ out,
-                                          u32* __restrict__ counters, int K, int NT, int topk, int tpw, int P) {
-    const int z = blockIdx.z;
-    // at least one tile is real (M >= 1), so some blocks of this grid always wait for gate_up: the grid
-    // never completes before gate_up does, which the next programmatic launch relies on
-    if (z >= ld_cg_s32(num_tiles)) return;
+                                          const int* tile_pairs, float* __restrict__ y, const float* topk_w,
+                                          const bf16_t* shared_out, bf16_t* __restrict__ out,
+                                          u32* __restrict__ counters, int K, int NT, int topk, int tpw, int P, int z,
+                                          int bx, int by, int NB, int S, WaitAct wait_for_act) {
     __shared__ int pairs[8];
     __shared__ int finished_token[8];
     if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles_pb = (blockDim.x >> 5) * 2 * tpw, S = gridDim.y;
-    const int H = NT * 16, nt_begin = (blockIdx.x * (blockDim.x >> 5) + warp) * 2 * tpw;
-    float* ys = y + (size_t)blockIdx.y * P * H;          // this split's partial rows
+    const int tiles_pb = (blockDim.x >> 5) * 2 * tpw;
+    const int H = NT * 16, nt_begin = (bx * (blockDim.x >> 5) + warp) * 2 * tpw;
+    float* ys = y + (size_t)by * P * H;                  // this split's partial rows
 
     auto epi = [&](int r, const float (&acc)[4]) {      // acc = {(n, 2t), (n, 2t+1), (n+8, 2t), (n+8, 2t+1)}
         const int n = (nt_begin + r) * 16 + g;
@@ -379,8 +390,8 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
             }
         }
     };
-    auto wait_for_act = [] { pdl_wait(); pdl_trigger(); };
-    w4_mainloop<1, true, STAGES, CPSLOT>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw, wait_for_act, epi);
+    w4_mainloop<1, true, STAGES, CPSLOT>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw,
+                                         bx, by, wait_for_act, epi);
 
     // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows
     __threadfence();
@@ -388,14 +399,14 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
     if (threadIdx.x < 8) {
         int p = pairs[threadIdx.x], tok = -1;
         if (p >= 0) {
-            u32* c = &counters[(size_t)(p / topk) * gridDim.x + blockIdx.x];
+            u32* c = &counters[(size_t)(p / topk) * NB + bx];
             if (atomicAdd(c, 1u) == (u32)(topk * S) - 1) { atomicExch(c, 0u); tok = p / topk; }
         }
         finished_token[threadIdx.x] = tok;
     }
     __syncthreads();
     __threadfence();
-    const int n0 = blockIdx.x * tiles_pb * 16, n1 = min(H, n0 + tiles_pb * 16);
+    const int n0 = bx * tiles_pb * 16, n1 = min(H, n0 + tiles_pb * 16);
     for (int slot = 0; slot < 8; ++slot) {
         const int tok = finished_token[slot];
         if (tok < 0) continue;
@@ -414,7 +425,28 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
     }
 }
 
-// Ring variants (kernel names moe_{gate_up,down}_r<STAGES>c<CPSLOT>), chosen per launch by the plan
+// Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (I/S + 32) + 2 * I/S
+// + nwarps * STAGES * sizeof(W4Slot<CPSLOT>). The tile lists come from the route kernel two launches back,
+// complete before gate_up triggered this launch: they are read (ld.global.cg) and the weight ring is filled
+// before waiting for gate_up (programmatic launch).
+template <int STAGES, int CPSLOT>
+__device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const uint4* __restrict__ wq,
+                                          const uint2* __restrict__ wscale, const int* tile_expert,
+                                          const int* tile_pairs, const int* num_tiles, float* __restrict__ y,
+                                          const float* topk_w, const bf16_t* shared_out, bf16_t* __restrict__ out,
+                                          u32* __restrict__ counters, int K, int NT, int topk, int tpw, int P) {
+    // at least one tile is real (M >= 1), so some blocks of this grid always wait for gate_up: the grid
+    // never completes before gate_up does, which the next programmatic launch relies on
+    if ((int)blockIdx.z >= ld_cg_s32(num_tiles)) return;
+    auto wait_for_act = [] { pdl_wait(); pdl_trigger(); };
+    down_item<STAGES, CPSLOT>(act, wq, wscale, tile_expert, tile_pairs, y, topk_w, shared_out, out, counters, K,
+                              NT, topk, tpw, P, blockIdx.z, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y,
+                              wait_for_act);
+}
+
+#include "moe_stream.cuh"
+
+// Ring variants (kernel names moe_{gate_up,down,stream}_r<STAGES>c<CPSLOT>), chosen per launch by the plan
 // (ddtree/plugins/moe.py RINGS). __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas
 // re-materialised the dequant mask before every lop3 (one extra MOV each, seen in the SASS).
 #define DD_MOE_RING(ST, CP)                                                                               \
@@ -432,6 +464,18 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
         int K, int NT, int topk, int tpw, int P) {                                                        \
         down_impl<ST, CP>(act, wq, wscale, tile_expert, tile_pairs, num_tiles, y, topk_w, shared_out, out, \
                           counters, K, NT, topk, tpw, P);                                                 \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512, 1) moe_stream_r##ST##c##CP(                       \
+        const bf16_t* __restrict__ x, const uint4* __restrict__ gu_wq, const uint2* __restrict__ gu_ws, \
+        const uint4* __restrict__ dn_wq, const uint2* __restrict__ dn_ws, const int* tile_expert,       \
+        const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial, \
+        u32* __restrict__ gu_counters, float* __restrict__ y, const float* topk_w, const bf16_t* shared_out, \
+        bf16_t* __restrict__ out, u32* __restrict__ dn_counters, u32* __restrict__ queue,                 \
+        u32* __restrict__ ready, int H, int I, int topk, int S, int gu_tpw, int gu_NB, int dn_tpw, int dn_NB, \
+        int P, int prefetch_tiles) {                                                                      \
+        stream_impl<ST, CP>(x, gu_wq, gu_ws, dn_wq, dn_ws, tile_expert, tile_pairs, num_tiles, act, partial, \
+                            gu_counters, y, topk_w, shared_out, out, dn_counters, queue, ready, H, I, topk, S, \
+                            gu_tpw, gu_NB, dn_tpw, dn_NB, P, prefetch_tiles);                             \
     }
 DD_MOE_RING(6, 1)
 DD_MOE_RING(3, 2)

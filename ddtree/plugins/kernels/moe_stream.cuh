@@ -1,0 +1,103 @@
+// moe_stream: gate_up -> down of the fused W4A16 MoE in ONE persistent launch (issue 22). Part of moe.cu, included
+// after its work-item functions (gate_up_item, down_item); numpy twin of the schedule: ddtree/plugins/moe_stream.py
+// (stream_items, simulate_stream), of the math: ddtree/plugins/reference.py moe_given_routing.
+//
+// Blocks take work items by ticket (one atomicAdd on queue[0], taken one item ahead): tickets [0, n_gu) are gate_up items (tile z,
+// k-split by, n-block bx), z-major, tickets [n_gu, n_gu + n_dn) down items (tile z, n-block bx), z-major. The
+// block that completes a (tile, n-block) of act (the last k-split to arrive) adds 1 to ready[z] (release); a
+// down item of tile z first fills its weight ring, then waits for ready[z] == gu_NB (acquire), so its weights
+// stream while gate_up finishes: no kernel boundary, no grid drain between the two GEMMs.
+// No deadlock whatever the residency: every gate_up ticket is taken before any down ticket, by a block that
+// is running and never waits, so the items a down item waits for always complete.
+// With prefetch_tiles >= the tile count, each gate_up item first asks L2 for its share of its expert's down
+// weights (one expert's tiles are consecutive: only the first tile of an expert does), so the down items
+// read them from L2 (M = 1: the down part's latency after gate_up is the L2's, not DRAM's).
+// queue [2] (tickets, blocks done) and ready [max_tiles] are zero before the first launch; the last block to
+// leave sets them back to zero for the next launch (graph replays).
+
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
+
+// Share `part` of `parts` of [base, base + bytes) (bytes a multiple of 128) -> L2, one line a thread.
+__device__ __forceinline__ void prefetch_l2_share(const void* base, size_t bytes, int part, int parts) {
+    const size_t lines = bytes >> 7, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
+    for (size_t l = l0 + threadIdx.x; l < l1; l += blockDim.x)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)base + (l << 7)));
+}
+
+// Grid: persistent blocks (the plan: SMs x blocks per SM), block nwarps * 32, dynamic smem = the larger part's
+// x rows + xcorr (16 (K + 32) + 2 K for K = H/S and I) + nwarps * STAGES * sizeof(W4Slot<CPSLOT>).
+// Tensors as in moe_gate_up (x, gu_wq, gu_ws, act, partial, gu_counters: K = H, NT = I/8, S k-splits) and
+// moe_down (act, dn_wq, dn_ws, y, topk_w, shared_out, out, dn_counters: K = I, NT = H/16, one k-split).
+template <int STAGES, int CPSLOT>
+__device__ __forceinline__ void stream_impl(
+        const bf16_t* __restrict__ x, const uint4* __restrict__ gu_wq, const uint2* __restrict__ gu_ws,
+        const uint4* __restrict__ dn_wq, const uint2* __restrict__ dn_ws, const int* tile_expert,
+        const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial,
+        u32* __restrict__ gu_counters, float* __restrict__ y, const float* topk_w, const bf16_t* shared_out,
+        bf16_t* __restrict__ out, u32* __restrict__ dn_counters, u32* __restrict__ queue, u32* __restrict__ ready,
+        int H, int I, int topk, int S, int gu_tpw, int gu_NB, int dn_tpw, int dn_NB, int P, int prefetch_tiles) {
+    pdl_wait();                                          // tile lists (route) and x
+    pdl_trigger();
+    const int tiles = ld_cg_s32(num_tiles);
+    const int gu_per_tile = gu_NB * S, n_gu = tiles * gu_per_tile, n_items = n_gu + tiles * dn_NB;
+    __shared__ int s_item;
+    if (threadIdx.x == 0) s_item = (int)atomicAdd(&queue[0], 1u);
+    for (;;) {
+        __syncthreads();                                 // s_item written; the previous item's smem is free
+        const int item = s_item;
+        if (item >= n_items) break;
+        // the next ticket is taken now and used after this item: its atomic's round trip hides behind the work.
+        // Still no deadlock: a block holding a gate_up ticket behind its current item is working on an earlier
+        // gate_up item (tickets are ordered), which never waits.
+        u32 next = 0;
+        if (threadIdx.x == 0) next = atomicAdd(&queue[0], 1u);
+        if (item < n_gu) {
+            const int z = item / gu_per_tile, r = item - z * gu_per_tile, by = r / gu_NB, bx = r - by * gu_NB;
+            if (tiles <= prefetch_tiles) {
+                const int e = ld_cg_s32(&tile_expert[z]);
+                if (z == 0 || ld_cg_s32(&tile_expert[z - 1]) != e) {
+                    const size_t wbytes = (size_t)H * I / 2, sbytes = (size_t)H * I / 16;
+                    prefetch_l2_share((const char*)dn_wq + e * wbytes, wbytes, r, gu_per_tile);
+                    prefetch_l2_share((const char*)dn_ws + e * sbytes, sbytes, r, gu_per_tile);
+                }
+            }
+            if (gate_up_item<STAGES, CPSLOT>(x, gu_wq, gu_ws, tile_expert, tile_pairs, act, partial, gu_counters,
+                                             H, I / 8, topk, S, gu_tpw, z, bx, by, gu_NB)) {
+                __syncthreads();                         // every thread's act rows of (z, bx) are written
+                if (threadIdx.x == 0) {
+                    __threadfence();
+                    atomicAdd(&ready[z], 1u);
+                }
+            }
+        } else {
+            const int d = item - n_gu, z = d / dn_NB, bx = d - z * dn_NB;
+            auto wait_for_act = [&] {                  // bounded: a broken hand-off traps instead of hanging
+                if (threadIdx.x == 0)
+                    for (u32 spins = 0; ld_acquire_u32(&ready[z]) < (u32)gu_NB; ++spins) {
+                        if (spins == (1u << 25)) asm volatile("trap;");
+                        sleep_ns(64);
+                    }
+                __syncthreads();
+            };
+            down_item<STAGES, CPSLOT>(act, dn_wq, dn_ws, tile_expert, tile_pairs, y, topk_w, shared_out, out,
+                                      dn_counters, I, H / 16, topk, dn_tpw, P, z, bx, 0, dn_NB, 1, wait_for_act);
+        }
+        __syncthreads();                                 // every thread has read s_item
+        if (threadIdx.x == 0) s_item = (int)next;
+    }
+    if (threadIdx.x == 0) {                              // the last block out resets the queue for the next launch
+        __threadfence();
+        if (atomicAdd(&queue[1], 1u) == gridDim.x - 1) {
+            for (int z = 0; z < tiles; ++z) ready[z] = 0u;
+            queue[0] = 0u;
+            queue[1] = 0u;
+            __threadfence();
+        }
+    }
+}
