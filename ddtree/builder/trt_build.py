@@ -121,6 +121,9 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
     config.num_compute_capabilities = 1
     config.set_compute_capability(trt.ComputeCapability.SM120, 0)
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    # every I/O address is the runtime's (weights, caches, activations): what an outer CUDA-graph capture of the
+    # step needs (runtime/trt_executor.py), and what TensorRT requires before a stream it runs on is captured
+    config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
     import onnx
     shapes = _profile_shapes(onnx.load(str(graph_path), load_external_data=False), dims)
     if shapes:

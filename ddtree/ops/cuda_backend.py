@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from ddtree.ops import numpy_math as m
 from ddtree.ops.cuda_collectives import CollectiveOps
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
 from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, Ops, RankLayout
@@ -139,10 +138,14 @@ class CudaOps(CollectiveOps, Ops):
         self.gpu.copy_in(self.bound[key], value)
         return Tensor.of(self.bound[key], host=value)
 
+    def site_key(self, shape, dtype) -> tuple:
+        """The arena key of the next op site: (layer function, arena, site number, shape, dtype)."""
+        return (*self.key, self.site, tuple(int(s) for s in shape), np.dtype(dtype).str)
+
     def new(self, shape, dtype) -> Tensor:
         """The next op site's output buffer (allocated on first use, then reused)."""
         shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        key = (*self.key, self.site, shape, dtype.str)
+        key = self.site_key(shape, dtype)
         self.site += 1
         if key not in self.arena:
             if self.capturing:

@@ -31,7 +31,7 @@ class NodeSpec:
     aliases: dict[int, int]           # output index -> input index it updates in place (TensorRT aliasing)
     kernel: str                       # what the plugin launches (or will), in words
     kernel_files: tuple[str, ...]     # its CUDA sources under ddtree/plugins/kernels/ (empty: none written yet)
-    wired: bool                       # the plugin's enqueue launches it (ops/tensorrt/kernels.py LAUNCHERS)
+    wired: bool                       # the plugin's enqueue launches it (ops/tensorrt/kernels.py node_runner)
 
     def check_attrs(self, attrs: dict, where: str) -> None:
         """Every declared field present with a value of its kind, and nothing else."""
@@ -56,30 +56,30 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
     NodeSpec(
         "AllReduce", dict(RANKS),
         inputs=("partial [q, H]",), outputs=("sum [q, H]",), aliases={},
-        kernel="cross-rank all-reduce: one-shot PCIe peer-to-peer or NCCL (not written); world_size 1 is a "
-               "device copy", kernel_files=(), wired=True),
+        kernel="cross-rank all-reduce: the rank's registered collective (one-shot peer-to-peer or NCCL); "
+               "world_size 1 is a device copy", kernel_files=("allreduce.cu",), wired=True),
     NodeSpec(
         "AllGather", dict(RANKS),
         inputs=("x [...]",), outputs=("gathered [tp, ...] (rank order)",), aliases={},
-        kernel="cross-rank all-gather: one-shot peer-to-peer or NCCL (not written); world_size 1 is a device copy",
+        kernel="cross-rank all-gather: the rank's registered collective (NCCL); world_size 1 is a device copy",
         kernel_files=(), wired=True),
     NodeSpec(
         "Rope", {**RANKS, "style": "str", **ROPE},
         inputs=("x [q, n, Dr]", "pos [q] int32"), outputs=("roped [q, n, Dr]",), aliases={},
-        kernel="rotary embedding of interleaved pairs with the YaRN table (style 'interleaved')",
-        kernel_files=(), wired=False),
+        kernel="rotary embedding of interleaved pairs with the YaRN table (style 'interleaved': rope_interleaved)",
+        kernel_files=("layer_ops.cu",), wired=True),
     NodeSpec(
         "KvAppend", dict(RANKS),
         inputs=("c_kv [q, R] (normed)", "k_pe [q, Dr] (roped)", "cache [S, R + Dr]", "cache_len [1] int32 (T)"),
         outputs=("cache_out [S, R + Dr]: rows T..T+q-1 written",), aliases={0: 2},
-        kernel="latent-cache append (kv_append)", kernel_files=("kv_cache.cu",), wired=False),
+        kernel="latent-cache append (kv_append)", kernel_files=("kv_cache.cu",), wired=True),
     NodeSpec(
         "KvCompact", dict(RANKS),
         inputs=("cache [S, R + Dr]", "cache_len [1] int32 (T: the length before the verify)",
                 "accepted [nodes] int32 (kept node indices, increasing, then -1)", "accepted_count [1] int32"),
         outputs=("cache_out [S, R + Dr]: rows T + accepted[i] moved to T + i",), aliases={0: 0},
         kernel="latent-cache compaction to the accepted path (kv_compact)", kernel_files=("kv_cache.cu",),
-        wired=False),
+        wired=True),
     NodeSpec(
         "MlaTreeAttention",
         {**RANKS, "heads": "int", "kv_lora_rank": "int", "qk_rope_head_dim": "int", "softmax_scale": "float"},
@@ -88,7 +88,7 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "tree_mask [q, W] int32 bits"),
         outputs=("o_lat [q, N_r, R] (before W_UV)",), aliases={},
         kernel="tree-masked absorbed MLA attention (tree form; decode form for q * heads <= 64)",
-        kernel_files=("mla_attention.cu", "mla_decode.cu"), wired=False),
+        kernel_files=("mla_attention.cu", "mla_decode.cu"), wired=True),
     NodeSpec(
         "MarlinMoE",
         {**RANKS, "hidden": "int", "inter": "int", "experts": "int", "n_routed_experts": "int",
@@ -107,36 +107,38 @@ NODES: dict[str, NodeSpec] = {s.op: s for s in (
                 "v [b, Hk_r, d]", "ctx_k [n, Hk_r, d] (k-normed, not yet roped)", "ctx_v [n, Hk_r, d]",
                 "pos [b] int32", "cache_k [S, Hk_r, d]", "cache_v [S, Hk_r, d]", "cache_len [1] int32 (T)"),
         outputs=("o [b, Hq_r d]", "cache_k_out [S, Hk_r, d]", "cache_v_out [S, Hk_r, d]"), aliases={1: 6, 2: 7},
-        kernel="DFlash draft attention over the context cache and the block", kernel_files=(), wired=False),
+        kernel="DFlash draft attention over the context cache and the block (the context rows roped and written "
+               "at cache_len, then draft_attention)", kernel_files=("layer_ops.cu", "draft_attention.cu"),
+        wired=True),
     NodeSpec(
         "VocabWinner", {**RANKS, "vocab_start": "int", "vocab_size": "int"},
         inputs=("logits [q, V_r] (float32 in plans)", "sample_pos [q] int32", "temperature [1] float32",
                 "seed [2] int32 (low word, high word)"),
         outputs=("value [q]", "id [q] int32 (global id)"), aliases={},
-        kernel="sampling winner over the rank's vocab slice (greedy or Philox + Gumbel argmax)",
-        kernel_files=("sample.cu",), wired=False),
+        kernel="sampling winner over the rank's vocab slice (node_vocab_winner: greedy at temperature 0, else the "
+               "Gumbel argmax, the temperature read on the device)", kernel_files=("sample.cu",), wired=True),
     NodeSpec(
         "VocabTopK", {**RANKS, "vocab_start": "int", "vocab_size": "int", "k": "int"},
         inputs=("logits [D, V_r] float32",),
         outputs=("values [D, k] float32 (raw logits)", "ids [D, k] int32 (global)", "row_max [D] float32",
                  "row_sumexp [D] float32 (sum of exp(x - row_max))"), aliases={},
-        kernel="per-depth top-k over the rank's vocab slice with log-sum-exp parts (draft_lse_parts, draft_topk)",
-        kernel_files=("tree_build.cu",), wired=False),
+        kernel="per-depth top-k over the rank's vocab slice with its max and sum of exp (node_vocab_topk)",
+        kernel_files=("tree_build.cu",), wired=True),
     NodeSpec(
         "TreeBuild", {**RANKS, "budget": "int"},
         inputs=("root [1] int32", "values [tp, D, k] float32", "ids [tp, D, k] int32", "row_max [tp, D] float32",
                 "row_sumexp [tp, D] float32"),
         outputs=("tokens [B + 1] int32", "parents [B + 1] int32", "depth [B + 1] int32",
                  "visibility [B + 1, ceil((B + 1) / 32)] int32 bits"), aliases={},
-        kernel="merge of the ranks' candidates and the best-first tree build (draft_merge)",
-        kernel_files=("tree_build.cu",), wired=False),
+        kernel="the ranks' normaliser, merge of their candidates and the best-first tree build (node_tree_build)",
+        kernel_files=("tree_build.cu",), wired=True),
     NodeSpec(
         "AcceptWalk", dict(RANKS),
         inputs=("tokens [n] int32", "parents [n] int32", "win_value [tp, n]", "win_id [tp, n] int32"),
         outputs=("target_tokens [n] int32", "accepted [n] int32 (node indices, -1 after the path)",
                  "accepted_count [1] int32", "bonus [1] int32"), aliases={},
-        kernel="acceptance walk (sample_common.cuh accept_walk, run by the last block of the sampling kernels)",
-        kernel_files=("sample.cu", "sample_top_p.cu"), wired=False),
+        kernel="the ranks' winners merged, then the acceptance walk (node_accept_walk: sample_common.cuh accept_walk)",
+        kernel_files=("sample.cu",), wired=True),
 )}
 
 

@@ -64,6 +64,15 @@ class RopeTable:
         from ddtree.model.rope import rope_frequencies
         return cls(gpu, rope_frequencies(rope, dim), attention_factor, max_pos)
 
+    @classmethod
+    def of(cls, gpu: Gpu, kind: str, rope, dim: int, factor: float | None, max_pos: int) -> "RopeTable":
+        """kind "interleaved" (the target's MLA rope) or "rotate_half" (the drafter's, scaled by `factor`)."""
+        if kind == "interleaved":
+            return cls.interleaved(gpu, rope, dim, max_pos)
+        if kind == "rotate_half":
+            return cls.rotate_half(gpu, rope, dim, factor, max_pos)
+        raise ValueError(f"RopeTable: kind {kind!r}; 'interleaved' or 'rotate_half'")
+
 
 def _aligned(what: str, address, align: int) -> None:
     if address is not None and int(ptr(address)) % align:

@@ -162,8 +162,7 @@ class CudaWeights:
         from ddtree.plugins.layer_ops import RopeTable
         key = (kind, rope, dim, factor)
         if key not in self._tables:
-            self._tables[key] = (RopeTable.interleaved(self.gpu, rope, dim, self.max_pos) if kind == "interleaved"
-                                 else RopeTable.rotate_half(self.gpu, rope, dim, factor, self.max_pos))
+            self._tables[key] = RopeTable.of(self.gpu, kind, rope, dim, factor, self.max_pos)
         return self._tables[key]
 
 

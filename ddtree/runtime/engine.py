@@ -23,7 +23,7 @@ from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context,
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
 
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "tensorrt")
 MODES = ("ddtree", "ar")
 RANKS = ("threads", "processes")
 
@@ -66,6 +66,8 @@ class DDTreeEngine:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
             return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan)
+        if device == "tensorrt":
+            return cls._load_tensorrt(model_dir, drafter_dir, gpu)
         if kernel_plan != "fast":
             raise RequestError(f"--kernel-plan {kernel_plan} is a plan of the GPU kernels (--device cuda); the cpu "
                                "executor's float64 numpy has none")
@@ -129,6 +131,25 @@ class DDTreeEngine:
         engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
         engine.repacked = built
         return engine
+
+    @classmethod
+    def _load_tensorrt(cls, model_dir, drafter_dir, gpu: int) -> "DDTreeEngine":
+        """An engine dir with TensorRT-RTX plans, on a GPU of the plans' compute capability (checked first)."""
+        from ddtree.engine_dir import is_engine_dir
+        from ddtree.runtime.trt_executor import PlanDeviceError, check_gpu_runs_plans
+        if model_dir is None or not is_engine_dir(model_dir):
+            raise RequestError("--device tensorrt runs an engine directory's TensorRT-RTX plans: build one with "
+                               "ddtree-build --trt and pass it as --model")
+        if drafter_dir is not None:
+            raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
+                               f"do not pass a drafter dir (--drafter {drafter_dir})")
+        try:
+            name, _ = check_gpu_runs_plans(model_dir, gpu)
+        except PlanDeviceError as e:
+            raise DeviceUnavailableError(str(e)) from e
+        raise DeviceUnavailableError(f"device (--device) 'tensorrt' is not available: GPU {gpu} ({name}) can run "
+                                     "these plans, but the executor that runs them is not written yet "
+                                     "(runtime/trt_executor.py says its design); use --device cuda")
 
     @staticmethod
     def _repack_for_gpu(model_dir, drafter_dir, gpu: int):

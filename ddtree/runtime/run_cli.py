@@ -88,8 +88,10 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Drafter block size (default: the drafter's; depth = block size - 1).")
 @click.option("--mode", type=click.Choice(["ddtree", "ar", "both"]), default="ddtree", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cuda: one GPU; a tp 1 engine dir (--model), or checkpoint dirs repacked into one at load.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu", show_default=True,
+              help="cuda: one GPU; a tp 1 engine dir (--model), or checkpoint dirs repacked into one at load. "
+                   "tensorrt: an engine dir's TensorRT-RTX plans (ddtree-build --trt), on a GPU of their compute "
+                   "capability (12.0) only.")
 @click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="--device cuda: the GPU index.")
 @click.option("--max-context", type=click.IntRange(min=1), default=None,
               help="--device cuda: cache rows allocated at load (default: the prompt's bytes + max new tokens + "

@@ -1,5 +1,5 @@
 """The pieces around the graphs: the cross-rank AllReduce, weight binding by layer, node attribute
-checks, plugin fields, the plugins' enqueue where a kernel is missing, the TensorRT-RTX parser
+checks, plugin fields, the plugins' runners where a kernel or a collective is missing, the TensorRT-RTX parser
 link and the error of --trt without the wheels. None of it needs TensorRT."""
 import sys
 import threading
@@ -16,7 +16,7 @@ from ddtree.ops.onnx_graph import GraphBuilder
 from ddtree.ops.onnx_runner import GraphRanks
 from ddtree.ops.nodes import NODES, node_spec
 from ddtree.ops.tensorrt.fields import attrs_from_fields, field_arrays, node_attrs
-from ddtree.ops.tensorrt.kernels import LAUNCHERS, MissingKernelError, run_node
+from ddtree.ops.tensorrt.kernels import MissingKernelError, node_runner, register_rank_collective
 from ddtree.ops.tensorrt.loader import TrtUnavailable, ensure_parser_link
 from ddtree.plugins.compile import KERNEL_DIR
 
@@ -84,18 +84,22 @@ def test_fields_round_trip_every_exported_node(engine):
 
 # What each plugin launches, written out here rather than read from the node table under test:
 # op -> (its kernel files under ddtree/plugins/kernels/, whether its enqueue launches them).
-KERNELS = {"AllReduce": ((), True),                       # world_size 1 only: a device copy
+KERNELS = {"AllReduce": (("allreduce.cu",), True),        # world_size 1: a device copy; more: the registered collective
            "AllGather": ((), True),
            "MarlinMoE": (("moe.cu",), True),
-           "Rope": ((), False),
-           "KvAppend": (("kv_cache.cu",), False),
-           "KvCompact": (("kv_cache.cu",), False),
-           "MlaTreeAttention": (("mla_attention.cu", "mla_decode.cu"), False),
-           "DraftAttention": ((), False),
-           "VocabWinner": (("sample.cu",), False),
-           "VocabTopK": (("tree_build.cu",), False),
-           "TreeBuild": (("tree_build.cu",), False),
-           "AcceptWalk": (("sample.cu", "sample_top_p.cu"), False)}
+           "Rope": (("layer_ops.cu",), True),
+           "KvAppend": (("kv_cache.cu",), True),
+           "KvCompact": (("kv_cache.cu",), True),
+           "MlaTreeAttention": (("mla_attention.cu", "mla_decode.cu"), True),
+           "DraftAttention": (("layer_ops.cu", "draft_attention.cu"), True),
+           "VocabWinner": (("sample.cu",), True),
+           "VocabTopK": (("tree_build.cu",), True),
+           "TreeBuild": (("tree_build.cu",), True),
+           "AcceptWalk": (("sample.cu",), True)}
+
+
+def any_attrs(spec) -> dict:
+    return {name: {"int": 1, "float": 1.0, "str": "yarn", "ints": [1]}[kind] for name, kind in spec.fields.items()}
 
 
 def test_node_table_names_real_kernel_files_and_wires_exactly_the_launched_ops():
@@ -103,35 +107,41 @@ def test_node_table_names_real_kernel_files_and_wires_exactly_the_launched_ops()
     for op, spec in NODES.items():
         for name in spec.kernel_files:
             assert (KERNEL_DIR / name).is_file(), f"ddtree::{op}: kernel file {name} is not in {KERNEL_DIR}"
-    assert {op for op, s in NODES.items() if s.wired} == set(LAUNCHERS)
+        if spec.wired:
+            assert node_runner(spec, any_attrs(spec), device=0) is not None     # made without touching a GPU
 
 
-@pytest.mark.parametrize("op", sorted(op for op, (_, wired) in KERNELS.items() if not wired))
+@pytest.mark.parametrize("op", sorted(op for op, (_, wired) in KERNELS.items() if not wired) or ["none"])
 def test_plugins_without_a_launcher_fail_naming_their_kernel(op):
+    if op == "none":
+        assert all(s.wired for s in NODES.values())
+        return
     spec, files = NODES[op], KERNELS[op][0]
-    attrs = {name: {"int": 1, "float": 1.0, "str": "yarn", "ints": [1]}[kind] for name, kind in spec.fields.items()}
     with pytest.raises(MissingKernelError) as err:
-        run_node(spec, attrs, {}, [(1,)] * len(spec.inputs), ["float32"] * len(spec.inputs), [0] * len(spec.inputs),
-                 [0] * len(spec.outputs), 0)
+        node_runner(spec, any_attrs(spec))
     msg = str(err.value)
     assert msg.startswith(f"ddtree::{op} plugin cannot run: ") and spec.kernel in msg
     assert msg.endswith("; plans that contain this node build, but do not execute")
-    if files:
-        assert "its enqueue does not launch its CUDA kernel yet" in msg
-        assert all(f"ddtree/plugins/kernels/{name}" in msg for name in files)
-    else:
-        assert "is not written yet" in msg and "ddtree/plugins/kernels/" not in msg
+    assert "its enqueue does not launch its CUDA kernel yet" in msg
+    assert all(f"ddtree/plugins/kernels/{name}" in msg for name in files)
 
 
-def test_all_reduce_and_expert_parallel_moe_plugins_fail_clearly():
-    ar = NODES["AllReduce"]
-    with pytest.raises(MissingKernelError, match=r"AllReduce plugin cannot run at world_size 2: .*all-reduce"):
-        run_node(ar, {"rank": 0, "world_size": 2}, {}, [(4, 8)], ["bfloat16"], [0], [0], 0)
+def test_collectives_without_a_registered_rank_collective_and_expert_parallel_moe_fail_clearly(monkeypatch):
+    from ddtree.ops.tensorrt import kernels
+    monkeypatch.setattr(kernels, "_COLLECTIVES", {})
+    ar = node_runner(NODES["AllReduce"], {"rank": 0, "world_size": 2}, device=3)
+    with pytest.raises(MissingKernelError, match=r"AllReduce plugin cannot run at world_size 2 on GPU 3: no rank "
+                                                 r"collective is registered for it .*register_rank_collective"):
+        ar.prepare([(4, 8)], ["bfloat16"], [(4, 8)], ["bfloat16"])
+    register_rank_collective(3, object())
+    ar.prepare([(4, 8)], ["bfloat16"], [(4, 8)], ["bfloat16"])          # found: no error
+    node_runner(NODES["AllReduce"], {"rank": 0, "world_size": 1}, device=5).prepare([(4, 8)], ["bfloat16"],
+                                                                                     [(4, 8)], ["bfloat16"])
     moe = NODES["MarlinMoE"]
     attrs = {"rank": 1, "world_size": 2, "hidden": 128, "inter": 512, "experts": 4, "n_routed_experts": 8,
              "expert_start": 4, "topk": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "group_size": 32}
     with pytest.raises(MissingKernelError, match="expert-parallel"):
-        run_node(moe, attrs, {}, [(1,)] * 8, ["bfloat16"] * 8, [0] * 8, [0], 0)
+        node_runner(moe, attrs, device=0).prepare([(1,)] * 8, ["bfloat16"] * 8, [(1,)], ["bfloat16"])
 
 
 def test_parser_link_is_created_once_and_checked(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""GPU: what the MarlinMoE and AllReduce plugins' enqueue launches (ops/tensorrt/kernels.py, called with
-device pointers and a stream as TensorRT would) equals the ddtree nodes' numpy implementations run
+"""GPU: what the MarlinMoE and AllReduce plugins' enqueue launches (ops/tensorrt/kernels.py runners, prepared and
+then called with device pointers and a stream as TensorRT would) equals the ddtree nodes' numpy implementations run
 by onnx.reference on the same inputs. No TensorRT needed (plans themselves run only on SM120)."""
 import ml_dtypes
 import numpy as np
@@ -12,7 +12,7 @@ from ddtree.ops.onnx_nodes import ops_for
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout
-from ddtree.ops.tensorrt.kernels import run_node
+from ddtree.ops.tensorrt.kernels import node_runner
 
 pytestmark = pytest.mark.gpu
 H, I, E, TOPK = 256, 128, 8, 2
@@ -66,7 +66,10 @@ def test_marlin_moe_plugin_launch_equals_the_node(gpu, M):
     gpu.memset(out, 0xFF)                                              # NaN: an unwritten row fails
     types = ["bfloat16", "float32", "float32", "int32", "bfloat16", "int32", "bfloat16", "bfloat16"]
     stream = int(gpu.stream.handle)
-    run_node(NODES["MarlinMoE"], ATTRS, {}, [a.shape for a in host], types, [d.ptr for d in dev], [out.ptr], stream)
+    runner = node_runner(NODES["MarlinMoE"], ATTRS, device=0)
+    dims = [a.shape for a in host]
+    runner.prepare(dims, types, [(M, H)], ["bfloat16"])
+    runner.enqueue(dims, types, [d.ptr for d in dev], [(M, H)], [out.ptr], stream)
     got = bf16_to_f32(out.numpy()).astype(np.float64)
     want = numpy_moe([bf16_to_f32(x), logits, bias, *host[3:7], bf16_to_f32(shared)], ATTRS).astype(np.float64)
     assert np.isfinite(got).all()
@@ -78,7 +81,8 @@ def test_marlin_moe_plugin_launch_equals_the_node(gpu, M):
 def test_collective_plugins_at_one_rank_copy(gpu, op):
     x = np.arange(24, dtype=np.uint16).reshape(4, 6)
     src, dst = gpu.upload(x), gpu.zeros((4, 6), np.uint16)
-    run_node(NODES[op], {"rank": 0, "world_size": 1}, {}, [x.shape], ["bfloat16"], [src.ptr], [dst.ptr],
-             int(gpu.stream.handle))
+    runner = node_runner(NODES[op], {"rank": 0, "world_size": 1}, device=0)
+    runner.prepare([x.shape], ["bfloat16"], [x.shape], ["bfloat16"])
+    runner.enqueue([x.shape], ["bfloat16"], [src.ptr], [x.shape], [dst.ptr], int(gpu.stream.handle))
     gpu.sync()
     np.testing.assert_array_equal(dst.numpy(), x)

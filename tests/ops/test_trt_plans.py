@@ -120,14 +120,37 @@ def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
             build_plan(trt, out / plans["plans"][plan_rel(0, kind)]["graph"], dims)
 
 
-def test_plugin_enqueue_without_a_kernel_names_it():
-    """The plugin's enqueue (as TensorRT calls it, with tensor descriptors) fails with the missing kernel."""
+def test_plugin_runtime_needs_attach_and_a_wired_kernel():
+    """enqueue / on_shape_change before attach_to_context say so; attaching a node whose kernels are not wired
+    fails there (at context creation), naming the kernel, before any enqueue."""
     from ddtree.ops.tensorrt.creators import DdtreePlugin, trt
     from ddtree.ops.tensorrt.kernels import MissingKernelError
     desc = trt.PluginTensorDesc()
     desc.dims, desc.type = trt.Dims([4, 8]), trt.DataType.BF16
+    anything = lambda spec: {n: {"int": 1, "float": 1.0, "str": "yarn"}[k] for n, k in spec.fields.items()}  # noqa: E731
     spec = NODES["MlaTreeAttention"]
-    plugin = DdtreePlugin(spec, {name: {"int": 1, "float": 1.0, "str": "yarn"}[kind] for name, kind in spec.fields.items()})
-    with pytest.raises(MissingKernelError, match="MlaTreeAttention plugin cannot run: its enqueue does not launch its "
-                                                 r"CUDA kernel yet \(.*ddtree/plugins/kernels/mla_attention.cu"):
-        plugin.enqueue([desc] * 8, [desc] * 2, [0] * 8, [0] * 2, 0, 0)
+    plugin = DdtreePlugin(spec, anything(spec))
+    with pytest.raises(RuntimeError, match="MlaTreeAttention plugin: used before attach_to_context"):
+        plugin.enqueue([desc] * 5, [desc], [0] * 5, [0], 0, 0)
+    with pytest.raises(RuntimeError, match="used before attach_to_context"):
+        plugin.on_shape_change([desc] * 5, [desc])
+    assert plugin.attach_to_context(None).runner is not None
+    for spec in (s for s in NODES.values() if not s.wired):
+        with pytest.raises(MissingKernelError, match=f"{spec.op} plugin cannot run: its enqueue does not launch"):
+            DdtreePlugin(spec, anything(spec)).attach_to_context(None)
+
+
+def test_plugin_call_fixture_is_what_the_plans_serialise(tmp_path):
+    """The GPU plugin test's fixture (tests/ops/trt_plugin_calls.py) holds the fields today's build serialises for
+    those plan nodes, and every field name is in the plan."""
+    from tests.ops.trt_plugin_calls import build_engine, load, plan_fields
+    meta, arrays = load()
+    engine = build_engine(tmp_path / "tiny-tp1-trt")
+    fields = {(f["plan"], f["node"]): f for f in plan_fields(engine)}
+    assert set(meta) == set(NODES)
+    for op, m in meta.items():
+        f = fields[(m["plan"], m["plan_node"])]
+        assert f["op"] == op and f["attrs"] == m["attrs"] and [list(x) for x in f["fields"]] == m["fields"], op
+        blob = (engine / m["plan"]).read_bytes()
+        assert all(name.encode() in blob for name, _, _ in m["fields"]), op
+        assert all(f"{op}/0/in{j}" in arrays for j in range(len(NODES[op].inputs))), op

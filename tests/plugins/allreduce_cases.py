@@ -95,3 +95,40 @@ def killed_peer_rank(link, gpu_id: int, max_spins: int) -> dict:
         gpu.sync()
         times.append(time.monotonic() - t0)
     return {"seconds": times, "errors": ar.error_ranks(), "sequence": ar.sequence()}
+
+
+def plugin_all_reduce_rank(link, gpu_id: int, M: int, replays: int) -> dict:
+    """The AllReduce plugin's runner of this rank (ops/tensorrt/kernels.py) over a registered one-shot
+    all-reduce: prepared, its enqueue captured once in global mode on a raw stream, the graph replayed with this
+    rank's part of each replay written in place. Returns the outputs."""
+    from cuda.bindings import driver
+
+    from ddtree.ops.nodes import NODES
+    from ddtree.ops.tensorrt.kernels import RankCollective, node_runner, register_rank_collective
+    from ddtree.plugins.allreduce import OneShotAllReduce
+    from ddtree.plugins.device import Gpu, check
+    gpu = Gpu(gpu_id)
+    ar = OneShotAllReduce(gpu, link.rank, link.nranks, M * HIDDEN)
+    ar.connect(link.all_exchange(ar.ipc_handle()))
+    register_rank_collective(gpu_id, RankCollective(one_shot=ar))
+    runner = node_runner(NODES["AllReduce"], {"rank": link.rank, "world_size": link.nranks}, device=gpu_id)
+    dims, types = [(M, HIDDEN)], ["bfloat16"]
+    runner.prepare(dims, types, dims, types)
+    x, out = gpu.alloc(M * HIDDEN, np.uint16), gpu.alloc(M * HIDDEN, np.uint16)
+    stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+    check(driver.cuStreamBeginCapture(stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL), "capture")
+    try:
+        runner.enqueue(dims, types, [x.ptr], dims, [out.ptr], int(stream))
+    finally:
+        graph = check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+    exe = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    outs = []
+    for rep in range(replays):
+        gpu.copy_in(x, part(link.rank, M, rep))
+        check(driver.cuGraphLaunch(exe, stream), "cuGraphLaunch")
+        check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        outs.append(gpu.download(out))
+    result = {"outs": outs, "errors": ar.error_ranks(), "sequence": ar.sequence()}
+    link.all_exchange("done")
+    ar.close()
+    return result

@@ -82,7 +82,7 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
         self.plugin_name = spec.op
         self.plugin_version = PLUGIN_VERSION
         self.timing_cache_id = ""
-        self.state: dict = {}                       # runtime: the kernel launcher and its workspaces
+        self.runner = None                          # runtime: the node's kernels (attach_to_context)
 
     # core / build ----------------------------------------------------------------------------------
     def get_capability_interface(self, capability_type):
@@ -125,16 +125,32 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
 
     # runtime ---------------------------------------------------------------------------------------
     def attach_to_context(self, context):
-        return self.clone()
+        """A clone of its own for the execution context, with the runner of its node (ops/tensorrt/kernels.py)."""
+        plugin = self.clone()
+        plugin.runner = kernels.node_runner(self.spec, self.attrs)
+        return plugin
 
     def on_shape_change(self, inputs, outputs):
-        pass
+        """The runner prepares for these shapes: kernels loaded, workspaces allocated (enqueue allocates nothing)."""
+        self._runner().prepare(*_dims_types(inputs), *_dims_types(outputs))
 
     def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-        dims = [tuple(d.dims) for d in input_desc]
-        types = [DTYPE_NAMES.get(d.type, str(d.type)) for d in input_desc]
-        kernels.run_node(self.spec, self.attrs, self.state, dims, types, [int(p) for p in inputs],
-                         [int(p) for p in outputs], int(stream))
+        in_dims, in_types = _dims_types(input_desc)
+        out_dims, _ = _dims_types(output_desc)
+        self._runner().enqueue(in_dims, in_types, [int(p) for p in inputs], out_dims, [int(p) for p in outputs],
+                               int(stream))
+
+    def _runner(self):
+        if self.runner is None:
+            raise RuntimeError(f"ddtree::{self.spec.op} plugin: used before attach_to_context (TensorRT attaches "
+                               "each plugin to its execution context first)")
+        return self.runner
+
+
+def _dims_types(descs) -> tuple[list, list]:
+    """TensorRT tensor descriptors (PluginTensorDesc, or DynamicPluginTensorDesc's .desc) -> dims, dtype names."""
+    descs = [getattr(d, "desc", d) for d in descs]
+    return [tuple(d.dims) for d in descs], [DTYPE_NAMES.get(d.type, str(d.type)) for d in descs]
 
 
 class DdtreeCreator(trt.IPluginCreatorV3One):

@@ -1,14 +1,22 @@
-"""What each `ddtree` plugin's enqueue launches: LAUNCHERS, one per wired op (NodeSpec.wired), else a clear error.
+"""What each `ddtree` plugin's enqueue launches: a runner per node (node_runner), the same kernels the `cuda`
+backend launches for that op.
 
-    MarlinMoE     the fused W4A16 MoE (plugins/moe.py: moe_route on the graph's fp32 router logits,
-                  then moe_gate_up and moe_down, which adds the shared expert's output); not for --experts ep
-    AllReduce     world_size 1: a device copy; more ranks need the cross-rank all-reduce (not written)
-    AllGather     world_size 1: a device copy (a leading axis of 1); more ranks: the cross-rank all-gather
-    others        MissingKernelError naming the kernel and its files (ops/nodes.py: NodeSpec.kernel, kernel_files)
-Plain arguments (dims, dtype names, device pointers, a cudaStream_t handle) so a GPU test can call
-these without TensorRT; cuda-python is imported only when a kernel is launched. One plan serves
-every layer of its kind, so the weights' pointers change from call to call: the launcher keeps its
-workspaces (allocated once, for MAX_TOKENS tokens) and takes the tensors of each call.
+    runner = node_runner(spec, attrs)                                  # attach_to_context
+    runner.prepare(in_dims, in_types, out_dims, out_types)             # on_shape_change: kernels, workspaces
+    runner.enqueue(in_dims, in_types, in_ptrs, out_dims, out_ptrs, stream)   # launches only: capturable
+
+    Rope, KvAppend, KvCompact, MlaTreeAttention, DraftAttention, VocabWinner, VocabTopK, TreeBuild, AcceptWalk
+                  the CudaOps op of the node (ops/tensorrt/plugin_ops.py OpRunner: a dry pass at on_shape_change,
+                  then launches into TensorRT's buffers)
+    MarlinMoE     the fused W4A16 MoE (plugins/moe.py FusedMoE: moe_route on the graph's fp32 router logits, then
+                  gate_up and down, which adds the shared expert's output); the node gets the router's logits
+                  from the graph, so the fused router of the cuda backend's moe op is not part of it
+    AllReduce     world_size 1: a device copy; more ranks: the collective registered for the device
+    AllGather     (register_rank_collective: the one-shot all-reduce, NCCL), looked up at on_shape_change and never
+                  serialised, as TensorRT-LLM's all-reduce plugin does with its communicator
+Dims are tuples of ints, types 'bfloat16' | 'float32' | 'int32', pointers ints, stream a cudaStream_t handle, so a
+GPU test can drive a runner without TensorRT; cuda-python is imported only when a kernel is prepared. One plan
+serves every layer of its kind: the weights' pointers change from call to call, the workspaces do not.
 """
 from __future__ import annotations
 
@@ -18,21 +26,20 @@ from ddtree.ops.nodes import NodeSpec
 
 MAX_TOKENS = 256
 NUMPY_DTYPES = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
+_COLLECTIVES: dict[int, object] = {}
 
 
 class MissingKernelError(RuntimeError):
-    """A plugin was asked to run, but its enqueue does not launch a CUDA kernel for it (yet)."""
+    """A plugin was asked to run a case its kernels do not cover."""
 
 
 def missing(spec: NodeSpec, case: str = "") -> MissingKernelError:
-    """The error of a plugin without a launcher (`case` empty), or of a case its launcher does not cover."""
+    """The error of a plugin whose enqueue launches nothing yet (`case` empty), or of a case its kernels lack."""
     if case:
         why = f" {case}: its kernel ({spec.kernel}) does not cover it"
-    elif spec.kernel_files:
+    else:
         why = (f": its enqueue does not launch its CUDA kernel yet ({spec.kernel}; "
                f"{', '.join('ddtree/plugins/kernels/' + f for f in spec.kernel_files)})")
-    else:
-        why = f": its CUDA kernel ({spec.kernel}) is not written yet"
     return MissingKernelError(f"ddtree::{spec.op} plugin cannot run{why}; plans that contain this node build, "
                               "but do not execute")
 
@@ -44,66 +51,146 @@ def current_device() -> int:
     return int(check(driver.cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
-def run_node(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs, stream: int) -> None:
-    """Launch node `spec` on device tensors (dims: tuples of ints; types: 'bfloat16' | 'float32' | 'int32')."""
-    if spec.op not in LAUNCHERS:
-        raise missing(spec)
-    LAUNCHERS[spec.op](spec, attrs, state, in_dims, in_types, in_ptrs, out_ptrs, stream)
+def cuda_stream(handle: int):
+    from cuda.core import Stream
+    return Stream.from_handle(int(handle))
 
 
-def launch_collective(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
-                      stream: int) -> None:
-    """All-reduce or all-gather of one rank: a device copy of its input (nothing to sum or gather)."""
-    if attrs["world_size"] != 1:
-        raise missing(spec, f"at world_size {attrs['world_size']}")
-    device_copy(out_ptrs[0], in_ptrs[0], int(np.prod(in_dims[0])) * _itemsize(in_types[0]), stream)
+def register_rank_collective(device: int, collective) -> None:
+    """The collective the AllReduce / AllGather plugins of `device` use at world_size > 1 (register it before
+    deserialising the rank's plans). `collective` has all_reduce(x, out, elems, stream) (bf16, rank-ordered sum)
+    and all_gather(x, out, nbytes, stream) (out = every rank's x in rank order): e.g. RankCollective below."""
+    _COLLECTIVES[int(device)] = collective
+
+
+class RankCollective:
+    """A rank's collectives over its connected one-shot all-reduce (plugins/allreduce.py) and NCCL communicator
+    (ops/nccl_group.py): all-reduce by the one-shot when given, all-gather by NCCL (as bytes)."""
+
+    def __init__(self, nccl=None, one_shot=None):
+        self.nccl, self.one_shot = nccl, one_shot
+
+    def all_reduce(self, x: int, out: int, elems: int, stream) -> None:
+        if self.one_shot is not None:
+            self.one_shot(x, out, elems, stream=stream)
+        elif self.nccl is not None:
+            self.nccl.all_reduce(x, out, elems, stream=stream)
+        else:
+            raise RuntimeError("RankCollective: neither a one-shot all-reduce nor an NCCL communicator")
+
+    def all_gather(self, x: int, out: int, nbytes: int, stream) -> None:
+        if self.nccl is None:
+            raise RuntimeError("RankCollective: the all-gather needs an NCCL communicator")
+        self.nccl.all_gather(x, out, nbytes, stream=stream, dtype="u8")
 
 
 def _itemsize(dtype: str) -> int:
     return np.dtype(NUMPY_DTYPES[dtype]).itemsize
 
 
-def device_copy(dst: int, src: int, nbytes: int, stream: int) -> None:
-    from cuda.bindings import driver
+class CollectiveRunner:
+    def __init__(self, spec: NodeSpec, attrs: dict, device: int | None = None):
+        self.spec, self.attrs, self.device = spec, attrs, device
+        self.collective = None
 
-    from ddtree.plugins.device import check
-    if dst != src and nbytes:
-        check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, driver.CUstream(stream)), "cuMemcpyDtoDAsync")
+    def prepare(self, in_dims, in_types, out_dims, out_types) -> None:
+        ws = self.attrs["world_size"]
+        if ws == 1:
+            return
+        device = current_device() if self.device is None else self.device
+        if device not in _COLLECTIVES:
+            raise missing(self.spec, f"at world_size {ws} on GPU {device}: no rank collective is registered for "
+                          "it (ops/tensorrt/kernels.py register_rank_collective, before the plans are deserialised)")
+        self.collective = _COLLECTIVES[device]
 
-
-def launch_marlin_moe(spec: NodeSpec, attrs: dict, state: dict, in_dims, in_types, in_ptrs, out_ptrs,
-                      stream: int) -> None:
-    """y [M, H] bf16 = routed experts (from router logits fp32 [M, E]) + shared [M, H]."""
-    if attrs["experts"] != attrs["n_routed_experts"]:
-        raise missing(spec, "for expert-parallel placement (--experts ep: the fused MoE kernel indexes a rank's "
-                      "experts from 0 and has no skip for the experts of other ranks)")
-    want = ("bfloat16", "float32", "float32", "int32", "bfloat16", "int32", "bfloat16", "bfloat16")
-    if tuple(in_types) != want:
-        raise ValueError(f"ddtree::MarlinMoE plugin: input dtypes {list(in_types)}, the kernel takes {list(want)}")
-    M = int(in_dims[0][0])
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"ddtree::MarlinMoE plugin: {M} tokens; the kernel takes 1..{MAX_TOKENS}")
-    from cuda.core import Stream
-
-    from ddtree.plugins.device import DeviceArray, Gpu
-    from ddtree.plugins.moe import FusedMoE, MoEShape
-    keys = ("gate_up", "gate_up_scale", "down", "down_scale")
-    if "moe" not in state:
-        gpu = Gpu(current_device())
-        shape = MoEShape(attrs["hidden"], attrs["inter"], attrs["experts"], attrs["topk"], attrs["n_group"],
-                         attrs["topk_group"], attrs["routed_scaling_factor"], max_tokens=MAX_TOKENS)
-        weights = {k: DeviceArray(gpu, in_ptrs[3 + i], tuple(in_dims[3 + i]), np.dtype(NUMPY_DTYPES[in_types[3 + i]]))
-                   for i, k in enumerate(keys)}
-        state["moe"] = FusedMoE(gpu, shape, weights, bias=DeviceArray(gpu, in_ptrs[2], tuple(in_dims[2]),
-                                                                      np.dtype(np.float32)))
-    moe = state["moe"]
-    moe.w = {k: DeviceArray(moe.gpu, in_ptrs[3 + i], tuple(in_dims[3 + i]), np.dtype(NUMPY_DTYPES[in_types[3 + i]]))
-             for i, k in enumerate(keys)}                                     # this call's layer
-    moe.bias = DeviceArray(moe.gpu, in_ptrs[2], tuple(in_dims[2]), np.dtype(np.float32))
-    s = Stream.from_handle(int(stream))
-    moe.launch_route(in_ptrs[1], M, moe.topk_ids, moe.topk_w, s)           # routing on the graph's logits
-    moe.experts(in_ptrs[0], out_ptrs[0], M, moe.topk_ids, moe.topk_w, in_ptrs[7], s)
+    def enqueue(self, in_dims, in_types, in_ptrs, out_dims, out_ptrs, stream) -> None:
+        elems = int(np.prod(in_dims[0]))
+        nbytes = elems * _itemsize(in_types[0])
+        s = cuda_stream(stream)
+        if self.attrs["world_size"] == 1:
+            if int(out_ptrs[0]) != int(in_ptrs[0]) and nbytes:
+                from ddtree.plugins.device import _driver, check
+                check(_driver().cuMemcpyDtoDAsync(int(out_ptrs[0]), int(in_ptrs[0]), nbytes, s.handle),
+                      "cuMemcpyDtoDAsync")
+        elif self.spec.op == "AllReduce":
+            if in_types[0] != "bfloat16":
+                raise ValueError(f"ddtree::AllReduce plugin: {in_types[0]} partials; the all-reduce sums bf16")
+            self.collective.all_reduce(int(in_ptrs[0]), int(out_ptrs[0]), elems, s)
+        else:
+            self.collective.all_gather(int(in_ptrs[0]), int(out_ptrs[0]), nbytes, s)
 
 
-# op -> launcher: exactly the ops whose NodeSpec says wired=True (tests/graphs/test_graph_pieces.py checks it)
-LAUNCHERS = {"AllReduce": launch_collective, "AllGather": launch_collective, "MarlinMoE": launch_marlin_moe}
+class MoERunner:
+    """MarlinMoE: FusedMoE made at on_shape_change on stand-in weights of the node's shapes; each enqueue points
+    it at that call's layer (its weights, bias) and launches route + gate_up + down."""
+    WANT = ("bfloat16", "float32", "float32", "int32", "bfloat16", "int32", "bfloat16", "bfloat16")
+    KEYS = ("gate_up", "gate_up_scale", "down", "down_scale")
+
+    def __init__(self, spec: NodeSpec, attrs: dict, device: int | None = None):
+        self.spec, self.attrs, self.device = spec, attrs, device
+        self.moe, self.prepared = None, set()
+
+    def _layer(self, gpu, in_dims, in_types, in_ptrs) -> tuple[dict, object]:
+        from ddtree.plugins.device import DeviceArray
+        weights = {k: DeviceArray(gpu, int(in_ptrs[3 + i]), tuple(in_dims[3 + i]), np.dtype(NUMPY_DTYPES[in_types[3 + i]]))
+                   for i, k in enumerate(self.KEYS)}
+        return weights, DeviceArray(gpu, int(in_ptrs[2]), tuple(in_dims[2]), np.dtype(np.float32))
+
+    def prepare(self, in_dims, in_types, out_dims, out_types) -> None:
+        a = self.attrs
+        if a["experts"] != a["n_routed_experts"]:
+            raise missing(self.spec, "for expert-parallel placement (--experts ep: the fused MoE kernel indexes a "
+                          "rank's experts from 0 and has no skip for the experts of other ranks)")
+        if tuple(in_types) != self.WANT:
+            raise ValueError(f"ddtree::MarlinMoE plugin: input dtypes {list(in_types)}, the kernel takes "
+                             f"{list(self.WANT)}")
+        M = int(in_dims[0][0])
+        if not 1 <= M <= MAX_TOKENS:
+            raise ValueError(f"ddtree::MarlinMoE plugin: {M} tokens; the kernel takes 1..{MAX_TOKENS}")
+        key = tuple(tuple(d) for d in in_dims)
+        if key in self.prepared:
+            return
+        from ddtree.ops.tensorrt.plugin_ops import STAND_IN, PreparedGpu, device_gpu
+        from ddtree.plugins.moe import FusedMoE, MoEShape
+        stand_in = [STAND_IN * (1 + i) for i in range(8)]
+        if self.moe is None:
+            gpu = PreparedGpu(device_gpu(current_device() if self.device is None else self.device),
+                              "ddtree::MarlinMoE plugin")
+            shape = MoEShape(a["hidden"], a["inter"], a["experts"], a["topk"], a["n_group"], a["topk_group"],
+                             a["routed_scaling_factor"], max_tokens=MAX_TOKENS)
+            weights, bias = self._layer(gpu, in_dims, in_types, stand_in)
+            self.moe = FusedMoE(gpu, shape, weights, bias=bias)
+        self.moe.gpu.dry = True                           # kernels loaded, shared memory set, nothing launched
+        try:
+            self._launch(in_dims, in_types, stand_in, stand_in[:1], None)
+        finally:
+            self.moe.gpu.dry = False
+        self.prepared.add(key)
+
+    def _launch(self, in_dims, in_types, in_ptrs, out_ptrs, stream) -> None:
+        moe, M = self.moe, int(in_dims[0][0])
+        moe.w, moe.bias = self._layer(moe.gpu, in_dims, in_types, in_ptrs)     # this call's layer
+        moe.launch_route(int(in_ptrs[1]), M, moe.topk_ids, moe.topk_w, stream)  # routing on the graph's logits
+        moe.experts(int(in_ptrs[0]), int(out_ptrs[0]), M, moe.topk_ids, moe.topk_w, int(in_ptrs[7]), stream)
+
+    def enqueue(self, in_dims, in_types, in_ptrs, out_dims, out_ptrs, stream) -> None:
+        if tuple(tuple(d) for d in in_dims) not in self.prepared:
+            raise RuntimeError(f"ddtree::MarlinMoE plugin: enqueue with input shapes {list(in_dims)} that "
+                               "on_shape_change did not prepare")
+        self.moe.gpu.frozen = True
+        try:
+            self._launch(in_dims, in_types, in_ptrs, out_ptrs, cuda_stream(stream))
+        finally:
+            self.moe.gpu.frozen = False
+
+
+def node_runner(spec: NodeSpec, attrs: dict, device: int | None = None):
+    """The runner of one plugin instance (device None: the current CUDA device at on_shape_change)."""
+    if not spec.wired:
+        raise missing(spec)
+    if spec.op in ("AllReduce", "AllGather"):
+        return CollectiveRunner(spec, attrs, device)
+    if spec.op == "MarlinMoE":
+        return MoERunner(spec, attrs, device)
+    from ddtree.ops.tensorrt.plugin_ops import OpRunner
+    return OpRunner(spec, attrs, device)
