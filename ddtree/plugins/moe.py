@@ -32,15 +32,18 @@ RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) co
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
 ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
 MAX_EXPERTS, MAX_PAIRS = 512, 4096
-# Largest M at which the streaming launch (moe_stream) beat the two launches on the H200, by down K chunks
-# (inter / 64 <= 8: tp 8) and arch; elsewhere (and on unmeasured archs) the two launches run.
-# ddtree/plugins/kernels/NOTES.md "MoE streaming (issue 22)" has the measurement.
-STREAM_MEASURED = {("sm_90", True): 0, ("sm_90", False): 0}
+# Where the streaming launch (moe_stream) is the plan's choice: (first M, last M) by (arch, hidden, inter per
+# rank), the shapes measured. H200, Kimi tp 8 (7168, 256), same device call (ddtree/plugins/kernels/NOTES.md "MoE streaming (issue
+# 22)"): 318 vs 327 us at M = 65, within 1 % at 17 and 33, 6-22 % slower at 1-8; above 65 not measured (taken
+# for the trend: more tiles, a longer gate_up tail for the down items to fill). Elsewhere (tp 1, other models and
+# archs: not measured) the two launches run.
+STREAM_MEASURED = {("sm_90", 7168, 256): (65, 256)}
 
 
 def stream_default(arch: str, shape: "MoEShape", M: int) -> bool:
     """Whether FusedMoE(streaming=None) takes the streaming launch at M tokens (the measured table above)."""
-    return M <= STREAM_MEASURED.get((arch.rstrip("a"), shape.inter // 64 <= 8), 0)
+    first, last = STREAM_MEASURED.get((arch.rstrip("a"), shape.hidden, shape.inter), (0, -1))
+    return first <= M <= last
 
 
 class RingMismatch(ValueError):

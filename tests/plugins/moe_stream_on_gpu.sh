@@ -2,18 +2,21 @@
 # One device call for the streaming MoE launch (issue 22; ddtree/plugins/kernels/NOTES.md "MoE streaming"):
 # its GPU tests, then before/after benchmarks in the same call: the baseline checkout in .cache/moe_base
 # (`git archive <commit> ddtree | tar -x -C .cache/moe_base`, carried to the device) and this tree's two
-# launches and streaming launch, then the variant sweep. JSON in $OUT. Usage (repo root, on the device):
+# launches and streaming launch, then the variant sweep. JSON in $OUT (one .out a step, stderr in log.txt: the
+# device returns at most 8 files). Usage (repo root, on the device):
 #   bash tests/plugins/moe_stream_on_gpu.sh            STEPS=tests,bench,sweep,sweep1,old,engine (default all)
 set -uo pipefail
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins
 steps=,${STEPS:-tests,bench,sweep,sweep1,old,engine},
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-run() {   # name, timeout, command...
-  local name=$1 limit=$2; shift 2
+run() {   # name, timeout, command...: stdout -> $out/<name>.out, stderr appended to $out/log.txt (the device
+  local name=$1 limit=$2; shift 2      # returns a few files only: keep their count small)
   local t0=$SECONDS
+  echo "== $name: $*" >> "$out/log.txt"
   timeout "$limit" "$@" > "$out/$name.out" 2> "$out/$name.err"; local rc=$?
-  echo "$name rc=$rc in $((SECONDS - t0)) s"; tail -3 "$out/$name.err"
+  cat "$out/$name.err" >> "$out/log.txt"; rm -f "$out/$name.err"
+  echo "$name rc=$rc in $((SECONDS - t0)) s"; tail -3 "$out/log.txt"
 }
 if [[ $steps == *,tests,* ]]; then
   run tests ${TEST_TIMEOUT:-40} python3 -m pytest -q -x -rf --tb=short -p no:cacheprovider tests/plugins/test_moe_stream_gpu.py

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ddtree.plugins import layout, reference
-from ddtree.plugins.moe import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe, plan_moe_stream
+from ddtree.plugins.moe import (DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe, plan_moe_stream,
+                                stream_default)
 from ddtree.plugins.moe_stream import DOWN_WAVES, REGS_PER_THREAD, align_tiles, simulate_stream, stream_items, x_bytes
 
 from moe_cases import random_experts
@@ -111,3 +112,15 @@ def test_simulated_schedule_equals_the_reference(M, knobs):
     got = simulate_stream(x, ids, w, packed, p, shared=shared)
     want = reference.moe_given_routing(x, ids, w, packed, shared=shared)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
+def test_stream_default_is_the_measured_range():
+    """The plan takes the streaming launch only where the H200 measured it faster: tp 8 from 65 rows on sm_90."""
+    tp8, tp1 = SHAPES["tp8"], SHAPES["tp1"]
+    assert [M for M in range(1, 257) if stream_default("sm_90", tp8, M)] == list(range(65, 257))
+    assert stream_default("sm_90a", tp8, 65) and not stream_default("sm_90", tp8, 64)
+    assert not any(stream_default(arch, shape, M) for arch in ("sm_90", "sm_120", "sm_80") for shape in (tp1,)
+                   for M in range(1, 257))
+    assert not any(stream_default("sm_120", tp8, M) for M in range(1, 257))
+    tiny = MoEShape(128, 512, 8, 2)                                     # short K too, but not measured
+    assert not any(stream_default("sm_90", tiny, M) for M in range(1, 257))
