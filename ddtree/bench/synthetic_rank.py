@@ -19,7 +19,8 @@ import numpy as np
 from ddtree.bench.hash_model import preset_of
 from ddtree.ops.cuda_backend import CudaOps
 from ddtree.ops.opset import RankLayout
-from ddtree.runtime.cuda_executor import GATE_UP, GEMM_SUFFIXES, CudaWeights, GpuDraftCache, GpuTargetCache
+from ddtree.runtime.cuda_executor import GpuDraftCache, GpuTargetCache
+from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights
 
 
 def _tiled_rows(n: int) -> int:

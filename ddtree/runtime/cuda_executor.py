@@ -1,4 +1,5 @@
-"""The executor on one GPU: a tp 1 engine directory's layer functions (ops/layers.py) through the cuda backend.
+"""The executor on one GPU: an engine's layer functions (ops/layers.py) through the cuda backend, at tp 1 or as
+one rank process of tp N (runtime/cuda_ranks.py).
 
     ex = CudaExecutor(engine_dir, gpu=0, max_context=4096)
     logits, taps = ex.target_forward(ids, pos, visible, ex.new_target_cache(), taps=(0, 1))
@@ -37,20 +38,11 @@ from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import WalkResult, accept_walk
 
+from ddtree.runtime.cuda_weights import CudaWeights
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.loop import RequestError
 
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
-GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
-                 "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
-                 "lm_head.weight", "drafter.fc.weight")
-GATE_UP = ("gate_proj.weight", "up_proj.weight")
-
-
-def _tiled_bytes(shape) -> int:
-    return -(-shape[0] // 16) * 16 * shape[1] * 2
-
-
 class MemoryPlanError(RequestError, MemoryError):
     """The memory plan does not fit in the GPU's free memory."""
 
@@ -90,80 +82,6 @@ def gpu_unavailable(gpu: int = 0) -> str | None:
     if err != driver.CUresult.CUDA_SUCCESS or not 0 <= gpu < count:
         return f"--gpu {gpu}: this machine has {count if err == driver.CUresult.CUDA_SUCCESS else 0} CUDA GPU(s)"
     return None
-
-
-class CudaWeights:
-    """A rank's tensors on the device: raw uploads (norms, embeddings, kv_b, experts, bias) and the kernels'
-    layouts (tiled GEMM weights, [gate; up] interleaved per 8 rows and tiled, W_UK^T), each prepared once at load."""
-
-    def __init__(self, gpu, tensors: dict[str, np.ndarray], cfg, max_pos: int):
-        from ddtree.plugins.layout import fuse_gate_up, tile_bf16
-        self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
-        self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        self.raw, self._tiled, self._ones, self._tables = {}, {}, {}, {}
-        for name, a in tensors.items():
-            if name.endswith(GEMM_SUFFIXES):
-                self._tiled[name] = gpu.upload(tile_bf16(a, name))
-            elif name.endswith(GATE_UP[0]):
-                up = tensors[name[: -len(GATE_UP[0])] + GATE_UP[1]]
-                # gate and up rows interleaved per 8: the GEMM's epilogue applies the SwiGLU (gemm.cu swiglu)
-                self._tiled[name] = gpu.upload(tile_bf16(fuse_gate_up(a, up), name))
-            elif not name.endswith(GATE_UP[1]):
-                self.raw[name] = gpu.upload(a)
-        self._uk = {}
-        Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-        from ddtree.plugins.mla_absorb import uk_transposed
-        for name, a in tensors.items():
-            if name.endswith("kv_b_proj.weight"):
-                self._uk[name] = gpu.upload(uk_transposed(a, a.shape[0] // (Dn + Dv), Dn, Dv))
-
-    @staticmethod
-    def plan_bytes(tensors: dict) -> int:
-        """Device bytes CudaWeights will hold for these tensors (arrays, or TensorSpecs: shape and nbytes)."""
-        total = 0
-        for name, a in tensors.items():
-            if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):
-                total += _tiled_bytes(a.shape)
-            else:
-                total += a.nbytes
-            if name.endswith("kv_b_proj.weight"):
-                total += a.nbytes // 2              # W_UK^T: half of kv_b's rows (Dn = Dv in Kimi and tiny)
-        return total
-
-    def tensor(self, name: str) -> Tensor:
-        if name not in self.shapes:
-            raise KeyError(f"cuda executor: tensor '{name}' is not among the rank's weights")
-        if name in self.raw:
-            return Tensor.of(self.raw[name], name=name)
-        shape = self.shapes[name]             # held only in a kernel layout: its shape, no raw address
-        return Tensor(0, shape, np.dtype(np.uint16), (shape[1], 1), name)
-
-    def device(self, name: str):
-        return self.raw[name]
-
-    def tiled(self, name: str):
-        if name not in self._tiled:
-            raise KeyError(f"cuda executor: '{name}' has no tiled GEMM layout (GEMM_SUFFIXES)")
-        return self._tiled[name]
-
-    def gate_up(self, gate: str, up: str):
-        return self._tiled[gate]
-
-    def uk_t(self, kv_b: str, spec):
-        return self._uk[kv_b]
-
-    def ones(self, D: int):
-        if D not in self._ones:
-            self._ones[D] = self.gpu.upload(np.full(D, 0x3F80, np.uint16))        # bf16 1.0
-        return self._ones[D]
-
-    def rope_table(self, kind: str, rope, dim: int, factor: float | None = None):
-        from ddtree.plugins.layer_ops import RopeTable
-        key = (kind, rope, dim, factor)
-        if key not in self._tables:
-            self._tables[key] = RopeTable.of(self.gpu, kind, rope, dim, factor, self.max_pos)
-        return self._tables[key]
 
 
 class GpuTargetCache:
@@ -220,19 +138,28 @@ class CudaExecutor:
     name = "cuda"
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
-                 graphs: bool = True, cap_context: bool = False, kernel_plan: str = "fast"):
+                 graphs: bool = True, cap_context: bool = False, kernel_plan: str = "fast", rank: int = 0,
+                 collective=None, host_group=None, checked: tuple | None = None):
         """cap_context: a max_context above the model's context is cut to it (a computed default), else an error.
         kernel_plan: "fast" or "batch-invariant" (ops/cuda_backend.py KERNEL_PLANS: DDTree == AR bitwise).
         graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
-        False: every step is the composition of the primitives below (host sampling, tree and walk)."""
+        False: every step is the composition of the primitives below (host sampling, tree and walk).
+        A tp > 1 engine: this process is rank `rank` (runtime/ranks.py), with `collective` its GPU collective for
+        the layers' all-reduces (ops/cuda_collectives.py) and `host_group` the ranks' host group (ops/shm_group.py)
+        that gathers the logits slices, so every rank samples, builds and walks the same tree from the same bits
+        (the rank-symmetric step); its steps are the primitives (the step graphs are tp 1's). checked: check_engine's
+        result when the caller has it."""
         self.engine_dir = Path(engine_dir)
-        self.meta, digests = check_engine(self.engine_dir, verify)
-        if int(self.meta["tp"]) != 1:
-            raise NotImplementedError(f"cuda executor: the engine is tp {self.meta['tp']}; one GPU runs tp 1 "
-                                      "engines (tp > 1 needs the GPU collectives, issue 25)")
+        self.meta, digests = checked if checked is not None else check_engine(self.engine_dir, verify)
+        tp = int(self.meta["tp"])
+        if tp != 1 and (collective is None or host_group is None):
+            raise NotImplementedError(f"cuda executor: the engine is tp {tp}; its ranks run as processes, each with "
+                                      "its GPU collective and the host group (runtime/ranks.py RankProcesses)")
         cfg, d = engine_configs(self.engine_dir, self.meta)
-        tensors = load_rank_tensors(self.engine_dir, 0, self.meta["weight_files"], convert=STORED, digests=digests)
-        self._setup(cfg, d, self.meta["plan"], 0, tensors, gpu, max_context, cap_context, graphs, None, kernel_plan)
+        tensors = load_rank_tensors(self.engine_dir, rank, self.meta["weight_files"], convert=STORED, digests=digests)
+        self.host_group = host_group
+        self._setup(cfg, d, self.meta["plan"], rank, tensors, gpu, max_context, cap_context, graphs and tp == 1,
+                    collective, kernel_plan)
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
     @classmethod
@@ -243,7 +170,7 @@ class CudaExecutor:
         stores them: a test's model, bench/hash_model.py), no engine directory. collective: the GPU collective
         of tp > 1 (ops/cuda_collectives.py), None at tp 1."""
         self = cls.__new__(cls)
-        self.engine_dir, self.tokenizer_dir = None, None
+        self.engine_dir, self.tokenizer_dir, self.host_group = None, None, None
         self.meta = {"tp": plan["tp"], "plan": plan}
         self._setup(cfg, dcfg, plan, rank, tensors, gpu, max_context, False, graphs, collective, kernel_plan)
         return self
@@ -263,6 +190,7 @@ class CudaExecutor:
             self.max_context = context
         self.moe_inter = plan["per_rank"]["moe_intermediate"]
         self.lay = RankLayout.from_plan(plan, rank)
+        self.layouts = [RankLayout.from_plan(plan, r) for r in range(self.lay.tp)]
         S, W = self.max_context, cfg.kv_lora_rank + cfg.qk_rope_head_dim
         kv_heads = d.num_key_value_heads // self.lay.tp if d.num_key_value_heads >= self.lay.tp else 1
         mem = {"weights": CudaWeights.plan_bytes(tensors),
@@ -279,6 +207,8 @@ class CudaExecutor:
             raise MemoryPlanError(f"cuda executor: the plan needs {need / 2**30:.2f} GiB but GPU {gpu} has "
                                   f"{free / 2**30:.2f} GiB free (lower --max-context)")
         self.store = CudaWeights(self.gpu, tensors, cfg, S)
+        if collective is not None and not hasattr(collective, "all_reduce"):
+            collective = collective(self.gpu)           # made on this GPU (a rank process's one-shot all-reduce)
         self.ops = CudaOps(self.gpu, self.lay, self.store, collective=collective, kernel_plan=kernel_plan)
         self.kernel_plan = kernel_plan
         self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
@@ -304,7 +234,19 @@ class CudaExecutor:
         return self.steps.ddtree_step(state, params, budget) if self.steps else ddtree_step(self, state, params, budget)
 
     def _logits(self, t: Tensor) -> np.ndarray:
-        return self.ops.host(t).astype(np.float32)
+        """[q, V_r] of this rank -> [q, V]: at tp > 1 the ranks' slices gathered through the host group."""
+        local = self.ops.host(t).astype(np.float32)
+        if self.host_group is None:
+            return local
+        return np.concatenate(list(self.host_group.all_gather(self.lay.rank, local, "logits slices")), axis=1)
+
+    def _split(self, logits) -> tuple[list[np.ndarray], list[int]]:
+        """Full logits [q, V] as the ranks' vocab slices and their first ids (vocab_parallel's inputs)."""
+        logits = np.asarray(logits)
+        if self.host_group is None:
+            return [logits], [0]
+        return ([logits[:, lay.vocab_start: lay.vocab_stop] for lay in self.layouts],
+                [lay.vocab_start for lay in self.layouts])
 
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
@@ -397,10 +339,10 @@ class CudaExecutor:
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
-        return vocab_parallel.sample([np.asarray(logits)], [0], positions, params)
+        return vocab_parallel.sample(*self._split(logits), positions, params)
 
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
-        logp, ids = vocab_parallel.topk_logprobs([np.asarray(draft_logits)], [0], budget)
+        logp, ids = vocab_parallel.topk_logprobs(*self._split(draft_logits), budget)
         return build_tree(root_token, logp, ids, budget)
 
     def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:

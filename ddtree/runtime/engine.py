@@ -28,6 +28,16 @@ MODES = ("ddtree", "ar")
 RANKS = ("threads", "processes")
 
 
+def rank_gpus(gpu, tp: int) -> list[int]:
+    """--gpu as one GPU index per rank: a list of tp indices as given (repeats share a GPU), or one index g for
+    ranks on g, g+1, .. g+tp-1."""
+    gpus = list(gpu) if isinstance(gpu, (list, tuple)) else [int(gpu) + r for r in range(tp)]
+    if len(gpus) != tp or min(gpus) < 0:
+        raise RequestError(f"--gpu {','.join(map(str, gpus))}: a tp {tp} engine needs one GPU index per rank "
+                           f"({tp} indices, e.g. {','.join('0' * tp)} for every rank on GPU 0), or one index")
+    return gpus
+
+
 class DeviceUnavailableError(RequestError, NotImplementedError):
     """A device this build cannot run on yet (still a NotImplementedError for callers that catch that)."""
 
@@ -65,7 +75,7 @@ class DDTreeEngine:
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda":
-            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan)
+            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan, ranks)
         if device == "tensorrt":
             return cls._load_tensorrt(model_dir, drafter_dir, gpu)
         if kernel_plan != "fast":
@@ -106,12 +116,16 @@ class DDTreeEngine:
         return cls(NumpyExecutor(target, drafter), tokenizer, Path(model_dir), Path(drafter_dir))
 
     @classmethod
-    def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu: int, max_context: int | None,
-                   cap_context: bool = False, kernel_plan: str = "fast") -> "DDTreeEngine":
+    def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu, max_context: int | None,
+                   cap_context: bool = False, kernel_plan: str = "fast", ranks: str = "threads") -> "DDTreeEngine":
         from ddtree.engine_dir import is_engine_dir, read_engine_config
         from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         built = None
         if model_dir is None or not is_engine_dir(model_dir):     # a checkpoint: repacked at load (interfaces 8)
+            gpu = gpu[0] if isinstance(gpu, (list, tuple)) and len(gpu) == 1 else gpu
+            if isinstance(gpu, (list, tuple)):
+                raise RequestError(f"--gpu {','.join(map(str, gpu))}: checkpoint dirs are repacked into a tp 1 "
+                                   "engine, which runs on one GPU")
             why = gpu_unavailable(gpu)                               # said before any build
             if why:
                 raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
@@ -120,12 +134,28 @@ class DDTreeEngine:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
-        if tp != 1:
-            raise DeviceUnavailableError(f"device (--device) 'cuda' is not available for a tp {tp} engine: one GPU "
-                                         "runs tp 1 engines (the GPU collectives are issue 25)")
-        why = gpu_unavailable(gpu)
-        if why:
-            raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
+        gpus = rank_gpus(gpu, tp)
+        for g in sorted(set(gpus)):
+            why = gpu_unavailable(g)
+            if why:
+                raise DeviceUnavailableError(f"device (--device) 'cuda' is not available: {why}")
+        if tp != 1:                                 # one process per rank, each on its GPU (runtime/cuda_ranks.py)
+            if ranks != "processes":
+                raise RequestError(f"ranks (--ranks) {ranks!r}: a tp {tp} engine on GPUs runs its ranks as processes "
+                                   "(ranks='processes')")
+            from ddtree.runtime.ranks import RankProcesses
+            processes = RankProcesses(model_dir, verify=verify, cuda={"gpus": gpus, "max_context": max_context,
+                                                                       "cap_context": cap_context,
+                                                                       "kernel_plan": kernel_plan})
+            try:
+                ex = processes.executor
+                engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
+            except BaseException:
+                processes.close()
+                raise
+            engine.processes = processes
+            return engine
+        gpu = gpus[0]
         ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context,
                           kernel_plan=kernel_plan)
         engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)

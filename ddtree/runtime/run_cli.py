@@ -62,6 +62,22 @@ class BudgetParam(click.ParamType):
         return b
 
 
+class GpuIndices(click.ParamType):
+    """--gpu: one GPU index (an int), or comma-separated indices, one per rank (a list)."""
+    name = "gpu"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, list)):
+            return value
+        try:
+            gpus = [int(x) for x in str(value).split(",")]
+        except ValueError:
+            self.fail(f"{value!r} is not a GPU index or a comma-separated list of them (e.g. 0 or 0,1)", param, ctx)
+        if min(gpus) < 0:
+            self.fail(f"{value!r}: GPU indices are >= 0", param, ctx)
+        return gpus[0] if len(gpus) == 1 else gpus
+
+
 def _summary(stats: dict, label: str) -> str:
     return (f"{label}: {stats['new_tokens']} new tokens, {stats['steps']} steps, mean acceptance length "
             f"{stats['mean_accept_len']:.2f}, {stats['tokens_per_s']:.1f} tok/s ({stats['wall_s']:.2f} s), "
@@ -92,7 +108,9 @@ def _summary(stats: dict, label: str) -> str:
               help="cuda: one GPU; a tp 1 engine dir (--model), or checkpoint dirs repacked into one at load. "
                    "tensorrt: an engine dir's TensorRT-RTX plans (ddtree-build --trt), on a GPU of their compute "
                    "capability (12.0) only.")
-@click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="--device cuda: the GPU index.")
+@click.option("--gpu", type=GpuIndices(), default="0", show_default=True,
+              help="--device cuda: the GPU index; a tp N engine: N indices, one per rank process (e.g. 0,1; 0,0 puts "
+                   "both ranks on GPU 0), or one index g for GPUs g..g+N-1.")
 @click.option("--max-context", type=click.IntRange(min=1), default=None,
               help="--device cuda: cache rows allocated at load (default: the prompt's bytes + max new tokens + "
                    "budget + 1, rounded up to 256, at most the model's context).")

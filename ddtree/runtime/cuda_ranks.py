@@ -1,0 +1,39 @@
+"""A rank process of a tp N engine on a GPU (runtime/ranks.py RankProcesses(cuda=...)): CudaExecutor(rank=r) on its
+GPU, the layers' all-reduces through the one-shot all-reduce over CUDA IPC (plugins/allreduce.py: every rank pushes
+its partial into every peer's buffer, the sum in rank order with one rounding, so every rank holds the same bits),
+and the logits slices gathered through the ranks' host group (ops/shm_group.py), so every rank samples, builds and
+walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works between processes on one device;
+NCCL refuses that): tp 2 runs on one H200 as two processes.
+
+The exchange of IPC handles is a collective: every rank builds its executor at the same time and they meet in the
+host group's all-gather. The steps are the primitives of runtime/loop.py (the captured step graph with the
+collectives inside is tp 1's today).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.ops.cuda_backend import MAX_TOKENS
+
+
+def one_shot_member(gpu, rank: int, group, max_elems: int):
+    """This rank's GPU collective: a one-shot all-reduce connected to every peer's buffer through `group`."""
+    from ddtree.ops.cuda_collectives import ProcessRankMember
+    from ddtree.plugins.allreduce import OneShotAllReduce
+    ar = OneShotAllReduce(gpu, rank, group.size, max_elems)
+    handles = group.all_gather(rank, np.frombuffer(ar.ipc_handle(), np.uint8), "one-shot all-reduce IPC handles")
+    ar.connect([bytes(h.tobytes()) for h in handles])
+    return ProcessRankMember(ar)
+
+
+def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], max_context: int | None = None,
+                       cap_context: bool = False, kernel_plan: str = "fast"):
+    """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat)."""
+    from ddtree.engine_dir import engine_configs
+    from ddtree.runtime.cuda_executor import CudaExecutor
+    cfg, dcfg = engine_configs(engine_dir, checked[0])
+    max_elems = MAX_TOKENS * max(cfg.hidden_size, dcfg.hidden_size)       # the largest all-reduce: [256, H]
+    return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
+                        kernel_plan=kernel_plan, rank=rank,
+                        collective=lambda gpu: one_shot_member(gpu, rank, group, max_elems), host_group=group,
+                        checked=checked)

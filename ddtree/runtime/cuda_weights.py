@@ -1,0 +1,91 @@
+"""A rank's weights on one GPU for the cuda backend (CudaWeights): raw uploads and the kernels' layouts, each
+prepared once at load (runtime/cuda_executor.py builds one per rank)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.ops.cuda_tensor import Tensor
+
+GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+                 "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
+                 "lm_head.weight", "drafter.fc.weight")
+GATE_UP = ("gate_proj.weight", "up_proj.weight")
+
+
+
+def _tiled_bytes(shape) -> int:
+    return -(-shape[0] // 16) * 16 * shape[1] * 2
+
+
+class CudaWeights:
+    """A rank's tensors on the device: raw uploads (norms, embeddings, kv_b, experts, bias) and the kernels'
+    layouts (tiled GEMM weights, [gate; up] interleaved per 8 rows and tiled, W_UK^T), each prepared once at load."""
+
+    def __init__(self, gpu, tensors: dict[str, np.ndarray], cfg, max_pos: int):
+        from ddtree.plugins.layout import fuse_gate_up, tile_bf16
+        self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
+        self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        self.raw, self._tiled, self._ones, self._tables = {}, {}, {}, {}
+        for name, a in tensors.items():
+            if name.endswith(GEMM_SUFFIXES):
+                self._tiled[name] = gpu.upload(tile_bf16(a, name))
+            elif name.endswith(GATE_UP[0]):
+                up = tensors[name[: -len(GATE_UP[0])] + GATE_UP[1]]
+                # gate and up rows interleaved per 8: the GEMM's epilogue applies the SwiGLU (gemm.cu swiglu)
+                self._tiled[name] = gpu.upload(tile_bf16(fuse_gate_up(a, up), name))
+            elif not name.endswith(GATE_UP[1]):
+                self.raw[name] = gpu.upload(a)
+        self._uk = {}
+        Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        from ddtree.plugins.mla_absorb import uk_transposed
+        for name, a in tensors.items():
+            if name.endswith("kv_b_proj.weight"):
+                self._uk[name] = gpu.upload(uk_transposed(a, a.shape[0] // (Dn + Dv), Dn, Dv))
+
+    @staticmethod
+    def plan_bytes(tensors: dict) -> int:
+        """Device bytes CudaWeights will hold for these tensors (arrays, or TensorSpecs: shape and nbytes)."""
+        total = 0
+        for name, a in tensors.items():
+            if name.endswith(GEMM_SUFFIXES) or name.endswith(GATE_UP):
+                total += _tiled_bytes(a.shape)
+            else:
+                total += a.nbytes
+            if name.endswith("kv_b_proj.weight"):
+                total += a.nbytes // 2              # W_UK^T: half of kv_b's rows (Dn = Dv in Kimi and tiny)
+        return total
+
+    def tensor(self, name: str) -> Tensor:
+        if name not in self.shapes:
+            raise KeyError(f"cuda executor: tensor '{name}' is not among the rank's weights")
+        if name in self.raw:
+            return Tensor.of(self.raw[name], name=name)
+        shape = self.shapes[name]             # held only in a kernel layout: its shape, no raw address
+        return Tensor(0, shape, np.dtype(np.uint16), (shape[1], 1), name)
+
+    def device(self, name: str):
+        return self.raw[name]
+
+    def tiled(self, name: str):
+        if name not in self._tiled:
+            raise KeyError(f"cuda executor: '{name}' has no tiled GEMM layout (GEMM_SUFFIXES)")
+        return self._tiled[name]
+
+    def gate_up(self, gate: str, up: str):
+        return self._tiled[gate]
+
+    def uk_t(self, kv_b: str, spec):
+        return self._uk[kv_b]
+
+    def ones(self, D: int):
+        if D not in self._ones:
+            self._ones[D] = self.gpu.upload(np.full(D, 0x3F80, np.uint16))        # bf16 1.0
+        return self._ones[D]
+
+    def rope_table(self, kind: str, rope, dim: int, factor: float | None = None):
+        from ddtree.plugins.layer_ops import RopeTable
+        key = (kind, rope, dim, factor)
+        if key not in self._tables:
+            self._tables[key] = RopeTable.of(self.gpu, kind, rope, dim, factor, self.max_pos)
+        return self._tables[key]

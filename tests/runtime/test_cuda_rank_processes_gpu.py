@@ -1,0 +1,57 @@
+"""tp 2 on the GPU, end to end (issue 25): the ranks of a tp 2 engine as two processes (runtime/ranks.py
+RankProcesses(cuda=...), runtime/cuda_ranks.py), each a CudaExecutor on its GPU whose layers' all-reduces go through
+the one-shot all-reduce over CUDA IPC, the logits slices gathered through the host group. Both ranks share GPU 0
+here (one GPU is enough; two GPUs run the same code with --gpu 0,1). Greedy AR and DDTree decoding on small-mla
+(the real MLA head dims, a decisive router) commit the float64 reference's tokens (EngineExecutor, every rank as a
+thread) except at counted near-ties (the bound of tests/runtime/test_cuda_executor_gpu.py), and the CLI runs it."""
+import json
+
+import pytest
+
+from ddtree.builder.build import build_engine
+from ddtree.runtime.engine_executor import EngineExecutor
+from ddtree.tree.sampling import SamplingParams
+from tests.runtime.test_cuda_executor_gpu import PROMPTS, near_ties, small_mla_decisive
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-mla-tp2")
+    return build_engine(*small_mla_decisive(root), 2, ["sm_90"], root / "engine", graphs=False)["engine"]
+
+
+def decoded(procs, mode: str, prompt, n: int, budget: int = 16) -> list[int]:
+    from ddtree.runtime.ranks import Request
+    req = Request(mode, tuple(prompt), n, SamplingParams(), budget, (), None)
+    return [t for chunk in procs.steps(req) for t in chunk]
+
+
+def test_tp2_rank_processes_on_the_gpu_decode_the_reference_tokens(engine):
+    from ddtree.runtime.ranks import RankProcesses
+    ref = EngineExecutor(engine)
+    procs = RankProcesses(engine, cuda={"gpus": [0, 0], "max_context": 256, "kernel_plan": "fast"})
+    try:
+        assert procs.executor.lay.tp == 2 and procs.executor.ops.collective is not None
+        for mode in ("ar", "ddtree"):
+            ties, total = 0, 0
+            for prompt in PROMPTS:
+                tokens = decoded(procs, mode, prompt, 24)
+                assert len(tokens) == 24
+                ties, total = ties + near_ties(ref, prompt, tokens), total + len(tokens)
+            print(f"tp 2, 2 processes on GPU 0, greedy {mode}: {total - ties} of {total} tokens are the float64 "
+                  f"argmax, {ties} near-ties")
+    finally:
+        procs.close()
+
+
+def test_the_cli_runs_a_tp2_engine_on_one_gpu(engine):
+    from tests.cli.bad_input import ddtree
+    r = ddtree(["run", "--model", str(engine), "--device", "cuda", "--gpu", "0,0", "--max-new-tokens", "8",
+                "--json", "hello"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 8 or out["stats"]["finish_reason"] == "stop"
+    r = ddtree(["run", "--model", str(engine), "--device", "cuda", "--gpu", "0,0,0", "hello"])
+    assert r.returncode == 1 and "needs one GPU index per rank" in r.stderr
