@@ -13,6 +13,10 @@ it. All-gather: each rank copies every rank's part into its [tp, ...] output in 
 runs every rank slice of a tp N model on one device (the collectives summed there); rank processes on their
 own GPUs use the one-shot all-reduce (plugins/allreduce.py). Eager only: host syncs and barriers cannot be
 captured in a graph. A rank that fails aborts the barrier, which releases the others (BrokenBarrierError).
+
+Rank processes (on their own GPUs or sharing one): ProcessRankMember(one_shot) over the rank's connected
+OneShotAllReduce, whose all-reduce and all-gather only launch on the op set's stream, so a captured step graph
+holds them (`capturable`); every rank must run the same sequence of collectives (one device counter).
 """
 from __future__ import annotations
 
@@ -26,14 +30,15 @@ from ddtree.plugins.allreduce import SOURCE, THREADS, VECTOR
 
 class CollectiveOps:
     """The op set's collectives for CudaOps (ops/cuda_backend.py): identity at tp 1; at tp > 1 through the rank's
-    `collective` (a ThreadRankMember), or stand-ins that move the bytes once on this GPU (ddtree bench step:
+    `collective` (a ThreadRankMember or ProcessRankMember, launched on self.stream; captured only where the
+    collective is `capturable`), or stand-ins that move the bytes once on this GPU (ddtree bench step:
     `standin`), else an error naming what is missing."""
 
     def _single_rank(self, what: str) -> None:
         if self.lay.tp != 1 and not self.standin and self.collective is None:
             raise NotImplementedError(f"cuda backend: {what} at tp {self.lay.tp} needs a collective: "
                                       "CudaOps(collective=...) (ops/cuda_collectives.py: ranks as threads of one "
-                                      "process) or stand-ins (bench step); rank processes on their own GPUs: issue 25")
+                                      "process; ProcessRankMember: rank processes) or stand-ins (bench step)")
 
     def all_reduce(self, x, tag):
         self._single_rank(f"all_reduce ({tag})")
@@ -44,7 +49,7 @@ class CollectiveOps:
         tp = self.lay.tp
         if tp > 1 and self.collective is not None:             # [tp, ...]: every rank's x in rank order
             out = self.new((tp, *x.shape), x.dtype)
-            self._collective().all_gather(self.gpu, x, out)
+            self._collective().all_gather(self.gpu, x, out, stream=self.stream)
             return out
         if tp > 1:                                             # stand-in: x copied into each rank's slot
             out = self.new((tp, *x.shape), x.dtype)
@@ -58,7 +63,7 @@ class CollectiveOps:
                        host=None if x.host is None else x.host[None])
 
     def _collective(self):
-        if self.capturing:
+        if self.capturing and not getattr(self.collective, "capturable", False):
             raise RuntimeError(f"{self.where}: the in-process collective syncs and waits on the host; it cannot be "
                                "captured in a graph")
         return self.collective
@@ -70,7 +75,7 @@ class CollectiveOps:
             return x
         if self.collective is not None:
             out = self.new(x.shape, x.dtype)
-            self._collective().all_reduce(self.gpu, x, out)
+            self._collective().all_reduce(self.gpu, x, out, stream=self.stream)
             return out
         self.tag = "allreduce_standin"
         out = self.copy(x)
@@ -112,8 +117,9 @@ class ThreadRankMember:
             gpu.sync()
         self.group._exchange(self.rank, x, launched)
 
-    def all_reduce(self, gpu, x, out) -> None:
-        """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape."""
+    def all_reduce(self, gpu, x, out, stream=None) -> None:
+        """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape. stream:
+        unused (eager: CollectiveOps passes None, its stream outside a capture)."""
         n = int(np.prod(x.shape))
 
         def summed(parts):
@@ -129,14 +135,45 @@ class ThreadRankMember:
                        0, np.uint64(self.parts.ptr), np.int32(self.group.size), np.uint64(out.ptr), np.uint32(n8))
         self._exchange(gpu, x, summed)
 
-    def all_gather(self, gpu, x, out) -> None:
-        """out [tp, *x.shape] = every rank's x in rank order."""
+    def all_gather(self, gpu, x, out, stream=None) -> None:
+        """out [tp, *x.shape] = every rank's x in rank order. stream: unused, as in all_reduce."""
         nbytes = int(np.prod(x.shape)) * x.itemsize
 
         def stacked(parts):
             for r, p in enumerate(parts):
                 gpu.copy_d2d(out.ptr + r * nbytes, p.ptr, nbytes)
         self._exchange(gpu, x, stacked)
+
+
+class ProcessRankMember:
+    """A rank process's side, what CudaOps(collective=...) calls: the rank's connected one-shot all-reduce
+    (plugins/allreduce.py OneShotAllReduce; the peers are other processes, on this GPU or others). Both collectives
+    only launch on `stream` (the op set's: a graph builder while capturing; None: gpu's own stream), no sync, no
+    allocation."""
+    capturable = True
+
+    def __init__(self, one_shot):
+        self.one_shot = one_shot
+
+    def _check(self, what: str, x, out, out_shape) -> None:
+        if not x.contiguous or not out.contiguous or out.shape != out_shape or out.dtype != x.dtype:
+            raise ValueError(f"rank {self.one_shot.rank}: {what} of {x.dtype} {x.shape} {x.strides} into "
+                             f"{out.dtype} {out.shape} {out.strides}; needs dense tensors, out {out_shape} of x's "
+                             "dtype")
+
+    def all_reduce(self, gpu, x, out, stream=None) -> None:
+        """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape."""
+        self._check("all-reduce", x, out, x.shape)
+        if x.dtype != np.uint16:
+            raise ValueError(f"rank {self.one_shot.rank}: all-reduce of {x.dtype}; the one-shot sums bf16 "
+                             "(uint16 bits)")
+        self.one_shot(x.ptr, out.ptr, int(np.prod(x.shape)), stream=gpu.stream if stream is None else stream)
+
+    def all_gather(self, gpu, x, out, stream=None) -> None:
+        """out [tp, *x.shape] = every rank's x in rank order (any dtype)."""
+        self._check("all-gather", x, out, (self.one_shot.nranks, *x.shape))
+        nbytes = int(np.prod(x.shape)) * x.itemsize
+        self.one_shot.all_gather(x.ptr, out.ptr, nbytes, stream=gpu.stream if stream is None else stream)
 
 
 def run_ranks(executors: list, fn) -> list:

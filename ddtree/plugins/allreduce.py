@@ -1,10 +1,11 @@
-"""One-shot all-reduce of bf16 between rank processes whose GPUs map each other's memory (kernels/allreduce.cu;
-docs/interfaces.md section 9: the `one-shot` implementation).
+"""One-shot all-reduce of bf16, and all-gather of any bytes, between rank processes whose GPUs map each other's
+memory, or that share one GPU (kernels/allreduce.cu; docs/interfaces.md section 9: the `one-shot` implementation).
 
     ar = OneShotAllReduce(gpu, rank, nranks, max_elems=65 * 7168)
     handles = exchange(ar.ipc_handle())            # the caller moves the bytes between processes (a pipe)
     ar.connect(handles)                             # opens every peer's buffer (CUDA IPC, peer access)
     ar(x, out, elems)                               # launches only: capturable, no sync, no allocation
+    ar.all_gather(x, out, nbytes)                   # out [N, nbytes] = every rank's x in rank order
     ar.error_ranks()                                # after a sync: peers that did not answer in time
 
 Protocol (push, one kernel): collective number seq = the device counter + 1 uses slot seq & 1 of every
@@ -17,12 +18,20 @@ with the count moving on, and every rank must run the same sequence of collectiv
 Double buffering is safe: a rank reaches collective k + 2 only after k + 1 completed, which needed every
 peer's k + 1 flags, which a peer publishes only after its kernel k (all reads of slot k & 1) finished.
 
+All-gather (allgather_push): the same collective moving bytes, so it shares the buffer, the slots, the flags,
+the device counter and the error word with the all-reduce (one numbering: a rank's all-reduces and all-gathers
+stay in one order, and the argument above holds for any mix of the two). Block b pushes its chunk of x
+into data[slot][rank] of every peer, publishes, waits, then copies its chunk of every rank's part (its own
+from x) into out[r * nbytes:] in rank order. The numpy twin is np.stack of the ranks' parts: nothing is
+computed, so every rank's out equals it bit for bit, for any dtype.
+
 Layout of one exchange buffer (bytes): flags [2, AR_MAX_RANKS, AR_MAX_BLOCKS] u64, then
 data [2 slot, N src, region_bytes(max_elems)].
 """
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
@@ -75,6 +84,20 @@ def flag_offset(slot: int, src: int, block: int) -> int:
     return ((slot * max_ranks + src) * max_blocks + block) * 8
 
 
+def gather_grid(nbytes: int) -> tuple[int, int]:
+    """(blocks, 16-byte vectors per block) of an all-gather of nbytes: block b owns bytes [b * per * 16,
+    (b + 1) * per * 16) of every part, cut at nbytes (the kernel computes per the same way)."""
+    n16 = -(-nbytes // 16)
+    blocks = max(1, min(limits()[1], -(-n16 // THREADS)))
+    return blocks, -(-n16 // blocks)
+
+
+def gather_unit(nbytes: int, x: int, out: int) -> int:
+    """The word the all-gather moves on this rank: the largest of 16, 8, 4, 2, 1 bytes that divides nbytes and
+    aligns x and out (so out + r * nbytes too). Chunk edges are multiples of 16, so ranks may differ in it."""
+    return math.gcd(16, nbytes, int(x), int(out))
+
+
 def grid_for(elems: int) -> tuple[int, int]:
     """(blocks, vectors per block) for elems bf16: one block per THREADS vectors, at most AR_MAX_BLOCKS."""
     n8 = elems // VECTOR
@@ -117,7 +140,8 @@ def can_access_peer(device: int, peer: int) -> bool:
 
 
 class OneShotAllReduce:
-    """One rank's side. max_elems: the largest message (bf16 elements) a call may reduce."""
+    """One rank's side. max_elems: the largest message (bf16 elements) a call may reduce; an all-gather's part
+    may have as many bytes as that (max_bytes)."""
 
     def __init__(self, gpu: Gpu, rank: int, nranks: int, max_elems: int, max_spins: int = DEFAULT_MAX_SPINS):
         max_ranks, _ = limits()
@@ -131,6 +155,7 @@ class OneShotAllReduce:
         self.state = gpu.zeros(4, np.uint64)           # [0] last seq, [1] blocks done, [2] low word: error bits
         self.error = self.state.view(2, (2,)).ptr      # int32 at byte 16
         self.kernel = gpu.kernel(SOURCE, "allreduce_push")
+        self.gather_kernel = gpu.kernel(SOURCE, "allgather_push")
         self.opened: list[int] = []
         self.peers: DeviceArray | None = None
         gpu.sync()                                     # zeroed before any peer can see the buffer
@@ -166,6 +191,30 @@ class OneShotAllReduce:
                         ptr(self.peers), np.int32(self.rank), np.int32(self.nranks),
                         np.uint64(region_bytes(self.max_elems)), ptr(self.state), np.uint64(self.error),
                         np.uint32(self.max_spins), stream=stream)
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest all-gather part (bytes a rank): the all-reduce's max_elems bf16."""
+        return 2 * self.max_elems
+
+    def all_gather(self, x, out, nbytes: int, stream=None) -> None:
+        """out [nranks, nbytes] = every rank's x [nbytes] in rank order, bytes of any dtype (numpy twin:
+        np.stack of the parts). Launches only, like __call__; collective number state[0] + 1 as well. x may be
+        out's part `rank` (in place); no other overlap. Any alignment: the word moved is gather_unit's."""
+        if self.peers is None:
+            raise RuntimeError("one-shot all-gather: connect(handles) first")
+        if not 0 < nbytes <= self.max_bytes:
+            raise ValueError(f"one-shot all-gather: nbytes = {nbytes} must be in [1, {self.max_bytes}] "
+                             f"(2 bytes per element of max_elems = {self.max_elems})")
+        xa, oa = int(ptr(x)), int(ptr(out))
+        if xa != oa + self.rank * nbytes and xa < oa + self.nranks * nbytes and oa < xa + nbytes:
+            raise ValueError(f"one-shot all-gather: x [{xa:#x}, +{nbytes}) overlaps out [{oa:#x}, "
+                             f"+{self.nranks} * {nbytes}) other than as its part {self.rank} (in place)")
+        blocks, _ = gather_grid(nbytes)
+        self.gpu.launch(self.gather_kernel, blocks, THREADS, 0, np.uint64(xa), np.uint64(oa), np.uint32(nbytes),
+                        np.int32(gather_unit(nbytes, xa, oa)), ptr(self.peers), np.int32(self.rank),
+                        np.int32(self.nranks), np.uint64(region_bytes(self.max_elems)), ptr(self.state),
+                        np.uint64(self.error), np.uint32(self.max_spins), stream=stream)
 
     def sequence(self) -> int:
         """Collectives completed on this rank (syncs)."""

@@ -132,3 +132,146 @@ def plugin_all_reduce_rank(link, gpu_id: int, M: int, replays: int) -> dict:
     link.all_exchange("done")
     ar.close()
     return result
+
+
+# ---- the one-shot all-gather (issue 25): bodies of test_allgather_shared_gpu.py -------------------------------
+# (dtype, shape) of the gathered parts: the DDTree step's candidates and winners, and sizes that move in 16-, 4-,
+# 2- and 1-byte words (float32 [64, 256]: 64 KB, 16 blocks)
+GATHER_CASES = (("float32", (8, 16)), ("int32", (17,)), ("bfloat16", (1001,)), ("uint8", (37,)),
+                ("float32", (64, 256)))
+
+
+def gather_nbytes(case: int) -> int:
+    dtype, shape = GATHER_CASES[case]
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    return int(np.prod(shape)) * itemsize
+
+
+def gather_part(rank: int, case: int, rep: int) -> np.ndarray:
+    """Rank `rank`'s part of GATHER_CASES[case] in replay `rep`, as its bytes: random, so every bit pattern of
+    the dtype (NaNs included) must arrive as it was."""
+    return np.random.default_rng([rank, case, rep, 25]).integers(0, 256, gather_nbytes(case), dtype=np.uint8)
+
+
+def all_gather_rank(link, gpu_id: int, replays: int) -> dict:
+    """A graph of an all-reduce of [1, HIDDEN], every GATHER_CASES all-gather, and an all-reduce of the first's
+    sum in place (the counter shared by both kinds), replayed `replays` times with new inputs; odd ranks gather
+    from x 4 bytes off 16-byte alignment (their word is smaller than even ranks'). Then one eager in-place
+    all-gather of case 1 (x = out's part `rank`). Returns the outputs' bytes, the counter and the error bits."""
+    from ddtree.plugins.allreduce import OneShotAllReduce
+    from ddtree.plugins.device import Gpu
+    gpu = Gpu(gpu_id)
+    ar = OneShotAllReduce(gpu, link.rank, link.nranks, 17 * HIDDEN)
+    ar.connect(link.all_exchange(ar.ipc_handle()))
+    h, summed = gpu.alloc(HIDDEN, np.uint16), gpu.alloc(HIDDEN, np.uint16)
+    skew = 4 * (link.rank % 2)
+    xs = [gpu.alloc(gather_nbytes(c) + 16, np.uint8).view(skew, (gather_nbytes(c),)) for c in range(len(GATHER_CASES))]
+    outs = [gpu.alloc(link.nranks * gather_nbytes(c), np.uint8) for c in range(len(GATHER_CASES))]
+
+    def record(s):
+        ar(h, summed, HIDDEN, stream=s)
+        for c, (x, out) in enumerate(zip(xs, outs)):
+            ar.all_gather(x.ptr, out.ptr, gather_nbytes(c), stream=s)
+        ar(summed, summed, HIDDEN, stream=s)
+    graph = gpu.capture(record)
+    sums, gathered = [], []
+    for rep in range(replays):
+        gpu.copy_in(h, part(link.rank, 1, rep))
+        for c, x in enumerate(xs):
+            gpu.copy_in(x, gather_part(link.rank, c, rep))
+        gpu.replay(graph)
+        sums.append(gpu.download(summed))
+        gathered.append([gpu.download(out) for out in outs])
+    n1 = gather_nbytes(1)
+    mine = outs[1].view(link.rank * n1, (n1,))
+    gpu.copy_in(mine, gather_part(link.rank, 1, replays))
+    ar.all_gather(mine.ptr, outs[1].ptr, n1)
+    result = {"sums": sums, "gathered": gathered, "in_place": gpu.download(outs[1]), "sequence": ar.sequence(),
+              "errors": ar.error_ranks()}
+    link.all_exchange("done")
+    ar.close()
+    return result
+
+
+def step_collectives(ops):
+    """A layer function of the op set's collectives as the tp > 1 step uses them: the all-reduce of a hidden row,
+    then the all-gathers of the draft candidates' values and ids ([D, k] float32 / int32)."""
+    from ddtree.ops.opset import ACT, F32, I32
+    ops.output("summed", ops.all_reduce(ops.input("h", [1, HIDDEN], ACT), "h"), [1, HIDDEN], ACT)
+    ops.output("values", ops.all_gather(ops.input("values", [7, 4], F32), "values"), [ops.lay.tp, 7, 4], F32)
+    ops.output("ids", ops.all_gather(ops.input("ids", [7, 4], I32), "ids"), [ops.lay.tp, 7, 4], I32)
+
+
+def cuda_ops_rank(link, gpu_id: int, replays: int) -> dict:
+    """ProcessRankMember under CudaOps: step_collectives run eagerly (input rep 0: its buffers made), then captured
+    as runtime/cuda_step.py captures a step (ops.stream a graph builder, ops.capturing) and replayed with inputs
+    rep 1..replays. Returns each run's outputs, the counter and the error bits."""
+    from ddtree.ops.cuda_backend import CudaOps
+    from ddtree.ops.cuda_collectives import ProcessRankMember
+    from ddtree.ops.opset import RankLayout
+    from ddtree.plugins.allreduce import OneShotAllReduce
+    from ddtree.plugins.device import DeviceArray, Gpu
+    gpu = Gpu(gpu_id)
+    ar = OneShotAllReduce(gpu, link.rank, link.nranks, HIDDEN)
+    ar.connect(link.all_exchange(ar.ipc_handle()))
+    ops = CudaOps(gpu, RankLayout(link.rank, link.nranks, 0, 1, 0, 1, 0, 1), store=None,
+                  collective=ProcessRankMember(ar))
+    feeds = {"h": gpu.alloc((1, HIDDEN), np.uint16), "values": gpu.alloc((7, 4), np.float32),
+             "ids": gpu.alloc((7, 4), np.int32)}
+
+    def fed(rep):
+        gpu.copy_in(feeds["h"], part(link.rank, 1, rep))
+        for name in ("values", "ids"):
+            raw = DeviceArray(gpu, feeds[name].ptr, (112,), np.dtype(np.uint8))
+            gpu.copy_in(raw, cuda_ops_part(link.rank, name, rep))
+
+    def downloaded(outputs):
+        return {name: DeviceArray(gpu, t.ptr, t.shape, t.dtype).numpy() for name, t in outputs.items()}
+    fed(0)
+    runs = [downloaded(ops.call(step_collectives, feeds=feeds))]
+
+    captured = {}
+
+    def record(stream):
+        ops.stream, ops.capturing = stream, True
+        captured.update(ops.call(step_collectives, feeds=feeds))
+    try:
+        graph = gpu.capture(record)
+    finally:
+        ops.stream, ops.capturing = None, False
+    for rep in range(1, replays + 1):
+        fed(rep)
+        gpu.replay(graph)
+        runs.append(downloaded(captured))
+    result = {"runs": runs, "sequence": ar.sequence(), "errors": ar.error_ranks()}
+    link.all_exchange("done")
+    ar.close()
+    return result
+
+
+def cuda_ops_part(rank: int, name: str, rep: int) -> np.ndarray:
+    """The bytes of rank `rank`'s [7, 4] float32 values / int32 ids in run `rep` of cuda_ops_rank."""
+    return np.random.default_rng([rank, rep, ("values", "ids").index(name), 27]).integers(0, 256, 112, dtype=np.uint8)
+
+
+def killed_peer_gather_rank(link, gpu_id: int, max_spins: int) -> dict:
+    """killed_peer_rank with all-gathers: rank 1 is killed after connecting; rank 0's first all-gather must end
+    with rank 1's error bit after at most max_spins polls, the second skip the wait."""
+    from ddtree.plugins.allreduce import OneShotAllReduce
+    from ddtree.plugins.device import Gpu
+    gpu = Gpu(gpu_id)
+    ar = OneShotAllReduce(gpu, link.rank, link.nranks, HIDDEN, max_spins=max_spins)
+    ar.connect(link.all_exchange(ar.ipc_handle()))
+    x, out = gpu.zeros(68, np.uint8), gpu.zeros(link.nranks * 68, np.uint8)
+    gpu.sync()
+    link.all_exchange("connected")
+    if link.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    link.all_exchange("after the kill")
+    times = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        ar.all_gather(x, out, 68)
+        gpu.sync()
+        times.append(time.monotonic() - t0)
+    return {"seconds": times, "errors": ar.error_ranks(), "sequence": ar.sequence()}

@@ -79,9 +79,12 @@ class RankCollective:
             raise RuntimeError("RankCollective: neither a one-shot all-reduce nor an NCCL communicator")
 
     def all_gather(self, x: int, out: int, nbytes: int, stream) -> None:
-        if self.nccl is None:
-            raise RuntimeError("RankCollective: the all-gather needs an NCCL communicator")
-        self.nccl.all_gather(x, out, nbytes, stream=stream, dtype="u8")
+        if self.one_shot is not None:
+            self.one_shot.all_gather(x, out, nbytes, stream=stream)
+        elif self.nccl is None:
+            raise RuntimeError("RankCollective: the all-gather needs a one-shot all-reduce or an NCCL communicator")
+        else:
+            self.nccl.all_gather(x, out, nbytes, stream=stream, dtype="u8")
 
 
 def _itemsize(dtype: str) -> int:

@@ -12,6 +12,8 @@
 // max_spins polls; past that it sets bit r of *error and goes on), then sums the nranks parts of its
 // chunk in rank order 0..nranks-1 in float32 and rounds once to bf16: every rank writes the same bits.
 // Once *error is set, later calls skip the waits (a dead peer costs one bound, not one per call).
+// allgather_push is the same collective (one numbering, one buffer, the same flags) moving bytes: rank s's
+// chunk of x into data[slot][s] of every peer, then every part copied into out in rank order.
 #include "common.cuh"
 
 #ifndef AR_MAX_RANKS
@@ -37,40 +39,34 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v) {
     for (int j = 0; j < 8; ++j) acc[j] += f[j];
 }
 
-// x, out: [n8] 16-byte vectors (8 bf16 each); out may be x. grid <= AR_MAX_BLOCKS, the same on every rank.
-// state: [0] the last collective's seq, [1] blocks done (reset by the last block). error: bit r = peer r late.
-extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
-        const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
-        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+// The collective this launch is (state[0] + 1) and whether an earlier one already lost a peer.
+struct Collective {
+    u64 seq;
+    int slot, failed;
+};
+__device__ __forceinline__ Collective begin_collective(const u64* state, const int* error) {
     __shared__ u64 s_seq;
     __shared__ int s_failed;
     if (threadIdx.x == 0) {
-        s_seq = *(volatile u64*)&state[0] + 1;
-        s_failed = *(volatile int*)error;
+        s_seq = *(volatile const u64*)&state[0] + 1;
+        s_failed = *(volatile const int*)error;
     }
     __syncthreads();
-    const u64 seq = s_seq;
-    const int slot = (int)(seq & 1);
-    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
-    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
+    return Collective{s_seq, (int)(s_seq & 1), s_failed};
+}
 
-    // push: my chunk into data[slot][rank] of every peer
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const uint4 v = x[i];
-        for (int d = 0; d < nranks; ++d) {
-            if (d == rank) continue;
-            uint4* dst = (uint4*)(peers[d] + AR_FLAG_BYTES + ((u64)slot * nranks + rank) * region_bytes);
-            dst[i] = v;
-        }
-    }
+// After the block pushed its chunk: thread r publishes this block's flag to peer r, then waits (bounded) for
+// peer r's flag of this block; the block's threads meet on both sides.
+__device__ __forceinline__ void publish_and_wait(const Collective& c, const u64* peers, int rank, int nranks,
+                                                 int* error, u32 max_spins) {
     __syncthreads();
     const int r = threadIdx.x;
-    if (r < nranks && r != rank) {       // publish to peer r, then wait for peer r's part
-        st_release_sys((u64*)peers[r] + (slot * AR_MAX_RANKS + rank) * AR_MAX_BLOCKS + blockIdx.x, seq);
-        if (!s_failed) {
-            const u64* flag = (const u64*)peers[rank] + (slot * AR_MAX_RANKS + r) * AR_MAX_BLOCKS + blockIdx.x;
+    if (r < nranks && r != rank) {
+        st_release_sys((u64*)peers[r] + (c.slot * AR_MAX_RANKS + rank) * AR_MAX_BLOCKS + blockIdx.x, c.seq);
+        if (!c.failed) {
+            const u64* flag = (const u64*)peers[rank] + (c.slot * AR_MAX_RANKS + r) * AR_MAX_BLOCKS + blockIdx.x;
             u32 spins = 0;
-            while (ld_acquire_sys(flag) != seq) {
+            while (ld_acquire_sys(flag) != c.seq) {
                 if (++spins > max_spins) {
                     atomicOr(error, 1 << r);
                     break;
@@ -80,9 +76,42 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
         }
     }
     __syncthreads();
+}
+
+// The last block to finish moves the device counter on (every block has read it by then).
+__device__ __forceinline__ void end_collective(const Collective& c, u64* state) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&state[1], 1ull) == gridDim.x - 1) {
+            state[1] = 0;
+            state[0] = c.seq;
+        }
+    }
+}
+
+// x, out: [n8] 16-byte vectors (8 bf16 each); out may be x. grid <= AR_MAX_BLOCKS, the same on every rank.
+// state: [0] the last collective's seq, [1] blocks done (reset by the last block). error: bit r = peer r late.
+extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
+        const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
+        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+    const Collective c = begin_collective(state, error);
+    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
+    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
+
+    // push: my chunk into data[slot][rank] of every peer
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const uint4 v = x[i];
+        for (int d = 0; d < nranks; ++d) {
+            if (d == rank) continue;
+            uint4* dst = (uint4*)(peers[d] + AR_FLAG_BYTES + ((u64)c.slot * nranks + rank) * region_bytes);
+            dst[i] = v;
+        }
+    }
+    publish_and_wait(c, peers, rank, nranks, error, max_spins);
 
     // sum in rank order 0..nranks-1 in float32, one rounding
-    const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)slot * nranks * region_bytes;
+    const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)c.slot * nranks * region_bytes;
     for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float acc[8];
         unpack8(rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i), acc);
@@ -90,16 +119,47 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
             add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4((const uint4*)(mine + s * region_bytes) + i));
         out[i] = pack8(acc);
     }
+    end_collective(c, state);
+}
 
-    // the last block to finish moves the device counter on (every block has read it by then)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&state[1], 1ull) == gridDim.x - 1) {
-            state[1] = 0;
-            state[0] = seq;
-        }
+// Bytes [lo, hi) of src into dst in units of T: lo, hi multiples of sizeof(T), both addresses aligned to it.
+// Loads bypass L1 (ld.global.cg): a peer wrote the exchange buffer.
+template <typename T>
+__device__ __forceinline__ void copy_units(char* dst, const char* src, u32 lo, u32 hi) {
+    for (u32 i = lo / sizeof(T) + threadIdx.x; i < hi / sizeof(T); i += blockDim.x)
+        ((T*)dst)[i] = __ldcg((const T*)src + i);
+}
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, u32 lo, u32 hi, int unit) {
+    switch (unit) {
+        case 16: copy_units<uint4>(dst, src, lo, hi); break;
+        case 8: copy_units<unsigned long long>(dst, src, lo, hi); break;
+        case 4: copy_units<unsigned int>(dst, src, lo, hi); break;
+        case 2: copy_units<unsigned short>(dst, src, lo, hi); break;
+        default: copy_units<unsigned char>(dst, src, lo, hi);
     }
+}
+
+// out [nranks, nbytes] = every rank's x [nbytes] in rank order (any dtype: bytes). Block b owns bytes
+// [b * per16 * 16, (b + 1) * per16 * 16) of every part, cut at nbytes (per16: the 16-byte vectors of a block),
+// the same on every rank; it moves them in `unit`-byte words (16, 8, 4, 2 or 1: the launcher's largest that
+// divides nbytes and aligns x and out on this rank; ranks may differ in it). x may be out's part `rank` (in
+// place); otherwise they do not overlap. nbytes <= region_bytes; grid <= AR_MAX_BLOCKS, the same on every rank.
+extern "C" __global__ void __launch_bounds__(1024) allgather_push(
+        const char* x, char* out, u32 nbytes, int unit, const u64* __restrict__ peers, int rank, int nranks,
+        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+    const Collective c = begin_collective(state, error);
+    const u32 per16 = ((nbytes + 15) / 16 + gridDim.x - 1) / gridDim.x;      // 16-byte vectors a block
+    const u32 lo = min(nbytes, blockIdx.x * per16 * 16), hi = min(nbytes, lo + per16 * 16);
+
+    for (int d = 0; d < nranks; ++d)      // push: my chunk into data[slot][rank] of every peer
+        if (d != rank)
+            copy_bytes((char*)peers[d] + AR_FLAG_BYTES + ((u64)c.slot * nranks + rank) * region_bytes, x, lo, hi, unit);
+    publish_and_wait(c, peers, rank, nranks, error, max_spins);
+
+    const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)c.slot * nranks * region_bytes;
+    for (int s = 0; s < nranks; ++s)      // every part's chunk, in rank order
+        copy_bytes(out + (u64)s * nbytes, s == rank ? x : mine + s * region_bytes, lo, hi, unit);
+    end_collective(c, state);
 }
 
 // Ranks that share one process and one GPU (ops/cuda_collectives.py): out = the float32 sum of parts[0..nranks-1]
