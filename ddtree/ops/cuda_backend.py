@@ -69,7 +69,8 @@ LAUNCHERS = {
                        "written at cache_len (LayerOps.rows_at; cache_len read on the device), q / k roped into "
                        "dense copies (one pass each), then plugins/draft_attention.py DraftAttention.run",
     "all_reduce": "identity at tp 1; tp > 1: the rank's collective (ops/cuda_collectives.py: ranks as threads, "
-                  "allreduce_sum_local) or a stand-in (bench step); the one-shot across processes is issue 25's",
+                  "allreduce_sum_local; rank processes, ProcessRankMember: the one-shot over CUDA IPC, capturable) "
+                  "or a stand-in (bench step)",
     "all_gather": "a [1, ...] view at tp 1; tp > 1: the rank's collective (copies in rank order) or a stand-in",
     "vocab_winner": "plugins/vocab_nodes.py VocabWinner (kernels/sample.cu node_vocab_winner: greedy or Gumbel "
                     "by the temperature on the device)",
@@ -91,8 +92,9 @@ class CudaOps(CollectiveOps, Ops):
         """standin: at tp > 1, each collective is a stand-in that moves its bytes once on this GPU (a copy of
         the partial; an all-gather copies it into every rank's slot) and sums nothing: rank r's step at its real
         cost without the other ranks (ddtree bench step), not its results. collective: at tp > 1, this rank's
-        member of a GPU collective (ops/cuda_collectives.py: all_reduce(x, out), all_gather(x, out)), which
-        the all-reduces and all-gathers go through (eager calls only). kernel_plan: "fast" (plans by row count)
+        member of a GPU collective (ops/cuda_collectives.py: all_reduce(gpu, x, out, stream), all_gather(...)),
+        which the all-reduces and all-gathers go through (captured only when it is `capturable`: the rank
+        processes' one-shot, not the threads' host barriers). kernel_plan: "fast" (plans by row count)
         or "batch-invariant" (KERNEL_PLANS: every GEMM, absorb and MoE split fixed for all row counts, and the
         position-ordered attention of plugins/mla_invariant.py, so a verify row is bitwise the decode's)."""
         if kernel_plan not in KERNEL_PLANS:

@@ -65,7 +65,8 @@ def register_rank_collective(device: int, collective) -> None:
 
 class RankCollective:
     """A rank's collectives over its connected one-shot all-reduce (plugins/allreduce.py) and NCCL communicator
-    (ops/nccl_group.py): all-reduce by the one-shot when given, all-gather by NCCL (as bytes)."""
+    (ops/nccl_group.py): the one-shot when given (it also gathers, and works between ranks sharing a GPU), else
+    NCCL (the all-gather as bytes)."""
 
     def __init__(self, nccl=None, one_shot=None):
         self.nccl, self.one_shot = nccl, one_shot
