@@ -77,7 +77,7 @@ class DDTreeEngine:
         if device == "cuda":
             return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan, ranks)
         if device == "tensorrt":
-            return cls._load_tensorrt(model_dir, drafter_dir, gpu)
+            return cls._load_tensorrt(model_dir, drafter_dir, gpu, verify)
         if kernel_plan != "fast":
             raise RequestError(f"--kernel-plan {kernel_plan} is a plan of the GPU kernels (--device cuda); the cpu "
                                "executor's float64 numpy has none")
@@ -163,10 +163,11 @@ class DDTreeEngine:
         return engine
 
     @classmethod
-    def _load_tensorrt(cls, model_dir, drafter_dir, gpu: int) -> "DDTreeEngine":
+    def _load_tensorrt(cls, model_dir, drafter_dir, gpu: int, verify: bool = True) -> "DDTreeEngine":
         """An engine dir with TensorRT-RTX plans, on a GPU of the plans' compute capability (checked first)."""
-        from ddtree.engine_dir import is_engine_dir
-        from ddtree.runtime.trt_executor import PlanDeviceError, check_gpu_runs_plans
+        from ddtree.engine_dir import is_engine_dir, tokenizer_dir
+        from ddtree.runtime.graph_executor import GraphExecutor
+        from ddtree.runtime.trt_executor import PlanDeviceError, PlanRanks, check_gpu_runs_plans
         if model_dir is None or not is_engine_dir(model_dir):
             raise RequestError("--device tensorrt runs an engine directory's TensorRT-RTX plans: build one with "
                                "ddtree-build --trt and pass it as --model")
@@ -174,12 +175,11 @@ class DDTreeEngine:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         try:
-            name, _ = check_gpu_runs_plans(model_dir, gpu)
+            check_gpu_runs_plans(model_dir, gpu)             # before anything is loaded
+            executor = GraphExecutor(PlanRanks(model_dir, gpu, verify), name="tensorrt")
         except PlanDeviceError as e:
             raise DeviceUnavailableError(str(e)) from e
-        raise DeviceUnavailableError(f"device (--device) 'tensorrt' is not available: GPU {gpu} ({name}) can run "
-                                     "these plans, but the executor that runs them is not written yet "
-                                     "(runtime/trt_executor.py says its design); use --device cuda")
+        return cls(executor, load_tokenizer(tokenizer_dir(model_dir), executor.config), Path(model_dir), None)
 
     @staticmethod
     def _repack_for_gpu(model_dir, drafter_dir, gpu: int):
@@ -278,7 +278,8 @@ class DDTreeEngine:
 
     @property
     def device(self) -> str:
-        return getattr(self.executor, "name", "cpu") if self.processes is None else "cpu"
+        name = getattr(self.executor, "name", "cpu")
+        return name if self.processes is None or name == "cuda" else "cpu"
 
     def device_stats(self) -> dict:
         """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""

@@ -1,0 +1,85 @@
+"""The executor primitives (docs/interfaces.md section 6) over an engine's per-rank graphs, graph kind by graph kind.
+
+    ex = GraphExecutor(GraphRanks.from_engine(engine_dir, act="float64"))    # onnx.reference, every rank a thread
+    ex = GraphExecutor(PlanRanks(engine_dir))                                  # --device tensorrt (trt_executor.py)
+    tokens = run_to_end(ddtree_steps(ex, prompt_ids, 64, SamplingParams(), 16))
+
+`ranks` runs the graph kinds the engine exported (ops/onnx_runner.py GraphRanks: embed, dense/moe layers, head,
+draft_fc, draft layers, draft_head, compact) and returns every rank's logits slices side by side; the loop's
+sampling, tree build and walk run here on the host from those full logits, exactly as EngineExecutor's
+(ops/vocab_parallel.py over the ranks' slices), so an engine's graphs decode a prompt with the same loop as every
+other executor. Caches are the ranks' host arrays (ops/caches.py), grown on demand. Whatever runs the graphs
+(onnx.reference on the CPU, TensorRT-RTX plans on an SM120 GPU) only has to implement GraphRanks.run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.ops import vocab_parallel
+from ddtree.ops.caches import DraftCaches, TargetCaches
+from ddtree.ops.onnx_runner import mask_words
+from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
+from ddtree.tree.build import Tree, build_tree
+from ddtree.tree.sampling import SamplingParams
+from ddtree.tree.walk import WalkResult, accept_walk
+
+
+class GraphExecutor:
+    def __init__(self, ranks, name: str = "engine-graphs"):
+        self.ranks, self.name = ranks, name
+        self.config, self.drafter_config = ranks.cfg, ranks.dcfg
+        V, tp = self.config.vocab_size, ranks.tp
+        self.offsets = [r * (V // tp) for r in range(tp)]             # builder/plan.py: equal vocab slices
+
+    def _split(self, logits) -> list[np.ndarray]:
+        logits, step = np.asarray(logits), self.config.vocab_size // self.ranks.tp
+        return [logits[:, o: o + step] for o in self.offsets]
+
+    # caches ------------------------------------------------------------------------------------
+    def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
+        c = self.config
+        return TargetCaches(self.ranks.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim,
+                            capacity if limit is None else min(capacity, limit), self._dtype(), limit)
+
+    def new_drafter_cache(self, capacity: int = 256, limit: int | None = None) -> DraftCaches:
+        d, tp = self.drafter_config, self.ranks.tp
+        return DraftCaches(tp, d.num_hidden_layers, d.num_key_value_heads // tp, d.head_dim,
+                           capacity if limit is None else min(capacity, limit), self._dtype(), limit)
+
+    def _dtype(self):
+        return self.ranks.new_target_caches(1).layers[0][0].dtype
+
+    # primitives --------------------------------------------------------------------------------
+    def target_forward(self, ids, pos, visible, cache: TargetCaches, taps=()):
+        """ids [q], pos [q], visible [q, T+q] -> logits [q, V] (the ranks' slices side by side), {L: h [q, H]}."""
+        T = cache.length
+        ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, self.config.vocab_size)
+        cache.reserve(T + len(ids))
+        out = self.ranks.target_forward(ids, pos, mask_words(visible[:, T:]), cache, tuple(taps))
+        return np.asarray(out.logits, np.float64), {L: np.asarray(h, np.float64) for L, h in out.taps.items()}
+
+    def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
+        """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V]."""
+        ctx_taps = checked_drafter_inputs(ctx_taps, block_ids, self.drafter_config)
+        cache.reserve(cache.length + len(ctx_taps))
+        return np.asarray(self.ranks.drafter_forward(np.asarray(block_ids), np.asarray(pos), ctx_taps, cache).logits,
+                          np.float64)
+
+    def compact(self, cache: TargetCaches, start: int, keep) -> None:
+        keep = np.asarray(keep, np.int32).reshape(-1)
+        if not 0 <= start <= cache.length:
+            raise ValueError(f"compact: start {start} must be within the cache length {cache.length}")
+        q = cache.length - start                           # the verify's rows: the graph takes [nodes] indices
+        accepted = np.full(max(q, len(keep)), -1, np.int32)
+        accepted[: len(keep)] = keep
+        self.ranks.compact(cache, start, accepted, len(keep))
+
+    def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
+        return vocab_parallel.sample(self._split(logits), self.offsets, positions, params)
+
+    def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
+        logp, ids = vocab_parallel.topk_logprobs(self._split(draft_logits), self.offsets, budget)
+        return build_tree(root_token, logp, ids, budget)
+
+    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
+        return accept_walk(tree, target_tokens)
