@@ -284,27 +284,25 @@ class FusedMoE:
         p = plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, dn_tpw=dn_tpw,
                             blocks_per_sm=blocks_per_sm, prefetch=prefetch,
                             **{"gu_splits": self.fixed_splits, **plan_kw})
-        part = p.tiles * p.gu_nb * p.gu_splits * p.warps * 2 * p.gu_tpw * 32 * 4
+        self._reserve(p, p.warps)
+        self._stream_overrides[M] = p
+        return p
+
+    def _reserve(self, p, gu_warps: int) -> None:
+        """Grow the gate_up partials and the counters to what plan p needs (gu_warps: its gate_up warps a block)."""
+        part = p.tiles * p.gu_nb * p.gu_splits * gu_warps * 2 * p.gu_tpw * 32 * 4
         if part > self.gu_partial.shape[0]:
             self.gu_partial = self.gpu.alloc(part, np.float32)
         if p.tiles * p.gu_nb > self.gu_counters.shape[0]:
             self.gu_counters = self.gpu.zeros(p.tiles * p.gu_nb, np.uint32)
         if self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]:
             self.dn_counters = self.gpu.zeros(self.shape.max_tokens * p.dn_nb, np.uint32)
-        self._stream_overrides[M] = p
-        return p
 
     def override(self, M: int, **kw) -> MoEPlan:
         """Benchmark sweeps: force plan_moe keywords for M (grows the workspaces if the plan needs more;
         call it before capturing a graph)."""
         p = plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, **kw)
-        part = p.tiles * p.gu_nb * p.gu_splits * p.gu_warps * 2 * p.gu_tpw * 32 * 4
-        if part > self.gu_partial.shape[0]:
-            self.gu_partial = self.gpu.alloc(part, np.float32)
-        if p.tiles * p.gu_nb > self.gu_counters.shape[0]:
-            self.gu_counters = self.gpu.zeros(p.tiles * p.gu_nb, np.uint32)
-        if self.shape.max_tokens * p.dn_nb > self.dn_counters.shape[0]:
-            self.dn_counters = self.gpu.zeros(self.shape.max_tokens * p.dn_nb, np.uint32)
+        self._reserve(p, p.gu_warps)
         if p.dn_splits * M * self.shape.topk * self.shape.hidden > self.y.shape[0]:
             self.y = self.gpu.alloc(p.dn_splits * M * self.shape.topk * self.shape.hidden, np.float32)
         self._overrides[M] = p

@@ -90,15 +90,7 @@ class DDTreeEngine:
                 raise RequestError(f"ranks (--ranks) {ranks!r}: expected one of {', '.join(RANKS)}")
             if ranks == "processes":
                 from ddtree.runtime.ranks import RankProcesses
-                processes = RankProcesses(model_dir, verify=verify)
-                try:
-                    ex = processes.executor
-                    engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
-                except BaseException:
-                    processes.close()
-                    raise
-                engine.processes = processes
-                return engine
+                return cls._of_processes(RankProcesses(model_dir, verify=verify), model_dir)
             from ddtree.runtime.engine_executor import EngineExecutor
             executor = EngineExecutor(model_dir, verify=verify)
             return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
@@ -114,6 +106,18 @@ class DDTreeEngine:
         drafter = Drafter.from_checkpoint(Path(drafter_dir), target)
         tokenizer = load_tokenizer(model_dir, target.config)
         return cls(NumpyExecutor(target, drafter), tokenizer, Path(model_dir), Path(drafter_dir))
+
+    @classmethod
+    def _of_processes(cls, processes, model_dir) -> "DDTreeEngine":
+        """The engine over started rank processes (rank 0's executor here; the processes closed on failure)."""
+        try:
+            ex = processes.executor
+            engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
+        except BaseException:
+            processes.close()
+            raise
+        engine.processes = processes
+        return engine
 
     @classmethod
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu, max_context: int | None,
@@ -144,17 +148,8 @@ class DDTreeEngine:
                 raise RequestError(f"ranks (--ranks) {ranks!r}: a tp {tp} engine on GPUs runs its ranks as processes "
                                    "(ranks='processes')")
             from ddtree.runtime.ranks import RankProcesses
-            processes = RankProcesses(model_dir, verify=verify, cuda={"gpus": gpus, "max_context": max_context,
-                                                                       "cap_context": cap_context,
-                                                                       "kernel_plan": kernel_plan})
-            try:
-                ex = processes.executor
-                engine = cls(ex, load_tokenizer(ex.tokenizer_dir, ex.config), Path(model_dir), None)
-            except BaseException:
-                processes.close()
-                raise
-            engine.processes = processes
-            return engine
+            cuda = {"gpus": gpus, "max_context": max_context, "cap_context": cap_context, "kernel_plan": kernel_plan}
+            return cls._of_processes(RankProcesses(model_dir, verify=verify, cuda=cuda), model_dir)
         gpu = gpus[0]
         ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context,
                           kernel_plan=kernel_plan)
