@@ -2,12 +2,13 @@
 
     runner = OpRunner(spec, attrs)                                # attach_to_context: no GPU work yet
     runner.prepare(in_dims, in_types, out_dims, out_types)        # on_shape_change: kernels, workspaces
-    runner.enqueue(in_dims, in_ptrs, out_ptrs, stream)            # enqueue: launches only (capturable)
+    runner.enqueue(in_dims, in_types, in_ptrs, out_dims, out_ptrs, stream)   # enqueue: launches only (capturable)
 
 prepare runs the node's op once as a *dry pass*: every kernel load and allocation is real, every launch and copy
 is skipped, and the tensors are stand-in addresses. So the workspaces, split partials, rope tables and compiled
 kernels an op needs at these shapes exist before enqueue, which allocates nothing (an allocation there raises,
-naming the op) and never syncs. Outputs: an op writes its result into an arena buffer of its op site
+naming the op) and never syncs; so shapes must not change while a stream is captured (on_shape_change allocates).
+Outputs: an op writes its result into an arena buffer of its op site
 (CudaOps.new); prepare notes which site each returned output came from, and enqueue hands TensorRT's output buffer
 to that site instead, so the kernel writes in place. An output returned as (a view of) an input, as the identity
 collectives at one rank do, is copied into TensorRT's buffer; an in-place cache TensorRT aliased needs nothing.
