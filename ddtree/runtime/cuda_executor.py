@@ -9,9 +9,9 @@ ddtree/plugins: weights in bf16 as stored (GEMM weights tiled once at load, W_UK
 experts in the kernel layout the engine stores), activations bf16, logits float32. The primitives download
 the logits for the loop's interface, and their sample / tree_build / accept_walk run on the host exactly as
 EngineExecutor's (so the two differ only in the logits). The loops' steps (ar_step, ddtree_step) are captured
-CUDA graphs instead (runtime/cuda_step.py): sampling, tree, walk and compaction on the device, one record read
-per step. One sequence at a time: the caches are allocated once at load (max_context rows) and handed out
-reset by new_target_cache / new_drafter_cache.
+CUDA graphs instead (runtime/cuda_step.py; a rank of tp N: runtime/cuda_step_tp.py, the collectives inside):
+sampling, tree, walk and compaction on the device, one record read per step. One sequence at a time: the caches
+are allocated once at load (max_context rows) and handed out reset by new_target_cache / new_drafter_cache.
 
 The memory plan (weights, KV caches, workspaces) is printed on stderr before anything is allocated, and a
 plan larger than the GPU's free memory is refused naming both numbers.
@@ -146,9 +146,10 @@ class CudaExecutor:
         False: every step is the composition of the primitives below (host sampling, tree and walk).
         A tp > 1 engine: this process is rank `rank` (runtime/ranks.py), with `collective` its GPU collective for
         the layers' all-reduces (ops/cuda_collectives.py) and `host_group` the ranks' host group (ops/shm_group.py)
-        that gathers the logits slices, so every rank samples, builds and walks the same tree from the same bits
-        (the rank-symmetric step); its steps are the primitives (the step graphs are tp 1's). checked: check_engine's
-        result when the caller has it."""
+        that gathers the primitives' logits slices, so every rank samples, builds and walks the same tree from the
+        same bits (the rank-symmetric step); its steps are graphs with the collectives inside (runtime/cuda_step_tp.py)
+        when the collective is capturable, else the primitives. checked: check_engine's result when the caller has
+        it."""
         self.engine_dir = Path(engine_dir)
         self.meta, digests = checked if checked is not None else check_engine(self.engine_dir, verify)
         tp = int(self.meta["tp"])
@@ -158,8 +159,8 @@ class CudaExecutor:
         cfg, d = engine_configs(self.engine_dir, self.meta)
         tensors = load_rank_tensors(self.engine_dir, rank, self.meta["weight_files"], convert=STORED, digests=digests)
         self.host_group = host_group
-        self._setup(cfg, d, self.meta["plan"], rank, tensors, gpu, max_context, cap_context, graphs and tp == 1,
-                    collective, kernel_plan)
+        self._setup(cfg, d, self.meta["plan"], rank, tensors, gpu, max_context, cap_context, graphs, collective,
+                    kernel_plan)
         self.tokenizer_dir = tokenizer_dir(self.engine_dir)
 
     @classmethod
@@ -214,9 +215,11 @@ class CudaExecutor:
         self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
-        self.graphs = graphs
+        # tp > 1: graphs only over a collective that launches without host syncs (not the ranks-as-threads one)
+        self.graphs = graphs and (self.lay.tp == 1 or getattr(collective, "capturable", False))
         from ddtree.runtime.cuda_step import GpuSteps
-        self.steps = GpuSteps(self) if graphs else None
+        from ddtree.runtime.cuda_step_tp import TpSteps
+        self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
 
     def ar_step(self, state, params: SamplingParams) -> list[int]:
         """The AR loop's step (runtime/loop.py): one replay of the AR graph."""

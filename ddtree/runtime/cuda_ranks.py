@@ -6,8 +6,8 @@ walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works be
 NCCL refuses that): tp 2 runs on one H200 as two processes.
 
 The exchange of IPC handles is a collective: every rank builds its executor at the same time and they meet in the
-host group's all-gather. The steps are the primitives of runtime/loop.py (the captured step graph with the
-collectives inside is tp 1's today).
+host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
+graphs=False: the primitives of runtime/loop.py).
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ def one_shot_member(gpu, rank: int, group, max_elems: int):
 
 
 def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], max_context: int | None = None,
-                       cap_context: bool = False, kernel_plan: str = "fast"):
-    """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat)."""
+                       cap_context: bool = False, kernel_plan: str = "fast", graphs: bool = True):
+    """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat); graphs: the step graphs
+    (False: the primitives, e.g. to compare the two)."""
     from ddtree.engine_dir import engine_configs
     from ddtree.runtime.cuda_executor import CudaExecutor
     cfg, dcfg = engine_configs(engine_dir, checked[0])
     max_elems = MAX_TOKENS * max(cfg.hidden_size, dcfg.hidden_size)       # the largest all-reduce: [256, H]
     return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
-                        kernel_plan=kernel_plan, rank=rank,
+                        kernel_plan=kernel_plan, rank=rank, graphs=graphs,
                         collective=lambda gpu: one_shot_member(gpu, rank, group, max_elems), host_group=group,
                         checked=checked)

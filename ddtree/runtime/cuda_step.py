@@ -15,7 +15,8 @@ A DDTree step graph (one per (budget, block size, sampling mode)) runs, with no 
     compact      every layer's cache: accepted rows -> start + i (count read on the device)
     window       the context window shifted by the accepted count, the accepted nodes' taps appended
     commit       accepted drafts + new bonus into the host-mapped record ring; state advanced
-The AR step graph is prologue, embed + layers + head_logits over one token, the sampler, commit.
+The AR step graph is prologue, embed + layers + head_logits over one token, the sampler, commit. A rank of a
+tp > 1 engine: runtime/cuda_step_tp.py (the node kernels and the collectives in the graphs; this class's rest).
 
 Both are captured after a warm-up: the first call of a key runs the step eagerly (it is that step; it
 allocates the arena and loads the modules), then records the same launches into a graph. Everything that
@@ -49,11 +50,10 @@ def _array(gpu, t: Tensor):
 class GpuSteps:
     def __init__(self, ex):
         from ddtree.plugins.step_state import StepState
-        from ddtree.plugins.tree_sample import TreeSampler
         self.ex, self.gpu, self.ops = ex, ex.gpu, ex.ops
         cfg, d = ex.config, ex.drafter_config
         self.V = ex.lay.vocab_stop - ex.lay.vocab_start
-        self.sampler = TreeSampler(self.gpu, vocab=self.V, max_rows=self.ops.max_tokens)
+        self.sampler = self._make_sampler()
         self.B_max = d.block_size if d is not None else 1
         self.state = StepState(self.gpu, max_tokens=max(self.B_max, 1))
         self.taps = tuple(d.target_layer_ids) if d is not None else ()
@@ -84,6 +84,10 @@ class GpuSteps:
                                               # the tree's first-child chain of a nodes (set before capture)
         self.stated_draft = None              # benchmarks only: [b-1, V] float32 logits copied over the drafter's
                                               # (its cost kept), so the tree has a stated shape
+
+    def _make_sampler(self):         # the fused sampler + walk over full logits (tp 1's; cuda_step_tp.py has none)
+        from ddtree.plugins.tree_sample import TreeSampler
+        return TreeSampler(self.gpu, vocab=self.V, max_rows=self.ops.max_tokens)
 
     # ---- request set-up --------------------------------------------------------------------------
     def new_request(self) -> None:
@@ -168,7 +172,8 @@ class GpuSteps:
         self.state.steps = step
         if rec["status"]:
             self.drain()
-            self.sampler.check_status()
+            if self.sampler is not None:
+                self.sampler.check_status()
             for builder in self.builders.values():
                 builder.check_status()
         host = time.perf_counter() - t0 - wait
@@ -245,19 +250,13 @@ class GpuSteps:
         full run (phase_times captures each alone to time it). k: --budget auto's table width (the table is
         copied to the host-mapped buffer table_host with the record)."""
         ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
-        S, n, dc = ops.stream, budget + 1, ex.draft_cache
+        S, n = ops.stream, budget + 1
         lengths = ex.target_cache.dev.lengths
         v = self.values.setdefault((budget, b), {})
         builder = self.builder(b - 1)
 
-        def draft():     # the window's b context rows at start - b, the block at start ..
-            st.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len, lengths, stream=S)
-            ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
-            h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
-            dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
-            for L in range(d.num_hidden_layers):
-                h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
-                    **dfeeds, "h": h, "ctx": ctx, "cache_k": dc.k[L], "cache_v": dc.v[L]})["h_out"]
+        def draft():
+            h = self._drafter(b)
             v["draft"] = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]     # [b-1, V] float32
             if self.stated_draft is not None:        # bench step: the tree's shape from a stated profile's logits
                 g.copy_d2d(v["draft"].ptr, self.stated_draft.ptr, self.stated_draft.nbytes, stream=S)
@@ -280,23 +279,41 @@ class GpuSteps:
                 st.force_accept(t.parents, n, self.forced_accept, v["out"].accepted, v["out"].count, stream=S)
             self.last = {"logits": _array(g, v["logits"]), "tree": t, "sampled": v["out"]}
 
-        def update():    # compaction, the context window, the record and the state
+        def update():
             out = v["out"]
-            for L in range(cfg.num_hidden_layers):
-                ops.call(layers.compact, cfg, feeds={"cache": ex.target_cache.layer(L), "cache_len": Tensor.of(lengths),
-                                                     "accepted": Tensor.of(out.accepted),
-                                                     "accepted_count": Tensor.of(out.count)})
-            st.ctx_window(self.window, self.tap_rows, out.accepted, out.count, self.window_next, b, 2 * self.KH,
-                          stream=S)
-            g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
             if k:
                 g.copy_d2d(self._table(b - 1, k)[1], v["tree"].table_logp.ptr, (b - 1) * k * 4, stream=S)
-            st.commit(v["tree"].tokens, out.accepted, out.count, out.bonus,
-                      status=(self.sampler.status, builder.status), stream=S)
+            self._update(b, v["tree"].tokens, Tensor.of(out.accepted), Tensor.of(out.count), out.bonus,
+                         (self.sampler.status, builder.status))
 
         for name, phase in zip(self.PHASES, (draft, tree, verify, sample_walk, update)):
             if only is None or name in only:
                 phase()
+
+    def _drafter(self, b: int) -> Tensor:
+        """The prologue, the drafter over the window (b rows at start - b) and the block at start -> h [b, H]."""
+        ex, ops, cfg, d, S = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.ops.stream
+        self.state.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len,
+                            ex.target_cache.dev.lengths, stream=S)
+        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
+        h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
+        dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
+        for L in range(d.num_hidden_layers):
+            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
+                **dfeeds, "h": h, "ctx": ctx, "cache_k": ex.draft_cache.k[L], "cache_v": ex.draft_cache.v[L]})["h_out"]
+        return h
+
+    def _update(self, b: int, tokens, accepted: Tensor, count: Tensor, bonus, status) -> None:
+        """Compaction to the accepted path, the context window, the record (status: two flag words or None)."""
+        ex, ops, S, g = self.ex, self.ops, self.ops.stream, self.gpu
+        lengths = Tensor.of(ex.target_cache.dev.lengths)
+        for L in range(ex.config.num_hidden_layers):
+            ops.call(layers.compact, ex.config, feeds={"cache": ex.target_cache.layer(L), "cache_len": lengths,
+                                                       "accepted": accepted, "accepted_count": count})
+        self.state.ctx_window(self.window, self.tap_rows, accepted.ptr, count.ptr, self.window_next, b, 2 * self.KH,
+                              stream=S)
+        g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)
+        self.state.commit(tokens.ptr, accepted.ptr, count.ptr, bonus.ptr, status=status, stream=S)
 
     def _table(self, depth: int, k: int):
         """The host-mapped [depth, k] float32 buffer a step copies its drafter table into (--budget auto)."""
