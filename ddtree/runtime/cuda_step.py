@@ -80,10 +80,9 @@ class GpuSteps:
         self.table_host = None                # (host view, device address) of --budget auto's table buffer
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
-        self.forced_accept = None             # benchmarks only (bench step --accept a): the walk's path replaced by
-                                              # the tree's first-child chain of a nodes (set before capture)
-        self.stated_draft = None              # benchmarks only: [b-1, V] float32 logits copied over the drafter's
-                                              # (its cost kept), so the tree has a stated shape
+        self.forced_accept = None             # bench step --accept a: the walk's path replaced by the tree's
+                                              # first-child chain of a nodes (set before capture)
+        self.stated_draft = None              # bench step: [b-1, V] float32 logits over the drafter's (a stated tree)
 
     def _make_sampler(self):         # the fused sampler + walk over full logits (tp 1's; cuda_step_tp.py has none)
         from ddtree.plugins.tree_sample import TreeSampler
@@ -143,7 +142,8 @@ class GpuSteps:
         """Step k through the graph of `key` -> its record. When `ahead`, step k + 1 of the same graph is
         enqueued before k's record is read (the state it needs is on the device), so the host's work overlaps
         the GPU's; the next call with the same key takes it. `prepare()` readies the device for a step the
-        host starts (parameters, window, state); it is skipped for a step already in flight."""
+        host starts (window, state: Gpu.copy_in returns before its DMA lands, and the legacy stream's copies are not
+        ordered with this non-blocking stream, hence the context sync); skipped for a step already in flight."""
         t0 = time.perf_counter()
         started = self.inflight is None or self.inflight[0] != key     # the host starts this step itself
         if not started:
@@ -151,6 +151,7 @@ class GpuSteps:
         else:
             self.drain()
             prepare()
+            self.gpu.dev.sync()
             if key not in self.graphs:
                 capture = time.perf_counter()
                 self._run(key, body)

@@ -11,7 +11,8 @@ DDTree graphs with the one-shot collectives inside.
   difference between the verify and the one-token decode paths, measured by teacher-forcing the AR tokens through
   this engine's ranks as threads of this process (the same kernels and rank-ordered sums, ops/cuda_collectives.py
   ThreadRankGroup); a departure is a near-tie when the top-2 margin of z + g there is below 2 delta / T.
-- Top-k at tp 2 runs the primitives (counted in stats), with the same rule between DDTree and AR.
+- Top-k at tp 2 runs the primitives (counted in stats), with the same rule between DDTree and AR; the kept set is
+  a discrete choice too, so a departure where the k-th and (k+1)-th z are within the bound is also a near-tie.
 - Decode speed, printed (and written to $DDTREE_TP_STEPS_JSON when set): tp 2 graphs, tp 2 primitives and tp 1 graphs
   on the same model. Two processes share one GPU here, so tp 2 measures the protocol, not a speed-up.
 """
@@ -25,7 +26,7 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps, run_to_end
-from ddtree.runtime.near_tie import classify_departure, path_differences
+from ddtree.runtime.near_tie import classify_departure, decode_logits, path_differences
 from ddtree.tree.sampling import SamplingParams
 from tests.runtime.test_cuda_executor_gpu import PROMPTS, near_ties, small_mla_decisive
 
@@ -128,14 +129,24 @@ def test_greedy_graphs_at_tp2_commit_the_float64_tokens(engines, procs):
     print("rank 0 step stats:", steps.stats())
 
 
+def cut_margin(threads, prompt, a, i: int, params: SamplingParams) -> float:
+    """Top-k: the gap between the k-th and (k+1)-th z = l / T at a's token i (the kept set is a discrete choice
+    too: paths whose logits differ by delta can keep different tokens when this gap is below 2 delta / T)."""
+    row = np.sort(decode_logits(threads, list(prompt) + list(a[: i + 1]), len(prompt))[-1])[::-1] / params.temperature
+    return float(row[params.top_k - 1] - row[params.top_k])
+
+
 def departure(threads, prompt, a, b, params, delta, what: str) -> int:
-    """1 if the runs a and b depart (asserting a near-tie there), else 0."""
+    """1 if the runs a and b depart (asserting a near-tie there: the top-2 margin of z + g, or with top-k the
+    kept set's cut, below the bound), else 0."""
     v = classify_departure(threads, prompt, a, b, params, delta)
     if v is None:
         return 0
-    print(f"{what}, prompt {prompt}: departure at token {v['index']}, margin {v['margin']:.3e} (near-tie below "
-          f"{v['bound']:.3e})")
-    assert v["near_tie"], f"{what}: left at token {v['index']} with margin {v['margin']:.3e} >= {v['bound']:.3e}"
+    cut = cut_margin(threads, prompt, a, v["index"], params) if 0 < params.top_k and not params.greedy else np.inf
+    print(f"{what}, prompt {prompt}: departure at token {v['index']}, margin {v['margin']:.3e}, top-k cut {cut:.3e} "
+          f"(near-tie below {v['bound']:.3e})")
+    assert v["near_tie"] or cut < v["bound"], \
+        f"{what}: left at token {v['index']} with margin {v['margin']:.3e} (cut {cut:.3e}) >= {v['bound']:.3e}"
     return 1
 
 
