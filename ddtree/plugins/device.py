@@ -155,15 +155,23 @@ class Gpu:
     def upload(self, array: np.ndarray) -> DeviceArray:
         array = np.ascontiguousarray(array)
         a = self.alloc(array.shape, array.dtype)
-        check(_driver().cuMemcpyHtoD(a.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
+        self._host_to_device(a.ptr, array)
         return a
 
     def copy_in(self, dst: DeviceArray, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=dst.dtype)
         if array.nbytes > dst.nbytes:
             raise ValueError(f"copy_in: {array.nbytes} B do not fit in {dst.nbytes} B")
+        self._host_to_device(dst.ptr, array)
+
+    def _host_to_device(self, ptr: int, array: np.ndarray) -> None:
+        """The bytes at ptr on return, and ordered after this stream's work. Not cuMemcpyHtoD: from pageable memory
+        it returns once the bytes are staged, before they land, and it runs on the legacy stream, which this Gpu's
+        non-blocking stream does not wait for, so a kernel launched next could read the old bytes."""
+        if array.nbytes:
+            check(_driver().cuMemcpyHtoDAsync(ptr, array.ctypes.data, array.nbytes, self.stream.handle),
+                  "cuMemcpyHtoDAsync")
         self.sync()
-        check(_driver().cuMemcpyHtoD(dst.ptr, array.ctypes.data, array.nbytes), "cuMemcpyHtoD")
 
     def download(self, a: DeviceArray) -> np.ndarray:
         self.sync()

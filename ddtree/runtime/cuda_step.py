@@ -142,8 +142,8 @@ class GpuSteps:
         """Step k through the graph of `key` -> its record. When `ahead`, step k + 1 of the same graph is
         enqueued before k's record is read (the state it needs is on the device), so the host's work overlaps
         the GPU's; the next call with the same key takes it. `prepare()` readies the device for a step the
-        host starts (window, state: Gpu.copy_in returns before its DMA lands, and the legacy stream's copies are not
-        ordered with this non-blocking stream, hence the context sync); skipped for a step already in flight."""
+        host starts (window, state: Gpu.copy_in lands them, ordered with the Gpu's stream, before it returns);
+        skipped for a step already in flight."""
         t0 = time.perf_counter()
         started = self.inflight is None or self.inflight[0] != key     # the host starts this step itself
         if not started:
@@ -151,7 +151,6 @@ class GpuSteps:
         else:
             self.drain()
             prepare()
-            self.gpu.dev.sync()
             if key not in self.graphs:
                 capture = time.perf_counter()
                 self._run(key, body)
