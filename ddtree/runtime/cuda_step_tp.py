@@ -111,9 +111,18 @@ class TpSteps(GpuSteps):
                 and slices(self.slice_min) * k <= MAX_LIST_KEYS and self.tp * k <= MAX_LIST_KEYS)
 
     # ---- the loop's steps ----------------------------------------------------------------------
+    def _answered(self, tokens: list[int]) -> list[int]:
+        """The step's tokens, once every peer answered each of its one-shot collectives: a dead or hung peer sets
+        its error bit after the bounded spin and the kernels go on with a partial sum, so its tokens are not the
+        model's and are never handed on (AllReduceError naming the rank; reading the bits syncs the step)."""
+        one_shot = getattr(self.ops.collective, "one_shot", None)
+        if one_shot is not None:
+            one_shot.check()
+        return tokens
+
     def ar_step(self, s, params: SamplingParams) -> list[int]:
         if node_sampling(params, self.vocab) is not None:
-            return super().ar_step(s, params)
+            return self._answered(super().ar_step(s, params))
         from ddtree.runtime.loop import ar_step
         self.drain()
         self.synced = None
@@ -125,7 +134,7 @@ class TpSteps(GpuSteps):
         rank processes refuse before any step)."""
         on_nodes = node_sampling(params, self.vocab) is not None
         if on_nodes and not s.table_k:
-            return super().ddtree_step(s, params, budget)
+            return self._answered(super().ddtree_step(s, params, budget))
         from ddtree.runtime.loop import ddtree_step
         self.drain()
         self._leave_window(s)

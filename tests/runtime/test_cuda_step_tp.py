@@ -228,3 +228,22 @@ def test_tp1_bodies_still_capture_without_allocating(recording_device):
     run_bodies(ex, (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)))
     kernels = [name for name, _ in ex.gpu.launches]
     assert "draft_topk" in kernels and "sample_kept" in kernels and "step_commit" in kernels
+
+
+def test_a_step_whose_peer_did_not_answer_hands_on_no_tokens():
+    """The one-shot's error bits are read before a graph step's tokens leave the rank (TpSteps._answered)."""
+    from ddtree.plugins.allreduce import AllReduceError
+
+    class OneShot:
+        def __init__(self, late):
+            self.late = late
+
+        def check(self):
+            if self.late:
+                raise AllReduceError(f"rank(s) {self.late} did not publish")
+    steps = TpSteps.__new__(TpSteps)
+    steps.ops = SimpleNamespace(collective=SimpleNamespace(one_shot=OneShot([])))
+    assert steps._answered([5, 7]) == [5, 7]
+    steps.ops.collective.one_shot.late = [1]
+    with pytest.raises(AllReduceError, match=r"rank\(s\) \[1\] did not publish"):
+        steps._answered([5, 7])
