@@ -30,8 +30,12 @@ WARP_CHOICES = (1, 2, 4, 8, 16)        # 1 and 2 serve short hiddens (the tiny m
 # kernels/NOTES.md, to be replaced by a fit to tests/plugins/sweep_router.py's sweep.
 DRAM_B_PER_US = 4.0e6                   # the weights stream once from HBM
 SM_B_PER_US = 5.0e4                     # what one SM pulls from L2 (weights, token rows, partials)
-HANDOFF_US = 0.5                        # one arrive_last: fence, atomic, barrier
+HANDOFF_US = 0.5                        # one hand-off: barrier, ticket (acq_rel atomic), barrier
 ROUTE_US = 1.0                          # one token routed by one warp (~7 us before the loads were hoisted)
+# The kernel's static shared memory, bounded (144 B in the sm_90 cubin: handoff_last's flag, align_tiles' 32 warp
+# totals): a block's static + dynamic bytes must fit the device's opt-in limit, so plans leave this much of it.
+# (Before it, the sm_90 plans of 129..144 rows took the whole 232448 B beside 16 static bytes.)
+STATIC_SMEM = 256
 
 
 def check_routing(who: str, experts: int, topk: int, n_group: int, topk_group: int, max_tokens: int,
@@ -121,7 +125,8 @@ def plan_cost(M: int, shape: RouterShape, p: RouterPlan, sm_count: int) -> float
 def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warps: int | None = None,
                 tiles: int | None = None, splits: int | None = None) -> RouterPlan:
     """Token blocks of <= 64 rows (gemm.token_tiles, the skinny GEMM's); W, TW and S (forced by the knobs, for
-    sweeps) by the smallest plan_cost among the plans whose shared memory fits `smem_limit`, each warp with >= 1
+    sweeps) by the smallest plan_cost among the plans whose shared memory (dynamic + STATIC_SMEM) fits
+    `smem_limit` (the device's opt-in bytes a block), each warp with >= 1
     chunk unless K has fewer chunks than a block's warps (the route phase still uses them all)."""
     E, kc = shape.experts, shape.hidden // 64
     nt = -(-E // 16)
@@ -142,7 +147,7 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
                     continue                          # a warp without a chunk, unless K itself is that short:
                                                       # the route phase still uses every warp (a token a warp)
                 smem = router_smem(M, shape, mt, w, tw, s)
-                if smem <= smem_limit:
+                if smem + STATIC_SMEM <= smem_limit:
                     options.append(RouterPlan(mt, mb, w, tw, -(-nt // tw), s, smem))
     if not options:
         raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}) "

@@ -4,8 +4,11 @@
     python3 tests/plugins/sweep_router.py [M,M,..] > sweep.json
 Each launch of a graph reads its own copy of the weight, enough copies to defeat L2 (as each layer's router
 in a step); `*_l2_us` repeat one copy (L2-warm, as `ddtree bench moe` times the router).
+Each candidate's outputs are checked once, untimed: its ids and weights equal moe_route's on its own logits bit
+for bit, and its logits are the planned plan's within fp32 accumulation (a split order of its own); a
+candidate that fails is reported with "ok": false.
 Output: one JSON object {"device", "rows": [{"M", "planned": {..., "us", "l2_us"}, "unfused_us",
-"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "blocks", "us"}, ...]}]}.
+"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "blocks", "us", "ok"}, ...]}]}.
 """
 import json
 import sys
@@ -18,7 +21,7 @@ from ddtree.plugins.device import Gpu
 from ddtree.plugins.moe import FusedMoE, MoEShape
 
 E, H, TOPK = 384, 7168, 8
-WARPS, TILES, SPLITS = (4, 8, 16), (1, 2, 4, 8), (2, 4, 7, 8, 14, 16, 28)
+WARPS, TILES, SPLITS = (4, 8, 16), (1, 2, 4, 8), (2, 4, 7, 8, 14, 16, 28, 56)
 
 
 def sweep(gpu, ms: list[int]) -> list[dict]:
@@ -51,6 +54,19 @@ def sweep(gpu, ms: list[int]) -> list[dict]:
             us = time_graph(gpu, lambda s: [launch(s, ws[i % n]) for i in range(copies)]) * 1e3 / copies
             return round(us, 2)
 
+        def outputs():                    # one untimed launch on the first copy: logits, ids, weights
+            fused(None, ws[0])
+            gpu.sync()
+            return moe.logits.numpy()[:M].copy(), moe.topk_ids.numpy()[:M].copy(), moe.topk_w.numpy()[:M].copy()
+
+        def agrees(logits, ids, w, planned_logits) -> bool:
+            moe.launch_route(moe.logits, M, ids_old, w_old, None)        # moe_route on the candidate's logits
+            gpu.sync()
+            return bool(np.array_equal(ids_old.numpy()[:M], ids) and np.array_equal(w_old.numpy()[:M], w)
+                        and np.abs(logits - planned_logits).max() <= 1e-5 * np.abs(planned_logits).max())
+
+        ids_old, w_old = gpu.alloc((M, TOPK), np.int32), gpu.alloc((M, TOPK), np.float32)
+        planned_logits = outputs()[0]
         p = moe.router_fused.plan(M)
         row = {"M": M, "planned": {"warps": p.warps, "tiles": p.tiles, "splits": p.splits, "blocks": p.blocks,
                                    "us": timed(fused), "l2_us": timed(fused, 1)},
@@ -63,12 +79,14 @@ def sweep(gpu, ms: list[int]) -> list[dict]:
                     except ValueError:
                         continue
                     row["candidates"].append({"warps": warps, "tiles": tiles, "splits": splits, "blocks": q.blocks,
-                                              "us": timed(fused)})
+                                              "us": timed(fused), "ok": agrees(*outputs(), planned_logits)})
         moe.router_fused._overrides.pop(M, None)
-        best = min(row["candidates"], key=lambda c: c["us"])
+        best = min([c for c in row["candidates"] if c["ok"]] or row["candidates"], key=lambda c: c["us"])
+        failed = [(c["warps"], c["tiles"], c["splits"]) for c in row["candidates"] if not c["ok"]]
         print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} {row['planned']['us']:6.2f} us "
               f"(L2-warm {row['planned']['l2_us']:.2f}); best w{best['warps']} t{best['tiles']} s{best['splits']:3d} "
-              f"{best['us']:6.2f} us; unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f})",
+              f"{best['us']:6.2f} us; unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f}); "
+              f"{len(failed)} candidates failed the check {failed}",
               file=sys.stderr)
         rows.append(row)
     gpu.free_all()

@@ -3,11 +3,15 @@ what the routing rule picks (routing.topk_lowest_id / route_logits), ties and ma
 no more candidates than the kernel's buffer; every plan fits both archs' shared memory (H200 sm_90: 227 KB,
 RTX PRO 6000 sm_120: 99 KB) and covers every row, expert and k-chunk; the batch-invariant plan is one split
 order for every M; bad knobs are named."""
+import struct
+
 import numpy as np
 import pytest
 
+from ddtree.plugins import compile as kc
+
 from ddtree.model.routing import route_logits, topk_lowest_id
-from ddtree.plugins.router import (MAX_WARPS, RouterShape, invariant_knobs, plan_router, route_ref, router_smem,
+from ddtree.plugins.router import (MAX_WARPS, STATIC_SMEM, RouterShape, invariant_knobs, plan_router, route_ref, router_smem,
                                    select_ref)
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
@@ -71,7 +75,7 @@ def test_plans_fit_and_cover(arch, name):
     kc, nt = shape.hidden // 64, -(-shape.experts // 16)
     for M in range(1, shape.max_tokens + 1):
         p = plan_router(M, shape, a["sm_count"], a["smem_limit"])
-        assert p.smem <= a["smem_limit"], f"{arch} {name} M={M}: {p.smem} B"
+        assert p.smem + STATIC_SMEM <= a["smem_limit"], f"{arch} {name} M={M}: {p.smem} B"
         assert p.warps * 32 <= MAX_WARPS * 32 and p.warps % p.tiles == 0
         # every warp has a chunk, unless K has fewer chunks than a block's warps (the tiny model: 2)
         assert kc % p.splits == 0 and (kc // p.splits >= p.kw or (p.splits == 1 and kc < p.kw))
@@ -101,7 +105,31 @@ def test_invariant_plan_is_one_split_order(arch, max_tokens):
     for M in range(1, max_tokens + 1):
         p = plan_router(M, shape, a["sm_count"], a["smem_limit"], **fixed)
         assert (p.warps, p.tiles, p.splits) == (fixed["warps"], fixed["tiles"], fixed["splits"])
-        assert p.smem <= a["smem_limit"]
+        assert p.smem + STATIC_SMEM <= a["smem_limit"]
+
+
+def shared_section_bytes(cubin: bytes, kernel: str) -> int:
+    """Size of the cubin's .nv.shared.<kernel> section (a 64-bit little-endian ELF)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names = headers[names_at][4]
+    for name_at, _, _, _, _, size in headers:
+        if cubin[names + name_at: cubin.index(b"\0", names + name_at)] == f".nv.shared.{kernel}".encode():
+            return size
+    raise AssertionError(f"no shared-memory section for {kernel}")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_static_shared_memory_within_the_plans_reserve(arch):
+    """The plans leave STATIC_SMEM of the opt-in limit to the kernel's static shared memory. The section also
+    holds the 1 KB a block's system reservation takes (the 16-byte flag of the kernel before the scan's totals
+    showed as 1040 B): at most
+    1024 + STATIC_SMEM, and more than 1024 (the hand-off flag and the scan's warp totals are there)."""
+    cubin = kc.compile_cubin("router.cu", arch).read_bytes()
+    for mt in range(1, 9):
+        size = shared_section_bytes(cubin, f"router_fused_mt{mt}")
+        assert 1024 + 4 + 32 * 4 <= size <= 1024 + STATIC_SMEM, f"router_fused_mt{mt} {arch}: {size} B"
 
 
 def test_bad_knobs_are_named():

@@ -59,7 +59,7 @@ def check_tiles(out, ids, E):
         assert all(ids.reshape(-1)[p] == experts[z] for p in pairs[z][pairs[z] >= 0])
 
 
-@pytest.mark.parametrize("M", [1, 3, 17, 64, 65, 256])
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 65, 130, 256])
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_fused_router_against_the_rule(gpu, name, M):
     router, w, bias, out = make_router(gpu, name)

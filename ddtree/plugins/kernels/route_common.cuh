@@ -52,41 +52,58 @@ __device__ void keep_best_groups(float (&choice)[ROUTE_EPL], int E, int n_group,
     }
 }
 
-// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size). ids [P] are read through L2.
-// Shared: count [E] int, tile_start [E + 1] int, rank [P] short.
+// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size of whole warps). ids [P] are read
+// through L2. Shared: count [E] int, tile_start [E + 1] int, rank [P] short (dynamic, the caller's), and the
+// scan's 32 warp totals (static).
 __device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
                             int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+    __shared__ int warp_total[32];
     int* count = (int*)smem;
     int* tile_start = count + E;
     short* rank = (short*)(tile_start + E + 1);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[ld_cg_s32(&ids[p])], 1);
     __syncthreads();
-    if (warp == 0) {                                                 // exclusive scan of tiles per expert
-        int carry = 0;
-        for (int base = 0; base < E; base += 32) {
-            const int e = base + lane;
-            const int n = e < E ? (count[e] + 7) >> 3 : 0;
-            int incl = n;
+    // exclusive scan of tiles per expert over the block (a one-warp scan took ceil(E / 32) dependent rounds):
+    // thread i owns experts [i per, i per + per); its sum, a warp scan, the warps' totals scanned by warp 0
+    const int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per;
+    int own = 0;
+    for (int q = 0; q < per; ++q)
+        if (e0 + q < E) own += (count[e0 + q] + 7) >> 3;
+    int incl = own;
 #pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int o = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += o;
-            }
-            if (e < E) tile_start[e] = carry + incl - n;
-            carry += __shfl_sync(0xffffffffu, incl, 31);
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += o;
+    }
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int total = lane < warps ? warp_total[lane] : 0;
+        int before = total;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, before, off);
+            if (lane >= off) before += o;
         }
-        if (lane == 0) { tile_start[E] = carry; *num_tiles = carry; }
+        if (lane < warps) warp_total[lane] = before - total;         // the warps before this one
     }
     __syncthreads();
-    const int tiles = tile_start[E];
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        for (int z = tile_start[e]; z < tile_start[e + 1]; ++z) tile_expert[z] = e;
-    for (int i = threadIdx.x; i < tiles * 8; i += blockDim.x) tile_pairs[i] = -1;
+    int start = warp_total[warp] + incl - own;
+    for (int q = 0; q < per; ++q) {
+        const int e = e0 + q;
+        if (e >= E) break;
+        const int n = count[e];
+        tile_start[e] = start;
+        for (int z = 0; z < (n + 7) >> 3; ++z) tile_expert[start + z] = e;
+        for (int r = n; r < ((n + 7) & ~7); ++r) tile_pairs[start * 8 + r] = -1;   // the last tile's free slots
+        start += (n + 7) >> 3;
+    }
+    if (threadIdx.x == blockDim.x - 1) { tile_start[E] = start; *num_tiles = start; }   // past every expert
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {              // the other slots: each pair in its tile
         const int e = ld_cg_s32(&ids[p]), r = rank[p];
         tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
     }
