@@ -153,8 +153,9 @@ def recording_device(monkeypatch):
     def check(result, what=""):
         _, *values = result
         return values[0] if len(values) == 1 else (tuple(values) or None)
+    import ddtree.plugins.kv_cache as kv_cache
     import ddtree.plugins.tree_sample as tree_sample
-    for module in (device, tree_sample):
+    for module in (device, tree_sample, kv_cache):          # each imported the driver's functions by name
         monkeypatch.setattr(module, "_driver", lambda: Driver())
         monkeypatch.setattr(module, "check", check)
     monkeypatch.setattr(device, "Gpu", RecordingGpu)
