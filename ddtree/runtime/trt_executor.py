@@ -6,22 +6,22 @@ anything is loaded, check_gpu_runs_plans compares the GPU's compute capability (
 made) with the plans' and refuses with the GPU's name, its compute capability and the way to run the engine on it
 (--device cuda: the same kernels, launched by the cuda backend).
 
-What runs today (tp 1): PlanRanks runs each graph kind as its plan, one execution context per kind on memory this
-runtime allocates (the plans need it: REQUIRE_USER_ALLOCATION), the weights uploaded once and bound by name for each
-layer, the feeds and caches copied in and the outputs copied out per call; runtime/graph_executor.py drives the loop
-over it (the same adapter runs the graphs under onnx.reference in the CPU tests). It has never run: no GPU here runs
-SM120 plans. The plugins' enqueue runs on every call this way, so per step it costs a Python enqueue per plugin.
+What runs today (tp 1): PlanRanks runs each graph kind as its plan through a PlanKind (runtime/plan_kind.py): one
+execution context per kind on memory this runtime allocates (the plans need it: REQUIRE_USER_ALLOCATION), the
+weights uploaded once and bound by name for each layer, and each (layer, step shape) call captured into a CUDA graph
+on its second call and replayed after, so TensorRT and the plugins' Python enqueue run only at the first eager call
+and at the capture (tested on the CPU with a stand-in TensorRT and GPU: tests/runtime/test_plan_kind.py). The feeds
+and caches are host arrays copied in and out per call; runtime/graph_executor.py drives the loop over it (the same
+adapter runs the graphs under onnx.reference in the CPU tests). It has never run: no GPU here runs SM120 plans.
 
-The capture design it is to grow into: one execution context per plan kind (embed, dense_layer, moe_layer, head,
-draft_*, compact), all of a rank's contexts on one device-memory block (kinds run one after another), device-resident
-caches and activations, and the whole step captured once per step shape into one CUDA graph: for each layer the
-runtime sets that layer's tensor addresses (its weights, its KV-cache slice, the step's activation buffers) and
-enqueues the kind's context on the capturing stream. Then TensorRT and the plugins' Python enqueue run only while
-capturing; a step is one graph launch (the plugins' enqueue allocates nothing and reads per-step scalars from
-device buffers: ops/tensorrt/plugin_ops.py). Why not one context per layer: 61 contexts hold 61 copies of every
-plugin's workspaces and of the JIT-specialised kernels for the same shapes, and buy nothing that per-layer
-addresses in one capture do not. tp > 1: one rank process per GPU with its collective registered for the
-AllReduce / AllGather plugins (ops/tensorrt/kernels.py register_rank_collective) — not written.
+What it is to grow into: device-resident caches and activations, all of a rank's contexts on one device-memory block
+(kinds run one after another), and the whole step captured once per step shape into one CUDA graph: for each layer
+the runtime sets that layer's tensor addresses (its weights, its KV-cache slice, the step's activation buffers) and
+enqueues the kind's context on the capturing stream, so a step is one graph launch. Why one context per kind, not
+per layer: 61 contexts hold 61 copies of every plugin's workspaces and of the JIT-specialised kernels for the same
+shapes, and buy nothing that per-layer addresses in one capture do not. tp > 1: one rank process per GPU with its
+collective registered for the AllReduce / AllGather plugins (ops/tensorrt/kernels.py register_rank_collective) —
+not written.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from ddtree import engine_dir as ed
 from ddtree.ops.onnx_runner import GraphRanks
+from ddtree.runtime.plan_kind import PlanKind
 
 
 class PlanDeviceError(RuntimeError):
@@ -81,9 +82,6 @@ def check_gpu_runs_plans(engine_dir, gpu: int = 0, identity=gpu_identity) -> tup
     return name, have
 
 
-TRT_NUMPY = {"BF16": np.uint16, "FLOAT": np.float32, "INT32": np.int32, "INT64": np.int64, "INT8": np.int8}
-
-
 class PlanRanks(GraphRanks):
     """GraphRanks whose graph kinds run as the engine's TensorRT-RTX plans on GPU `gpu` (a tp 1 engine)."""
 
@@ -113,64 +111,20 @@ class PlanRanks(GraphRanks):
         self.weights = [{name: self.gpu.upload(np.ascontiguousarray(a)) for name, a in tensors.items()}]
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         plans = json.loads(ed.plans_path(root).read_text())["plans"]
-        self.engines, self.contexts, self.scratch = {}, {}, {}
+        self.kinds = {}
         for rel, p in plans.items():
             engine = runtime.deserialize_cuda_engine((root / rel).read_bytes())
             if engine is None:
                 raise PlanDeviceError(f"{root / rel}: TensorRT-RTX could not deserialise the plan")
             config = engine.create_runtime_config()
             config.set_execution_context_allocation_strategy(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-            self.engines[p["kind"]] = engine
-            self.contexts[p["kind"]] = engine.create_execution_context(config)
-
-    def _buffer(self, key, nbytes: int):
-        """A device buffer of at least nbytes kept per key (grown on demand)."""
-        buf = self.scratch.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.scratch[key] = self.gpu.alloc(max(nbytes, 1), np.uint8)
-        return buf
+            self.kinds[p["kind"]] = PlanKind(trt, p["kind"], engine, engine.create_execution_context(config), self.gpu)
 
     def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
-        """Plan `kind` on feeds (host arrays) and the layer's weights; its outputs as host arrays (rank 0's)."""
+        """Plan `kind` on feeds (host arrays) and layer `layer`'s weights; its outputs as host arrays (rank 0's),
+        bf16 ones as ml_dtypes.bfloat16 (GraphRanks' dtype)."""
         from ddtree.ops.layers import layer_weight_name
-        from ddtree.plugins.device import _driver, check
-        trt, engine, ctx = self.trt, self.engines[kind], self.contexts[kind]
         feeds = feeds[0] if isinstance(feeds, list) else feeds
-        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        addresses = {}
-        for name in inputs:
-            if name in feeds:
-                a = np.ascontiguousarray(np.asarray(feeds[name]))
-                a = a.view(np.uint16) if a.dtype == self.bf16 else a
-                buf = self._buffer((kind, name), a.nbytes)
-                self.gpu.copy_in(buf, a.reshape(-1).view(np.uint8))
-            else:
-                wname = layer_weight_name(name, self.prefix.get(kind), layer)
-                if wname not in self.weights[0]:
-                    raise KeyError(f"plan {kind}: input '{name}' is neither fed nor a tensor of rank0/*.safetensors")
-                buf = self.weights[0][wname]
-                a = buf
-            ctx.set_input_shape(name, tuple(a.shape))
-            addresses[name] = buf.ptr
-        outputs = {}
-        for name in (n for n in names if n not in inputs):
-            shape = tuple(ctx.get_tensor_shape(name))
-            dtype = np.dtype(TRT_NUMPY[engine.get_tensor_dtype(name).name])
-            aliased = engine.get_aliased_input_tensor(name)          # an in-place cache: the input's buffer
-            addresses[name] = addresses[aliased] if aliased else self._buffer(
-                (kind, name), int(np.prod(shape)) * dtype.itemsize).ptr
-            outputs[name] = (shape, dtype)
-        for name, ptr in addresses.items():
-            ctx.set_tensor_address(name, int(ptr))
-        memory = self._buffer((kind, "context memory"), int(ctx.update_device_memory_size_for_shapes()))
-        ctx.set_device_memory(memory.ptr, memory.nbytes)
-        if not ctx.execute_async_v3(int(self.gpu.stream.handle)):
-            raise RuntimeError(f"plan {kind}: TensorRT-RTX execute_async_v3 failed")
-        self.gpu.sync()
-        out = {}
-        for name, (shape, dtype) in outputs.items():
-            host = np.empty(shape, dtype)
-            check(_driver().cuMemcpyDtoH(host.ctypes.data, int(addresses[name]), host.nbytes), "cuMemcpyDtoH")
-            out[name] = host.view(self.bf16) if dtype == np.uint16 else host
-        return [out]
+        out = self.kinds[kind].call(feeds, lambda name: self.weights[0].get(
+            layer_weight_name(name, self.prefix.get(kind), layer)))
+        return [{k: v.view(self.bf16) if v.dtype == np.uint16 else v for k, v in out.items()}]
