@@ -59,39 +59,48 @@ class DraftOut:
 
 class GraphRanks:
     def __init__(self, cfg: KimiConfig, dcfg: DrafterConfig, graphs: list[dict[str, LayerGraph]],
-                 weights: list[dict[str, np.ndarray]], act: str):
+                 weights: list[dict[str, np.ndarray]], act: str, rank: int | None = None, tp: int | None = None,
+                 group=None):
+        """graphs / weights: every rank's (rank None: the ranks as threads meeting in an in-process group), or one
+        rank's: this process is rank `rank` of `tp`, meeting the other rank processes in `group` (ops/shm_group.py),
+        and the outputs it returns are its own (the logits its vocab slice)."""
         self.cfg, self.dcfg, self.graphs, self.weights, self.act = cfg, dcfg, graphs, weights, act
-        self.tp = len(graphs)
-        self.group = collective_for(self.tp)
+        self.held = len(graphs)                                   # ranks run here
+        self.tp = self.held if rank is None else int(tp)
+        self.local = list(range(self.held)) if rank is None else [rank]
+        self.group = collective_for(self.tp) if rank is None else group
         ops = ops_for(self.group)
         self.evaluators = [{kind: ReferenceEvaluator(lg.model, new_ops=ops) for kind, lg in g.items()} for g in graphs]
-        self.pool = ThreadPoolExecutor(self.tp) if self.tp > 1 else None
+        self.pool = ThreadPoolExecutor(self.held) if self.held > 1 else None
         self.layer_kind = {L: kind for kind, lg in graphs[0].items() if lg.weight_prefix for L in lg.layers
                            if kind in ("dense_layer", "moe_layer")}
         self.draft_kind = {L: kind for kind, lg in graphs[0].items() if kind.startswith("draft_layer")
                            for L in lg.layers}
 
     @classmethod
-    def from_engine(cls, engine_dir, act: str | None = None, verify: bool = True) -> "GraphRanks":
+    def from_engine(cls, engine_dir, act: str | None = None, verify: bool = True, rank: int | None = None,
+                    group=None, checked: tuple | None = None) -> "GraphRanks":
         """act None: the engine's graphs/ as written; else every graph exported now at `act`. The engine is
-        checked first (engine_dir.check_engine; verify=False skips the hashes only)."""
-        meta, digests = ed.check_engine(engine_dir, verify)
+        checked first (engine_dir.check_engine; verify=False skips the hashes only; checked: its result when the
+        caller has it). rank None: every rank here; rank r: only rank r's graphs and weights (a rank process)."""
+        meta, digests = checked if checked is not None else ed.check_engine(engine_dir, verify)
         cfg, dcfg = ed.engine_configs(engine_dir, meta)
         tp, files = int(meta["tp"]), meta["weight_files"]
+        ranks = range(tp) if rank is None else [rank]
         if act is None:
-            graphs = load_graphs(engine_dir)
+            graphs = [load_graphs(engine_dir)[r] for r in ranks]
             act = json.loads(ed.graphs_index_path(engine_dir).read_text())["act"]
         else:
             specs = rank_specs(engine_dir, files)
-            graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in range(tp)]
-        weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16, digests=digests) for r in range(tp)]
-        return cls(cfg, dcfg, graphs, weights, act)
+            graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in ranks]
+        weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16, digests=digests) for r in ranks]
+        return cls(cfg, dcfg, graphs, weights, act, rank=rank, tp=tp, group=group)
 
     # running ---------------------------------------------------------------------------------------
     def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
         """Run graph `kind` on every rank (feeds: one dict for all ranks or one per rank); bind layer
         `layer`'s weights to the graph's weight inputs. Returns each rank's {output name: array}."""
-        per_rank = feeds if isinstance(feeds, list) else [feeds] * self.tp
+        per_rank = feeds if isinstance(feeds, list) else [feeds] * self.held
 
         def one(r: int) -> dict[str, np.ndarray]:
             lg, ev = self.graphs[r][kind], self.evaluators[r][kind]
@@ -101,12 +110,12 @@ class GraphRanks:
                     inputs[name] = self._weight(r, layer_weight_name(name, lg.weight_prefix, layer), kind)
             return dict(zip(ev.output_names, ev.run(None, inputs)))
 
-        return run_on_ranks(self.pool, [self.group] * self.tp, [lambda r=r: one(r) for r in range(self.tp)])
+        return run_on_ranks(self.pool, [self.group] * self.held, [lambda r=r: one(r) for r in range(self.held)])
 
     def _weight(self, rank: int, name: str, kind: str) -> np.ndarray:
         if name not in self.weights[rank]:
-            raise KeyError(f"graph {kind} (rank {rank}): input '{name}' is neither fed nor a tensor of "
-                           f"{ed.rank_name(rank)}/*.safetensors")
+            raise KeyError(f"graph {kind} (rank {self.local[rank]}): input '{name}' is neither fed nor a tensor of "
+                           f"{ed.rank_name(self.local[rank])}/*.safetensors")
         return self.weights[rank][name]
 
     def _act(self, a) -> np.ndarray:
@@ -123,12 +132,12 @@ class GraphRanks:
     # caches ----------------------------------------------------------------------------------------
     def new_target_caches(self, capacity: int) -> TargetCaches:
         c = self.cfg
-        return TargetCaches(self.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity,
+        return TargetCaches(self.held, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity,
                             ACT_NUMPY[self.act])
 
     def new_drafter_caches(self, capacity: int) -> DraftCaches:
         d = self.dcfg
-        return DraftCaches(self.tp, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
+        return DraftCaches(self.held, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
                            ACT_NUMPY[self.act])
 
     # the model, graph by graph -----------------------------------------------------------------------
@@ -143,7 +152,7 @@ class GraphRanks:
         tapped = {}
         for L in range(self.cfg.num_hidden_layers):
             outs = self.run(self.layer_kind[L], [{**common, "h": h[r], "cache": caches.layers[r][L]}
-                                                 for r in range(self.tp)], layer=L)
+                                                 for r in range(self.held)], layer=L)
             h = [o["h_out"] for o in outs]
             for r, o in enumerate(outs):
                 caches.layers[r][L] = o["cache_out"]
@@ -153,7 +162,7 @@ class GraphRanks:
         outs = self.run("head", [{"h": h[r], "sample_pos": np.asarray(pos, np.int32) + 1,
                                   "temperature": np.array([temperature], np.float32),
                                   "seed": np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32)}
-                                 for r in range(self.tp)])
+                                 for r in range(self.held)])
         logits = np.concatenate([o["logits"] for o in outs], axis=1)
         winners = (np.stack([o["win_value"] for o in outs]), np.stack([o["win_id"] for o in outs]))
         return TargetOut(logits, tapped, winners)
@@ -166,12 +175,12 @@ class GraphRanks:
         common = {"pos": np.asarray(pos, np.int32), "cache_len": np.array([T], np.int32)}
         for L in range(self.dcfg.num_hidden_layers):
             outs = self.run(self.draft_kind[L], [{**common, "h": h[r], "ctx": ctx[r], "cache_k": caches.k[r][L],
-                                                  "cache_v": caches.v[r][L]} for r in range(self.tp)], layer=L)
+                                                  "cache_v": caches.v[r][L]} for r in range(self.held)], layer=L)
             h = [o["h_out"] for o in outs]
             for r, o in enumerate(outs):
                 caches.k[r][L], caches.v[r][L] = o["cache_k_out"], o["cache_v_out"]
         caches.length = T + len(ctx_taps)
-        outs = self.run("draft_head", [{"h": h[r]} for r in range(self.tp)])
+        outs = self.run("draft_head", [{"h": h[r]} for r in range(self.held)])
         cands = {k: np.stack([o[k] for o in outs]) for k in ("topk_values", "topk_ids", "row_max", "row_sumexp")}
         return DraftOut(np.concatenate([o["logits"] for o in outs], axis=1), cands)
 
@@ -180,7 +189,7 @@ class GraphRanks:
         step = {"cache_len": np.array([start], np.int32), "accepted": np.asarray(accepted, np.int32),
                 "accepted_count": np.array([count], np.int32)}
         for L in range(self.cfg.num_hidden_layers):
-            outs = self.run("compact", [{**step, "cache": caches.layers[r][L]} for r in range(self.tp)])
+            outs = self.run("compact", [{**step, "cache": caches.layers[r][L]} for r in range(self.held)])
             for r, o in enumerate(outs):
                 caches.layers[r][L] = o["cache_out"]
         caches.length = start + count
@@ -188,13 +197,13 @@ class GraphRanks:
     def tree_build(self, root: int, candidates: dict, budget: int) -> dict[str, np.ndarray]:
         root = np.array([root], np.int32)
         outs = self.run(f"tree_b{budget}", [{"root": root, **{k: v[r] for k, v in candidates.items()}}
-                                            for r in range(self.tp)])
+                                            for r in range(self.held)])
         return {k: self._same(outs, k) for k in ("tokens", "parents", "depth", "visibility")}
 
     def accept(self, tokens, parents, winners) -> dict[str, np.ndarray]:
         common = {"tokens": np.asarray(tokens, np.int32), "parents": np.asarray(parents, np.int32)}
         outs = self.run("accept", [{**common, "win_value": winners[0][r], "win_id": winners[1][r]}
-                                   for r in range(self.tp)])
+                                   for r in range(self.held)])
         return {k: self._same(outs, k) for k in ("target_tokens", "accepted", "accepted_count", "bonus")}
 
 

@@ -16,14 +16,19 @@ import numpy as np
 from ddtree.ops.cuda_backend import MAX_TOKENS
 
 
-def one_shot_member(gpu, rank: int, group, max_elems: int):
-    """This rank's GPU collective: a one-shot all-reduce connected to every peer's buffer through `group`."""
-    from ddtree.ops.cuda_collectives import ProcessRankMember
+def connect_one_shot(gpu, rank: int, group, max_elems: int):
+    """A one-shot all-reduce on `gpu` connected to every peer's buffer, the IPC handles exchanged through `group`."""
     from ddtree.plugins.allreduce import OneShotAllReduce
     ar = OneShotAllReduce(gpu, rank, group.size, max_elems)
     handles = group.all_gather(rank, np.frombuffer(ar.ipc_handle(), np.uint8), "one-shot all-reduce IPC handles")
     ar.connect([bytes(h.tobytes()) for h in handles])
-    return ProcessRankMember(ar)
+    return ar
+
+
+def one_shot_member(gpu, rank: int, group, max_elems: int):
+    """This rank's GPU collective for CudaOps: the connected one-shot (all-reduce and all-gather)."""
+    from ddtree.ops.cuda_collectives import ProcessRankMember
+    return ProcessRankMember(connect_one_shot(gpu, rank, group, max_elems))
 
 
 def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], max_context: int | None = None,

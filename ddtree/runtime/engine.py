@@ -160,7 +160,7 @@ class DDTreeEngine:
     @classmethod
     def _load_tensorrt(cls, model_dir, drafter_dir, gpu: int, verify: bool = True) -> "DDTreeEngine":
         """An engine dir with TensorRT-RTX plans, on a GPU of the plans' compute capability (checked first)."""
-        from ddtree.engine_dir import is_engine_dir, tokenizer_dir
+        from ddtree.engine_dir import is_engine_dir, read_engine_config, tokenizer_dir
         from ddtree.runtime.graph_executor import GraphExecutor
         from ddtree.runtime.trt_executor import PlanDeviceError, PlanRanks, check_gpu_runs_plans
         if model_dir is None or not is_engine_dir(model_dir):
@@ -169,12 +169,18 @@ class DDTreeEngine:
         if drafter_dir is not None:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
+        tp = int(read_engine_config(model_dir)["tp"])
+        gpus = rank_gpus(gpu, tp)
         try:
-            check_gpu_runs_plans(model_dir, gpu)             # before anything is loaded
-            executor = GraphExecutor(PlanRanks(model_dir, gpu, verify), name="tensorrt")
+            for g in sorted(set(gpus)):
+                check_gpu_runs_plans(model_dir, g)          # before anything is loaded
+            if tp > 1:                                      # a rank process per GPU (runtime/ranks.py)
+                from ddtree.runtime.ranks import RankProcesses
+                return cls._of_processes(RankProcesses(model_dir, verify=verify, graphs={"gpus": gpus}), model_dir)
+            executor = GraphExecutor(PlanRanks(model_dir, gpus[0], verify), "tensorrt", None, tokenizer_dir(model_dir))
         except PlanDeviceError as e:
             raise DeviceUnavailableError(str(e)) from e
-        return cls(executor, load_tokenizer(tokenizer_dir(model_dir), executor.config), Path(model_dir), None)
+        return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
 
     @staticmethod
     def _repack_for_gpu(model_dir, drafter_dir, gpu: int):

@@ -25,11 +25,23 @@ from ddtree.tree.walk import WalkResult, accept_walk
 
 
 class GraphExecutor:
-    def __init__(self, ranks, name: str = "engine-graphs"):
-        self.ranks, self.name = ranks, name
+    def __init__(self, ranks, name: str = "engine-graphs", host_group=None, tokenizer_dir=None):
+        """host_group: when `ranks` holds one rank of several (a rank process), the ranks' host group
+        (ops/shm_group.py) through which the logits slices are gathered, so every rank samples, builds and walks
+        the same tree from the same bits (runtime/ranks.py)."""
+        self.ranks, self.name, self.host_group, self.tokenizer_dir = ranks, name, host_group, tokenizer_dir
         self.config, self.drafter_config = ranks.cfg, ranks.dcfg
         V, tp = self.config.vocab_size, ranks.tp
         self.offsets = [r * (V // tp) for r in range(tp)]             # builder/plan.py: equal vocab slices
+        if ranks.held < tp and host_group is None:
+            raise ValueError(f"GraphExecutor: {ranks.held} of {tp} ranks here; the others' logits need a host group")
+
+    def _gathered(self, logits) -> np.ndarray:
+        logits = np.asarray(logits, np.float64)
+        if self.ranks.held == self.ranks.tp:
+            return logits
+        parts = self.host_group.all_gather(self.ranks.local[0], logits, "logits slices")   # [tp, q, V_r]
+        return np.concatenate(list(parts), axis=1)
 
     def _split(self, logits) -> list[np.ndarray]:
         logits, step = np.asarray(logits), self.config.vocab_size // self.ranks.tp
@@ -38,12 +50,12 @@ class GraphExecutor:
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
         c = self.config
-        return TargetCaches(self.ranks.tp, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim,
+        return TargetCaches(self.ranks.held, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim,
                             capacity if limit is None else min(capacity, limit), self._dtype(), limit)
 
     def new_drafter_cache(self, capacity: int = 256, limit: int | None = None) -> DraftCaches:
         d, tp = self.drafter_config, self.ranks.tp
-        return DraftCaches(tp, d.num_hidden_layers, d.num_key_value_heads // tp, d.head_dim,
+        return DraftCaches(self.ranks.held, d.num_hidden_layers, d.num_key_value_heads // tp, d.head_dim,
                            capacity if limit is None else min(capacity, limit), self._dtype(), limit)
 
     def _dtype(self):
@@ -56,14 +68,14 @@ class GraphExecutor:
         ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, self.config.vocab_size)
         cache.reserve(T + len(ids))
         out = self.ranks.target_forward(ids, pos, mask_words(visible[:, T:]), cache, tuple(taps))
-        return np.asarray(out.logits, np.float64), {L: np.asarray(h, np.float64) for L, h in out.taps.items()}
+        return self._gathered(out.logits), {L: np.asarray(h, np.float64) for L, h in out.taps.items()}
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V]."""
         ctx_taps = checked_drafter_inputs(ctx_taps, block_ids, self.drafter_config)
         cache.reserve(cache.length + len(ctx_taps))
-        return np.asarray(self.ranks.drafter_forward(np.asarray(block_ids), np.asarray(pos), ctx_taps, cache).logits,
-                          np.float64)
+        return self._gathered(self.ranks.drafter_forward(np.asarray(block_ids), np.asarray(pos), ctx_taps,
+                                                         cache).logits)
 
     def compact(self, cache: TargetCaches, start: int, keep) -> None:
         keep = np.asarray(keep, np.int32).reshape(-1)

@@ -91,10 +91,24 @@ def decode_steps(ex, req: Request, stats: RunStats | None = None) -> Iterator[li
 # ----------------------------------------------------------------------------------------------
 # rank 0
 
-def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtype, cuda: dict | None):
-    """Rank `rank`'s executor: EngineExecutor (float64 numpy, the CPU ranks), or with `cuda` ({"gpus": one GPU
-    index per rank, "max_context", "kernel_plan"}) a CudaExecutor on its GPU with the one-shot all-reduce
-    (runtime/cuda_ranks.py). Every rank builds its own at the same time (they meet in the group)."""
+def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtype, cuda: dict | None,
+                  graphs: dict | None = None):
+    """Rank `rank`'s executor: EngineExecutor (float64 numpy, the CPU ranks); with `cuda` ({"gpus": one GPU index
+    per rank, "max_context", "kernel_plan"}) a CudaExecutor on its GPU with the one-shot all-reduce
+    (runtime/cuda_ranks.py); with `graphs` ({"act": None for the engine's graphs/, or a dtype to export them at})
+    the engine's own graphs of this rank under onnx.reference, their AllReduce nodes meeting in the group
+    (runtime/graph_executor.py), or ({"gpus": one GPU index per rank}) its TensorRT-RTX plans on its GPU
+    (runtime/trt_executor.py PlanRanks). Every rank builds its own at the same time (they meet in the group)."""
+    if graphs is not None:
+        from ddtree.engine_dir import tokenizer_dir
+        from ddtree.runtime.graph_executor import GraphExecutor
+        if "gpus" in graphs:                       # the graphs as TensorRT-RTX plans (--device tensorrt)
+            from ddtree.runtime.trt_executor import PlanRanks
+            ranks = PlanRanks(engine_dir, graphs["gpus"][rank], rank=rank, group=group, checked=checked)
+            return GraphExecutor(ranks, "tensorrt", group, tokenizer_dir(engine_dir))
+        from ddtree.ops.onnx_runner import GraphRanks
+        ranks = GraphRanks.from_engine(engine_dir, graphs.get("act"), rank=rank, group=group, checked=checked)
+        return GraphExecutor(ranks, host_group=group, tokenizer_dir=tokenizer_dir(engine_dir))
     if cuda is None:
         return EngineExecutor(engine_dir, np.dtype(dtype), rank=rank, collective=group, checked=checked)
     from ddtree.runtime.cuda_ranks import cuda_rank_executor
@@ -103,10 +117,11 @@ def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtyp
 
 class RankProcesses:
     def __init__(self, engine_dir, verify: bool = True, dtype=np.float64, timeout_s: float = 60.0,
-                 heartbeat_s: float = 5.0, load_timeout_s: float = 600.0, cuda: dict | None = None):
+                 heartbeat_s: float = 5.0, load_timeout_s: float = 600.0, cuda: dict | None = None,
+                 graphs: dict | None = None):
         """timeout_s: the longest wait for a live peer in a collective; heartbeat_s: a peer silent this long
         is frozen or dead; load_timeout_s: a worker's time to load and hash its weights. cuda: the ranks run on
-        GPUs (rank_executor)."""
+        GPUs; graphs: the ranks run the engine's graphs (rank_executor)."""
         checked = check_engine(engine_dir, verify)             # once, here; each rank hashes its own weights
         self.tp = int(checked[0]["tp"])
         self.spec: GroupSpec = new_spec(self.tp, timeout_s=timeout_s, heartbeat_s=heartbeat_s)
@@ -122,11 +137,11 @@ class RankProcesses:
                 mine, theirs = ctx.Pipe()
                 p = ctx.Process(target=_worker, name=f"ddtree rank {r}", daemon=True,
                                 args=(str(engine_dir), r, self.spec, checked, np.dtype(dtype).str, theirs, os.getpid(),
-                                      cuda))
+                                      cuda, graphs))
                 p.start()
                 theirs.close()
                 self.procs[r], self.conns[r] = p, mine
-            self.executor = rank_executor(engine_dir, 0, self.group, checked, dtype, cuda)
+            self.executor = rank_executor(engine_dir, 0, self.group, checked, dtype, cuda, graphs)
             for r in self.procs:
                 self._ready(r, load_timeout_s)
         except BaseException:
@@ -245,13 +260,13 @@ def _shutdown(group: SharedMemoryGroup, procs: dict, conns: dict, kill: bool) ->
 # ranks 1..N-1
 
 def _worker(engine_dir: str, rank: int, spec: GroupSpec, checked, dtype: str, conn, parent_pid: int,
-            cuda: dict | None = None) -> None:
+            cuda: dict | None = None, graphs: dict | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is rank 0's to handle; it stops the workers
     threading.Thread(target=_watch_parent, args=(parent_pid, spec.name), daemon=True).start()
     group, code = None, 0
     try:
         group = SharedMemoryGroup(spec, rank, parent_pid=parent_pid)
-        ex = rank_executor(engine_dir, rank, group, checked, dtype, cuda)
+        ex = rank_executor(engine_dir, rank, group, checked, dtype, cuda, graphs)
         conn.send(("ready", rank))
         while (req := _receive(conn, parent_pid)) is not None and req != "shutdown":
             _follow(ex, group, conn, req, parent_pid, rank)

@@ -19,9 +19,9 @@ What it is to grow into: device-resident caches and activations, all of a rank's
 the runtime sets that layer's tensor addresses (its weights, its KV-cache slice, the step's activation buffers) and
 enqueues the kind's context on the capturing stream, so a step is one graph launch. Why one context per kind, not
 per layer: 61 contexts hold 61 copies of every plugin's workspaces and of the JIT-specialised kernels for the same
-shapes, and buy nothing that per-layer addresses in one capture do not. tp > 1: one rank process per GPU with its
-collective registered for the AllReduce / AllGather plugins (ops/tensorrt/kernels.py register_rank_collective) —
-not written.
+shapes, and buy nothing that per-layer addresses in one capture do not. tp > 1: one rank process per GPU
+(RankProcesses(trt=...)), each with the one-shot registered for its AllReduce / AllGather plugins; the same loop over
+the graphs as rank processes runs on the CPU (tests/runtime/test_graph_executor.py).
 """
 from __future__ import annotations
 
@@ -83,22 +83,27 @@ def check_gpu_runs_plans(engine_dir, gpu: int = 0, identity=gpu_identity) -> tup
 
 
 class PlanRanks(GraphRanks):
-    """GraphRanks whose graph kinds run as the engine's TensorRT-RTX plans on GPU `gpu` (a tp 1 engine)."""
+    """GraphRanks whose graph kinds run as the engine's TensorRT-RTX plans on GPU `gpu`: a tp 1 engine, or rank `rank`
+    of a tp N engine in its own process (runtime/ranks.py RankProcesses(trt=...)), its AllReduce / AllGather plugins
+    on the one-shot over CUDA IPC, connected through the host `group` and registered for the GPU before the plans
+    are deserialised (ops/tensorrt/kernels.py register_rank_collective)."""
 
-    def __init__(self, engine_dir, gpu: int = 0, verify: bool = True):
+    def __init__(self, engine_dir, gpu: int = 0, verify: bool = True, rank: int | None = None, group=None,
+                 checked: tuple | None = None):
         check_gpu_runs_plans(engine_dir, gpu)                  # first: nothing is loaded on a GPU that cannot run them
         import ml_dtypes
 
         from ddtree.ops.tensorrt.creators import register_creators, trt
         from ddtree.ops.tensorrt.plugin_ops import device_gpu
         root = Path(engine_dir)
-        meta, digests = ed.check_engine(root, verify)
-        if int(meta["tp"]) != 1:
-            raise PlanDeviceError(f"--device tensorrt: {root} is a tp {meta['tp']} engine; the plans run at tp 1 "
-                                  "here (a rank process per GPU with its registered collective is not written)")
+        meta, digests = checked if checked is not None else ed.check_engine(root, verify)
+        tp, r = int(meta["tp"]), 0 if rank is None else rank
+        if tp != 1 and (rank is None or group is None):
+            raise PlanDeviceError(f"--device tensorrt: {root} is a tp {tp} engine; its ranks run as processes, one "
+                                  "per GPU (runtime/ranks.py RankProcesses(trt=...))")
         self.cfg, self.dcfg = ed.engine_configs(root, meta)
         index = json.loads(ed.graphs_index_path(root).read_text())
-        self.tp, self.act, self.group, self.pool, self.trt = 1, index["act"], None, None, trt
+        self.tp, self.held, self.local, self.act, self.group, self.pool, self.trt = tp, 1, [r], index["act"], None, None, trt
         self.bf16 = ml_dtypes.bfloat16
         kinds = index["kinds"]
         self.prefix = {k: v["weight_prefix"] for k, v in kinds.items()}
@@ -107,12 +112,18 @@ class PlanRanks(GraphRanks):
         self.draft_kind = {L: k for k, v in kinds.items() if k.startswith("draft_layer") for L in v["layers"]}
         register_creators()
         self.gpu = device_gpu(gpu)
-        tensors = ed.load_rank_tensors(root, 0, meta["weight_files"], convert=ed.STORED, digests=digests)
+        if tp > 1:
+            from ddtree.ops.tensorrt.kernels import RankCollective, register_rank_collective
+            from ddtree.runtime.cuda_ranks import MAX_TOKENS, connect_one_shot
+            width = max(self.cfg.hidden_size, self.dcfg.hidden_size)
+            one_shot = connect_one_shot(self.gpu, r, group, MAX_TOKENS * width)
+            register_rank_collective(gpu, RankCollective(one_shot=one_shot))
+        tensors = ed.load_rank_tensors(root, r, meta["weight_files"], convert=ed.STORED, digests=digests)
         self.weights = [{name: self.gpu.upload(np.ascontiguousarray(a)) for name, a in tensors.items()}]
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         plans = json.loads(ed.plans_path(root).read_text())["plans"]
         self.kinds = {}
-        for rel, p in plans.items():
+        for rel, p in ((rel, p) for rel, p in plans.items() if p["rank"] == r):
             engine = runtime.deserialize_cuda_engine((root / rel).read_bytes())
             if engine is None:
                 raise PlanDeviceError(f"{root / rel}: TensorRT-RTX could not deserialise the plan")

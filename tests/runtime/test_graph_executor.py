@@ -16,10 +16,14 @@ PROMPT = [256] + list(b"def fib(n):")
 
 
 @pytest.fixture(scope="module")
-def executors(tmp_path_factory):
+def engine(tmp_path_factory):
+    return build_engine(*tiny_model_dirs(), 2, ["sm_90"], tmp_path_factory.mktemp("graphs") / "e")["engine"]
+
+
+@pytest.fixture(scope="module")
+def executors(engine):
     from ddtree.ops.onnx_runner import GraphRanks
     from ddtree.runtime.graph_executor import GraphExecutor
-    engine = build_engine(*tiny_model_dirs(), 2, ["sm_90"], tmp_path_factory.mktemp("graphs") / "e")["engine"]
     return GraphExecutor(GraphRanks.from_engine(engine, act="float64")), EngineExecutor(engine)
 
 
@@ -44,3 +48,21 @@ def test_graph_logits_equal_the_numpy_executor(executors):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     for L in (0, 2):
         np.testing.assert_allclose(got_taps[L], want_taps[L], rtol=0, atol=1e-6 * np.abs(want_taps[L]).max())
+
+
+def test_the_graphs_as_rank_processes_decode_the_same_tokens(engine, executors):
+    """Each rank process runs only its own graphs and weights (GraphRanks(rank=r)), their AllReduce nodes meeting
+    in the shared-memory group and the logits slices gathered through it (runtime/ranks.py, graphs=...): the
+    tokens of every rank as a thread, greedy and sampled, DDTree and AR."""
+    from ddtree.runtime.ranks import RankProcesses, Request
+    graphs, _ = executors
+    procs = RankProcesses(engine, graphs={"act": "float64"})
+    try:
+        assert procs.executor.ranks.held == 1 and procs.executor.ranks.tp == 2
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
+            want = run_to_end(ar_steps(graphs, PROMPT, 8, params))
+            for mode in ("ar", "ddtree"):
+                req = Request(mode, tuple(PROMPT), 8, params, 16, (), None)
+                assert [t for chunk in procs.steps(req) for t in chunk] == want, (mode, params)
+    finally:
+        procs.close()
