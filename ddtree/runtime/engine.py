@@ -158,8 +158,9 @@ class DDTreeEngine:
         return engine
 
     @classmethod
-    def _load_tensorrt(cls, model_dir, drafter_dir, gpu: int, verify: bool = True) -> "DDTreeEngine":
-        """An engine dir with TensorRT-RTX plans, on a GPU of the plans' compute capability (checked first)."""
+    def _load_tensorrt(cls, model_dir, drafter_dir, gpu, verify: bool = True) -> "DDTreeEngine":
+        """An engine dir with TensorRT-RTX plans on GPUs of the plans' compute capability (checked first; --gpu as
+        for cuda: a tp N engine runs a rank process per listed GPU)."""
         from ddtree.engine_dir import is_engine_dir, read_engine_config, tokenizer_dir
         from ddtree.runtime.graph_executor import GraphExecutor
         from ddtree.runtime.trt_executor import PlanDeviceError, PlanRanks, check_gpu_runs_plans
@@ -280,7 +281,7 @@ class DDTreeEngine:
     @property
     def device(self) -> str:
         name = getattr(self.executor, "name", "cpu")
-        return name if self.processes is None or name == "cuda" else "cpu"
+        return name if self.processes is None or name in ("cuda", "tensorrt") else "cpu"
 
     def device_stats(self) -> dict:
         """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""

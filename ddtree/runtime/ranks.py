@@ -4,8 +4,9 @@
     for chunk in procs.steps(Request(...)): ... # rank 0 drives; workers follow step by step
     procs.close()                               # or DDTreeEngine.close(); also at interpreter exit
 
-The step is rank-symmetric: every rank runs the same decode loop (runtime/loop.py) over its own
-EngineExecutor(rank=r) and the shared-memory group (ops/shm_group.py). The logits slices are all-gathered,
+The step is rank-symmetric: every rank runs the same decode loop (runtime/loop.py) over its own executor
+(rank_executor: EngineExecutor(rank=r) on CPU, CudaExecutor(rank=r) on its GPU, or its own graphs / TensorRT-RTX
+plans) and the shared-memory group (ops/shm_group.py). The logits slices are all-gathered,
 so every rank samples, builds the tree and walks it from the same bits and reaches the same decisions;
 rank 0 alone owns the tokenizer and hands tokens to the caller. A worker needs the Request once (prompt ids,
 mode, lengths, sampling) and then one ControlRecord per step from rank 0 over its pipe: step index, start
