@@ -34,6 +34,7 @@ from ddtree.ops.layers import layer_weight_name
 from ddtree.ops.numpy_backend import run_on_ranks
 from ddtree.ops.onnx_export import LayerGraph, export_rank, rank_specs
 from ddtree.ops.onnx_nodes import ops_for
+from ddtree.ops.opset import RankLayout
 from ddtree.tree.build import pack_visibility
 
 ACT_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
@@ -57,13 +58,23 @@ class DraftOut:
     candidates: dict[str, np.ndarray]       # topk_values/topk_ids [tp, D, k], row_max/row_sumexp [tp, D]
 
 
+def kind_maps(kinds) -> tuple[dict[int, str], dict[int, str]]:
+    """(kind, layers, weight_prefix) of every graph kind -> (decoder layer -> its kind, drafter layer -> its kind)."""
+    kinds = list(kinds)
+    layer_kind = {L: kind for kind, layers, prefix in kinds if prefix and kind in ("dense_layer", "moe_layer")
+                  for L in layers}
+    draft_kind = {L: kind for kind, layers, _ in kinds if kind.startswith("draft_layer") for L in layers}
+    return layer_kind, draft_kind
+
+
 class GraphRanks:
     def __init__(self, cfg: KimiConfig, dcfg: DrafterConfig, graphs: list[dict[str, LayerGraph]],
                  weights: list[dict[str, np.ndarray]], act: str, rank: int | None = None, tp: int | None = None,
-                 group=None):
+                 group=None, plan: dict | None = None):
         """graphs / weights: every rank's (rank None: the ranks as threads meeting in an in-process group), or one
         rank's: this process is rank `rank` of `tp`, meeting the other rank processes in `group` (ops/shm_group.py),
-        and the outputs it returns are its own (the logits its vocab slice)."""
+        and the outputs it returns are its own (the logits its vocab slice). plan: the engine's TP plan (its
+        ranks' vocab slices: `layouts`)."""
         self.cfg, self.dcfg, self.graphs, self.weights, self.act = cfg, dcfg, graphs, weights, act
         self.held = len(graphs)                                   # ranks run here
         self.tp = self.held if rank is None else int(tp)
@@ -72,10 +83,8 @@ class GraphRanks:
         ops = ops_for(self.group)
         self.evaluators = [{kind: ReferenceEvaluator(lg.model, new_ops=ops) for kind, lg in g.items()} for g in graphs]
         self.pool = ThreadPoolExecutor(self.held) if self.held > 1 else None
-        self.layer_kind = {L: kind for kind, lg in graphs[0].items() if lg.weight_prefix for L in lg.layers
-                           if kind in ("dense_layer", "moe_layer")}
-        self.draft_kind = {L: kind for kind, lg in graphs[0].items() if kind.startswith("draft_layer")
-                           for L in lg.layers}
+        self.layer_kind, self.draft_kind = kind_maps((k, lg.layers, lg.weight_prefix) for k, lg in graphs[0].items())
+        self.layouts = None if plan is None else [RankLayout.from_plan(plan, r) for r in range(self.tp)]
 
     @classmethod
     def from_engine(cls, engine_dir, act: str | None = None, verify: bool = True, rank: int | None = None,
@@ -94,7 +103,7 @@ class GraphRanks:
             specs = rank_specs(engine_dir, files)
             graphs = [export_rank(cfg, dcfg, meta["plan"], r, specs, meta["budgets"], act) for r in ranks]
         weights = [ed.load_rank_tensors(engine_dir, r, files, convert=ed.BFLOAT16, digests=digests) for r in ranks]
-        return cls(cfg, dcfg, graphs, weights, act, rank=rank, tp=tp, group=group)
+        return cls(cfg, dcfg, graphs, weights, act, rank=rank, tp=tp, group=group, plan=meta["plan"])
 
     # running ---------------------------------------------------------------------------------------
     def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
@@ -130,15 +139,16 @@ class GraphRanks:
         return first
 
     # caches ----------------------------------------------------------------------------------------
-    def new_target_caches(self, capacity: int) -> TargetCaches:
+    def new_target_caches(self, capacity: int, limit: int | None = None) -> TargetCaches:
+        """The held ranks' latent caches: `capacity` rows, grown on demand up to `limit` (None: no limit)."""
         c = self.cfg
         return TargetCaches(self.held, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim, capacity,
-                            ACT_NUMPY[self.act])
+                            ACT_NUMPY[self.act], limit)
 
-    def new_drafter_caches(self, capacity: int) -> DraftCaches:
+    def new_drafter_caches(self, capacity: int, limit: int | None = None) -> DraftCaches:
         d = self.dcfg
         return DraftCaches(self.held, d.num_hidden_layers, d.num_key_value_heads // self.tp, d.head_dim, capacity,
-                           ACT_NUMPY[self.act])
+                           ACT_NUMPY[self.act], limit)
 
     # the model, graph by graph -----------------------------------------------------------------------
     def target_forward(self, ids, pos, tree_mask, caches: TargetCaches, taps=(), temperature: float = 0.0,

@@ -36,6 +36,12 @@ FIRST_CANDIDATES = 64          # top-p without top-k: candidates per rank in the
 NO_ID = np.iinfo(np.int64).max
 
 
+def split_logits(logits, layouts) -> tuple[list[np.ndarray], list[int]]:
+    """Full logits [n, V] -> the ranks' vocab slices [n, V_r] and their first ids (ops/opset.py RankLayouts)."""
+    logits = np.asarray(logits)
+    return [logits[:, lay.vocab_start: lay.vocab_stop] for lay in layouts], [lay.vocab_start for lay in layouts]
+
+
 def gather_argmax(values: list[np.ndarray], offsets: list[int]) -> np.ndarray:
     """Per-rank values [n, V_r] -> global argmax ids [n] (ties -> the lowest id), from one (value, id)
     winner per rank and row."""

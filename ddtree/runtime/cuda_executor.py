@@ -243,13 +243,12 @@ class CudaExecutor:
             return local
         return np.concatenate(list(self.host_group.all_gather(self.lay.rank, local, "logits slices")), axis=1)
 
-    def _split(self, logits) -> tuple[list[np.ndarray], list[int]]:
-        """Full logits [q, V] as the ranks' vocab slices and their first ids (vocab_parallel's inputs)."""
-        logits = np.asarray(logits)
+    def _vocab(self, logits) -> tuple[list[np.ndarray], list[int]]:
+        """vocab_parallel's inputs: the ranks' slices of the gathered logits (tp > 1 rank processes), else the
+        logits whole."""
         if self.host_group is None:
-            return [logits], [0]
-        return ([logits[:, lay.vocab_start: lay.vocab_stop] for lay in self.layouts],
-                [lay.vocab_start for lay in self.layouts])
+            return [np.asarray(logits)], [0]
+        return vocab_parallel.split_logits(logits, self.layouts)
 
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
@@ -342,10 +341,10 @@ class CudaExecutor:
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
-        return vocab_parallel.sample(*self._split(logits), positions, params)
+        return vocab_parallel.sample(*self._vocab(logits), positions, params)
 
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
-        logp, ids = vocab_parallel.topk_logprobs(*self._split(draft_logits), budget)
+        logp, ids = vocab_parallel.topk_logprobs(*self._vocab(draft_logits), budget)
         return build_tree(root_token, logp, ids, budget)
 
     def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:

@@ -16,6 +16,11 @@ import numpy as np
 from ddtree.ops.cuda_backend import MAX_TOKENS
 
 
+def all_reduce_elems(cfg, dcfg) -> int:
+    """The largest all-reduce of a step, in elements: [256 rows, hidden] (the target's or the drafter's)."""
+    return MAX_TOKENS * max(cfg.hidden_size, dcfg.hidden_size)
+
+
 def connect_one_shot(gpu, rank: int, group, max_elems: int):
     """A one-shot all-reduce on `gpu` connected to every peer's buffer, the IPC handles exchanged through `group`."""
     from ddtree.plugins.allreduce import OneShotAllReduce
@@ -37,8 +42,7 @@ def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], m
     (False: the primitives, e.g. to compare the two)."""
     from ddtree.engine_dir import engine_configs
     from ddtree.runtime.cuda_executor import CudaExecutor
-    cfg, dcfg = engine_configs(engine_dir, checked[0])
-    max_elems = MAX_TOKENS * max(cfg.hidden_size, dcfg.hidden_size)       # the largest all-reduce: [256, H]
+    max_elems = all_reduce_elems(*engine_configs(engine_dir, checked[0]))
     return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
                         kernel_plan=kernel_plan, rank=rank, graphs=graphs,
                         collective=lambda gpu: one_shot_member(gpu, rank, group, max_elems), host_group=group,

@@ -108,7 +108,6 @@ class EngineExecutor:
         self.collective = collective_for(self.tp) if rank is None else collective
         self.ranks = NumpyRanks([NumpyOps(w, self.layouts[r], self.collective, self.dtype)
                                  for w, r in zip(weights, self.local)])
-        self.offsets = [lay.vocab_start for lay in self.layouts]
 
     def _gathered(self, outs: list[dict], what: str) -> np.ndarray:
         """Every rank's logits slice [q, V_r] -> [q, V]: joined here, or all-gathered from the other processes."""
@@ -116,9 +115,6 @@ class EngineExecutor:
             return np.concatenate([o["logits"] for o in outs], axis=1)
         parts = self.collective.all_gather(self.local[0], outs[0]["logits"], f"logits of {what}")   # [tp, q, V_r]
         return np.concatenate(list(parts), axis=1)
-
-    def _split(self, logits: np.ndarray) -> list[np.ndarray]:
-        return [logits[:, lay.vocab_start: lay.vocab_stop] for lay in self.layouts]
 
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
@@ -189,10 +185,10 @@ class EngineExecutor:
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
-        return vocab_parallel.sample(self._split(np.asarray(logits)), self.offsets, positions, params)
+        return vocab_parallel.sample(*vocab_parallel.split_logits(logits, self.layouts), positions, params)
 
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
-        logp, ids = vocab_parallel.topk_logprobs(self._split(np.asarray(draft_logits)), self.offsets, budget)
+        logp, ids = vocab_parallel.topk_logprobs(*vocab_parallel.split_logits(draft_logits, self.layouts), budget)
         return build_tree(root_token, logp, ids, budget)
 
     def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:

@@ -31,10 +31,9 @@ class GraphExecutor:
         the same tree from the same bits (runtime/ranks.py)."""
         self.ranks, self.name, self.host_group, self.tokenizer_dir = ranks, name, host_group, tokenizer_dir
         self.config, self.drafter_config = ranks.cfg, ranks.dcfg
-        V, tp = self.config.vocab_size, ranks.tp
-        self.offsets = [r * (V // tp) for r in range(tp)]             # builder/plan.py: equal vocab slices
-        if ranks.held < tp and host_group is None:
-            raise ValueError(f"GraphExecutor: {ranks.held} of {tp} ranks here; the others' logits need a host group")
+        if ranks.held < ranks.tp and host_group is None:
+            raise ValueError(f"GraphExecutor: {ranks.held} of {ranks.tp} ranks here; the others' logits need a "
+                             "host group")
 
     def _gathered(self, logits) -> np.ndarray:
         logits = np.asarray(logits, np.float64)
@@ -43,23 +42,12 @@ class GraphExecutor:
         parts = self.host_group.all_gather(self.ranks.local[0], logits, "logits slices")   # [tp, q, V_r]
         return np.concatenate(list(parts), axis=1)
 
-    def _split(self, logits) -> list[np.ndarray]:
-        logits, step = np.asarray(logits), self.config.vocab_size // self.ranks.tp
-        return [logits[:, o: o + step] for o in self.offsets]
-
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 256, limit: int | None = None) -> TargetCaches:
-        c = self.config
-        return TargetCaches(self.ranks.held, c.num_hidden_layers, c.kv_lora_rank + c.qk_rope_head_dim,
-                            capacity if limit is None else min(capacity, limit), self._dtype(), limit)
+        return self.ranks.new_target_caches(capacity if limit is None else min(capacity, limit), limit)
 
     def new_drafter_cache(self, capacity: int = 256, limit: int | None = None) -> DraftCaches:
-        d, tp = self.drafter_config, self.ranks.tp
-        return DraftCaches(self.ranks.held, d.num_hidden_layers, d.num_key_value_heads // tp, d.head_dim,
-                           capacity if limit is None else min(capacity, limit), self._dtype(), limit)
-
-    def _dtype(self):
-        return self.ranks.new_target_caches(1).layers[0][0].dtype
+        return self.ranks.new_drafter_caches(capacity if limit is None else min(capacity, limit), limit)
 
     # primitives --------------------------------------------------------------------------------
     def target_forward(self, ids, pos, visible, cache: TargetCaches, taps=()):
@@ -87,10 +75,11 @@ class GraphExecutor:
         self.ranks.compact(cache, start, accepted, len(keep))
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
-        return vocab_parallel.sample(self._split(logits), self.offsets, positions, params)
+        return vocab_parallel.sample(*vocab_parallel.split_logits(logits, self.ranks.layouts), positions, params)
 
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
-        logp, ids = vocab_parallel.topk_logprobs(self._split(draft_logits), self.offsets, budget)
+        logp, ids = vocab_parallel.topk_logprobs(*vocab_parallel.split_logits(draft_logits, self.ranks.layouts),
+                                                 budget)
         return build_tree(root_token, logp, ids, budget)
 
     def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:

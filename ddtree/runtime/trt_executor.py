@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ddtree import engine_dir as ed
-from ddtree.ops.onnx_runner import GraphRanks
+from ddtree.ops.onnx_runner import GraphRanks, kind_maps
+from ddtree.ops.opset import RankLayout
 from ddtree.runtime.plan_kind import PlanKind
 
 
@@ -107,16 +108,14 @@ class PlanRanks(GraphRanks):
         self.bf16 = ml_dtypes.bfloat16
         kinds = index["kinds"]
         self.prefix = {k: v["weight_prefix"] for k, v in kinds.items()}
-        self.layer_kind = {L: k for k, v in kinds.items() if v["weight_prefix"] and k in ("dense_layer", "moe_layer")
-                           for L in v["layers"]}
-        self.draft_kind = {L: k for k, v in kinds.items() if k.startswith("draft_layer") for L in v["layers"]}
+        self.layer_kind, self.draft_kind = kind_maps((k, v["layers"], v["weight_prefix"]) for k, v in kinds.items())
+        self.layouts = [RankLayout.from_plan(meta["plan"], q) for q in range(tp)]
         register_creators()
         self.gpu = device_gpu(gpu)
         if tp > 1:
             from ddtree.ops.tensorrt.kernels import RankCollective, register_rank_collective
-            from ddtree.runtime.cuda_ranks import MAX_TOKENS, connect_one_shot
-            width = max(self.cfg.hidden_size, self.dcfg.hidden_size)
-            one_shot = connect_one_shot(self.gpu, r, group, MAX_TOKENS * width)
+            from ddtree.runtime.cuda_ranks import all_reduce_elems, connect_one_shot
+            one_shot = connect_one_shot(self.gpu, r, group, all_reduce_elems(self.cfg, self.dcfg))
             register_rank_collective(gpu, RankCollective(one_shot=one_shot))
         tensors = ed.load_rank_tensors(root, r, meta["weight_files"], convert=ed.STORED, digests=digests)
         self.weights = [{name: self.gpu.upload(np.ascontiguousarray(a)) for name, a in tensors.items()}]
