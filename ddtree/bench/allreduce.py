@@ -21,7 +21,7 @@ import numpy as np
 from ddtree.errors import InputError, reported
 from ddtree.jsonout import emit_json
 
-IMPLS = ("one-shot", "nccl")
+IMPLS = ("one-shot", "one-shot-pull", "nccl")   # one-shot: the push protocol (plugins/allreduce.py)
 FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and mantissa in [0.5, 1)
 
 
@@ -114,6 +114,10 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
     max_elems = max(ms) * hidden
     ar = OneShotAllReduce(gpu, link.rank, link.nranks, max_elems)
     ar.connect(link.all_exchange(ar.ipc_handle()))
+    pull = None
+    if "one-shot-pull" in impls:
+        pull = OneShotAllReduce(gpu, link.rank, link.nranks, max_elems, protocol="pull")
+        pull.connect(link.all_exchange(pull.ipc_handle()))
     nccl = None
     if "nccl" in impls:
         uid = link.all_exchange(new_unique_id() if link.rank == 0 else None)[0]
@@ -128,6 +132,8 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
             x = xs[i % 2]
             if impl == "one-shot":
                 ar(x, x, elems, stream=stream)
+            elif impl == "one-shot-pull":
+                pull(x, x, elems, stream=stream)
             else:
                 nccl.all_reduce(x, x, elems, stream=stream)
 
@@ -152,12 +158,14 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
             rows.append({**base, "mode": "in_graph", "us": round((chain_us - base_us) / collectives, 2),
                          "graph_us": round(chain_us, 1), "kernels_only_us": round(base_us, 1)})
     gpu.sync()
-    errors = ar.error_ranks()
+    errors = sorted(set(ar.error_ranks()) | set(pull.error_ranks() if pull is not None else []))
     info = {"rank": link.rank, "rows": rows, "one_shot_errors": errors, "gpu": gpu.name,
             "nccl_version": version() if nccl is not None else None}
     if nccl is not None:
         nccl.close()
     ar.close()
+    if pull is not None:
+        pull.close()
     return info
 
 

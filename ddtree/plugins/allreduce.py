@@ -18,6 +18,13 @@ with the count moving on, and every rank must run the same sequence of collectiv
 Double buffering is safe: a rank reaches collective k + 2 only after k + 1 completed, which needed every
 peer's k + 1 flags, which a peer publishes only after its kernel k (all reads of slot k & 1) finished.
 
+Pull (protocol="pull", allreduce_pull; the alternative issue 25 asks to measure): each block copies its chunk
+into data[slot][rank] of its own buffer, publishes the same flags, waits the same way, then reads every peer
+s's chunk from data[slot][s] of s's buffer and sums in the same rank order: the same bits as push. The link
+carries peer writes in push and peer reads in pull (on PCIe a read is a non-posted round trip); the same
+double-buffering argument holds, a rank's own slot standing in for the slots it wrote into. Every rank of a
+group must use the same protocol (ranks' sequences, flags and layout are shared; a mix reads stale parts).
+
 All-gather (allgather_push): the same collective moving bytes, so it shares the buffer, the slots, the flags,
 the device counter and the error word with the all-reduce (one numbering: a rank's all-reduces and all-gathers
 stay in one order, and the argument above holds for any mix of the two). Block b pushes its chunk of x
@@ -42,6 +49,7 @@ from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
 SOURCE = "allreduce.cu"
 THREADS = 256                       # threads per block; one 16-byte vector (8 bf16) per thread and step
 VECTOR = 8                          # bf16 per 16-byte vector: elems must be a multiple of it
+PROTOCOLS = ("push", "pull")     # how an all-reduce's parts cross the link (all-gathers always push)
 DEFAULT_MAX_SPINS = 2_000_000       # polls of one flag before a peer counts as lost (~1 s: 200 ns sleeps)
 
 
@@ -141,20 +149,23 @@ def can_access_peer(device: int, peer: int) -> bool:
 
 class OneShotAllReduce:
     """One rank's side. max_elems: the largest message (bf16 elements) a call may reduce; an all-gather's part
-    may have as many bytes as that (max_bytes)."""
+    may have as many bytes as that (max_bytes). protocol: PROTOCOLS, the same on every rank."""
 
-    def __init__(self, gpu: Gpu, rank: int, nranks: int, max_elems: int, max_spins: int = DEFAULT_MAX_SPINS):
+    def __init__(self, gpu: Gpu, rank: int, nranks: int, max_elems: int, max_spins: int = DEFAULT_MAX_SPINS,
+                 protocol: str = "push"):
         max_ranks, _ = limits()
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"one-shot all-reduce: protocol {protocol!r}; expected one of {PROTOCOLS}")
         if not 2 <= nranks <= max_ranks or not 0 <= rank < nranks:
             raise ValueError(f"one-shot all-reduce: rank {rank} of {nranks}; 2..{max_ranks} ranks are supported")
         if max_elems < VECTOR or max_elems % VECTOR:
             raise ValueError(f"one-shot all-reduce: max_elems = {max_elems} must be a positive multiple of {VECTOR}")
-        self.gpu, self.rank, self.nranks, self.max_elems = gpu, rank, nranks, max_elems
+        self.gpu, self.rank, self.nranks, self.max_elems, self.protocol = gpu, rank, nranks, max_elems, protocol
         self.max_spins = int(max_spins)
         self.buffer = gpu.zeros(exchange_bytes(nranks, max_elems), np.uint8)
         self.state = gpu.zeros(4, np.uint64)           # [0] last seq, [1] blocks done, [2] low word: error bits
         self.error = self.state.view(2, (2,)).ptr      # int32 at byte 16
-        self.kernel = gpu.kernel(SOURCE, "allreduce_push")
+        self.kernel = gpu.kernel(SOURCE, f"allreduce_{protocol}")
         self.gather_kernel = gpu.kernel(SOURCE, "allgather_push")
         self.opened: list[int] = []
         self.peers: DeviceArray | None = None

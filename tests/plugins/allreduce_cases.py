@@ -22,13 +22,13 @@ def part(rank: int, M: int, rep: int) -> np.ndarray:
     return f32_to_bf16(x)
 
 
-def one_shot_rank(link, gpu_id: int, ms: list[int], replays: int) -> dict:
+def one_shot_rank(link, gpu_id: int, ms: list[int], replays: int, protocol: str = "push") -> dict:
     """Per M: a graph of one out-of-place all-reduce replayed `replays` times with new inputs, then one
     eager in-place call (input rep = replays). Returns the outputs, the device counter and the error bits."""
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu
     gpu = Gpu(gpu_id)
-    ar = OneShotAllReduce(gpu, link.rank, link.nranks, max(ms) * HIDDEN)
+    ar = OneShotAllReduce(gpu, link.rank, link.nranks, max(ms) * HIDDEN, protocol=protocol)
     ar.connect(link.all_exchange(ar.ipc_handle()))
     x, out = gpu.alloc(max(ms) * HIDDEN, np.uint16), gpu.alloc(max(ms) * HIDDEN, np.uint16)
     got, calls = {}, 0

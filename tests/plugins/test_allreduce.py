@@ -64,48 +64,66 @@ def test_block_chunks_cover_every_vector_once(elems):
     assert (seen == 1).all()
 
 
-def simulate(nranks: int, calls: int, seed: int) -> None:
-    """The kernel's protocol with one block, as steps a random scheduler interleaves: push (write my part
-    into every peer's slot, publish seq), wait (every peer's flag == seq), read (sum), finish (counter = seq).
-    Each region remembers which seq wrote it; a read must find its own seq, and no push may overwrite
-    a part whose reader has not read it yet."""
+def simulate(nranks: int, calls: int, seed: int, protocol: str = "push") -> None:
+    """The kernel's protocol with one block, as steps a random scheduler interleaves: write (push: my part into
+    every peer's slot; pull: into my own slot), publish seq to every peer, wait (every peer's flag == seq), read
+    (push: the parts in my buffer; pull: each peer's part in its buffer), finish (counter = seq). Each region
+    remembers which seq wrote it; a read must find its own seq, and no write may overwrite a part one of its
+    readers has not read yet."""
     rng = np.random.default_rng(seed)
     counter = [0] * nranks
     phase = ["push"] * nranks
     flags = {}                                         # (dest, slot, src) -> seq
-    written = {}                                       # (dest, slot, src) -> seq of the part there
-    unread = set()                                     # (dest, slot, src) parts written, not yet read
+    written = {}                                       # (buffer, slot, src) -> seq of the part there
+    unread = set()                                     # (reader, buffer, slot, src) parts written, not yet read
     while min(counter) < calls:
         rank = int(rng.integers(nranks))
         seq = counter[rank] + 1
         slot = ar.slot_of(seq)
         if seq > calls:
             continue
+        peers = [d for d in range(nranks) if d != rank]
         if phase[rank] == "push":
-            for d in range(nranks):
-                if d != rank:
-                    assert (d, slot, rank) not in unread, f"rank {rank} overwrote an unread part of rank {d}"
-                    written[(d, slot, rank)] = seq
-                    unread.add((d, slot, rank))
-                    flags[(d, slot, rank)] = seq
+            targets = [(d, d) for d in peers] if protocol == "push" else [(rank, d) for d in peers]
+            for buffer, reader in targets:             # the part lands in `buffer`, `reader` reads it there
+                assert (reader, buffer, slot, rank) not in unread, f"rank {rank} overwrote a part unread by {reader}"
+                written[(buffer, slot, rank)] = seq
+                unread.add((reader, buffer, slot, rank))
+            for d in peers:
+                flags[(d, slot, rank)] = seq
             phase[rank] = "wait"
         elif phase[rank] == "wait":
-            if all(flags.get((rank, slot, s)) == seq for s in range(nranks) if s != rank):
+            if all(flags.get((rank, slot, s)) == seq for s in peers):
                 phase[rank] = "read"
         elif phase[rank] == "read":
-            for s in range(nranks):
-                if s != rank:
-                    assert written[(rank, slot, s)] == seq
-                    unread.discard((rank, slot, s))
+            for s in peers:
+                buffer = rank if protocol == "push" else s
+                assert written[(buffer, slot, s)] == seq
+                unread.discard((rank, buffer, slot, s))
             counter[rank] = seq
             phase[rank] = "push"
 
 
+@pytest.mark.parametrize("protocol", ar.PROTOCOLS)
 @pytest.mark.parametrize("nranks", [2, 3, 8])
-def test_double_buffered_slots_under_random_schedules(nranks):
+def test_double_buffered_slots_under_random_schedules(nranks, protocol):
     for seed in range(20):
-        simulate(nranks, calls=12, seed=seed)
+        simulate(nranks, calls=12, seed=seed, protocol=protocol)
     assert [ar.slot_of(k) for k in range(1, 6)] == [1, 0, 1, 0, 1]
+
+
+def test_a_single_slot_would_be_caught_by_the_simulation(monkeypatch):
+    """The simulation can fail: with every collective in one slot, a fast rank overwrites an unread part."""
+    monkeypatch.setattr(ar, "slot_of", lambda seq: 0)
+    for protocol in ar.PROTOCOLS:
+        with pytest.raises(AssertionError, match="overwrote"):
+            for seed in range(50):
+                simulate(3, calls=12, seed=seed, protocol=protocol)
+
+
+def test_an_unknown_protocol_is_named_before_any_allocation():
+    with pytest.raises(ValueError, match="protocol 'ring'"):
+        ar.OneShotAllReduce(None, 0, 2, 8, protocol="ring")
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -144,8 +162,9 @@ def shared_bytes(cubin: bytes, kernel: str) -> int:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_kernel_compiles_within_the_sm120_shared_memory(tmp_path, arch):
     cubin = kc.compile_cubin("allreduce.cu", arch, cache=tmp_path).read_bytes()
-    for name in ("allreduce_push", "allreduce_pingpong"):
+    for name in ("allreduce_push", "allreduce_pull", "allreduce_pingpong"):
         assert name.encode() in cubin
-    used = shared_bytes(cubin, "allreduce_push")
-    assert 0 < used <= 99 * 1024          # s_seq + s_failed; the launcher asks for no dynamic shared memory
+    for name in ("allreduce_push", "allreduce_pull"):
+        used = shared_bytes(cubin, name)
+        assert 0 < used <= 99 * 1024          # s_seq + s_failed; the launcher asks for no dynamic shared memory
     assert shared_bytes(cubin, "no_such_kernel") == 0

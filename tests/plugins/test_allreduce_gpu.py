@@ -28,9 +28,10 @@ from ddtree.plugins.allreduce import reference_sum           # noqa: E402
 from tests.plugins.allreduce_cases import killed_peer_rank, nccl_rank, one_shot_rank, part   # noqa: E402
 
 
-def test_one_shot_sum_bit_equal_on_both_ranks_in_a_replayed_graph():
+@pytest.mark.parametrize("protocol", ["push", "pull"])
+def test_one_shot_sum_bit_equal_on_both_ranks_in_a_replayed_graph(protocol):
     ms, replays = [1, 17, 65], 3
-    results = run_ranks(one_shot_rank, [0, 1], args=(ms, replays))
+    results = run_ranks(one_shot_rank, [0, 1], args=(ms, replays, protocol))
     for rank, res in enumerate(results):
         assert res["errors"] == [], f"rank {rank}: error bits {res['errors']}"
         assert res["sequence"] == res["calls"] == len(ms) * (replays + 1)

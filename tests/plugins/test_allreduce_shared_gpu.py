@@ -1,5 +1,5 @@
 """Rank processes that share one GPU (issue 25: tp ranks need not have a GPU each): the one-shot all-reduce between
-2 and 4 processes on GPU 0 over CUDA IPC is bit-equal to the rank-ordered float32 sum on every rank, and the
+2 and 4 processes on GPU 0 over CUDA IPC, pushed or pulled, is bit-equal to the rank-ordered float32 sum on every rank, and the
 AllReduce plugin's runner at world_size 2 (a registered one-shot, its enqueue captured once in global mode and
 replayed with new inputs) gives the same bits. One GPU is enough."""
 import numpy as np
@@ -22,10 +22,11 @@ def assert_sums(results, ms, replays, outs_of=lambda res, M: res["outs"][M]):
                 assert bad.size == 0, f"rank {rank} M {M} rep {rep}: {bad.size} of {want.size} differ"
 
 
+@pytest.mark.parametrize("protocol", ["push", "pull"])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_one_shot_between_processes_on_one_gpu(ranks):
+def test_one_shot_between_processes_on_one_gpu(ranks, protocol):
     ms, replays = [1, 17], 3
-    results = run_ranks(one_shot_rank, [0] * ranks, args=(ms, replays))
+    results = run_ranks(one_shot_rank, [0] * ranks, args=(ms, replays, protocol))
     assert_sums(results, ms, replays)
     assert all(res["sequence"] == len(ms) * (replays + 1) for res in results)
 

@@ -12,6 +12,7 @@
 // max_spins polls; past that it sets bit r of *error and goes on), then sums the nranks parts of its
 // chunk in rank order 0..nranks-1 in float32 and rounds once to bf16: every rank writes the same bits.
 // Once *error is set, later calls skip the waits (a dead peer costs one bound, not one per call).
+// allreduce_pull is the alternative: each rank's part stays in its own buffer and every rank reads the peers'.
 // allgather_push is the same collective (one numbering, one buffer, the same flags) moving bytes: rank s's
 // chunk of x into data[slot][s] of every peer, then every part copied into out in rank order.
 #include "common.cuh"
@@ -117,6 +118,39 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
         unpack8(rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i), acc);
         for (int s = 1; s < nranks; ++s)
             add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4((const uint4*)(mine + s * region_bytes) + i));
+        out[i] = pack8(acc);
+    }
+    end_collective(c, state);
+}
+
+// The pull variant (the alternative to push; same buffer, flags, numbering and sum): block b copies its chunk of x
+// into data[slot][rank] of its OWN buffer (local writes), publishes as push does, then reads each peer s's chunk from
+// data[slot][s] of s's buffer (peer reads) and sums in rank order. Writes cross the link in push, reads in pull:
+// on PCIe a peer read is a non-posted round trip, a peer write is posted. Double buffering holds as for push: a
+// rank rewrites its slot for k + 2 only after every peer's k + 1 flag, published after that peer's kernel k (all
+// its reads of slot k & 1) finished.
+extern "C" __global__ void __launch_bounds__(1024) allreduce_pull(
+        const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
+        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+    const Collective c = begin_collective(state, error);
+    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
+    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
+    uint4* own = (uint4*)(peers[rank] + AR_FLAG_BYTES + ((u64)c.slot * nranks + rank) * region_bytes);
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) own[i] = x[i];
+    publish_and_wait(c, peers, rank, nranks, error, max_spins);
+
+    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        uint4 parts[AR_MAX_RANKS];                           // every peer read in flight before the sum
+#pragma unroll
+        for (int s = 0; s < AR_MAX_RANKS; ++s)
+            if (s < nranks)
+                parts[s] = s == rank ? x[i] : ld_cg_u4((const uint4*)(peers[s] + AR_FLAG_BYTES +
+                                                                      ((u64)c.slot * nranks + s) * region_bytes) + i);
+        float acc[8];
+        unpack8(parts[0], acc);
+#pragma unroll
+        for (int s = 1; s < AR_MAX_RANKS; ++s)
+            if (s < nranks) add_bf16x8(acc, parts[s]);
         out[i] = pack8(acc);
     }
     end_collective(c, state);
