@@ -3,8 +3,13 @@ RankProcesses(cuda=...), runtime/cuda_ranks.py), each a CudaExecutor on its GPU 
 the one-shot all-reduce over CUDA IPC, the logits slices gathered through the host group. Both ranks share GPU 0
 here (one GPU is enough; two GPUs run the same code with --gpu 0,1). Greedy AR and DDTree decoding on small-mla
 (the real MLA head dims, a decisive router) commit the float64 reference's tokens (EngineExecutor, every rank as a
-thread) except at counted near-ties (the bound of tests/runtime/test_cuda_executor_gpu.py), and the CLI runs it."""
+thread) except at counted near-ties (the bound of tests/runtime/test_cuda_executor_gpu.py), and the CLI runs it.
+A worker killed mid-step ends the run with an error naming it, no kernel left spinning (rank 0's GPU decodes again)."""
 import json
+import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -55,3 +60,36 @@ def test_the_cli_runs_a_tp2_engine_on_one_gpu(engine):
     assert len(out["tokens"]) == 8 or out["stats"]["finish_reason"] == "stop"
     r = ddtree(["run", "--model", str(engine), "--device", "cuda", "--gpu", "0,0,0", "hello"])
     assert r.returncode == 1 and "needs one GPU index per rank" in r.stderr
+
+
+def test_a_killed_gpu_worker_is_named_and_no_kernel_hangs(engine):
+    """SIGKILL rank 1 while rank 0 replays step graphs with the one-shot inside: rank 0's waits on the dead peer end
+    after their bounded spin (error bit) or the host group sees the death first; either way the error names rank 1,
+    within a bound, and rank 0's GPU is usable after: new rank processes decode the tokens decoded before."""
+    from ddtree.ops.shm_group import RankError
+    from ddtree.plugins.allreduce import AllReduceError
+    from ddtree.runtime.ranks import RankProcesses, Request
+    cuda = {"gpus": [0, 0], "max_context": 1024, "kernel_plan": "fast"}
+    procs = RankProcesses(engine, timeout_s=3.0, heartbeat_s=1.0, cuda=cuda)
+    try:
+        want = decoded(procs, "ddtree", PROMPTS[0], 16)
+        steps = procs.steps(Request("ddtree", tuple(PROMPTS[0]), 600, SamplingParams(), 16, (), None))
+        next(steps)
+        acted = []
+        timer = threading.Timer(0.2, lambda: (os.kill(procs.pids[1], signal.SIGKILL), acted.append(time.monotonic())))
+        timer.start()
+        with pytest.raises((RankError, AllReduceError)) as err:
+            for _ in steps:
+                pass
+        took = time.monotonic() - acted[0]
+        timer.join()
+    finally:
+        procs.close(kill=True)
+    print(f"killed rank 1: {type(err.value).__name__} after {took:.2f} s: {err.value}")
+    assert "rank 1" in str(err.value) or "[1]" in str(err.value), err.value
+    assert took < 20.0                  # heartbeat 1 s, collective timeout 3 s, one-shot spins ~1 s a call
+    again = RankProcesses(engine, cuda=cuda)
+    try:
+        assert decoded(again, "ddtree", PROMPTS[0], 16) == want
+    finally:
+        again.close()
