@@ -169,6 +169,21 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
     return info
 
 
+def nccl_faster_from(rows: list[dict]) -> int | None:
+    """The smallest message (bytes) from which NCCL beat the one-shot (push) inside the graph at every measured size
+    (what --allreduce auto's limit should be on this machine; ops/rank_collective.py), None if it never did."""
+    times = {}
+    for row in rows:
+        if row["mode"] == "in_graph":
+            times.setdefault(row["bytes"], {})[row["impl"]] = row["us"]
+    sizes = sorted(b for b, t in times.items() if "one-shot" in t and "nccl" in t)
+    nccl_wins = [times[b]["nccl"] < times[b]["one-shot"] for b in sizes]
+    for i, b in enumerate(sizes):
+        if all(nccl_wins[i:]):
+            return b
+    return None
+
+
 @click.command("allreduce")
 @click.option("--sizes", default="1,17,65", show_default=True, help="rows M of the M x hidden bf16 messages")
 @click.option("--hidden", default=7168, show_default=True, help="row width (Kimi K2.6: 7168)")
@@ -192,7 +207,8 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, a
         return
     infos = run_ranks(bench_rank, ids, args=(ms, hidden, names, replays, collectives), timeout_s=600)
     result = {"gpu": infos[0]["gpu"], "ranks": len(ids), "nccl_version": infos[0]["nccl_version"],
-              "one_shot_errors": sorted({r for i in infos for r in i["one_shot_errors"]}), "rows": infos[0]["rows"]}
+              "one_shot_errors": sorted({r for i in infos for r in i["one_shot_errors"]}), "rows": infos[0]["rows"],
+              "nccl_faster_from_bytes": nccl_faster_from(infos[0]["rows"])}
     if as_json:
         emit_json(result)
         return

@@ -14,9 +14,10 @@ runs every rank slice of a tp N model on one device (the collectives summed ther
 own GPUs use the one-shot all-reduce (plugins/allreduce.py). Eager only: host syncs and barriers cannot be
 captured in a graph. A rank that fails aborts the barrier, which releases the others (BrokenBarrierError).
 
-Rank processes (on their own GPUs or sharing one): ProcessRankMember(one_shot) over the rank's connected
-OneShotAllReduce, whose all-reduce and all-gather only launch on the op set's stream, so a captured step graph
-holds them (`capturable`); every rank must run the same sequence of collectives (one device counter).
+Rank processes (on their own GPUs or sharing one): ProcessRankMember(one_shot, nccl) over the rank's connected
+OneShotAllReduce and/or NCCL communicator (--allreduce: ops/rank_collective.py), whose all-reduce and all-gather
+only launch on the op set's stream, so a captured step graph holds them (`capturable`); every rank must run the
+same sequence of collectives (one device counter).
 """
 from __future__ import annotations
 
@@ -147,33 +148,40 @@ class ThreadRankMember:
 
 class ProcessRankMember:
     """A rank process's side, what CudaOps(collective=...) calls: the rank's connected one-shot all-reduce
-    (plugins/allreduce.py OneShotAllReduce; the peers are other processes, on this GPU or others). Both collectives
-    only launch on `stream` (the op set's: a graph builder while capturing; None: gpu's own stream), no sync, no
+    (plugins/allreduce.py OneShotAllReduce; the peers are other processes, on this GPU or others) and/or its NCCL
+    communicator, chosen per message by ops/rank_collective.py RankCollective (--allreduce). Both collectives only
+    launch on `stream` (the op set's: a graph builder while capturing; None: gpu's own stream), no sync, no
     allocation."""
     capturable = True
 
-    def __init__(self, one_shot):
-        self.one_shot = one_shot
+    def __init__(self, one_shot=None, nccl=None, one_shot_max_bytes: int | None = None):
+        from ddtree.ops.rank_collective import RankCollective
+        self.collective = RankCollective(nccl=nccl, one_shot=one_shot, one_shot_max_bytes=one_shot_max_bytes)
+        self.one_shot, self.rank, self.nranks = one_shot, self.collective.rank, self.collective.nranks
 
     def _check(self, what: str, x, out, out_shape) -> None:
         if not x.contiguous or not out.contiguous or out.shape != out_shape or out.dtype != x.dtype:
-            raise ValueError(f"rank {self.one_shot.rank}: {what} of {x.dtype} {x.shape} {x.strides} into "
+            raise ValueError(f"rank {self.rank}: {what} of {x.dtype} {x.shape} {x.strides} into "
                              f"{out.dtype} {out.shape} {out.strides}; needs dense tensors, out {out_shape} of x's "
                              "dtype")
 
     def all_reduce(self, gpu, x, out, stream=None) -> None:
-        """out = bf16(the float32 sum of every rank's x, in rank order); x, out bf16 of the same shape."""
+        """out = bf16(the float32 sum of every rank's x: in rank order by the one-shot, NCCL's order by NCCL); x, out
+        bf16 of the same shape."""
         self._check("all-reduce", x, out, x.shape)
         if x.dtype != np.uint16:
-            raise ValueError(f"rank {self.one_shot.rank}: all-reduce of {x.dtype}; the one-shot sums bf16 "
-                             "(uint16 bits)")
-        self.one_shot(x.ptr, out.ptr, int(np.prod(x.shape)), stream=gpu.stream if stream is None else stream)
+            raise ValueError(f"rank {self.rank}: all-reduce of {x.dtype}; the collectives sum bf16 (uint16 bits)")
+        self.collective.all_reduce(x.ptr, out.ptr, int(np.prod(x.shape)), gpu.stream if stream is None else stream)
 
     def all_gather(self, gpu, x, out, stream=None) -> None:
         """out [tp, *x.shape] = every rank's x in rank order (any dtype)."""
-        self._check("all-gather", x, out, (self.one_shot.nranks, *x.shape))
+        self._check("all-gather", x, out, (self.nranks, *x.shape))
         nbytes = int(np.prod(x.shape)) * x.itemsize
-        self.one_shot.all_gather(x.ptr, out.ptr, nbytes, stream=gpu.stream if stream is None else stream)
+        self.collective.all_gather(x.ptr, out.ptr, nbytes, gpu.stream if stream is None else stream)
+
+    def check(self) -> None:
+        """After a sync: a one-shot peer that did not answer, or an NCCL error, raised with the rank named."""
+        self.collective.check()
 
 
 def run_ranks(executors: list, fn) -> list:

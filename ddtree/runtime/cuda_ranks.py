@@ -5,7 +5,8 @@ and the logits slices gathered through the ranks' host group (ops/shm_group.py),
 walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works between processes on one device;
 NCCL refuses that): tp 2 runs on one H200 as two processes.
 
-The exchange of IPC handles is a collective: every rank builds its executor at the same time and they meet in the
+--allreduce (ops/rank_collective.py) picks the one-shot (the default), NCCL (a GPU per rank), or both switched
+by message size (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its executor at the same time and they meet in the
 host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
 graphs=False: the primitives of runtime/loop.py).
 """
@@ -30,20 +31,38 @@ def connect_one_shot(gpu, rank: int, group, max_elems: int):
     return ar
 
 
-def one_shot_member(gpu, rank: int, group, max_elems: int):
-    """This rank's GPU collective for CudaOps: the connected one-shot (all-reduce and all-gather)."""
+def nccl_communicator(gpu, rank: int, group):
+    """This rank's NCCL communicator, rank 0's unique id sent to every rank through `group`."""
+    from ddtree.ops.nccl_group import NcclGroup, new_unique_id
+    uid = np.frombuffer(new_unique_id(), np.uint8) if rank == 0 else np.zeros(128, np.uint8)
+    ids = group.all_gather(rank, uid, "NCCL unique id")
+    return NcclGroup(gpu, bytes(ids[0].tobytes()), rank, group.size)
+
+
+def rank_member(gpu, rank: int, group, max_elems: int, allreduce: str = "one-shot", gpus: list[int] | None = None):
+    """This rank's GPU collective for CudaOps (ops/rank_collective.py): the connected one-shot (all-reduce and
+    all-gather), NCCL, or both with the one-shot up to the auto limit (--allreduce; NCCL only with a GPU per rank)."""
     from ddtree.ops.cuda_collectives import ProcessRankMember
-    return ProcessRankMember(connect_one_shot(gpu, rank, group, max_elems))
+    from ddtree.ops.rank_collective import allreduce_refusal, collective_parts
+    gpus = list(range(group.size)) if gpus is None else gpus
+    why = allreduce_refusal(allreduce, gpus)
+    if why:
+        raise ValueError(why)
+    use_one_shot, use_nccl, limit = collective_parts(allreduce, gpus)
+    one_shot = connect_one_shot(gpu, rank, group, max_elems) if use_one_shot else None
+    nccl = nccl_communicator(gpu, rank, group) if use_nccl else None
+    return ProcessRankMember(one_shot=one_shot, nccl=nccl, one_shot_max_bytes=limit)
 
 
 def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], max_context: int | None = None,
-                       cap_context: bool = False, kernel_plan: str = "fast", graphs: bool = True):
+                       cap_context: bool = False, kernel_plan: str = "fast", graphs: bool = True,
+                       allreduce: str = "one-shot"):
     """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat); graphs: the step graphs
-    (False: the primitives, e.g. to compare the two)."""
+    (False: the primitives, e.g. to compare the two); allreduce: --allreduce (ops/rank_collective.py)."""
     from ddtree.engine_dir import engine_configs
     from ddtree.runtime.cuda_executor import CudaExecutor
     max_elems = all_reduce_elems(*engine_configs(engine_dir, checked[0]))
     return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
                         kernel_plan=kernel_plan, rank=rank, graphs=graphs,
-                        collective=lambda gpu: one_shot_member(gpu, rank, group, max_elems), host_group=group,
-                        checked=checked)
+                        collective=lambda gpu: rank_member(gpu, rank, group, max_elems, allreduce, gpus),
+                        host_group=group, checked=checked)

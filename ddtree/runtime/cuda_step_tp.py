@@ -114,10 +114,11 @@ class TpSteps(GpuSteps):
     def _answered(self, tokens: list[int]) -> list[int]:
         """The step's tokens, once every peer answered each of its one-shot collectives: a dead or hung peer sets
         its error bit after the bounded spin and the kernels go on with a partial sum, so its tokens are not the
-        model's and are never handed on (AllReduceError naming the rank; reading the bits syncs the step)."""
-        one_shot = getattr(self.ops.collective, "one_shot", None)
-        if one_shot is not None:
-            one_shot.check()
+        model's and are never handed on (AllReduceError naming the rank; reading the bits syncs the step); an NCCL
+        communicator's asynchronous error likewise (NcclError)."""
+        check = getattr(self.ops.collective, "check", None)
+        if check is not None:
+            check()
         return tokens
 
     def ar_step(self, s, params: SamplingParams) -> list[int]:

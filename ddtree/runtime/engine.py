@@ -63,7 +63,7 @@ class DDTreeEngine:
     @classmethod
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
              ranks: str = "threads", gpu: int = 0, max_context: int | None = None,
-             cap_context: bool = False, kernel_plan: str = "fast") -> "DDTreeEngine":
+             cap_context: bool = False, kernel_plan: str = "fast", allreduce: str = "one-shot") -> "DDTreeEngine":
         """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
@@ -71,11 +71,16 @@ class DDTreeEngine:
         rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager).
         cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), or checkpoint dirs repacked at load into
         one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096),
-        kernels under kernel_plan ("fast" or "batch-invariant": ops/cuda_backend.py KERNEL_PLANS)."""
+        kernels under kernel_plan ("fast" or "batch-invariant": ops/cuda_backend.py KERNEL_PLANS); a tp N engine's
+        rank processes reduce through `allreduce` (ops/rank_collective.py: one-shot, nccl or auto)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
+        if allreduce != "one-shot" and device != "cuda":
+            raise RequestError(f"--allreduce {allreduce} chooses the collective of a tp N engine's rank processes on "
+                               f"GPUs (--device cuda); --device {device} has none to choose")
         if device == "cuda":
-            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan, ranks)
+            return cls._load_cuda(model_dir, drafter_dir, verify, gpu, max_context, cap_context, kernel_plan, ranks,
+                                  allreduce)
         if device == "tensorrt":
             return cls._load_tensorrt(model_dir, drafter_dir, gpu, verify)
         if kernel_plan != "fast":
@@ -121,11 +126,15 @@ class DDTreeEngine:
 
     @classmethod
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu, max_context: int | None,
-                   cap_context: bool = False, kernel_plan: str = "fast", ranks: str = "threads") -> "DDTreeEngine":
+                   cap_context: bool = False, kernel_plan: str = "fast", ranks: str = "threads",
+                   allreduce: str = "one-shot") -> "DDTreeEngine":
         from ddtree.engine_dir import is_engine_dir, read_engine_config
         from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         built = None
         if model_dir is None or not is_engine_dir(model_dir):     # a checkpoint: repacked at load (interfaces 8)
+            if allreduce != "one-shot":
+                raise RequestError(f"--allreduce {allreduce}: checkpoint dirs are repacked into a tp 1 engine, which "
+                                   "has no all-reduce to choose")
             gpu = gpu[0] if isinstance(gpu, (list, tuple)) and len(gpu) == 1 else gpu
             if isinstance(gpu, (list, tuple)):
                 raise RequestError(f"--gpu {','.join(map(str, gpu))}: checkpoint dirs are repacked into a tp 1 "
@@ -139,6 +148,11 @@ class DDTreeEngine:
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
         gpus = rank_gpus(gpu, tp)
+        from ddtree.ops.rank_collective import allreduce_refusal
+        why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
+            f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
+        if why:                                     # said before any GPU is touched
+            raise RequestError(why)
         for g in sorted(set(gpus)):
             why = gpu_unavailable(g)
             if why:
@@ -148,7 +162,8 @@ class DDTreeEngine:
                 raise RequestError(f"ranks (--ranks) {ranks!r}: a tp {tp} engine on GPUs runs its ranks as processes "
                                    "(ranks='processes')")
             from ddtree.runtime.ranks import RankProcesses
-            cuda = {"gpus": gpus, "max_context": max_context, "cap_context": cap_context, "kernel_plan": kernel_plan}
+            cuda = {"gpus": gpus, "max_context": max_context, "cap_context": cap_context, "kernel_plan": kernel_plan,
+                    "allreduce": allreduce}
             return cls._of_processes(RankProcesses(model_dir, verify=verify, cuda=cuda), model_dir)
         gpu = gpus[0]
         ex = CudaExecutor(model_dir, gpu=gpu, max_context=max_context, verify=verify, cap_context=cap_context,
@@ -172,6 +187,11 @@ class DDTreeEngine:
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
         gpus = rank_gpus(gpu, tp)
+        from ddtree.ops.rank_collective import allreduce_refusal
+        why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
+            f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
+        if why:                                     # said before any GPU is touched
+            raise RequestError(why)
         try:
             for g in sorted(set(gpus)):
                 check_gpu_runs_plans(model_dir, g)          # before anything is loaded
@@ -289,6 +309,9 @@ class DDTreeEngine:
         if getattr(ex, "name", None) != "cuda":
             return {}
         out = {"device": ex.gpu.name, "memory": dict(ex.memory_plan)}
+        describe = getattr(getattr(ex.ops, "collective", None), "collective", None)
+        if describe is not None:                    # a tp N rank: which collective carries the all-reduces
+            out["allreduce"] = describe.describe()
         if ex.steps is not None:
             out.update(ex.steps.stats())
         return out

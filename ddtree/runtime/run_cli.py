@@ -117,6 +117,10 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
               help="--device cuda: batch-invariant fixes every kernel's split for all row counts, so DDTree commits "
                    "AR's tokens bitwise (slower).")
+@click.option("--allreduce", type=click.Choice(["one-shot", "nccl", "auto"]), default="one-shot", show_default=True,
+              help="--device cuda with a tp N engine: the rank processes' all-reduce. one-shot: peer to peer over "
+                   "CUDA IPC; nccl: NCCL (one GPU per rank); auto: the one-shot up to 1 MiB, NCCL above (the "
+                   "one-shot alone where ranks share a GPU).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,
@@ -126,7 +130,8 @@ def _summary(stats: dict, label: str) -> str:
                    "of this process.")
 @reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, gpu, max_context, kernel_plan, chat, as_json, skip_verify, ranks):
+                budget, block_size, mode, device, gpu, max_context, kernel_plan, allreduce, chat, as_json, skip_verify,
+                ranks):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
     cap = device == "cuda" and max_context is None
@@ -134,7 +139,8 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
         max_context = default_max_context(text, max_new_tokens, MAX_BUDGET if budget == "auto" else budget, chat)
     try:
         with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks, gpu=gpu,
-                               max_context=max_context, cap_context=cap, kernel_plan=kernel_plan) as engine:
+                               max_context=max_context, cap_context=cap, kernel_plan=kernel_plan,
+                               allreduce=allreduce) as engine:
             _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
                       as_json)
     except RankError as e:                   # a rank died, froze or failed: named, every rank stopped

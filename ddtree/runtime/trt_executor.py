@@ -113,7 +113,8 @@ class PlanRanks(GraphRanks):
         register_creators()
         self.gpu = device_gpu(gpu)
         if tp > 1:
-            from ddtree.ops.tensorrt.kernels import RankCollective, register_rank_collective
+            from ddtree.ops.rank_collective import RankCollective
+            from ddtree.ops.tensorrt.kernels import register_rank_collective
             from ddtree.runtime.cuda_ranks import all_reduce_elems, connect_one_shot
             one_shot = connect_one_shot(self.gpu, r, group, all_reduce_elems(self.cfg, self.dcfg))
             register_rank_collective(gpu, RankCollective(one_shot=one_shot))

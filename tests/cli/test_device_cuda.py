@@ -55,3 +55,21 @@ def test_a_checkpoint_runs_on_the_gpu():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "repacking" in r.stderr and (len(out["tokens"]) == 16 or out["stats"]["finish_reason"] == "stop")
+
+
+@pytest.fixture(scope="module")
+def engine_tp2(tmp_path_factory):
+    return build_engine(*tiny_model_dirs(), 2, ["sm_90"], tmp_path_factory.mktemp("cuda-cli-tp2") / "e",
+                        graphs=False)["engine"]
+
+
+def test_an_allreduce_that_cannot_run_is_named_before_any_gpu_is_touched(engine, engine_tp2):
+    """--allreduce (ops/rank_collective.py) is refused, naming the flag, wherever it has nothing to choose or cannot
+    run: on the cpu device, on a tp 1 engine or a checkpoint (repacked to tp 1), and NCCL on ranks sharing a GPU."""
+    refuses(["run", "--allreduce", "nccl", "hi"], "--allreduce nccl chooses the collective", "--device cpu")
+    refuses(["run", "--model", str(engine), "--device", "cuda", "--allreduce", "auto", "hi"],
+            "--allreduce auto: a tp 1 engine has no all-reduce")
+    refuses(["run", "--device", "cuda", "--allreduce", "nccl", "hi"], "checkpoint dirs are repacked into a tp 1")
+    refuses(["run", "--model", str(engine_tp2), "--device", "cuda", "--gpu", "0,0", "--allreduce", "nccl", "hi"],
+            "--allreduce nccl: NCCL needs one GPU per rank", "--gpu 0,0")
+    refuses(["run", "--allreduce", "ring", "hi"], "--allreduce", "'ring'", code=2)

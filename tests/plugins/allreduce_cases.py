@@ -104,7 +104,8 @@ def plugin_all_reduce_rank(link, gpu_id: int, M: int, replays: int) -> dict:
     from cuda.bindings import driver
 
     from ddtree.ops.nodes import NODES
-    from ddtree.ops.tensorrt.kernels import RankCollective, node_runner, register_rank_collective
+    from ddtree.ops.rank_collective import RankCollective
+    from ddtree.ops.tensorrt.kernels import node_runner, register_rank_collective
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu, check
     gpu = Gpu(gpu_id)

@@ -12,7 +12,8 @@ import pytest
 
 from ddtree.ops.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
 from ddtree.ops.cuda_tensor import Tensor
-from ddtree.ops.tensorrt.kernels import RankCollective
+from ddtree.ops.rank_collective import (AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal,
+                                         collective_parts)
 from ddtree.plugins import allreduce as ar
 from ddtree.plugins import compile as kc
 from ddtree.plugins.device import DeviceArray
@@ -245,11 +246,51 @@ def test_collective_ops_refuse_to_capture_the_thread_ranks():
             call()
 
 
-def test_rank_collective_gathers_by_the_one_shot_first():
-    one, nccl = FakeOneShot(), SimpleNamespace(calls=[])
-    nccl.all_gather = lambda x, out, nbytes, stream, dtype: nccl.calls.append((x, out, nbytes, stream, dtype))
-    RankCollective(nccl=nccl, one_shot=one).all_gather(1, 2, 68, "s")
+class FakeNccl:
+    def __init__(self, rank=0, nranks=3):
+        self.rank, self.nranks, self.calls = rank, nranks, []
+
+    def all_reduce(self, x, out, elems, stream):
+        self.calls.append(("all_reduce", x, out, elems, stream))
+
+    def all_gather(self, x, out, nbytes, stream, dtype):
+        self.calls.append(("all_gather", x, out, nbytes, stream, dtype))
+
+
+def test_rank_collective_takes_the_one_shot_up_to_its_limit_and_nccl_above():
+    one, nccl = FakeOneShot(), FakeNccl()
+    one.max_bytes = 1000
+    both = RankCollective(nccl=nccl, one_shot=one, one_shot_max_bytes=256)
+    both.all_gather(1, 2, 256, "s")                   # at the limit: one-shot
+    both.all_gather(3, 4, 258, "s")                   # above it: NCCL, as bytes
+    both.all_reduce(5, 6, 128, "s")                   # 256 bytes
+    both.all_reduce(7, 8, 136, "s")                   # 272 bytes
+    assert one.calls == [("all_gather", 1, 2, 256, "s"), ("all_reduce", 5, 6, 128, "s")]
+    assert nccl.calls == [("all_gather", 3, 4, 258, "s", "u8"), ("all_reduce", 7, 8, 136, "s")]
+    one.calls, nccl.calls = [], []
+    unlimited = RankCollective(nccl=nccl, one_shot=one)      # every message the one-shot holds, NCCL past it
+    unlimited.all_reduce(1, 2, 500, "s")
+    unlimited.all_reduce(3, 4, 504, "s")
+    assert one.calls == [("all_reduce", 1, 2, 500, "s")] and nccl.calls == [("all_reduce", 3, 4, 504, "s")]
     RankCollective(nccl=nccl).all_gather(3, 4, 68, "s")
-    assert one.calls == [("all_gather", 1, 2, 68, "s")] and nccl.calls == [(3, 4, 68, "s", "u8")]
-    with pytest.raises(RuntimeError, match="one-shot all-reduce or an NCCL communicator"):
-        RankCollective().all_gather(1, 2, 68, "s")
+    RankCollective(one_shot=one).all_reduce(1, 2, 10_000, "s")   # alone, the one-shot refuses what it cannot hold
+    assert nccl.calls[-1] == ("all_gather", 3, 4, 68, "s", "u8") and one.calls[-1] == ("all_reduce", 1, 2, 10_000, "s")
+    assert [c.describe() for c in (both, unlimited, RankCollective(nccl=nccl), RankCollective(one_shot=one))] == [
+        "one-shot <= 256 B, nccl above", "one-shot <= 1000 B, nccl above", "nccl", "one-shot"]
+    with pytest.raises(ValueError, match="neither a one-shot all-reduce nor an NCCL communicator"):
+        RankCollective()
+
+
+@pytest.mark.parametrize("choice, gpus, parts, refusal", [
+    ("one-shot", [0, 0], (True, False, None), None),
+    ("auto", [0, 0], (True, False, None), None),           # ranks sharing a GPU have no NCCL
+    ("auto", [0, 1], (True, True, AUTO_ONE_SHOT_MAX_BYTES), None),
+    ("nccl", [0, 1], (False, True, None), None),
+    ("nccl", [0, 1, 1], None, "NCCL needs one GPU per rank, and --gpu 0,1,1"),
+    ("ring", [0, 1], None, "--allreduce 'ring': expected one of one-shot, nccl, auto")])
+def test_allreduce_choice(choice, gpus, parts, refusal):
+    why = allreduce_refusal(choice, gpus)
+    if refusal is not None:
+        assert refusal in why
+        return
+    assert why is None and collective_parts(choice, gpus) == parts

@@ -168,3 +168,19 @@ def test_kernel_compiles_within_the_sm120_shared_memory(tmp_path, arch):
         used = shared_bytes(cubin, name)
         assert 0 < used <= 99 * 1024          # s_seq + s_failed; the launcher asks for no dynamic shared memory
     assert shared_bytes(cubin, "no_such_kernel") == 0
+
+
+def test_nccl_faster_from_is_where_nccl_wins_at_every_larger_size():
+    from ddtree.bench.allreduce import nccl_faster_from
+
+    def rows(times):             # bytes -> (one-shot us, nccl us), in graph; "alone" rows must be ignored
+        out = []
+        for b, (one, nccl) in times.items():
+            out += [{"impl": "one-shot", "bytes": b, "mode": "in_graph", "us": one},
+                    {"impl": "nccl", "bytes": b, "mode": "in_graph", "us": nccl},
+                    {"impl": "nccl", "bytes": b, "mode": "alone", "us": 0.0}]
+        return out
+    assert nccl_faster_from(rows({100: (4, 9), 1000: (6, 8), 10_000: (12, 10), 100_000: (30, 20)})) == 10_000
+    assert nccl_faster_from(rows({100: (4, 3), 1000: (6, 8), 10_000: (12, 10)})) == 10_000   # a win below a loss
+    assert nccl_faster_from(rows({100: (4, 9), 1000: (6, 8)})) is None
+    assert nccl_faster_from(rows({100: (4, 3)})) == 100

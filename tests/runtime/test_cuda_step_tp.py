@@ -232,19 +232,38 @@ def test_tp1_bodies_still_capture_without_allocating(recording_device):
 
 
 def test_a_step_whose_peer_did_not_answer_hands_on_no_tokens():
-    """The one-shot's error bits are read before a graph step's tokens leave the rank (TpSteps._answered)."""
+    """The one-shot's error bits and NCCL's asynchronous error are read before a graph step's tokens leave the rank
+    (TpSteps._answered through ProcessRankMember.check)."""
+    from ddtree.ops.cuda_collectives import ProcessRankMember
+    from ddtree.ops.nccl_group import NcclError
     from ddtree.plugins.allreduce import AllReduceError
 
     class OneShot:
+        rank, nranks, max_bytes = 0, 2, 1 << 20
+
         def __init__(self, late):
             self.late = late
 
         def check(self):
             if self.late:
                 raise AllReduceError(f"rank(s) {self.late} did not publish")
+
+    class Nccl:
+        rank, nranks, code, aborted = 0, 2, 0, False
+
+        def async_error(self):
+            return self.code
+
+        def abort(self):
+            self.aborted = True
+    one, nccl = OneShot([]), Nccl()
     steps = TpSteps.__new__(TpSteps)
-    steps.ops = SimpleNamespace(collective=SimpleNamespace(one_shot=OneShot([])))
+    steps.ops = SimpleNamespace(collective=ProcessRankMember(one_shot=one, nccl=nccl, one_shot_max_bytes=4096))
     assert steps._answered([5, 7]) == [5, 7]
-    steps.ops.collective.one_shot.late = [1]
+    one.late = [1]
     with pytest.raises(AllReduceError, match=r"rank\(s\) \[1\] did not publish"):
         steps._answered([5, 7])
+    one.late, nccl.code = [], 5
+    with pytest.raises(NcclError, match="asynchronous error 5"):
+        steps._answered([5, 7])
+    assert nccl.aborted

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.ops.nodes import NodeSpec
+from ddtree.ops.rank_collective import RankCollective  # noqa: F401  (what register_rank_collective takes)
 
 MAX_TOKENS = 256
 NUMPY_DTYPES = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
@@ -59,33 +60,8 @@ def cuda_stream(handle: int):
 def register_rank_collective(device: int, collective) -> None:
     """The collective the AllReduce / AllGather plugins of `device` use at world_size > 1 (register it before
     deserialising the rank's plans). `collective` has all_reduce(x, out, elems, stream) (bf16, rank-ordered sum)
-    and all_gather(x, out, nbytes, stream) (out = every rank's x in rank order): e.g. RankCollective below."""
+    and all_gather(x, out, nbytes, stream) (out = every rank's x in rank order): e.g. ops/rank_collective.py RankCollective."""
     _COLLECTIVES[int(device)] = collective
-
-
-class RankCollective:
-    """A rank's collectives over its connected one-shot all-reduce (plugins/allreduce.py) and NCCL communicator
-    (ops/nccl_group.py): the one-shot when given (it also gathers, and works between ranks sharing a GPU), else
-    NCCL (the all-gather as bytes)."""
-
-    def __init__(self, nccl=None, one_shot=None):
-        self.nccl, self.one_shot = nccl, one_shot
-
-    def all_reduce(self, x: int, out: int, elems: int, stream) -> None:
-        if self.one_shot is not None:
-            self.one_shot(x, out, elems, stream=stream)
-        elif self.nccl is not None:
-            self.nccl.all_reduce(x, out, elems, stream=stream)
-        else:
-            raise RuntimeError("RankCollective: neither a one-shot all-reduce nor an NCCL communicator")
-
-    def all_gather(self, x: int, out: int, nbytes: int, stream) -> None:
-        if self.one_shot is not None:
-            self.one_shot.all_gather(x, out, nbytes, stream=stream)
-        elif self.nccl is None:
-            raise RuntimeError("RankCollective: the all-gather needs a one-shot all-reduce or an NCCL communicator")
-        else:
-            self.nccl.all_gather(x, out, nbytes, stream=stream, dtype="u8")
 
 
 def _itemsize(dtype: str) -> int:
