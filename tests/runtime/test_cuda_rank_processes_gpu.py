@@ -54,10 +54,11 @@ def test_tp2_rank_processes_on_the_gpu_decode_the_reference_tokens(engine):
 def test_the_cli_runs_a_tp2_engine_on_one_gpu(engine):
     from tests.cli.bad_input import ddtree
     r = ddtree(["run", "--model", str(engine), "--device", "cuda", "--gpu", "0,0", "--max-new-tokens", "8",
-                "--json", "hello"])
+                "--allreduce", "auto", "--json", "hello"])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(out["tokens"]) == 8 or out["stats"]["finish_reason"] == "stop"
+    assert out["stats"]["allreduce"] == "one-shot"            # auto on ranks sharing a GPU: no NCCL there
     r = ddtree(["run", "--model", str(engine), "--device", "cuda", "--gpu", "0,0,0", "hello"])
     assert r.returncode == 1 and "needs one GPU index per rank" in r.stderr
 
