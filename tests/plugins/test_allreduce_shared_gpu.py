@@ -36,3 +36,18 @@ def test_all_reduce_plugin_at_world_size_2_on_one_gpu():
     results = run_ranks(plugin_all_reduce_rank, [0, 0], args=(M, replays))
     assert_sums(results, [M], replays, outs_of=lambda res, M: res["outs"])
     assert all(res["sequence"] == replays for res in results)
+
+
+def test_nccl_bindings_on_one_rank():
+    """NCCL through nccl4py (ops/nccl_group.py) on a one-rank communicator: the calls the 2-GPU tests make (init from
+    a unique id, an all-reduce captured in a graph and replayed with new inputs, an eager all-gather, the async error
+    word), on one GPU. A one-rank sum is the part itself; this checks our use of the bindings (pointers, counts,
+    dtypes, the stream a capture runs on), not NCCL's transport."""
+    pytest.importorskip("nccl.bindings.nccl", reason="needs nccl4py (the 'nccl' extra)")
+    from tests.plugins.allreduce_cases import nccl_rank
+    M, replays = 17, 3
+    (res,) = run_ranks(nccl_rank, [0], args=(M, replays), timeout_s=120)
+    for rep, got in enumerate(res["sums"]):
+        np.testing.assert_array_equal(got, part(0, M, rep))
+    np.testing.assert_array_equal(res["gathered"][0], part(0, M, replays - 1))
+    assert res["async_error"] == 0
