@@ -49,6 +49,18 @@ def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
     return [(r, p) for r in names for p in (ps if r == "tree" else [None])]
 
 
+def parse_rank_gpus(text: str | None, tp: int, rank_id: int) -> list[int]:
+    """--gpus for --ranks all: one index per rank (default 0..tp-1)."""
+    if rank_id:
+        raise click.BadParameter(f"--ranks all runs every rank; --rank {rank_id} names one", param_hint="--rank")
+    if text is None:
+        return list(range(tp))
+    gpus = comma_list(text, "--gpus", int, 0)
+    if len(gpus) != tp:
+        raise click.BadParameter(f"{len(gpus)} GPU index(es) for tp {tp}: one per rank", param_hint="--gpus")
+    return gpus
+
+
 def parse_contexts(text: str) -> list[int]:
     return sorted(set(comma_list(text, "--context", int, 16)))
 
@@ -105,16 +117,12 @@ def context_room(repeats: int, accept: int, b: int) -> int:
     return (repeats + 3) * max(accept, 1) + 2 * b + 64
 
 
-def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: float, repeats: int,
-                routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
-    """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
-    has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
-    from ddtree.bench.attention import dense_peak
-    from ddtree.ops.meter import meter_ar_step, meter_step, totals
+def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",
+                reuse: float | None = None, accept: int = 1):
+    """Set the rank up for one row and run its step once eagerly, then once more into its graph: -> (graph key, the
+    step's body, the distinct experts per layer or None). budget None: the AR step."""
     from ddtree.plugins import randfill as rf
-    from ddtree.runtime.step_profile import record_launches, time_launches
-    cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
-    b = dcfg.block_size
+    gpu, b = rank.gpu, rank.drafter_config.block_size
     if budget:
         distinct = given_routing(rank, budget, routing, reuse)
     else:                                                     # the AR step: the router's own choice
@@ -132,6 +140,19 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     steps.forced_accept = accept if budget else None
     steps._run(key, body)                                     # the first step eagerly, then its capture
     gpu.sync()
+    return key, body, distinct
+
+
+def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: float, repeats: int,
+                routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
+    """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
+    has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
+    from ddtree.bench.attention import dense_peak
+    from ddtree.ops.meter import meter_ar_step, meter_step, totals
+    from ddtree.runtime.step_profile import record_launches, time_launches
+    cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
+    b = dcfg.block_size
+    key, body, distinct = prepare_row(rank, steps, context, budget, repeats, routing, reuse, accept)
     accepted = depths = None
     if budget:
         logits = steps.last["logits"].numpy()
@@ -187,10 +208,16 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 @click.option("--ar", "with_ar", is_flag=True, help="also the autoregressive step (one token) at each context")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--gpu", "gpu_id", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--ranks", type=click.Choice(["one", "all"]), default="one", show_default=True,
+              help="one: rank --rank alone, the collectives as stand-ins; all: every rank as a process on its GPU "
+                   "(--gpus) with the real collectives (bench/step_ranks.py), each next to its single-rank figure")
+@click.option("--gpus", "gpu_list", default=None,
+              help="--ranks all: one GPU index per rank, comma-separated (default 0..tp-1; indices may repeat for a "
+                   "rehearsal on fewer GPUs)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_id,
-                 as_json):
+                 ranks, gpu_list, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
@@ -199,9 +226,28 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     cases = parse_routing(routings, reuses)
     if rank_id >= tp:
         raise click.BadParameter(f"rank {rank_id} is not below tp {tp}", param_hint="--rank")
-    cfg, dcfg = get_preset(preset, layers or (61 if preset == "kimi-k2.6" else None))
+    layers = layers or (61 if preset == "kimi-k2.6" else None)
+    cfg, dcfg = get_preset(preset, layers)
     plan = make_plan(cfg, dcfg, tp)
     from ddtree.runtime.cuda_executor import gpu_unavailable
+    if ranks == "all":
+        gpus = parse_rank_gpus(gpu_list, tp, rank_id)
+        for g in sorted(set(gpus)):
+            why = gpu_unavailable(g)
+            if why:
+                raise click.ClickException(f"ddtree bench step --ranks all runs on GPUs: {why}")
+        from ddtree.bench.step_ranks import run_all_ranks
+        result = run_all_ranks(gpus, preset, layers, tp, contexts, budgets, cases, accept, repeats, with_ar)
+        if as_json:
+            emit_json(result)
+        else:
+            for row in result["rows"]:
+                click.echo(f"context {row['context']}, {'AR' if row['budget'] is None else 'budget ' + str(row['budget'])}"
+                           f", {row['routing']}: step {row['step_us']:.0f} us (skew {row['skew_us']:.0f}), rank 0 "
+                           f"single-rank {row['single_rank_us'][0]:.0f}, collectives {row['collectives_us_rank0']:.0f}")
+        return
+    if gpu_list is not None:
+        raise click.BadParameter("--gpus lists a GPU per rank for --ranks all; one rank runs on --gpu", param_hint="--gpus")
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")

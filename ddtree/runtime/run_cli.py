@@ -194,6 +194,13 @@ def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
     from ddtree.tree.sampling import SamplingParams
     if ar_tokens == dd_tokens:
         return 0
+    if engine.processes is not None:             # the test replays the AR path on rank 0's executor alone
+        first = next((i for i, (a, b) in enumerate(zip(ar_tokens, dd_tokens)) if a != b),
+                     min(len(ar_tokens), len(dd_tokens)))
+        raise click.ClickException(
+            f"DDTree and AR differ at new token {first}; the near-tie test replays the path on one executor and "
+            "does not run on rank processes: run the tp 1 engine with --mode both, or compare against the float64 "
+            "reference (tests/runtime/test_cuda_rank_processes_gpu.py)")
     ids = engine.encode(request)
     block = kw["block_size"] or engine.drafter_config.block_size
     rows = (block, MAX_BUDGET + 1 if kw["budget"] == "auto" else kw["budget"] + 1)

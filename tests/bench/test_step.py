@@ -31,6 +31,24 @@ def test_flag_errors_name_the_flag():
     refuses(["bench", "step", "--context", "4k"], "--context", code=2)
     refuses(["bench", "step", "--tp", "8", "--rank", "8"], "--rank", code=2)
     refuses(["bench", "step", "--accept", "0"], "--accept", code=2)
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--rank", "1"], "--ranks all runs every rank", code=2)
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpus", "0,1,2"], "3 GPU index(es) for tp 2", code=2)
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpus", "0,x"], "--gpus", code=2)
+    refuses(["bench", "step", "--tp", "2", "--gpus", "0,1"], "--gpus lists a GPU per rank for --ranks all", code=2)
+
+
+def test_all_ranks_summary_is_per_row_across_ranks():
+    """bench/step_ranks.py summarize: each row's per-rank medians in rank order, the skew (slowest - fastest with the
+    collectives), rank 0's collective cost (with - single-rank) and the step = the slowest rank."""
+    from ddtree.bench.step_ranks import summarize
+    rows = [(4096, None, "router", None), (4096, 16, "tree", 0.5)]
+    infos = [{"rows": rows, "single_us": [100.0, 1000.0], "with_collectives_us": [130.0, 1200.0]},
+             {"rows": rows, "single_us": [104.0, 990.0], "with_collectives_us": [128.0, 1260.0]}]
+    ar, dd = summarize(infos)
+    assert (ar["mode"], ar["budget"], dd["mode"], dd["budget"], dd["reuse"]) == ("ar", None, "ddtree", 16, 0.5)
+    assert ar["single_rank_us"] == [100.0, 104.0] and ar["with_collectives_us"] == [130.0, 128.0]
+    assert (ar["skew_us"], ar["single_rank_spread_us"], ar["collectives_us_rank0"], ar["step_us"]) == (2.0, 4.0, 30.0, 130.0)
+    assert (dd["skew_us"], dd["collectives_us_rank0"], dd["step_us"]) == (60.0, 200.0, 1260.0)
 
 
 def test_synthetic_weights_bytes_are_the_engine_ranks():

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 29's run as one command: the tp N step on N GPUs (needs the 8-GPU kind for the real thing). Rehearse it on
+# fewer GPUs first (ranks may share a GPU; the step numbers are then time-sliced, the checks are not):
+#   GPUS=0,0 TP=2 PRESET=small-mla LAYERS= bash tests/runtime/tp_ranks_on_gpus.sh          # one H200
+#   GPUS=0,1,2,3,4,5,6,7 TP=8 PRESET=kimi-k2.6 LAYERS=3 bash tests/runtime/tp_ranks_on_gpus.sh  # the 8-GPU call
+# Writes every result under $OUT (default /tmp/tp-ranks): synth.json, build.json, run_both.json (DDTree and AR on
+# N rank processes: identical, or the first departure a counted near-tie), step_ranks.json (`bench step --ranks
+# all`: every rank with the real collectives next to its single-rank figure, the skew), step_rank0.json (rank 0
+# alone, stand-in collectives, with the split), allreduce.json (one-shot push / pull vs NCCL on N ranks; only with
+# distinct GPUs). A step that fails stops the script (set -e), except the DDTree-vs-AR run, whose exit code and
+# stderr (run_both.err) are kept.
+set -euo pipefail
+GPUS=${GPUS:-0,1,2,3,4,5,6,7}; TP=${TP:-8}; PRESET=${PRESET:-kimi-k2.6}; LAYERS=${LAYERS-3}
+OUT=${OUT:-/tmp/tp-ranks}; CONTEXT=${CONTEXT:-4096}; BUDGETS=${BUDGETS:-16}; REPEATS=${REPEATS:-10}
+export PYTHONPATH=${PYTHONPATH:-$PWD} DDTREE_KERNEL_CACHE=${DDTREE_KERNEL_CACHE:-/tmp/ddtree-cubins} NCCL_NVLS_ENABLE=0
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+LAYER_FLAG=(); [ -n "$LAYERS" ] && LAYER_FLAG=(--layers "$LAYERS")
+step() { echo "== $1 ($(date +%T))" >&2; }
+
+step "1. a tp $TP engine of $PRESET ${LAYERS:+($LAYERS layers)}, built here"
+python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$OUT/synth.json"
+python3 -m ddtree build --model "$WORK/ckpt/target" --drafter "$WORK/ckpt/drafter" --tp "$TP" --arch sm_90 \
+    --out "$WORK/engine" --no-graphs --jobs 8 --json > "$OUT/build.json"
+step "   DDTree and AR on $TP rank processes (--gpu $GPUS)"
+python3 -m ddtree run --model "$WORK/engine" --device cuda --gpu "$GPUS" --mode both --max-new-tokens 48 \
+    --budget 16 --json "def fibonacci(n):" > "$OUT/run_both.json" 2> "$OUT/run_both.err" \
+  || echo "   run --mode both exited $? (run_both.err says why: a departure of DDTree from AR is not classified on rank processes)" >&2
+
+step "2. bench step --ranks all (the real collectives) and rank 0 alone"
+python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpus "$GPUS" \
+    --context "$CONTEXT" --budget "$BUDGETS" --routing uniform,tree --reuse 0.5 --ar --repeats "$REPEATS" \
+    --json > "$OUT/step_ranks.json"
+python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --rank 0 --context "$CONTEXT" \
+    --budget "$BUDGETS" --routing uniform,tree --reuse 0.5 --ar --repeats "$REPEATS" --json > "$OUT/step_rank0.json"
+
+if [ "$(tr ',' '\n' <<< "$GPUS" | sort -u | wc -l)" -eq "$TP" ]; then
+  step "3. bench allreduce on $TP ranks"
+  python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull,nccl --json > "$OUT/allreduce.json"
+else
+  step "3. bench allreduce skipped: ranks share a GPU ($GPUS)"
+fi
+step "done: $OUT"
