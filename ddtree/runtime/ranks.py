@@ -10,8 +10,9 @@ plans) and the shared-memory group (ops/shm_group.py). The logits slices are all
 so every rank samples, builds the tree and walks it from the same bits and reaches the same decisions;
 rank 0 alone owns the tokenizer and hands tokens to the caller. A worker needs the Request once (prompt ids,
 mode, lengths, sampling) and then one ControlRecord per step from rank 0 over its pipe: step index, start
-position, budget, sampling parameters and seed, stop flag. A worker checks the record against its own
-state (a rank that diverged is an error, not a silent wrong token) and runs the step, or stops the request.
+position, budget, sampling parameters and seed, stop flag, and a digest of every token committed so far. A
+worker checks the record against its own state, its own committed tokens included (a rank that diverged is an
+error, not a silent wrong token) and runs the step, or stops the request.
 
 Failure, bounded: a collective's wait ends on a peer's error flag, a missing heartbeat, a dead process
 (rank 0 polls its workers' exit codes) or the group timeout, with an error naming the rank and what was
@@ -30,6 +31,7 @@ import signal
 import threading
 import time
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -72,13 +74,19 @@ class ControlRecord:
     top_p: float
     seed: int
     stop: bool = False
+    digest: int = 0                    # crc32 of every token committed so far: the ranks' tokens, not only counts
 
     @classmethod
-    def of(cls, req: Request, step: int, committed: int, stop: bool = False) -> "ControlRecord":
+    def of(cls, req: Request, step: int, committed: list[int], stop: bool = False) -> "ControlRecord":
+        """committed: the tokens the request committed before this step, on the sending or checking rank."""
         p = req.params
-        start = 0 if step == 0 else len(req.prompt) + committed - 1
+        start = 0 if step == 0 else len(req.prompt) + len(committed) - 1
         budget = req.budget if isinstance(req.budget, int) else -1          # -1: chosen per step (tp 1 only)
-        return cls(step, start, budget, p.temperature, p.top_k, p.top_p, p.seed, stop)
+        return cls(step, start, budget, p.temperature, p.top_k, p.top_p, p.seed, stop, tokens_digest(committed))
+
+
+def tokens_digest(tokens: list[int]) -> int:
+    return zlib.crc32(np.asarray(tokens, np.int64).tobytes())
 
 
 def decode_steps(ex, req: Request, stats: RunStats | None = None) -> Iterator[list[int]]:
@@ -196,7 +204,7 @@ class RankProcesses:
         return gen
 
     def _drive(self, req: Request, stats) -> Iterator[list[int]]:
-        loop, step, committed, before = decode_steps(self.executor, req, stats), 0, 0, self.group.count
+        loop, step, committed, before = decode_steps(self.executor, req, stats), 0, [], self.group.count
         try:
             for r in self.conns:
                 self._send(r, req)
@@ -207,7 +215,7 @@ class RankProcesses:
                     chunk = next(loop)
                 except StopIteration:
                     return
-                step, committed = step + 1, committed + len(chunk)
+                step, committed = step + 1, committed + list(chunk)
                 yield chunk
         except GeneratorExit:                             # the caller stopped early: the workers stop too
             loop.close()
@@ -284,7 +292,7 @@ def _worker(engine_dir: str, rank: int, spec: GroupSpec, checked, dtype: str, co
 
 def _follow(ex, group: SharedMemoryGroup, conn, req: Request, parent_pid: int, rank: int) -> None:
     """Run `req` step by step as rank 0's control records say."""
-    loop, committed, before = decode_steps(ex, req), 0, group.count
+    loop, committed, before = decode_steps(ex, req), [], group.count
     for step in range(1 << 62):
         record = _receive(conn, parent_pid)
         if record is None or record == "shutdown":
@@ -303,7 +311,7 @@ def _follow(ex, group: SharedMemoryGroup, conn, req: Request, parent_pid: int, r
             if group.count == before:                     # rank 0 refuses the same request the same way
                 return
             raise
-        committed += len(chunk)
+        committed += list(chunk)
 
 
 def _receive(conn, parent_pid: int):

@@ -22,7 +22,7 @@ from ddtree.model.synthetic import synth
 from ddtree.ops.shm_group import (RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup,
                                   new_spec)
 from ddtree.runtime.engine import DDTreeEngine
-from ddtree.runtime.ranks import RankProcesses, Request
+from ddtree.runtime.ranks import ControlRecord, RankProcesses, Request
 from ddtree.tree.sampling import SamplingParams
 
 SHM = Path("/dev/shm")
@@ -213,7 +213,7 @@ def test_a_frozen_worker_is_named_and_everything_stops(engines):
 
 RANK0 = """
 import json, sys
-from ddtree.runtime.ranks import RankProcesses, Request
+from ddtree.runtime.ranks import ControlRecord, RankProcesses, Request
 from ddtree.tree.sampling import SamplingParams
 if __name__ == "__main__":
     procs = RankProcesses(sys.argv[1], timeout_s=3.0, heartbeat_s=1.0)
@@ -240,3 +240,38 @@ def test_workers_of_a_killed_rank_0_leave_nothing_behind(engines, tmp_path):
         rank0.kill()
         rank0.wait()
     assert took < BOUND_S
+
+
+def test_a_worker_whose_committed_tokens_differ_is_stopped(monkeypatch):
+    """The control record carries a digest of every committed token, so a worker that committed other tokens than
+    rank 0 (same counts) fails at the next step instead of going on (runtime/ranks.py _follow)."""
+    import ddtree.runtime.ranks as ranks
+    from ddtree.ops.shm_group import RankFailedError
+    req = Request("ddtree", (1, 2, 3), 8, SamplingParams(), 4, ())
+    rank0 = [[5, 6], [7], [8, 9]]                       # what rank 0 committed, step by step
+
+    class Conn:
+        def __init__(self, records):
+            self.records = list(records)
+
+        def poll(self, timeout):
+            return True
+
+        def recv(self):
+            return self.records.pop(0)
+    committed, records = [], []
+    for step, chunk in enumerate(rank0):
+        records.append(ControlRecord.of(req, step, committed))
+        committed = committed + chunk
+    records.append(ControlRecord.of(req, len(rank0), committed, stop=True))
+    group = type("G", (), {"count": 0})()
+    for worker, fails_at in (([[5, 6], [7], [8, 9]], None), ([[5, 6], [4], [8, 9]], 2)):
+        monkeypatch.setattr(ranks, "decode_steps", lambda ex, r, w=worker: (chunk for chunk in w))
+        conn = Conn(records)
+        if fails_at is None:
+            ranks._follow(None, group, conn, req, os.getppid(), 1)
+            assert conn.records == []
+        else:
+            with pytest.raises(RankFailedError, match="rank 1 diverged"):
+                ranks._follow(None, group, conn, req, os.getppid(), 1)
+            assert len(conn.records) == len(records) - fails_at - 1      # stopped at step fails_at's record

@@ -23,10 +23,13 @@ step "1. a tp $TP engine of $PRESET ${LAYERS:+($LAYERS layers)}, built here"
 python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$OUT/synth.json"
 python3 -m ddtree build --model "$WORK/ckpt/target" --drafter "$WORK/ckpt/drafter" --tp "$TP" --arch sm_90 \
     --out "$WORK/engine" --no-graphs --jobs 8 --json > "$OUT/build.json"
-step "   DDTree and AR on $TP rank processes (--gpu $GPUS)"
-python3 -m ddtree run --model "$WORK/engine" --device cuda --gpu "$GPUS" --mode both --max-new-tokens 48 \
-    --budget 16 --json "def fibonacci(n):" > "$OUT/run_both.json" 2> "$OUT/run_both.err" \
-  || echo "   run --mode both exited $? (run_both.err says why: a departure of DDTree from AR is not classified on rank processes)" >&2
+step "   DDTree and AR on $TP rank processes (--gpu $GPUS), batch-invariant kernels: identical tokens expected"
+# Random weights leave near-ties everywhere, and rank processes cannot classify a departure (run --mode both says
+# so); the batch-invariant plan makes DDTree commit AR's tokens bitwise. Every worker checks each step's control
+# record, which carries a digest of the committed tokens: a rank that committed other tokens stops the run.
+python3 -m ddtree run --model "$WORK/engine" --device cuda --gpu "$GPUS" --kernel-plan batch-invariant --mode both \
+    --max-new-tokens 48 --budget 16 --json "def fibonacci(n):" > "$OUT/run_both.json" 2> "$OUT/run_both.err" \
+  || echo "   run --mode both exited $? (run_both.err says why)" >&2
 
 step "2. bench step --ranks all (the real collectives) and rank 0 alone"
 python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpus "$GPUS" \
