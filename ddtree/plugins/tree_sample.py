@@ -103,12 +103,15 @@ class SampleOutputs:
 
 
 class TreeSampler:
-    def __init__(self, gpu: Gpu, vocab: int, max_rows: int = MAX_ROWS, pdl: bool | None = None):
+    def __init__(self, gpu: Gpu, vocab: int, max_rows: int = MAX_ROWS, pdl: bool | None = None,
+                 top_p_defines: dict[str, int] | None = None):
+        """top_p_defines: compile-time switches of sample_top_p.cu for diagnosis builds (DD_PROFILE,
+        SP_ABLATE: tests/plugins/profile_top_p.py); None for the product."""
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"TreeSampler: max_rows must be in 1..{MAX_ROWS}, got {max_rows}")
         if not 1 <= vocab < 2 ** 31:
             raise ValueError(f"TreeSampler: vocab must be in 1..2^31-1, got {vocab}")
-        self.gpu, self.V, self.max_rows = gpu, vocab, max_rows
+        self.gpu, self.V, self.max_rows, self.top_p_defines = gpu, vocab, max_rows, top_p_defines
         self.S = math.ceil(vocab / SLICE)
         self.pdl = supports_pdl(gpu) if pdl is None else pdl
         self.keys = gpu.alloc((max_rows * self.S * CANDIDATES,), np.uint64)
@@ -170,7 +173,9 @@ class TreeSampler:
                 ptr(o.bonus), ptr(self.row_tickets), ptr(self.done_ticket))
 
         def launch(source, name, *a, threads=THREADS):          # grid: a block per slice of each row
-            g.launch(g.kernel(source, name), (S, n, 1), (threads, 1, 1), 0, *a, stream=stream, pdl=self.pdl)
+            defines = self.top_p_defines if source == TOP_P_SOURCE else None
+            kernel = g.kernel(source, name, defines) if defines else g.kernel(source, name)
+            g.launch(kernel, (S, n, 1), (threads, 1, 1), 0, *a, stream=stream, pdl=self.pdl)
 
         if mode == GREEDY:
             launch(SOURCE, "sample_greedy", ptr(logits), np.int32(self.V), p, ptr(self.keys), ptr(o.target),

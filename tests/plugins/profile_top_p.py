@@ -1,7 +1,10 @@
 """Where top-p without top-k spends its time (issue 23), for whichever tree is on PYTHONPATH (the kernels
 before issue 23 or after): each prefix of the TOP_P launch sequence, R steps over rotating logits buffers
 (>= 4x L2, as `ddtree bench tree`) in one graph; a kernel's time = the prefix with it - the prefix without.
-    python3 tests/plugins/profile_top_p.py [V,V,..] [B] [flat]     (one JSON object per line on stdout)
+    python3 tests/plugins/profile_top_p.py [V,V,..] [B] [flat|peaked] [K=V,..] [stamps]   (JSON lines on stdout)
+K=V,..: sample_top_p.cu compile switches (SP_ABLATE=1: no Gumbel in sample_kept's slice loop, =2: no cut in
+its last block; wrong tokens, timing only). stamps: one more run of a DD_PROFILE=1 build (eager, one step)
+whose per-phase clock64 cycles (sp_prof, summed over blocks) are printed per block and per row's last block.
 """
 import json
 import math
@@ -16,6 +19,11 @@ from ddtree.plugins.tree_sample import TreeSampler
 
 OLD = ["sample_filtered", "sample_mass", "sample_kept"]      # the candidates, float64 bins, Gumbel
 NEW = ["sample_row_max", "sample_mass", "sample_kept"]
+# sp_prof slots (sample_top_p.cu SP_PROF_*): (name, slot, count slot)
+STAMPS = [("mass.load_wait", 0, 3), ("mass.tokens", 1, 3), ("mass.flush", 2, 3), ("mass.last.decide", 4, 5),
+          ("kept.wait_state", 8, 11), ("kept.slice_loop", 9, 11), ("kept.winners_ticket", 10, 11),
+          ("kept.last.slice_wins", 12, 17), ("kept.last.keys_sort", 13, 17), ("kept.last.cut", 14, 17),
+          ("kept.last.gumbel", 15, 17), ("kept.last.certify", 16, 17)]
 
 
 class Only:
@@ -36,14 +44,35 @@ class Only:
         return getattr(self._gpu, name)
 
 
-def profile(gpu, V: int, B: int, flat: bool) -> dict:
+def stamps(gpu, V: int, host: np.ndarray, pos, defines: dict) -> dict:
+    """Cycles per phase (sum over blocks / blocks) of one eager top-p launch of a DD_PROFILE=1 build."""
+    from cuda.bindings import driver
+    from ddtree.plugins.device import DeviceArray, check
+    defines = {**defines, "DD_PROFILE": 1}
+    n = host.shape[0]
+    sampler = TreeSampler(gpu, vocab=V, max_rows=n, top_p_defines=defines)
+    logits = gpu.upload(host)
+    sampler.run(logits, pos, MODES["top_p0.95"], n)            # compiles and loads the module
+    gpu.sync()
+    handle = gpu._modules[("sample_top_p.cu", tuple(sorted(defines.items())))].handle
+    getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
+    prof = DeviceArray(gpu, int(check(getter(handle, b"sp_prof"), "get sp_prof")[0]), (32,), np.uint64)
+    gpu.memset(prof, 0)
+    sampler.run(logits, pos, MODES["top_p0.95"], n)
+    gpu.sync()
+    raw = prof.numpy().astype(np.int64)
+    return {name: round(int(raw[slot]) / max(1, int(raw[count])), 1) for name, slot, count in STAMPS} | \
+        {"blocks": int(raw[3]), "last_blocks": int(raw[17])}
+
+
+def profile(gpu, V: int, B: int, flat: bool, defines: dict | None = None, with_stamps: bool = False) -> dict:
     n = B + 1
     rng = np.random.default_rng(V + B)
     host = lm_logits(rng, n, V, flat)
     copies = max(1, math.ceil(4 * gpu.l2_bytes / (n * V * 4)))
     targets = [gpu.upload(host) for _ in range(copies)]
     pos = gpu.upload(np.arange(4096, 4096 + n, dtype=np.int32))
-    sampler = TreeSampler(gpu, vocab=V, max_rows=n)
+    sampler = TreeSampler(gpu, vocab=V, max_rows=n, top_p_defines=defines or None)
     names = NEW if hasattr(sampler, "slice_max") else OLD
     plan = sampler.set_params(MODES["top_p0.95"])
     steps = max(8, copies)
@@ -59,15 +88,23 @@ def profile(gpu, V: int, B: int, flat: bool) -> dict:
             sampler.gpu = gpu
         times.append(us)
     parts = {name: round(t - (times[i - 1] if i else 0.0), 2) for i, (name, t) in enumerate(zip(names, times))}
+    out = {"vocab": V, "budget": B, "logits": "flat" if flat else "peaked", "kernels": "new" if names is NEW else "old",
+           "defines": defines or {}, "total_us": round(times[-1], 2), "parts_us": parts}
+    if with_stamps:
+        try:
+            out["cycles_per_block"] = stamps(gpu, V, host, pos, defines or {})
+        except Exception as exc:                       # keep the timings
+            out["stamps_error"] = repr(exc)
     gpu.free_all()
-    return {"vocab": V, "budget": B, "logits": "flat" if flat else "peaked", "kernels": "new" if names is NEW else "old",
-            "total_us": round(times[-1], 2), "parts_us": parts}
+    return out
 
 
 if __name__ == "__main__":
     vocabs = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "163840").split(",")]
     budget = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     flat = len(sys.argv) > 3 and sys.argv[3] == "flat"
+    switches = [a for a in sys.argv[4:] if "=" in a]
+    defines = {k: int(v) for k, v in (kv.split("=") for a in switches for kv in a.split(","))}
     g = Gpu()
     for V in vocabs:
-        print(json.dumps(profile(g, V, budget, flat)), flush=True)
+        print(json.dumps(profile(g, V, budget, flat, defines, "stamps" in sys.argv[4:])), flush=True)

@@ -118,3 +118,24 @@ def test_lm_batches_are_certified_and_the_definitions(gpu, samplers):
         np.testing.assert_array_equal(st["kept"], ref)
         assert int(sampler.full_row_rows.numpy()[0]) - before == (ref > 256).sum()
         sampler.check_status()
+
+
+@pytest.mark.parametrize("T,jitter", [(1.0, 0.0), (0.7, 0.0), (1.0, 1e-3), (0.7, 3e-4)])
+def test_gumbel_near_ties_are_the_definitions(gpu, samplers, T, jitter):
+    """Logits l = -T g (+ jitter): every token's z + g is 0 up to float32 rounding (or within a few
+    Gumbel margins), so sample_kept's float32 bounds overlap at almost every comparison and the exact
+    float64 path decides (lazy_consider / lazy_finish); the token must still be the definition's."""
+    from ddtree.tree.sampling import gumbel
+    rng = np.random.default_rng(int(T * 10) + int(jitter * 1e5))
+    seed, pos = 11 + int(jitter * 1e4), np.array([777], np.int32)
+    for V in (V_BIG, 20000):
+        g = gumbel(seed, int(pos[0]) + 1, np.arange(V))
+        l = (-T * g + jitter * rng.uniform(-1, 1, V)).astype(np.float32)[None]
+        params = SamplingParams(temperature=T, top_p=0.95, seed=seed)
+        sampler = samplers(V)
+        out = sampler.run(gpu.upload(l), gpu.upload(pos), params, 1)
+        st = sampler.row_state(1)[0]
+        sampler.check_status(allow_inexact=True)
+        assert st["kept"] > 1000, "the test needs a large kept set"
+        if st["flags"] == 0:
+            assert int(out.target.numpy()[0]) == sample(l, pos.astype(np.int64) + 1, params)[0], (V, T, jitter)

@@ -10,11 +10,17 @@
 //                   cumulative mass reaches top_p x norm (b*), and the error bounds of the masses above and
 //                   below it -> RowState.
 //   sample_kept     Gumbel-max over the tokens of the bins above b* (and, apart, over b*'s), b*'s tokens
-//                   gathered; the row's last slice block sorts them into key order (logit desc, id asc:
+//                   gathered (each warp queues its kept tokens and runs the Gumbel 32 at a time;
+//                   lazy_consider: float32 bounds, float64 only where two overlap, and once a lane at the end);
+//                   the row's last slice block sorts them into key order (logit desc, id asc:
 //                   the definition's order), sums their F along it (exact) and cuts at the first whose
 //                   cumulative reaches top_p x norm; certify() says whether that is the definition's cut
 //                   whatever the roundings; Gumbel-max over the kept prefix decides the row's token. The
 //                   last block of all walks the tree.
+//
+// Diagnosis builds (tests/plugins/profile_top_p.py ... stamps): -D DD_PROFILE=1 sums each phase's clock64
+// cycles (thread 0, after a barrier) over the blocks into sp_prof[] (slots: SP_PROF_*); -D SP_ABLATE=1 drops the
+// Gumbel of sample_kept's slice loop, =2 its last block's cut (both: wrong tokens, for timing only).
 //
 // Uncertified cuts are kept and flagged SP_STATUS_INEXACT (RowState.flags and the status word: the
 // launcher's check_status raises unless told to allow it); a crossing bin of more than SP_MAX_BIN_KEYS
@@ -23,12 +29,34 @@
 
 #define SP_MAX_THREADS 256
 #define SP_KEPT_CHUNK 8                     // sample_kept: logits loaded per batch (8 round trips -> 4 per slice)
+#define SP_QUEUE (32 * SP_KEPT_CHUNK + 32)  // sample_kept: a warp's kept tokens waiting for a full warp (u32 ids)
 #define SP_TOKEN_EPS (1.5 * 0x1p-35)        // per token, relative (top_p_bins.py TOKEN_EPS)
 #define SP_ARG_EPS 0x1p-44                  // per token and unit of |d| (ARG_EPS)
 #define SP_CLAMP_EPS 0x1p-16                // per token of bin 4095, in s_4095 (CLAMP_EPS)
 #define SP_BIN_SLACK 0x1p-51                // per bin, relative (BIN_SLACK)
 #define SP_U64 0x1p-53
 #define SP_SUM_SLACK (64 * SP_U64)          // float64 sums, x norm (SUM_SLACK)
+
+#ifdef DD_PROFILE
+extern "C" __device__ unsigned long long sp_prof[32];
+__device__ unsigned long long sp_prof[32];
+#define SP_CLOCK(t) __syncthreads(); const long long t = clock64()
+#define SP_PROF(slot, t0, t1) \
+    do { if (threadIdx.x == 0) atomicAdd(&sp_prof[slot], (unsigned long long)((t1) - (t0))); } while (0)
+#else
+#define SP_CLOCK(t) do {} while (0)
+#define SP_PROF(slot, t0, t1) do {} while (0)
+#endif
+#ifndef SP_ABLATE
+#define SP_ABLATE 0
+#endif
+// sp_prof slots: sample_mass (per block) loads + wait, token loop, bin flush, blocks; its last blocks: decide,
+// count. sample_kept (per block): wait + state, slice loop, winners + ticket, blocks; last blocks: slice
+// winners, keys + sort, cut, Gumbel of the prefix, certify + writes, count. (tests/plugins/profile_top_p.py)
+enum { SP_PROF_MASS_LOAD, SP_PROF_MASS_TOKENS, SP_PROF_MASS_FLUSH, SP_PROF_MASS_BLOCKS, SP_PROF_MASS_DECIDE,
+       SP_PROF_MASS_LAST, SP_PROF_KEPT_WAIT = 8, SP_PROF_KEPT_LOOP, SP_PROF_KEPT_MERGE, SP_PROF_KEPT_BLOCKS,
+       SP_PROF_ROW_WINS, SP_PROF_ROW_SORT, SP_PROF_ROW_CUT, SP_PROF_ROW_GUMBEL, SP_PROF_ROW_CERTIFY,
+       SP_PROF_ROW_LAST };
 
 struct MinIntOp { __device__ int operator()(int a, int b) const { return min(a, b); } };
 struct MaxIntOp { __device__ int operator()(int a, int b) const { return max(a, b); } };
@@ -101,12 +129,14 @@ __device__ void mass_decide(u64* row_mass, const double* bin_scale, const Sample
     __shared__ int iscratch[32];
     __shared__ double s_above;
     double m[PER], sum = 0.0;
+    u64 F[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) F[j] = ld_cg_u64(row_mass + threadIdx.x * PER + j);   // all in flight
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int b = threadIdx.x * PER + j;
-        const u64 F = ld_cg_u64(row_mass + b);
         row_mass[b] = 0;                                     // ready for the next launch
-        m[j] = bin_scale[b] * ((double)F * 0x1p-35);
+        m[j] = bin_scale[b] * ((double)F[j] * 0x1p-35);
         sum += m[j];
     }
     double norm;
@@ -152,6 +182,7 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __res
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
+    SP_CLOCK(t_start);
     float vals[SP_ITEMS];                                    // written two launches back: loaded before the wait
 #pragma unroll
     for (int j = 0; j < SP_ITEMS; ++j) {
@@ -163,6 +194,7 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __res
     SP_MAKE_ARGS;
     float l_top = DD_NEG_INF;
     for (int i = 0; i < S; ++i) l_top = fmaxf(l_top, slice_max[r * S + i]);
+    SP_CLOCK(t_loaded);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < SP_ITEMS; ++j) {                     // per block and bin: hi < 2^31, lo < 2^32
@@ -173,25 +205,93 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __res
             atomicAdd(&hist_lo[b], (u32)F & 0x3ffffu);
         }
     }
+    SP_CLOCK(t_tokens);
     __syncthreads();
     u64* row_mass = mass + (size_t)r * SP_BINS;
     for (int i = threadIdx.x; i < SP_BINS; i += SP_THREADS) {
         const u64 F = ((u64)hist_hi[i] << 18) + (u64)hist_lo[i];
         if (F) atomicAdd(row_mass + i, F);
     }
-    if (arrive_last(row_tickets + r, (u32)S)) mass_decide(row_mass, bin_scale, a, V, l_top, state + r);
+    SP_CLOCK(t_flushed);
+    SP_PROF(SP_PROF_MASS_LOAD, t_start, t_loaded);
+    SP_PROF(SP_PROF_MASS_TOKENS, t_loaded, t_tokens);
+    SP_PROF(SP_PROF_MASS_FLUSH, t_tokens, t_flushed);
+    SP_PROF(SP_PROF_MASS_BLOCKS, 0, 1);
+    if (arrive_last(row_tickets + r, (u32)S)) {
+        SP_CLOCK(t_decide);
+        mass_decide(row_mass, bin_scale, a, V, l_top, state + r);
+        SP_CLOCK(t_decided);
+        SP_PROF(SP_PROF_MASS_DECIDE, t_decide, t_decided);
+        SP_PROF(SP_PROF_MASS_LAST, 0, 1);
+    }
     pdl_trigger();
 }
 
-// best <- the better of best and token (l, v) (ties: lower id); float64 only where the float32 estimate
-// can still reach best (as gumbel_best).
-__device__ __forceinline__ void gumbel_consider(Winner& best, float l, int v, u32 position, const SampleArgs& a) {
+// Gumbel-max without float64 per token. A thread's winner so far is held as the bounds [lo, hi] of its
+// value z + g (the float32 estimate z32 + gumbel32 +- DD_GUMBEL_MARGIN: gumbel32 is within 2e-4 of
+// gumbel64, z32 within 1.2e-7 |z| of z, and the margin's room covers the float32 roundings of the sums).
+// A token whose bounds lie wholly above the winner's replaces it, wholly below is dropped; only
+// overlapping bounds (about one token in 10^3) compute both float64 values and decide exactly as
+// better() (value, then the lower id). The old form kept the winner's float64 value and computed a new
+// one whenever a lane's estimate could reach it: inside a warp nearly every token step had such a lane,
+// so the warp ran a float64 division and two float64 logs per token (the sample_kept time of issue 23).
+struct Lazy { float lo, hi, l; int id; };
+#define SP_LAZY_NONE Lazy{DD_NEG_INF, DD_NEG_INF, 0.0f, 0x7fffffff}
+
+// Does the winner (bl, bid) stay ahead of token (l, v) (noise word x) by better() on the float64 values?
+// The rare overlap: out of line, so that the slice loop's eight inlined token steps stay small.
+__device__ __noinline__ bool lazy_stays(float bl, int bid, float l, int v, u32 x, u32 position, double T,
+                                        u32 seed_lo, u32 seed_hi) {
+    if (bid == 0x7fffffff) return false;
+    const double mine = (double)l / T + gumbel64(x);
+    const double theirs = (double)bl / T + gumbel64(philox_word0(position, (u32)bid, seed_lo, seed_hi));
+    return better(Winner{theirs, bid}, Winner{mine, v}).id == bid;
+}
+
+// best <- the better of best and token (l, v) (exactly better() on the float64 values).
+__device__ __forceinline__ void lazy_consider(Lazy& best, float l, int v, u32 position, const SampleArgs& a) {
     const float z32 = l * a.inv_t32;
     const float margin = DD_GUMBEL_MARGIN(z32);
-    if ((double)(z32 + DD_GUMBEL_MAX + margin) < best.value) return;
+    if (z32 + DD_GUMBEL_MAX + margin < best.lo) return;              // cannot win at any noise
     const u32 x = philox_word0(position, (u32)v, a.seed_lo, a.seed_hi);
-    if ((double)(z32 + gumbel32(x) + margin) < best.value) return;
-    best = better(best, Winner{(double)l / a.temperature + gumbel64(x), v});
+    const float est = z32 + gumbel32(x);
+    const float lo = est - margin, hi = est + margin;
+    if (hi < best.lo) return;
+    if (!(lo > best.hi)                                               // overlapping (or NaN): decide exactly
+        && lazy_stays(best.l, best.id, l, v, x, position, a.temperature, a.seed_lo, a.seed_hi)) return;
+    best = Lazy{lo, hi, l, v};
+}
+
+// Two lazy winners finished together (their float64 chains overlap), as lazy_finish.
+__device__ __forceinline__ void lazy_finish2(const Lazy& p, const Lazy& q, u32 position, const SampleArgs& a,
+                                             Winner& wp, Winner& wq) {
+    float tp = p.lo, tq = q.lo;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        tp = fmaxf(tp, __shfl_xor_sync(0xffffffffu, tp, o));
+        tq = fmaxf(tq, __shfl_xor_sync(0xffffffffu, tq, o));
+    }
+    const bool np = p.id != 0x7fffffff && !(p.hi < tp), nq = q.id != 0x7fffffff && !(q.hi < tq);
+    wp = wq = Winner{DD_NEG_INF, 0x7fffffff};
+    if (np || nq) {
+        const u32 xp = philox_word0(position, (u32)p.id, a.seed_lo, a.seed_hi);
+        const u32 xq = philox_word0(position, (u32)q.id, a.seed_lo, a.seed_hi);
+        const double vp = (double)p.l / a.temperature + gumbel64(xp);
+        const double vq = (double)q.l / a.temperature + gumbel64(xq);
+        if (np) wp = Winner{vp, p.id};
+        if (nq) wq = Winner{vq, q.id};
+    }
+}
+
+// The warp's lazy winners -> exact Winners: a lane whose hi is below another lane's lo cannot win the
+// block and reports none; the others compute their float64 value (all lanes call it, converged).
+__device__ __forceinline__ Winner lazy_finish(const Lazy& w, u32 position, const SampleArgs& a) {
+    float top = w.lo;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    if (w.id == 0x7fffffff || w.hi < top) return Winner{DD_NEG_INF, 0x7fffffff};
+    const u32 x = philox_word0(position, (u32)w.id, a.seed_lo, a.seed_hi);
+    return Winner{(double)w.l / a.temperature + gumbel64(x), w.id};
 }
 
 // Is the cut with the crossing bin's first `cut + 1` tokens above it (prefix sums p_cut, p_prev before it,
@@ -233,9 +333,9 @@ __device__ bool order_tie(const u64* keys, int cut, int count, double T, double 
 // tokens gathered, the tokens kept above it (both cleared here).
 __device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, const SampleArgs& a,
                          const double* bin_scale, const Winner* slice_wins, const u64* keys_in, u32* row_counts,
-                         RowState* state, int* target, int* status, u32* full_row_rows, u32* inexact_rows) {
+                         RowState* state, int* target, int* status, u32* full_row_rows, u32* inexact_rows,
+                         u64* keys /* shared [SP_MAX_BIN_KEYS] */) {
     constexpr int PER = SP_MAX_BIN_KEYS / SP_THREADS;
-    __shared__ u64 keys[SP_MAX_BIN_KEYS];
     __shared__ Winner wscratch[32];
     __shared__ u64 uscratch[32];
     __shared__ int iscratch[32];
@@ -249,6 +349,7 @@ __device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, 
         row_counts[2 * r + 1] = 0u;
         s_p_prev = 0ull;
     }
+    SP_CLOCK(t_start);
     Winner w_above{DD_NEG_INF, 0x7fffffff}, w_bin{DD_NEG_INF, 0x7fffffff};
     for (int i = threadIdx.x; i < S; i += SP_THREADS) {      // written by the row's other blocks: past L1
         const volatile Winner* p = slice_wins + 2 * (r * S + i);
@@ -261,7 +362,10 @@ __device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, 
     Winner token = w_above;
     u32 kept = s_kept_above, flags = 0u;
     u64 cut_key = 0ull;
-    if (count > SP_MAX_BIN_KEYS) {                           // kept whole: not the definition's cut
+    SP_CLOCK(t_wins);
+    SP_PROF(SP_PROF_ROW_WINS, t_start, t_wins);
+    if (SP_ABLATE == 2) {
+    } else if (count > SP_MAX_BIN_KEYS) {                           // kept whole: not the definition's cut
         token = better(w_above, w_bin);
         kept += (u32)count;
         flags = SP_STATUS_BIN_OVERFLOW;
@@ -276,6 +380,8 @@ __device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, 
         } else {
             block_sort_desc<SP_THREADS>(keys, n_pad);
         }
+        SP_CLOCK(t_sorted);
+        SP_PROF(SP_PROF_ROW_SORT, t_wins, t_sorted);
         long long F[PER];                                    // positions PER t .. PER t + PER - 1
         u64 local = 0ull;
 #pragma unroll
@@ -298,25 +404,33 @@ __device__ void kept_row(const RowState& st, int r, int S, int V, u32 position, 
         }
         found = block_reduce(found, MinIntOp(), 0x7fffffff, iscratch);
         const int cut = found != 0x7fffffff ? found : count - 1;     // not reached (rounding): the whole bin
+        SP_CLOCK(t_cut);
+        SP_PROF(SP_PROF_ROW_CUT, t_sorted, t_cut);
         P = excl;
-        Winner w = w_above;                                  // Gumbel-max over the kept prefix of the bin
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int i = threadIdx.x * PER + j;
             P += (u64)F[j];
             if (i == cut) s_p_cut = P;
             if (i == cut - 1) s_p_prev = P;
-            if (i <= cut) gumbel_consider(w, key_value(keys[i]), key_id(keys[i]), position, a);
         }
-        token = block_winner(w, wscratch);
+        Lazy w = SP_LAZY_NONE;                               // Gumbel-max over the kept prefix of the bin
+        for (int i = threadIdx.x; i <= cut; i += SP_THREADS)  // strided: every thread busy, not PER in a row
+            lazy_consider(w, key_value(keys[i]), key_id(keys[i]), position, a);
+        token = block_winner(better(w_above, lazy_finish(w, position, a)), wscratch);
         kept += (u32)(cut + 1);
         cut_key = keys[cut];
+        SP_CLOCK(t_gumbel);
+        SP_PROF(SP_PROF_ROW_GUMBEL, t_cut, t_gumbel);
         if (threadIdx.x == 0) {
             const double z_top = (double)st.l_top / a.temperature;
             const bool certified = certify(st, scale, s_p_prev, s_p_cut, total, cut, count, a.top_p, V, z_top);
             if (!certified || order_tie(keys, cut, count, a.temperature, z_top)) flags = SP_STATUS_INEXACT;
         }
+        SP_CLOCK(t_certified);
+        SP_PROF(SP_PROF_ROW_CERTIFY, t_gumbel, t_certified);
     }
+    SP_PROF(SP_PROF_ROW_LAST, 0, 1);
     if (threadIdx.x == 0) {
         target[r] = token.id == 0x7fffffff ? 0 : token.id;
         state[r].cut_key = cut_key;
@@ -339,17 +453,23 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
             u64* __restrict__ bin_keys, u32* __restrict__ row_counts, int* __restrict__ target, int* status,
             u32* full_row_rows, u32* inexact_rows, SP_WALK_ARGS) {
     __shared__ Winner scratch[32];
+    __shared__ u64 smem[SP_MAX_BIN_KEYS];        // the warps' queues (slice loop), then the last block's keys
+    static_assert(SP_THREADS / 32 * SP_QUEUE * 4 <= SP_MAX_BIN_KEYS * 8, "queues fit the keys buffer");
     const int s = blockIdx.x, r = blockIdx.y, S = gridDim.x, n = gridDim.y;
     const int lo = s * SP_SLICE, hi = min(V, lo + SP_SLICE);
     const float* row = logits + (size_t)r * V;
+    SP_CLOCK(t_start);
     pdl_wait();
     SP_MAKE_ARGS;
     const RowState st = state[r];
     const u32 position = (u32)query_pos[r] + 1u;
     u64* keys_out = bin_keys + (size_t)r * SP_MAX_BIN_KEYS;
     const int lane = threadIdx.x & 31;
-    Winner above{DD_NEG_INF, 0x7fffffff}, in_bin{DD_NEG_INF, 0x7fffffff};
+    u32* queue = (u32*)smem + (threadIdx.x >> 5) * SP_QUEUE;    // ids (bit 31: in the crossing bin)
+    int queued = 0;                                              // warp-uniform
+    Lazy above = SP_LAZY_NONE, in_bin = SP_LAZY_NONE;
     u32 kept = 0u;
+    SP_CLOCK(t_loop);
 #pragma unroll 1
     for (int c = 0; c < SP_ITEMS; c += SP_KEPT_CHUNK) {
         float vals[SP_KEPT_CHUNK];           // loaded first, all in flight (a load inside the branchy body below
@@ -372,26 +492,49 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
                 const int slot = base + __popc(votes & ((1u << lane) - 1u));
                 if (at_cut && slot < SP_MAX_BIN_KEYS) keys_out[slot] = pack_key(l, v);
             }
-            if (b <= st.bin) {
-                Winner w = b < st.bin ? above : in_bin;
-                gumbel_consider(w, l, v, position, a);
-                if (b < st.bin) above = w; else in_bin = w;
-                kept += b < st.bin;
+            const bool take = b <= st.bin && SP_ABLATE != 1;        // onto the warp's queue
+            const u32 takes = __ballot_sync(0xffffffffu, take);
+            if (take) queue[queued + __popc(takes & ((1u << lane) - 1u))] = (u32)v | (at_cut ? 0x80000000u : 0u);
+            queued += __popc(takes);
+            kept += b < st.bin;
+        }
+        // Gumbel over the queued tokens, 32 at a time (every lane busy; the last chunk drains the queue).
+        // A lane's winner may take any of the warp's tokens: the maximum does not depend on who saw what.
+        const int leave = c + SP_KEPT_CHUNK < SP_ITEMS ? 31 : 0;
+        __syncwarp();
+        while (queued > leave) {
+            const int k = min(queued, 32);
+            queued -= k;
+            if (lane < k) {
+                const u32 e = queue[queued + lane];
+                const int v = (int)(e & 0x7fffffffu);
+                Lazy w = e >> 31 ? in_bin : above;
+                lazy_consider(w, row[v], v, position, a);             // row[v]: just loaded, from L1
+                if (e >> 31) in_bin = w; else above = w;
             }
         }
+        __syncwarp();
     }
+    SP_CLOCK(t_looped);
 #pragma unroll
     for (int o = 16; o; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
     if (lane == 0 && kept) atomicAdd(row_counts + 2 * r + 1, kept);
-    above = block_winner(above, scratch);
-    in_bin = block_winner(in_bin, scratch);
+    Winner w_above, w_bin;
+    lazy_finish2(above, in_bin, position, a, w_above, w_bin);
+    w_above = block_winner(w_above, scratch);
+    w_bin = block_winner(w_bin, scratch);
     if (threadIdx.x == 0) {
-        slice_wins[2 * (r * S + s)] = above;
-        slice_wins[2 * (r * S + s) + 1] = in_bin;
+        slice_wins[2 * (r * S + s)] = w_above;
+        slice_wins[2 * (r * S + s) + 1] = w_bin;
     }
+    SP_CLOCK(t_merged);
+    SP_PROF(SP_PROF_KEPT_WAIT, t_start, t_loop);
+    SP_PROF(SP_PROF_KEPT_LOOP, t_loop, t_looped);
+    SP_PROF(SP_PROF_KEPT_MERGE, t_looped, t_merged);
+    SP_PROF(SP_PROF_KEPT_BLOCKS, 0, 1);
     if (arrive_last(row_tickets + r, (u32)S))
         kept_row(st, r, S, V, position, a, bin_scale, slice_wins, keys_out, row_counts, state, target, status,
-                 full_row_rows, inexact_rows);
+                 full_row_rows, inexact_rows, smem);
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);
     pdl_trigger();
 }
