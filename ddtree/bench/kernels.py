@@ -191,7 +191,8 @@ def moe_plan_row(moe, M: int) -> dict:
         p = moe.stream_plan(M)
         return {"stream": True, "warps": p.warps, "ring": "%dx%d" % p.ring, "gate_up_splits": p.gu_splits,
                 "gate_up_blocks_x": p.gu_nb, "gate_up_tpw": p.gu_tpw, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb,
-                "blocks": p.blocks, "prefetch_tiles": p.prefetch_tiles, "smem": p.smem, "pdl": moe.pdl}
+                "blocks": p.blocks, "prefetch_tiles": p.prefetch_tiles, "smem": p.smem, "bulk": p.bulk, "pin": p.pin,
+                "pdl": moe.pdl}
     p = moe.plan(M)
     return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
             "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb, "down_splits": p.dn_splits,
@@ -300,6 +301,9 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--stream-blocks-per-sm", type=int, default=None, help="force the streaming launch's blocks per SM")
 @click.option("--stream-prefetch", type=int, default=None,
               help="streaming launch: L2-prefetch the down weights up to this many tiles (0: never)")
+@click.option("--stream-bulk", is_flag=True, help="streaming launch: ring slots as bulk copies on mbarriers")
+@click.option("--stream-pin", is_flag=True, help="streaming launch (with --stream-bulk): each block's first down item "
+              "pinned to it, its weights requested at the block's start")
 @click.option("--parts", is_flag=True, help="also time the route and route + gate_up prefixes, and the router's "
               "parts and the unfused router it replaced")
 @click.option("--no-router", is_flag=True, help="skip the router rows")
@@ -307,13 +311,15 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
-                no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch, parts, no_router, seed, as_json):
+                no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch, stream_bulk, stream_pin, parts,
+                no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
     path_list = tuple(p.strip() for p in paths.split(",") if p.strip())
     if not path_list or any(p not in MOE_PATHS for p in path_list):
         raise click.BadParameter(f"--paths: expected names among {sorted(MOE_PATHS)}, got {paths!r}")
     stream_knobs = {k: v for k, v in (("dn_tpw", stream_dn_tpw), ("blocks_per_sm", stream_blocks_per_sm),
-                                      ("prefetch", stream_prefetch)) if v is not None}
+                                      ("prefetch", stream_prefetch), ("bulk", stream_bulk or None),
+                                      ("pin", stream_pin or None)) if v is not None}
     gpu, ceiling = open_gpu()
     rows = []
     for tp in _ints(tps):

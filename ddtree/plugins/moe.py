@@ -20,32 +20,19 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
-from ddtree.plugins.moe_stream import StreamPlan, plan_stream
+from ddtree.plugins.moe_stream import StreamPlan, plan_stream, stream_knobs
+from ddtree.plugins.moe_stream import STREAM_MEASURED, stream_default  # noqa: F401  (the plan's table, re-exported)
 from ddtree.plugins.router import FusedRouter, RouterShape, check_routing
 
 SOURCE = "moe.cu"
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
-RINGS = ((6, 1), (3, 2), (4, 2), (2, 4))           # (slots, chunks per slot) compiled in moe.cu (DD_MOE_RING)
+RINGS = ((6, 1), (3, 2), (4, 2), (5, 2), (2, 4))   # (slots, chunks per slot) compiled in moe.cu (DD_MOE_RING)
 # Default ring per arch. H200 sweep (ddtree/plugins/kernels/NOTES.md): two 1 KB chunks per slot (one 2.3 KB request per warp) beat
 # deeper one-chunk rings at equal or more bytes in flight; 4 x 2 fits 16 gate_up warps at k-split 2 in
 # 227 KB. sm_120 (99 KB per block): 3 x 2 keeps the smem of the former 6 x 1 ring.
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
 ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
 MAX_EXPERTS, MAX_PAIRS = 512, 4096
-# Where the streaming launch (moe_stream) is the plan's choice: (first M, last M) by (arch, hidden, inter per
-# rank), the shapes measured. H200, Kimi tp 8 (7168, 256), same device call (ddtree/plugins/kernels/NOTES.md "MoE streaming (issue
-# 22)"): 318 vs 327 us at M = 65, within 1 % at 17 and 33, 6-22 % slower at 1-8; above 65 not measured (taken
-# for the trend: more tiles, a longer gate_up tail for the down items to fill). Elsewhere (tp 1, other models and
-# archs: not measured) the two launches run.
-STREAM_MEASURED = {("sm_90", 7168, 256): (65, 256)}
-
-
-def stream_default(arch: str, shape: "MoEShape", M: int) -> bool:
-    """Whether FusedMoE(streaming=None) takes the streaming launch at M tokens (the measured table above)."""
-    first, last = STREAM_MEASURED.get((arch.rstrip("a"), shape.hidden, shape.inter), (0, -1))
-    return first <= M <= last
-
-
 class RingMismatch(ValueError):
     """A kernel's k span (chunks per split) is not a multiple of its ring's chunks per slot."""
 
@@ -179,7 +166,8 @@ def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tup
 
 def plan_moe_stream(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, l2_bytes: int = 0,
                     base: MoEPlan | None = None, dn_tpw: int | None = None, blocks_per_sm: int | None = None,
-                    prefetch: int | None = None, **gate_up_knobs) -> StreamPlan:
+                    prefetch: int | None = None, bulk: bool = False, pin: bool = False,
+                    **gate_up_knobs) -> StreamPlan:
     """The streaming launch's plan at M (plugins/moe_stream.py plan_stream): the gate_up part of `base` (default
     plan_moe with gate_up_knobs: gu_splits, gu_warps, gu_tpw, gu_ring) for every item; one ring for both parts,
     so a ring whose slots do not divide down's k span (inter / 64 chunks) becomes ONE_CHUNK_RING."""
@@ -187,7 +175,7 @@ def plan_moe_stream(shape: MoEShape, M: int, sm_count: int, smem_limit: int, rin
     if (shape.inter // 64) % base.gu_ring[1]:
         base = plan_moe(shape, M, sm_count, smem_limit, ring, gu_splits=base.gu_splits, gu_warps=base.gu_warps,
                         gu_tpw=base.gu_tpw, gu_ring=ONE_CHUNK_RING)
-    return plan_stream(shape, M, base, sm_count, smem_limit, l2_bytes, dn_tpw, blocks_per_sm, prefetch)
+    return plan_stream(shape, M, base, sm_count, smem_limit, l2_bytes, dn_tpw, blocks_per_sm, prefetch, bulk, pin)
 
 
 class FusedMoE:
@@ -233,6 +221,10 @@ class FusedMoE:
                 if streaming:
                     raise
                 self.stream_fallback[m] = str(exc)
+                try:                                # sized for too: `streaming = True` set later takes it
+                    splans.append(self.plain_stream_plan(m))
+                except ValueError:
+                    pass
         P = mx * shape.topk
         self.topk_ids = gpu.alloc((mx, shape.topk), np.int32)
         self.topk_w = gpu.alloc((mx, shape.topk), np.float32)
@@ -270,19 +262,43 @@ class FusedMoE:
         return stream_default(self.gpu.arch, self.shape, M) and M not in self.stream_fallback
 
     def stream_plan(self, M: int) -> StreamPlan:
+        """The streaming plan at M: an override, else the measured knobs (stream_knobs: gate_up ones on plan_moe,
+        except the batch-invariant split, which stays) or the two launches' gate_up plan alone where none are
+        measured. Knobs that do not fit (a pinned item or two blocks an SM beside the batch-invariant split) raise
+        when the plan chooses the path (streaming None: the two launches run there) and give the plain plan when
+        the streaming launch is forced."""
         if M in self._stream_overrides:
             return self._stream_overrides[M]
+        g = self.gpu
+        knobs = stream_knobs(g.arch, self.shape, M)
+        if knobs:
+            gate_up = {k: v for k, v in knobs.items() if k.startswith("gu_")}
+            if self.fixed_splits is not None:          # the batch-invariant plan's split stays
+                gate_up.pop("gu_splits", None)
+            try:
+                base = plan_moe(self.shape, M, g.sm_count, g.smem_optin, self.ring,
+                                **{"gu_splits": self.fixed_splits, **gate_up}) if gate_up else self.plan(M)
+                return plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, base=base,
+                                       **{k: v for k, v in knobs.items() if not k.startswith("gu_")})
+            except ValueError as exc:
+                if self.streaming is None:
+                    raise ValueError(f"MoE stream: the measured knobs {knobs} do not fit at M = {M}: {exc}") from exc
+        return self.plain_stream_plan(M)
+
+    def plain_stream_plan(self, M: int) -> StreamPlan:
+        """The streaming plan on the two launches' gate_up plan at M, no measured knobs."""
         g = self.gpu
         return plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, base=self.plan(M))
 
     def override_stream(self, M: int, dn_tpw: int | None = None, blocks_per_sm: int | None = None,
-                        prefetch: int | None = None, **plan_kw) -> StreamPlan:
+                        prefetch: int | None = None, bulk: bool = False, pin: bool = False,
+                        **plan_kw) -> StreamPlan:
         """Benchmark sweeps and tests: take the streaming launch at M with forced knobs (plan_stream's, and
         plan_moe's gate_up ones: gu_splits, gu_warps, gu_tpw, gu_ring); grows the workspaces if needed (call it
         before capturing a graph)."""
         g = self.gpu
         p = plan_moe_stream(self.shape, M, g.sm_count, g.smem_optin, self.ring, g.l2_bytes, dn_tpw=dn_tpw,
-                            blocks_per_sm=blocks_per_sm, prefetch=prefetch,
+                            blocks_per_sm=blocks_per_sm, prefetch=prefetch, bulk=bulk, pin=pin,
                             **{"gu_splits": self.fixed_splits, **plan_kw})
         self._reserve(p, p.warps)
         self._stream_overrides[M] = p
@@ -376,7 +392,7 @@ class FusedMoE:
                  ptr(out), ptr(self.dn_counters), ptr(self.queue), ptr(self.ready), np.int32(s.hidden),
                  np.int32(s.inter), np.int32(s.topk), np.int32(p.gu_splits), np.int32(p.gu_tpw), np.int32(p.gu_nb),
                  np.int32(p.dn_tpw), np.int32(p.dn_nb), np.int32(M * s.topk), np.int32(p.prefetch_tiles),
-                 stream=stream, pdl=self.pdl)
+                 np.int32(p.pin), stream=stream, pdl=self.pdl)
 
     def gate_up(self, x, M, stream=None) -> None:
         """act[pair] = silu(x W_gate^T) * (x W_up^T) for every routed pair (after the route kernel)."""

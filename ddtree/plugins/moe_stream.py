@@ -2,6 +2,7 @@
 
     plan = plan_stream(shape, M, base, sm_count, smem_limit, l2_bytes)   # base: plan_moe's MoEPlan for M
     items = stream_items(tiles, plan)                                    # the kernel's ticket -> work item
+    pinned = pinned_items(tiles, plan)                                  # block b's pinned down item (plan.pin)
     y = simulate_stream(x, ids, w, packed, plan)                        # numpy twin of the schedule
 
 Blocks take work items by ticket: first every gate_up item (tile z, k-split, n-block), then every down item
@@ -19,6 +20,39 @@ import numpy as np
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)     # one chunk of a warp's ring slot (plugins/moe.py STAGE_BYTES)
 REGS_PER_THREAD = 128                   # __launch_bounds__(512, 1) of moe_stream: at most 128 registers
 DOWN_WAVES = 2                          # default down items per block of the grid (at least), plan_stream
+BAR_BYTES = 8                           # one mbarrier a warp and ring slot (bulk plans)
+STATIC_SMEM = 256                       # left of the opt-in limit to the kernel's static shared memory (192 B)
+
+
+# Where the streaming launch (moe_stream) is the plan's choice, by (arch, hidden, inter per rank): (first M, last M,
+# plan_stream / gate_up knobs) of the ranges measured faster. H200, Kimi tp 8 (7168, 256), one device call
+# (ddtree/plugins/kernels/NOTES.md "MoE streaming (issue 22)", us, two launches -> this plan): M = 1 27.1 -> 25.1 with
+# bulk copies and the pinned down item; 9 / 12 / 16 / 17 / 33 / 65 91.5 -> 87.6 / 117.2 -> 106.2 / 131.9 -> 127.7 /
+# 137.1 -> 132.6 / 220.5 -> 208.0 / 329.9 -> 311.5 with 8-warp blocks two an SM, k-split 4 and 7 tile pairs a down
+# warp; 2..8 slower than the two launches by 5-50 % whatever the knobs tried; above 65 not measured, the plain
+# streaming plan (an earlier call: 318 vs 327 us at 65, taken for the trend). Elsewhere (tp 1, other models and
+# archs: not measured) the two launches run.
+STREAM_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(bulk=True, pin=True)),
+                                          (9, 65, dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)),
+                                          (66, 256, {}))}
+
+
+def _measured(arch: str, shape, M: int):
+    for first, last, knobs in STREAM_MEASURED.get((arch.rstrip("a"), shape.hidden, shape.inter), ()):
+        if first <= M <= last:
+            return knobs
+    return None
+
+
+def stream_default(arch: str, shape, M: int) -> bool:
+    """Whether FusedMoE(streaming=None) takes the streaming launch at M tokens (the measured table above)."""
+    return _measured(arch, shape, M) is not None
+
+
+def stream_knobs(arch: str, shape, M: int) -> dict:
+    """The streaming plan's knobs at M where measured (plan_stream's: bulk, pin, dn_tpw, blocks_per_sm; plan_moe's
+    gu_warps, gu_splits), else {}."""
+    return dict(_measured(arch, shape, M) or {})
 
 
 def x_bytes(kspan: int) -> int:
@@ -39,59 +73,121 @@ class StreamPlan:
     smem: int
     blocks: int           # the persistent grid
     prefetch_tiles: int   # L2 prefetch of the down weights when a launch has at most this many tiles (0: never)
+    bulk: bool = False    # ring slots as bulk copies (copy engine, one mbarrier a slot) instead of cp.async a lane
+    pin: bool = False     # (bulk) block b owns down item b from its start: its weights requested before gate_up
+    inter_chunks: int = 0  # inter / 64 (down's chunks per tile pair)
+
+    @property
+    def pin_slots(self) -> int:
+        """Ring slots of a pinned down item a warp (all its chunks: one k-split of inter / 64)."""
+        return self.dn_tpw * self.inter_chunks // self.ring[1]
 
     @property
     def kernel(self) -> str:
-        return "moe_stream_r%dc%d" % self.ring
+        return "moe_stream_r%dc%d" % self.ring + ("_bulk" if self.bulk else "")
 
 
 def plan_stream(shape, M: int, base, sm_count: int, smem_limit: int, l2_bytes: int = 0, dn_tpw: int | None = None,
-                blocks_per_sm: int | None = None, prefetch: int | None = None) -> StreamPlan:
+                blocks_per_sm: int | None = None, prefetch: int | None = None, bulk: bool = False,
+                pin: bool = False) -> StreamPlan:
     """The stream plan for M tokens on top of `base` (plan_moe's MoEPlan for M: gate_up warps, k-split, tile pairs
     per warp and ring, which every item shares). Knobs (sweeps): dn_tpw (down tile pairs per warp; default: the
     most that divide the n-tiles evenly and still leave DOWN_WAVES items per block of the grid at the typical tile
     count: longer items amortise a down item's fixed latency, which one block per SM does not hide),
     blocks_per_sm (default: as many as the shared memory and 128 registers a thread allow), prefetch (the tile
     count up to which gate_up items prefetch the down weights into L2; default 0: off, 1.2 us slower at tp 8,
-    M = 1 on the H200)."""
+    M = 1 on the H200), bulk (the slots as bulk copies: nwarps x slots mbarriers more shared memory), pin (bulk
+    only: each block's first down item pinned to it, its weights in their own shared memory, requested at the
+    block's start; its slots a warp at most the ring's, the kernel's slot walk)."""
     H, I = shape.hidden, shape.inter
     ring, warps = tuple(base.gu_ring), base.gu_warps
     if (I // 64) % ring[1]:
         raise ValueError(f"MoE stream: inter / 64 = {I // 64} chunks is not a multiple of the ring's {ring[1]} "
                          f"chunks per slot")
-    smem = max(x_bytes(H // base.gu_splits), x_bytes(I)) + warps * ring[0] * ring[1] * STAGE_BYTES
-    if smem > smem_limit:
-        raise ValueError(f"MoE stream: shared memory {smem} B exceeds the device's {smem_limit}")
+    if pin and not bulk:
+        raise ValueError("MoE stream: pin needs bulk (the pinned slots are bulk copies)")
+    smem = max(x_bytes(H // base.gu_splits), x_bytes(I)) + warps * ring[0] * (ring[1] * STAGE_BYTES + BAR_BYTES * bulk)
     threads = warps * 32
-    fit = max(1, min((smem_limit + 1024) // (smem + 1024), 2048 // threads, 65536 // (threads * REGS_PER_THREAD)))
-    if blocks_per_sm is not None and not 1 <= blocks_per_sm <= fit:
-        raise ValueError(f"MoE stream: blocks_per_sm {blocks_per_sm} outside [1, {fit}] (shared memory, registers)")
-    blocks = sm_count * (blocks_per_sm or fit)
+
+    def blocks_fit(smem):
+        if smem + STATIC_SMEM > smem_limit:
+            raise ValueError(f"MoE stream: shared memory {smem} B (+ {STATIC_SMEM} static) exceeds the device's "
+                             f"{smem_limit}")
+        return max(1, min((smem_limit + 1024) // (smem + STATIC_SMEM + 1024), 2048 // threads,
+                          65536 // (threads * REGS_PER_THREAD)))
+
+    fit = blocks_fit(smem)
     n_tiles = H // 16
     if dn_tpw is None:
         pairs = M * shape.topk
         typical = min(base.tiles, max(pairs // 8, min(pairs, shape.experts)))      # plan_moe's busy tiles
         even = [t for t in range(1, n_tiles // (2 * warps) + 1) if n_tiles % (2 * warps * t) == 0]
-        dn_tpw = max([t for t in even if typical * (n_tiles // (2 * warps * t)) >= DOWN_WAVES * blocks] or [1])
+        per_grid = sm_count * (blocks_per_sm or fit)
+        dn_tpw = max([t for t in even if typical * (n_tiles // (2 * warps * t)) >= DOWN_WAVES * per_grid] or [1])
+    pin_slots = dn_tpw * (I // 64) // ring[1]
+    if pin:
+        if pin_slots > ring[0]:
+            raise ValueError(f"MoE stream: a pinned down item's {pin_slots} slots a warp exceed the ring's {ring[0]}")
+        smem += warps * pin_slots * (ring[1] * STAGE_BYTES + BAR_BYTES)
+        fit = blocks_fit(smem)
+    if blocks_per_sm is not None and not 1 <= blocks_per_sm <= fit:
+        raise ValueError(f"MoE stream: blocks_per_sm {blocks_per_sm} outside [1, {fit}] (shared memory, registers)")
+    blocks = sm_count * (blocks_per_sm or fit)
     dn_nb = -(-n_tiles // (warps * 2 * dn_tpw))
     return StreamPlan(base.tiles, warps, ring, base.gu_tpw, base.gu_nb, base.gu_splits, dn_tpw, dn_nb, smem,
-                      blocks, int(prefetch or 0))
+                      blocks, int(prefetch or 0), bool(bulk), bool(pin), I // 64)
+
+
+def pinned_count(tiles: int, plan: StreamPlan) -> int:
+    """Down items pinned to blocks (stream_impl's n_pin): block b < this runs down item b."""
+    return min(plan.blocks, tiles * plan.dn_nb) if plan.pin else 0
 
 
 def stream_items(tiles: int, plan: StreamPlan) -> list[tuple]:
-    """Ticket order of the kernel's work items: ("gate_up", z, split, n-block) for every tile z, then
-    ("down", z, n-block): the decoding of stream_impl."""
-    per_tile = plan.gu_nb * plan.gu_splits
+    """Ticket order of the kernel's queue: ("gate_up", z, split, n-block) for every tile z, then ("down", z, n-block)
+    for the down items past the pinned ones: the decoding of stream_impl."""
+    per_tile, n_pin = plan.gu_nb * plan.gu_splits, pinned_count(tiles, plan)
     items = []
-    for ticket in range(tiles * (per_tile + plan.dn_nb)):
+    for ticket in range(tiles * (per_tile + plan.dn_nb) - n_pin):
         if ticket < tiles * per_tile:
             z, r = divmod(ticket, per_tile)
             by, bx = divmod(r, plan.gu_nb)
             items.append(("gate_up", z, by, bx))
         else:
-            z, bx = divmod(ticket - tiles * per_tile, plan.dn_nb)
-            items.append(("down", z, bx))
+            items.append(("down",) + divmod(ticket - tiles * per_tile + n_pin, plan.dn_nb))
     return items
+
+
+def pinned_items(tiles: int, plan: StreamPlan) -> list[tuple]:
+    """The pinned down items, block b's at b: ("down", z, n-block). A block runs its item after drawing a ticket
+    past the gate_up items (every gate_up item is then held by a block that does not wait)."""
+    return [("down",) + divmod(d, plan.dn_nb) for d in range(pinned_count(tiles, plan))]
+
+
+def schedule(tiles: int, plan: StreamPlan) -> list[tuple]:
+    """One order the kernel's items may complete in: the gate_up tickets, the pinned items, the queue's down items."""
+    queue = stream_items(tiles, plan)
+    n_gu = sum(item[0] == "gate_up" for item in queue)
+    return queue[:n_gu] + pinned_items(tiles, plan) + queue[n_gu:]
+
+
+def first_round(n_items: int, blocks: int, look_ahead: bool) -> list[int]:
+    """Items each block holds after its first ticket when the blocks start one after another (the launch's ramp
+    at its extreme: each draws its tickets before the next starts), drawing the next ticket ahead or not (the
+    kernel: ahead unless the queue holds at most `blocks` items). Why the queue within the grid does not look
+    ahead: its items then run on distinct blocks, not two a block on half of them."""
+    held, ticket = [0] * blocks, 0
+    for b in range(blocks):
+        for _ in range(2 if look_ahead else 1):
+            if ticket < n_items:
+                held[b] += 1
+                ticket += 1
+    return held
+
+
+def looks_ahead(n_items: int, blocks: int) -> bool:
+    """stream_impl's rule: draw the next ticket ahead unless the queue's items fit the grid."""
+    return n_items > blocks
 
 
 def align_tiles(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +235,7 @@ def simulate_stream(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packed:
     y = np.full((M * topk, H), np.nan)
     out = np.full((M, H), np.nan)
     token_count = np.zeros((M, plan.dn_nb), int)
-    for item in stream_items(tiles, plan):
+    for item in schedule(tiles, plan):
         z = item[1]
         pairs = tile_pairs[z][tile_pairs[z] >= 0]
         gate_up, down = expert(tile_expert[z])

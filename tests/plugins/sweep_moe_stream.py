@@ -31,6 +31,16 @@ VARIANTS = {
     "s4_tpw7": dict(gu_splits=4, dn_tpw=7),
     "w8_s4_2bps": dict(gu_warps=8, gu_splits=4, blocks_per_sm=2),
     "w8_s4_2bps_tpw7": dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7),
+    "bulk": dict(bulk=True),
+    "bulk_pin": dict(bulk=True, pin=True),
+    "bulk_pin_s14": dict(bulk=True, pin=True, gu_splits=14, dn_tpw=1),
+    "bulk_pin_r3": dict(bulk=True, pin=True, gu_ring=(3, 2), dn_tpw=1),
+    "bulk_pin_w8_tpw2": dict(bulk=True, pin=True, gu_splits=14, gu_warps=8, dn_tpw=2),
+    "r5_s14": dict(gu_ring=(5, 2), gu_splits=14),
+    "bulk_r5_s14": dict(bulk=True, gu_ring=(5, 2), gu_splits=14),
+    "bulk_s8_tpw2": dict(bulk=True, gu_splits=8, dn_tpw=2),
+    "bulk_s4_tpw7": dict(bulk=True, gu_splits=4, dn_tpw=7),
+    "bulk_w8_s4_2bps_tpw7": dict(bulk=True, gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7),
 }
 
 

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from ddtree.plugins import layout, reference
-from ddtree.plugins.moe import (DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe, plan_moe_stream,
-                                stream_default)
-from ddtree.plugins.moe_stream import DOWN_WAVES, REGS_PER_THREAD, align_tiles, simulate_stream, stream_items, x_bytes
+from ddtree.plugins.moe import (DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, STREAM_MEASURED, MoEShape, plan_moe,
+                                plan_moe_stream, stream_default, stream_knobs)
+from ddtree.plugins.moe_stream import (BAR_BYTES, DOWN_WAVES, REGS_PER_THREAD, STATIC_SMEM, align_tiles, first_round,
+                                       looks_ahead, pinned_count, pinned_items, schedule, simulate_stream, stream_items,
+                                       x_bytes)
 
 from moe_cases import random_experts
 
@@ -60,6 +62,35 @@ def test_stream_small_shapes_fall_back_to_one_chunk_slots(hidden, inter):
                 assert p.ring == ONE_CHUNK_RING
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_bulk_and_pinned_plans_fit_or_say_why(arch, name):
+    """Bulk rings add a warp's slots' mbarriers; a pinned down item its slots (all of its chunks) and theirs. Every
+    plan that is made fits the opt-in shared memory beside the kernel's static bytes, and its pinned slots fit the
+    ring's slot walk; the others fail naming the shared memory or the slots."""
+    a, shape = ARCHS[arch], SHAPES[name]
+    ring = DEFAULT_RING.get(arch, DEFAULT_RING["default"])
+    made = []
+    for M in range(1, 257):
+        plain = plan_moe_stream(shape, M, a["sm_count"], a["smem_limit"], ring, a["l2"])
+        bulk = plan_moe_stream(shape, M, a["sm_count"], a["smem_limit"], ring, a["l2"], bulk=True)
+        assert bulk.kernel == plain.kernel + "_bulk" and bulk.smem == plain.smem + plain.warps * plain.ring[0] * BAR_BYTES
+        try:
+            p = plan_moe_stream(shape, M, a["sm_count"], a["smem_limit"], ring, a["l2"], bulk=True, pin=True)
+        except ValueError as exc:
+            assert "shared memory" in str(exc) or "slots a warp exceed" in str(exc), exc
+            continue
+        made.append(M)
+        slot = p.ring[1] * STAGE_BYTES
+        assert p.pin and p.pin_slots == p.dn_tpw * (shape.inter // 64) // p.ring[1] <= p.ring[0]
+        assert p.smem == bulk.smem + p.warps * p.pin_slots * (slot + BAR_BYTES) and p.dn_tpw == bulk.dn_tpw
+        assert p.smem + STATIC_SMEM <= a["smem_limit"]
+    if arch == "sm_90" and name == "tp8":
+        assert made == [1]                  # M = 1: S 14, 16 warps, 4 x 2 ring, one tile pair a warp (231680 B)
+    with pytest.raises(ValueError, match="pin needs bulk"):
+        plan_moe_stream(shape, 1, a["sm_count"], a["smem_limit"], ring, a["l2"], pin=True)
+
+
 def test_stream_plan_knobs_are_checked():
     shape = SHAPES["tp8"]
     with pytest.raises(ValueError, match="blocks_per_sm 2 outside"):
@@ -83,6 +114,36 @@ def test_ticket_order_covers_every_item_once_gate_up_first(tiles, S, gu_nb, dn_n
     assert [i[1] for i in down] == sorted(i[1] for i in down)
 
 
+@pytest.mark.parametrize("tiles, dn_tpw, blocks", [(8, 1, 132), (8, 2, 132), (1, 1, 132), (40, 1, 132), (8, 1, 5)])
+def test_pinned_items_and_queue_cover_every_item_once(tiles, dn_tpw, blocks):
+    """With pin, block b < min(grid, down items) owns down item b; the queue hands out every gate_up item, then the
+    down items from the pinned count on: together every item once, gate_up first in the queue."""
+    p = plan_moe_stream(SHAPES["tp8"], 1, 132, 232448, (4, 2), bulk=True, pin=True, dn_tpw=dn_tpw, gu_warps=8)
+    p = type(p)(**{**p.__dict__, "blocks": blocks})
+    queue, pinned = stream_items(tiles, p), pinned_items(tiles, p)
+    n_gu = tiles * p.gu_nb * p.gu_splits
+    assert len(pinned) == pinned_count(tiles, p) == min(blocks, tiles * p.dn_nb)
+    assert all(i[0] == "gate_up" for i in queue[:n_gu]) and all(i[0] == "down" for i in queue[n_gu:])
+    every_down = [("down", z, b) for z in range(tiles) for b in range(p.dn_nb)]
+    assert pinned == every_down[:len(pinned)] and queue[n_gu:] == every_down[len(pinned):]
+    assert schedule(tiles, p) == queue[:n_gu] + every_down
+    unpinned = type(p)(**{**p.__dict__, "pin": False})
+    assert pinned_items(tiles, unpinned) == [] and stream_items(tiles, unpinned)[n_gu:] == every_down
+
+
+def test_a_queue_within_the_grid_runs_on_distinct_blocks():
+    """M = 1 pinned: 112 gate_up items on 132 blocks. A look-ahead would leave blocks that start late with nothing
+    while early ones hold two; the kernel draws ahead only for a queue longer than the grid."""
+    p = plan_moe_stream(SHAPES["tp8"], 1, 132, 232448, (4, 2), bulk=True, pin=True)
+    n_items = len(stream_items(8, p))
+    assert n_items == 112 and not looks_ahead(n_items, p.blocks)
+    ahead, not_ahead = first_round(n_items, p.blocks, True), first_round(n_items, p.blocks, False)
+    assert max(ahead) == 2 and sum(h > 0 for h in ahead) == 56
+    assert max(not_ahead) == 1 and sum(not_ahead) == 112
+    unpinned = plan_moe_stream(SHAPES["tp8"], 1, 132, 232448, (4, 2))
+    assert looks_ahead(len(stream_items(8, unpinned)), unpinned.blocks)     # 224 items: the look-ahead stays
+
+
 def test_align_tiles_twin():
     ids = np.array([[3, 1], [1, 0], [1, 2]] + [[1, 4]] * 7, np.int32)
     experts, pairs = align_tiles(ids)
@@ -94,7 +155,8 @@ def test_align_tiles_twin():
 
 
 @pytest.mark.parametrize("M, knobs", [(1, {}), (3, dict(gu_splits=2)), (9, dict(gu_warps=4, dn_tpw=2)),
-                                      (17, dict(gu_warps=4, gu_tpw=2, gu_splits=1))])
+                                      (17, dict(gu_warps=4, gu_tpw=2, gu_splits=1)),
+                                      (1, dict(bulk=True, pin=True)), (5, dict(bulk=True, pin=True, dn_tpw=2))])
 def test_simulated_schedule_equals_the_reference(M, knobs):
     """The twin runs every item of the ticket order on exactly the kernel's slice (n-tiles of its n-block, k of
     its split) and asserts a down item finds its tile's act complete and nothing is written twice."""
@@ -115,12 +177,35 @@ def test_simulated_schedule_equals_the_reference(M, knobs):
 
 
 def test_stream_default_is_the_measured_range():
-    """The plan takes the streaming launch only where the H200 measured it faster: tp 8 from 65 rows on sm_90."""
+    """The plan takes the streaming launch only where the H200 measured it faster: tp 8 at one row (bulk copies, the
+    pinned down item) and from 9 rows (8-warp blocks two an SM, k-split 4, 7 tile pairs a down warp up to 65)."""
     tp8, tp1 = SHAPES["tp8"], SHAPES["tp1"]
-    assert [M for M in range(1, 257) if stream_default("sm_90", tp8, M)] == list(range(65, 257))
-    assert stream_default("sm_90a", tp8, 65) and not stream_default("sm_90", tp8, 64)
+    assert [M for M in range(1, 257) if stream_default("sm_90", tp8, M)] == [1] + list(range(9, 257))
+    assert stream_default("sm_90a", tp8, 9) and not stream_default("sm_90", tp8, 8)
+    assert stream_knobs("sm_90", tp8, 1) == dict(bulk=True, pin=True) and stream_knobs("sm_90", tp8, 66) == {}
+    assert stream_knobs("sm_90", tp8, 33) == dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)
     assert not any(stream_default(arch, shape, M) for arch in ("sm_90", "sm_120", "sm_80") for shape in (tp1,)
                    for M in range(1, 257))
     assert not any(stream_default("sm_120", tp8, M) for M in range(1, 257))
     tiny = MoEShape(128, 512, 8, 2)                                     # short K too, but not measured
     assert not any(stream_default("sm_90", tiny, M) for M in range(1, 257))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_measured_knobs_make_plans_that_fit(invariant):
+    """Each measured range's knobs give a plan on the H200 at every M of the range; with the batch-invariant split
+    (max_tokens' plan) the split stays and the knobs that no longer fit fall back to the plain plan."""
+    shape = SHAPES["tp8"]
+    fixed = plan_moe(shape, 256, 132, 232448, (4, 2)).gu_splits if invariant else None
+    for first, last, knobs in STREAM_MEASURED[("sm_90", 7168, 256)]:
+        for M in range(first, last + 1):
+            gate_up = {k: v for k, v in knobs.items() if k.startswith("gu_") and not (fixed and k == "gu_splits")}
+            base = plan_moe(shape, M, 132, 232448, (4, 2), **{"gu_splits": fixed, **gate_up})
+            try:
+                p = plan_moe_stream(shape, M, 132, 232448, (4, 2), 50 << 20, base=base,
+                                    **{k: v for k, v in knobs.items() if not k.startswith("gu_")})
+            except ValueError:
+                assert invariant, (M, knobs)
+                continue
+            assert p.smem + STATIC_SMEM <= 232448 and (fixed is None or p.gu_splits == fixed)
+            assert (p.bulk, p.pin) == (knobs.get("bulk", False), knobs.get("pin", False))

@@ -1,7 +1,8 @@
 """GPU tests of the streaming MoE launch (kernels/moe_stream.cuh: gate_up -> down in one persistent kernel) at the
 tp 8 and tp 1 per-rank shapes (moe_cases), M 1..65: inside a captured graph replayed 3 times, bitwise equal to the
 two launches (moe_gate_up + moe_down: the same sums in the same order at the same gate_up k-split) and within the
-MoE error rule of the float64 reference; forced plans (blocks per SM, down tile pairs, L2 prefetch, k-splits);
+MoE error rule of the float64 reference; forced plans (blocks per SM, down tile pairs, L2 prefetch, k-splits, bulk
+copies, pinned down items, deeper rings);
 three back-to-back calls in one graph. Outputs are poisoned with NaN before each replay."""
 import numpy as np
 import pytest
@@ -65,6 +66,12 @@ STREAM_VARIANTS = {
     "prefetch_always": dict(prefetch=1 << 20),
     "splits4_w8": dict(gu_splits=4, gu_warps=8),
     "ring_6x1": dict(gu_ring=(6, 1)),
+    "bulk": dict(bulk=True),                                        # slots as bulk copies on mbarriers
+    "bulk_pin_s14": dict(bulk=True, pin=True, gu_splits=14, dn_tpw=1),   # + block b's down item pinned (M = 1)
+    "bulk_pin_w8_tpw2": dict(bulk=True, pin=True, gu_splits=14, gu_warps=8, dn_tpw=2),
+    "bulk_pin_r3_s14": dict(bulk=True, pin=True, gu_ring=(3, 2), gu_splits=14, dn_tpw=1),
+    "ring_5x2_s14": dict(gu_ring=(5, 2), gu_splits=14),
+    "bulk_ring_5x2_s14": dict(bulk=True, gu_ring=(5, 2), gu_splits=14),
 }
 
 
@@ -77,6 +84,8 @@ def test_stream_forced_plans(gpu, moe_case, variant):
         try:
             p = stream.override_stream(M, **knobs)
         except ValueError as exc:                                   # e.g. two 8-warp blocks on a 99 KB sm_120
+            if c["name"] == "tp1" and "slots a warp exceed" in str(exc):   # inter 2048: a down item is 16 slots
+                pytest.skip(f"{variant}: {exc}")
             assert gpu.smem_optin < 200 * 1024, exc
             pytest.skip(f"{variant}: {exc}")
         two.override(M, **{k: v for k, v in knobs.items() if k.startswith("gu_")})
@@ -118,7 +127,7 @@ def test_stream_graph_back_to_back(gpu, moe_case):
 
 def test_stream_routed_with_the_fused_router(gpu):
     """The engine's order: the fused router (plugins/router.py) fills the tile lists, then the streaming launch;
-    equal bitwise to the two launches after the same router."""
+    equal bitwise to the two launches after the same router at the same gate_up k-split."""
     from ddtree.plugins import layout, randfill
     from ddtree.plugins.moe import FusedMoE, MoEShape
     E, H, I, M = 64, 7168, 256, 17
@@ -135,9 +144,13 @@ def test_stream_routed_with_the_fused_router(gpu):
     bias = gpu.upload(np.zeros(E, np.float32))
     x = gpu.upload(f32_to_bf16((rng.standard_normal((M, H)) * 0.5).astype(np.float32)))
     shape = MoEShape(H, I, E, 8, scaling=2.5, max_tokens=64)
-    outs = []
-    for streaming in (False, True):
+    outs, splits = [], None
+    for streaming in (True, False):
         moe = FusedMoE(gpu, shape, weights, router=router, bias=bias, streaming=streaming)
+        if streaming:                       # the measured plan may take another k-split (tp 8 shape: 4 at 17 rows)
+            splits = moe.stream_plan(M).gu_splits
+        else:
+            moe.override(M, gu_splits=splits)
         out = gpu.alloc((M, H), np.uint16)
         moe.run(x, out, M)
         gpu.sync()

@@ -92,6 +92,23 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
 // W4A16 expert GEMMs
 // --------------------------------------------------------------------------------------------
 
+// A bulk copy (copy engine) global -> shared completing on `bar`, with an L2 cache policy (weights: evict first).
+__device__ __forceinline__ void bulk_copy_g2s_hint(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(u64* bar) {   // before an mbarrier's memory is initialised again
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// Where the bulk rings' mbarriers are (BULK) and a pinned item's slots (PINNED; moe_stream.cuh); empty otherwise.
+struct W4Bulk {
+    u64* bars;               // [nwarps][STAGES] the ring slots' mbarriers
+    unsigned char* pin;      // [nwarps][pin_slots] W4Slot: the pinned down item's weights, issued at the block's start
+    u64* pin_bars;           // [nwarps][pin_slots]
+    int pin_slots;
+};
+
 template <int CPSLOT>
 struct W4Slot {                     // one warp's ring slot
     uint4 w[CPSLOT][2][32];         // CPSLOT chunks x two 16-row tiles x 64 k of INT4 (lane-private uint4s)
@@ -110,12 +127,19 @@ struct W4Slot {                     // one warp's ring slot
 //             `before_x()` (the programmatic-launch wait), then the x rows.
 // Weights arrive biased by +136 (int4_word_biased); each k32 group's mma pair starts from
 // -136 * sum(x over the group) per slot (xcorr, computed once per block), which cancels the bias.
+//   BULK    false: every lane copies its 16 B pieces of a slot (cp.async, counted in commit groups).
+//           true: lane 0 copies a slot as two bulk copies (the copy engine: CPSLOT KB of weights, CPSLOT x 128 B
+//           of scales, contiguous in both memories) completing on the slot's mbarrier (bk.bars: one per warp
+//           and slot); the lanes wait on its phase. The same bytes in the same places: the same sums.
+//   PINNED  (BULK) the item's slots were all issued at the block's start by w4_issue_pinned into bk.pin (S = 1):
+//           no ring, nothing issued here, slot i waits on bk.pin_bars[i] (phase 0).
 // Shared memory: x [8][kspan + 32] bf16, xcorr [2 CPS][4 t] float4, then the warps' rings.
-template <int MODE, bool PREFETCH, int STAGES, int CPSLOT, class BeforeX, class Epi>
+template <int MODE, bool PREFETCH, int STAGES, int CPSLOT, bool BULK, bool PINNED, class BeforeX, class Epi>
 __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, const uint4* __restrict__ wq,
                                             const uint2* __restrict__ wscale, const int* pairs, int e, int K,
-                                            int NT, int topk, int S, int tpw, int bx, int by, BeforeX before_x,
-                                            Epi epi) {
+                                            int NT, int topk, int S, int tpw, int bx, int by, const W4Bulk& bk,
+                                            BeforeX before_x, Epi epi) {
+    static_assert(BULK || !PINNED, "pinned slots are bulk copies");
     extern __shared__ __align__(16) unsigned char smem[];
     typedef W4Slot<CPSLOT> Slot;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -124,7 +148,15 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     const int kspan = CPS * 64, xstride = kspan + 32;   // +64 B per row: conflict-free uint4 reads
     bf16_t* xs = (bf16_t*)smem;                          // [8][xstride]
     float4* xcorr = (float4*)(smem + 16 * xstride);      // [2 CPS][4]: slots (2t, 2t+1, 2t, 2t+1)
-    Slot* ring = (Slot*)(smem + 16 * xstride + 128 * CPS) + warp * STAGES;
+    Slot* ring = PINNED ? (Slot*)bk.pin + warp * bk.pin_slots : (Slot*)(smem + 16 * xstride + 128 * CPS) + warp * STAGES;
+    u64* bars = PINNED ? bk.pin_bars + warp * bk.pin_slots : bk.bars + warp * STAGES;
+    if (BULK && !PINNED) {                               // fresh barriers for this item (the last item's invalidated)
+        if (lane == 0) {
+            for (int st = 0; st < STAGES; ++st) mbar_init(&bars[st], 1u);
+            mbar_init_fence();
+        }
+        __syncwarp();
+    }
 
     // the 8 slots' activation rows for this k-split -> smem (zeros for padding slots)
     auto load_x = [&]() {
@@ -160,13 +192,24 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     int issue_r = 0, issue_c = 0, issue_st = 0;
     constexpr int SLOT_W = sizeof(Slot) / sizeof(uint4), SLOT_S = sizeof(Slot) / sizeof(uint2);
     auto issue = [&]() {
+        if (PINNED) return;                              // issued at the block's start
         if (issue_r < my_pairs) {
+            if (BULK) {                                  // lane 0's pointers are the slot's and the chunk's bases
+                if (lane == 0) {
+                    u64* bar = &bars[issue_st];
+                    fence_proxy_async();                 // the lanes' reads of this slot (last round) come first
+                    mbar_expect_tx(bar, CPSLOT * (1024u + 128u));
+                    bulk_copy_g2s_hint(issue_w, wp, CPSLOT * 1024u, bar, policy);
+                    bulk_copy_g2s_hint(issue_s, sp, CPSLOT * 128u, bar, policy);
+                }
+            } else {
 #pragma unroll
-            for (int q = 0; q < CPSLOT; ++q) {           // chunk q: w[q][tile][lane], s[q][tile][lane]
-                cp_async16_stream(issue_w + 64 * q, wp + 64 * q, policy);
-                cp_async16_stream(issue_w + 64 * q + 32, wp + 64 * q + 32, policy);
+                for (int q = 0; q < CPSLOT; ++q) {       // chunk q: w[q][tile][lane], s[q][tile][lane]
+                    cp_async16_stream(issue_w + 64 * q, wp + 64 * q, policy);
+                    cp_async16_stream(issue_w + 64 * q + 32, wp + 64 * q + 32, policy);
+                }
+                if (copies_scales) cp_async16_stream(issue_s, sp, policy);
             }
-            if (copies_scales) cp_async16_stream(issue_s, sp, policy);
             wp += 64 * CPSLOT;
             sp += 8 * CPSLOT;
             issue_c += CPSLOT;
@@ -177,7 +220,7 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
                 sp += skip_s;
             }
         }
-        cp_async_commit();                               // empty groups keep the counting uniform
+        if (!BULK) cp_async_commit();                    // empty groups keep the counting uniform
         issue_w += SLOT_W;
         issue_s += SLOT_W;
         if (++issue_st == STAGES) {
@@ -198,7 +241,8 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
         load_x();
 #pragma unroll 1
         for (int st = 0; st < STAGES - 1; ++st) issue();
-        cp_async_wait<STAGES - 2>();                     // activation rows + slot 0 landed
+        if (BULK) cp_async_wait<0>();                    // activation rows landed (the slots: their mbarriers)
+        else cp_async_wait<STAGES - 2>();                // activation rows + slot 0 landed
     }
     __syncthreads();
     // xcorr[group][t] = -136 * (sum of slot 2t's, slot 2t+1's 32 x values in k32 group `group`), laid out
@@ -222,6 +266,7 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     int c = 0, st = 0, r = 0;
+    u32 phase = 0;                                       // BULK: parity of the slots' current use
     const uint4* slot_w = &ring[0].w[0][0][lane];
     const uint2* slot_s = &ring[0].s[0][0][g];
     // The dequant mask goes through shared memory so that ptxas cannot see the constant: otherwise it
@@ -230,7 +275,8 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     const bf16_t* xp = xs + g * xstride + 8 * t;         // chunk c, group h: xp + 64 c + 32 h
     const float4* cp = xcorr + t;                        // chunk c, group h: cp + 8 c + 4 h
     for (int it = 0; it < slots; ++it) {
-        cp_async_wait<STAGES - 2>();                     // slot `it` landed (this lane's copies)
+        if (BULK) mbar_wait(&bars[st], phase);           // slot `it` landed (both bulk copies)
+        else cp_async_wait<STAGES - 2>();                // slot `it` landed (this lane's copies)
         __syncwarp();                                    // ... and the other lanes' (scales); all lanes are done
         issue();                                         // reading the slot of the last iteration: refill it
 #pragma unroll
@@ -267,6 +313,7 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
         slot_s += SLOT_S;
         if (++st == STAGES) {
             st = 0;
+            phase ^= 1u;
             slot_w -= STAGES * SLOT_W;
             slot_s -= STAGES * SLOT_S;
         }
@@ -283,6 +330,11 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
         }
     }
     cp_async_wait<0>();
+    if (BULK && !PINNED) {                               // every slot waited for: the barriers are free again
+        __syncwarp();
+        if (lane == 0)
+            for (int st = 0; st < STAGES; ++st) mbar_inval(&bars[st]);
+    }
 }
 
 // One gate_up work item: tile z (8 slots of one expert), n-block bx of NB, k-split by of S (blockIdx in
@@ -295,12 +347,13 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
 // Returns true in the block that wrote act for (z, bx): every block when S == 1, else the last split to arrive.
 // Outputs of earlier kernels are read with ld.global.cg or cp.async (L2), never through the non-coherent
 // path that `const __restrict__` allows: with PDL (and in moe_stream) they are written during our lifetime.
-template <int STAGES, int CPSLOT>
+template <int STAGES, int CPSLOT, bool BULK = false>
 __device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
                                              const uint2* __restrict__ wscale, const int* tile_expert,
                                              const int* tile_pairs, bf16_t* __restrict__ act,
                                              float4* __restrict__ partial, u32* __restrict__ counters, int K,
-                                             int NT, int topk, int S, int tpw, int z, int bx, int by, int NB) {
+                                             int NT, int topk, int S, int tpw, int z, int bx, int by, int NB,
+                                             const W4Bulk& bk = W4Bulk{}) {
     __shared__ int pairs[8];
     if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
@@ -325,8 +378,8 @@ __device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const
             partial[idx] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         }
     };
-    w4_mainloop<0, false, STAGES, CPSLOT>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw,
-                                          bx, by, [] {}, epi);
+    w4_mainloop<0, false, STAGES, CPSLOT, BULK, false>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk,
+                                                       S, tpw, bx, by, bk, [] {}, epi);
 
     if (S == 1) return true;
     if (!arrive_last(&counters[(size_t)z * NB + bx], (u32)S)) return false;
@@ -363,13 +416,14 @@ __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const
 //   y   [S, P, H] fp32   topk_w [M, topk]   shared_out [M, H] bf16 or null   out [M, H] bf16
 //   counters [M_max * NB] (zeroed once; each (token, n-block) counts its topk * S expert blocks)
 // The weight ring is filled first, then wait_for_act() (every thread calls it), then the act rows load.
-template <int STAGES, int CPSLOT, class WaitAct>
+template <int STAGES, int CPSLOT, bool BULK = false, bool PINNED = false, class WaitAct>
 __device__ __forceinline__ void down_item(const bf16_t* __restrict__ act, const uint4* __restrict__ wq,
                                           const uint2* __restrict__ wscale, const int* tile_expert,
                                           const int* tile_pairs, float* __restrict__ y, const float* topk_w,
                                           const bf16_t* shared_out, bf16_t* __restrict__ out,
                                           u32* __restrict__ counters, int K, int NT, int topk, int tpw, int P, int z,
-                                          int bx, int by, int NB, int S, WaitAct wait_for_act) {
+                                          int bx, int by, int NB, int S, WaitAct wait_for_act,
+                                          const W4Bulk& bk = W4Bulk{}) {
     __shared__ int pairs[8];
     __shared__ int finished_token[8];
     if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
@@ -390,8 +444,8 @@ __device__ __forceinline__ void down_item(const bf16_t* __restrict__ act, const 
             }
         }
     };
-    w4_mainloop<1, true, STAGES, CPSLOT>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk, S, tpw,
-                                         bx, by, wait_for_act, epi);
+    w4_mainloop<1, true, STAGES, CPSLOT, BULK, PINNED>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT,
+                                                       topk, S, tpw, bx, by, bk, wait_for_act, epi);
 
     // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows
     __threadfence();
@@ -446,9 +500,22 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
 
 #include "moe_stream.cuh"
 
-// Ring variants (kernel names moe_{gate_up,down,stream}_r<STAGES>c<CPSLOT>), chosen per launch by the plan
-// (ddtree/plugins/moe.py RINGS). __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas
+// Ring variants (kernel names moe_{gate_up,down,stream}_r<STAGES>c<CPSLOT>, moe_stream_r<STAGES>c<CPSLOT>_bulk with
+// the slots as bulk copies), chosen per launch by the plan (ddtree/plugins/moe.py RINGS). __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas
 // re-materialised the dequant mask before every lop3 (one extra MOV each, seen in the SASS).
+#define DD_MOE_STREAM(ST, CP, BULK, NAME)                                                                 \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                            \
+        const bf16_t* __restrict__ x, const uint4* __restrict__ gu_wq, const uint2* __restrict__ gu_ws, \
+        const uint4* __restrict__ dn_wq, const uint2* __restrict__ dn_ws, const int* tile_expert,       \
+        const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial, \
+        u32* __restrict__ gu_counters, float* __restrict__ y, const float* topk_w, const bf16_t* shared_out, \
+        bf16_t* __restrict__ out, u32* __restrict__ dn_counters, u32* __restrict__ queue,                 \
+        u32* __restrict__ ready, int H, int I, int topk, int S, int gu_tpw, int gu_NB, int dn_tpw, int dn_NB, \
+        int P, int prefetch_tiles, int pin) {                                                             \
+        stream_impl<ST, CP, BULK>(x, gu_wq, gu_ws, dn_wq, dn_ws, tile_expert, tile_pairs, num_tiles, act, \
+                                  partial, gu_counters, y, topk_w, shared_out, out, dn_counters, queue, ready, H, \
+                                  I, topk, S, gu_tpw, gu_NB, dn_tpw, dn_NB, P, prefetch_tiles, pin);        \
+    }
 #define DD_MOE_RING(ST, CP)                                                                               \
     extern "C" __global__ void __launch_bounds__(512, 1) moe_gate_up_r##ST##c##CP(                      \
         const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,   \
@@ -465,19 +532,10 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
         down_impl<ST, CP>(act, wq, wscale, tile_expert, tile_pairs, num_tiles, y, topk_w, shared_out, out, \
                           counters, K, NT, topk, tpw, P);                                                 \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, 1) moe_stream_r##ST##c##CP(                       \
-        const bf16_t* __restrict__ x, const uint4* __restrict__ gu_wq, const uint2* __restrict__ gu_ws, \
-        const uint4* __restrict__ dn_wq, const uint2* __restrict__ dn_ws, const int* tile_expert,       \
-        const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act, float4* __restrict__ partial, \
-        u32* __restrict__ gu_counters, float* __restrict__ y, const float* topk_w, const bf16_t* shared_out, \
-        bf16_t* __restrict__ out, u32* __restrict__ dn_counters, u32* __restrict__ queue,                 \
-        u32* __restrict__ ready, int H, int I, int topk, int S, int gu_tpw, int gu_NB, int dn_tpw, int dn_NB, \
-        int P, int prefetch_tiles) {                                                                      \
-        stream_impl<ST, CP>(x, gu_wq, gu_ws, dn_wq, dn_ws, tile_expert, tile_pairs, num_tiles, act, partial, \
-                            gu_counters, y, topk_w, shared_out, out, dn_counters, queue, ready, H, I, topk, S, \
-                            gu_tpw, gu_NB, dn_tpw, dn_NB, P, prefetch_tiles);                             \
-    }
+    DD_MOE_STREAM(ST, CP, false, moe_stream_r##ST##c##CP)                                                 \
+    DD_MOE_STREAM(ST, CP, true, moe_stream_r##ST##c##CP##_bulk)
 DD_MOE_RING(6, 1)
 DD_MOE_RING(3, 2)
 DD_MOE_RING(4, 2)
+DD_MOE_RING(5, 2)
 DD_MOE_RING(2, 4)
