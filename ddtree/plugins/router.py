@@ -10,12 +10,13 @@ n-blocks. The weight comes tiled (layout.tile_bf16), the bias fp32 or None. Work
 hand-off counters) are allocated here for max_tokens; run() only launches (graph-safe). FusedMoE.route uses
 it (plugins/moe.py); the kernel writes the outputs of the router GEMM + moe_route pair it replaces.
 
-select_ref is the numpy twin of the kernel's top-k selection (checked against routing.topk_lowest_id on
-the CPU); the routing rule's twin is ddtree/model/routing.py route_logits.
+select_ref is the numpy twin of the kernel's top-k selection, one warp a token or G = ceil(E / 32) warps
+(checked against routing.topk_lowest_id on the CPU); the routing rule's twin is ddtree/model/routing.py
+route_logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +33,10 @@ DRAM_B_PER_US = 4.0e6                   # the weights stream once from HBM
 SM_B_PER_US = 5.0e4                     # what one SM pulls from L2 (weights, token rows, partials)
 HANDOFF_US = 0.5                        # one hand-off: barrier, ticket (acq_rel atomic), barrier
 ROUTE_US = 1.0                          # one token routed by one warp (~7 us before the loads were hoisted)
+BLOCK_ROUTE_US = 0.6                    # one token routed by G = ceil(E / 32) warps (route_block)
+# The folded hand-off (fitted to the H200 sweep at 1..3 rows, tests/plugins/sweep_router.py --few, kernels/NOTES.md):
+FOLD_ROUND_US = 0.65                    # the last block's pass over rows x E logits: an L2 round trip a 32 W items
+FOLD_SAVED_US = 1.0                     # saved beyond HANDOFF_US: the logits' L2 round trip, the second ticket
 # The kernel's static shared memory, bounded (144 B in the sm_90 cubin: handoff_last's flag, align_tiles' 32 warp
 # totals): a block's static + dynamic bytes must fit the device's opt-in limit, so plans leave this much of it.
 # (Before it, the sm_90 plans of 129..144 rows took the whole 232448 B beside 16 static bytes.)
@@ -77,6 +82,8 @@ class RouterPlan:
     nb: int          # n-blocks
     splits: int      # S
     smem: int        # dynamic shared memory, bytes
+    fold: bool = False      # one hand-off to the last of all S x NB blocks: it sums every partial, routes from smem
+    route_warps: int = 1    # G: warps a token in the routing block (route_block when > 1; folded plans only)
 
     @property
     def kw(self) -> int:
@@ -94,16 +101,34 @@ class RouterPlan:
         return self.splits * M * E if self.splits > 1 else 0
 
 
-def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, splits: int) -> int:
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, splits: int, fold: bool = False,
+                route_warps: int = 1) -> int:
     """Bytes of dynamic shared memory: the largest of the kernel's phases (router.cu's table)."""
+    E, k = shape.experts, shape.topk
     chunks = shape.hidden // 64 // splits
     per_warp = -(-chunks // (warps // tiles))
     gemm = 8 * mt * (chunks * 64 + 32) * 2 + warps * per_warp * 2048
     kw_sum = warps * mt * 32 * 16 if warps > tiles else 0
-    cmax = shape.topk * -(-shape.experts // 32)
-    route = warps * (3 * cmax + 2 * shape.topk) * 4
-    align = (2 * shape.experts + 1) * 4 + M * shape.topk * 2
+    rows = min(M, 8 * mt)
+    ids = _up16(M * k * 4) if -(-M // (8 * mt)) == 1 else 0          # one token block: the ids' shared copy
+    logits = _up16(rows * E * 4) + _up16(E * 4) if fold else 0         # folded: the logits rows and the bias
+    cmax = k * -(-E // 32)
+    scratch = rows * (36 + 98 * k) if route_warps > 1 else warps * (3 * cmax + 2 * k)   # route_block / warp_topk
+    route = ids + logits + scratch * 4
+    align = ids + (2 * E + 1) * 4 + M * k * 2
     return max(gemm, kw_sum, route, align)
+
+
+def spread_warps(rows: int, warps: int, shape: RouterShape) -> int:
+    """G of a folded plan: ceil(E / 32) warps a token (route_block: one expert a thread) where the block has
+    them for every row and G >= topk (the k-th warp best bounds the top-k) and the routing is not grouped
+    (n_group > 1 needs a token's experts in one warp); else 1 (a warp a token)."""
+    g = -(-shape.experts // 32)
+    return g if shape.n_group == 1 and g >= shape.topk and rows * g <= warps else 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -117,17 +142,25 @@ def plan_cost(M: int, shape: RouterShape, p: RouterPlan, sm_count: int) -> float
     chunks = K // 64 // p.splits
     block_bytes = p.tiles * chunks * 2048 + rows * chunks * 128
     load = max(E * K * 2 / DRAM_B_PER_US, -(-p.blocks // sm_count) * block_bytes / SM_B_PER_US)
-    reduce = p.splits * rows * min(16 * p.tiles, E) * 4 / SM_B_PER_US if p.splits > 1 else 0.0
-    handoffs = (p.splits > 1) + (p.nb > 1) + (p.mb > 1)
-    return load + reduce + handoffs * HANDOFF_US + -(-rows // p.warps) * ROUTE_US
+    if p.fold:
+        reduce = -(-rows * E // (32 * p.warps)) * FOLD_ROUND_US - FOLD_SAVED_US
+    else:
+        reduce = p.splits * rows * min(16 * p.tiles, E) * 4 / SM_B_PER_US if p.splits > 1 else 0.0
+    handoffs = (p.mb > 1) + ((p.splits * p.nb > 1) if p.fold else (p.splits > 1) + (p.nb > 1))
+    if p.route_warps > 1:
+        route = BLOCK_ROUTE_US
+    else:
+        route = -(-rows // p.warps) * ROUTE_US
+    return load + reduce + handoffs * HANDOFF_US + route
 
 
 def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warps: int | None = None,
-                tiles: int | None = None, splits: int | None = None) -> RouterPlan:
-    """Token blocks of <= 64 rows (gemm.token_tiles, the skinny GEMM's); W, TW and S (forced by the knobs, for
-    sweeps) by the smallest plan_cost among the plans whose shared memory (dynamic + STATIC_SMEM) fits
+                tiles: int | None = None, splits: int | None = None, fold: bool | None = None) -> RouterPlan:
+    """Token blocks of <= 64 rows (gemm.token_tiles, the skinny GEMM's); W, TW, S and fold (forced by the knobs,
+    for sweeps) by the smallest plan_cost among the plans whose shared memory (dynamic + STATIC_SMEM) fits
     `smem_limit` (the device's opt-in bytes a block), each warp with >= 1
-    chunk unless K has fewer chunks than a block's warps (the route phase still uses them all)."""
+    chunk unless K has fewer chunks than a block's warps (the route phase still uses them all). A folded plan
+    routes with spread_warps warps a token."""
     E, kc = shape.experts, shape.hidden // 64
     nt = -(-E // 16)
     if warps is not None and warps not in WARP_CHOICES:
@@ -146,17 +179,23 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
                 if kc // s < w // tw and not (s == 1 and kc < w // tw):
                     continue                          # a warp without a chunk, unless K itself is that short:
                                                       # the route phase still uses every warp (a token a warp)
-                smem = router_smem(M, shape, mt, w, tw, s)
-                if smem + STATIC_SMEM <= smem_limit:
-                    options.append(RouterPlan(mt, mb, w, tw, -(-nt // tw), s, smem))
+                nb = -(-nt // tw)
+                folds = (False, True) if s > 1 and nb > 1 else (False,)   # a fold saves a hand-off only there
+                for fo in (fold,) if fold is not None else folds:
+                    g = spread_warps(min(M, 8 * mt), w, shape) if fo else 1
+                    smem = router_smem(M, shape, mt, w, tw, s, fo, g)
+                    if smem + STATIC_SMEM <= smem_limit:
+                        options.append(RouterPlan(mt, mb, w, tw, nb, s, smem, fo, g))
     if not options:
-        raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}) "
+        raise ValueError(f"fused router: no plan for M = {M} (warps {warps}, tiles {tiles}, splits {splits}, "
+                         f"fold {fold}) "
                          f"fits {smem_limit} B of shared memory with every warp given a chunk (or K that short)")
     # near-ties (within 3 %: the weights' DRAM floor binds most plans at few rows) go to more warps, then fewer
-    # splits: 16 warps were the best or within 2 % at 1, 17 and 65 rows in the H200 sweep (kernels/NOTES.md)
-    best = min(plan_cost(M, shape, p, sm_count) for p in options)
-    near = [p for p in options if plan_cost(M, shape, p, sm_count) <= 1.03 * best]
-    return min(near, key=lambda p: (-p.warps, p.splits, p.tiles))
+    # splits: 16 warps were the best or within 2 % at 1, 17 and 65 rows in the H200 sweep (kernels/NOTES.md);
+    # then the cheaper of folded or not
+    cost = {p: plan_cost(M, shape, p, sm_count) for p in options}
+    near = [p for p in options if cost[p] <= 1.03 * min(cost.values())]
+    return min(near, key=lambda p: (-p.warps, p.splits, p.tiles, cost[p]))
 
 
 def invariant_knobs(shape: RouterShape, sm_count: int, smem_limit: int) -> dict:
@@ -187,9 +226,20 @@ class FusedRouter:
         return plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, **self.fixed)
 
     def override(self, M: int, warps: int | None = None, tiles: int | None = None,
-                 splits: int | None = None) -> RouterPlan:
-        """Sweeps: force a plan for M (grows the workspaces if it needs more; call it before capturing)."""
-        p = plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, warps, tiles, splits)
+                 splits: int | None = None, fold: bool | None = None, route_warps: int | None = None) -> RouterPlan:
+        """Sweeps: force a plan for M (grows the workspaces if it needs more; call it before capturing);
+        route_warps: 1 (a warp a token) or, in a folded plan that can take it, spread_warps' G."""
+        p = plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, warps, tiles, splits, fold)
+        if route_warps is not None:
+            rows = min(M, 8 * p.mt)
+            g = spread_warps(rows, p.warps, self.shape) if p.fold else 1
+            if route_warps not in (1, g):
+                raise ValueError(f"fused router: route_warps {route_warps} must be 1 or {g} ({rows} rows, "
+                                 f"{p.warps} warps, fold {p.fold}: G = ceil(E / 32) >= topk, rows G <= warps)")
+            smem = router_smem(M, self.shape, p.mt, p.warps, p.tiles, p.splits, p.fold, route_warps)
+            if smem + STATIC_SMEM > self.gpu.smem_optin:
+                raise ValueError(f"fused router: route_warps {route_warps} needs {smem} B of shared memory")
+            p = replace(p, route_warps=route_warps, smem=smem)
         if p.partial_floats(M, self.shape.experts) > self.partial.shape[0]:
             self.partial = self.gpu.alloc(p.partial_floats(M, self.shape.experts), np.float32)
         if p.mb * p.nb + p.mb + 1 > self.counters.shape[0]:
@@ -212,34 +262,59 @@ class FusedRouter:
                  ptr(ids), ptr(weights), ptr(tile_expert), ptr(tile_pairs), ptr(num_tiles), np.int32(M),
                  np.int32(s.experts), np.int32(s.hidden), np.int32(p.splits), np.int32(p.tiles), np.int32(s.topk),
                  np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), np.int32(0 if given else 1),
-                 stream=stream, pdl=self.pdl)
+                 np.int32(p.fold), np.int32(p.route_warps), stream=stream, pdl=self.pdl)
 
 
-def select_ref(choice: np.ndarray, k: int) -> np.ndarray:
-    """The kernel's selection for one token, in numpy: choice [E] -> the k best ids in selection order
-    ((value, lower id) first). Lane l holds ids l + 32 j (past E: -inf); T = the k-th best of the 32 lane
-    maxima; the candidates are the elements T does not beat; an id's place is the number of candidates
-    that beat it."""
+def warp_topk_ref(choice: np.ndarray, k: int) -> list[tuple[float, int]]:
+    """One warp's top-k (warp_topk), in numpy: lane l holds ids l + 32 j, j < 16 (past E: -inf); T = the k-th
+    best of the 32 lane maxima; the candidates are the elements T does not beat; an id's place is the number of
+    candidates that beat it -> [(value, id)] in selection order."""
     E = choice.shape[0]
-    slots = 32 * LANE_EXPERTS
-    values = np.full(slots, -np.inf)
-    values[:E] = choice
-    ids = np.arange(slots)
+    slots = [[l + 32 * j for j in range(LANE_EXPERTS)] for l in range(32)]
+    value = lambda i: choice[i] if i < E else -np.inf     # noqa: E731
     order_key = lambda v, i: (-v, i)                      # noqa: E731   smaller = better
-    lanes = [sorted(((values[l + 32 * j], l + 32 * j) for j in range(LANE_EXPERTS)), key=lambda a: order_key(*a))[0]
-             for l in range(32)]
+    lanes = [min(((value(i), i) for i in lane), key=lambda a: order_key(*a)) for lane in slots]
     lanes.sort(key=lambda a: order_key(*a))
     t = order_key(*lanes[k - 1])
-    cand = [(values[i], i) for i in ids if order_key(values[i], i) <= t]
+    cand = [(value(i), i) for lane in slots for i in lane if order_key(value(i), i) <= t]
     if len(cand) > k * -(-E // 32):
-        raise AssertionError(f"select_ref: {len(cand)} candidates exceed the kernel's buffer of k ceil(E/32)")
+        raise AssertionError(f"warp_topk_ref: {len(cand)} candidates exceed the kernel's buffer of k ceil(E/32)")
     cand.sort(key=lambda a: order_key(*a))
-    return np.array([i for _, i in cand[:k]], dtype=np.int64)
+    return cand[:k]
 
 
-def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape) -> tuple[np.ndarray, np.ndarray]:
+def block_topk_ref(choice: np.ndarray, k: int) -> list[tuple[float, int]]:
+    """route_block's top-k, in numpy: warp c holds ids 32 c + l (past E: -inf), G = ceil(E / 32) >= k warps;
+    T = the k-th best of the G warp bests; the candidates are the elements T does not beat (<= 32 k); an id's
+    place is the number of candidates that beat it -> [(value, id)] in selection order."""
+    E = choice.shape[0]
+    G = -(-E // 32)
+    if G < k:
+        raise ValueError(f"block_topk_ref: G = ceil({E} / 32) = {G} < topk {k}")
+    value = lambda i: choice[i] if i < E else -np.inf     # noqa: E731
+    order_key = lambda v, i: (-v, i)                      # noqa: E731   smaller = better
+    bests = sorted((min(((value(i), i) for i in range(32 * c, 32 * c + 32)), key=lambda a: order_key(*a))
+                    for c in range(G)), key=lambda a: order_key(*a))
+    t = order_key(*bests[k - 1])
+    cand = [(value(i), i) for i in range(E) if order_key(value(i), i) <= t]
+    if len(cand) > 32 * k:
+        raise AssertionError(f"block_topk_ref: {len(cand)} candidates exceed route_block's buffer of 32 k")
+    cand.sort(key=lambda a: order_key(*a))
+    return cand[:k]
+
+
+def select_ref(choice: np.ndarray, k: int, route_warps: int = 1) -> np.ndarray:
+    """The kernel's selection for one token, in numpy: choice [E] -> the k best ids in selection order
+    ((value, lower id) first): one warp (warp_topk_ref) or, route_warps > 1, route_block (block_topk_ref)."""
+    chosen = warp_topk_ref(choice, k) if route_warps == 1 else block_topk_ref(choice, k)
+    return np.array([i for _, i in chosen], dtype=np.int64)
+
+
+def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape,
+              route_warps: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's routing of fp32 logits [M, E] in numpy float32 (sigmoid, + bias for the choice, the groups'
-    top-2 sums, select_ref, weights normalised in selection order) -> ids [M, topk], weights [M, topk]."""
+    top-2 sums, select_ref with route_warps warps a token, weights normalised in selection order)
+    -> ids [M, topk], weights [M, topk]."""
     M, E = logits.shape
     k, one = shape.topk, np.float32(1.0)
     ids = np.zeros((M, k), np.int64)
@@ -255,7 +330,7 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape) -
             mask = np.zeros(shape.n_group, bool)
             mask[kept] = True
             choice = np.where(np.repeat(mask, E // shape.n_group), choice, -np.inf).astype(np.float32)
-        ids[m] = select_ref(choice, k)
+        ids[m] = select_ref(choice, k, route_warps)
         picked = score[ids[m]]
         total = np.float32(0.0)
         for s in picked:                                     # selection order, fp32

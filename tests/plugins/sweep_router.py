@@ -1,14 +1,15 @@
 """Fused-router plans (plugins/router.py: warps, weight tiles a block, k-splits) timed at Kimi's tp 8 router
 (E 384, H 7168, top-8) per row count, beside the plan plan_router picks and the unfused path it replaced
 (router GEMM + moe_route), so plan_router's cost model can be fitted to the device (on the GPU machine):
-    python3 tests/plugins/sweep_router.py [M,M,..] > sweep.json
+    python3 tests/plugins/sweep_router.py [M,M,..] [--few] > sweep.json
+--few: only the planned knobs, folded or not, and a folded plan's route_block (G > 1) or a warp a token.
 Each launch of a graph reads its own copy of the weight, enough copies to defeat L2 (as each layer's router
 in a step); `*_l2_us` repeat one copy (L2-warm, as `ddtree bench moe` times the router).
 Each candidate's outputs are checked once, untimed: its ids and weights equal moe_route's on its own logits bit
 for bit, and its logits are the planned plan's within fp32 accumulation (a split order of its own); a
 candidate that fails is reported with "ok": false.
 Output: one JSON object {"device", "rows": [{"M", "planned": {..., "us", "l2_us"}, "unfused_us",
-"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "blocks", "us", "ok"}, ...]}]}.
+"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "fold", "G", "blocks", "us", "l2_us", "ok"}, ...]}]}.
 """
 import json
 import sys
@@ -24,7 +25,17 @@ E, H, TOPK = 384, 7168, 8
 WARPS, TILES, SPLITS = (4, 8, 16), (1, 2, 4, 8), (2, 4, 7, 8, 14, 16, 28, 56)
 
 
-def sweep(gpu, ms: list[int]) -> list[dict]:
+def knob_sets(planned, few: bool) -> list[dict]:
+    if not few:
+        return [dict(warps=w, tiles=t, splits=s) for w in WARPS for t in TILES for s in SPLITS]
+    base = dict(warps=planned.warps, tiles=planned.tiles, splits=planned.splits)
+    sets = [dict(base, fold=False), dict(base, fold=True)]
+    if planned.fold and planned.route_warps > 1:
+        sets.append(dict(base, fold=True, route_warps=1))
+    return sets
+
+
+def sweep(gpu, ms: list[int], few: bool = False) -> list[dict]:
     copies = max(2, -(-4 * gpu.l2_bytes // (E * H * 2)))
     ws = [gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
     for i, w in enumerate(ws):
@@ -68,24 +79,26 @@ def sweep(gpu, ms: list[int]) -> list[dict]:
         ids_old, w_old = gpu.alloc((M, TOPK), np.int32), gpu.alloc((M, TOPK), np.float32)
         planned_logits = outputs()[0]
         p = moe.router_fused.plan(M)
-        row = {"M": M, "planned": {"warps": p.warps, "tiles": p.tiles, "splits": p.splits, "blocks": p.blocks,
-                                   "us": timed(fused), "l2_us": timed(fused, 1)},
+        row = {"M": M, "planned": {"warps": p.warps, "tiles": p.tiles, "splits": p.splits, "fold": p.fold,
+                                   "G": p.route_warps, "blocks": p.blocks, "us": timed(fused),
+                                   "l2_us": timed(fused, 1)},
                "unfused_us": timed(unfused), "unfused_l2_us": timed(unfused, 1), "candidates": []}
-        for warps in WARPS:
-            for tiles in TILES:
-                for splits in SPLITS:
-                    try:
-                        q = moe.router_fused.override(M, warps=warps, tiles=tiles, splits=splits)
-                    except ValueError:
-                        continue
-                    row["candidates"].append({"warps": warps, "tiles": tiles, "splits": splits, "blocks": q.blocks,
-                                              "us": timed(fused), "ok": agrees(*outputs(), planned_logits)})
+        for knobs in knob_sets(p, few):
+            try:
+                q = moe.router_fused.override(M, **knobs)
+            except ValueError:
+                continue
+            row["candidates"].append({"warps": q.warps, "tiles": q.tiles, "splits": q.splits, "fold": q.fold,
+                                      "G": q.route_warps, "blocks": q.blocks, "us": timed(fused),
+                                      "l2_us": timed(fused, 1) if few else None,
+                                      "ok": agrees(*outputs(), planned_logits)})
         moe.router_fused._overrides.pop(M, None)
         best = min([c for c in row["candidates"] if c["ok"]] or row["candidates"], key=lambda c: c["us"])
-        failed = [(c["warps"], c["tiles"], c["splits"]) for c in row["candidates"] if not c["ok"]]
-        print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} {row['planned']['us']:6.2f} us "
-              f"(L2-warm {row['planned']['l2_us']:.2f}); best w{best['warps']} t{best['tiles']} s{best['splits']:3d} "
-              f"{best['us']:6.2f} us; unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f}); "
+        failed = [(c["warps"], c["tiles"], c["splits"], c["fold"], c["G"]) for c in row["candidates"] if not c["ok"]]
+        print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} f{p.fold:d} G{p.route_warps} "
+              f"{row['planned']['us']:6.2f} us (L2-warm {row['planned']['l2_us']:.2f}); best w{best['warps']} "
+              f"t{best['tiles']} s{best['splits']:3d} f{best['fold']:d} G{best['G']} {best['us']:6.2f} us; "
+              f"unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f}); "
               f"{len(failed)} candidates failed the check {failed}",
               file=sys.stderr)
         rows.append(row)
@@ -94,6 +107,8 @@ def sweep(gpu, ms: list[int]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    ms = [int(m) for m in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 17, 65]
+    args = [a for a in sys.argv[1:] if a != "--few"]
+    ms = [int(m) for m in args[0].split(",")] if args else [1, 17, 65]
     g = Gpu(0)
-    print(json.dumps({"device": g.name, "E": E, "H": H, "topk": TOPK, "rows": sweep(g, ms)}))
+    print(json.dumps({"device": g.name, "E": E, "H": H, "topk": TOPK,
+                      "rows": sweep(g, ms, few="--few" in sys.argv[1:])}))

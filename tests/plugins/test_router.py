@@ -22,8 +22,14 @@ SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),
           "tiny": RouterShape(8, 128, 2, scaling=2.5, max_tokens=256)}     # the embedded tiny model's MoE
 
 
-@pytest.mark.parametrize("E, k", [(384, 8), (512, 32), (200, 8), (33, 5), (16, 4), (8, 8), (64, 1)])
-def test_selection_twin_equals_the_rule(E, k):
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("E, k", [(384, 8), (512, 32), (512, 16), (200, 7), (200, 32), (33, 2), (16, 4), (8, 8),
+                                  (64, 1)])
+def test_selection_twin_equals_the_rule(E, k, block):
+    """One warp a token, or (block) route_block's G = ceil(E / 32) >= k warps, one expert a thread."""
+    G = -(-E // 32) if block else 1
+    if block and G < k:
+        pytest.skip(f"route_block needs ceil(E / 32) >= topk ({G} < {k})")
     rng = np.random.default_rng(E * 100 + k)
     for trial in range(40):
         kind = trial % 4
@@ -38,28 +44,32 @@ def test_selection_twin_equals_the_rule(E, k):
             choice[rng.random(E) < 0.7] = -np.inf
             if np.isfinite(choice).sum() < k:
                 choice[:k] = 1.0
-        got = select_ref(choice, k)
+        got = select_ref(choice, k, G)
         want = topk_lowest_id(choice[None], k)[0]
-        np.testing.assert_array_equal(got, want, err_msg=f"E {E} k {k} trial {trial}")
+        np.testing.assert_array_equal(got, want, err_msg=f"E {E} k {k} G {G} trial {trial}")
 
 
 def test_selection_candidates_fit_the_kernel_buffer_at_worst():
     """The candidates come from k lanes: k ceil(E/32) at most, reached when each of k lanes holds its
-    whole column above every other lane (select_ref raises past the bound)."""
+    whole column above every other lane (select_ref raises past the bound); route_block's from k warps: 32 k
+    at most, when k warps hold all their experts above every other warp."""
     E, k = 384, 8
     choice = np.zeros(E)
     for lane in range(k):
         choice[lane::32] = 10.0 + lane              # lanes 0..7 hold all 12 of their experts high
     assert list(select_ref(choice, k)) == list(topk_lowest_id(choice[None], k)[0])
+    choice = np.zeros(E)
+    choice[:32 * k] = 10.0                          # warps 0..7 all equal and high: 256 candidates
+    assert list(select_ref(choice, k, 12)) == list(range(k))
 
 
-@pytest.mark.parametrize("name", ["kimi_tp8", "grouped", "small"])
-def test_route_twin_matches_route_logits(name):
+@pytest.mark.parametrize("name, G", [("kimi_tp8", 1), ("kimi_tp8", 12), ("grouped", 1), ("small", 1), ("ragged", 1)])
+def test_route_twin_matches_route_logits(name, G):
     shape = SHAPES[name]
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((64, shape.experts)) * 2).astype(np.float32)
     bias = (rng.standard_normal(shape.experts) * 0.05).astype(np.float32)
-    ids, w = route_ref(logits, bias, shape)
+    ids, w = route_ref(logits, bias, shape, G)
     ids_ref, w_ref, margin = route_logits(logits.astype(np.float64), bias, shape.topk, shape.n_group,
                                           shape.topk_group, shape.scaling)
     decided = margin > 1e-5                        # fp32 scores vs float64: a rounding-level margin may flip
@@ -81,16 +91,45 @@ def test_plans_fit_and_cover(arch, name):
         assert kc % p.splits == 0 and (kc // p.splits >= p.kw or (p.splits == 1 and kc < p.kw))
         assert p.nb * p.tiles >= nt > (p.nb - 1) * p.tiles              # every expert tile, no empty n-block
         assert p.mb * 8 * p.mt >= M and p.mb <= 65535 and p.splits * p.nb <= 65535 * 65535
-        assert p.smem == router_smem(M, shape, p.mt, p.warps, p.tiles, p.splits)
+        assert p.smem == router_smem(M, shape, p.mt, p.warps, p.tiles, p.splits, p.fold, p.route_warps)
+        # route_block: folded (the logits in shared memory), ungrouped, G = ceil(E / 32) >= topk warps a row
+        rows, g = min(M, 8 * p.mt), -(-shape.experts // 32)
+        assert p.route_warps == 1 or (p.fold and shape.n_group == 1 and p.route_warps == g >= shape.topk
+                                      and rows * g <= p.warps)
+
+
+def test_few_rows_fold_and_route_block():
+    """Kimi tp 8 at 1 row: one hand-off, the token over 12 of the 16 warps (one expert a thread); at 2 rows a
+    warp a token (24 warps would be needed); from 3 rows on the two hand-offs (the folded block's passes over
+    rows x E logits cost more than the hand-off it saves: the H200 sweep, 10.25 vs 9.73 us at 3 rows). Only
+    where there are two hand-offs to fold (S > 1, NB > 1): never for the tiny model."""
+    shape, a = SHAPES["kimi_tp8"], ARCHS["sm_90"]
+    one = plan_router(1, shape, a["sm_count"], a["smem_limit"])
+    assert (one.fold, one.route_warps) == (True, 12)
+    two = plan_router(2, shape, a["sm_count"], a["smem_limit"])
+    assert (two.fold, two.route_warps) == (True, 1)
+    for M in (3, 8, 17, 65):
+        p = plan_router(M, shape, a["sm_count"], a["smem_limit"])
+        assert (p.fold, p.route_warps) == (False, 1)
+    for M in (1, 2, 17, 256):
+        assert not plan_router(M, SHAPES["tiny"], a["sm_count"], a["smem_limit"]).fold
+    grouped = SHAPES["grouped"]
+    assert plan_router(1, grouped, a["sm_count"], a["smem_limit"], fold=True).route_warps == 1
 
 
 def test_smem_formula_by_hand():
     """Kimi tp 8 at M = 17, 16 warps as 2 tiles x 8, 8 splits: x rows 24 x (896 + 32) bf16 + 16 warps x 2
-    chunks x 2 KB; the routing scratch 16 x (3 x 8 x 12 + 16) x 4 B and the tile lists are smaller."""
+    chunks x 2 KB; the routing scratch 16 x (3 x 8 x 12 + 16) x 4 B and the tile lists are smaller. At one row
+    (one token block: the ids' shared copy, 8 x 4 B -> 32), folded with route_block: the logits row and the
+    bias 384 x 4 B each and route_block's (36 + 98 x 8) floats; folded with a warp a token: the warps' scratch."""
     shape = SHAPES["kimi_tp8"]
     assert router_smem(17, shape, 3, 16, 2, 8) == 24 * 928 * 2 + 16 * 2 * 2048
-    assert router_smem(1, shape, 1, 16, 16, 112) == max(8 * 96 * 2 + 16 * 2048, 16 * (3 * 96 + 16) * 4,
-                                                        (2 * 384 + 1) * 4 + 8 * 2)
+    assert router_smem(1, shape, 1, 16, 16, 112) == max(8 * 96 * 2 + 16 * 2048, 32 + 16 * (3 * 96 + 16) * 4,
+                                                        32 + (2 * 384 + 1) * 4 + 8 * 2)
+    wide = RouterShape(512, 1024, 32)             # the routing phase binds: 16 x (3 x 32 x 16 + 64) floats
+    assert router_smem(1, wide, 1, 16, 16, 16, True, 1) == 128 + 2 * 2048 + 16 * (3 * 512 + 64) * 4
+    assert router_smem(1, wide, 1, 16, 16, 16, True, 16) == max(8 * 96 * 2 + 16 * 2048,
+                                                                128 + 2 * 2048 + (36 + 98 * 32) * 4)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

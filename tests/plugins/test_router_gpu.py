@@ -102,11 +102,7 @@ def test_exact_logits_route_every_row_as_the_rule(gpu, M):
     np.testing.assert_allclose(wts, w_ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("M", [1, 17, 65])
-def test_fused_equals_moe_route_bitwise(gpu, M):
-    """FusedMoE.route (fused) and the route kernel it replaced, on the fused logits: the same ids and weights
-    bit for bit (same fp32 sigmoid, the same order of the weights' sum); the unfused GEMM's logits agree to
-    fp32 accumulation."""
+def kimi_moe(gpu):
     from ddtree.plugins.moe import FusedMoE, MoEShape
     r = SHAPES["kimi"]
     E, H = r["experts"], r["hidden"]
@@ -114,7 +110,17 @@ def test_fused_equals_moe_route_bitwise(gpu, M):
     weights = route_only_weights(gpu, E, H)
     w_router = randfill.hash_array((E, H), np.uint16, 601, randfill.WEIGHT_BF16)
     bias = (np.random.default_rng(7).standard_normal(E) * 0.05).astype(np.float32)
-    moe = FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))
+    return FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))
+
+
+@pytest.mark.parametrize("M", [1, 17, 65])
+def test_fused_equals_moe_route_bitwise(gpu, M):
+    """FusedMoE.route (fused) and the route kernel it replaced, on the fused logits: the same ids and weights
+    bit for bit (same fp32 sigmoid, the same order of the weights' sum); the unfused GEMM's logits agree to
+    fp32 accumulation."""
+    r = SHAPES["kimi"]
+    E, H = r["experts"], r["hidden"]
+    moe = kimi_moe(gpu)
     x = gpu.upload(randfill.hash_array((M, H), np.uint16, 602 + M, randfill.ACT_BF16))
     moe.route(x, M)
     logits = moe.logits.numpy()[:M]
@@ -153,3 +159,43 @@ def test_invariant_logits_do_not_depend_on_the_batch(gpu):
         one = run(gpu, router, xd.ptr + m * s.hidden * 2, 1, out)
         for a, b in zip(one, batch):
             np.testing.assert_array_equal(a[0], b[m], err_msg=f"row {m}: M = 1 != M = {M}")
+
+
+@pytest.mark.parametrize("M, fold, G", [(1, False, None), (1, True, 1), (1, True, 12), (2, True, None),
+                                        (3, True, 1), (8, True, 1), (17, True, None)])
+def test_fold_and_spread_equal_the_two_hand_offs_and_moe_route(gpu, M, fold, G):
+    """Forced plans (the planned knobs, folded or not, a warp a token or route_block's 12 warps): the logits bit
+    for bit those of the unfolded plan (one summation order), the ids and weights moe_route's on them bit for
+    bit, the tile lists right; and with the ids given, the same tile lists from the shared copy of the ids."""
+    r = SHAPES["kimi"]
+    E, H, k = r["experts"], r["hidden"], r["topk"]
+    moe = kimi_moe(gpu)
+    x = gpu.upload(randfill.hash_array((M, H), np.uint16, 702 + M, randfill.ACT_BF16))
+    planned = moe.router_fused.plan(M)
+    knobs = dict(warps=planned.warps, tiles=planned.tiles, splits=planned.splits)
+    moe.router_fused.override(M, fold=False, **knobs)
+    moe.route(x, M)
+    base = moe.logits.numpy()[:M].copy()
+    plan = moe.router_fused.override(M, fold=fold, route_warps=G, **knobs)
+    assert plan.fold == fold and (G is None or plan.route_warps == G)
+    for a in (moe.logits, moe.topk_w, moe.tile_expert, moe.tile_pairs):
+        gpu.memset(a, 0xFF)
+    gpu.memset(moe.topk_ids, 0xFF)
+    moe.route(x, M)
+    gpu.sync()
+    logits, ids, wts = moe.logits.numpy()[:M], moe.topk_ids.numpy()[:M].copy(), moe.topk_w.numpy()[:M].copy()
+    np.testing.assert_array_equal(logits, base)
+    tiles = {"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}
+    check_tiles(tiles, ids, E)
+    ids_old, w_old = gpu.alloc((M, k), np.int32), gpu.alloc((M, k), np.float32)
+    moe.launch_route(moe.logits, M, ids_old, w_old, None)
+    gpu.sync()
+    np.testing.assert_array_equal(ids_old.numpy(), ids)
+    np.testing.assert_array_equal(w_old.numpy(), wts)
+    given = np.stack([np.random.default_rng(m).permutation(E)[:k] for m in range(M)]).astype(np.int32)
+    ids_in, w_in = gpu.upload(given), gpu.upload(np.full((M, k), 0.5, np.float32))
+    gpu.memset(moe.tile_pairs, 0xFF)
+    moe.route_given(x, M, ids_in, w_in)
+    gpu.sync()
+    np.testing.assert_array_equal(ids_in.numpy(), given)
+    check_tiles(tiles, given, E)

@@ -52,19 +52,24 @@ __device__ void keep_best_groups(float (&choice)[ROUTE_EPL], int E, int n_group,
     }
 }
 
-// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size of whole warps). ids [P] are read
-// through L2. Shared: count [E] int, tile_start [E + 1] int, rank [P] short (dynamic, the caller's), and the
-// scan's 32 warp totals (static).
-__device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
-                            int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
-    __shared__ int warp_total[32];
+// Token -> expert tiles of 8 pairs (moe_route's alignment, any block size of whole warps). id_of(p) reads pair
+// p's expert (align_tiles: from global ids [P] through L2; the fused router's single token block: from its
+// shared copy, two L2 round trips fewer). Shared: count [E] int, tile_start [E + 1] int, rank [P] short
+// (dynamic, the caller's), and the scan's 32 warp totals (static, one array for every instance of the template).
+__shared__ int align_warp_total[32];
+
+template <typename IdOf>
+__device__ __forceinline__ void align_tiles_of(IdOf id_of, int P, int E, unsigned char* smem,
+                                               int* __restrict__ tile_expert, int* __restrict__ tile_pairs,
+                                               int* __restrict__ num_tiles) {
+    int* warp_total = align_warp_total;
     int* count = (int*)smem;
     int* tile_start = count + E;
     short* rank = (short*)(tile_start + E + 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[ld_cg_s32(&ids[p])], 1);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) rank[p] = (short)atomicAdd(&count[id_of(p)], 1);
     __syncthreads();
     // exclusive scan of tiles per expert over the block (a one-warp scan took ceil(E / 32) dependent rounds):
     // thread i owns experts [i per, i per + per); its sum, a warp scan, the warps' totals scanned by warp 0
@@ -104,7 +109,12 @@ __device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, i
     if (threadIdx.x == blockDim.x - 1) { tile_start[E] = start; *num_tiles = start; }   // past every expert
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) {              // the other slots: each pair in its tile
-        const int e = ld_cg_s32(&ids[p]), r = rank[p];
+        const int e = id_of(p), r = rank[p];
         tile_pairs[(tile_start[e] + (r >> 3)) * 8 + (r & 7)] = p;
     }
+}
+
+__device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
+                            int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+    align_tiles_of([ids](int p) { return ld_cg_s32(&ids[p]); }, P, E, smem, tile_expert, tile_pairs, num_tiles);
 }

@@ -15,6 +15,10 @@
 //   2. the last of the NB n-blocks of mb routes its rows, one warp per token (route_token)
 //   3. the last of the MB token blocks aligns all M * topk pairs into tiles of 8 (as moe_route)
 // A hand-off that has one contributor is skipped (S = 1 writes the logits directly).
+// fold = 1 (the plan's choice for few rows): 1 and 2 are one hand-off, to the last of all S x NB blocks of mb,
+// which sums all its rows' partials itself into the logits and a shared copy, routes from that copy and,
+// with G > 1, routes each token with G = ceil(E / 32) warps, one expert a thread (route_block). With one token
+// block (MB = 1) the ids are also kept in shared memory for step 3 (no L2 round trips to read them back).
 // route = 0: the ids are given (topk_ids is an input; bench step's given routing): the logits are still
 // computed (their cost is real), steps 2's routing is skipped and step 3 aligns the given ids.
 //
@@ -48,11 +52,25 @@ __device__ __forceinline__ bool handoff_last(u32* counter, u32 expected) {
     return s_last;
 }
 
+// logits[at] = sum over s = 0..S-1 of p[s stride], in that order: 8 loads in flight, then their sum in order
+__device__ __forceinline__ float sum_splits(const float* p, int S, size_t stride) {
+    float v = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 8) {
+        float part[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) part[u] = s0 + u < S ? __ldcg(p + (s0 + u) * stride) : 0.f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (s0 + u < S) v += part[u];
+    }
+    return v;
+}
+
 __device__ __forceinline__ bool beats(float av, int ai, float bv, int bi) {
     return av > bv || (av == bv && ai < bi);
 }
 
-// Per-warp scratch of route_token: candidates (choice, id, score) [cmax], the selection (id, score) [topk].
+// Per-warp scratch of warp_topk: candidates (choice, id, score) [cmax], the selection (id, score) [topk].
 struct RouteScratch {
     float* cand_v;
     int* cand_i;
@@ -74,27 +92,35 @@ __device__ __forceinline__ RouteScratch route_scratch(unsigned char* base, int w
     return r;
 }
 
-// One warp routes one token from its fp32 logits row (written by other blocks: read through L2).
-__device__ void route_token(const float* logits_row, const float* bias, int E, int topk, int n_group,
-                            int topk_group, float scaling, int* ids_out, float* w_out, const RouteScratch& sc,
-                            int lane) {
+// One warp's top-k of a token (lane l holds experts l + 32 j, j < ROUTE_EPL; past E: not there), into sc.sel_*
+// in selection order. The logits row and the bias are in shared memory (`shared`, the folded hand-off's sums
+// and its copy of the bias) or global (the row written by other blocks: read through L2).
+__device__ void warp_topk(const float* row, bool shared, const float* bias, int E, int topk, int n_group,
+                          int topk_group, const RouteScratch& sc, int lane) {
     // every load first, unconditional (index clamped), so the 16 round trips to L2 overlap: with the loads
     // inside `if (e < E)` each waited for the previous slot's sigmoid (its division has a called slow
     // path), 16 L2 latencies in a row, ~7 us a token on the H200 (moe_route's top-k has the same pattern)
     float logit[ROUTE_EPL], add[ROUTE_EPL];
+    if (shared) {                                                    // (two loops: no global load of a shared row)
 #pragma unroll
-    for (int j = 0; j < ROUTE_EPL; ++j) {
-        const int e = min(lane + 32 * j, E - 1);
-        logit[j] = __ldcg(logits_row + e);
-        add[j] = bias ? bias[e] : 0.0f;
+        for (int j = 0; j < ROUTE_EPL; ++j) logit[j] = row[min(lane + 32 * j, E - 1)];
+    } else {
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) logit[j] = __ldcg(row + min(lane + 32 * j, E - 1));
     }
-    float score[ROUTE_EPL], choice[ROUTE_EPL];
+#pragma unroll
+    for (int j = 0; j < ROUTE_EPL; ++j) add[j] = bias ? bias[min(lane + 32 * j, E - 1)] : 0.0f;
+    // g = sigmoid(logit) = 1 / (1 + exp(-logit)), fp32 (as moe_route): every exp first (no branch), then the
+    // divisions (each with its called slow path), so a slot's exp no longer waits for the previous division
+    float score[ROUTE_EPL], choice[ROUTE_EPL], den[ROUTE_EPL];
+#pragma unroll
+    for (int j = 0; j < ROUTE_EPL; ++j) den[j] = 32 * j < E ? 1.0f + expf(-logit[j]) : 1.0f;
 #pragma unroll
     for (int j = 0; j < ROUTE_EPL; ++j) {
         score[j] = 0.0f;
         choice[j] = DD_NEG_INF;                                      // past E: loses to every expert
         if (lane + 32 * j < E) {
-            score[j] = 1.0f / (1.0f + expf(-logit[j]));              // g = sigmoid(logit), fp32 (as moe_route)
+            score[j] = 1.0f / den[j];
             choice[j] = score[j] + add[j];                           // selection only
         }
     }
@@ -146,24 +172,116 @@ __device__ void route_token(const float* logits_row, const float* bias, int E, i
         const float v = sc.cand_v[c];
         const int id = sc.cand_i[c];
         int rank = 0;
+#pragma unroll 4
         for (int q = 0; q < count; ++q) rank += beats(sc.cand_v[q], sc.cand_i[q], v, id);
         if (rank < topk) { sc.sel_i[rank] = id; sc.sel_s[rank] = sc.cand_s[c]; }
     }
     __syncwarp();
+}
+
+// One warp routes one token: its top-k, the weights normalised in selection order (as moe_route), written to
+// ids_out / w_out and, with one token block, to the block's shared copy of the ids (ids_s, else null).
+__device__ void route_token(const float* row, bool shared, const float* bias, int E, int topk, int n_group,
+                            int topk_group, float scaling, int* ids_out, float* w_out, int* ids_s,
+                            const RouteScratch& sc, int lane) {
+    warp_topk(row, shared, bias, E, topk, n_group, topk_group, sc, lane);
     if (lane < topk) {
         float sum = 0.0f;
         for (int q = 0; q < topk; ++q) sum += sc.sel_s[q];           // selection order, as moe_route
         ids_out[lane] = sc.sel_i[lane];
         w_out[lane] = sc.sel_s[lane] / (sum + 1e-20f) * scaling;
+        if (ids_s) ids_s[lane] = sc.sel_i[lane];
     }
     __syncwarp();                                                    // the scratch is free for the next token
+}
+
+// route_block's shared memory a token (floats): the G <= 16 warp bests (value, id), the candidate count, the
+// candidates (choice, id, score) [32 topk], the selection (id, score) [topk]
+__device__ __forceinline__ int block_route_floats(int topk) { return 36 + 98 * topk; }
+
+// Few tokens, one expert a thread (the plan's G = ceil(E / 32) >= topk warps a token, rows G <= W, n_group = 1,
+// the logits and bias in shared memory): warp c of token r holds experts 32 c + lane. Each warp's best (value,
+// lowest id) by warp_argmax; T = the topk-th best of the G warp bests (every warp ranks them by shuffles): the
+// topk warps whose best T does not beat hold >= topk elements that T does not beat, so T bounds the token's
+// top-k from below, and every element T does not beat lies in one of those warps (<= 32 topk candidates). The
+// candidates take slots by a shared atomic (their order is no part of the result); a candidate's rank is the
+// number of candidates that beat it, and the ranks under topk are the selection in order: moe_route's ids,
+// the weights summed in that order (bit for bit). Three block barriers instead of a warp's serial chain of
+// ceil(E / 32) sigmoids and its lane ranking; every thread of the block calls it.
+__device__ void route_block(const float* lg, const float* bs, int rows, int row0, int E, int topk, int G,
+                            float scaling, int* topk_ids, float* topk_w, int* ids_s, float* scratch, int warp,
+                            int lane) {
+    const int r = warp / G, c = warp - r * G, e = 32 * c + lane;    // token r, its warp c, this thread's expert
+    const bool active = r < rows;
+    float* wm_v = scratch + (size_t)(active ? r : 0) * block_route_floats(topk);
+    int* wm_i = (int*)(wm_v + 16);
+    int* count = (int*)(wm_v + 32);
+    float* cand_v = wm_v + 36;
+    int* cand_i = (int*)(cand_v + 32 * topk);
+    float* cand_s = cand_v + 64 * topk;
+    int* sel_i = (int*)(cand_v + 96 * topk);
+    float* sel_s = cand_v + 97 * topk;
+    float score = 0.0f, choice = DD_NEG_INF;                         // past E: loses to every expert
+    if (active && e < E) {
+        score = 1.0f / (1.0f + expf(-lg[(size_t)r * E + e]));      // g = sigmoid(logit), fp32 (as moe_route)
+        choice = score + bs[e];                                      // selection only
+    }
+    if (active) {
+        float v = choice;
+        int i = e;
+        warp_argmax(v, i);
+        if (lane == 0) { wm_v[c] = v; wm_i[c] = i; }
+        if (c == 0 && lane == 0) *count = 0;
+    }
+    __syncthreads();
+    if (active) {
+        const float bv = lane < G ? wm_v[lane] : DD_NEG_INF;        // lane l < G: warp l's best
+        const int bi = lane < G ? wm_i[lane] : 0x7fffffff - lane;
+        int rank = 0;
+        for (int src = 0; src < G; ++src) {
+            const float ov = __shfl_sync(0xffffffffu, bv, src);
+            const int oi = __shfl_sync(0xffffffffu, bi, src);
+            rank += beats(ov, oi, bv, bi);
+        }
+        const u32 at_k = __ballot_sync(0xffffffffu, lane < G && rank == topk - 1);
+        const int t_lane = at_k ? __ffs(at_k) - 1 : 0;               // (G >= topk: the ranks 0..G-1 are distinct)
+        const float t_v = __shfl_sync(0xffffffffu, bv, t_lane);
+        const int t_i = __shfl_sync(0xffffffffu, bi, t_lane);
+        if (e < E && !beats(t_v, t_i, choice, e)) {
+            const int slot = atomicAdd(count, 1);
+            if (slot < 32 * topk) { cand_v[slot] = choice; cand_i[slot] = e; cand_s[slot] = score; }
+        }
+    }
+    __syncthreads();
+    if (active) {
+        const int n = min(*count, 32 * topk);
+        for (int q0 = 32 * c + lane; q0 < n; q0 += 32 * G) {         // rank = candidates that beat this one
+            const float v = cand_v[q0];
+            const int id = cand_i[q0];
+            int rank = 0;
+#pragma unroll 4
+            for (int q = 0; q < n; ++q) rank += beats(cand_v[q], cand_i[q], v, id);
+            if (rank < topk) { sel_i[rank] = id; sel_s[rank] = cand_s[q0]; }
+        }
+    }
+    __syncthreads();
+    if (active && c == 0 && lane < topk) {
+        float sum = 0.0f;
+        for (int q = 0; q < topk; ++q) sum += sel_s[q];              // selection order, as moe_route
+        const size_t at = (size_t)(row0 + r) * topk + lane;
+        topk_ids[at] = sel_i[lane];
+        topk_w[at] = sel_s[lane] / (sum + 1e-20f) * scaling;
+        if (ids_s) ids_s[r * topk + lane] = sel_i[lane];
+    }
 }
 
 // Dynamic shared memory (plugins/router.py router_smem): the maximum of
 //   GEMM     x rows [8 MT][CPS 64 + 32] bf16, then W warps x ceil(CPS / KW) chunks x 2 KB of weights
 //   KW sum   [W][MT][32] float4 (KW > 1)
-//   routing  W x (3 topk ceil(E/32) + 2 topk) x 4 B
-//   tiles    (2 E + 1) x 4 B + M topk x 2 B
+//   routing  ids_s + lg + W x (3 topk ceil(E/32) + 2 topk) x 4 B, or (G > 1) rows x (36 + 98 topk) x 4 B
+//   tiles    ids_s + (2 E + 1) x 4 B + M topk x 2 B
+//   (ids_s: M topk x 4 B rounded to 16 when MB = 1; lg: rows x E x 4 B, then the bias E x 4 B, each rounded
+//   to 16, when folded)
 //   x [M, K] bf16   w [ceil(E/16), K/64, 4, 32] uint4 (layout.tile_bf16)   bias [E] fp32 or null
 //   logits [M, E] fp32 (written)   partial [S, M, E] fp32 (S > 1)   counters [MB NB + MB + 1] (zero, reset)
 //   topk_ids, topk_w [M, topk] (written; topk_ids read when route = 0)   tile lists as moe_route
@@ -172,7 +290,8 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
                                             const float* __restrict__ bias, float* logits, float* partial,
                                             u32* counters, int* topk_ids, float* topk_w, int* tile_expert,
                                             int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW,
-                                            int topk, int n_group, int topk_group, float scaling, int route) {
+                                            int topk, int n_group, int topk_group, float scaling, int route,
+                                            int fold, int G) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int W = blockDim.x >> 5, KW = W / TW, tw = warp % TW, kw = warp / TW;
@@ -263,48 +382,75 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         }
     }
 
-    // 1. the last k-split of (mb, nb): logits = sum over s = 0..S-1 of partial[s], in that order (a row's
-    //    order depends on S and KW alone, not on M: the batch-invariant plan fixes both)
-    if (S > 1) {
-        if (!handoff_last(&counters[mb * NB + nb], (u32)S)) return;
-        const int e0 = nb * TW * 16, ne = min(TW * 16, E - e0);
-        const size_t split_stride = (size_t)M * E;
-        for (int item = threadIdx.x; item < rows * ne; item += blockDim.x) {
-            const int m = row0 + item / ne, e = e0 + item % ne;
-            const float* p = partial + (size_t)m * E + e;
-            float v = 0.f;
-            for (int s0 = 0; s0 < S; s0 += 8) {                      // 8 loads in flight, then their sum in order
-                float part[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) part[u] = s0 + u < S ? __ldcg(p + (s0 + u) * split_stride) : 0.f;
-#pragma unroll
-                for (int u = 0; u < 8; ++u)
-                    if (s0 + u < S) v += part[u];
-            }
-            logits[(size_t)m * E + e] = v;
+    // shared memory of the routing block (router.py router_smem): ids_s [M topk] int with one token block (the
+    // aligner's copy of the ids), then lg [rows][E] fp32 when folded, then the warps' routing scratch and
+    // (G > 1) the tokens' selections; the alignment's arrays reuse what follows ids_s once routing is done
+    int* ids_s = MB == 1 ? (int*)smem : nullptr;
+    unsigned char* after_ids = smem + (MB == 1 ? ((M * topk * 4 + 15) & ~15) : 0);
+    float* lg = (float*)after_ids;
+    float* bs = lg + ((rows * E + 3) & ~3);                          // folded: the bias (0 without one) [E]
+    unsigned char* scratch = after_ids + (fold ? ((rows * E * 4 + 15) & ~15) + ((E * 4 + 15) & ~15) : 0);
+    const size_t split_stride = (size_t)M * E;
+    if (fold) {
+        // 1+2 folded: the last of all S x NB blocks of mb sums every expert's partials of its rows (the same
+        // order as below) into the logits and lg, and routes them from shared memory: one hand-off and one
+        // L2 round trip fewer, for few rows (the plan's choice: one block reads S rows E floats)
+        if (S * NB > 1) {
+            if (!handoff_last(&counters[mb], (u32)(S * NB))) return;
+        } else {
+            __syncthreads();                                         // this block's logits visible to the block
         }
-    }
-    // 2. the last n-block of mb routes its rows
-    if (NB > 1) {
-        if (!handoff_last(&counters[MB * NB + mb], (u32)NB)) return;
+        for (int item = threadIdx.x; item < rows * E; item += blockDim.x) {   // (rows E >= E)
+            const size_t at = (size_t)row0 * E + item;
+            const float b = item < E && bias ? bias[item] : 0.0f;   // in flight with the partials
+            lg[item] = S > 1 ? sum_splits(partial + at, S, split_stride) : __ldcg(logits + at);
+            if (item < E) bs[item] = b;
+        }
+        __syncthreads();
+        if (S > 1)
+            for (int item = threadIdx.x; item < rows * E; item += blockDim.x)
+                logits[(size_t)row0 * E + item] = lg[item];
     } else {
-        __syncthreads();                                             // this block's logits visible to the block
-    }                                                                // (and the GEMM's shared memory free)
-    if (route) {
-        const RouteScratch sc = route_scratch(smem, warp, topk, E);
+        // 1. the last k-split of (mb, nb): logits = sum over s = 0..S-1 of partial[s], in that order (a row's
+        //    order depends on S and KW alone, not on M: the batch-invariant plan fixes both)
+        if (S > 1) {
+            if (!handoff_last(&counters[mb * NB + nb], (u32)S)) return;
+            const int e0 = nb * TW * 16, ne = min(TW * 16, E - e0);
+            for (int item = threadIdx.x; item < rows * ne; item += blockDim.x) {
+                const size_t at = (size_t)(row0 + item / ne) * E + e0 + item % ne;
+                logits[at] = sum_splits(partial + at, S, split_stride);
+            }
+        }
+        // 2. the last n-block of mb routes its rows
+        if (NB > 1) {
+            if (!handoff_last(&counters[MB * NB + mb], (u32)NB)) return;
+        } else {
+            __syncthreads();                                         // this block's logits visible to the block
+        }                                                            // (and the GEMM's shared memory free)
+    }
+    if (route && G > 1) {
+        route_block(lg, bs, rows, row0, E, topk, G, scaling, topk_ids, topk_w, ids_s, (float*)scratch, warp, lane);
+    } else if (route) {
+        const RouteScratch sc = route_scratch(scratch, warp, topk, E);
         for (int r = warp; r < rows; r += W) {
             const int m = row0 + r;
-            route_token(logits + (size_t)m * E, bias, E, topk, n_group, topk_group, scaling,
-                        topk_ids + (size_t)m * topk, topk_w + (size_t)m * topk, sc, lane);
+            route_token(fold ? lg + (size_t)r * E : logits + (size_t)m * E, fold, fold ? bs : bias, E, topk,
+                        n_group, topk_group, scaling, topk_ids + (size_t)m * topk, topk_w + (size_t)m * topk,
+                        ids_s ? ids_s + (size_t)m * topk : nullptr, sc, lane);
         }
     }
-    // 3. the last token block aligns every token's pairs
+    // 3. the last token block aligns every token's pairs (one token block: from its shared copy of the ids)
     if (MB > 1) {
         if (!handoff_last(&counters[MB * NB + MB], (u32)MB)) return;
-    } else {
+        align_tiles(topk_ids, M * topk, E, smem, tile_expert, tile_pairs, num_tiles);
+        return;
+    }
+    __syncthreads();
+    if (!route) {                                                    // the given ids
+        for (int q = threadIdx.x; q < M * topk; q += blockDim.x) ids_s[q] = ld_cg_s32(topk_ids + q);
         __syncthreads();
     }
-    align_tiles(topk_ids, M * topk, E, smem, tile_expert, tile_pairs, num_tiles);
+    align_tiles_of([ids_s](int q) { return ids_s[q]; }, M * topk, E, after_ids, tile_expert, tile_pairs, num_tiles);
 }
 
 #define DD_ROUTER(MT)                                                                                     \
@@ -312,9 +458,9 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,      \
         float* logits, float* partial, u32* counters, int* topk_ids, float* topk_w, int* tile_expert,     \
         int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW, int topk, int n_group,       \
-        int topk_group, float scaling, int route) {                                                       \
+        int topk_group, float scaling, int route, int fold, int G) {                                      \
         router_impl<MT>(x, w, bias, logits, partial, counters, topk_ids, topk_w, tile_expert, tile_pairs, \
-                        num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route);            \
+                        num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route, fold, G);   \
     }
 DD_ROUTER(1)
 DD_ROUTER(2)
