@@ -9,7 +9,7 @@ recursive tree of q nodes. Bytes = the keys read once ((T + q) x 1152 B) plus qu
 FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense attention would).
 The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
 peak is the device's dense bf16 tensor rate from a table (null for devices not in it).
-Sweeps: --form / --warps / --stages / --splits / --row-groups / --cluster / --loader force the plan (comma lists: every
+Sweeps: --form / --warps / --stages / --splits / --row-groups force the plan (comma lists: every
 combination that compiles and fits is run, the others are named on stderr). --parts adds the split kernel
 alone and the combine alone, each timed the same way (where the time of a launch goes).
 PDL: every launch of the graph (split kernel, combine, the next call's split kernel, ..) is a programmatic
@@ -93,7 +93,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
                 attn.launch_combine(p, q, out, stream=stream)
 
         split_us = round(time_graph(gpu, splits_only) * 1e3 / launches, 2)
-        combine_us = round(time_graph(gpu, combine_only) * 1e3 / launches, 2) if p.partials > 1 else 0.0
+        combine_us = round(time_graph(gpu, combine_only) * 1e3 / launches, 2) if p.splits > 1 else 0.0
     nbytes = cache_bytes + q * heads * (576 + 512) * 2
     flops = 2.0 * q * heads * (T + q) * (576 + 512)
     gbps = nbytes / us / 1e3
@@ -102,8 +102,7 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
            "pct_of_ceiling": round(100 * gbps / ceiling_gbps, 1), "tflops": round(flops / us / 1e6, 1),
            "plan": {"form": plan.form, "warps": plan.warps, "stages": plan.stages, "row_groups": plan.row_groups,
                     "row_tiles": plan.row_tiles,
-                    "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own, "cluster": plan.cluster,
-                    "loader": plan.loader},
+                    "prefix_splits": plan.prefix_splits, "tree_own": plan.tree_own},
            "caches": copies, "launches": launches, "pdl": attn.pdl}
     if parts:
         row["split_us"], row["combine_us"] = split_us, combine_us
@@ -125,10 +124,6 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--stages", default=None, help="force the key-ring depth (sweeps; a comma list runs each)")
 @click.option("--splits", default=None, help="force the number of prefix splits (sweeps; a comma list runs each)")
 @click.option("--row-groups", default=None, help="force 8-row groups per block (sweeps; a comma list runs each)")
-@click.option("--cluster", default=None,
-              help="force the split blocks per thread-block cluster, tree form: 1 (none), 4 or 8 (a comma list runs each)")
-@click.option("--loader", default=None,
-              help="force the tree form's load warp: 0 or 1 (a comma list runs each)")
 @click.option("--parts", is_flag=True, help="also time the split kernel alone and the combine alone")
 @click.option("--pdl/--no-pdl", default=True, show_default=True,
               help="programmatic dependent launches, as the step's graphs run them (--no-pdl: plain stream order)")
@@ -137,13 +132,12 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
                    "compute-side rate, not a bandwidth result")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, cluster, loader,
-                      parts, pdl, l2_resident, as_json):
+def attention_command(contexts, qs, heads_list, launches, form, warps, stages, splits, row_groups, parts, pdl,
+                      l2_resident, as_json):
     """Tree-masked MLA attention (absorbed, 576-d keys, 512-d values) vs the copy ceiling and bf16 peak."""
     contexts, qs, heads_list = _ints(contexts), _ints(qs), _ints(heads_list)
     knobs = {k: _ints(v) if v is not None else [None] for k, v in
-             (("warps", warps), ("stages", stages), ("splits", splits), ("row_groups", row_groups),
-              ("cluster", cluster), ("loader", loader))}
+             (("warps", warps), ("stages", stages), ("splits", splits), ("row_groups", row_groups))}
     sweeps = [{"form": form, **dict(zip(knobs, combo))} for combo in itertools.product(*knobs.values())]
     sweeps = [{k: v for k, v in f.items() if v is not None} for f in sweeps]
     gpu, ceiling = open_gpu()

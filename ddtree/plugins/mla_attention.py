@@ -14,11 +14,7 @@ Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32, bandwidth-bound: keys
 rows the N, all rows in one block so every key is read once; "tree" (kernels/mla_attention.cu) beyond,
 compute-bound: warp pairs share 16 query rows. Both split the committed prefix over the SMs, give the tree
 keys (the only masked ones) their own split or the end of the last one, and merge splits exactly by
-log-sum-exp (mla_attention_combine). Tree plans may run the splits as thread-block clusters of C
-(MLA_CLUSTERS): the C split blocks of a row tile merge through distributed shared memory first, so the
-combine reads one partial per cluster, or is not launched when a tile's splits fit one cluster. Load-warp
-tree variants (MLA_LOADER_VARIANTS) add a warp that issues the key copies and refills a slot on per-slot
-empty barriers, instead of every warp issuing copies behind a block barrier each 32-key step. The plan (form, block shape, ring depth, number of prefix splits P)
+log-sum-exp (mla_attention_combine). The plan (form, block shape, ring depth, number of prefix splits P)
 depends on q, H and the context: decode by a wave model of the splits, tree up to TREE_FIT_ROWS rows by a
 cost model fitted to an H200 sweep (tree_cost). T itself is read on the device, so a graph captured with
 the plan for a context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to the
@@ -27,7 +23,6 @@ block's keys). Workspaces are sized in the constructor for (max_q, max_context);
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -46,8 +41,6 @@ PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernel
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
             ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8))
-MLA_CLUSTERS = (4, 8)              # cluster sizes compiled for every tree variant (kernel suffix _c<C>)
-MLA_LOADER_VARIANTS = ((2, 2), (2, 3), (4, 2), (4, 3))   # tree (warps, stages) also compiled with a load warp (_ld)
 MIN_CHUNK = 64                     # keys per prefix split at least
 # q * H up to DECODE_MAX_ROWS rows take the decode form (H200, 64 rows: the tree form's 2 x 4-warp blocks per
 # SM beat the one-stream 8-row-group decode block 1.2x at 32768 keys and 1.5x at 131072)
@@ -61,9 +54,6 @@ MAX_Q, MAX_HEADS = 256, 128
 TREE_FIT_ROWS = 264
 TREE_STEP_US = {(2, 1): 1.652, (2, 2): 1.963, (4, 1): 1.895, (4, 2): 2.723, (8, 1): 2.896}
 TREE_CALL_US, TREE_WAVE_US, TREE_PARTIAL_ROW_US = 5.02, 0.72, 1.265e-3
-# us a cluster plan adds (the merge through distributed shared memory, two cluster barriers); None: not yet
-# measured, the chooser keeps plain plans (clusters only when forced)
-TREE_CLUSTER_US = None
 
 
 def row_stride(latent: int, rope: int) -> int:
@@ -79,7 +69,7 @@ def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int,
     if form == "tree":
         pairs = warps // 2
         return (pairs * 16 * row * 2 + stages * 32 * row * 2
-                + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 2 * 8 * stages)
+                + pairs * 16 * PROB_STRIDE * 2 + pairs * 2 * 16 * 4 + 8 * stages)
     ring = stages * 16 * row * 2
     merge = warps * 8 * (latent + 4) * 4 + 2 * warps * 8 * 4          # fp32 rows padded by 4 (DEC_OROW)
     return (row_groups * 8 * row * 2 + max(ring, merge) + warps * 8 * DECODE_PROB_STRIDE * 2
@@ -111,26 +101,10 @@ class AttentionPlan:
     prefix_splits: int # P: equal chunks of the committed prefix
     tree_own: bool     # the tree keys get their own split (else they end the last prefix split)
     smem: int
-    cluster: int = 1   # split blocks per thread-block cluster (tree form; 1: no cluster)
-    loader: bool = False   # a load warp beside the compute warps (tree form, MLA_LOADER_VARIANTS)
-
-    @property
-    def threads(self) -> int:
-        return 32 * (self.warps + int(self.loader))
 
     @property
     def splits(self) -> int:
         return self.prefix_splits + int(self.tree_own)
-
-    @property
-    def slots(self) -> int:
-        """Grid y: the splits, rounded up to whole clusters (the padding splits are empty)."""
-        return -(-self.splits // self.cluster) * self.cluster
-
-    @property
-    def partials(self) -> int:
-        """Partial outputs per query row the combine merges (one per split, or per cluster); <= 1: no combine."""
-        return self.slots // self.cluster
 
     @property
     def rows_per_block(self) -> int:
@@ -143,8 +117,7 @@ class AttentionPlan:
     @property
     def kernel(self) -> str:
         if self.form == "tree":
-            return (f"mla_attention_p{self.warps // 2}_s{self.stages}" + (f"_c{self.cluster}" if self.cluster > 1 else "")
-                    + ("_ld" if self.loader else ""))
+            return f"mla_attention_p{self.warps // 2}_s{self.stages}"
         return f"mla_decode_r{self.row_groups}_k{self.warps // self.row_groups}_s{self.stages}"
 
 
@@ -155,33 +128,27 @@ def blocks_per_sm(smem: int, smem_limit: int) -> int:
 
 
 def tree_cost(warps: int, stages: int, row_groups: int, splits: int, context: int, q: int, rows: int,
-              sm_count: int, smem_limit: int, latent: int, rope: int, cluster: int = 1) -> float:
+              sm_count: int, smem_limit: int, latent: int, rope: int) -> float:
     """Modelled us of a tree-form plan with `splits` prefix splits (the tree keys get their own from 2 on):
     TREE_CALL_US + waves x (TREE_WAVE_US + steps per block x step us) + partial rows x TREE_PARTIAL_ROW_US.
     A block's step slows when another block shares its SM (2 x 4 warps: 1.44x, 2 x 2 warps: 1.19x); sharing
-    not measured is priced as fully serial. Clusters of C split blocks: the splits rounded up to whole
-    clusters, one partial row per cluster, plus TREE_CLUSTER_US."""
+    not measured is priced as fully serial."""
     per_sm = blocks_per_sm(smem_bytes("tree", warps, stages, row_groups, latent, rope), smem_limit)
     own = int(splits >= 2)
-    slots = math.ceil((splits + own) / cluster) * cluster
-    blocks = math.ceil(rows / (8 * row_groups)) * slots
+    blocks = math.ceil(rows / (8 * row_groups)) * (splits + own)
     sharing = min(per_sm, math.ceil(blocks / sm_count))
     waves = math.ceil(blocks / (sm_count * per_sm))
     chunk = math.ceil(math.ceil(context / splits) / 32) * 32
     steps = math.ceil(min(chunk, context) / 32) + (0 if own else math.ceil(q / 32))
     step_us = TREE_STEP_US.get((warps, sharing)) or sharing * TREE_STEP_US[(warps, 1)]
-    partials = slots // cluster
-    partial_rows = partials * rows if partials > 1 else 0
-    merge = (TREE_CLUSTER_US or 0.0) if cluster > 1 else 0.0
-    return TREE_CALL_US + waves * (TREE_WAVE_US + steps * step_us) + TREE_PARTIAL_ROW_US * partial_rows + merge
+    partial_rows = (splits + own) * rows if splits + own > 1 else 0
+    return TREE_CALL_US + waves * (TREE_WAVE_US + steps * step_us) + TREE_PARTIAL_ROW_US * partial_rows
 
 
 def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_limit: int, latent: int, rope: int,
-                     warps, stages, row_groups, splits, cluster=None) -> tuple[int, int, int, int, int] | None:
-    """(warps, stages, row groups, splits, cluster) of least tree_cost among the compiled variants that fit and
-    match the forced knobs (None where none does); splits from 1 to two waves of blocks, chunks >= MIN_CHUNK
-    keys; clusters only once TREE_CLUSTER_US is measured (or when forced)."""
-    clusters = [cluster] if cluster is not None else [1] + (list(MLA_CLUSTERS) if TREE_CLUSTER_US is not None else [])
+                     warps, stages, row_groups, splits) -> tuple[int, int, int, int] | None:
+    """(warps, stages, row groups, splits) of least tree_cost among the compiled variants that fit and match
+    the forced knobs (None where none does); splits from 1 to two waves of blocks, chunks >= MIN_CHUNK keys."""
     best = None
     for w, s, g in fits:
         if any(f is not None and f != v for f, v in ((warps, w), (stages, s), (row_groups, g))):
@@ -189,24 +156,22 @@ def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_
         tiles = math.ceil(rows / (8 * g))
         capacity = sm_count * blocks_per_sm(smem_bytes("tree", w, s, g, latent, rope), smem_limit)
         top = max(1, min(math.ceil(context / MIN_CHUNK), 2 * capacity // tiles))
-        for P, c in itertools.product([splits] if splits is not None else range(1, top + 1), clusters):
-            cost = tree_cost(w, s, g, P, context, q, rows, sm_count, smem_limit, latent, rope, c)
-            best = min(best or (cost, c, -s, w, g, P), (cost, c, -s, w, g, P))   # ties: no cluster, deeper ring
-    return (best[3], -best[2], best[4], best[5], best[1]) if best else None
+        for P in [splits] if splits is not None else range(1, top + 1):
+            cost = tree_cost(w, s, g, P, context, q, rows, sm_count, smem_limit, latent, rope)
+            best = min(best or (cost, -s, w, g, P), (cost, -s, w, g, P))        # ties: the deeper ring
+    return (best[2], -best[1], best[3], best[4]) if best else None
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: int, *, latent: int, rope: int,
                    form: str | None = None, warps: int | None = None, stages: int | None = None,
-                   splits: int | None = None, row_groups: int | None = None,
-                   cluster: int | None = None, loader: bool | None = None) -> AttentionPlan:
+                   splits: int | None = None, row_groups: int | None = None) -> AttentionPlan:
     """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
     read once), else tree. Tree up to TREE_FIT_ROWS rows: the variant and prefix splits of least tree_cost.
     Otherwise block rows by q * H (decode: all of them up to 64; tree: 64 rows), the most warps, the ring
     that keeps the most blocks resident (tree) or the deepest (decode), and choose_splits' wave model with
-    chunks of at least MIN_CHUNK keys. `form`, `warps`, `stages`, `splits`, `row_groups`, `cluster`, `loader`
-    force a choice (benchmark sweeps; cluster: tree form only, 1 or one of MLA_CLUSTERS; loader: the tree
-    form's MLA_LOADER_VARIANTS). Shared memory is sized for the model's (latent, rope); dims the kernels cannot take
+    chunks of at least MIN_CHUNK keys. `form`, `warps`, `stages`, `splits`, `row_groups` force a choice
+    (benchmark sweeps). Shared memory is sized for the model's (latent, rope); dims the kernels cannot take
     raise LatentDimsError."""
     latent_defines(latent, rope)
     if not 1 <= q <= MAX_Q:
@@ -218,23 +183,16 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     rows = q * heads
     if form is None:
         form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
-    if cluster is not None and cluster != 1 and (form != "tree" or cluster not in MLA_CLUSTERS):
-        raise ValueError(f"MLA tree attention: cluster {cluster} not compiled for the {form} form; the tree form "
-                         f"has 1 and {MLA_CLUSTERS}")
-    if loader and (form != "tree" or (warps, stages) not in MLA_LOADER_VARIANTS and None not in (warps, stages)):
-        raise ValueError(f"MLA tree attention: no load-warp variant of ({form!r}, {warps} warps, {stages} stages); "
-                         f"the tree form has (warps, stages) {MLA_LOADER_VARIANTS}")
-    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit
-            and (not loader or v[1:3] in MLA_LOADER_VARIANTS)]
+    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
                          f"at latent {latent}, rope {rope}")
     fitted = None
     if form == "tree" and rows <= TREE_FIT_ROWS:
         fitted = fitted_tree_plan(fits, q, rows, context, sm_count, smem_limit, latent, rope, warps, stages,
-                                  row_groups, splits, cluster)
+                                  row_groups, splits)
     if fitted:
-        warps, stages, row_groups, splits, cluster = fitted
+        warps, stages, row_groups, splits = fitted
     if row_groups is None:
         want = -(-rows // 8) if form == "decode" else 8
         groups = sorted({g for w, _, g in fits if warps is None or w == warps})
@@ -264,8 +222,7 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         tree_own = splits >= 2
     if splits < 1:
         raise ValueError(f"MLA tree attention: splits must be >= 1, got {splits}")
-    return AttentionPlan(form, warps, stages, row_groups, row_tiles, splits, tree_own, smem, cluster or 1,
-                         bool(loader))
+    return AttentionPlan(form, warps, stages, row_groups, row_tiles, splits, tree_own, smem)
 
 
 def choose_splits(context: int, q: int, row_tiles: int, capacity: int, fixed: int = 256) -> tuple[int, bool]:
@@ -302,8 +259,8 @@ class MlaTreeAttention:
         self._overrides: dict[tuple[int, int], AttentionPlan] = {}
         self._part_rows = 0
         # splits grow with the context, so the plans at max_context bound the partial rows
-        self._reserve_partials(max([1] + [p.partials * q * heads for q in range(1, max_q + 1)
-                                          for p in [self.plan(q, max_context)] if p.partials > 1]))
+        self._reserve_partials(max([1] + [p.splits * q * heads for q in range(1, max_q + 1)
+                                          for p in [self.plan(q, max_context)] if p.splits > 1]))
 
     def plan(self, q: int, context: int) -> AttentionPlan:
         key = (q, context)
@@ -317,8 +274,8 @@ class MlaTreeAttention:
         workspace if needed."""
         p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, latent=self.latent,
                            rope=self.rope, **forced)
-        if p.partials > 1:
-            self._reserve_partials(p.partials * q * self.heads)
+        if p.splits > 1:
+            self._reserve_partials(p.splits * q * self.heads)
         self._overrides[(q, context)] = p
         return p
 
@@ -335,7 +292,7 @@ class MlaTreeAttention:
         """Launch (no host sync). context_hint picks the plan (default max_context); T comes from lengths."""
         p = self.checked_plan(q, context_hint)
         self.launch_splits(p, q_lat, q_rope, cache, vis, lengths, q, out, lse, stream)
-        if p.partials > 1:
+        if p.splits > 1:
             self.launch_combine(p, q, out, lse, stream)
         return p
 
@@ -348,41 +305,27 @@ class MlaTreeAttention:
         if not 0 <= context <= self.max_context:
             raise ValueError(f"MLA tree attention: context_hint {context} outside [0, {self.max_context}]")
         p = self.plan(q, context)
-        if p.partials > 1 and p.partials * q * self.heads > self._part_rows:
-            raise ValueError(f"MLA tree attention: plan {p} needs {p.partials * q * self.heads} partial rows; "
+        if p.splits > 1 and p.splits * q * self.heads > self._part_rows:
+            raise ValueError(f"MLA tree attention: plan {p} needs {p.splits * q * self.heads} partial rows; "
                              f"the workspace has {self._part_rows}")
         return p
 
     def launch_splits(self, p: AttentionPlan, q_lat, q_rope, cache, vis, lengths, q: int, out, lse=None,
                       stream=None) -> None:
-        """The split kernel alone: out / lse when p has one partial, else the partials for launch_combine."""
+        """The split kernel alone: out / lse when p has one split, else the partials for launch_combine."""
         scale_log2 = np.float32(self.scale * math.log2(math.e))
         self.gpu.allow_smem(p.source, p.kernel, p.smem, self.defines)
-        kernel = self.gpu.kernel(p.source, p.kernel, self.defines)
-        args = (ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse), ptr(self.part_o),
-                ptr(self.part_lse), np.int32(q * self.heads), np.int32(self.heads), np.int32(q),
-                np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2)
-        if p.cluster == 1:
-            self.gpu.launch(kernel, (p.row_tiles, p.splits), p.threads, p.smem, *args, stream=stream, pdl=self.pdl)
-        else:
-            launch_clusters(self.gpu, kernel, (p.row_tiles, p.slots // p.cluster), (1, p.cluster), p.threads,
-                            p.smem, *args, stream=stream, pdl=self.pdl)
+        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, self.defines), (p.row_tiles, p.splits), p.warps * 32,
+                        p.smem, ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
+                        ptr(self.part_o), ptr(self.part_lse), np.int32(q * self.heads), np.int32(self.heads),
+                        np.int32(q), np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,
+                        stream=stream, pdl=self.pdl)
 
     def launch_combine(self, p: AttentionPlan, q: int, out, lse=None, stream=None) -> None:
-        """mla_attention_combine alone: merges p's partials (one per split or per cluster) into out / lse."""
+        """mla_attention_combine alone: merges the partials of p's splits into out / lse."""
         rows = q * self.heads
-        _, lanes = combine_shape(p.partials, self.latent, rows, self.gpu.sm_count)  # groups x lanes = 256 threads
+        _, lanes = combine_shape(p.splits, self.latent, rows, self.gpu.sm_count)   # groups x lanes = 256 threads
         self.gpu.launch(self.gpu.kernel(SOURCE, "mla_attention_combine", self.defines),
-                        (rows, self.latent // (4 * lanes)), 256, 256 * 16 + 4 * p.partials,
+                        (rows, self.latent // (4 * lanes)), 256, 256 * 16 + 4 * p.splits,
                         ptr(self.part_o), ptr(self.part_lse), ptr(out), ptr(lse),
-                        np.int32(rows), np.int32(p.partials), np.int32(lanes), stream=stream, pdl=self.pdl)
-
-
-def launch_clusters(gpu: Gpu, kernel, clusters, cluster, block: int, smem: int, *args, stream=None,
-                    pdl: bool = False) -> None:
-    """Gpu.launch with thread-block clusters: `clusters` counts clusters per grid dim (cuda.core's unit when
-    a cluster shape is given), each of `cluster` blocks."""
-    from cuda.core import LaunchConfig, launch
-    config = LaunchConfig(grid=clusters, cluster=cluster, block=block, shmem_size=int(smem),
-                          programmatic_stream_serialization=pdl)
-    launch(stream if stream is not None else gpu.stream, config, kernel, *args)
+                        np.int32(rows), np.int32(p.splits), np.int32(lanes), stream=stream, pdl=self.pdl)

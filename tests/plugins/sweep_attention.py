@@ -5,7 +5,7 @@ on stdout (tagged with its spec), progress on stderr. On the GPU machine:
     python3 tests/plugins/sweep_attention.py "T=4096,32768 q=8,17 form=tree warps=2,4,8 stages=2,3 parts" \\
                                              "T=4096 q=17 form=tree warps=4 stages=2 splits=6,12,25 l2" ...
 
-Keys: T, q, heads (default 8), form, warps, stages, splits, row_groups, cluster, loader (0 / 1), scale (comma lists; scale multiplies
+Keys: T, q, heads (default 8), form, warps, stages, splits, row_groups, scale (comma lists; scale multiplies
 the prefix splits the plan would choose for the other forced knobs, e.g. scale=0.5,1,2); flags: parts (the
 split kernel alone and the combine alone too), l2 (one cache re-read from L2: the compute-side rate), nopdl
 (plain stream order instead of programmatic dependent launches). Forced
@@ -19,7 +19,7 @@ from ddtree.bench.attention import bench_case
 from ddtree.bench.kernels import open_gpu
 from ddtree.plugins.mla_attention import plan_attention
 
-KNOBS = ("form", "warps", "stages", "splits", "row_groups", "cluster", "loader")
+KNOBS = ("form", "warps", "stages", "splits", "row_groups")
 
 
 def parse(spec: str) -> tuple[dict[str, list], set[str]]:
@@ -60,8 +60,8 @@ def main(specs: list[str]) -> None:
             p = row["plan"]
             print(f"T={T:6d} q={q:3d} {row['latency_us']:8.2f} us {row['pct_of_ceiling']:5.1f} % "
                   f"{row['tflops']:6.1f} TF  {p['form']} w{p['warps']} s{p['stages']} g{p['row_groups']} "
-                  f"x{p['row_tiles']} P{p['prefix_splits']}{'+t' if p['tree_own'] else ''} c{p['cluster']}"
-                  f"{' ld' if p['loader'] else ''}{'' if row['pdl'] else ' no-pdl'}"
+                  f"x{p['row_tiles']} P{p['prefix_splits']}{'+t' if p['tree_own'] else ''}"
+                  f"{'' if row['pdl'] else ' no-pdl'}"
                   + (f"  split {row['split_us']} combine {row['combine_us']}" if "parts" in flags else "")
                   + ("  (L2)" if "l2" in flags else ""), file=sys.stderr, flush=True)
 

@@ -2,7 +2,6 @@
 H200 sweep it was fitted on (tests/fixtures/plugins/attention_sweep_h200.json: every tree variant at 0.5, 1
 and 2 x the wave model's splits, T 4096 .. 131072, 8, 17 and 33 tokens x 8 heads; written by
 tests/plugins/sweep_attention.py on the device)."""
-import itertools
 import json
 import math
 from collections import defaultdict
@@ -94,56 +93,8 @@ def test_tree_plans_stay_within_two_waves(T):
         assert blocks <= 2 * 2 * H200["sm_count"] and p.prefix_splits <= max(1, math.ceil(T / 64))
 
 
-SM120 = dict(sm_count=188, smem_limit=101376)
-
-
-def test_cluster_plans_round_splits_to_whole_clusters():
-    """slots (grid y) = splits rounded up to whole clusters, one partial per cluster; a tile whose splits fit
-    one cluster needs no combine (partials 1); the kernel names say the cluster and the load warp."""
-    for splits, cluster, slots, partials in [(1, 4, 4, 1), (3, 4, 4, 1), (4, 4, 8, 2), (7, 8, 8, 1), (8, 8, 16, 2),
-                                             (200, 8, 208, 26), (26, 1, 27, 27)]:
-        p = plan_attention(17, 8, 4096, **H200, **KIMI, form="tree", warps=2, stages=2, splits=splits, cluster=cluster)
-        assert (p.splits, p.slots, p.partials) == (splits + (splits >= 2), slots, partials), (splits, cluster)
-        assert p.kernel == "mla_attention_p1_s2" + (f"_c{cluster}" if cluster > 1 else "") and p.threads == 64
-    p = plan_attention(17, 8, 4096, **H200, **KIMI, warps=4, stages=3, cluster=8, loader=True)
-    assert (p.kernel, p.threads, p.cluster, p.loader) == ("mla_attention_p2_s3_c8_ld", 160, 8, True)
-    assert plan_attention(17, 8, 4096, **H200, **KIMI, loader=True).loader    # the fit among load-warp variants
-
-
-def test_cluster_and_load_warp_knobs_are_refused_where_not_compiled():
-    with pytest.raises(ValueError, match="cluster 4 not compiled for the decode form"):
-        plan_attention(1, 8, 4096, **H200, **KIMI, cluster=4)
-    with pytest.raises(ValueError, match="cluster 16 not compiled for the tree form"):
-        plan_attention(17, 8, 4096, **H200, **KIMI, cluster=16)
-    with pytest.raises(ValueError, match="no load-warp variant"):
-        plan_attention(17, 8, 4096, **H200, **KIMI, form="tree", warps=8, stages=2, loader=True)
-
-
-@pytest.mark.parametrize("arch", [H200, SM120], ids=["sm_90", "sm_120"])
-def test_new_variants_fit_or_are_refused_by_shared_memory(arch):
-    """Every cluster / load-warp variant at every preset's dims: a plan within the arch's opt-in shared memory
-    (sm_120: 99 KB) or a refusal naming it. The cluster merge area overlays the query rows and key ring
-    (the kernel's static_assert), so the clusters add no bytes; the empty barriers add 8 per stage."""
-    from ddtree.model.presets import PRESETS, get_preset
-    from ddtree.plugins.mla_attention import MLA_CLUSTERS, MLA_LOADER_VARIANTS, VARIANTS, smem_bytes
-    for name in PRESETS:
-        cfg = get_preset(name, layers=2 if name == "kimi-k2.6" else None)[0]
-        dims = dict(latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim)
-        for form, warps, stages, groups in VARIANTS:
-            if form != "tree":
-                continue
-            for cluster, loader in itertools.product((1, *MLA_CLUSTERS), (False, True)):
-                if loader and (warps, stages) not in MLA_LOADER_VARIANTS:
-                    continue
-                try:
-                    p = plan_attention(17, 8, 4096, **arch, **dims, form="tree", warps=warps, stages=stages,
-                                       cluster=cluster, loader=loader)
-                except ValueError as exc:
-                    assert smem_bytes(form, warps, stages, groups, **dims) > arch["smem_limit"]
-                    assert "shared" in str(exc)
-                    continue
-                assert p.smem == smem_bytes(form, warps, stages, groups, **dims) <= arch["smem_limit"]
-                merge_area = warps // 2 * 16 * (dims["latent"] + 5) * 4
-                assert merge_area <= warps // 2 * 16 * (sum(dims.values()) + 8) * 2 + 2 * 32 * (sum(dims.values()) + 8) * 2
-    # the 4 K x 17 plan of the sweep (2 warps, 2 stages) fits sm_120 with its clusters and load warp
-    assert plan_attention(17, 8, 4096, **SM120, **KIMI, warps=2, stages=2, cluster=8, loader=True).smem <= 101376
+def test_forced_warps_that_do_not_fit_are_refused_by_name():
+    """sm_120's 99 KB holds no 8-warp tree variant at Kimi's dims: forcing one names the limit (an IndexError
+    before)."""
+    with pytest.raises(ValueError, match="no compiled 'tree' variant of 8 warps fits 101376 B of shared memory"):
+        plan_attention(17, 8, 4096, sm_count=188, smem_limit=101376, **KIMI, warps=8)

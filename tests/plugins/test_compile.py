@@ -11,7 +11,7 @@ import pytest
 from ddtree.errors import InputError
 from ddtree.model.presets import PRESETS, get_preset
 from ddtree.plugins import compile as kc
-from ddtree.plugins.mla_attention import MLA_CLUSTERS, MLA_LOADER_VARIANTS, VARIANTS
+from ddtree.plugins.mla_attention import VARIANTS
 from ddtree.plugins.moe import RINGS
 
 # every extern "C" kernel the launchers look up, per source
@@ -19,10 +19,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "gemm.cu": [f"gemm_bf16_mt{mt}" for mt in range(1, 9)],
            "fill.cu": ["fill_hash_u32"],
            "mla_attention.cu": ["mla_attention_combine", "mla_attention_smem_sizes"]
-                               + [f"mla_attention_p{w // 2}_s{s}{c}" for f, w, s, _ in VARIANTS if f == "tree"
-                                  for c in [""] + [f"_c{c}" for c in MLA_CLUSTERS]]
-                               + [f"mla_attention_p{w // 2}_s{s}{c}_ld" for w, s in MLA_LOADER_VARIANTS
-                                  for c in [""] + [f"_c{c}" for c in MLA_CLUSTERS]],
+                               + [f"mla_attention_p{w // 2}_s{s}" for f, w, s, _ in VARIANTS if f == "tree"],
            "mla_decode.cu": ["mla_decode_smem_sizes"]
                             + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
            "mla_invariant.cu": ["mla_invariant_split", "mla_invariant_combine"],
@@ -42,13 +39,12 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
 
 # sha256 of Kimi's (latent 512, rope 64) cubins, by NVRTC version: the kernels the H200 numbers in
 # ddtree/plugins/kernels/NOTES.md were measured with. The attention's (mla_attention.cu, mla_decode.cu) are
-# those of commit c79509e (issue 23's before/after tables and plan sweep; mla_attention.cu: its cluster / load-warp
-# experiment, whose plain kernels timed the same); kv_cache.cu's were recomputed
+# those of commit c79509e (issue 23's before/after tables and plan sweep); kv_cache.cu's were recomputed
 # (compile_cubin, NVRTC 13.5) when kv_compact gained its device count (min(n, *count) entries move); its
 # timings are not among ddtree/plugins/kernels/NOTES.md numbers.
 KIMI_CUBINS = {(13, 5): {
-    ("mla_attention.cu", "sm_90"): "6b40f7481cf625b50aa8237d25522872c9a7e22e3c1d18b82211ccc41cfc7a7d",
-    ("mla_attention.cu", "sm_120"): "7e9c86d93bc2d45a8997f93d86c52926cea78d0ec35f80f290a9bea8ec647b14",
+    ("mla_attention.cu", "sm_90"): "4c1ff59424fbe0a3de8dbd1e50fbd8114319612cc9a9d0e9490e24e25da5d9fa",
+    ("mla_attention.cu", "sm_120"): "c3da5aaab42f39b77e5a6bcefd394025ec807fe09d4e2d90d821115b65b3b3b1",
     ("mla_decode.cu", "sm_90"): "48c730e87cce4b727378722d7bc98d150e7cf374c825c87d23de81ba1de0b3ef",
     ("mla_decode.cu", "sm_120"): "56fec0e972faf5190afc9023e4c9ebbd164e13e14cb9021aa2e9a9c3057928b0",
     ("kv_cache.cu", "sm_90"): "619b9c185da2e84db7616cfdfece6502f36d222ba100c900af4fe4a305d1bd7e",

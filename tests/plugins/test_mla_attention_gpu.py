@@ -104,29 +104,6 @@ def test_every_variant_and_split_layout(gpu, T, q, heads, latent, rope):
             check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} latent={latent} rope={rope} {plan}")
 
 
-@pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)
-@pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 17, 8), (4096, 1, 64)])
-def test_cluster_merge_and_load_warp_of_every_tree_variant(gpu, T, q, heads, latent, rope):
-    """Each tree variant as clusters of C split blocks merging through distributed shared memory, and each
-    load-warp variant plain and in clusters: one split (C - 1 empty padding splits, no combine), C - 1
-    prefix splits + the tree's (exactly one cluster, no combine), C + the tree's (two clusters: padding, then
-    the combine over 2 partials) and 200 (many partials, most splits empty at T = 100)."""
-    from ddtree.plugins.mla_attention import MLA_CLUSTERS, MLA_LOADER_VARIANTS, VARIANTS, smem_bytes
-    s = Setup(gpu, T, q, heads, latent, rope)
-    ref_out, ref_lse = ac.reference(T, q, heads, s.case)
-    for form, warps, stages, row_groups in VARIANTS:
-        if form != "tree" or smem_bytes(form, warps, stages, row_groups, latent, rope) > gpu.smem_optin:
-            continue
-        for loader in (False, True) if (warps, stages) in MLA_LOADER_VARIANTS else (False,):
-            for cluster in (1, *MLA_CLUSTERS) if loader else MLA_CLUSTERS:
-                for splits in sorted({1, max(1, cluster - 1), cluster, 200}):
-                    out, lse, plan = s.run(form=form, warps=warps, stages=stages, row_groups=row_groups,
-                                           splits=splits, cluster=cluster, loader=loader)
-                    assert (plan.cluster, plan.loader) == (cluster, loader)
-                    assert plan.partials == -(-plan.splits // cluster)
-                    check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} latent={latent} rope={rope} {plan}")
-
-
 def test_plan_for_a_longer_context_reads_T_on_the_device(gpu):
     """A graph planned for a 65536-key bucket serves T = 4096: the chunk per split follows lengths[0]."""
     s = Setup(gpu, 4096, 33, 8, max_context=65536)

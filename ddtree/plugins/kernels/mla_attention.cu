@@ -24,15 +24,6 @@
 // per pair). Keys stream through a STAGES-deep ring of 32-key blocks shared by all pairs, filled by bulk
 // copies (one per key row, spread over the warps) that complete on the stage's mbarrier.
 // kernels/mla_decode.cu is the bandwidth-bound form of the same contract (q * H <= 64).
-//
-// Cluster variants (_c<C>, launched as clusters of C blocks along the splits): the C split blocks of one
-// row tile merge their partials through distributed shared memory after the loop (each block merges
-// MLA_DL / C of the dims of every row, the C partials in rank order), so one partial per cluster leaves the
-// kernel; a tile whose splits fit one cluster writes out / lse itself and needs no combine. Grid y is the
-// splits rounded up to a multiple of C; the padding splits are empty (lse -inf, weight 0).
-// Load-warp variants (_ld): one more warp issues the bulk copies (32 key rows a block, one per lane) and
-// refills a slot once the 2 x NPAIR compute warps have arrived on its `empty` mbarrier, so the compute warps
-// neither issue copies nor meet at a block barrier inside the loop.
 #include "mla_common.cuh"
 
 #define MLA_NB 32                  // keys per block
@@ -47,106 +38,9 @@ struct MlaSmem {
     bf16_t p[NPAIR][16][MLA_PROW];             // a pair's probabilities of the current block
     float swap[NPAIR][2][16];                  // a pair's per-warp row maxima, then row sums
     u64 full[STAGES];                          // key block landed (phase = use count & 1)
-    u64 empty[STAGES];                         // load-warp variants: the compute warps are done with the slot
 };
 
-// Cluster merge area: overlays MlaSmem's query rows and key ring once the loop is done
-#define MLA_CROW (MLA_DL + 4)      // fp32 row: + 4 puts the 8 rows of a warp's float2 stores on distinct banks
-template <int NPAIR>
-struct MlaClusterArea {
-    float o[NPAIR * 16][MLA_CROW];             // this block's normalised partial output
-    float lse[NPAIR * 16];                     // its log2-sum-exp per row (-inf: nothing visible)
-};
-
-// ---- thread-block clusters (sm_90+): barrier over the cluster's blocks, loads from a peer's shared memory
-__device__ __forceinline__ void cluster_sync_all() {     // release this block's writes, acquire the peers'
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ u32 cluster_map(const void* p, u32 rank) {    // p in block `rank` of this cluster
-    u32 out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
-    return out;
-}
-__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(u32 addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-    return v;
-}
-
-// The cluster's C partials of this row tile -> one: each block writes its normalised partial and lse to its
-// own shared memory, then merges dims [rank * MLA_DL / C, (rank + 1) * MLA_DL / C) of every row from all C
-// blocks in rank order (lse = log2 sum_k 2^lse_k, o = sum_k 2^(lse_k - lse) o_k: the combine's exact merge),
-// and writes out / lse (one cluster per tile) or the cluster's partial for mla_attention_combine.
-// (compute warps, after a __syncthreads that ends every use of the ring and the query rows) this warp's rows
-// of the block's normalised partial and log2-sum-exp into the merge area
-template <int NPAIR>
-__device__ __forceinline__ void mla_cluster_partial(unsigned char* smem_raw, const float (&o)[MLA_NT][4],
-                                                    const float (&inv)[2], const float (&lse2)[2]) {
-    static_assert(sizeof(MlaClusterArea<NPAIR>) <= sizeof(MlaSmem<NPAIR, 2>::q) + sizeof(MlaSmem<NPAIR, 2>::kv),
-                  "the merge area fits over the query rows and the smallest key ring");
-    MlaClusterArea<NPAIR>& ca = *reinterpret_cast<MlaClusterArea<NPAIR>*>(smem_raw);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int pair = warp >> 1, half = warp & 1;
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-        const int row = pair * 16 + g + 8 * hi;
-        float2* dst = (float2*)&ca.o[row][half * MLA_HALF + 2 * t];
-#pragma unroll
-        for (int nt = 0; nt < MLA_NT; ++nt) dst[nt * 4] = make_float2(o[nt][2 * hi] * inv[hi], o[nt][2 * hi + 1] * inv[hi]);
-        if (half == 0 && t == 0) ca.lse[row] = lse2[hi];
-    }
-}
-
-// (every thread of the block, once the compute warps wrote their partials)
-template <int NPAIR, int CLUSTER>
-__device__ __forceinline__ void mla_cluster_merge(unsigned char* smem_raw, bf16_t* __restrict__ out,
-                                                  float* __restrict__ lse_out, float* __restrict__ part_o,
-                                                  float* __restrict__ part_lse, int R, int row0) {
-    constexpr int ROWS = NPAIR * 16, SLICE = MLA_DL / 4 / CLUSTER;      // float4 columns merged per block
-    static_assert((MLA_DL / 4) % CLUSTER == 0, "each block of the cluster merges an equal slice of the dims");
-    MlaClusterArea<NPAIR>& ca = *reinterpret_cast<MlaClusterArea<NPAIR>*>(smem_raw);
-    cluster_sync_all();                              // every block's partial is in its shared memory
-    const int rank = blockIdx.y % CLUSTER, cluster = blockIdx.y / CLUSTER, n_clusters = gridDim.y / CLUSTER;
-    u32 o_at[CLUSTER], lse_at[CLUSTER];
-#pragma unroll
-    for (int k = 0; k < CLUSTER; ++k) { o_at[k] = cluster_map(&ca.o[0][0], k); lse_at[k] = cluster_map(ca.lse, k); }
-    for (int i = threadIdx.x; i < ROWS * SLICE; i += blockDim.x) {
-        const int row = i / SLICE, d = (rank * SLICE + (i - row * SLICE)) * 4, r = row0 + row;
-        if (r >= R) continue;
-        float l2[CLUSTER], M = DD_NEG_INF;
-#pragma unroll
-        for (int k = 0; k < CLUSTER; ++k) { l2[k] = ld_cluster_f32(lse_at[k] + 4 * row); M = fmaxf(M, l2[k]); }
-        const float M_use = M == DD_NEG_INF ? 0.f : M;
-        float L = 0.f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int k = 0; k < CLUSTER; ++k) {
-            const float e = exp2f(l2[k] - M_use);
-            const float4 v = ld_cluster_f4(o_at[k] + 4 * (row * MLA_CROW + d));
-            L += e;
-            acc.x += e * v.x; acc.y += e * v.y; acc.z += e * v.z; acc.w += e * v.w;
-        }
-        const float inv_l = L > 0.f ? 1.f / L : 0.f, lse_c = L > 0.f ? M_use + log2f(L) : DD_NEG_INF;
-        if (n_clusters == 1) {
-            *(uint2*)(out + (size_t)r * MLA_DL + d) = make_uint2(pack_bf16x2(acc.x * inv_l, acc.y * inv_l),
-                                                                 pack_bf16x2(acc.z * inv_l, acc.w * inv_l));
-            if (lse_out && d == 0) lse_out[r] = lse_c * 0.69314718055994531f;
-        } else {
-            *(float4*)(part_o + ((size_t)cluster * R + r) * MLA_DL + d) =
-                make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
-            if (d == 0) part_lse[(size_t)cluster * R + r] = lse_c;
-        }
-    }
-    cluster_sync_all();                              // no block exits while a peer still reads its shared memory
-}
-
-template <int NPAIR, int STAGES, int CLUSTER, bool LOADER>
+template <int NPAIR, int STAGES>
 __device__ __forceinline__ void mla_attention_split(
         const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_rope, const bf16_t* __restrict__ cache,
         const u32* __restrict__ vis, const int* __restrict__ lengths, bf16_t* __restrict__ out,
@@ -156,7 +50,6 @@ __device__ __forceinline__ void mla_attention_split(
     MlaSmem<NPAIR, STAGES>& sm = *reinterpret_cast<MlaSmem<NPAIR, STAGES>*>(smem_raw);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int pair = warp >> 1, half = warp & 1;
-    const bool loader = LOADER && warp == 2 * NPAIR;  // the load warp (no query rows of its own)
     const int rows_per_block = NPAIR * 16, row0 = blockIdx.x * rows_per_block;
     const int split = blockIdx.y, n_splits = P + tree_own;
 
@@ -173,17 +66,13 @@ __device__ __forceinline__ void mla_attention_split(
     const int T = ld_cg_s32(lengths);
 
     // key range of this split; keys >= T are tree nodes and only visible along ancestor chains
-    MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, rows_per_block, MLA_NB);
-    if (split >= n_splits) range = {0, 0};           // a cluster's padding split: empty
+    const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, rows_per_block, MLA_NB);
     const int begin = range.begin, end = range.end;
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
 
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int i = 0; i < STAGES; ++i) {
-            mbar_init(&sm.full[i], 1);
-            mbar_init(&sm.empty[i], 2 * NPAIR);
-        }
+        for (int i = 0; i < STAGES; ++i) mbar_init(&sm.full[i], 1);
         mbar_init_fence();
     }
     __syncthreads();                                 // barriers initialised
@@ -198,34 +87,10 @@ __device__ __forceinline__ void mla_attention_split(
             bulk_copy_g2s(sm.kv[b % STAGES][k], cache + (size_t)key * MLA_DK, MLA_DK * 2, &sm.full[b % STAGES]);
         }
     };
-    auto loader_block = [&](int b) {                 // the load warp: one key row per lane
-        if (b >= nblk) return;
-        if (lane == 0) mbar_expect_tx(&sm.full[b % STAGES], MLA_NB * MLA_DK * 2);
-        __syncwarp();
-        const int key = min(begin + b * MLA_NB + lane, end - 1);
-        bulk_copy_g2s(sm.kv[b % STAGES][lane], cache + (size_t)key * MLA_DK, MLA_DK * 2, &sm.full[b % STAGES]);
-    };
-    if (!LOADER) {
 #pragma unroll
-        for (int b = 0; b < STAGES - 1; ++b) load_block(b);
-    } else if (loader) {
-#pragma unroll
-        for (int b = 0; b < STAGES; ++b) loader_block(b);
-    }
+    for (int b = 0; b < STAGES - 1; ++b) load_block(b);
     cp_async_wait<0>();
     __syncthreads();                                 // the query rows landed
-    if (loader) {                                    // refill each slot once the compute warps are done with it
-        for (int b = STAGES; b < nblk; ++b) {
-            mbar_wait(&sm.empty[b % STAGES], (b / STAGES - 1) & 1);
-            fence_proxy_async();
-            loader_block(b);
-        }
-        if constexpr (CLUSTER > 1) {
-            __syncthreads();                         // pairs with the compute warps' barrier before their partials
-            mla_cluster_merge<NPAIR, CLUSTER>(smem_raw, out, lse_out, part_o, part_lse, R, row0);
-        }
-        return;
-    }
 
     // ---- running state: rows g and g + 8 of this pair's tile --------------------------------------
     float o[MLA_NT][4];                              // dims half*MLA_HALF + 8 nt + 2t (+1); rows g (0,1), g+8 (2,3)
@@ -243,11 +108,9 @@ __device__ __forceinline__ void mla_attention_split(
     PROF_T(2)
     for (int b = 0; b < nblk; ++b) {
         PROF_MARK(5)
-        if (!LOADER) {
-            if (b) __syncthreads();                  // everyone is done with block b - 1's slot
-            fence_proxy_async();                     // (its reads) before the bulk copies that refill it
-            load_block(b + STAGES - 1);
-        }
+        if (b) __syncthreads();                      // everyone is done with block b - 1's slot
+        fence_proxy_async();                         // (its reads) before the bulk copies that refill it
+        load_block(b + STAGES - 1);
         PROF_MARK(1)
         mbar_wait(&sm.full[b % STAGES], (b / STAGES) & 1);
         PROF_MARK(0)
@@ -360,10 +223,6 @@ __device__ __forceinline__ void mla_attention_split(
                 mma_bf16_16816(o[nt + 1], a, bv[2], bv[3]);
             }
         }
-        if (LOADER) {                                // this warp's reads of the slot are done
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&sm.empty[b % STAGES]);
-        }
     }
     PROF_MARK(5)
     PROF_T(3)
@@ -386,12 +245,6 @@ __device__ __forceinline__ void mla_attention_split(
         lse2[hi] = l > 0.f ? m_run[hi] + log2f(l) : DD_NEG_INF;
     }
     const int rr[2] = {r_lo, r_hi};
-    if constexpr (CLUSTER > 1) {
-        __syncthreads();                             // every warp is done with the key ring and the query rows
-        mla_cluster_partial<NPAIR>(smem_raw, o, inv, lse2);
-        mla_cluster_merge<NPAIR, CLUSTER>(smem_raw, out, lse_out, part_o, part_lse, R, row0);
-        return;
-    }
     if (n_splits == 1) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
@@ -517,25 +370,15 @@ mla_attention_combine(const float* __restrict__ part_o, const float* __restrict_
 #endif
 }
 
-#define DD_DEFINE_MLA_KERNEL(NAME, NPAIR, STAGES, CLUSTER, LOADER)                                     \
-    extern "C" __global__ void __launch_bounds__(NPAIR * 64 + 32 * LOADER, 1)                           \
-    NAME(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache, const u32* vis,                \
-         const int* lengths, bf16_t* out, float* lse_out, float* part_o, float* part_lse, int R, int H,   \
-         int q, int P, int tree_own, float scale_log2) {                                                 \
-        mla_attention_split<NPAIR, STAGES, CLUSTER, LOADER>(q_lat, q_rope, cache, vis, lengths, out,     \
-                                                            lse_out, part_o, part_lse, R, H, q, P,       \
-                                                            tree_own, scale_log2);                       \
-    }
-// each (pairs, stages) plain and as clusters of 4 and 8 split blocks (MLA_CLUSTERS in the launcher)
 #define DD_DEFINE_MLA(NPAIR, STAGES)                                                                   \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES, NPAIR, STAGES, 1, 0)                       \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES##_c4, NPAIR, STAGES, 4, 0)                  \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES##_c8, NPAIR, STAGES, 8, 0)
-// with a load warp (MLA_LOADER_VARIANTS in the launcher)
-#define DD_DEFINE_MLA_LD(NPAIR, STAGES)                                                                \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES##_ld, NPAIR, STAGES, 1, 1)                  \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES##_c4_ld, NPAIR, STAGES, 4, 1)               \
-    DD_DEFINE_MLA_KERNEL(mla_attention_p##NPAIR##_s##STAGES##_c8_ld, NPAIR, STAGES, 8, 1)
+    extern "C" __global__ void __launch_bounds__(NPAIR * 64, 1)                                         \
+    mla_attention_p##NPAIR##_s##STAGES(const bf16_t* q_lat, const bf16_t* q_rope, const bf16_t* cache,  \
+                                       const u32* vis, const int* lengths, bf16_t* out, float* lse_out,  \
+                                       float* part_o, float* part_lse, int R, int H, int q, int P,       \
+                                       int tree_own, float scale_log2) {                                 \
+        mla_attention_split<NPAIR, STAGES>(q_lat, q_rope, cache, vis, lengths, out, lse_out, part_o,     \
+                                           part_lse, R, H, q, P, tree_own, scale_log2);                  \
+    }
 
 // (pairs, stages) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
 DD_DEFINE_MLA(1, 2)
@@ -545,10 +388,6 @@ DD_DEFINE_MLA(2, 2)
 DD_DEFINE_MLA(2, 3)
 DD_DEFINE_MLA(4, 2)
 DD_DEFINE_MLA(4, 3)
-DD_DEFINE_MLA_LD(1, 2)
-DD_DEFINE_MLA_LD(1, 3)
-DD_DEFINE_MLA_LD(2, 2)
-DD_DEFINE_MLA_LD(2, 3)
 
 // sizeof(MlaSmem) of each variant above, in that order: the launcher's smem_bytes must agree (GPU test).
 extern "C" __global__ void mla_attention_smem_sizes(int* out) {
