@@ -79,6 +79,20 @@ __device__ __forceinline__ void publish_and_wait(const Collective& c, const u64*
     __syncthreads();
 }
 
+// Block blockIdx.x's vectors [lo, hi) of n (the same split on every rank).
+struct Span {
+    u32 lo, hi;
+};
+__device__ __forceinline__ Span block_span(u32 n) {
+    const u32 per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per;
+    return Span{lo, min(n, lo + per)};
+}
+
+// src's part of `slot` in the exchange buffer at `buffer` (data[slot][src]).
+__device__ __forceinline__ uint4* part_of(u64 buffer, int slot, int src, int nranks, u64 region_bytes) {
+    return (uint4*)(buffer + AR_FLAG_BYTES + ((u64)slot * nranks + src) * region_bytes);
+}
+
 // The last block to finish moves the device counter on (every block has read it by then).
 __device__ __forceinline__ void end_collective(const Collective& c, u64* state) {
     __syncthreads();
@@ -97,27 +111,22 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
         const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
         u64 region_bytes, u64* state, int* error, u32 max_spins) {
     const Collective c = begin_collective(state, error);
-    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
-    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
+    const Span sp = block_span(n8);
 
     // push: my chunk into data[slot][rank] of every peer
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) {
         const uint4 v = x[i];
-        for (int d = 0; d < nranks; ++d) {
-            if (d == rank) continue;
-            uint4* dst = (uint4*)(peers[d] + AR_FLAG_BYTES + ((u64)c.slot * nranks + rank) * region_bytes);
-            dst[i] = v;
-        }
+        for (int d = 0; d < nranks; ++d)
+            if (d != rank) part_of(peers[d], c.slot, rank, nranks, region_bytes)[i] = v;
     }
     publish_and_wait(c, peers, rank, nranks, error, max_spins);
 
     // sum in rank order 0..nranks-1 in float32, one rounding
-    const char* mine = (const char*)peers[rank] + AR_FLAG_BYTES + (u64)c.slot * nranks * region_bytes;
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) {
         float acc[8];
-        unpack8(rank == 0 ? x[i] : ld_cg_u4((const uint4*)mine + i), acc);
+        unpack8(rank == 0 ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, 0, nranks, region_bytes) + i), acc);
         for (int s = 1; s < nranks; ++s)
-            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4((const uint4*)(mine + s * region_bytes) + i));
+            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, s, nranks, region_bytes) + i));
         out[i] = pack8(acc);
     }
     end_collective(c, state);
@@ -133,19 +142,16 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_pull(
         const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
         u64 region_bytes, u64* state, int* error, u32 max_spins) {
     const Collective c = begin_collective(state, error);
-    const u32 per = (n8 + gridDim.x - 1) / gridDim.x;
-    const u32 lo = blockIdx.x * per, hi = min(n8, lo + per);
-    uint4* own = (uint4*)(peers[rank] + AR_FLAG_BYTES + ((u64)c.slot * nranks + rank) * region_bytes);
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) own[i] = x[i];
+    const Span sp = block_span(n8);
+    uint4* own = part_of(peers[rank], c.slot, rank, nranks, region_bytes);
+    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) own[i] = x[i];
     publish_and_wait(c, peers, rank, nranks, error, max_spins);
 
-    for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) {
         uint4 parts[AR_MAX_RANKS];                           // every peer read in flight before the sum
 #pragma unroll
         for (int s = 0; s < AR_MAX_RANKS; ++s)
-            if (s < nranks)
-                parts[s] = s == rank ? x[i] : ld_cg_u4((const uint4*)(peers[s] + AR_FLAG_BYTES +
-                                                                      ((u64)c.slot * nranks + s) * region_bytes) + i);
+            if (s < nranks) parts[s] = s == rank ? x[i] : ld_cg_u4(part_of(peers[s], c.slot, s, nranks, region_bytes) + i);
         float acc[8];
         unpack8(parts[0], acc);
 #pragma unroll
