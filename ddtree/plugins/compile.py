@@ -39,6 +39,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "tree_build.cu": {"default": {}},
     "sample.cu": {"default": {}},
     "sample_top_p.cu": {"default": {}},
+    "sample_top_p_ranks.cu": {"default": {}},  # top-p over tp ranks' vocab slices (plugins/top_p_ranks_gpu.py)
     "mla_absorb.cu": {"default": {}},
     "draft_attention.cu": {"default": {}},
     "layer_ops.cu": {"default": {}},           # embed, norms, rope, silu_mul, gather, cast

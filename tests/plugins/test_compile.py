@@ -30,6 +30,8 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
            "sample.cu": ["sample_greedy", "sample_gumbel", "sample_filtered"],
            "sample_top_p.cu": ["sample_row_max", "sample_mass", "sample_kept"],
+           "sample_top_p_ranks.cu": ["topp_ranks_max", "topp_ranks_mass", "topp_ranks_decide", "topp_ranks_scan",
+                                     "topp_ranks_cut"],
            "layer_ops.cu": ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "add_rows", "rope_interleaved",
                             "rope_rotate_half", "head_rms_norm", "silu_mul", "gather_rows", "cast_f32_bf16", "positions_from", "rows_at"],
            "step_state.cu": ["step_prologue", "ctx_window", "step_commit", "step_force_accept"],
