@@ -13,6 +13,13 @@ row_cut, sample_top_p) while no rank ever sees another rank's logits:
        (value, global id), and the winners merge as VocabWinner's do (larger value, then lower id)
 Per row the exchanges are a float32 max, BINS int64 sums (32 KB: the dominant one; a kernel may send only the
 nonzero bins or a cumulative prefix), the crossing bin's few tokens and a (value, id) winner.
+
+The GPU side: kernels/sample_top_p_ranks.cu, launcher plugins/top_p_ranks_gpu.py (TopPRanks). It gathers the bins
+whole (4096 u64 a row, summed in rank order after the all-gather) and the crossing bin's tokens with the winners in
+one fixed-size record a row (MAX_BIN_KEYS keys a rank), so its exchanges can be captured in a graph; step 6's
+winners travel in that record, and every rank merges them with the Gumbel winner of the cut's kept prefix, which
+every rank computes from the gathered keys (the same maximum as merging each rank's winner over its kept set).
+tests/plugins/test_top_p_ranks_gpu.py checks its tokens and flags against ranks_sample_top_p.
 """
 from __future__ import annotations
 

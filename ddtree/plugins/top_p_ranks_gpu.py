@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.ops.cuda_tensor import Tensor, dense_strides
 from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
 from ddtree.plugins.gemm import supports_pdl
 from ddtree.plugins.top_p_bins import bin_scales
@@ -76,6 +75,23 @@ def exchange_bytes(n: int) -> dict[str, int]:
     """Bytes one rank contributes to each all-gather of a step of n rows (its part; the gathered outputs are
     tp times that)."""
     return {"row_max": 4 * n, "bins": 8 * MASS_BINS * n, "records": RECORD_BYTES * n}
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A dense device tensor as the rank collectives take it (ops/cuda_tensor.py Tensor's fields they read)."""
+    ptr: int
+    shape: tuple
+    dtype: np.dtype
+    contiguous = True
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple:                 # in elements
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
 
 
 @dataclass
@@ -179,9 +195,8 @@ class TopPRanks:
 
     def _gather(self, mine: DeviceArray, gathered: DeviceArray, shape: tuple, dtype, stream) -> None:
         """gathered[:tp * prod(shape)] = every rank's mine[:prod(shape)] in rank order (dense tensors)."""
-        x = Tensor(int(mine.ptr), shape, np.dtype(dtype), dense_strides(shape))
-        out_shape = (self.tp, *shape)
-        out = Tensor(int(gathered.ptr), out_shape, np.dtype(dtype), dense_strides(out_shape))
+        x = Dense(int(mine.ptr), shape, np.dtype(dtype))
+        out = Dense(int(gathered.ptr), (self.tp, *shape), np.dtype(dtype))
         self.collective.all_gather(self.gpu, x, out, stream)
 
     def row_state(self, n: int) -> np.ndarray:
