@@ -10,7 +10,8 @@ FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense 
 The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
 peak is the device's dense bf16 tensor rate from a table (null for devices not in it).
 Sweeps: --form / --warps / --stages / --splits / --row-groups force the plan (comma lists: every
-combination that compiles and fits is run, the others are named on stderr). --parts adds the split kernel
+combination that compiles and fits is run, the others are named on stderr); --form tree_qreg runs the
+experimental tree form that holds the query fragments in registers (forced only). --parts adds the split kernel
 alone and the combine alone, each timed the same way (where the time of a launch goes).
 PDL: every launch of the graph (split kernel, combine, the next call's split kernel, ..) is a programmatic
 dependent launch, as in the step's graphs (each kernel's blocks start while the one before drains and wait
@@ -119,7 +120,8 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--heads", "heads_list", default="8,64", show_default=True, help="query heads (8 = one TP8 rank)")
 @click.option("--launches", default=8, show_default=True,
               help="launches per captured graph (at least one per distinct cache)")
-@click.option("--form", type=click.Choice(["tree", "decode"]), default=None, help="force the kernel form (sweeps)")
+@click.option("--form", type=click.Choice(["tree", "decode", "tree_qreg"]), default=None,
+              help="force the kernel form (sweeps; tree_qreg: the tree form with the query fragments in registers)")
 @click.option("--warps", default=None, help="force warps per block (sweeps; a comma list runs each)")
 @click.option("--stages", default=None, help="force the key-ring depth (sweeps; a comma list runs each)")
 @click.option("--splits", default=None, help="force the number of prefix splits (sweeps; a comma list runs each)")

@@ -12,7 +12,8 @@ ddtree.plugins.reference.mla_tree_attention.
 
 Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32, bandwidth-bound: keys are the mma M, 8 query
 rows the N, all rows in one block so every key is read once; "tree" (kernels/mla_attention.cu) beyond,
-compute-bound: warp pairs share 16 query rows. Both split the committed prefix over the SMs, give the tree
+compute-bound: warp pairs share 16 query rows ("tree_qreg", kernels/mla_tree_qreg.cuh, forced only: 2 or 4
+warps share 16 rows and hold their query fragments in registers). Both split the committed prefix over the SMs, give the tree
 keys (the only masked ones) their own split or the end of the last one, and merge splits exactly by
 log-sum-exp (mla_attention_combine). The plan (form, block shape, ring depth, number of prefix splits P)
 depends on q, H and the context: decode by a wave model of the splits, tree up to TREE_FIT_ROWS rows by a
@@ -38,9 +39,15 @@ PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernel
 # "tree": mla_attention.cu, warp pairs share 16 query rows (row groups = warps), a ring of `stages` 32-key
 # blocks. "decode": mla_decode.cu, row groups of 8 rows x warps / row groups key streams of 16-key
 # sub-blocks, a ring of `stages` 16-key slots.
+# "tree_qreg": kernels/mla_tree_qreg.cuh (issue 23 experiment, forced only), groups of warps / (row groups / 2)
+# warps share 16 query rows and hold their query fragments in registers; 4-warp groups need latent % 64 == 0.
+QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4, 2, 4), ("tree_qreg", 4, 3, 4),
+                 ("tree_qreg", 4, 2, 2), ("tree_qreg", 4, 3, 2), ("tree_qreg", 8, 2, 4))
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
-            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8))
+            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8)) + QREG_VARIANTS
+QREG_DEFINES = {"MLA_TREE_QREG": 1}  # the tree_qreg kernels' cubin (mla_attention.cu without its other variants)
+TREE_FORMS = ("tree", "tree_qreg")
 MIN_CHUNK = 64                     # keys per prefix split at least
 # q * H up to DECODE_MAX_ROWS rows take the decode form (H200, 64 rows: the tree form's 2 x 4-warp blocks per
 # SM beat the one-stream 8-row-group decode block 1.2x at 32768 keys and 1.5x at 131072)
@@ -62,10 +69,24 @@ def row_stride(latent: int, rope: int) -> int:
     return latent + rope + 8
 
 
+def qreg_group(warps: int, row_groups: int) -> int:
+    """Warps sharing 16 query rows in a tree_qreg block (G of MlaQregSmem<NGRP, G, STAGES>)."""
+    return warps // (row_groups // 2)
+
+
+def compiled_at(form: str, warps: int, stages: int, row_groups: int, latent: int) -> bool:
+    """Whether the variant exists at this latent (tree_qreg 4-warp groups: latent / 4 in 16-dim P.V steps)."""
+    return form != "tree_qreg" or qreg_group(warps, row_groups) == 2 or latent % 64 == 0
+
+
 def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int, rope: int) -> int:
-    """sizeof(MlaSmem<warps / 2, stages>) or sizeof(DecodeSmem<row_groups, warps / row_groups, stages>) when
-    compiled for (latent, rope)."""
+    """sizeof(MlaSmem<warps / 2, stages>), sizeof(MlaQregSmem<row_groups / 2, G, stages>) or
+    sizeof(DecodeSmem<row_groups, warps / row_groups, stages>) when compiled for (latent, rope)."""
     row = row_stride(latent, rope)
+    if form == "tree_qreg":                          # no query tile: the rows borrow a ring slot; partial scores
+        groups = row_groups // 2                     # [16, 32 + 8] fp32 per warp
+        return (stages * 32 * row * 2 + groups * 16 * PROB_STRIDE * 2 + warps * 16 * 40 * 4 + warps * 16 * 4
+                + 8 * stages)
     if form == "tree":
         pairs = warps // 2
         return (pairs * 16 * row * 2 + stages * 32 * row * 2
@@ -112,12 +133,19 @@ class AttentionPlan:
 
     @property
     def source(self) -> str:
-        return SOURCE if self.form == "tree" else DECODE_SOURCE
+        return SOURCE if self.form in TREE_FORMS else DECODE_SOURCE
+
+    @property
+    def extra_defines(self) -> dict[str, int]:
+        return QREG_DEFINES if self.form == "tree_qreg" else {}
 
     @property
     def kernel(self) -> str:
         if self.form == "tree":
             return f"mla_attention_p{self.warps // 2}_s{self.stages}"
+        if self.form == "tree_qreg":
+            g = qreg_group(self.warps, self.row_groups)
+            return f"mla_attention_qreg_r{self.warps // g}_w{g}_s{self.stages}"
         return f"mla_decode_r{self.row_groups}_k{self.warps // self.row_groups}_s{self.stages}"
 
 
@@ -128,12 +156,13 @@ def blocks_per_sm(smem: int, smem_limit: int) -> int:
 
 
 def tree_cost(warps: int, stages: int, row_groups: int, splits: int, context: int, q: int, rows: int,
-              sm_count: int, smem_limit: int, latent: int, rope: int) -> float:
+              sm_count: int, smem_limit: int, latent: int, rope: int, form: str = "tree") -> float:
     """Modelled us of a tree-form plan with `splits` prefix splits (the tree keys get their own from 2 on):
     TREE_CALL_US + waves x (TREE_WAVE_US + steps per block x step us) + partial rows x TREE_PARTIAL_ROW_US.
     A block's step slows when another block shares its SM (2 x 4 warps: 1.44x, 2 x 2 warps: 1.19x); sharing
-    not measured is priced as fully serial."""
-    per_sm = blocks_per_sm(smem_bytes("tree", warps, stages, row_groups, latent, rope), smem_limit)
+    not measured is priced as fully serial. form "tree_qreg" is priced as "tree" at its own shared memory
+    (not fitted: it only orders the forced tree_qreg plans)."""
+    per_sm = blocks_per_sm(smem_bytes(form, warps, stages, row_groups, latent, rope), smem_limit)
     own = int(splits >= 2)
     blocks = math.ceil(rows / (8 * row_groups)) * (splits + own)
     sharing = min(per_sm, math.ceil(blocks / sm_count))
@@ -146,7 +175,7 @@ def tree_cost(warps: int, stages: int, row_groups: int, splits: int, context: in
 
 
 def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_limit: int, latent: int, rope: int,
-                     warps, stages, row_groups, splits) -> tuple[int, int, int, int] | None:
+                     warps, stages, row_groups, splits, form: str = "tree") -> tuple[int, int, int, int] | None:
     """(warps, stages, row groups, splits) of least tree_cost among the compiled variants that fit and match
     the forced knobs (None where none does); splits from 1 to two waves of blocks, chunks >= MIN_CHUNK keys."""
     best = None
@@ -154,10 +183,10 @@ def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_
         if any(f is not None and f != v for f, v in ((warps, w), (stages, s), (row_groups, g))):
             continue
         tiles = math.ceil(rows / (8 * g))
-        capacity = sm_count * blocks_per_sm(smem_bytes("tree", w, s, g, latent, rope), smem_limit)
+        capacity = sm_count * blocks_per_sm(smem_bytes(form, w, s, g, latent, rope), smem_limit)
         top = max(1, min(math.ceil(context / MIN_CHUNK), 2 * capacity // tiles))
         for P in [splits] if splits is not None else range(1, top + 1):
-            cost = tree_cost(w, s, g, P, context, q, rows, sm_count, smem_limit, latent, rope)
+            cost = tree_cost(w, s, g, P, context, q, rows, sm_count, smem_limit, latent, rope, form)
             best = min(best or (cost, -s, w, g, P), (cost, -s, w, g, P))        # ties: the deeper ring
     return (best[2], -best[1], best[3], best[4]) if best else None
 
@@ -183,18 +212,19 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     rows = q * heads
     if form is None:
         form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
-    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit]
+    fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit
+            and compiled_at(*v, latent)]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
                          f"at latent {latent}, rope {rope}")
     fitted = None
-    if form == "tree" and rows <= TREE_FIT_ROWS:
+    if form in TREE_FORMS and rows <= TREE_FIT_ROWS:
         fitted = fitted_tree_plan(fits, q, rows, context, sm_count, smem_limit, latent, rope, warps, stages,
-                                  row_groups, splits)
+                                  row_groups, splits, form)
     if fitted:
         warps, stages, row_groups, splits = fitted
     if row_groups is None:
-        want = -(-rows // 8) if form == "decode" else 8
+        want = -(-rows // 8) if form == "decode" else 8 if form == "tree" else 4
         groups = sorted({g for w, _, g in fits if warps is None or w == warps})
         if not groups:
             raise ValueError(f"MLA tree attention: no compiled {form!r} variant of {warps} warps fits {smem_limit} B "
@@ -205,9 +235,9 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if stages is None:
         rings = [s for w, s, g in fits if w == warps and g == row_groups] or [0]
         resident = (lambda s: blocks_per_sm(smem_bytes(form, warps, s, row_groups, latent, rope), smem_limit)) \
-            if form == "tree" else (lambda s: 1)
+            if form in TREE_FORMS else (lambda s: 1)
         stages = max(rings, key=lambda s: (resident(s), s))
-    if (form, warps, stages, row_groups) not in VARIANTS:
+    if (form, warps, stages, row_groups) not in VARIANTS or not compiled_at(form, warps, stages, row_groups, latent):
         raise ValueError(f"MLA tree attention: (form, warps, stages, row groups) = ({form!r}, {warps}, {stages}, "
                          f"{row_groups}) not compiled; have {VARIANTS}")
     smem = smem_bytes(form, warps, stages, row_groups, latent, rope)
@@ -314,8 +344,9 @@ class MlaTreeAttention:
                       stream=None) -> None:
         """The split kernel alone: out / lse when p has one split, else the partials for launch_combine."""
         scale_log2 = np.float32(self.scale * math.log2(math.e))
-        self.gpu.allow_smem(p.source, p.kernel, p.smem, self.defines)
-        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, self.defines), (p.row_tiles, p.splits), p.warps * 32,
+        defines = {**self.defines, **p.extra_defines}
+        self.gpu.allow_smem(p.source, p.kernel, p.smem, defines)
+        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, defines), (p.row_tiles, p.splits), p.warps * 32,
                         p.smem, ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
                         ptr(self.part_o), ptr(self.part_lse), np.int32(q * self.heads), np.int32(self.heads),
                         np.int32(q), np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,

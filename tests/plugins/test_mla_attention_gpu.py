@@ -87,21 +87,36 @@ def test_attention_matches_reference_at_other_dims(gpu, T, q, heads, latent, rop
     check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} H={heads} latent={latent} rope={rope} {plan}")
 
 
-@pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)
-@pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
-def test_every_variant_and_split_layout(gpu, T, q, heads, latent, rope):
-    """Each compiled (form, warps, stages, row groups) with the tree in its own split, merged into one split, and with more
-    splits than the prefix has blocks (empty splits must drop out of the merge; 3 and 200 splits take
-    different combine shapes)."""
-    from ddtree.plugins.mla_attention import VARIANTS, smem_bytes
+def check_variants(gpu, T, q, heads, latent, rope, variants):
+    from ddtree.plugins.mla_attention import compiled_at, smem_bytes
     s = Setup(gpu, T, q, heads, latent, rope)
     ref_out, ref_lse = ac.reference(T, q, heads, s.case)
-    for form, warps, stages, row_groups in VARIANTS:
-        if smem_bytes(form, warps, stages, row_groups, latent, rope) > gpu.smem_optin:
+    for form, warps, stages, row_groups in variants:
+        if smem_bytes(form, warps, stages, row_groups, latent, rope) > gpu.smem_optin \
+                or not compiled_at(form, warps, stages, row_groups, latent):
             continue
         for splits in (1, 3, 200):
             out, lse, plan = s.run(form=form, warps=warps, stages=stages, row_groups=row_groups, splits=splits)
             check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} latent={latent} rope={rope} {plan}")
+
+
+@pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)
+@pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
+def test_every_variant_and_split_layout(gpu, T, q, heads, latent, rope):
+    """Each compiled (form, warps, stages, row groups) but tree_qreg's with the tree in its own split, merged into
+    one split, and with more splits than the prefix has blocks (empty splits must drop out of the merge; 3 and
+    200 splits take different combine shapes)."""
+    from ddtree.plugins.mla_attention import QREG_VARIANTS, VARIANTS
+    check_variants(gpu, T, q, heads, latent, rope, [v for v in VARIANTS if v not in QREG_VARIANTS])
+
+
+@pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)
+@pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
+def test_every_qreg_variant_and_split_layout(gpu, T, q, heads, latent, rope):
+    """The same for the tree_qreg kernels (query fragments in registers; (64, 16): 5 k-steps over 2 or 4 warps,
+    one warp of a 4-warp group with none; 4096 x 1: 8 valid rows of a 16-row group)."""
+    from ddtree.plugins.mla_attention import QREG_VARIANTS
+    check_variants(gpu, T, q, heads, latent, rope, QREG_VARIANTS)
 
 
 def test_plan_for_a_longer_context_reads_T_on_the_device(gpu):
@@ -180,10 +195,12 @@ def test_append_writes_only_its_slots(gpu, latent, rope):
 def test_launcher_smem_size_is_the_kernel_struct(gpu, latent, rope):
     from ddtree.plugins.compile import latent_defines
     from ddtree.plugins.device import ptr
-    from ddtree.plugins.mla_attention import DECODE_SOURCE, SOURCE, VARIANTS, smem_bytes
-    for form, source in (("tree", SOURCE), ("decode", DECODE_SOURCE)):
+    from ddtree.plugins.mla_attention import DECODE_SOURCE, QREG_DEFINES, SOURCE, VARIANTS, smem_bytes
+    for form, source, name, extra in (("tree", SOURCE, "mla_attention_smem_sizes", {}),
+                                      ("decode", DECODE_SOURCE, "mla_decode_smem_sizes", {}),
+                                      ("tree_qreg", SOURCE, "mla_attention_qreg_smem_sizes", QREG_DEFINES)):
         variants = [v for v in VARIANTS if v[0] == form]
         sizes = gpu.zeros(len(variants), np.int32)
-        kernel = gpu.kernel(source, source.replace(".cu", "_smem_sizes"), latent_defines(latent, rope))
+        kernel = gpu.kernel(source, name, {**latent_defines(latent, rope), **extra})
         gpu.launch(kernel, 1, 1, 0, ptr(sizes))
         assert sizes.numpy().tolist() == [smem_bytes(*v, latent, rope) for v in variants], form

@@ -381,6 +381,7 @@ mla_attention_combine(const float* __restrict__ part_o, const float* __restrict_
     }
 
 // (pairs, stages) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
+#ifndef MLA_TREE_QREG                        // the form below has a cubin of its own: not these again
 DD_DEFINE_MLA(1, 2)
 DD_DEFINE_MLA(1, 3)
 DD_DEFINE_MLA(1, 4)
@@ -395,3 +396,10 @@ extern "C" __global__ void mla_attention_smem_sizes(int* out) {
     out[3] = sizeof(MlaSmem<2, 2>); out[4] = sizeof(MlaSmem<2, 3>); out[5] = sizeof(MlaSmem<4, 2>);
     out[6] = sizeof(MlaSmem<4, 3>);
 }
+#endif
+
+// The tree form with the query fragments in registers (form "tree_qreg"): compiled only with -D MLA_TREE_QREG,
+// a cubin of its own (with the combine), so the one above stays byte-identical (the measured kernels).
+#ifdef MLA_TREE_QREG
+#include "mla_tree_qreg.cuh"
+#endif

@@ -1,0 +1,85 @@
+"""CPU tests of the tree_qreg attention variant (kernels/mla_tree_qreg.cuh, forced only): its cubin compiles for
+sm_90 and sm_120 at every preset's latent dims with every kernel the launcher names and no more than a few
+bytes of spills (ptxas's resource report through NVRTC), its shared memory is the struct's arithmetic, the
+sm_120 plans fit 99 KB, and the default plans never take it. GPU correctness: test_mla_attention_gpu.py
+test_every_qreg_variant_and_split_layout."""
+import re
+
+import pytest
+
+from ddtree.plugins import compile as kc
+from ddtree.plugins.mla_attention import (QREG_DEFINES, QREG_VARIANTS, AttentionPlan, compiled_at, plan_attention,
+                                          smem_bytes)
+
+import attention_cases as ac
+
+SM120 = dict(sm_count=188, smem_limit=101376)
+H200 = dict(sm_count=132, smem_limit=232448)
+
+
+def ptxas_report(arch: str, latent: int, rope: int) -> dict[str, tuple[int, int]]:
+    """{kernel: (registers, spill store bytes)} of mla_attention.cu compiled with QREG_DEFINES."""
+    from cuda.core import Program, ProgramOptions
+    macros = {**kc.latent_defines(latent, rope), **QREG_DEFINES}
+    opts = ProgramOptions(name="mla_attention.cu", arch=arch, std=kc.CXX_STD, include_path=[str(kc.KERNEL_DIR)],
+                          define_macro=[(k, str(v)) for k, v in sorted(macros.items())], ptxas_options="-v")
+    log = []
+
+    class _Log:
+        def write(self, s):
+            log.append(s)
+
+    program = Program((kc.KERNEL_DIR / "mla_attention.cu").read_text(), "c++", options=opts)
+    try:
+        program.compile("cubin", logs=_Log())
+    finally:
+        program.close()
+    text = "".join(log).replace("\0", "")
+    found = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", text, re.S):
+        regs = int(re.search(r"Used (\d+) registers", body).group(1))
+        spills = int(re.search(r"(\d+) bytes spill stores", body).group(1))
+        found[name] = (regs, spills)
+    return found
+
+
+def kernel_name(form, warps, stages, row_groups) -> str:
+    return AttentionPlan(form, warps, stages, row_groups, 1, 1, False, 0).kernel
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+@pytest.mark.parametrize("latent,rope", ac.DIMS, ids=[f"l{a}_r{b}" for a, b in ac.DIMS])
+def test_qreg_kernels_compile_without_real_spills(arch, latent, rope):
+    """Every variant compiled at these dims is in the cubin and nothing else of the tree form (the plain
+    variants stay in the measured cubin); 4-warp groups do not spill; 2-warp groups hold 72 query registers
+    beside 128 accumulators at Kimi's dims (255 registers) and spill at most 16 bytes."""
+    report = ptxas_report(arch, latent, rope)
+    want = {kernel_name(*v) for v in QREG_VARIANTS if compiled_at(*v, latent)}
+    assert want <= set(report), sorted(want - set(report))
+    assert not [k for k in report if re.fullmatch(r"mla_attention_p\d_s\d", k)]
+    for v in QREG_VARIANTS:
+        if compiled_at(*v, latent):
+            regs, spills = report[kernel_name(*v)]
+            group = v[1] // (v[3] // 2)
+            assert regs <= 255 and spills <= (0 if group == 4 else 16), (v, arch, regs, spills)
+
+
+def test_qreg_shared_memory_is_the_struct_and_fits_sm120():
+    """MlaQregSmem by hand at Kimi's dims (row 584): no query tile, so 2 slots with 8 warps fit sm_120."""
+    row = 584 * 2
+    assert smem_bytes("tree_qreg", 2, 2, 2, 512, 64) == 2 * 32 * row + 16 * 80 + 2 * 16 * 160 + 2 * 64 + 16
+    assert smem_bytes("tree_qreg", 8, 2, 4, 512, 64) == 2 * 32 * row + 2 * 16 * 80 + 8 * 16 * 160 + 8 * 64 + 16
+    assert smem_bytes("tree_qreg", 8, 2, 4, 512, 64) <= SM120["smem_limit"]
+    assert smem_bytes("tree", 4, 2, 4, 512, 64) > SM120["smem_limit"]       # the plain 4-warp tree does not fit
+    p = plan_attention(17, 8, 4096, **SM120, latent=512, rope=64, form="tree_qreg", warps=8)
+    assert (p.warps, p.stages, p.row_groups) == (8, 2, 4) and p.smem <= SM120["smem_limit"]
+
+
+def test_qreg_is_forced_only_and_refused_where_not_compiled():
+    for T in (1, 4096, 32768, 131072):
+        for q in (1, 5, 17, 33, 64, 256):
+            assert plan_attention(q, 8, T, **H200, latent=512, rope=64).form != "tree_qreg"
+    p = plan_attention(17, 8, 4096, **H200, latent=512, rope=64, form="tree_qreg")
+    assert p.kernel.startswith("mla_attention_qreg_") and p.extra_defines == QREG_DEFINES
+    with pytest.raises(ValueError, match="not compiled"):               # 4-warp groups need latent % 64 == 0
+        plan_attention(17, 8, 4096, **H200, latent=96, rope=32, form="tree_qreg", warps=4, row_groups=2, stages=2)
