@@ -22,6 +22,22 @@ def all_reduce_elems(cfg, dcfg) -> int:
     return MAX_TOKENS * max(cfg.hidden_size, dcfg.hidden_size)
 
 
+def top_p_gather_elems(rows: int = MAX_TOKENS) -> int:
+    """The largest all-gather part of top-p across ranks (plugins/top_p_ranks_gpu.py TopPRanks: the records,
+    32 816 B a row) for `rows` rows, in the one-shot's bf16 elements (a part holds 2 B an element), rounded up to
+    its vector."""
+    from ddtree.plugins.allreduce import VECTOR
+    from ddtree.plugins.top_p_ranks_gpu import exchange_bytes
+    elems = -(-max(exchange_bytes(rows).values()) // 2)
+    return -(-elems // VECTOR) * VECTOR
+
+
+def one_shot_elems(cfg, dcfg) -> int:
+    """The step graphs' one-shot size: the largest of its all-reduces and of top-p's all-gather parts (at 256 rows
+    and tp 8 the latter is 8.4 MB a part, a 134 MB buffer a rank: 2 slots x 8 sources)."""
+    return max(all_reduce_elems(cfg, dcfg), top_p_gather_elems())
+
+
 def connect_one_shot(gpu, rank: int, group, max_elems: int):
     """A one-shot all-reduce on `gpu` connected to every peer's buffer, the IPC handles exchanged through `group`."""
     from ddtree.plugins.allreduce import OneShotAllReduce
@@ -61,7 +77,7 @@ def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], m
     (False: the primitives, e.g. to compare the two); allreduce: --allreduce (ops/rank_collective.py)."""
     from ddtree.engine_dir import engine_configs
     from ddtree.runtime.cuda_executor import CudaExecutor
-    max_elems = all_reduce_elems(*engine_configs(engine_dir, checked[0]))
+    max_elems = one_shot_elems(*engine_configs(engine_dir, checked[0]))
     return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
                         kernel_plan=kernel_plan, rank=rank, graphs=graphs,
                         collective=lambda gpu: rank_member(gpu, rank, group, max_elems, allreduce, gpus),

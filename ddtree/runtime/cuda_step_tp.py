@@ -11,22 +11,29 @@ A DDTree step graph at tp N, written over the op set's layer functions (ops/laye
                  best-first tree (tokens, parents, depth, visibility); its positions start + depth (below)
     verify       embed + every decoder layer over the tree, taps copied; layers.head: this rank's sampling winner
                  at every node (VocabWinner: greedy, or Gumbel at the temperature on the device) for the
-                 position start + depth + 1
+                 position start + depth + 1 (top-p: layers.head_logits, this rank's logits slice [n, V_r])
     sample+walk  layers.accept: the winners all-gathered [tp, n] -> the target token at every node, the walk
+                 (top-p: TopPRanks over the slices -> the same global token at every node on every rank, then
+                 accept_sampled: the walk over them, AcceptWalk with one "rank" holding them)
     update       compaction, the context window, the record and the state (tp 1's)
 The AR step graph: the prologue, embed + layers over the bonus token, layers.head at start + 1, layers.accept
-over the one-node tree [bonus] (its target token is the sample), the commit.
+over the one-node tree [bonus] (its target token is the sample), the commit (top-p: head_logits, TopPRanks' one
+row committed as it is).
 
 Lockstep. The one-shot collectives number their calls on the device (ops/cuda_collectives.py ProcessRankMember),
 so every rank must launch the same collectives in the same order: every rank runs the same loop under the same
 control records (runtime/ranks.py), and every choice here (graph or primitives, the graph's key, the step
 enqueued ahead, the first eager run and the captures) is a function of the state all ranks share.
 
-Sampling. The node kernels sample greedy and plain temperature (Gumbel-max over l / T). Top-k and top-p would
-need the ranks' kept sets merged (not written), so a step with either runs the primitives (runtime/loop.py: the
-logits slices gathered through the host group, the host's sampler: the definition exactly, no graph); stats()
-counts those steps. VocabWinner reads T as float32 (T = 0.8 is 0.8 + 1.2e-8): a token can differ from the
-float64 definition's only where two z + g are within that relative 1e-8 (the GPU logits' own error is far larger).
+Sampling. The node kernels sample greedy and plain temperature (Gumbel-max over l / T). Top-p without top-k
+runs TopPRanks (plugins/top_p_ranks_gpu.py: five kernels around three all-gathers through the rank's collective,
+inside the graph), whose tokens and flags are those one GPU holding the whole row would give (TreeSampler); a
+step whose record carries its INEXACT / BIN_OVERFLOW flags raises naming the step and rows, as tp 1's
+check_status does, unless allow_inexact. Top-k (with or without top-p) would need the ranks' top-k merged (not
+written), so such a step runs the primitives (runtime/loop.py: the logits slices gathered through the host group,
+the host's sampler: the definition exactly, no graph); stats() counts those steps. VocabWinner reads T as
+float32 (T = 0.8 is 0.8 + 1.2e-8): a token can differ from the float64 definition's only where two z + g are
+within that relative 1e-8 (the GPU logits' own error is far larger).
 
 Positions. TreeBuild's best-first writes start + depth into its `positions` workspace from its `start` buffer (a
 zero by default): the op set's launcher is made here with `start` = block_pos[0] (the prologue's start), so its
@@ -42,22 +49,37 @@ import numpy as np
 
 from ddtree.ops import layers
 from ddtree.ops.cuda_tensor import Tensor
+from ddtree.ops.opset import F32, I32
 from ddtree.runtime.cuda_executor import target_layers
-from ddtree.runtime.cuda_step import GpuSteps
+from ddtree.runtime.cuda_step import GpuSteps, _array
 from ddtree.tree.sampling import SamplingParams
 
-GREEDY, GUMBEL = "greedy", "gumbel"           # plugins/tree_sample.py's mode names (a step graph's key)
-PRIMITIVES_FOR = "top-k / top-p sampling at tp > 1 (the node kernels sample greedy and plain temperature only)"
+GREEDY, GUMBEL, TOP_P = "greedy", "gumbel", "top_p"   # plugins/tree_sample.py's mode names (a step graph's key)
+PRIMITIVES_FOR = ("top-k sampling at tp > 1 (the node kernels sample greedy and plain temperature, TopPRanks top-p "
+                  "without top-k)")
 CANDIDATES = ("topk_values", "topk_ids", "row_max", "row_sumexp")     # layers.draft_head -> layers.tree
 
 
 def node_sampling(params: SamplingParams, vocab: int) -> str | None:
-    """GREEDY or GUMBEL when the node kernels sample `params` as the definition does, None for top-k / top-p."""
+    """GREEDY or GUMBEL when the node kernels sample `params` as the definition does, TOP_P for top-p without
+    top-k (TopPRanks), None for top-k (the primitives)."""
     if params.greedy:
         return GREEDY
-    if 0 < params.top_k < vocab or params.top_p < 1:
+    if 0 < params.top_k < vocab:
         return None
-    return GUMBEL
+    return TOP_P if params.top_p < 1 else GUMBEL
+
+
+def accept_sampled(ops) -> None:
+    """layers.accept for target tokens every rank already holds (TopPRanks'): the walk over them, through the op
+    set's accept_walk with one \"rank\" whose winners are those tokens (its values unread: nothing to merge)."""
+    tokens, parents = ops.input("tokens", ["nodes"], I32), ops.input("parents", ["nodes"], I32)
+    target, accepted, count, bonus = ops.accept_walk(tokens, parents, ops.input("win_value", [1, "nodes"], F32),
+                                                     ops.input("win_id", [1, "nodes"], I32))
+    ops.output("target_tokens", target, ["nodes"], I32)
+    ops.output("accepted", accepted, ["nodes"], I32)
+    ops.output("accepted_count", count, [1], I32)
+    ops.output("bonus", bonus, [1], I32)
 
 
 class NodePlan:
@@ -79,17 +101,24 @@ class TpSteps(GpuSteps):
         self.no_parent = g.upload(np.array([-1], np.int32))                         # the AR step's one-node tree
         self.position_builders: dict[int, object] = {}                               # depth -> DraftTreeBuilder
         self.primitive_sampling_steps = 0
+        self.top_p = self.no_values = None       # TopPRanks and a [max_tokens] zero row, made on first top-p
+        self.allow_inexact = False               # a flagged top-p row raises (no request asks otherwise, as tp 1)
 
     def _make_sampler(self):
         return None                          # the node kernels sample (layers.head, layers.accept)
 
     def set_params(self, params: SamplingParams) -> NodePlan:
-        """The temperature and seed into their device buffers (stream-ordered memsets, so after the steps already
-        enqueued); the plan's mode keys the graphs. Callers route top-k / top-p to the primitives first."""
+        """The temperature and seed into their device buffers (top-p: TopPRanks' parameter record), stream-ordered
+        memsets, so after the steps already enqueued; the plan's mode keys the graphs. Callers route top-k to the
+        primitives first."""
         if params != self.params:
             mode = node_sampling(params, self.vocab)
             if mode is None:
                 raise ValueError(f"tp {self.tp} step graphs: {params} needs {PRIMITIVES_FOR}")
+            if mode == TOP_P:
+                self._top_p().set_params(params, stream=self.gpu.stream)
+                self.plan, self.params = NodePlan(mode), params
+                return self.plan
             from ddtree.plugins.device import _driver, check
             words = [int(np.array(params.temperature, np.float32).view(np.uint32)),
                      params.seed & 0xFFFFFFFF, params.seed >> 32]
@@ -98,6 +127,23 @@ class TpSteps(GpuSteps):
                 check(_driver().cuMemsetD32Async(address, word, 1, handle), "cuMemsetD32Async")
             self.plan, self.params = NodePlan(mode), params
         return self.plan
+
+    def _top_p(self):
+        """TopPRanks over this rank's slice for up to max_tokens rows, its all-gathers through the op set's
+        collective (cuda_ranks.py sizes the one-shot for its largest part)."""
+        if self.top_p is None:
+            from ddtree.plugins.top_p_ranks_gpu import TopPRanks
+            lay, g = self.ex.lay, self.gpu
+            self.top_p = TopPRanks(g, self.ops.collective, ranks=self.tp, vocab=self.vocab,
+                                   slice_vocab=lay.vocab_stop - lay.vocab_start, max_rows=self.ops.max_tokens)
+            self.no_values = g.zeros((self.ops.max_tokens,), np.float32)
+        return self.top_p
+
+    def _sampled(self, logits: Tensor, query_pos, n: int):
+        """TopPRanks at every row of this rank's logits [n, V_r] for the positions query_pos + 1 -> RanksOutputs
+        (tokens [n] global ids, flags [n]: the same on every rank)."""
+        return self.top_p.launch(_array(self.gpu, logits), self.ex.lay.vocab_start, query_pos, n,
+                                 stream=self.ops.stream)
 
     def _k(self, budget: int) -> int:
         """Candidates per rank and depth (layers.draft_topk): enough for the budget, the same on every rank."""
@@ -121,6 +167,33 @@ class TpSteps(GpuSteps):
             check()
         return tokens
 
+    def _step(self, key: tuple, body, prepare, ahead: bool) -> dict:
+        """GpuSteps._step, then a top-p step's flags: its record carries TopPRanks' status word, as tp 1's carries
+        the sampler's (checked there by TreeSampler.check_status)."""
+        step = self.state.steps + 1
+        rec = super()._step(key, body, prepare, ahead)
+        if rec["status"] and self.top_p is not None:
+            self._check_top_p(key, step, rec, overwritten=self.state.steps > step)
+        return rec
+
+    def _check_top_p(self, key: tuple, step: int, rec: dict, overwritten: bool) -> None:
+        """NaN logits or a wrong record raise (TopPRanks.check_status); a row flagged INEXACT / BIN_OVERFLOW raises
+        naming the step and the rows unless allow_inexact. overwritten: the next step (enqueued ahead, drained by
+        _step) ran after it, so the per-row flags read are that step's."""
+        from ddtree.plugins.tree_sample import STATUS_BIN_OVERFLOW, STATUS_INEXACT
+        flags = self.top_p.check_status(allow_inexact=True)
+        if not flags & (STATUS_INEXACT | STATUS_BIN_OVERFLOW) or self.allow_inexact:
+            return
+        n = 1 if key[0] == "ar" else key[1] + 1
+        rows = np.flatnonzero(self.top_p.out.flags.numpy()[:n]).tolist()
+        which = "rows of the step enqueued after it (this step's were overwritten)" if overwritten else "rows"
+        kinds = [name for bit, name in ((STATUS_INEXACT, "INEXACT"), (STATUS_BIN_OVERFLOW, "BIN_OVERFLOW"))
+                 if flags & bit]
+        raise ValueError(f"tp {self.tp} {'AR' if key[0] == 'ar' else 'DDTree'} step {step} (from position "
+                         f"{rec['start'] - rec['count']}): a top-p cut is flagged {' | '.join(kinds)} ({which} {rows}; "
+                         "INEXACT: within the certified bound of top_p, BIN_OVERFLOW: the crossing bin kept whole), "
+                         "so its tokens may not be the definition's")
+
     def ar_step(self, s, params: SamplingParams) -> list[int]:
         if node_sampling(params, self.vocab) is not None:
             return self._answered(super().ar_step(s, params))
@@ -131,8 +204,8 @@ class TpSteps(GpuSteps):
         return ar_step(self.ex, s, params)
 
     def ddtree_step(self, s, params: SamplingParams, budget: int) -> list[int]:
-        """The graph of (budget, b, mode), or the primitives for top-k / top-p (and --budget auto's table, which
-        rank processes refuse before any step)."""
+        """The graph of (budget, b, mode), or the primitives for top-k (and --budget auto's table, which rank
+        processes refuse before any step)."""
         on_nodes = node_sampling(params, self.vocab) is not None
         if on_nodes and not s.table_k:
             return self._answered(super().ddtree_step(s, params, budget))
@@ -157,6 +230,11 @@ class TpSteps(GpuSteps):
         feeds = {"ids": bonus, "pos": Tensor.of(self.block_pos.view(0, (1,))), "cache_len": Tensor.of(lengths),
                  "tree_mask": Tensor.of(self.ar_mask)}
         h = target_layers(ex, feeds, ex.target_cache)
+        if self.plan.mode == TOP_P:                        # the one row's sample, the same on every rank
+            logits = ops.call(layers.head_logits, ex.config, feeds={"h": h})["logits"]
+            token = self._sampled(logits, self.block_pos, 1).tokens
+            st.commit(None, None, None, token.ptr, status=(self.top_p.status, None), stream=ops.stream)
+            return
         win = self._winners(h, Tensor.of(self.block_pos.view(1, (1,))))
         out = ops.call(layers.accept, feeds={"tokens": bonus, "parents": Tensor.of(self.no_parent), **win})
         st.commit(None, None, None, out["target_tokens"].ptr, stream=ops.stream)
@@ -167,8 +245,8 @@ class TpSteps(GpuSteps):
         if k or self.forced_accept or self.stated_draft is not None:
             raise NotImplementedError(f"tp {self.tp} step graph: --budget auto and bench step's stated trees are "
                                       "tp 1's")
-        ex, ops, d = self.ex, self.ops, self.ex.drafter_config
-        kc = self._k(budget)
+        ex, ops, d, top_p = self.ex, self.ops, self.ex.drafter_config, self.plan.mode == TOP_P
+        kc, n = self._k(budget), budget + 1
         v = self.values.setdefault((budget, b), {})
         tree_cfg = d if b == d.block_size else replace(d, block_size=b)            # layers.tree's D = b - 1
 
@@ -191,15 +269,26 @@ class TpSteps(GpuSteps):
             t = v["tree"]
             feeds = {"ids": t["tokens"], "pos": v["pos"], "cache_len": Tensor.of(ex.target_cache.dev.lengths),
                      "tree_mask": t["visibility"]}
-            v["win"] = self._winners(target_layers(ex, feeds, ex.target_cache, self._copy_tap), v["sample_pos"])
+            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap)
+            if top_p:
+                v["logits"] = ops.call(layers.head_logits, ex.config, feeds={"h": h})["logits"]     # [n, V_r]
+            else:
+                v["win"] = self._winners(h, v["sample_pos"])
 
         def sample_walk():
             t = v["tree"]
-            v["out"] = ops.call(layers.accept, feeds={"tokens": t["tokens"], "parents": t["parents"], **v["win"]})
+            if top_p:                    # the nodes' tokens for start + depth + 1, then the walk over them
+                tokens = self._sampled(v["logits"], _array(self.gpu, v["pos"]), n).tokens.view(0, (1, n))
+                v["out"] = ops.call(accept_sampled, feeds={
+                    "tokens": t["tokens"], "parents": t["parents"],
+                    "win_value": Tensor.of(self.no_values.view(0, (1, n))), "win_id": Tensor.of(tokens)})
+            else:
+                v["out"] = ops.call(layers.accept, feeds={"tokens": t["tokens"], "parents": t["parents"], **v["win"]})
 
         def update():
             out = v["out"]
-            self._update(b, v["tree"]["tokens"], out["accepted"], out["accepted_count"], out["bonus"], (None, None))
+            status = (self.top_p.status, None) if top_p else (None, None)
+            self._update(b, v["tree"]["tokens"], out["accepted"], out["accepted_count"], out["bonus"], status)
 
         for name, phase in zip(self.PHASES, (draft, tree, verify, sample_walk, update)):
             if only is None or name in only:
@@ -230,6 +319,6 @@ class TpSteps(GpuSteps):
                                   "(last_verify is tp 1's)")
 
     def stats(self) -> dict:
-        """GpuSteps.stats, and the steps whose sampling ran the primitives (top-k / top-p at tp > 1)."""
+        """GpuSteps.stats, and the steps whose sampling ran the primitives (top-k at tp > 1)."""
         return {**super().stats(), "tp": self.tp, "primitive_sampling_steps": self.primitive_sampling_steps,
                 "primitives_for": PRIMITIVES_FOR}

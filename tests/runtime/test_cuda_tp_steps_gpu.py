@@ -13,6 +13,10 @@ DDTree graphs with the one-shot collectives inside.
   ThreadRankGroup); a departure is a near-tie when the top-2 margin of z + g there is below 2 delta / T.
 - Top-k at tp 2 runs the primitives (counted in stats), with the same rule between DDTree and AR; the kept set is
   a discrete choice too, so a departure where the k-th and (k+1)-th z are within the bound is also a near-tie.
+- Top-p 0.9 at T 0.8 (no top-k) runs in the graphs through TopPRanks (none counted as primitives): DDTree graph ==
+  AR graph, AR graph == AR primitives, except near-ties by the same rule, the kept set's cut included (the
+  cumulative probability at the cut within a factor exp(2 delta / T) of top_p, or the last kept and first dropped
+  z within the bound).
 - Decode speed, printed (and written to $DDTREE_TP_STEPS_JSON when set): tp 2 graphs, tp 2 primitives and tp 1 graphs
   on the same model. Two processes share one GPU here, so tp 2 measures the protocol, not a speed-up.
 """
@@ -35,6 +39,7 @@ N, BUDGET, BLOCK = 24, 16, 8                          # small-mla's drafter bloc
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, seed=5)
 TOP_K = SamplingParams(temperature=0.8, top_k=20, seed=7)
+TOP_P = SamplingParams(temperature=0.8, top_p=0.9, seed=9)
 CUDA = {"gpus": [0, 0], "max_context": 256, "kernel_plan": "fast"}
 
 
@@ -136,14 +141,33 @@ def cut_margin(threads, prompt, a, i: int, params: SamplingParams) -> float:
     return float(row[params.top_k - 1] - row[params.top_k])
 
 
+def top_p_cut_margin(threads, prompt, a, i: int, params: SamplingParams) -> float:
+    """Top-p: how far a's token i's kept set is from changing when every z = l / T moves by up to delta / T (each
+    probability then by a factor within exp(+-2 delta / T)), in z units to compare with 2 delta / T: the log-ratio
+    of the cumulative probability at the cut (and just before it) to top_p, and the z gap between the last kept
+    token and the first dropped one (they can swap)."""
+    z = np.sort(decode_logits(threads, list(prompt) + list(a[: i + 1]), len(prompt))[-1].astype(np.float64))[::-1]
+    z = z / params.temperature
+    cum = np.cumsum(np.exp(z - z[0]))
+    cum /= cum[-1]
+    m = int(np.argmax(cum >= params.top_p))                       # the last kept token (sorted order)
+    gaps = [np.log(cum[m] / params.top_p)] + ([np.log(params.top_p / cum[m - 1])] if m else [])
+    gaps += [z[m] - z[m + 1]] if m + 1 < len(z) else []
+    return float(min(gaps))
+
+
 def departure(threads, prompt, a, b, params, delta, what: str) -> int:
-    """1 if the runs a and b depart (asserting a near-tie there: the top-2 margin of z + g, or with top-k the
-    kept set's cut, below the bound), else 0."""
+    """1 if the runs a and b depart (asserting a near-tie there: the top-2 margin of z + g, or with top-k / top-p
+    the kept set's cut, below the bound), else 0."""
     v = classify_departure(threads, prompt, a, b, params, delta)
     if v is None:
         return 0
-    cut = cut_margin(threads, prompt, a, v["index"], params) if 0 < params.top_k and not params.greedy else np.inf
-    print(f"{what}, prompt {prompt}: departure at token {v['index']}, margin {v['margin']:.3e}, top-k cut {cut:.3e} "
+    cut = np.inf
+    if not params.greedy and 0 < params.top_k:
+        cut = cut_margin(threads, prompt, a, v["index"], params)
+    elif not params.greedy and params.top_p < 1:
+        cut = top_p_cut_margin(threads, prompt, a, v["index"], params)
+    print(f"{what}, prompt {prompt}: departure at token {v['index']}, margin {v['margin']:.3e}, kept-set cut {cut:.3e} "
           f"(near-tie below {v['bound']:.3e})")
     assert v["near_tie"] or cut < v["bound"], \
         f"{what}: left at token {v['index']} with margin {v['margin']:.3e} (cut {cut:.3e}) >= {v['bound']:.3e}"
@@ -175,6 +199,30 @@ def test_top_k_at_tp2_runs_the_primitives(procs, threads, delta):
     counted = steps.stats()["primitive_sampling_steps"] - before
     print(f"top-k 20 at tp 2: {counted} steps ran the primitives, {departures} departures (near-ties)")
     assert counted >= len(PROMPTS) * (N - 1) and not any("top_k" in key for key in steps.graphs)
+
+
+def test_top_p_at_tp2_runs_in_the_graphs(procs, primitives, request):
+    """Top-p without top-k through TopPRanks inside both graphs: no step counted as primitives, both graphs of mode
+    top_p captured; DDTree graph vs AR graph and AR graph vs AR primitives (the host's float64 definition on the
+    gathered logits) depart only at near-ties (threads and delta are built only if a run departs)."""
+    steps = procs.executor.steps
+    before, graph_before = steps.stats()["primitive_sampling_steps"], steps.stats()["graph_steps"]
+    departures = {"top-p ddtree graph vs ar graph": 0, "top-p ar graph vs ar primitives": 0}
+    for prompt in PROMPTS:
+        ar, dd = decode(procs, "ar", prompt, N, TOP_P), decode(procs, "ddtree", prompt, N, TOP_P)
+        host = decode(primitives, "ar", prompt, N, TOP_P)
+        assert len(ar) == len(dd) == len(host) == N
+        for what, (a, b) in zip(departures, ((ar, dd), (host, ar))):
+            if a != b:
+                threads, delta = request.getfixturevalue("threads"), request.getfixturevalue("delta")
+                departures[what] += departure(threads, prompt, a, b, TOP_P, delta, what)
+    stats = steps.stats()
+    print(f"top-p {TOP_P.top_p} T {TOP_P.temperature} at tp 2, {len(PROMPTS)} x {N} tokens: departures (all "
+          f"near-ties) {departures}; {stats['graph_steps'] - graph_before} graph steps, "
+          f"{stats['primitive_sampling_steps'] - before} primitive sampling steps")
+    assert ("ar", "top_p") in steps.graphs and ("ddtree", BUDGET, BLOCK, "top_p") in steps.graphs
+    assert stats["primitive_sampling_steps"] == before and stats["graph_steps"] - graph_before >= len(PROMPTS)
+    assert steps.top_p is not None and steps.top_p.tp == 2
 
 
 def test_decode_speed_tp2_graphs_tp2_primitives_tp1(engines, procs, primitives):
