@@ -58,6 +58,7 @@ from ddtree.plugins.tree_sample import (MASS_BINS, MAX_BIN_KEYS, MAX_TOP_P_VOCAB
 from ddtree.tree.sampling import SamplingParams
 
 SOURCE = "sample_top_p_ranks.cu"
+KERNELS = ("topp_ranks_max", "topp_ranks_mass", "topp_ranks_decide", "topp_ranks_scan", "topp_ranks_cut")  # in order
 THREADS = 512                  # SP_THREADS
 MAX_THREADS = 256              # SP_MAX_THREADS (topp_ranks_max)
 SLICE = 16384                  # SP_SLICE

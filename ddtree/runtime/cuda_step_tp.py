@@ -130,13 +130,16 @@ class TpSteps(GpuSteps):
 
     def _top_p(self):
         """TopPRanks over this rank's slice for up to max_tokens rows, its all-gathers through the op set's
-        collective (cuda_ranks.py sizes the one-shot for its largest part)."""
+        collective (cuda_ranks.py sizes the one-shot for its largest part). Its kernels are loaded (compiled if
+        not cached) here, not between the step's collectives, where a peer waits a bounded ~1 s."""
         if self.top_p is None:
-            from ddtree.plugins.top_p_ranks_gpu import TopPRanks
+            from ddtree.plugins.top_p_ranks_gpu import KERNELS, SOURCE, TopPRanks
             lay, g = self.ex.lay, self.gpu
             self.top_p = TopPRanks(g, self.ops.collective, ranks=self.tp, vocab=self.vocab,
                                    slice_vocab=lay.vocab_stop - lay.vocab_start, max_rows=self.ops.max_tokens)
             self.no_values = g.zeros((self.ops.max_tokens,), np.float32)
+            for name in KERNELS:
+                g.kernel(SOURCE, name)
         return self.top_p
 
     def _sampled(self, logits: Tensor, query_pos, n: int):
