@@ -10,9 +10,10 @@ FLOPs = 2 x q x heads x (T + q) x (576 + 512) (every key of every row, as dense 
 The bandwidth ceiling is a plain device-to-device copy (read + write) outside graph capture; the compute
 peak is the device's dense bf16 tensor rate from a table (null for devices not in it).
 Sweeps: --form / --warps / --stages / --splits / --row-groups force the plan (comma lists: every
-combination that compiles and fits is run, the others are named on stderr); --form tree_qreg runs the
-experimental tree form that holds the query fragments in registers (forced only). --parts adds the split kernel
-alone and the combine alone, each timed the same way (where the time of a launch goes).
+combination that compiles and fits is run, the others are named on stderr); --form tree_qreg forces the
+tree form that holds the query fragments in registers (the default only where plan_attention's
+qreg_default says). --parts adds the split kernel alone and the combine alone, each timed the same way
+(where the time of a launch goes).
 PDL: every launch of the graph (split kernel, combine, the next call's split kernel, ..) is a programmatic
 dependent launch, as in the step's graphs (each kernel's blocks start while the one before drains and wait
 at griddepcontrol.wait), so a call is measured behind another kernel; --no-pdl times plain stream order

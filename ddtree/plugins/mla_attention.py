@@ -12,14 +12,15 @@ ddtree.plugins.reference.mla_tree_attention.
 
 Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32, bandwidth-bound: keys are the mma M, 8 query
 rows the N, all rows in one block so every key is read once; "tree" (kernels/mla_attention.cu) beyond,
-compute-bound: warp pairs share 16 query rows ("tree_qreg", kernels/mla_tree_qreg.cuh, forced only: 2 or 4
-warps share 16 rows and hold their query fragments in registers). Both split the committed prefix over the SMs, give the tree
-keys (the only masked ones) their own split or the end of the last one, and merge splits exactly by
-log-sum-exp (mla_attention_combine). The plan (form, block shape, ring depth, number of prefix splits P)
-depends on q, H and the context: decode by a wave model of the splits, tree up to TREE_FIT_ROWS rows by a
-cost model fitted to an H200 sweep (tree_cost). T itself is read on the device, so a graph captured with
-the plan for a context bucket runs at any T in it (the chunk per split is ceil(T / P), rounded up to the
-block's keys). Workspaces are sized in the constructor for (max_q, max_context); run() only launches.
+compute-bound: warp pairs share 16 query rows ("tree_qreg", kernels/mla_tree_qreg.cuh: 2 or 4 warps share 16
+rows and hold their query fragments in registers; the default where measured faster, qreg_default). Both split
+the committed prefix over the SMs, give the tree keys (the only masked ones) their own split or the end of
+the last one, and merge splits exactly by log-sum-exp (mla_attention_combine). The plan (form, block shape, ring
+depth, number of prefix splits P) depends on q, H and the context: decode by a wave model of the splits, tree up
+to TREE_FIT_ROWS rows by a cost model fitted to an H200 sweep (tree_cost). T itself is read on the device, so a
+graph captured with the plan for a context bucket runs at any T in it (the chunk per split is ceil(T / P),
+rounded up to the block's keys). Workspaces are sized in the constructor for (max_q, max_context); run() only
+launches.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernel
 # "tree": mla_attention.cu, warp pairs share 16 query rows (row groups = warps), a ring of `stages` 32-key
 # blocks. "decode": mla_decode.cu, row groups of 8 rows x warps / row groups key streams of 16-key
 # sub-blocks, a ring of `stages` 16-key slots.
-# "tree_qreg": kernels/mla_tree_qreg.cuh (issue 23 experiment, forced only), groups of warps / (row groups / 2)
+# "tree_qreg": kernels/mla_tree_qreg.cuh (issue 23; default only by qreg_default), groups of warps / (row groups / 2)
 # warps share 16 query rows and hold their query fragments in registers; 4-warp groups need latent % 64 == 0.
 QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4, 2, 4), ("tree_qreg", 4, 3, 4),
                  ("tree_qreg", 4, 2, 2), ("tree_qreg", 4, 3, 2), ("tree_qreg", 8, 2, 4))
@@ -61,6 +62,11 @@ MAX_Q, MAX_HEADS = 256, 128
 TREE_FIT_ROWS = 264
 TREE_STEP_US = {(2, 1): 1.652, (2, 2): 1.963, (4, 1): 1.895, (4, 2): 2.723, (8, 1): 2.896}
 TREE_CALL_US, TREE_WAVE_US, TREE_PARTIAL_ROW_US = 5.02, 0.72, 1.265e-3
+# tree_qreg is the default only where it measured faster (H200, one call, 8 heads, default vs forced, the fitted
+# splits): 4-warp groups (w4 g2) at 4096 keys: 8 tokens 14.47 -> 12.45 us, 17 tokens 19.99 -> 17.55; two 2-warp
+# groups (w4 g4) at 32768: 39.83 -> 36.24, 75.18 -> 66.22. Rows 64 .. 136, contexts 4096 .. 32768, a device with
+# the H200's 227 KB per block (sm_120's 99 KB: not measured), latents with both group sizes compiled.
+QREG_DEFAULT_ROWS, QREG_DEFAULT_CONTEXTS, QREG_DEFAULT_MIN_SMEM = (64, 136), (4096, 32768), 232448
 
 
 def row_stride(latent: int, rope: int) -> int:
@@ -174,6 +180,16 @@ def tree_cost(warps: int, stages: int, row_groups: int, splits: int, context: in
     return TREE_CALL_US + waves * (TREE_WAVE_US + steps * step_us) + TREE_PARTIAL_ROW_US * partial_rows
 
 
+def qreg_default(rows: int, context: int, smem_limit: int, latent: int) -> tuple[int, int] | None:
+    """(warps, row groups) of the default tree_qreg plan where it measured faster than the tree form, else None:
+    4-warp groups up to 4096 keys, two 2-warp groups past it."""
+    if not (QREG_DEFAULT_ROWS[0] <= rows <= QREG_DEFAULT_ROWS[1]
+            and QREG_DEFAULT_CONTEXTS[0] <= context <= QREG_DEFAULT_CONTEXTS[1]
+            and smem_limit >= QREG_DEFAULT_MIN_SMEM and latent % 64 == 0):
+        return None
+    return (4, 2) if context <= 4096 else (4, 4)
+
+
 def fitted_tree_plan(fits, q: int, rows: int, context: int, sm_count: int, smem_limit: int, latent: int, rope: int,
                      warps, stages, row_groups, splits, form: str = "tree") -> tuple[int, int, int, int] | None:
     """(warps, stages, row groups, splits) of least tree_cost among the compiled variants that fit and match
@@ -196,7 +212,8 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
                    form: str | None = None, warps: int | None = None, stages: int | None = None,
                    splits: int | None = None, row_groups: int | None = None) -> AttentionPlan:
     """Form: decode while q * H <= DECODE_MAX_ROWS (bandwidth-bound: all rows in one block, so the keys are
-    read once), else tree. Tree up to TREE_FIT_ROWS rows: the variant and prefix splits of least tree_cost.
+    read once), else tree_qreg where qreg_default says it measured faster, else tree. Tree up to TREE_FIT_ROWS
+    rows: the variant and prefix splits of least tree_cost.
     Otherwise block rows by q * H (decode: all of them up to 64; tree: 64 rows), the most warps, the ring
     that keeps the most blocks resident (tree) or the deepest (decode), and choose_splits' wave model with
     chunks of at least MIN_CHUNK keys. `form`, `warps`, `stages`, `splits`, `row_groups` force a choice
@@ -210,6 +227,9 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if context < 0:
         raise ValueError(f"MLA tree attention: context = {context} must be >= 0")
     rows = q * heads
+    qreg = qreg_default(rows, context, smem_limit, latent)
+    if form is None and qreg and warps is stages is splits is row_groups is None:
+        form, (warps, row_groups) = "tree_qreg", qreg
     if form is None:
         form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
     fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit

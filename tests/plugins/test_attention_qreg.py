@@ -1,8 +1,8 @@
-"""CPU tests of the tree_qreg attention variant (kernels/mla_tree_qreg.cuh, forced only): its cubin compiles for
+"""CPU tests of the tree_qreg attention variant (kernels/mla_tree_qreg.cuh): its cubin compiles for
 sm_90 and sm_120 at every preset's latent dims with every kernel the launcher names and no more than a few
 bytes of spills (ptxas's resource report through NVRTC), its shared memory is the struct's arithmetic, the
-sm_120 plans fit 99 KB, and the default plans never take it. GPU correctness: test_mla_attention_gpu.py
-test_every_qreg_variant_and_split_layout."""
+sm_120 plans fit 99 KB, and the default plans take it only where it measured faster on the H200. GPU
+correctness: test_mla_attention_gpu.py test_every_qreg_variant_and_split_layout."""
 import re
 
 import pytest
@@ -75,10 +75,22 @@ def test_qreg_shared_memory_is_the_struct_and_fits_sm120():
     assert (p.warps, p.stages, p.row_groups) == (8, 2, 4) and p.smem <= SM120["smem_limit"]
 
 
-def test_qreg_is_forced_only_and_refused_where_not_compiled():
-    for T in (1, 4096, 32768, 131072):
-        for q in (1, 5, 17, 33, 64, 256):
-            assert plan_attention(q, 8, T, **H200, latent=512, rope=64).form != "tree_qreg"
+def test_qreg_is_the_default_only_where_it_measured_faster():
+    """H200, 8 heads: the default plans at the four measured shapes are the forced plans that beat the tree form
+    there (qreg_default's table); elsewhere, on sm_120, at latent 96 and under forced knobs the tree form stays."""
+    measured = {(4096, 8): (4, 3, 2, 32), (4096, 17): (4, 2, 2, 26), (32768, 8): (4, 2, 4, 128),
+                (32768, 17): (4, 2, 4, 49)}
+    for (T, q), (warps, stages, row_groups, P) in measured.items():
+        p = plan_attention(q, 8, T, **H200, latent=512, rope=64)
+        assert (p.form, p.warps, p.stages, p.row_groups, p.prefix_splits) == ("tree_qreg", warps, stages, row_groups, P)
+    for T, q in ((100, 17), (131072, 17), (4096, 33), (32768, 4)):
+        assert plan_attention(q, 8, T, **H200, latent=512, rope=64).form != "tree_qreg", (T, q)
+    assert plan_attention(17, 8, 4096, **SM120, latent=512, rope=64).form == "tree"
+    assert plan_attention(17, 8, 4096, **H200, latent=96, rope=32).form == "tree"
+    assert plan_attention(17, 8, 4096, **H200, latent=512, rope=64, warps=2).form == "tree"
+
+
+def test_qreg_forced_and_refused_where_not_compiled():
     p = plan_attention(17, 8, 4096, **H200, latent=512, rope=64, form="tree_qreg")
     assert p.kernel.startswith("mla_attention_qreg_") and p.extra_defines == QREG_DEFINES
     with pytest.raises(ValueError, match="not compiled"):               # 4-warp groups need latent % 64 == 0

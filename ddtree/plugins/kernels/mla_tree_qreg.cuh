@@ -1,6 +1,7 @@
-// Tree form with the query fragments held in registers (issue 23 experiment; mla_attention.cu compiles it
+// Tree form with the query fragments held in registers (issue 23; mla_attention.cu compiles it
 // only with -D MLA_TREE_QREG, into a cubin of its own, so the measured tree / combine cubin stays
-// byte-identical). Launcher: ddtree/plugins/mla_attention.py form "tree_qreg"; the same contract, key ranges,
+// byte-identical). Launcher: ddtree/plugins/mla_attention.py form "tree_qreg" (the default where qreg_default
+// says: H200 numbers in NOTES.md "Query fragments in registers"); the same contract, key ranges,
 // partials and combine as mla_attention_split, and the same math: online softmax in log2 units, the row
 // maxima and sums of a row group's warps swapped through shared memory, P.V by mma, (o, lse2) partials.
 //
