@@ -31,9 +31,12 @@ STATIC_SMEM = 256                       # left of the opt-in limit to the kernel
 # 137.1 -> 132.6 / 220.5 -> 208.0 / 329.9 -> 311.5 with 8-warp blocks two an SM, k-split 4 and 7 tile pairs a down
 # warp; 2..8 slower than the two launches by 5-50 % whatever the knobs tried; above 65 not measured, the plain
 # streaming plan (an earlier call: 318 vs 327 us at 65, taken for the trend). Elsewhere (tp 1, other models and
-# archs: not measured) the two launches run.
+# archs: not measured) the two launches run. 9..64 rows went back to the two launches after the whole step was
+# measured (H200, rank 0 of tp 8, 4K, budget 16, one call, two launches -> streamed at 17 rows): uniform routing
+# 16744 -> 16681 us, tree routing with reuse 0.5 (67 experts a layer) 14412 -> 15379; at 65 rows (budget 64)
+# these knobs beat the plain streaming plan under both routings (33884 -> 33040, 31513 -> 29446).
 STREAM_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(bulk=True, pin=True)),
-                                          (9, 65, dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)),
+                                          (65, 65, dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)),
                                           (66, 256, {}))}
 
 
