@@ -6,8 +6,8 @@ walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works be
 NCCL refuses that): tp 2 runs on one H200 as two processes.
 
 --allreduce (ops/rank_collective.py) picks the one-shot (the default), NCCL (a GPU per rank), or both switched
-by message size (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its executor at the same time and they meet in the
-host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
+by message size (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its
+executor at the same time and they meet in the host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
 graphs=False: the primitives of runtime/loop.py).
 """
 from __future__ import annotations
