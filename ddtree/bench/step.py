@@ -242,12 +242,14 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             emit_json(result)
         else:
             for row in result["rows"]:
-                click.echo(f"context {row['context']}, {'AR' if row['budget'] is None else 'budget ' + str(row['budget'])}"
-                           f", {row['routing']}: step {row['step_us']:.0f} us (skew {row['skew_us']:.0f}), rank 0 "
-                           f"single-rank {row['single_rank_us'][0]:.0f}, collectives {row['collectives_us_rank0']:.0f}")
+                what = "AR" if row["budget"] is None else f"budget {row['budget']}"
+                click.echo(f"context {row['context']}, {what}, {row['routing']}: step {row['step_us']:.0f} us (skew "
+                           f"{row['skew_us']:.0f}), rank 0 single-rank {row['single_rank_us'][0]:.0f}, collectives "
+                           f"{row['collectives_us_rank0']:.0f}")
         return
     if gpu_list is not None:
-        raise click.BadParameter("--gpus lists a GPU per rank for --ranks all; one rank runs on --gpu", param_hint="--gpus")
+        raise click.BadParameter("--gpus lists a GPU per rank for --ranks all; one rank runs on --gpu",
+                                 param_hint="--gpus")
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
