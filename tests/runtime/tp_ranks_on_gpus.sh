@@ -12,6 +12,7 @@
 set -euo pipefail
 GPUS=${GPUS:-0,1,2,3,4,5,6,7}; TP=${TP:-8}; PRESET=${PRESET:-kimi-k2.6}; LAYERS=${LAYERS-3}
 OUT=${OUT:-/tmp/tp-ranks}; CONTEXT=${CONTEXT:-4096}; BUDGETS=${BUDGETS:-16}; REPEATS=${REPEATS:-10}
+LIMIT=${LIMIT:-900}          # seconds each step may take (a hang, e.g. in NCCL, ends that step, not the call)
 export PYTHONPATH=${PYTHONPATH:-$PWD} DDTREE_KERNEL_CACHE=${DDTREE_KERNEL_CACHE:-/tmp/ddtree-cubins} NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -20,27 +21,31 @@ LAYER_FLAG=(); [ -n "$LAYERS" ] && LAYER_FLAG=(--layers "$LAYERS")
 step() { echo "== $1 ($(date +%T))" >&2; }
 
 step "1. a tp $TP engine of $PRESET ${LAYERS:+($LAYERS layers)}, built here"
-python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$OUT/synth.json"
-python3 -m ddtree build --model "$WORK/ckpt/target" --drafter "$WORK/ckpt/drafter" --tp "$TP" --arch sm_90 \
+timeout "$LIMIT" python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$OUT/synth.json"
+timeout "$LIMIT" python3 -m ddtree build --model "$WORK/ckpt/target" --drafter "$WORK/ckpt/drafter" --tp "$TP" --arch sm_90 \
     --out "$WORK/engine" --no-graphs --jobs 8 --json > "$OUT/build.json"
 step "   DDTree and AR on $TP rank processes (--gpu $GPUS), batch-invariant kernels: identical tokens expected"
 # Random weights leave near-ties everywhere, and rank processes cannot classify a departure (run --mode both says
 # so); the batch-invariant plan makes DDTree commit AR's tokens bitwise. Every worker checks each step's control
 # record, which carries a digest of the committed tokens: a rank that committed other tokens stops the run.
-python3 -m ddtree run --model "$WORK/engine" --device cuda --gpu "$GPUS" --kernel-plan batch-invariant --mode both \
+timeout "$LIMIT" python3 -m ddtree run --model "$WORK/engine" --device cuda --gpu "$GPUS" --kernel-plan batch-invariant --mode both \
     --max-new-tokens 48 --budget 16 --json "def fibonacci(n):" > "$OUT/run_both.json" 2> "$OUT/run_both.err" \
   || echo "   run --mode both exited $? (run_both.err says why)" >&2
 
 step "2. bench step --ranks all (the real collectives) and rank 0 alone"
-python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpus "$GPUS" \
+timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpus "$GPUS" \
     --context "$CONTEXT" --budget "$BUDGETS" --routing uniform,tree --reuse 0.5 --ar --repeats "$REPEATS" \
     --json > "$OUT/step_ranks.json"
-python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --rank 0 --context "$CONTEXT" \
+timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --rank 0 --context "$CONTEXT" \
     --budget "$BUDGETS" --routing uniform,tree --reuse 0.5 --ar --repeats "$REPEATS" --json > "$OUT/step_rank0.json"
 
 if [ "$(tr ',' '\n' <<< "$GPUS" | sort -u | wc -l)" -eq "$TP" ]; then
   step "3. bench allreduce on $TP ranks"
-  python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull,nccl --json > "$OUT/allreduce.json"
+  # NCCL has hung after init on the 2-GPU kind before: its rows run last and apart, with NCCL's warnings kept
+  timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull --json \
+      > "$OUT/allreduce.json"
+  NCCL_DEBUG=WARN timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl nccl --json \
+      > "$OUT/allreduce_nccl.json" 2> "$OUT/allreduce_nccl.err" || echo "   NCCL bench exited $?" >&2
 else
   step "3. bench allreduce skipped: ranks share a GPU ($GPUS)"
 fi
