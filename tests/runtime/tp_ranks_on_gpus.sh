@@ -3,7 +3,7 @@
 # fewer GPUs first (ranks may share a GPU; the step numbers are then time-sliced, the checks are not):
 #   GPUS=0,0 TP=2 PRESET=small-mla LAYERS= bash tests/runtime/tp_ranks_on_gpus.sh          # one H200
 #   GPUS=0,1,2,3,4,5,6,7 TP=8 PRESET=kimi-k2.6 LAYERS=3 bash tests/runtime/tp_ranks_on_gpus.sh  # the 8-GPU call
-# Writes every result under $OUT (default /tmp/tp-ranks): synth.json, build.json, run_both.json (DDTree and AR on
+# Writes every result under $OUT (default /tmp/tp-ranks; 8 files, what the device returns): build.json, run_both.json (DDTree and AR on
 # N rank processes: identical, or the first departure a counted near-tie), step_ranks.json (`bench step --ranks
 # all`: every rank with the real collectives next to its single-rank figure, the skew), step_rank0.json (rank 0
 # alone, stand-in collectives, with the split), allreduce.json (one-shot push / pull vs NCCL on N ranks; only with
@@ -21,7 +21,7 @@ LAYER_FLAG=(); [ -n "$LAYERS" ] && LAYER_FLAG=(--layers "$LAYERS")
 step() { echo "== $1 ($(date +%T))" >&2; }
 
 step "1. a tp $TP engine of $PRESET ${LAYERS:+($LAYERS layers)}, built here"
-timeout "$LIMIT" python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$OUT/synth.json"
+timeout "$LIMIT" python3 -m ddtree synth --preset "$PRESET" "${LAYER_FLAG[@]}" --out "$WORK/ckpt" --json > "$WORK/synth.json"
 timeout "$LIMIT" python3 -m ddtree build --model "$WORK/ckpt/target" --drafter "$WORK/ckpt/drafter" --tp "$TP" --arch sm_90 \
     --out "$WORK/engine" --no-graphs --jobs 8 --json > "$OUT/build.json"
 step "   DDTree and AR on $TP rank processes (--gpu $GPUS), batch-invariant kernels: identical tokens expected"
