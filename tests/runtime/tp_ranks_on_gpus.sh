@@ -3,12 +3,12 @@
 # fewer GPUs first (ranks may share a GPU; the step numbers are then time-sliced, the checks are not):
 #   GPUS=0,0 TP=2 PRESET=small-mla LAYERS= bash tests/runtime/tp_ranks_on_gpus.sh          # one H200
 #   GPUS=0,1,2,3,4,5,6,7 TP=8 PRESET=kimi-k2.6 LAYERS=3 bash tests/runtime/tp_ranks_on_gpus.sh  # the 8-GPU call
-# Writes every result under $OUT (default /tmp/tp-ranks; 8 files, what the device returns): build.json, run_both.json (DDTree and AR on
-# N rank processes: identical, or the first departure a counted near-tie), step_ranks.json (`bench step --ranks
-# all`: every rank with the real collectives next to its single-rank figure, the skew), step_rank0.json (rank 0
-# alone, stand-in collectives, with the split), allreduce.json (one-shot push / pull vs NCCL on N ranks; only with
-# distinct GPUs). A step that fails stops the script (set -e), except the DDTree-vs-AR run, whose exit code and
-# stderr (run_both.err) are kept.
+# Writes its results under $OUT (default /tmp/tp-ranks; eight files at most, what the device returns):
+# build.json; run_both.json + run_both.err (DDTree and AR on N rank processes with the batch-invariant kernels:
+# identical expected); step_ranks.json (`bench step --ranks all`: every rank with the real collectives next to its
+# single-rank figure, the skew); step_rank0.json (rank 0 alone, stand-in collectives, with the split);
+# allreduce.json (one-shot push / pull) and allreduce_nccl.json + .err (NCCL), only with distinct GPUs. A step that
+# fails stops the script (set -e), except the DDTree-vs-AR run and NCCL's bench, whose exit codes are said.
 set -euo pipefail
 GPUS=${GPUS:-0,1,2,3,4,5,6,7}; TP=${TP:-8}; PRESET=${PRESET:-kimi-k2.6}; LAYERS=${LAYERS-3}
 OUT=${OUT:-/tmp/tp-ranks}; CONTEXT=${CONTEXT:-4096}; BUDGETS=${BUDGETS:-16}; REPEATS=${REPEATS:-10}
