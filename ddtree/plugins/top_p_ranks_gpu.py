@@ -28,17 +28,20 @@ Bytes a rank sends per step: n (4 + 32 768 + 32 816) B, about 65.6 KB a row, 4.3
 each part must fit the collective (the one-shot's max_bytes per rank). With the push one-shot each rank writes
 its part into every peer: (tp - 1) x that on the link.
 
-What a smaller exchange would save (not built): the bins and the keys are fixed-size so the exchange can be
-captured, but nearly all of both is zeros. A coarse-then-fine bins exchange (64 coarse sums of 64 bins, 512 B a
-row, then the crossing coarse bin's 64 fine bins, 512 B a row: one more all-gather round) would send 1 KB
-instead of 32 KB a row; the bounds err_above / err_below then come from per-coarse-bin error sums (float64, in
-rank order: deterministic on every rank, but not the single rank's bits, so a cut within a few ulps of its bound
-could be flagged differently from one rank). The keys record needs only its count and count keys: a fixed
-prefix of K keys a rank would send 8 K B a row, a row where a rank holds more than K of the crossing bin's
-tokens then kept whole and flagged (one rank cuts up to 4096). At K = 256, both together: about 3.1 KB a row
-instead of 65.6 KB, 0.2 MB at n = 65 instead of 4.3 MB. On PCIe Gen5 (about 50 GB/s one way,
-docs/hardware-and-kernels.md 4.4) the one-shot push of 4.3 MB to each of 7 peers is about 0.6 ms a step
-(projected: the one-shot is measured only to 0.93 MB, on NVLink); the smaller exchange about 30 us.
+What a smaller exchange would save (kernels not built; the protocol's numpy twin is plugins/top_p_ranks.py
+ranks_kept_coarse / ranks_sample_top_p_coarse, its bytes coarse_exchange_bytes): the bins and the keys are
+fixed-size so the exchange can be captured, but nearly all of both is zeros. Coarse then fine: 64 float64 coarse
+masses a row (512 B), then the crossing coarse bin's 64 integer fine sums (512 B), then this record with a fixed
+prefix of K = 256 keys a rank (2 096 B; a rank holding more of the crossing bin keeps it whole, BIN_OVERFLOW).
+Four all-gathers instead of three (the keys need their own round: the crossing fine bin is known only once the
+fine sums are in), 3 124 B a row instead of 65 588, 0.2 MB at n = 65 instead of 4.3 MB. The bounds add the float64
+rounding of the coarse sums (derived in the twin's docstring): deterministic on every rank, not the single rank's
+bits, so a row within about 5e-14 of its certificate's threshold may be flagged where one rank's is not. CPU, 1000
+random rows at V 163840 (tests/plugins/test_top_p_ranks_coarse.py): LM-like rows none flagged over 2, 4 or 8
+ranks; standard-normal rows 229 BIN_OVERFLOW over 2 ranks (over 256 crossing-bin keys a rank), none over 4 or 8.
+On PCIe Gen5 (about 50 GB/s one way, docs/hardware-and-kernels.md 4.4) the one-shot push of 4.3 MB to each of 7
+peers is about 0.6 ms a step (projected: the one-shot is measured only to 0.93 MB, on NVLink); the smaller
+exchange about 30 us (1.4 MB to the 7 peers) plus a fourth round's latency.
 H200 (tests/plugins/time_top_p_ranks.py, V 163840 over 8 ranks, n 65): the five kernels of one rank take
 60 us (LM-like rows) / 70 us (flat), 100 / 118 us with the all-gathers as local copies.
 """
