@@ -38,16 +38,7 @@ sample_row_max(const float* __restrict__ logits, int V, SP_ARGS, float* __restri
     const float* row = logits + (size_t)r * V;
     pdl_wait();
     check_mode(*params, SP_TOP_P, status);
-    float m = DD_NEG_INF;
-    bool nan = false;
-#pragma unroll 8
-    for (int v = lo + threadIdx.x; v < hi; v += SP_MAX_THREADS) {
-        const float l = row[v];
-        nan |= l != l;
-        m = fmaxf(m, l);
-    }
-    if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
-    m = block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
+    const float m = slice_max_of(row, lo, hi, status, scratch);
     if (threadIdx.x == 0) slice_max[r * S + s] = m;
     pdl_trigger();
 }

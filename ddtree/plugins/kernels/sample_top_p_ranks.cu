@@ -40,16 +40,7 @@ topp_ranks_max(const float* __restrict__ logits, int V_r, SP_ARGS, float* __rest
     const float* row = logits + (size_t)r * V_r;
     pdl_wait();
     check_mode(*params, SP_TOP_P, status);
-    float m = DD_NEG_INF;
-    bool nan = false;
-#pragma unroll 8
-    for (int v = lo + threadIdx.x; v < hi; v += SP_MAX_THREADS) {
-        const float l = row[v];
-        nan |= l != l;
-        m = fmaxf(m, l);
-    }
-    if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
-    m = block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
+    const float m = slice_max_of(row, lo, hi, status, scratch);
     if (threadIdx.x == 0) slice_max[r * S + s] = m;
     if (arrive_last(row_tickets + r, (u32)S) && threadIdx.x == 0) {
         float top = DD_NEG_INF;

@@ -381,3 +381,17 @@ __device__ BinCut bin_cut(const RowState& st, int count, int V, u32 position, co
     SP_PROF(SP_PROF_ROW_CERTIFY, t_gumbel, t_certified);
     return out;
 }
+
+// The largest logit of row[lo, hi) (a block of SP_MAX_THREADS threads; every thread gets it), a NaN flagged in status.
+__device__ __forceinline__ float slice_max_of(const float* row, int lo, int hi, int* status, float* scratch) {
+    float m = DD_NEG_INF;
+    bool nan = false;
+#pragma unroll 8
+    for (int v = lo + threadIdx.x; v < hi; v += SP_MAX_THREADS) {
+        const float l = row[v];
+        nan |= l != l;
+        m = fmaxf(m, l);
+    }
+    if (nan) atomicOr(status, SP_STATUS_NAN_TARGET);
+    return block_reduce(m, MaxOp(), DD_NEG_INF, scratch);
+}
