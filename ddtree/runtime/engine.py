@@ -187,11 +187,6 @@ class DDTreeEngine:
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
         gpus = rank_gpus(gpu, tp)
-        from ddtree.ops.rank_collective import allreduce_refusal
-        why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
-            f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
-        if why:                                     # said before any GPU is touched
-            raise RequestError(why)
         try:
             for g in sorted(set(gpus)):
                 check_gpu_runs_plans(model_dir, g)          # before anything is loaded

@@ -73,3 +73,9 @@ def test_an_allreduce_that_cannot_run_is_named_before_any_gpu_is_touched(engine,
     refuses(["run", "--model", str(engine_tp2), "--device", "cuda", "--gpu", "0,0", "--allreduce", "nccl", "hi"],
             "--allreduce nccl: NCCL needs one GPU per rank", "--gpu 0,0")
     refuses(["run", "--allreduce", "ring", "hi"], "--allreduce", "'ring'", code=2)
+
+
+def test_device_tensorrt_on_a_tp2_engine_without_plans_says_how_to_build_them(engine_tp2):
+    """--device tensorrt reaches the plans check for a tp N engine (named, exit 1), not an error of its own."""
+    refuses(["run", "--model", str(engine_tp2), "--device", "tensorrt", "hi"], "plans.json: missing",
+            "ddtree-build --trt")
