@@ -37,6 +37,7 @@ from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.tokenizer import load_tokenizer
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
+from ddtree.runtime.near_tie import first_difference
 from ddtree.training.corpus import load_prompts
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
@@ -154,8 +155,8 @@ def check_lossless(ar_out: list[list[int]], dd_out: list[list[int]], budget: int
     """CPU: DDTree's tokens must be AR's, prompt by prompt; else a LosslessError naming where they part."""
     for p, (ar, dd) in enumerate(zip(ar_out, dd_out)):
         if ar != dd:
-            at = next((i for i, (a, d) in enumerate(zip(ar, dd)) if a != d), min(len(ar), len(dd)))
-            raise LosslessError(f"budget {budget}, prompt {p}: DDTree and AR differ at new token {at} "
+            raise LosslessError(f"budget {budget}, prompt {p}: DDTree and AR differ at new token "
+                                f"{first_difference(ar, dd)} "
                                 "on the float64 CPU executor: losslessness broken")
 
 

@@ -60,6 +60,11 @@ def margin(logits_row, position: int, params: SamplingParams) -> float:
     return float(top[1] - top[0])
 
 
+def first_difference(a, b) -> int:
+    """The first index where token lists a and b differ (the shorter one's length if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def classify_departure(ex, prompt_ids, ar_tokens, dd_tokens, params: SamplingParams, delta: float) -> dict | None:
     """None when the two runs agree (on their common length); else the first departure's index, its margin,
     the bound 2 delta (/ T) and whether it is a near-tie."""

@@ -77,16 +77,23 @@ class ControlRecord:
     digest: int = 0                    # crc32 of every token committed so far: the ranks' tokens, not only counts
 
     @classmethod
-    def of(cls, req: Request, step: int, committed: list[int], stop: bool = False) -> "ControlRecord":
-        """committed: the tokens the request committed before this step, on the sending or checking rank."""
+    def of(cls, req: Request, step: int, committed: "Committed", stop: bool = False) -> "ControlRecord":
+        """committed: what the request committed before this step, on the sending or checking rank."""
         p = req.params
-        start = 0 if step == 0 else len(req.prompt) + len(committed) - 1
+        start = 0 if step == 0 else len(req.prompt) + committed.count - 1
         budget = req.budget if isinstance(req.budget, int) else -1          # -1: chosen per step (tp 1 only)
-        return cls(step, start, budget, p.temperature, p.top_k, p.top_p, p.seed, stop, tokens_digest(committed))
+        return cls(step, start, budget, p.temperature, p.top_k, p.top_p, p.seed, stop, committed.digest)
 
 
-def tokens_digest(tokens: list[int]) -> int:
-    return zlib.crc32(np.asarray(tokens, np.int64).tobytes())
+@dataclass(frozen=True)
+class Committed:
+    """The tokens a request committed so far, as a control record carries them: their count and a running crc32
+    (the crc32 of all of them, extended by each step's chunk: no list kept, no rehash)."""
+    count: int = 0
+    digest: int = 0
+
+    def plus(self, chunk) -> "Committed":
+        return Committed(self.count + len(chunk), zlib.crc32(np.asarray(chunk, np.int64).tobytes(), self.digest))
 
 
 def decode_steps(ex, req: Request, stats: RunStats | None = None) -> Iterator[list[int]]:
@@ -204,7 +211,7 @@ class RankProcesses:
         return gen
 
     def _drive(self, req: Request, stats) -> Iterator[list[int]]:
-        loop, step, committed, before = decode_steps(self.executor, req, stats), 0, [], self.group.count
+        loop, step, committed, before = decode_steps(self.executor, req, stats), 0, Committed(), self.group.count
         try:
             for r in self.conns:
                 self._send(r, req)
@@ -215,7 +222,7 @@ class RankProcesses:
                     chunk = next(loop)
                 except StopIteration:
                     return
-                step, committed = step + 1, committed + list(chunk)
+                step, committed = step + 1, committed.plus(chunk)
                 yield chunk
         except GeneratorExit:                             # the caller stopped early: the workers stop too
             loop.close()
@@ -292,7 +299,7 @@ def _worker(engine_dir: str, rank: int, spec: GroupSpec, checked, dtype: str, co
 
 def _follow(ex, group: SharedMemoryGroup, conn, req: Request, parent_pid: int, rank: int) -> None:
     """Run `req` step by step as rank 0's control records say."""
-    loop, committed, before = decode_steps(ex, req), [], group.count
+    loop, committed, before = decode_steps(ex, req), Committed(), group.count
     for step in range(1 << 62):
         record = _receive(conn, parent_pid)
         if record is None or record == "shutdown":
@@ -311,7 +318,7 @@ def _follow(ex, group: SharedMemoryGroup, conn, req: Request, parent_pid: int, r
             if group.count == before:                     # rank 0 refuses the same request the same way
                 return
             raise
-        committed += list(chunk)
+        committed = committed.plus(chunk)
 
 
 def _receive(conn, parent_pid: int):

@@ -181,26 +181,24 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
     if as_json:
         emit_json(result)
     if mode == "both" and not result["identical"] and not result["stats"].get("near_ties"):
-        first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ar.tokens)) if a != b),
-                          min(len(tokens), len(ar.tokens)))
-        raise click.ClickException(f"DDTree and AR outputs differ at new token {first_diff}: losslessness broken")
+        from ddtree.runtime.near_tie import first_difference
+        raise click.ClickException(f"DDTree and AR outputs differ at new token {first_difference(tokens, ar.tokens)}: "
+                                   "losslessness broken")
 
 
 def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
     """GPU --mode both: 1 if the first departure of DDTree from AR is a near-tie under the derived rule
     (runtime/near_tie.py: delta measured on this prompt's AR tokens), 0 if the runs agree; a departure that is
     no near-tie is an error (losslessness broken) raised by the caller."""
-    from ddtree.runtime.near_tie import classify_departure, path_differences
+    from ddtree.runtime.near_tie import classify_departure, first_difference, path_differences
     from ddtree.tree.sampling import SamplingParams
     if ar_tokens == dd_tokens:
         return 0
     if engine.processes is not None:             # the test replays the AR path on rank 0's executor alone
-        first = next((i for i, (a, b) in enumerate(zip(ar_tokens, dd_tokens)) if a != b),
-                     min(len(ar_tokens), len(dd_tokens)))
         raise click.ClickException(
-            f"DDTree and AR differ at new token {first}; the near-tie test replays the path on one executor and "
-            "does not run on rank processes: run the tp 1 engine with --mode both, or compare against the float64 "
-            "reference (tests/runtime/test_cuda_rank_processes_gpu.py)")
+            f"DDTree and AR differ at new token {first_difference(ar_tokens, dd_tokens)}; the near-tie test replays "
+            "the path on one executor and does not run on rank processes: run the tp 1 engine with --mode both, or "
+            "compare against the float64 reference (tests/runtime/test_cuda_rank_processes_gpu.py)")
     ids = engine.encode(request)
     block = kw["block_size"] or engine.drafter_config.block_size
     rows = (block, MAX_BUDGET + 1 if kw["budget"] == "auto" else kw["budget"] + 1)

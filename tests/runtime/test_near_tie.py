@@ -43,3 +43,10 @@ def test_default_max_context_rounds_the_request_up():
     assert default_max_context("abc", 100, 16, chat=False) == 256             # 3 + 1 + 100 + 16 + 1 = 121
     assert default_max_context("é" * 200, 100, 16, chat=False) == 768          # 400 bytes: 518 rows
     assert default_max_context("x", 1, 1, chat=True) == 512                    # 1 + 256 + 1 + 1 + 1 = 260
+
+
+@pytest.mark.parametrize("a, b, want", [([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 5, 3], 1), ([4], [5], 0),
+                                        ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1], 1), ([], [7], 0)])
+def test_first_difference(a, b, want):
+    from ddtree.runtime.near_tie import first_difference
+    assert first_difference(a, b) == first_difference(b, a) == want

@@ -22,7 +22,7 @@ from ddtree.model.synthetic import synth
 from ddtree.ops.shm_group import (RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup,
                                   new_spec)
 from ddtree.runtime.engine import DDTreeEngine
-from ddtree.runtime.ranks import ControlRecord, RankProcesses, Request
+from ddtree.runtime.ranks import Committed, ControlRecord, RankProcesses, Request
 from ddtree.tree.sampling import SamplingParams
 
 SHM = Path("/dev/shm")
@@ -213,7 +213,7 @@ def test_a_frozen_worker_is_named_and_everything_stops(engines):
 
 RANK0 = """
 import json, sys
-from ddtree.runtime.ranks import ControlRecord, RankProcesses, Request
+from ddtree.runtime.ranks import Committed, ControlRecord, RankProcesses, Request
 from ddtree.tree.sampling import SamplingParams
 if __name__ == "__main__":
     procs = RankProcesses(sys.argv[1], timeout_s=3.0, heartbeat_s=1.0)
@@ -259,10 +259,10 @@ def test_a_worker_whose_committed_tokens_differ_is_stopped(monkeypatch):
 
         def recv(self):
             return self.records.pop(0)
-    committed, records = [], []
+    committed, records = Committed(), []
     for step, chunk in enumerate(rank0):
         records.append(ControlRecord.of(req, step, committed))
-        committed = committed + chunk
+        committed = committed.plus(chunk)
     records.append(ControlRecord.of(req, len(rank0), committed, stop=True))
     group = type("G", (), {"count": 0})()
     for worker, fails_at in (([[5, 6], [7], [8, 9]], None), ([[5, 6], [4], [8, 9]], 2)):
