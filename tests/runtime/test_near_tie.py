@@ -2,8 +2,9 @@
 departure's classification on the float64 executor (a made-up departure: its margin is the argmax gap), and
 --device cuda's default KV rows (docs/interfaces.md 8)."""
 import numpy as np
+import pytest
 
-from ddtree.runtime.near_tie import classify_departure, margin
+from ddtree.runtime.near_tie import classify_departure, first_difference, margin
 from ddtree.runtime.run_cli import default_max_context
 from ddtree.tree.sampling import SamplingParams, gumbel, sample
 
@@ -48,5 +49,4 @@ def test_default_max_context_rounds_the_request_up():
 @pytest.mark.parametrize("a, b, want", [([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 5, 3], 1), ([4], [5], 0),
                                         ([1, 2], [1, 2, 3], 2), ([1, 2, 3], [1], 1), ([], [7], 0)])
 def test_first_difference(a, b, want):
-    from ddtree.runtime.near_tie import first_difference
     assert first_difference(a, b) == first_difference(b, a) == want
