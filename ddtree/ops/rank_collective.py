@@ -55,11 +55,16 @@ class RankCollective:
         source = one_shot if one_shot is not None else nccl
         self.rank, self.nranks = source.rank, source.nranks
 
+    @property
+    def one_shot_limit(self) -> int:
+        """With both: the largest message the one-shot carries (bytes), at most what it holds."""
+        held = self.one_shot.max_bytes
+        return held if self.one_shot_max_bytes is None else min(self.one_shot_max_bytes, held)
+
     def _by_one_shot(self, nbytes: int) -> bool:
         if self.one_shot is None or self.nccl is None:
             return self.one_shot is not None
-        limit = self.one_shot.max_bytes if self.one_shot_max_bytes is None else self.one_shot_max_bytes
-        return nbytes <= min(limit, self.one_shot.max_bytes)
+        return nbytes <= self.one_shot_limit
 
     def all_reduce(self, x: int, out: int, elems: int, stream) -> None:
         """out [elems] bf16 = the sum of every rank's x."""
@@ -91,5 +96,4 @@ class RankCollective:
             return "one-shot"
         if self.one_shot is None:
             return "nccl"
-        limit = self.one_shot.max_bytes if self.one_shot_max_bytes is None else self.one_shot_max_bytes
-        return f"one-shot <= {limit} B, nccl above"
+        return f"one-shot <= {self.one_shot_limit} B, nccl above"
