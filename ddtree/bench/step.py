@@ -117,6 +117,29 @@ def context_room(repeats: int, accept: int, b: int) -> int:
     return (repeats + 3) * max(accept, 1) + 2 * b + 64
 
 
+def row_cases(contexts: list[int], budgets: list[int], cases: list, with_ar: bool) -> list[tuple]:
+    """The rows a run measures, in order: per context the AR step (budget None, with --ar), then every budget x
+    (routing, reuse)."""
+    rows = []
+    for context in contexts:
+        rows += [(context, None, "router", None)] if with_ar else []
+        rows += [(context, budget, routing, reuse) for budget in budgets for routing, reuse in cases]
+    return rows
+
+
+def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repeats: int, accept: int):
+    """Rank rank_id of `plan` on `gpu` with generated weights and caches for the run's longest row, and its step
+    graphs (greedy) -> (rank, steps, max_context)."""
+    from ddtree.bench.synthetic_rank import SyntheticRank
+    from ddtree.runtime.cuda_step import GpuSteps
+    from ddtree.tree.sampling import SamplingParams
+    max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
+    rank = SyntheticRank(gpu, cfg, dcfg, plan, rank_id, max_context)
+    steps = GpuSteps(rank)
+    steps.set_params(SamplingParams())
+    return rank, steps, max_context
+
+
 def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",
                 reuse: float | None = None, accept: int = 1):
     """Set the rank up for one row and run its step once eagerly, then once more into its graph: -> (graph key, the
@@ -253,35 +276,30 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
-    from ddtree.bench.synthetic_rank import SyntheticRank, SyntheticWeights
+    from ddtree.bench.synthetic_rank import SyntheticWeights
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.plugins.device import Gpu
-    from ddtree.runtime.cuda_step import GpuSteps
-    from ddtree.tree.sampling import SamplingParams
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
-    max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
+    rank, steps, max_context = synthetic_steps(gpu, cfg, dcfg, plan, rank_id, contexts, budgets, repeats, accept)
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
                err=True)
-    rank = SyntheticRank(gpu, cfg, dcfg, plan, rank_id, max_context)
-    steps = GpuSteps(rank)
-    steps.set_params(SamplingParams())
-    rows = []
-    for context in contexts:
-        rank.fill_caches(context)
-        if with_ar:
-            rows.append(measure_row(rank, steps, context, None, ceiling["gbps"], repeats))
-            click.echo(f"context {context}, AR: step {rows[-1]['step_us']:.0f} us, {1e6 / rows[-1]['step_us']:.0f} "
-                       f"tok/s, {rows[-1]['pct_roofline']:.0f} % of the copy roofline", err=True)
-        for budget in budgets:
-            for routing, reuse in cases:
-                row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept)
-                rows.append(row)
-                click.echo(f"context {context}, budget {budget}, {routing} {reuse if reuse is not None else ''}: "
-                           f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
+    rows, filled = [], None
+    for context, budget, routing, reuse in row_cases(contexts, budgets, cases, with_ar):
+        if context != filled:
+            rank.fill_caches(context)
+            filled = context
+        row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept)
+        rows.append(row)
+        if budget is None:
+            click.echo(f"context {context}, AR: step {row['step_us']:.0f} us, {1e6 / row['step_us']:.0f} tok/s, "
+                       f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
+        else:
+            click.echo(f"context {context}, budget {budget}, {routing} {reuse if reuse is not None else ''}: "
+                       f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "rows": rows,

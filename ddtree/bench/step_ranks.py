@@ -24,26 +24,19 @@ import statistics
 def rank_steps(link, gpu_id: int, preset: str, layers: int | None, tp: int, contexts: list[int], budgets: list[int],
                cases: list, accept: int, repeats: int, with_ar: bool) -> dict:
     """One rank process: its rows, single-rank then with the collectives (the same row order on every rank)."""
-    from ddtree.bench.step import context_room, prepare_row
-    from ddtree.bench.synthetic_rank import SyntheticRank, SyntheticWeights
+    from ddtree.bench.step import prepare_row, row_cases, synthetic_steps
+    from ddtree.bench.synthetic_rank import SyntheticWeights
     from ddtree.builder.plan import make_plan
     from ddtree.model.presets import get_preset
     from ddtree.ops.cuda_collectives import ProcessRankMember
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu
     from ddtree.runtime.cuda_ranks import all_reduce_elems
-    from ddtree.runtime.cuda_step import GpuSteps
-    from ddtree.tree.sampling import SamplingParams
     cfg, dcfg = get_preset(preset, layers)
     plan = make_plan(cfg, dcfg, tp)
     gpu = Gpu(gpu_id)
-    max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
-    rank = SyntheticRank(gpu, cfg, dcfg, plan, link.rank, max_context)
-    steps = GpuSteps(rank)
-    steps.set_params(SamplingParams())
-    rows = [(c, None, "router", None) for c in contexts if with_ar]
-    rows += [(c, b, r, p) for c in contexts for b in budgets for r, p in cases]
-    rows.sort(key=lambda row: row[0])
+    rank, steps, _ = synthetic_steps(gpu, cfg, dcfg, plan, link.rank, contexts, budgets, repeats, accept)
+    rows = row_cases(contexts, budgets, cases, with_ar)
 
     def medians(real: bool) -> list[float]:
         out, filled = [], None

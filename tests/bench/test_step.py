@@ -156,3 +156,14 @@ def test_every_metered_op_has_the_part_of_its_kernels():
     flops = part_ideals(recs, 4000.0, 1e-3)              # a tiny peak: every part with FLOPs is compute-bound
     assert all(p["ideal_us"] == p["flops"] / 1e3 for p in flops.values() if p["flops"] > 0)
     assert set(parts) == set(SPLIT)
+
+
+def test_row_cases_are_per_context_the_ar_step_then_every_budget_and_routing():
+    from ddtree.bench.step import row_cases
+    cases = [("uniform", None), ("tree", 0.5)]
+    assert row_cases([4096, 32768], [16, 64], cases, True) == [
+        (4096, None, "router", None), (4096, 16, "uniform", None), (4096, 16, "tree", 0.5),
+        (4096, 64, "uniform", None), (4096, 64, "tree", 0.5),
+        (32768, None, "router", None), (32768, 16, "uniform", None), (32768, 16, "tree", 0.5),
+        (32768, 64, "uniform", None), (32768, 64, "tree", 0.5)]
+    assert row_cases([4096], [16], cases[:1], False) == [(4096, 16, "uniform", None)]
