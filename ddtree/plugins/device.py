@@ -41,6 +41,14 @@ def ptr(obj) -> np.uint64:
     return np.uint64(int(obj))
 
 
+def set_words(address: int, words, stream) -> None:
+    """32-bit words stored from `address` in stream order, one cuMemsetD32Async each: capturable, no host sync
+    (per-step parameters a graph reads). stream: a cuda.core stream, or a graph builder while capturing."""
+    handle = getattr(stream, "stream", stream).handle
+    for i, word in enumerate(words):
+        check(_driver().cuMemsetD32Async(int(address) + 4 * i, int(word), 1, handle), "cuMemsetD32Async")
+
+
 @dataclass
 class DeviceArray:
     """Raw device allocation with a numpy shape/dtype view of it (freed by Gpu.free or at exit)."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
+from ddtree.plugins.device import DeviceArray, Gpu, ptr, set_words
 from ddtree.plugins.gemm import supports_pdl
 from ddtree.plugins.top_p_bins import bin_scales
 from ddtree.plugins.tree_sample import (MASS_BINS, MAX_BIN_KEYS, MAX_TOP_P_VOCAB, ROW_STATE_DTYPE, STATUS_BIN_OVERFLOW,
@@ -147,10 +147,8 @@ class TopPRanks:
             raise ValueError(f"TopPRanks: params must be top-p alone (temperature > 0, 0 < top_p < 1, no top_k), got "
                              f"temperature {params.temperature}, top_p {params.top_p}, top_k {params.top_k} "
                              f"({plan.mode}: the node kernels or TreeSampler sample it)")
-        s = stream if stream is not None else self.gpu.stream
-        handle = getattr(s, "stream", s).handle              # a graph builder's stream while capturing
-        for i, word in enumerate(np.frombuffer(params_record(params, plan).tobytes(), np.uint32)):
-            check(_driver().cuMemsetD32Async(self.params.ptr + 4 * i, int(word), 1, handle), "cuMemsetD32Async")
+        set_words(self.params.ptr, np.frombuffer(params_record(params, plan).tobytes(), np.uint32),
+                  stream if stream is not None else self.gpu.stream)
 
     def run(self, logits, offset: int, query_pos, params: SamplingParams, n: int, stream=None) -> RanksOutputs:
         """set_params + launch."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
+from ddtree.plugins.device import DeviceArray, Gpu, ptr, set_words
 from ddtree.plugins.gemm import supports_pdl
 from ddtree.plugins.top_p_bins import bin_scales
 from ddtree.tree.sampling import SamplingParams
@@ -140,11 +140,8 @@ class TreeSampler:
         if plan.mode == TOP_K and self.S * plan.candidates > MAX_LIST_KEYS:
             raise ValueError(f"TreeSampler: vocab {self.V} ({self.S} slices) x {plan.candidates} candidates "
                              f"exceeds the {MAX_LIST_KEYS} keys merged per row (lower top_k)")
-        words = params_record(params, plan).tobytes()
-        s = stream if stream is not None else self.gpu.stream
-        handle = getattr(s, "stream", s).handle              # a graph builder's stream while capturing
-        for i, word in enumerate(np.frombuffer(words, np.uint32)):
-            check(_driver().cuMemsetD32Async(self.params.ptr + 4 * i, int(word), 1, handle), "cuMemsetD32Async")
+        set_words(self.params.ptr, np.frombuffer(params_record(params, plan).tobytes(), np.uint32),
+                  stream if stream is not None else self.gpu.stream)
         return plan
 
     def run(self, logits: DeviceArray, query_pos: DeviceArray, params: SamplingParams, n: int, tree=None,

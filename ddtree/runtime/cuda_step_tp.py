@@ -119,12 +119,9 @@ class TpSteps(GpuSteps):
                 self._top_p().set_params(params, stream=self.gpu.stream)
                 self.plan, self.params = NodePlan(mode), params
                 return self.plan
-            from ddtree.plugins.device import _driver, check
-            words = [int(np.array(params.temperature, np.float32).view(np.uint32)),
-                     params.seed & 0xFFFFFFFF, params.seed >> 32]
-            handle = self.gpu.stream.handle
-            for address, word in zip((self.temperature.ptr, self.seed.ptr, self.seed.ptr + 4), words):
-                check(_driver().cuMemsetD32Async(address, word, 1, handle), "cuMemsetD32Async")
+            from ddtree.plugins.device import set_words
+            set_words(self.temperature.ptr, [np.array(params.temperature, np.float32).view(np.uint32)], self.gpu.stream)
+            set_words(self.seed.ptr, [params.seed & 0xFFFFFFFF, params.seed >> 32], self.gpu.stream)
             self.plan, self.params = NodePlan(mode), params
         return self.plan
 

@@ -84,8 +84,9 @@ def recorded(monkeypatch):
         def cuMemsetD32Async(self, address, word, count, stream):
             memsets.append((address, word))
             return (0,)
-    monkeypatch.setattr(tr, "_driver", lambda: Driver())
-    monkeypatch.setattr(tr, "check", lambda result, what: None)
+    import ddtree.plugins.device as device
+    monkeypatch.setattr(device, "_driver", lambda: Driver())
+    monkeypatch.setattr(device, "check", lambda result, what: None)
     gpu = RecordingGpu()
     gpu.stream = type("S", (), {"handle": 0})()
     return gpu, memsets

@@ -164,9 +164,7 @@ def recording_device(monkeypatch):
         _, *values = result
         return values[0] if len(values) == 1 else (tuple(values) or None)
     import ddtree.plugins.kv_cache as kv_cache
-    import ddtree.plugins.top_p_ranks_gpu as top_p_ranks_gpu
-    import ddtree.plugins.tree_sample as tree_sample
-    for module in (device, tree_sample, kv_cache, top_p_ranks_gpu):     # each imported the driver's functions by name
+    for module in (device, kv_cache):     # each imported the driver's functions by name
         monkeypatch.setattr(module, "_driver", lambda: Driver())
         monkeypatch.setattr(module, "check", check)
     monkeypatch.setattr(device, "Gpu", RecordingGpu)
