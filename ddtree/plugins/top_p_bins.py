@@ -45,6 +45,9 @@ ARG_EPS = 2.0 ** -44
 CLAMP_EPS = 2.0 ** -16
 BIN_SLACK = 2.0 ** -51
 SUM_SLACK = 64 * U64           # float64 rounding of the norm, the cumulative and the cut's sums (x norm)
+# The twin's norm and cumulative masses are exactly rounded (mass_prefix), within u of the exact sums; the
+# kernels' block scan is within ~24 u. np.cumsum's sequential float64 sum over 4095 bins is not: its worst
+# case is ~4095 u x norm, past SUM_SLACK (tests/plugins/test_top_p_bins.py builds such masses).
 
 F32 = np.float32
 _MAGIC = F32(1.5 * 2 ** 23)
@@ -120,6 +123,20 @@ def definition_error(vocab: int, z_top: float) -> float:
     return 1.05 * U64 * (vocab + 4 * abs(z_top) + math.log2(max(vocab, 2)) + 200)
 
 
+def mass_prefix(mass: np.ndarray) -> tuple[np.ndarray, float]:
+    """(before [BINS]: the mass above each bin, norm), each the exactly rounded float64 of its real sum.
+    Every float64 is an integer times 2^-1074, so the sums are exact in Python integers; int / int is
+    correctly rounded."""
+    scale = 1 << 1074
+    ratios = [m.as_integer_ratio() for m in map(float, mass)]                   # (p, 2^k), k <= 1074
+    units = [p * (scale // q) for p, q in ratios]
+    total, before = 0, np.empty(len(units), np.float64)
+    for i, x in enumerate(units):
+        before[i] = total / scale
+        total += x
+    return before, total / scale
+
+
 @dataclass
 class RowCut:
     bin: int                   # the crossing bin b*
@@ -140,9 +157,8 @@ def row_cut(logits, temperature: float, top_p: float) -> RowCut:
     np.add.at(fixed, bins, F)                                                     # exact integer sums
     scales = bin_scales()
     mass = scales * (fixed.astype(np.float64) * 2.0 ** -FIXED_BITS)               # [BINS]
-    norm = float(np.sum(mass))
+    before, norm = mass_prefix(mass)                                              # mass above each bin
     target = top_p * norm
-    before = np.concatenate([[0.0], np.cumsum(mass)[:-1]])                         # mass above each bin
     crossing = np.flatnonzero((mass > 0) & (before + mass >= target))
     b = int(crossing[0]) if crossing.size else int(np.flatnonzero(mass > 0)[-1])
     err = bin_errors(mass, scales, V)

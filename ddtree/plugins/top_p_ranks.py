@@ -58,7 +58,7 @@ import numpy as np
 
 from ddtree.plugins.top_p_bins import (ARG_EPS, BIN_OVERFLOW, BIN_SLACK, BINS, CLAMP, CLAMP_EPS, FIXED_BITS, INEXACT,
                                        MAX_BIN_KEYS, TOKEN_EPS, U64, F32, bin_errors, bin_scales, certify, inv_t_pair,
-                                       order_tie, token_fixed)
+                                       mass_prefix, order_tie, token_fixed)
 
 
 def ranks_kept(slices: list[np.ndarray], offsets: list[int], temperature: float, top_p: float):
@@ -76,9 +76,8 @@ def ranks_kept(slices: list[np.ndarray], offsets: list[int], temperature: float,
     fixed = np.sum(fixed_r, axis=0)                                               # 3. all-reduce sum (exact)
     scales = bin_scales()
     mass = scales * (fixed.astype(np.float64) * 2.0 ** -FIXED_BITS)
-    norm = float(np.sum(mass))
+    before, norm = mass_prefix(mass)                                              # exactly rounded
     target = top_p * norm
-    before = np.concatenate([[0.0], np.cumsum(mass)[:-1]])
     crossing = np.flatnonzero((mass > 0) & (before + mass >= target))
     b = int(crossing[0]) if crossing.size else int(np.flatnonzero(mass > 0)[-1])
     err = bin_errors(mass, scales, V)

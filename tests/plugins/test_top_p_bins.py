@@ -251,3 +251,41 @@ def test_twin_tokens_are_the_definitions():
     assert (flags == 0).all()
     np.testing.assert_array_equal(tokens, sample(x, positions, SamplingParams(temperature=0.9, top_p=0.9,
                                                                               seed=(3 << 32) + 5)))
+
+
+def adding_up_masses() -> np.ndarray:
+    """Bin masses whose sequential float64 cumsum errs by ~2048 u x norm: 1 then 4094 x 3/4 ulp(1) (each
+    addition rounds up by 1/4 ulp), past SUM_SLACK's 64 u."""
+    return np.concatenate([[1.0], np.full(tb.BINS - 2, 0.75 * 2.0 ** -52), [0.0]])
+
+
+@pytest.mark.parametrize("kind", ["adding_up", "lm_like", "tiny_and_huge"])
+def test_mass_prefix_is_exactly_rounded(kind):
+    from fractions import Fraction
+    rng = np.random.default_rng(7)
+    mass = {"adding_up": adding_up_masses,
+            "lm_like": lambda: tb.bin_scales() * rng.integers(0, 2 ** 45, tb.BINS) * 2.0 ** -35,
+            "tiny_and_huge": lambda: np.where(rng.random(tb.BINS) < 0.5, 1e-300, 1e3) * rng.random(tb.BINS)}[kind]()
+    before, norm = tb.mass_prefix(mass)
+    exact, run = [], Fraction(0)
+    for m in mass:
+        exact.append(run)
+        run += Fraction(float(m))
+    assert norm == float(run)                                   # Fraction -> float rounds correctly
+    assert all(b == float(e) for b, e in zip(before, exact))
+    if kind == "adding_up":                                     # the sequential cumsum this replaces is not
+        drift = abs(float(np.cumsum(mass)[-1]) - float(run))
+        assert drift > tb.SUM_SLACK * norm
+
+
+def test_row_cut_uses_the_exactly_rounded_prefix(monkeypatch):
+    """row_cut's and ranks_kept's norm and cumulative come from mass_prefix (not a sequential cumsum)."""
+    from ddtree.plugins import top_p_ranks
+    calls = []
+    real = tb.mass_prefix
+    monkeypatch.setattr(tb, "mass_prefix", lambda m: calls.append(1) or real(m))
+    monkeypatch.setattr(top_p_ranks, "mass_prefix", lambda m: calls.append(2) or real(m))
+    row = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    tb.row_cut(row, 1.0, 0.9)
+    top_p_ranks.ranks_kept([row[:2048], row[2048:]], [0, 2048], 1.0, 0.9)
+    assert calls == [1, 2]
