@@ -16,6 +16,14 @@ from ddtree.plugins.device import DeviceArray, Gpu, ptr
 
 SOURCE = "gemm.cu"
 MAX_WARPS = 8                                      # DD_GEMM_MAX_WARPS in gemm.cu
+MAX_MT = 9                                         # 8-token sub-tiles a block computes, at most (gemm.cu kernels)
+G4_MTS = (3, 5, 9)                                 # token tiles compiled with four tiles a warp (gemm_bf16_mt<MT>_g4)
+G4_STAGES = 12                                     # their ring stages a warp (RingStages<4> in gemm.cu)
+# 65..72 rows in one block of 9 sub-tiles (the weights streamed once, 72 rows computed instead of 80) for one-tile
+# warps of 14..64 MB weights, at the plan's (warps, splits) where the rows fit: H200, tp 8, same call
+# (tests/plugins/sweep_gemm_tiles.py), o_proj 27.5 -> 22.9 us, dense_down 48.2 -> 41.2 at 65 rows; where the rows
+# do not fit the plan's split (q_a, dense gate_up) other splits were slower (q_a 28.0 -> 34.5), so no change there
+ONE_BLOCK_BYTES = (14_000_000, 64 << 20)
 WAVES_X_BYTES = 64 * 1024                          # M <= 16: token rows of one k-split, at most
 
 
@@ -24,18 +32,32 @@ def supports_pdl(gpu) -> bool:
     return int(gpu.arch[3:].rstrip("a")) >= 90
 
 
-def token_tiles(M: int) -> tuple[int, int]:
-    """(MT, MB): the fewest token blocks of at most 64 rows, each with the 8-token sub-tiles it needs (MT = 1..8,
-    every count compiled): M = 17 -> (3, 1), 33 -> (5, 1), 65 -> (5, 2). A sub-tile past M costs its x loads and
-    mma like a real one (the kernel's time grows with MT past 16 rows), so MT is not rounded to a power of two."""
+def token_tiles(M: int, max_mt: int = 8) -> tuple[int, int]:
+    """(MT, MB): the fewest token blocks of at most 8 max_mt rows, each with the 8-token sub-tiles it needs (MT =
+    1..9, every count compiled): M = 17 -> (3, 1), 33 -> (5, 1), 65 -> (5, 2), or (9, 1) with max_mt 9 (the weights
+    streamed once, 72 rows computed instead of 80). A sub-tile past M costs its x loads and mma like a real one
+    (the kernel's time grows with MT past 16 rows), so MT is not rounded to a power of two."""
+    if not 1 <= max_mt <= MAX_MT:
+        raise ValueError(f"skinny GEMM: token sub-tiles per block must be in [1, {MAX_MT}], got {max_mt}")
     sub = -(-M // 8)
-    mb = -(-sub // 8)
+    mb = -(-sub // max_mt)
     return -(-sub // mb), mb
+
+
+def grouped4(tpw: int, mt: int) -> bool:
+    """Four tiles a warp run as one group (gemm_bf16_mt<MT>_g4) at the token tiles compiled for it; other
+    token tiles take the one-tile loop of gemm_bf16_mt<MT> at tpw 4."""
+    return tpw == 4 and mt in G4_MTS
+
+
+def ring_stages(tpw: int, mt: int, stages: int) -> int:
+    """A warp's ring stages: the source's DD_STAGES, G4_STAGES for the four-tile group kernel."""
+    return G4_STAGES if grouped4(tpw, mt) else stages
 
 
 @dataclass(frozen=True)
 class GemmPlan:
-    mt: int          # 8-token sub-tiles per block (1 .. 8)
+    mt: int          # 8-token sub-tiles per block (1 .. MAX_MT)
     mb: int          # token blocks
     warps: int       # warps per block
     tpw: int         # 16-row weight tiles per warp
@@ -47,13 +69,20 @@ class GemmPlan:
     def blocks(self) -> int:
         return self.mb * self.nb * self.splits
 
+    @property
+    def kernel(self) -> str:
+        """tpw 4 at G4_MTS: the four-tile group kernel (x fragments shared by 4 tiles); else pairs (tpw 2) or one
+        tile at a time."""
+        return f"gemm_bf16_mt{self.mt}" + ("_g4" if grouped4(self.tpw, self.mt) else "")
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int | None, stages: int,
-              splits: int | None = None, tpw: int | None = None, x_budget: int | None = None) -> GemmPlan:
+              splits: int | None = None, tpw: int | None = None, x_budget: int | None = None,
+              max_mt: int | None = None) -> GemmPlan:
     """Token blocking, warps per block (`warps` forces it) and split-K (`splits` forces S, which must divide
     K / 64), the block's token rows (one k-split) in shared memory beside the weight ring (at most `x_budget`
     bytes when given: sweeps). Two weight tiles per warp from 9 tokens for weights >= 64 MB: at 9..16 (H200 sweep)
@@ -71,24 +100,28 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
           cost  = bytes / (fill ramp),  fill = min(1, blocks warps / (4 SMs)),  ramp = (K/64/S) / (K/64/S + 8)
       (4 warps in flight a SM keep the copies busy; a warp's pipeline takes ~8 chunks to fill): the sweep's
       GEMMs take 13-21 % less time at 17, 33 and 65 rows than under the waves model, whose splits were too many.
-    Ties go to fewer splits, then fewer warps."""
+    Ties go to fewer splits, then fewer warps. Then 65..72 rows of a one-tile-a-warp plan of a 14..64 MB weight
+    take one block of 9 sub-tiles at the same (warps, splits) where its token rows fit (ONE_BLOCK_BYTES).
+    `max_mt` forces the token tile's limit (token_tiles) and skips that rule; tpw 4 forces the four-tile group
+    kernel (at token tiles G4_MTS; slower than pairs at every tp 8 shape at 17..65 rows, H200: a sweep knob)."""
     if warps is not None and not 1 <= warps <= MAX_WARPS:
         raise ValueError(f"skinny GEMM: warps per block must be in [1, {MAX_WARPS}], got {warps}")
     kc = K // 64
     if splits is not None and kc % splits:
         raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
-    mt, mb = token_tiles(M)
+    mt, mb = token_tiles(M, max_mt or 8)
     # the (warps, splits) choice stays the one fitted to the H200 sweep, whose kernel took a power-of-two tile:
     # candidates are held to that tile's shared memory (the sweep's set), then launched with the exact tile
     swept_mt = min(8, 1 << max(0, (-(-M // 8) - 1).bit_length()))
     if tpw is None:
         tpw = 2 if mt >= 2 and N * K * 2 >= 64 << 20 else 1
+    fit_mt = max(swept_mt, mt)
     fitted = M > 16
     x_cap = x_budget or (smem_limit if fitted or splits else WAVES_X_BYTES)   # a forced split: the device's limit
 
     def plan(w: int, s: int) -> GemmPlan | None:
-        ring = w * stages * 4 * 32 * 16
-        if 8 * swept_mt * ((kc // s) * 64 + 32) * 2 > min(x_cap, smem_limit - ring - 1024):
+        ring = w * ring_stages(tpw, mt, stages) * 4 * 32 * 16
+        if 8 * fit_mt * ((kc // s) * 64 + 32) * 2 > min(x_cap, smem_limit - ring - 1024):
             return None
         x_bytes = 8 * mt * ((kc // s) * 64 + 32) * 2
         return GemmPlan(mt, mb, w, tpw, -(-(-(-N // 16)) // (w * tpw)), s, x_bytes + ring)
@@ -111,7 +144,14 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     if not options:
         raise ValueError(f"skinny GEMM: K = {K} leaves no k-split whose token rows fit the shared memory "
                          f"({smem_limit} B a block, the weight ring included)")
-    return min(options, key=fitted_cost if fitted else waves_cost)
+    best = min(options, key=fitted_cost if fitted else waves_cost)
+    if max_mt is None and best.tpw == 1 and best.mb == 2 and -(-M // 8) <= MAX_MT \
+            and ONE_BLOCK_BYTES[0] <= N * K * 2 < ONE_BLOCK_BYTES[1]:
+        try:                                # one block of 9 sub-tiles at the same (warps, splits), where it fits
+            return plan_gemm(M, N, K, sm_count, smem_limit, best.warps, stages, best.splits, 1, x_budget, MAX_MT)
+        except ValueError:
+            pass
+    return best
 
 
 class SkinnyGemm:
@@ -148,10 +188,10 @@ class SkinnyGemm:
                          self.fixed_splits)
 
     def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
-                 x_budget: int | None = None) -> GemmPlan:
+                 x_budget: int | None = None, max_mt: int | None = None) -> GemmPlan:
         """Benchmark sweeps: force a plan for M (grows the workspaces if needed; call before capturing)."""
         p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps, self.stages, splits, tpw,
-                      x_budget)
+                      x_budget, max_mt)
         if p.smem > self.smem_limit:
             raise ValueError(f"skinny GEMM plan {p} needs {p.smem} B of shared memory; the device allows {self.smem_limit}")
         need = p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4
@@ -172,7 +212,7 @@ class SkinnyGemm:
             raise ValueError(f"skinny GEMM swiglu: needs N % 16 == 0 (whole 8-channel tiles), bf16 out and no "
                              f"residual; got N = {self.N}, out_f32 = {self.out_f32}, residual = {residual is not None}")
         p = self.plan(M)
-        name = f"gemm_bf16_mt{p.mt}"
+        name = p.kernel
         self.gpu.allow_smem(SOURCE, name, p.smem)
         self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
                         ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),

@@ -1,6 +1,7 @@
 """The skinny GEMM's SwiGLU epilogue (gemm.cu swiglu, what CudaOps.swiglu_mlp runs): against the unfused pair it
 replaced (the [gate; up] GEMM to [M, 2I] then LayerOps.silu_mul) bitwise, and against numpy, at the tp 8 shared
-expert's shape (I = 256 of 7168, split-K plans) and the tiny model's (I = 512 of 128), M from 1 to 65."""
+expert's shape (I = 256 of 7168, split-K plans), the tiny model's (I = 512 of 128) and tp 8 dense layer 0's (I = 2304
+of 7168), M from 1 to 65, under the plan's choice and four tiles a warp in one token block."""
 import numpy as np
 import pytest
 
@@ -10,9 +11,15 @@ from ddtree.plugins import layout, reference
 pytestmark = pytest.mark.gpu
 
 
+# the plan's choice, and four tiles a warp with one token block of up to 9 sub-tiles (gemm_bf16_mt<MT>_g4 at 17..72
+# rows; the one-tile loop of that tpw below)
+PLANS = {"planned": None, "g4_mt9": dict(warps=4, tpw=4, max_mt=9)}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("I, K", [(256, 7168), (512, 128), (2304, 7168)])
 @pytest.mark.parametrize("M", [1, 5, 17, 65])
-def test_swiglu_epilogue_is_the_unfused_pair_bitwise(gpu, I, K, M):
+def test_swiglu_epilogue_is_the_unfused_pair_bitwise(gpu, I, K, M, plan):
     from ddtree.plugins.gemm import SkinnyGemm
     from ddtree.plugins.layer_ops import LayerOps
     rng = np.random.default_rng(I + K + M)
@@ -20,6 +27,8 @@ def test_swiglu_epilogue_is_the_unfused_pair_bitwise(gpu, I, K, M):
     x = f32_to_bf16(rng.standard_normal((M, K)).astype(np.float32))
     xd = gpu.upload(x)
     gemm = SkinnyGemm(gpu, 2 * I, K, 256)
+    if PLANS[plan]:
+        gemm.override(M, **PLANS[plan])
 
     fused = gpu.alloc((M, I), np.uint16)
     gpu.memset(fused, 0xFF)

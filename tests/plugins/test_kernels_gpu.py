@@ -290,6 +290,56 @@ def test_skinny_gemm_paired_tiles_bitwise(gpu, gemm_case, M):
     assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8)), f"gemm {c['name']} M={M}: tpw 2 != tpw 1"
 
 
+@pytest.mark.parametrize("M", [17, 33, 65, 72])
+def test_skinny_gemm_grouped_tiles_bitwise(gpu, gemm_case, M):
+    """Four tiles a warp (gemm_bf16_mt<MT>_g4) and one token block of up to 9 sub-tiles (max_mt 9: 65..72 rows in
+    one block) against numpy, and bitwise against one tile a warp and the 8-sub-tile blocks at the same k-split:
+    neither changes the order of a row's sum (the batch-invariant plan's premise)."""
+    c, outs = gemm_case, {}
+    try:
+        splits = c["gemm"].override(M, warps=4, tpw=4, max_mt=9).splits
+        for tpw, max_mt in ((1, 8), (2, 9), (4, 9), (4, 8)):
+            p = c["gemm"].override(M, warps=4, tpw=tpw, splits=splits, max_mt=max_mt)
+            gpu.memset(c["out"], 0xFF)
+            c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
+            gpu.sync()
+            outs[p.kernel, p.mb] = c["out"].numpy()[:M].copy()
+    finally:
+        c["gemm"]._overrides.clear()
+    assert any(k.endswith("_g4") for k, _ in outs) and (f"gemm_bf16_mt{-(-M // 8)}_g4", 1) in outs, sorted(outs)
+    first = next(iter(outs.values()))
+    y = first.astype(np.float64) if c["out_f32"] else bf16_to_f32(first)
+    assert_close(y, c["ref"][:M], atol_rms=2e-3, what=f"gemm {c['name']} M={M}")
+    for key, got in outs.items():
+        assert np.array_equal(got.view(np.uint8), first.view(np.uint8)), f"gemm {c['name']} M={M}: {key} != tpw 1"
+
+
+@pytest.mark.parametrize("M", [65, 72])
+def test_skinny_gemm_one_block_of_nine_rule(gpu, M):
+    """plan_gemm's 65..72-row rule (ONE_BLOCK_BYTES: one block of 9 sub-tiles for one-tile warps of a 14..64 MB
+    weight) at tp 8 dense_down's shape: the plan takes it, against numpy with the residual, and bitwise the two
+    8-row-block plan at the same (warps, splits)."""
+    from ddtree.plugins.gemm import SkinnyGemm
+    if gpu.smem_optin < 200 * 1024:
+        pytest.skip("the rule's 9-sub-tile rows need the H200's shared memory at this shape")
+    N, K = 7168, 2304
+    w = randfill.hash_array((N, K), np.uint16, 631, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((M, K), np.uint16, 632, randfill.ACT_BF16)
+    res = randfill.hash_array((M, N), np.uint16, 633, randfill.ACT_BF16)
+    gemm, wd, xd = SkinnyGemm(gpu, N, K, 256), gpu.upload(layout.tile_bf16(w)), gpu.upload(x)
+    p = gemm.plan(M)
+    assert (p.mt, p.mb, p.tpw) == (9, 1, 1), p
+    outs = []
+    for max_mt in (None, 8):
+        if max_mt:
+            assert gemm.override(M, warps=p.warps, splits=p.splits, tpw=1, max_mt=max_mt).mb == 2
+        out = gpu.upload(res)
+        gemm.run(xd, wd, out, M, residual=out)
+        outs.append(out.numpy())
+    assert_close(bf16_to_f32(outs[0]), reference.gemm(x, w, res), atol_rms=2e-3, what=f"one block of 9, M={M}")
+    assert np.array_equal(outs[0], outs[1]), f"M={M}: one block of 9 != two blocks of 5 bitwise"
+
+
 @pytest.mark.parametrize("pdl", [True, False])
 def test_skinny_gemm_chain_in_graph(gpu, pdl):
     """y2 = (x w1^T) w2^T with the second GEMM reading the first's output: with PDL it starts early and

@@ -20,17 +20,25 @@
 #define DD_GEMM_MAX_WARPS 8
 
 static_assert(DD_STAGES >= 4, "the paired loop keeps two stages free and two in flight");
+template <int RS>
 struct Bf16Ring {                   // one warp's ring: [stage][(row g | row g+8) x (h0 | h1)][lane]
-    uint4 w[DD_STAGES][4][32];      // 16 rows x 64 k bf16 = 2 KB per stage
+    uint4 w[RS][4][32];             // 16 rows x 64 k bf16 = 2 KB per stage
+};
+// Ring stages of a warp: DD_STAGES, or 3 G for a group of G > 2 tiles (a chunk of the group read, two in flight)
+template <int G>
+struct RingStages {
+    static constexpr int value = G > 2 ? 3 * G : DD_STAGES;
 };
 
-// Grid (MB = ceil(M / (8 MT)), S, NB), MT in 1..8 (plugins/gemm.py token_tiles), block warps * 32 (token blocks fastest, so the blocks that
+// Grid (MB = ceil(M / (8 MT)), S, NB), MT in 1..9 (plugins/gemm.py token_tiles), block warps * 32 (token blocks fastest, so the blocks that
 // share a weight tile run together and re-reads hit L2; warps <= DD_GEMM_MAX_WARPS),
-// dynamic smem = 8 MT * (K/S + 32) * 2 + warps * sizeof(Bf16Ring).
+// dynamic smem = 8 MT * (K/S + 32) * 2 + warps * sizeof(Bf16Ring<RingStages<G>::value>).
+// G: the tile group a warp streams chunk by chunk when it owns exactly G tiles (tpw = G; 2: gemm_bf16_mt<MT>,
+// 4: gemm_bf16_mt<MT>_g4), each x fragment feeding G tiles' mma; other tile counts run one tile at a time.
 //   x [M, K] bf16   w [ceil(N/16), K/64, 4, 32] uint4 (tile_bf16)   residual [M, N] bf16 or null (may alias out)
 //   out [M, N] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); swiglu = 1: out [M, N / 2] bf16 (N % 16 == 0, no residual)
 //   partial [NB, MB, S, warps * tpw, MT, 32] float4 and counters [NB * MB] when S > 1
-template <int MT>
+template <int MT, int G>
 __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                             const bf16_t* residual, void* out, float4* __restrict__ partial,
                                             u32* __restrict__ counters, int M, int N, int K, int S, int tpw,
@@ -42,15 +50,17 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     const int kspan = CPS * 64, xstride = kspan + 32;    // +64 B per row: conflict-free uint4 reads
     const int row0 = blockIdx.x * 8 * MT, NT = (N + 15) >> 4, nb = blockIdx.z;
     bf16_t* xs = (bf16_t*)smem;                          // [8 MT][xstride]
-    Bf16Ring& ring = ((Bf16Ring*)(smem + 8 * MT * xstride * 2))[warp];
+    constexpr int RS = RingStages<G>::value;
+    static_assert(RS >= 2 * G, "the grouped loop keeps a chunk of the group free and one in flight");
+    Bf16Ring<RS>& ring = ((Bf16Ring<RS>*)(smem + 8 * MT * xstride * 2))[warp];
 
     const int ntb = warps * tpw, nt_begin = (nb * warps + warp) * tpw;
     const int my_tiles = max(0, min(tpw, NT - nt_begin));
     const int items = my_tiles * CPS;
-    // paired: a warp's two tiles stream chunk by chunk (tile 0 chunk c, tile 1 chunk c, ...) and each x fragment
-    // loaded from shared memory feeds both tiles' mma: half the x reads per weight byte, which bind past 16
+    // grouped: a warp's G tiles stream chunk by chunk (tile 0 chunk c, tile 1 chunk c, ...) and each x fragment
+    // loaded from shared memory feeds all G tiles' mma: 1 / G the x reads per weight byte, which bind past 16
     // rows. Each tile's sum runs in the same order as alone (bitwise the same outputs).
-    const bool paired = my_tiles == 2;
+    const bool grouped = my_tiles == G;
     // tiled weights: (tile, chunk) = 2 KB contiguous = [4][32 lanes] uint4, so a warp streams 2 KB per step
     const uint4* wbase = (const uint4*)w + ((size_t)nt_begin * KC + c0) * 128 + lane;
     const u64 policy = evict_first_policy();
@@ -61,19 +71,19 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 #pragma unroll
             for (int j = 0; j < 4; ++j)                  // j = 2 h + (row g | row g+8)
                 cp_async16_stream(&ring.w[issue_st][j][lane], wp + 32 * j, policy);
-            if (paired) {
-                if (++issue_r == 2) { issue_r = 0; ++issue_c; }
+            if (grouped) {
+                if (++issue_r == G) { issue_r = 0; ++issue_c; }
             } else if (++issue_c == CPS) {
                 issue_c = 0; ++issue_r;
             }
         }
         cp_async_commit();
-        if (++issue_st == DD_STAGES) issue_st = 0;
+        if (++issue_st == RS) issue_st = 0;
     };
-    // weights first (independent of earlier kernels): all stages but one ahead, two when paired (a paired step
-    // issues tile 0 and tile 1 of a chunk before it reads the two oldest stages)
+    // weights first (independent of earlier kernels): all stages but one ahead, G when grouped (a grouped step
+    // issues the G tiles of a chunk before it reads the G oldest stages)
 #pragma unroll 1
-    for (int st = 0; st < DD_STAGES - (paired ? 2 : 1); ++st) issue();
+    for (int st = 0; st < RS - (grouped ? G : 1); ++st) issue();
     pdl_wait();                                            // x (and residual) written by the previous kernel
     pdl_trigger();
     const int vec_per_row = kspan >> 3;
@@ -131,42 +141,46 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
     int r = 0, c = 0, st = 0;
-    if (paired) {
-        float acc1[MT][4];
+    if (grouped) {
+        float accg[G][MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc1[mt][0] = acc1[mt][1] = acc1[mt][2] = acc1[mt][3] = 0.f;
+        for (int j = 0; j < G; ++j)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) accg[j][mt][0] = accg[j][mt][1] = accg[j][mt][2] = accg[j][mt][3] = 0.f;
         for (c = 0; c < CPS; ++c) {
-            cp_async_wait<DD_STAGES - 4>();              // the two oldest stages (tile 0 and 1, chunk c) landed
-            issue();
-            issue();
-            const int st1 = st + 1 == DD_STAGES ? 0 : st + 1;
+            cp_async_wait<RS - 2 * G>();                 // the G oldest stages (tiles 0 .. G-1, chunk c) landed
+#pragma unroll
+            for (int j = 0; j < G; ++j) issue();
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const uint4 g0 = ring.w[st][2 * h][lane], g08 = ring.w[st][2 * h + 1][lane];
-                const uint4 g1 = ring.w[st1][2 * h][lane], g18 = ring.w[st1][2 * h + 1][lane];
-                const u32 a0_u0[4] = {g0.x, g08.x, g0.y, g08.y}, a0_u1[4] = {g0.z, g08.z, g0.w, g08.w};
-                const u32 a1_u0[4] = {g1.x, g18.x, g1.y, g18.y}, a1_u1[4] = {g1.z, g18.z, g1.w, g18.w};
+                u32 a_u0[G][4], a_u1[G][4];
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    const int sj = st + j < RS ? st + j : st + j - RS;
+                    const uint4 rg = ring.w[sj][2 * h][lane], rg8 = ring.w[sj][2 * h + 1][lane];
+                    a_u0[j][0] = rg.x; a_u0[j][1] = rg8.x; a_u0[j][2] = rg.y; a_u0[j][3] = rg8.y;
+                    a_u1[j][0] = rg.z; a_u1[j][1] = rg8.z; a_u1[j][2] = rg.w; a_u1[j][3] = rg8.w;
+                }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
-                    mma_bf16_16816(acc[mt], a0_u0, xb.x, xb.y);
-                    mma_bf16_16816(acc[mt], a0_u1, xb.z, xb.w);
-                    mma_bf16_16816(acc1[mt], a1_u0, xb.x, xb.y);
-                    mma_bf16_16816(acc1[mt], a1_u1, xb.z, xb.w);
+#pragma unroll
+                    for (int j = 0; j < G; ++j) {
+                        mma_bf16_16816(accg[j][mt], a_u0[j], xb.x, xb.y);
+                        mma_bf16_16816(accg[j][mt], a_u1[j], xb.z, xb.w);
+                    }
                 }
             }
-            st = st1 + 1 == DD_STAGES ? 0 : st1 + 1;
+            st = st + G < RS ? st + G : st + G - RS;
         }
-        if (S == 1) {
-            finish(0, acc);
-            finish(1, acc1);
-        } else {
-            store_partial(0, acc);
-            store_partial(1, acc1);
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            if (S == 1) finish(j, accg[j]);
+            else store_partial(j, accg[j]);
         }
     }
-    for (int it = 0; it < (paired ? 0 : items); ++it) {
-        cp_async_wait<DD_STAGES - 2>();
+    for (int it = 0; it < (grouped ? 0 : items); ++it) {
+        cp_async_wait<RS - 2>();
         issue();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -180,7 +194,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 mma_bf16_16816(acc[mt], a_u1, xb.z, xb.w);
             }
         }
-        if (++st == DD_STAGES) st = 0;
+        if (++st == RS) st = 0;
         if (++c == CPS) {
             if (S == 1) {
                 finish(r, acc);
@@ -211,21 +225,25 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     }
 }
 
-#define DD_DEFINE_GEMM(MT)                                                                            \
+#define DD_DEFINE_GEMM(NAME, MT, G)                                                                   \
     extern "C" __global__ void __launch_bounds__(DD_GEMM_MAX_WARPS * 32, 1)                           \
-    gemm_bf16_mt##MT(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out,            \
-                     float4* partial, u32* counters, int M, int N, int K, int S, int tpw, int out_f32, \
-                     int swiglu) {                                                                      \
-        skinny_gemm<MT>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu);    \
+    NAME(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out, float4* partial,         \
+         u32* counters, int M, int N, int K, int S, int tpw, int out_f32, int swiglu) {                \
+        skinny_gemm<MT, G>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu);  \
     }
-// every sub-tile count 1..8: plugins/gemm.py token_tiles gives a block exactly the 8-token sub-tiles it needs
-// (M = 17: 3, 33: 5, 65: two blocks of 5), not the next power of two (4, 8, two of 8), whose zero rows cost
-// their x loads and mma like real ones
-DD_DEFINE_GEMM(1)
-DD_DEFINE_GEMM(2)
-DD_DEFINE_GEMM(3)
-DD_DEFINE_GEMM(4)
-DD_DEFINE_GEMM(5)
-DD_DEFINE_GEMM(6)
-DD_DEFINE_GEMM(7)
-DD_DEFINE_GEMM(8)
+// every sub-tile count 1..9: plugins/gemm.py token_tiles gives a block exactly the 8-token sub-tiles it needs
+// (M = 17: 3, 33: 5, 65: two blocks of 5, or one of 9 where the plan takes 9), not the next power of two (4, 8,
+// two of 8), whose zero rows cost their x loads and mma like real ones
+DD_DEFINE_GEMM(gemm_bf16_mt1, 1, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt2, 2, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt3, 3, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt4, 4, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt5, 5, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt6, 6, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt7, 7, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt8, 8, 2)
+DD_DEFINE_GEMM(gemm_bf16_mt9, 9, 2)
+// four tiles a warp (tpw 4) past 16 rows: each x fragment feeds 16 mma instead of 8 (12-stage rings)
+DD_DEFINE_GEMM(gemm_bf16_mt3_g4, 3, 4)
+DD_DEFINE_GEMM(gemm_bf16_mt5_g4, 5, 4)
+DD_DEFINE_GEMM(gemm_bf16_mt9_g4, 9, 4)
