@@ -46,11 +46,18 @@ sample_row_max(const float* __restrict__ logits, int V, SP_ARGS, float* __restri
 __device__ void mass_decide(u64* row_mass, const double* bin_scale, const SampleArgs& a, int V, float l_top,
                             RowState* state) {
     constexpr int PER = SP_BINS / SP_THREADS;
+    SP_CLOCK(t_start);
     u64 F[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) F[j] = ld_cg_u64(row_mass + threadIdx.x * PER + j);   // all in flight
 #pragma unroll
     for (int j = 0; j < PER; ++j) row_mass[threadIdx.x * PER + j] = 0;                   // ready for the next launch
+#ifdef DD_PROFILE
+#pragma unroll
+    for (int j = 0; j < PER; ++j) asm volatile("" :: "l"(F[j]));                       // the loads landed
+    SP_CLOCK(t_loaded);
+    SP_PROF(SP_PROF_DECIDE_LOADS, t_start, t_loaded);
+#endif
     decide_bins(F, bin_scale, a, V, l_top, state);
 }
 
@@ -88,6 +95,7 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __res
     SP_PROF(SP_PROF_MASS_TOKENS, t_loaded, t_tokens);
     SP_PROF(SP_PROF_MASS_FLUSH, t_tokens, t_flushed);
     SP_PROF(SP_PROF_MASS_BLOCKS, 0, 1);
+    pdl_trigger();                                   // sample_kept's blocks may start (they wait for this grid)
     if (arrive_last(row_tickets + r, (u32)S)) {
         SP_CLOCK(t_decide);
         mass_decide(row_mass, bin_scale, a, V, l_top, state + r);
@@ -95,7 +103,6 @@ sample_mass(const float* __restrict__ logits, int V, SP_ARGS, const float* __res
         SP_PROF(SP_PROF_MASS_DECIDE, t_decide, t_decided);
         SP_PROF(SP_PROF_MASS_LAST, 0, 1);
     }
-    pdl_trigger();
 }
 
 // The row's cut and token (its last slice block of sample_kept). row_counts [2 n]: the crossing bin's
@@ -186,9 +193,7 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
     for (int o = 16; o; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
     if (lane == 0 && kept) atomicAdd(row_counts + 2 * r + 1, kept);
     Winner w_above, w_bin;
-    lazy_finish2(above, in_bin, position, a, w_above, w_bin);
-    w_above = block_winner(w_above, scratch);
-    w_bin = block_winner(w_bin, scratch);
+    lazy_block_finish2(above, in_bin, position, a, w_above, w_bin, scratch);
     if (threadIdx.x == 0) {
         slice_wins[2 * (r * S + s)] = w_above;
         slice_wins[2 * (r * S + s) + 1] = w_bin;
@@ -198,9 +203,9 @@ sample_kept(const float* __restrict__ logits, int V, const int* __restrict__ que
     SP_PROF(SP_PROF_KEPT_LOOP, t_loop, t_looped);
     SP_PROF(SP_PROF_KEPT_MERGE, t_looped, t_merged);
     SP_PROF(SP_PROF_KEPT_BLOCKS, 0, 1);
+    pdl_trigger();                                   // the next launch's blocks may start (they wait for this grid)
     if (arrive_last(row_tickets + r, (u32)S))
         kept_row(st, r, S, V, position, a, bin_scale, slice_wins, keys_out, row_counts, state, target, status,
                  full_row_rows, inexact_rows, smem);
     walk_if_last(done_ticket, (u32)(S * n), target, n, SP_WALK);
-    pdl_trigger();
 }

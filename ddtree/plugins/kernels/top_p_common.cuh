@@ -30,11 +30,12 @@ __device__ unsigned long long sp_prof[32];
 #endif
 // sp_prof slots: sample_mass (per block) loads + wait, token loop, bin flush, blocks; its last blocks: decide,
 // count. sample_kept (per block): wait + state, slice loop, winners + ticket, blocks; last blocks: slice
-// winners, sort (the keys loaded before it), cut, Gumbel of the prefix, certify + writes, count. (tests/plugins/profile_top_p.py)
+// winners, sort (the keys loaded before it), cut, Gumbel of the prefix, certify + writes, count; the decide's
+// wait for its bin sums (loaded and cleared). (tests/plugins/profile_top_p.py)
 enum { SP_PROF_MASS_LOAD, SP_PROF_MASS_TOKENS, SP_PROF_MASS_FLUSH, SP_PROF_MASS_BLOCKS, SP_PROF_MASS_DECIDE,
        SP_PROF_MASS_LAST, SP_PROF_KEPT_WAIT = 8, SP_PROF_KEPT_LOOP, SP_PROF_KEPT_MERGE, SP_PROF_KEPT_BLOCKS,
        SP_PROF_ROW_WINS, SP_PROF_ROW_SORT, SP_PROF_ROW_CUT, SP_PROF_ROW_GUMBEL, SP_PROF_ROW_CERTIFY,
-       SP_PROF_ROW_LAST };
+       SP_PROF_ROW_LAST, SP_PROF_DECIDE_LOADS };
 
 struct MinIntOp { __device__ int operator()(int a, int b) const { return min(a, b); } };
 struct MaxIntOp { __device__ int operator()(int a, int b) const { return max(a, b); } };
@@ -204,6 +205,43 @@ __device__ __forceinline__ void lazy_finish2(const Lazy& p, const Lazy& q, u32 p
     }
 }
 
+// The block's largest (x, y) (every thread; all call it). A barrier inside; the caller's next barrier ends
+// the reads of `tops`.
+__device__ __forceinline__ float2 block_max2(float x, float y) {
+    __shared__ float2 tops[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+        y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
+    }
+    if (lane == 0) tops[warp] = make_float2(x, y);
+    __syncthreads();
+    for (int w = 0; w < warps; ++w) {
+        x = fmaxf(x, tops[w].x);
+        y = fmaxf(y, tops[w].y);
+    }
+    return make_float2(x, y);
+}
+
+// A lazy winner's exact Winner, or none when its hi is below `top` (another thread's lo: it cannot win).
+__device__ __forceinline__ Winner lazy_exact(const Lazy& w, float top, u32 position, const SampleArgs& a) {
+    if (w.id == 0x7fffffff || w.hi < top) return Winner{DD_NEG_INF, 0x7fffffff};
+    return Winner{(double)w.l / a.temperature + gumbel64(philox_word0(position, (u32)w.id, a.seed_lo, a.seed_hi)),
+                  w.id};
+}
+
+// lazy_finish2 against the whole block's bounds, then the block's two winners (every thread; all call it).
+// A thread whose hi is below the best lo of the block (not only of its warp) cannot win and computes no
+// float64 value, so one or two warps of a block run the float64 Gumbels, not all 16: with two blocks an SM,
+// 32 warps each running two float64 -log(-log(u)) kept the FP64 pipe busy for thousands of cycles a block.
+__device__ void lazy_block_finish2(const Lazy& p, const Lazy& q, u32 position, const SampleArgs& a, Winner& wp,
+                                   Winner& wq, Winner* scratch) {
+    const float2 top = block_max2(p.lo, q.lo);
+    wp = block_winner(lazy_exact(p, top.x, position, a), scratch);    // its barriers end the reads of tops
+    wq = block_winner(lazy_exact(q, top.y, position, a), scratch);
+}
+
 // The warp's lazy winners -> exact Winners: a lane whose hi is below another lane's lo cannot win the
 // block and reports none; the others compute their float64 value (all lanes call it, converged).
 __device__ __forceinline__ Winner lazy_finish(const Lazy& w, u32 position, const SampleArgs& a) {
@@ -308,6 +346,33 @@ __device__ __forceinline__ u32 kept_slice(const float* row, int lo, int hi, int 
     return kept;
 }
 
+// block_sort_desc_1 (select.cuh) stopped at n keys (n a power of two <= SP_THREADS, block-uniform): thread i's
+// key v (i < n; the others' are ignored) -> buf[0 .. n) descending. The merges wider than n are skipped: a
+// crossing bin of <= 32 tokens sorts within warps (no block barrier), 256 with 6 barrier pairs, not 10.
+__device__ __forceinline__ void sort_desc_upto(u64 v, u64* buf, int n) {
+    const int i = threadIdx.x;
+#pragma unroll
+    for (int k = 2; k <= SP_THREADS; k <<= 1) {
+        if (k > n) break;
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            u64 o;
+            if (j >= 32) {
+                buf[i] = v;
+                __syncthreads();
+                o = buf[i ^ j];
+                __syncthreads();
+            } else {
+                o = __shfl_xor_sync(0xffffffffu, v, j);
+            }
+            const bool keep_max = ((i & k) == 0) == (i < (i ^ j));
+            v = keep_max ? (v > o ? v : o) : (v < o ? v : o);
+        }
+    }
+    buf[i] = v;
+    __syncthreads();
+}
+
 // The crossing bin's cut (the row's last block): keys[0 .. count) its tokens' keys in any order, zeros up to
 // pow2_at_least(count), 0 < count <= SP_MAX_BIN_KEYS (shared memory, SP_MAX_BIN_KEYS u64). Sorts them into
 // key order (logit desc, id asc), sums their F along it (exact), cuts at the first whose cumulative mass
@@ -328,7 +393,7 @@ __device__ BinCut bin_cut(const RowState& st, int count, int V, u32 position, co
     if (n_pad <= SP_THREADS) {
         const u64 k = keys[threadIdx.x];                 // keys[n_pad ..] are stale: masked below
         __syncthreads();
-        block_sort_desc_1<SP_THREADS>(threadIdx.x < n_pad ? k : 0ull, keys);
+        sort_desc_upto(threadIdx.x < n_pad ? k : 0ull, keys, n_pad);
     } else {
         block_sort_desc<SP_THREADS>(keys, n_pad);
     }
