@@ -110,13 +110,27 @@ def moe_touched_bytes(distinct: float, expert_bytes: float, M: int, H: int) -> f
 
 
 MOE_PATHS = {"auto": None, "two-kernel": False, "stream": True}     # FusedMoE.streaming per --paths name
+DRAFT_DEPTHS = 7                   # Kimi K2.6's drafter block_size - 1: the depths of bench step's stated tree
+
+
+def moe_routing_ids(rng, M: int, routing: str, reuse: float) -> np.ndarray:
+    """[M, TOPK] int32 ids of one launch: 'uniform' (top-8 of E at random per token) or 'tree' (bench/routing.py
+    tree_ids on bench step's stated tree of M nodes, DraftProfile().tree(M - 1): a node's experts reuse its
+    parent's with probability `reuse`, so fewer distinct experts with more rows each)."""
+    if routing == "uniform":
+        return np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(M)]).astype(np.int32)
+    from ddtree.bench.project import DraftProfile
+    from ddtree.bench.routing import tree_ids
+    parents = DraftProfile().tree(M - 1, DRAFT_DEPTHS).parents if M > 1 else np.array([-1])
+    return tree_ids(rng, parents, EXPERTS, TOPK, reuse)
 
 
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
                    overrides: dict | None = None, router: bool = True, pdl: bool = True,
-                   parts: bool = False, paths: tuple = ("auto",), stream_knobs: dict | None = None) -> list[dict]:
+                   parts: bool = False, paths: tuple = ("auto",), stream_knobs: dict | None = None,
+                   routing: str = "uniform", reuse: float = 0.5) -> list[dict]:
     """Rows of the experts (route kernel + gate_up -> down) per M and per path of `paths` (MOE_PATHS: the plan's
-    choice, the two launches, the streaming launch), then the router's rows."""
+    choice, the two launches, the streaming launch), then the router's rows. routing: moe_routing_ids'."""
     from ddtree.plugins import randfill
     from ddtree.plugins.moe import FusedMoE, MoEShape
     inter = TP_SHAPES[tp]["inter"]
@@ -143,7 +157,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                                 **{k: v for k, v in (overrides or {}).items() if k.startswith("gu_")})
         routes, distinct = [], []
         for _ in range(launches):
-            ids = np.stack([rng.permutation(E)[:TOPK] for _ in range(M)]).astype(np.int32)
+            ids = moe_routing_ids(rng, M, routing, reuse)
             w = np.full((M, TOPK), 2.827 / TOPK, np.float32)
             routes.append((gpu.upload(ids), gpu.upload(w)))
             distinct.append(len(np.unique(ids)))
@@ -151,7 +165,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
         for path in paths:
             moe.streaming = MOE_PATHS[path]
             us = time_moe(gpu, moe, x, out, M, routes)
-            rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path,
+            rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path, "routing": routing,
+                              "reuse": reuse if routing == "tree" else None,
                               "distinct_experts": round(float(np.mean(distinct)), 1), "plan": moe_plan_row(moe, M)},
                              touched, us, ceiling_gbps))
         moe.streaming = MOE_PATHS[paths[0]]
@@ -168,8 +183,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
         if router:
             rows += router_rows(gpu, moe, x, tp, M, launches, parts, ceiling_gbps)
         for main in [r for r in rows if r["part"] == "experts" and r["M"] == M]:
-            _say(f"  moe tp{tp} M={M:4d} {main['path']:10s} {main['latency_us']:9.1f} us  {main['gbps']:7.0f} GB/s  "
-                 f"{main['pct_of_ceiling']:5.1f}%")
+            _say(f"  moe tp{tp} M={M:4d} {routing:7s} {main['path']:10s} {main['latency_us']:9.1f} us  "
+                 f"{main['gbps']:7.0f} GB/s  {main['pct_of_ceiling']:5.1f}%")
     gpu.free_all()
     return rows
 
@@ -197,7 +212,7 @@ def moe_plan_row(moe, M: int) -> dict:
     return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
             "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb, "down_splits": p.dn_splits,
             "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring, "gate_up_tpw": p.gu_tpw,
-            "pdl": moe.pdl}
+            "gate_up_occ": p.gu_occ, "down_occ": p.dn_occ, "pdl": moe.pdl}
 
 
 def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceiling_gbps: float) -> list[dict]:
@@ -294,6 +309,12 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--gu-tpw", type=int, default=None, help="force the gate_up tile pairs per warp (sweeps)")
 @click.option("--gu-ring", default=None, help="gate_up ring SLOTSxCHUNKS, e.g. 8x1 or 4x2 (sweeps)")
 @click.option("--down-ring", default=None, help="down ring SLOTSxCHUNKS (sweeps)")
+@click.option("--gu-occ", type=int, default=None, help="gate_up blocks an SM: a compiled occupancy variant (sweeps)")
+@click.option("--down-occ", type=int, default=None, help="down blocks an SM: a compiled occupancy variant (sweeps)")
+@click.option("--routing", default="uniform", show_default=True, type=click.Choice(["uniform", "tree"]),
+              help="ids of each launch: uniform top-8, or bench step's tree routing (a node reuses its parent's "
+              "experts with probability --reuse: fewer distinct experts, more rows each)")
+@click.option("--reuse", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0), help="--routing tree")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--paths", default="auto", show_default=True,
               help="experts paths to time, comma-separated: auto (the plan's choice), two-kernel, stream")
@@ -311,8 +332,8 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
-                no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch, stream_bulk, stream_pin, parts,
-                no_router, seed, as_json):
+                gu_occ, down_occ, routing, reuse, no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch,
+                stream_bulk, stream_pin, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
     path_list = tuple(p.strip() for p in paths.split(",") if p.strip())
     if not path_list or any(p not in MOE_PATHS for p in path_list):
@@ -327,9 +348,10 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
             raise click.BadParameter(f"--tp must be among {sorted(TP_SHAPES)}, got {tp}")
         overrides = {k: v for k, v in (("gu_splits", splits), ("gu_warps", warps), ("dn_warps", down_warps or warps),
                                        ("dn_splits", down_splits), ("dn_tpw", down_tpw), ("gu_tpw", gu_tpw),
-                                       ("gu_ring", _ring(gu_ring)), ("dn_ring", _ring(down_ring))) if v}
+                                       ("gu_ring", _ring(gu_ring)), ("dn_ring", _ring(down_ring)),
+                                       ("gu_occ", gu_occ), ("dn_occ", down_occ)) if v}
         rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router,
-                               not no_pdl, parts, path_list, stream_knobs)
+                               not no_pdl, parts, path_list, stream_knobs, routing, reuse)
     _emit("moe", gpu, rows, ceiling, as_json)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
+from ddtree.plugins.moe_measured import two_launch_knobs
 from ddtree.plugins.moe_stream import StreamPlan, plan_stream, stream_knobs
 from ddtree.plugins.moe_stream import STREAM_MEASURED, stream_default  # noqa: F401  (the plan's table, re-exported)
 from ddtree.plugins.router import FusedRouter, RouterShape, check_routing
@@ -32,6 +33,8 @@ RINGS = ((6, 1), (3, 2), (4, 2), (5, 2), (2, 4))   # (slots, chunks per slot) co
 # 227 KB. sm_120 (99 KB per block): 3 x 2 keeps the smem of the former 6 x 1 ring.
 DEFAULT_RING = {"sm_90": (4, 2), "default": (3, 2)}
 ONE_CHUNK_RING = (6, 1)                            # fallback when a k span is not a whole number of slots
+# Occupancy variants compiled in moe.cu (DD_MOE_*_OCC): (kernel, ring, warps a block, blocks an SM) at <= 80 registers
+OCC_KERNELS = {("gate_up", (3, 2), 8, 3), ("gate_up", (3, 2), 4, 6), ("down", (6, 1), 4, 6), ("down", (6, 1), 8, 3)}
 MAX_EXPERTS, MAX_PAIRS = 512, 4096
 class RingMismatch(ValueError):
     """A kernel's k span (chunks per split) is not a multiple of its ring's chunks per slot."""
@@ -81,21 +84,26 @@ class MoEPlan:
     dn_splits: int    # down k-splits: partial rows y[s] summed by the combine
     dn_smem: int
     dn_ring: tuple
+    gu_occ: int = 1   # blocks an SM the gate_up kernel is compiled for (1: the 512-thread bound; else OCC_KERNELS)
+    dn_occ: int = 1
 
     @property
     def gate_up_kernel(self) -> str:
-        return "moe_gate_up_r%dc%d" % self.gu_ring
+        occ = "_w%do%d" % (self.gu_warps, self.gu_occ) if self.gu_occ > 1 else ""     # OCC_KERNELS
+        return "moe_gate_up_r%dc%d" % self.gu_ring + occ
 
     @property
     def down_kernel(self) -> str:
-        return "moe_down_r%dc%d" % self.dn_ring
+        occ = "_w%do%d" % (self.dn_warps, self.dn_occ) if self.dn_occ > 1 else ""     # OCC_KERNELS
+        return "moe_down_r%dc%d" % self.dn_ring + occ
 
 
 def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, **knobs) -> MoEPlan:
     """Split-K for gate_up so that even M = 1 (8 tiles) covers the SMs; as many warps as fit.
     `ring` = (slots, chunks per slot) of both kernels unless knobs gu_ring / dn_ring pick another of RINGS;
     a kernel whose k span is not a whole number of `ring` slots (small shapes) gets ONE_CHUNK_RING.
-    Other knobs (sweeps and tests): gu_splits, gu_warps, gu_tpw, dn_warps, dn_tpw, dn_splits."""
+    Other knobs (sweeps and tests): gu_splits, gu_warps, gu_tpw, dn_warps, dn_tpw, dn_splits, and gu_occ / dn_occ
+    (blocks an SM: the OCC_KERNELS variant at that ring and warps, <= 80 registers; its shared memory must fit)."""
     try:
         return _plan_moe(shape, M, sm_count, smem_limit, ring, **knobs)
     except RingMismatch as exc:
@@ -107,7 +115,7 @@ def plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tupl
 def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, gu_splits: int | None = None,
               gu_warps: int | None = None, gu_tpw: int = 1, dn_warps: int | None = None,
               dn_tpw: int | None = None, dn_splits: int | None = None, gu_ring: tuple | None = None,
-              dn_ring: tuple | None = None) -> MoEPlan:
+              dn_ring: tuple | None = None, gu_occ: int = 1, dn_occ: int = 1) -> MoEPlan:
     short_k = shape.inter // 64 <= 8              # TP8: I = 256, 4 chunks per tile pair in the down kernel
     # H200 parts timing: with so few chunks per warp the down kernel is faster on one-chunk slots (TP8 M = 16:
     # 48 vs 54 us), while gate_up (K = 7168) gains from two-chunk slots at every shape
@@ -160,8 +168,25 @@ def _plan_moe(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tup
     dn_smem = x_bytes(shape.inter // dn_splits) + dn_warps * dn_ring_bytes
     if max(gu_smem, dn_smem) > smem_limit:
         raise ValueError(f"MoE: shared memory {max(gu_smem, dn_smem)} B exceeds the device's {smem_limit}")
+    for part, ring_, warps, occ, smem in (("gate_up", gu_ring, gu_warps, gu_occ, gu_smem),
+                                          ("down", dn_ring, dn_warps, dn_occ, dn_smem)):
+        check_occupancy(part, ring_, warps, occ, smem, smem_limit)
     return MoEPlan(tiles, gu_warps, gu_tpw, gu_nb, gu_splits, gu_smem, gu_ring, dn_warps, dn_tpw, dn_nb, dn_splits,
-                   dn_smem, dn_ring)
+                   dn_smem, dn_ring, gu_occ, dn_occ)
+
+
+def check_occupancy(part: str, ring: tuple, warps: int, occ: int, smem: int, smem_limit: int) -> None:
+    """An occupancy knob above 1 names a compiled variant (OCC_KERNELS) whose blocks fit an SM's shared memory
+    occ at a time (each block's dynamic bytes + 1 KB reserved, the SM holding the opt-in limit + 1 KB)."""
+    if occ == 1:
+        return
+    if (part, tuple(ring), warps, occ) not in OCC_KERNELS:
+        have = sorted((r, w, o) for p, r, w, o in OCC_KERNELS if p == part)
+        raise ValueError(f"MoE {part}: no kernel for ring {tuple(ring)}, {warps} warps, {occ} blocks an SM; "
+                         f"compiled (ring, warps, blocks): {have}")
+    if occ * (smem + 1024) > smem_limit + 1024:
+        raise ValueError(f"MoE {part}: {occ} blocks an SM of {smem} B shared memory exceed the SM's "
+                         f"{smem_limit + 1024}")
 
 
 def plan_moe_stream(shape: MoEShape, M: int, sm_count: int, smem_limit: int, ring: tuple, l2_bytes: int = 0,
@@ -209,8 +234,8 @@ class FusedMoE:
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
         self.fixed_splits = None                    # the batch-invariant plan's gate_up k-split (None: by M)
-        if invariant:
-            self.fixed_splits = self.plan(mx).gu_splits
+        if invariant:                               # plan_moe's heuristic split at max_tokens (no measured knobs)
+            self.fixed_splits = plan_moe(shape, mx, gpu.sm_count, gpu.smem_optin, self.ring).gu_splits
         plans = [self.plan(m) for m in range(1, mx + 1)]
         self.stream_fallback: dict[int, str] = {}      # M -> why no streaming plan fits (streaming None: two launches)
         splans = []
@@ -248,9 +273,13 @@ class FusedMoE:
                                                              shape.scaling, mx), router, bias, pdl, invariant)
 
     def plan(self, M: int) -> MoEPlan:
+        """The two launches' plan at M: an override, else plan_moe with the measured knobs (moe_measured; not under
+        the batch-invariant split, whose gate_up k-split is max_tokens' at every M)."""
         if M in self._overrides:
             return self._overrides[M]
-        return plan_moe(self.shape, M, self.gpu.sm_count, self.gpu.smem_optin, self.ring, gu_splits=self.fixed_splits)
+        g = self.gpu
+        knobs = two_launch_knobs(g.arch, self.shape, M) if self.fixed_splits is None else {}
+        return plan_moe(self.shape, M, g.sm_count, g.smem_optin, self.ring, **{"gu_splits": self.fixed_splits, **knobs})
 
     def uses_stream(self, M: int) -> bool:
         """Whether experts() at M tokens is the streaming launch (moe_stream) or moe_gate_up + moe_down:

@@ -228,6 +228,40 @@ def test_moe_forced_plans(gpu, moe_case, variant):
         assert_close(bf16_to_f32(c["out"].numpy()[:M]), ref, what=f"moe {c['name']} {variant} M={M}")
 
 
+OCC_VARIANTS = {      # occupancy variants (moe.cu DD_MOE_*_OCC) against the 512-thread-bound kernels, same plan
+    "gate_up_w8o3_s7": dict(gu_warps=8, gu_splits=7, gu_ring=(3, 2), gu_occ=3),
+    "gate_up_w4o6_s14": dict(gu_warps=4, gu_splits=14, gu_ring=(3, 2), gu_occ=6),
+    "down_w4o6": dict(dn_occ=6),
+    "down_w8o3": dict(dn_warps=8, dn_occ=3),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(OCC_VARIANTS))
+def test_moe_occupancy_variants_bitwise(gpu, moe_case, variant):
+    """A launch-bounds variant runs the same body on the same plan: the same bits as the (512, 1) kernel, and
+    within the error rule of the float64 reference."""
+    from ddtree.plugins.moe import FusedMoE
+    c, knobs = moe_case, OCC_VARIANTS[variant]
+    plain = {k: v for k, v in knobs.items() if not k.endswith("_occ")}
+    moes = [FusedMoE(gpu, c["moe"].shape, {k: c["dev"][k] for k in ("gate_up", "gate_up_scale", "down", "down_scale")},
+                     streaming=False) for _ in range(2)]
+    for M in (1, 17, 64):
+        try:
+            moes[1].override(M, **knobs)
+        except ValueError as exc:                                  # tp 1's down: a 4 x 2 ring, none compiled
+            assert "no kernel" in str(exc) or "exceed" in str(exc), exc
+            pytest.skip(f"{variant}: {exc}")
+        moes[0].override(M, **plain)
+        ids, w = gpu.upload(c["ids"][:M]), gpu.upload(c["w"][:M])
+        ys = []
+        for moe in moes:
+            gpu.memset(c["out"], 0xFF)
+            moe.run(c["dev"]["x"], c["out"], M, shared=c["dev"]["shared"], topk=(ids, w))
+            ys.append(bf16_to_f32(c["out"].numpy()[:M]))
+        assert_close(ys[1], c["y_ref"][:M] + c["shared_ref"][:M], what=f"moe {c['name']} {variant} M={M}")
+        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"{variant} != the (512, 1) kernels ({c['name']} M={M})")
+
+
 def test_moe_graph_back_to_back(gpu, moe_case):
     """Three MoE calls in one graph (PDL: each launch overlaps the previous one's tail); the second reuses
     every workspace the first is still draining, the third rewrites the first's output buffer."""

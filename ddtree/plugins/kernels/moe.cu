@@ -290,6 +290,31 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
     }                                                                                                     \
     DD_MOE_STREAM(ST, CP, false, moe_stream_r##ST##c##CP)                                                 \
     DD_MOE_STREAM(ST, CP, true, moe_stream_r##ST##c##CP##_bulk)
+// Occupancy variants of the two launches (plan knobs gu_occ / dn_occ, plugins/moe.py OCC_KERNELS): the same bodies at
+// W warps a block under __launch_bounds__(32 W, B), B blocks an SM: at most 65536 / (32 W B) registers (80 for
+// 24 warps an SM; sm_90 and sm_120 compile them without spills), so 24 warps an SM instead of the 16 of one 512-thread
+// gate_up block or the 5 four-warp down blocks that 86 registers allow. Names moe_{gate_up,down}_r<S>c<C>_w<W>o<B>.
+#define DD_MOE_GATE_UP_OCC(ST, CP, W, B)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W, B) moe_gate_up_r##ST##c##CP##_w##W##o##B(        \
+        const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,   \
+        const int* tile_expert, const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,   \
+        float4* __restrict__ partial, u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw) { \
+        gate_up_impl<ST, CP>(x, wq, wscale, tile_expert, tile_pairs, num_tiles, act, partial, counters, K, \
+                             NT, topk, S, tpw);                                                           \
+    }
+#define DD_MOE_DOWN_OCC(ST, CP, W, B)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * W, B) moe_down_r##ST##c##CP##_w##W##o##B(           \
+        const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale, \
+        const int* tile_expert, const int* tile_pairs, const int* num_tiles, float* __restrict__ y,       \
+        const float* topk_w, const bf16_t* shared_out, bf16_t* __restrict__ out, u32* __restrict__ counters, \
+        int K, int NT, int topk, int tpw, int P) {                                                        \
+        down_impl<ST, CP>(act, wq, wscale, tile_expert, tile_pairs, num_tiles, y, topk_w, shared_out, out, \
+                          counters, K, NT, topk, tpw, P);                                                 \
+    }
+DD_MOE_GATE_UP_OCC(3, 2, 8, 3)
+DD_MOE_GATE_UP_OCC(3, 2, 4, 6)
+DD_MOE_DOWN_OCC(6, 1, 4, 6)
+DD_MOE_DOWN_OCC(6, 1, 8, 3)
 DD_MOE_RING(6, 1)
 DD_MOE_RING(3, 2)
 DD_MOE_RING(4, 2)

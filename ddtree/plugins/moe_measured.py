@@ -1,0 +1,26 @@
+"""The two launches' (moe_gate_up + moe_down) plan knobs where the H200 measured them faster than plan_moe's
+heuristics under both bench routings (issue 22; the table below, and the notes of that session).
+
+    knobs = two_launch_knobs(arch, shape, M)     # plan_moe keywords at M, {} where nothing was measured
+
+Keyed by (arch, hidden, inter per rank) like moe_stream.STREAM_MEASURED: (first M, last M, knobs). The
+batch-invariant plan ignores them (its gate_up split is max_tokens' at every M).
+"""
+from __future__ import annotations
+
+# H200, Kimi tp 8 (7168, 256), one device call (tests/plugins/sweep_moe_two.py: route kernel + experts, 16
+# routings a graph), us, plan_moe's plan -> 8-warp gate_up blocks (two an SM) at k-split 4, uniform top-8 / tree
+# routing at reuse 0.5: M = 9 91.7-92.0 (the sweep's rows with this gate_up, route + gate_up 61.2-61.4; the plan's
+# own row, first of its M, 99.7; `bench moe` in the next call 89.7) -> 86.3 (55.0) / 67.7 -> 62.2. A layer's 38-66
+# tiles at k-split 2 are one wave of 16-warp blocks plus a few; 4x finer items shorten that tail. M = 17: uniform
+# 137.5 -> 138.4 (not faster), tree 102.3 -> 92.9: left out, as is every other M (the same knobs lose at 33 under
+# uniform: 219.7 -> 262.0).
+TWO_MEASURED = {("sm_90", 7168, 256): ((9, 9, dict(gu_warps=8, gu_splits=4)),)}
+
+
+def two_launch_knobs(arch: str, shape, M: int) -> dict:
+    """plan_moe keywords measured faster at M on `arch` for `shape` (hidden, inter), else {}."""
+    for first, last, knobs in TWO_MEASURED.get((arch.rstrip("a"), shape.hidden, shape.inter), ()):
+        if first <= M <= last:
+            return dict(knobs)
+    return {}
