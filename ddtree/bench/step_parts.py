@@ -35,7 +35,7 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
         return "router"
     if fn.startswith("draft"):
         return "drafter"
-    if k.startswith(("mla_attention", "mla_decode", "mla_invariant")) or k == "kv_append":
+    if k.startswith(("mla_attention", "mla_decode", "mla_invariant", "kv_append")):
         return "attention"
     if k.startswith(("moe_gate_up", "moe_down", "moe_stream")):
         return "moe"
@@ -56,7 +56,7 @@ def meter_family(rec) -> str:
         return "tree"
     if rec.kind.startswith("draft"):
         return "drafter"
-    if rec.op in ("mla_tree_attention", "kv_append"):
+    if rec.op in ("mla_tree_attention", "kv_append", "kv_append_normed"):
         return "attention"
     if rec.op == "moe.experts":
         return "moe"

@@ -29,7 +29,7 @@ import numpy as np
 from ddtree.ops.cuda_collectives import CollectiveOps
 from ddtree.ops.cuda_vocab import VocabOps
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
-from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, Ops, RankLayout
+from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, Ops, RankLayout
 
 DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
 MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
@@ -59,6 +59,8 @@ LAUNCHERS = {
     "rope": "plugins/layer_ops.py LayerOps.rope_interleaved from the strided view into a dense copy, one pass "
             "(RopeTable.interleaved: cos/sin built in float64)",
     "kv_append": "the kv_append kernel of plugins/kv_cache.py on the op's cache and cache_len",
+    "kv_append_normed": "one kv_append_normed kernel (plugins/kv_cache.py): RMSNorm of c_kv, rope of k_pe and the "
+                        "append, the bits of rms_norm + rope + kv_append",
     "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count from the host copy, or read "
                   "on the device when the count is a device tensor: the captured step)",
     "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
@@ -81,8 +83,9 @@ LAUNCHERS = {
     "accept_walk": "plugins/vocab_nodes.py AcceptWalk (kernels/sample.cu node_accept_walk: the ranks' winners "
                    "merged, then the walk)",
 }
-if set(LAUNCHERS) != set(OP_NAMES):
-    raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ set(OP_NAMES))} differ from the op set")
+if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS):
+    raise ImportError(f"ops/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ (set(OP_NAMES) | set(PATTERNS)))} "
+                      "differ from the op set and its patterns")
 
 
 class CudaOps(CollectiveOps, VocabOps, Ops):
@@ -319,6 +322,24 @@ class CudaOps(CollectiveOps, VocabOps, Ops):
         g.launch(g.kernel(SOURCE, "kv_append", latent_defines(R, Dr)), q, append_threads(R, Dr), 0,
                  ptr(cache.ptr), ptr(cache_len.ptr), ptr(c_kv.ptr), np.int32(c_kv.row_stride("kv_append c_kv")),
                  ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=self.stream, pdl=self.k.pdl)
+        return cache
+
+    def kv_append_normed(self, cache, cache_len, latent, norm_w, eps, pos, rope):
+        from ddtree.plugins.compile import latent_defines
+        from ddtree.plugins.kv_cache import SOURCE, normed_append_threads
+        from ddtree.plugins.device import ptr
+        q, R = self._rows(latent, "kv_append_normed"), norm_w.shape[0]
+        Dr = latent.shape[1] - R
+        if cache.shape[1] != R + Dr:
+            raise ValueError(f"{self.where}: kv_append_normed of a [{q}, {R + Dr}] latent into a cache of {cache.shape}")
+        if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
+            raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
+        table = self.store.rope_table("interleaved", rope, Dr)
+        g = self.gpu
+        g.launch(g.kernel(SOURCE, "kv_append_normed", latent_defines(R, Dr)), q, normed_append_threads(R, Dr), 0,
+                 ptr(cache.ptr), ptr(cache_len.ptr), ptr(latent.ptr), np.int32(latent.row_stride("kv_append_normed")),
+                 ptr(norm_w.ptr), np.float32(eps), ptr(pos.ptr), ptr(table.table), np.int32(table.max_pos),
+                 stream=self.stream, pdl=self.k.pdl)
         return cache
 
     def kv_compact(self, cache, cache_len, accepted, accepted_count):

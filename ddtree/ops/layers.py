@@ -50,9 +50,8 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask) ->
     q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
     q_nope, q_pe = ops.slice(q_all, 2, 0, Dn), ops.slice(q_all, 2, Dn, Dn + Dr)
     latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))                 # [q, R + Dr] replicated
-    c_kv = ops.rms_norm(ops.slice(latent, 1, 0, R), ops.weight(a + "kv_a_layernorm.weight"), eps)   # [q, R]
-    k_pe = ops.rope(ops.reshape(ops.slice(latent, 1, R, R + Dr), [0, 1, Dr]), pos, cfg.rope)        # [q, 1, Dr]
-    cache = ops.kv_append(cache, cache_len, c_kv, ops.reshape(k_pe, [0, Dr]))
+    cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
+                                 cfg.rope)                                       # (c_kv normed | k_pe roped)
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
     q_lat = ops.mla_absorb_q(q_nope, kv_b, spec)                                        # [q, N_r, R]
     o_lat = ops.mla_tree_attention(q_lat, ops.rope(q_pe, pos, cfg.rope), cache, cache_len, tree_mask, spec)

@@ -158,6 +158,16 @@ class Ops(ABC):
     def kv_append(self, cache, cache_len, c_kv, k_pe):
         """cache [S, R + Dr] <- rows cache_len.. = (c_kv [q, R] | k_pe [q, Dr]); returns the cache (in place)."""
 
+    def kv_append_normed(self, cache, cache_len, latent, norm_w, eps: float, pos, rope):
+        """The MLA's kv_a output latent [q, R + Dr] appended as (rms_norm(latent[:, :R]) | rope(latent[:, R:])):
+        a pattern of the ops above, composed here; a backend with one kernel for it overrides it (cuda: one
+        launch instead of three, the same bits). Returns the cache (in place)."""
+        R = self.shape(norm_w)[0]
+        Dr = self.shape(cache)[1] - R                     # the cache's entry width (a graph's latent has no shape)
+        c_kv = self.rms_norm(self.slice(latent, 1, 0, R), norm_w, eps)                        # [q, R]
+        k_pe = self.rope(self.reshape(self.slice(latent, 1, R, R + Dr), [0, 1, Dr]), pos, rope)   # [q, 1, Dr]
+        return self.kv_append(cache, cache_len, c_kv, self.reshape(k_pe, [0, Dr]))
+
     @abstractmethod
     def kv_compact(self, cache, cache_len, accepted, accepted_count):
         """After a verify at T = cache_len: cache rows T + accepted[i] -> T + i for i < accepted_count
@@ -219,3 +229,5 @@ class Ops(ABC):
 
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
+# patterns: Ops methods composed of the ops above, which a backend may run as one kernel instead
+PATTERNS = ("kv_append_normed",)

@@ -31,6 +31,12 @@ def append_threads(latent: int, rope: int) -> int:
     return 32 * -(-(latent + rope) // 8 // 32)
 
 
+def normed_append_threads(latent: int, rope: int) -> int:
+    """kv_append_normed's block: a warp-rounded group of one thread per 16-byte vector of c_kv, then one thread
+    per k_pe pair, rounded up to a warp (Kimi: 64 + 32 = 96)."""
+    return 32 * -(-latent // 8 // 32) + 32 * -(-(rope // 2) // 32)
+
+
 class DeviceLatentCache:
     def __init__(self, gpu: Gpu, layers: int, capacity: int, *, latent: int, rope: int, pdl: bool = True):
         self.defines = latent_defines(latent, rope)          # LatentDimsError before anything compiles

@@ -125,7 +125,8 @@ def test_one_moe_layer_weight_and_kv_bytes_equal_the_hand_count(kimi_tp8):
     assert sum(r.weight_read for r in recs) == hand_weight_bytes(100)                 # exact
     kv_row = (512 + 64) * 2                                                         # c_kv + k_pe, bf16
     by_op = {r.op: r for r in recs}
-    assert by_op["kv_append"].written == M * kv_row
+    assert by_op["kv_append_normed"].written == M * kv_row
+    assert by_op["kv_append_normed"].read == M * kv_row + 512 * 2 + M * 4 + 4       # latent, norm w, pos, length
     q_lat, q_rope, cache_len, mask = M * 8 * 512 * 2, M * 8 * 64 * 2, 4, M * 1 * 4   # 8 heads a rank
     assert by_op["mla_tree_attention"].read == (T + M) * kv_row + q_lat + q_rope + cache_len + mask
 

@@ -144,7 +144,7 @@ def test_every_metered_op_has_the_part_of_its_kernels():
     for r in recs:
         seen.setdefault(meter_family(r), set()).add((r.kind, r.op))
     assert ("head", "linear") in seen["lm_head"] and ("draft_head", "linear") in seen["lm_head"]
-    assert {op for _, op in seen["attention"]} == {"mla_tree_attention", "kv_append"}
+    assert {op for _, op in seen["attention"]} == {"mla_tree_attention", "kv_append_normed"}
     assert {op for _, op in seen["moe"]} == {"moe.experts"} and {op for _, op in seen["router"]} == {"moe.router"}
     assert ("moe_layer", "moe.shared") in seen["dense"] and ("draft_layer", "linear") in seen["drafter"]
     assert {op for _, op in seen["tree"]} == {"vocab_topk", "tree_build", "vocab_winner", "accept_walk", "kv_compact"}
