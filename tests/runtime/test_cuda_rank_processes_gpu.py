@@ -19,6 +19,8 @@ from ddtree.tree.sampling import SamplingParams
 from tests.runtime.test_cuda_executor_gpu import PROMPTS, near_ties, small_mla_decisive
 
 pytestmark = pytest.mark.gpu
+# the rank processes' GPUs: both on GPU 0 by default (one GPU is enough); DDTREE_TEST_GPUS=0,1 on a 2-GPU machine
+GPUS = [int(g) for g in os.environ.get("DDTREE_TEST_GPUS", "0,0").split(",")]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def decoded(procs, mode: str, prompt, n: int, budget: int = 16) -> list[int]:
 def test_tp2_rank_processes_on_the_gpu_decode_the_reference_tokens(engine):
     from ddtree.runtime.ranks import RankProcesses
     ref = EngineExecutor(engine)
-    procs = RankProcesses(engine, cuda={"gpus": [0, 0], "max_context": 256, "kernel_plan": "fast"})
+    procs = RankProcesses(engine, cuda={"gpus": GPUS, "max_context": 256, "kernel_plan": "fast"})
     try:
         assert procs.executor.lay.tp == 2 and procs.executor.ops.collective is not None
         for mode in ("ar", "ddtree"):
@@ -45,7 +47,7 @@ def test_tp2_rank_processes_on_the_gpu_decode_the_reference_tokens(engine):
                 tokens = decoded(procs, mode, prompt, 24)
                 assert len(tokens) == 24
                 ties, total = ties + near_ties(ref, prompt, tokens), total + len(tokens)
-            print(f"tp 2, 2 processes on GPU 0, greedy {mode}: {total - ties} of {total} tokens are the float64 "
+            print(f"tp 2, 2 processes on GPUs {GPUS}, greedy {mode}: {total - ties} of {total} tokens are the float64 "
                   f"argmax, {ties} near-ties")
     finally:
         procs.close()
@@ -70,7 +72,7 @@ def test_a_killed_gpu_worker_is_named_and_no_kernel_hangs(engine):
     from ddtree.ops.shm_group import RankError
     from ddtree.plugins.allreduce import AllReduceError
     from ddtree.runtime.ranks import RankProcesses, Request
-    cuda = {"gpus": [0, 0], "max_context": 1024, "kernel_plan": "fast"}
+    cuda = {"gpus": GPUS, "max_context": 1024, "kernel_plan": "fast"}
     procs = RankProcesses(engine, timeout_s=3.0, heartbeat_s=1.0, cuda=cuda)
     try:
         want = decoded(procs, "ddtree", PROMPTS[0], 16)
