@@ -192,20 +192,22 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
 @click.option("--replays", default=50, show_default=True, help="replays of the one-all-reduce graph")
 @click.option("--collectives", default=122, show_default=True, help="all-reduces in the in-graph chain")
 @click.option("--probe", is_flag=True, help="report peer access, IPC and the flag round trip instead")
+@click.option("--timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
+              help="a rank still running after this long prints its Python stacks (stderr) and the run fails")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
-def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, as_json):
+def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, timeout_s, as_json):
     """One-shot peer-to-peer all-reduce vs NCCL, alone and inside a graph of 122."""
     from ddtree.ops.spawn_ranks import run_ranks
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
     if probe:
-        result = {"probe": run_ranks(probe_rank, ids)}
+        result = {"probe": run_ranks(probe_rank, ids, timeout_s=timeout_s)}
         if as_json:
             emit_json(result)
         else:
             click.echo(result)
         return
-    infos = run_ranks(bench_rank, ids, args=(ms, hidden, names, replays, collectives), timeout_s=600)
+    infos = run_ranks(bench_rank, ids, args=(ms, hidden, names, replays, collectives), timeout_s=timeout_s)
     result = {"gpu": infos[0]["gpu"], "ranks": len(ids), "nccl_version": infos[0]["nccl_version"],
               "one_shot_errors": sorted({r for i in infos for r in i["one_shot_errors"]}), "rows": infos[0]["rows"],
               "nccl_faster_from_bytes": nccl_faster_from(infos[0]["rows"])}

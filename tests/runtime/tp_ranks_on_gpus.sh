@@ -44,7 +44,8 @@ if [ "$(tr ',' '\n' <<< "$GPUS" | sort -u | wc -l)" -eq "$TP" ]; then
   # NCCL has hung after init on the 2-GPU kind before: its rows run last and apart, with NCCL's warnings kept
   timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull --json \
       > "$OUT/allreduce.json"
-  NCCL_DEBUG=WARN timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl nccl --json \
+  # --timeout-s before the step's limit: a hung rank prints its Python stacks into the .err (where NCCL waits)
+  NCCL_DEBUG=INFO timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl nccl --timeout-s $((LIMIT - 20)) --json \
       > "$OUT/allreduce_nccl.json" 2> "$OUT/allreduce_nccl.err" || echo "   NCCL bench exited $?" >&2
 else
   step "3. bench allreduce skipped: ranks share a GPU ($GPUS)"
