@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ddtree.ops.cuda_cache import CacheOps
 from ddtree.ops.cuda_collectives import CollectiveOps
 from ddtree.ops.cuda_vocab import VocabOps
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
@@ -88,7 +89,7 @@ if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS):
                       "differ from the op set and its patterns")
 
 
-class CudaOps(CollectiveOps, VocabOps, Ops):
+class CudaOps(CacheOps, CollectiveOps, VocabOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False,
@@ -298,7 +299,7 @@ class CudaOps(CollectiveOps, VocabOps, Ops):
         self.k.embed(ids.ptr, table.ptr, out.ptr, q, H, self.lay.vocab_start, table.shape[0], stream=self.stream)
         return out
 
-    # ---- MLA -------------------------------------------------------------------------------------
+    # ---- MLA (the latent cache's ops: CacheOps, ops/cuda_cache.py) -----------------------------------
     def rope(self, x, pos, rope):
         return self._roped(x, pos.ptr, self.store.rope_table("interleaved", rope, x.shape[2]), self.k.rope_interleaved)
 
@@ -310,54 +311,6 @@ class CudaOps(CollectiveOps, VocabOps, Ops):
         launch(out.ptr, pos_ptr, table, x.shape[0], x.shape[1], stream=self.stream, src=x.ptr,
                src_token_stride=x.strides[0], src_head_stride=x.strides[1])
         return out
-
-    def kv_append(self, cache, cache_len, c_kv, k_pe):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import SOURCE, append_threads
-        from ddtree.plugins.device import ptr
-        q, R, Dr = self._rows(c_kv, "kv_append"), c_kv.shape[1], k_pe.shape[1]
-        if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
-            raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
-        g = self.gpu
-        g.launch(g.kernel(SOURCE, "kv_append", latent_defines(R, Dr)), q, append_threads(R, Dr), 0,
-                 ptr(cache.ptr), ptr(cache_len.ptr), ptr(c_kv.ptr), np.int32(c_kv.row_stride("kv_append c_kv")),
-                 ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=self.stream, pdl=self.k.pdl)
-        return cache
-
-    def kv_append_normed(self, cache, cache_len, latent, norm_w, eps, pos, rope):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import SOURCE, normed_append_threads
-        from ddtree.plugins.device import ptr
-        q, R = self._rows(latent, "kv_append_normed"), norm_w.shape[0]
-        Dr = latent.shape[1] - R
-        if cache.shape[1] != R + Dr:
-            raise ValueError(f"{self.where}: kv_append_normed of a [{q}, {R + Dr}] latent into a cache of {cache.shape}")
-        if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
-            raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
-        table = self.store.rope_table("interleaved", rope, Dr)
-        g = self.gpu
-        g.launch(g.kernel(SOURCE, "kv_append_normed", latent_defines(R, Dr)), q, normed_append_threads(R, Dr), 0,
-                 ptr(cache.ptr), ptr(cache_len.ptr), ptr(latent.ptr), np.int32(latent.row_stride("kv_append_normed")),
-                 ptr(norm_w.ptr), np.float32(eps), ptr(pos.ptr), ptr(table.table), np.int32(table.max_pos),
-                 stream=self.stream, pdl=self.k.pdl)
-        return cache
-
-    def kv_compact(self, cache, cache_len, accepted, accepted_count):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE
-        from ddtree.plugins.device import ptr
-        if accepted_count.host is None:                        # on the device only (a captured step): the
-            n, count = accepted.shape[0], ptr(accepted_count.ptr)  # kernel moves min(n, count[0]) rows
-        else:
-            n, count = int(accepted_count.host[0]), ptr(None)
-        if not 0 <= n <= MAX_COMPACT:
-            raise ValueError(f"{self.where}: kv_compact of {n} rows (at most {MAX_COMPACT})")
-        if n:
-            entry, g = cache.shape[1], self.gpu
-            g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, 1),
-                     32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(cache.shape[0] * entry), ptr(cache_len.ptr),
-                     ptr(accepted.ptr), np.int32(n), count, stream=self.stream, pdl=self.k.pdl)
-        return cache
 
     def _absorb(self, spec):
         from ddtree.plugins.mla_absorb import MlaAbsorb
