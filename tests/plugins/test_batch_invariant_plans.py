@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ddtree.plugins.moe import DEFAULT_RING, plan_moe
+from ddtree.plugins.moe_plan import DEFAULT_RING, plan_moe
 
 from test_plans import ARCHS, GEMM_SHAPES, MOE_SHAPES
 

@@ -12,7 +12,7 @@ from ddtree.errors import InputError
 from ddtree.model.presets import PRESETS, get_preset
 from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import VARIANTS
-from ddtree.plugins.moe import RINGS
+from ddtree.plugins.moe_plan import RINGS
 
 # every extern "C" kernel the launchers look up, per source
 KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down", "stream") for r, c in RINGS],

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ddtree.plugins import layout, reference
-from ddtree.plugins.moe import (DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, STREAM_MEASURED, MoEShape, plan_moe,
-                                plan_moe_stream, stream_default, stream_knobs)
+from ddtree.plugins.moe_plan import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe, plan_moe_stream
+from ddtree.plugins.moe_stream import STREAM_MEASURED, stream_default, stream_knobs
 from ddtree.plugins.moe_stream import (BAR_BYTES, DOWN_WAVES, REGS_PER_THREAD, STATIC_SMEM, align_tiles, first_round,
                                        looks_ahead, pinned_count, pinned_items, schedule, simulate_stream, stream_items,
                                        x_bytes)

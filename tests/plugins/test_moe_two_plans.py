@@ -6,7 +6,7 @@ tree routing (fewer distinct experts than uniform, each row top-k distinct)."""
 import numpy as np
 import pytest
 
-from ddtree.plugins.moe import DEFAULT_RING, OCC_KERNELS, RINGS, MoEShape, plan_moe
+from ddtree.plugins.moe_plan import DEFAULT_RING, OCC_KERNELS, RINGS, MoEShape, plan_moe
 from ddtree.plugins.moe_measured import TWO_MEASURED, two_launch_knobs
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}

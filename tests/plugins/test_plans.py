@@ -6,7 +6,7 @@ import pytest
 from ddtree.model.presets import PRESETS, get_preset
 
 from ddtree.plugins.gemm import plan_gemm
-from ddtree.plugins.moe import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe
+from ddtree.plugins.moe_plan import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
 STAGES = 6                                          # compile.SOURCES ring depth of the skinny GEMM
