@@ -18,6 +18,7 @@ import statistics
 import click
 import numpy as np
 
+from ddtree.cli_types import FiniteFloatRange
 from ddtree.errors import InputError, reported
 from ddtree.jsonout import emit_json
 
@@ -192,7 +193,7 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
 @click.option("--replays", default=50, show_default=True, help="replays of the one-all-reduce graph")
 @click.option("--collectives", default=122, show_default=True, help="all-reduces in the in-graph chain")
 @click.option("--probe", is_flag=True, help="report peer access, IPC and the flag round trip instead")
-@click.option("--timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
+@click.option("--timeout-s", default=600.0, show_default=True, type=FiniteFloatRange(min=1.0),
               help="a rank still running after this long prints its Python stacks (stderr) and the run fails")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, timeout_s, as_json):

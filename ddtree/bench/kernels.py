@@ -14,7 +14,7 @@ import statistics
 
 import click
 
-from ddtree.cli_types import comma_list
+from ddtree.cli_types import FiniteFloatRange, comma_list
 import numpy as np
 
 from ddtree.errors import reported
@@ -314,7 +314,7 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--routing", default="uniform", show_default=True, type=click.Choice(["uniform", "tree"]),
               help="ids of each launch: uniform top-8, or bench step's tree routing (a node reuses its parent's "
               "experts with probability --reuse: fewer distinct experts, more rows each)")
-@click.option("--reuse", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0), help="--routing tree")
+@click.option("--reuse", default=0.5, show_default=True, type=FiniteFloatRange(0.0, 1.0), help="--routing tree")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--paths", default="auto", show_default=True,
               help="experts paths to time, comma-separated: auto (the plan's choice), two-kernel, stream")
