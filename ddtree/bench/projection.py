@@ -110,7 +110,8 @@ OP_CLASS = {"moe.experts": "moe", "moe.router": "router", "moe.shared": "gemm", 
             "mla_tree_attention": "attention", "draft_attention": "attention",
             "vocab_winner": "tree", "vocab_topk": "tree", "tree_build": "tree", "accept_walk": "tree",
             "add": "elementwise", "rms_norm": "elementwise", "rope": "elementwise", "kv_append": "elementwise",
-            "kv_append_normed": "elementwise", "kv_compact": "elementwise", "embed": "elementwise", "cast": "elementwise",
+            "kv_append_normed": "elementwise", "kv_compact": "elementwise", "embed": "elementwise",
+            "cast": "elementwise",
             "all_reduce_add_rms_norm": "elementwise", "all_reduce": None, "all_gather": None}
 PHASES = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce")
 ATTENTION_OPS = {"mla_absorb_q", "mla_tree_attention", "mla_absorb_out", "kv_append", "kv_append_normed", "rope"}

@@ -28,7 +28,8 @@ class CacheOps:
         q, R = self._rows(latent, "kv_append_normed"), norm_w.shape[0]
         Dr = latent.shape[1] - R
         if cache.shape[1] != R + Dr:
-            raise ValueError(f"{self.where}: kv_append_normed of a [{q}, {R + Dr}] latent into a cache of {cache.shape}")
+            raise ValueError(f"{self.where}: kv_append_normed of a [{q}, {R + Dr}] latent into a cache of "
+                             f"{cache.shape}")
         if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
             raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
         table = self.store.rope_table("interleaved", rope, Dr)

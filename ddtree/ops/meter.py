@@ -28,7 +28,8 @@ from ddtree.ops.opset import ACC, ACT, F32, I32, Ops, RankLayout
 
 STORED_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 KERNELS = {"add": 1, "rms_norm": 1, "all_reduce_add_rms_norm": 1, "linear": 1, "swiglu_mlp": 2, "embed": 1, "cast": 1,
-           "rope": 1, "kv_append": 1, "kv_append_normed": 1, "kv_compact": 1, "mla_absorb_q": 1, "mla_tree_attention": 2, "mla_absorb_out": 1,
+           "rope": 1, "kv_append": 1, "kv_append_normed": 1, "kv_compact": 1, "mla_absorb_q": 1,
+           "mla_tree_attention": 2, "mla_absorb_out": 1,
            "moe.router": 1, "moe.experts": 2, "moe.shared": 2, "draft_attention": 1, "all_reduce": 1, "all_gather": 1,
            "vocab_winner": 1, "vocab_topk": 2, "tree_build": 1, "accept_walk": 1}
 
