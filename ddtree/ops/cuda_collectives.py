@@ -54,10 +54,8 @@ class CollectiveOps:
             return out
         if tp > 1:                                             # stand-in: x copied into each rank's slot
             out = self.new((tp, *x.shape), x.dtype)
-            n = int(np.prod(x.shape)) * x.itemsize
             self.tag = "allreduce_standin"
-            for r in range(tp):
-                self.gpu.copy_d2d(out.ptr + r * n, x.ptr, n, stream=self.stream)
+            StandinGather(tp).all_gather(self.gpu, x, out, stream=self.stream)
             self.tag = ""
             return out
         return replace(x, shape=(1, *x.shape), strides=(int(np.prod(x.shape)), *x.strides),
@@ -82,6 +80,21 @@ class CollectiveOps:
         out = self.copy(x)
         self.tag = ""
         return out
+
+
+class StandinGather:
+    """A capturable stand-in all-gather of tp ranks: every slot of out [tp, ...] gets this rank's own x (the bytes
+    land as a real all-gather's would; nothing crosses a link). The cuda backend's stand-ins (ddtree bench step)
+    and the top-p-across-ranks tests and timings use it."""
+    capturable = True
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def all_gather(self, gpu, x, out, stream=None) -> None:
+        nbytes = int(np.prod(x.shape)) * x.itemsize
+        for r in range(self.tp):
+            gpu.copy_d2d(out.ptr + r * nbytes, x.ptr, nbytes, stream=stream)
 
 
 class ThreadRankGroup(RankGroup):

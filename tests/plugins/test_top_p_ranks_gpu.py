@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from ddtree.ops.cuda_collectives import StandinGather
 from ddtree.plugins import top_p_bins as tb
 from ddtree.plugins.top_p_ranks import ranks_sample_top_p
 from ddtree.tree.sampling import SamplingParams
@@ -135,19 +136,6 @@ def test_rows_run_again_after_a_bin_overflow(split_sampler, single):
     assert check_split(split_sampler, single, zeros, np.arange(3, dtype=np.int32), params, "zeros") == {tb.BIN_OVERFLOW}
     l = rng.standard_normal((3, V_BIG)).astype(np.float32)
     assert check_split(split_sampler, single, l, np.arange(3, dtype=np.int32), params, "after") == {0}
-
-
-class StandinGather:
-    """A capturable stand-in collective: every slot of the gathered output gets this rank's own part."""
-    capturable = True
-
-    def __init__(self, tp):
-        self.tp = tp
-
-    def all_gather(self, gpu, x, out, stream=None):
-        nbytes = int(np.prod(x.shape)) * x.itemsize
-        for r in range(self.tp):
-            gpu.copy_d2d(out.ptr + r * nbytes, x.ptr, nbytes, stream=stream)
 
 
 def test_launch_is_captured_and_replays_with_new_params(gpu):
