@@ -252,9 +252,33 @@ def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceilin
     return rows
 
 
+def gemm_operands(gpu, N: int, K: int, max_m: int, seed: int, x_seed: int) -> tuple:
+    """(ws, x, out, launches) for timing an [N, K] skinny GEMM: random weight copies in the tile_bf16 layout that
+    together exceed 4x the L2 (weights seed + i), x [max_m, K] random (x_seed), out [max_m, N] zeros, and the
+    launches a timing graph takes (a multiple of the copies, at least 8)."""
+    from ddtree.plugins import randfill
+    copies = max(1, -(-4 * gpu.l2_bytes // (N * K * 2)))
+    ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
+    for i, w in enumerate(ws):
+        randfill.fill_device(gpu, w, seed + i, randfill.WEIGHT_BF16)
+    x = gpu.alloc((max_m, K), np.uint16)
+    randfill.fill_device(gpu, x, x_seed, randfill.ACT_BF16)
+    return ws, x, gpu.zeros((max_m, N), np.uint16), copies * max(1, -(-8 // copies))
+
+
+def time_gemm(gpu, gemm, operands: tuple, M: int, residual: bool) -> float:
+    """us a launch of gemm at M rows (its current plan): one launch outside the capture (compile, shared-memory
+    limit), then a graph of the operands' launches, each on the next weight copy (out as the residual if any)."""
+    ws, x, out, launches = operands
+    res = out if residual else None
+    gemm.run(x, ws[0], out, M, residual=res)
+    gpu.sync()
+    return time_graph(gpu, lambda s: [gemm.run(x, ws[i % len(ws)], out, M, residual=res, stream=s)
+                                      for i in range(launches)]) * 1e3 / launches
+
+
 def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int, names: list[str] | None,
                     overrides: dict | None = None, pdl: bool = True) -> list[dict]:
-    from ddtree.plugins import randfill
     from ddtree.plugins.gemm import SkinnyGemm
     rows = []
     max_m = max(ms)
@@ -262,24 +286,12 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
         if names and name not in names:
             continue
         wbytes = N * K * 2
-        copies = max(1, -(-4 * gpu.l2_bytes // wbytes))
-        ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]   # tile_bf16 layout
-        for i, w in enumerate(ws):
-            randfill.fill_device(gpu, w, seed + i, randfill.WEIGHT_BF16)
-        x = gpu.alloc((max_m, K), np.uint16)
-        randfill.fill_device(gpu, x, seed + 1000, randfill.ACT_BF16)
-        out = gpu.alloc((max_m, N), np.uint16)
-        gpu.memset(out, 0)
+        operands = gemm_operands(gpu, N, K, max_m, seed, seed + 1000)
         gemm = SkinnyGemm(gpu, N, K, max_m, pdl=pdl)
         for M in ms:
             if overrides:
                 gemm.override(M, **overrides)
-            res = out if residual else None
-            gemm.run(x, ws[0], out, M, residual=res)
-            gpu.sync()
-            launches = copies * max(1, -(-8 // copies))
-            us = time_graph(gpu, lambda s: [gemm.run(x, ws[i % copies], out, M, residual=res, stream=s)
-                                            for i in range(launches)]) * 1e3 / launches
+            us = time_gemm(gpu, gemm, operands, M, residual)
             nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
             p = gemm.plan(M)
             rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),

@@ -8,10 +8,7 @@ Output: one JSON object {"device", "rows": [{"name", "N", "K", "M", "planned": {
 import json
 import sys
 
-import numpy as np
-
-from ddtree.bench.kernels import GEMM_SHAPES, time_graph
-from ddtree.plugins import randfill
+from ddtree.bench.kernels import GEMM_SHAPES, gemm_operands, time_gemm
 from ddtree.plugins.device import Gpu
 from ddtree.plugins.gemm import SkinnyGemm, _divisors
 
@@ -19,23 +16,12 @@ from ddtree.plugins.gemm import SkinnyGemm, _divisors
 def sweep(gpu, tp: int, ms: list[int]) -> list[dict]:
     rows = []
     for name, N, K, residual in GEMM_SHAPES[tp]:
-        copies = max(1, -(-4 * gpu.l2_bytes // (N * K * 2)))
-        ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
-        for i, w in enumerate(ws):
-            randfill.fill_device(gpu, w, i, randfill.WEIGHT_BF16)
-        x = gpu.alloc((max(ms), K), np.uint16)
-        randfill.fill_device(gpu, x, 99, randfill.ACT_BF16)
-        out = gpu.zeros((max(ms), N), np.uint16)
-        launches = copies * max(1, -(-8 // copies))
+        operands = gemm_operands(gpu, N, K, max(ms), 0, 99)
         for M in ms:
             gemm = SkinnyGemm(gpu, N, K, max(ms))
-            res = out if residual else None
 
             def timed():
-                gemm.run(x, ws[0], out, M, residual=res)
-                gpu.sync()
-                return time_graph(gpu, lambda s: [gemm.run(x, ws[i % copies], out, M, residual=res, stream=s)
-                                                  for i in range(launches)]) * 1e3 / launches
+                return time_gemm(gpu, gemm, operands, M, residual)
             p = gemm.plan(M)
             row = {"name": name, "N": N, "K": K, "M": M,
                    "planned": {"warps": p.warps, "splits": p.splits, "blocks": p.blocks, "us": round(timed(), 2)},
