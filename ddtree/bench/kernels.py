@@ -125,6 +125,34 @@ def moe_routing_ids(rng, M: int, routing: str, reuse: float) -> np.ndarray:
     return tree_ids(rng, parents, EXPERTS, TOPK, reuse)
 
 
+def moe_operands(gpu, tp: int, max_m: int, seed: int) -> tuple:
+    """(shape, weights, x, out, expert_bytes) of Kimi's routed experts at tp: random INT4 words and bf16 scales
+    (seed + i in moe_weight_shapes' order), x [max_m, H] random (seed + 8), out [max_m, H], the bytes of one
+    expert's slices."""
+    from ddtree.plugins import randfill
+    from ddtree.plugins.moe import MoEShape
+    inter = TP_SHAPES[tp]["inter"]
+    shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max_m)
+    weights = {k: gpu.alloc(s, dtype) for k, (s, dtype) in moe_weight_shapes(EXPERTS, HIDDEN, inter).items()}
+    for i, (key, arr) in enumerate(weights.items()):
+        randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
+    x = gpu.alloc((max_m, HIDDEN), np.uint16)
+    randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
+    out = gpu.alloc((max_m, HIDDEN), np.uint16)
+    return shape, weights, x, out, sum(a.nbytes for a in weights.values()) / EXPERTS
+
+
+def moe_routes(gpu, rng, M: int, launches: int, routing: str, reuse: float) -> tuple:
+    """(routes, distinct): `launches` given routings of M tokens on the device (moe_routing_ids' ids, equal weights
+    summing to the scaling factor) and the distinct experts each touches."""
+    routes, distinct = [], []
+    for _ in range(launches):
+        ids = moe_routing_ids(rng, M, routing, reuse)
+        routes.append((gpu.upload(ids), gpu.upload(np.full((M, TOPK), 2.827 / TOPK, np.float32))))
+        distinct.append(len(np.unique(ids)))
+    return routes, distinct
+
+
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
                    overrides: dict | None = None, router: bool = True, pdl: bool = True,
                    parts: bool = False, paths: tuple = ("auto",), stream_knobs: dict | None = None,
@@ -132,21 +160,13 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
     """Rows of the experts (route kernel + gate_up -> down) per M and per path of `paths` (MOE_PATHS: the plan's
     choice, the two launches, the streaming launch), then the router's rows. routing: moe_routing_ids'."""
     from ddtree.plugins import randfill
-    from ddtree.plugins.moe import FusedMoE, MoEShape
-    inter = TP_SHAPES[tp]["inter"]
-    shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
-    E, H, I = EXPERTS, HIDDEN, inter
-    weights = {k: gpu.alloc(shape, dtype) for k, (shape, dtype) in moe_weight_shapes(E, H, I).items()}
-    for i, (key, arr) in enumerate(weights.items()):
-        randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
+    from ddtree.plugins.moe import FusedMoE
+    E, H = EXPERTS, HIDDEN
+    shape, weights, x, out, expert_bytes = moe_operands(gpu, tp, max(ms), seed)
     router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
     randfill.fill_device(gpu, router_w, seed + 7, randfill.WEIGHT_BF16)
     bias = gpu.upload(np.zeros(E, np.float32))
     moe = FusedMoE(gpu, shape, weights, router=router_w, bias=bias, pdl=pdl)
-    x = gpu.alloc((shape.max_tokens, H), np.uint16)
-    randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
-    out = gpu.alloc((shape.max_tokens, H), np.uint16)
-    expert_bytes = sum(a.nbytes for a in weights.values()) / E
     rng = np.random.default_rng(seed)
     rows = []
     for M in ms:
@@ -155,12 +175,7 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
         if "stream" in paths and (stream_knobs or overrides):     # the streaming launch on the same gate_up knobs
             moe.override_stream(M, **(stream_knobs or {}),
                                 **{k: v for k, v in (overrides or {}).items() if k.startswith("gu_")})
-        routes, distinct = [], []
-        for _ in range(launches):
-            ids = moe_routing_ids(rng, M, routing, reuse)
-            w = np.full((M, TOPK), 2.827 / TOPK, np.float32)
-            routes.append((gpu.upload(ids), gpu.upload(w)))
-            distinct.append(len(np.unique(ids)))
+        routes, distinct = moe_routes(gpu, rng, M, launches, routing, reuse)
         touched = moe_touched_bytes(float(np.mean(distinct)), expert_bytes, M, H)
         for path in paths:
             moe.streaming = MOE_PATHS[path]

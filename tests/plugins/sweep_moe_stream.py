@@ -11,10 +11,9 @@ import sys
 
 import numpy as np
 
-from ddtree.bench.kernels import (EXPERTS, HIDDEN, TOPK, TP_SHAPES, _row, moe_plan_row, moe_touched_bytes,
-                                  moe_weight_shapes, open_gpu, time_moe)
-from ddtree.plugins import randfill
-from ddtree.plugins.moe import FusedMoE, MoEShape
+from ddtree.bench.kernels import (EXPERTS, HIDDEN, TOPK, _row, moe_operands, moe_plan_row, moe_touched_bytes,
+                                  open_gpu, time_moe)
+from ddtree.plugins.moe import FusedMoE
 
 VARIANTS = {
     "default": {},
@@ -46,15 +45,7 @@ VARIANTS = {
 
 def main(tp: int, ms: list[int], names: list[str], launches: int = 16, seed: int = 0) -> None:
     gpu, ceiling = open_gpu()
-    I = TP_SHAPES[tp]["inter"]
-    shape = MoEShape(HIDDEN, I, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
-    weights = {k: gpu.alloc(s, dt) for k, (s, dt) in moe_weight_shapes(EXPERTS, HIDDEN, I).items()}
-    for i, (key, arr) in enumerate(weights.items()):
-        randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
-    x = gpu.alloc((shape.max_tokens, HIDDEN), np.uint16)
-    randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
-    out = gpu.alloc((shape.max_tokens, HIDDEN), np.uint16)
-    expert_bytes = sum(a.nbytes for a in weights.values()) / EXPERTS
+    shape, weights, x, out, expert_bytes = moe_operands(gpu, tp, max(ms), seed)
     rng = np.random.default_rng(seed)
     for M in ms:
         routes, distinct = [], []

@@ -12,10 +12,9 @@ import sys
 
 import numpy as np
 
-from ddtree.bench.kernels import (EXPERTS, HIDDEN, TOPK, TP_SHAPES, _row, moe_plan_row, moe_routing_ids,
-                                  moe_touched_bytes, moe_weight_shapes, open_gpu, time_graph, time_moe)
-from ddtree.plugins import randfill
-from ddtree.plugins.moe import FusedMoE, MoEShape
+from ddtree.bench.kernels import (HIDDEN, _row, moe_operands, moe_plan_row, moe_routes, moe_touched_bytes, open_gpu,
+                                  time_graph, time_moe)
+from ddtree.plugins.moe import FusedMoE
 
 R32 = (3, 2)
 VARIANTS = {
@@ -46,24 +45,12 @@ VARIANTS = {
 
 def main(tp: int, ms: list[int], names: list[str], routings: list[str], launches: int = 16, seed: int = 0) -> None:
     gpu, ceiling = open_gpu()
-    I = TP_SHAPES[tp]["inter"]
-    shape = MoEShape(HIDDEN, I, EXPERTS, TOPK, scaling=2.827, max_tokens=max(ms))
-    weights = {k: gpu.alloc(s, dt) for k, (s, dt) in moe_weight_shapes(EXPERTS, HIDDEN, I).items()}
-    for i, (key, arr) in enumerate(weights.items()):
-        randfill.fill_device(gpu, arr, seed + i, randfill.SCALES_BF16 if "scale" in key else randfill.INT4_WORDS)
-    x = gpu.alloc((shape.max_tokens, HIDDEN), np.uint16)
-    randfill.fill_device(gpu, x, seed + 8, randfill.ACT_BF16)
-    out = gpu.alloc((shape.max_tokens, HIDDEN), np.uint16)
-    expert_bytes = sum(a.nbytes for a in weights.values()) / EXPERTS
+    shape, weights, x, out, expert_bytes = moe_operands(gpu, tp, max(ms), seed)
     moe = FusedMoE(gpu, shape, weights, streaming=False)
     for routing in routings:
         rng = np.random.default_rng(seed)
         for M in ms:
-            routes, distinct = [], []
-            for _ in range(launches):
-                ids = moe_routing_ids(rng, M, routing, 0.5)
-                routes.append((gpu.upload(ids), gpu.upload(np.full((M, TOPK), 2.827 / TOPK, np.float32))))
-                distinct.append(len(np.unique(ids)))
+            routes, distinct = moe_routes(gpu, rng, M, launches, routing, 0.5)
             touched = moe_touched_bytes(float(np.mean(distinct)), expert_bytes, M, HIDDEN)
             for name in names:
                 moe._overrides.pop(M, None)
