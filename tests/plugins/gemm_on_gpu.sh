@@ -14,37 +14,29 @@ steps=,${STEPS:-tests,base,new,sweep,ncu},
 end=${END_S:-225}
 MS=${MS:-1,17,33,65}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >> "$out/log.txt"
-run() {   # name, timeout (capped by what is left of END_S), dir, command...
-  local name=$1 limit=$2 dir=$3; shift 3
-  local left=$((end - SECONDS)); ((limit > left)) && limit=$left
-  ((limit < 5)) && { echo "== $name skipped (time)" >> "$out/log.txt"; return; }
-  local t0=$SECONDS
-  echo "== $name (${limit} s): $*" >> "$out/log.txt"
-  (cd "$dir" && PYTHONPATH=$PWD timeout "$limit" "$@") > "$out/$name.out" 2>> "$out/log.txt"
-  echo "== $name rc=$? in $((SECONDS - t0)) s" >> "$out/log.txt"
-}
+source "$root/tests/plugins/gpu_lib.sh"          # gpu_step: each step under the call's time budget
 for tree in "$root" "$root/.cache/gemm_base"; do      # compile both trees' gemm.cu beside the tests
   [[ -d $tree ]] && (cd "$tree" && PYTHONPATH=$PWD python3 -c \
     "from ddtree.plugins.compile import compile_cubin as c; c('gemm.cu', 'sm_90'); c('fill.cu', 'sm_90')" \
     >> "$out/log.txt" 2>&1 &)
 done
 if [[ $steps == *,tests,* ]]; then
-  run tests ${TEST_S:-80} "$root" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+  gpu_step tests ${TEST_S:-80} "$root" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     tests/plugins/test_kernels_gpu.py tests/plugins/test_gemm_swiglu_gpu.py tests/plugins/test_batch_invariant_gpu.py \
     -k "gemm or swiglu"
 fi
 wait
 if [[ $steps == *,base,* && -d $root/.cache/gemm_base ]]; then
-  run base 25 "$root/.cache/gemm_base" python3 -m ddtree bench gemm --tp 8 --m $MS --json
+  gpu_step base 25 "$root/.cache/gemm_base" python3 -m ddtree bench gemm --tp 8 --m $MS --json
 fi
 if [[ $steps == *,new,* ]]; then
-  run new 25 "$root" python3 -m ddtree bench gemm --tp 8 --m $MS --json
+  gpu_step new 25 "$root" python3 -m ddtree bench gemm --tp 8 --m $MS --json
 fi
 if [[ $steps == *,sweep,* ]]; then
-  run sweep ${SWEEP_S:-60} "$root" python3 tests/plugins/sweep_gemm_tiles.py 8 ${SWEEP_MS:-17,33,65}
+  gpu_step sweep ${SWEEP_S:-60} "$root" python3 tests/plugins/sweep_gemm_tiles.py 8 ${SWEEP_MS:-17,33,65}
 fi
 if [[ $steps == *,ncu,* ]]; then
-  run ncu ${NCU_S:-50} "$root" /usr/local/cuda/bin/ncu --kernel-name regex:gemm_bf16 --section WarpStateStats \
+  gpu_step ncu ${NCU_S:-50} "$root" /usr/local/cuda/bin/ncu --kernel-name regex:gemm_bf16 --section WarpStateStats \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     python3 tests/plugins/profile_gemm.py ${NCU_CASES:-lm_head:65 lm_head:65:tpw=4,warps=4,max_mt=9}
 fi

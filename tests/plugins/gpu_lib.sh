@@ -1,7 +1,9 @@
-# Shared by the one-call device scripts (attention_on_gpu.sh, tree_on_gpu.sh): source it from the repo root.
+# Shared by the one-call device scripts (attention_on_gpu.sh, tree_on_gpu.sh, gemm_on_gpu.sh, moe_*_on_gpu.sh): source
+# it from the repo root.
 #   gpu_setup                      $out (absolute; $OUT or ./gpu-out), environment, the GPU's name and clocks
 #   gpu_tests FILE...              pytest on the files -> $out/tests.log, a summary ($TESTS=0 skips)
 #   gpu_bench MODULE CMD TAG ARGS  `ddtree.bench.MODULE.CMD --json ARGS` -> one tagged line of $out/MODULE.jsonl
+#   gpu_step NAME LIMIT DIR CMD    CMD under the call's time budget $end -> $step_out/NAME.out (below)
 gpu_setup() {
   out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
   export PYTHONUNBUFFERED=1 DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins PYTHONPATH=${PYTHONPATH:-}:.
@@ -23,4 +25,18 @@ gpu_bench() {
     | python3 -c "import json,sys; [print(json.dumps({'tag': '$tag', **json.loads(l)})) for l in sys.stdin if l.strip()]" \
     >> "$out/$module.jsonl"
   echo "  $tag ($*): $((SECONDS - t0)) s"
+}
+
+# gpu_step NAME LIMIT DIR CMD...: CMD in DIR (PYTHONPATH=DIR) under LIMIT s, capped by what is left of the call's
+# budget $end (seconds since the script started) -> $step_out/NAME.out; its stderr and the step's lines go to
+# $step_out/log.txt ($step_out defaults to $out). Skipped, and said so, when under 5 s are left.
+gpu_step() {
+  local name=$1 limit=$2 dir=$3; shift 3
+  local to=${step_out:-$out}
+  local left=$((end - SECONDS)); ((limit > left)) && limit=$left
+  ((limit < 5)) && { echo "== $name skipped (time)" >> "$to/log.txt"; return; }
+  local t0=$SECONDS
+  echo "== $name (${limit} s): $*" >> "$to/log.txt"
+  (cd "$dir" && PYTHONPATH=$PWD timeout "$limit" "$@") > "$to/$name.out" 2>> "$to/log.txt"
+  echo "== $name rc=$? in $((SECONDS - t0)) s" >> "$to/log.txt"
 }

@@ -16,15 +16,8 @@ new=$root/.cache/moe_new
 [[ -d $new ]] || new=$root
 ncu=/usr/local/cuda/bin/ncu
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >> "$out/b/log.txt"
-run() {   # name, timeout (capped by what is left of END_S), dir, command...
-  local name=$1 limit=$2 dir=$3; shift 3
-  local left=$((end - SECONDS)); ((limit > left)) && limit=$left
-  ((limit < 5)) && { echo "== $name skipped (time)" >> "$out/b/log.txt"; return; }
-  local t0=$SECONDS
-  echo "== $name (${limit} s): $*" >> "$out/b/log.txt"
-  (cd "$dir" && PYTHONPATH=$PWD timeout "$limit" "$@") > "$out/b/$name.out" 2>> "$out/b/log.txt"
-  echo "== $name rc=$? in $((SECONDS - t0)) s" >> "$out/b/log.txt"
-}
+source "$root/tests/plugins/gpu_lib.sh"          # gpu_step: each step under the call's time budget
+step_out=$out/b
 base=$root/.cache/moe_base
 if [[ -d $base && ! -f $base/.bench_copied ]]; then   # the baseline's plans and kernels, this bench (--routing tree);
   cp "$new/ddtree/bench/kernels.py" "$base/ddtree/bench/kernels.py"   # its plans have no occupancy knob: 1
@@ -38,19 +31,19 @@ wait
 MS=${MS:-1,8,17,33,65}
 for routing in uniform tree; do
   if [[ $steps == *,base,* && -d $base ]]; then
-    run base_$routing 30 "$base" python3 -m ddtree bench moe --tp 8 --m $MS --no-router \
+    gpu_step base_$routing 30 "$base" python3 -m ddtree bench moe --tp 8 --m $MS --no-router \
       --paths auto,two-kernel,stream --routing $routing --reuse 0.5 --json
   fi
   if [[ $steps == *,new,* ]]; then
-    run new_$routing 30 "$new" python3 -m ddtree bench moe --tp 8 --m $MS --no-router \
+    gpu_step new_$routing 30 "$new" python3 -m ddtree bench moe --tp 8 --m $MS --no-router \
       --paths auto,two-kernel,stream --routing $routing --reuse 0.5 --json
   fi
 done
 if [[ $steps == *,sweep,* ]]; then
-  run sweep ${SWEEP_S:-90} "$new" python3 tests/plugins/sweep_moe_two.py 8 ${SWEEP_MS:-17,9,33} "${VARIANTS:-}"
+  gpu_step sweep ${SWEEP_S:-90} "$new" python3 tests/plugins/sweep_moe_two.py 8 ${SWEEP_MS:-17,9,33} "${VARIANTS:-}"
 fi
 if [[ $steps == *,ncu,* ]]; then     # M = 17 uniform, the plan's kernels: launches 3-4 (gate_up, down of the 2nd run)
-  run ncu ${NCU_S:-60} "$new" $ncu --clock-control none --section SourceCounters --section WarpStateStats \
+  gpu_step ncu ${NCU_S:-60} "$new" $ncu --clock-control none --section SourceCounters --section WarpStateStats \
     -k regex:"moe_(gate_up|down)_r" --launch-skip 2 -c 2 -f -o "$out/b/moe17" \
     python3 tests/plugins/profile_moe.py 8 17 uniform 3 ${NCU_KNOBS:-}
   if [[ -f $out/b/moe17.ncu-rep ]]; then
@@ -61,7 +54,7 @@ if [[ $steps == *,ncu,* ]]; then     # M = 17 uniform, the plan's kernels: launc
   fi
 fi
 if [[ $steps == *,tests,* ]]; then
-  run tests ${TEST_S:-90} "$new" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+  gpu_step tests ${TEST_S:-90} "$new" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     tests/plugins/test_moe_stream_gpu.py tests/plugins/test_kernels_gpu.py tests/plugins/test_batch_invariant_gpu.py -k moe
 fi
 tail -n 4 "$out"/b/*.out "$out/b/ncu_top.txt" 2>/dev/null | cut -c1-300 | tail -n 60
