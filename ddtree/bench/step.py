@@ -34,7 +34,7 @@ from rich.table import Table
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.project import depth_histogram
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times  # noqa: F401  (kernel_family: tests)
-from ddtree.cli_types import comma_list
+from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.tree.build import Tree
@@ -237,10 +237,15 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 @click.option("--gpus", "gpu_list", default=None,
               help="--ranks all: one GPU index per rank, comma-separated (default 0..tp-1; indices may repeat for a "
                    "rehearsal on fewer GPUs)")
+@click.option("--no-branches", is_flag=True,
+              help="launch every op in order (A/B of the cuda backend's parallel branches: ops/cuda_branch.py)")
+@click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
+              help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
+                   "L2: ops/cuda_branch.py BranchOps.prefetch)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_id,
-                 ranks, gpu_list, as_json):
+                 ranks, gpu_list, no_branches, prefetch_mb, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
@@ -254,6 +259,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     plan = make_plan(cfg, dcfg, tp)
     from ddtree.runtime.cuda_executor import gpu_unavailable
     if ranks == "all":
+        for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None)):
+            if given:
+                raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
+                                         param_hint=flag)
         gpus = parse_rank_gpus(gpu_list, tp, rank_id)
         for g in sorted(set(gpus)):
             why = gpu_unavailable(g)
@@ -283,6 +292,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
     rank, steps, max_context = synthetic_steps(gpu, cfg, dcfg, plan, rank_id, contexts, budgets, repeats, accept)
+    rank.ops.branches = not no_branches
+    if prefetch_mb is not None:
+        rank.ops.prefetch_bytes = int(prefetch_mb * 2**20)
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
@@ -302,14 +314,15 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                        f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
-              "rows": rows,
+              "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes, "rows": rows,
               "notes": {"collectives": "stand-ins moving their bytes once on this GPU; not in the roofline",
                         "accept": "each DDTree step commits accepted_per_step tokens: the walk's path replaced by "
                                   "the tree's first-child chain (random weights accept ~1 on their own)",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "
                                    "used after the router ran (bench/routing.py on the stated tree)",
                         "split": "each launch timed alone in a graph of 10 back-to-back copies, one per kernel shape; "
-                                 "gaps = step - the kernels' sum",
+                                 "gaps = step - the kernels' sum (negative where kernels overlap: the parallel "
+                                 "branches, the L2 prefetch beside each attention)",
                         "bytes": "ops/meter.py meter_step (the generated ids' distinct experts for uniform/tree, the "
                                  "uniform expectation for router; the accepted tokens as the drafter's new "
                                  "context); meter_ar_step for the AR rows",
@@ -322,7 +335,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         return
     table = Table(title=f"ddtree bench step: {gpu.name}, rank {rank_id} of tp {tp}, {preset}")
     short = {"attention": "attn", "router": "route", "lm_head": "lm", "drafter": "draft",
-             "allreduce_standin": "ar*", "other": "other"}
+             "allreduce_standin": "ar*", "prefetch": "pf", "other": "other"}
     for name in ("ctx", "B", "acc", "routing", "experts", "step us", "ideal", "%", *(short.get(k, k) for k in SPLIT),
                  "gaps"):
         table.add_column(name, justify="right")

@@ -12,7 +12,7 @@ in proportion to their ideals (KERNEL_PARTS, empty today: part_times applies it)
 """
 from __future__ import annotations
 
-SPLIT = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce_standin", "other")
+SPLIT = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce_standin", "prefetch", "other")
 TREE_OPS = ("vocab_winner", "vocab_topk", "tree_build", "accept_walk", "kv_compact")
 DENSE_OPS = ("linear", "swiglu_mlp", "mla_absorb_q", "mla_absorb_out", "moe.shared")
 KERNEL_PARTS: dict[str, tuple[str, ...]] = {}      # kernel name prefix -> the parts whose work it does
@@ -23,6 +23,8 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
     k, fn = rec["kernel"], rec["fn"]
     if rec["tag"]:
         return "allreduce_standin"
+    if k == "l2_prefetch":               # beside the attention in the step (timed alone here: the gaps hold the overlap)
+        return "prefetch"
     if k.startswith("gemm_bf16"):
         n = int(rec["launch"][4][7])                            # the GEMM's N (SkinnyGemm.run's argument order)
         if n == vocab_per_rank:

@@ -26,8 +26,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from ddtree.ops.cuda_branch import BranchOps
 from ddtree.ops.cuda_cache import CacheOps
 from ddtree.ops.cuda_collectives import CollectiveOps
+from ddtree.ops.cuda_moe import MoeOps
 from ddtree.ops.cuda_vocab import VocabOps
 from ddtree.ops.cuda_tensor import Tensor, dense_strides
 from ddtree.ops.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, Ops, RankLayout
@@ -67,8 +69,9 @@ LAUNCHERS = {
     "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
-    "moe": "plugins/moe.py FusedMoE.run (router tiled at load; the shared expert by swiglu_mlp, added in down; "
-           "with a given routing: the router GEMM, then the route kernel aligns the given ids: route_given)",
+    "moe": "ops/cuda_moe.py: plugins/moe.py FusedMoE route + experts (router tiled at load; the shared expert by "
+           "swiglu_mlp on a parallel branch beside the router, added in down; with a given routing: the router "
+           "GEMM, then the route kernel aligns the given ids: route_given)",
     "draft_attention": "the context rows roped at cache_len + i (LayerOps.positions_from, rope_rotate_half) and "
                        "written at cache_len (LayerOps.rows_at; cache_len read on the device), q / k roped into "
                        "dense copies (one pass each), then plugins/draft_attention.py DraftAttention.run",
@@ -89,7 +92,7 @@ if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS):
                       "differ from the op set and its patterns")
 
 
-class CudaOps(CacheOps, CollectiveOps, VocabOps, Ops):
+class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, standin: bool = False,
@@ -123,6 +126,9 @@ class CudaOps(CacheOps, CollectiveOps, VocabOps, Ops):
         self.stream = None                  # None: the GPU's stream; a graph builder while capturing
         self.capturing = False              # recording a graph: no uploads, no allocations
         self.graph_plans = False            # the plans a captured graph needs (attention for max_context)
+        self.branches = True                # parallel branches where ops are independent (ops/cuda_branch.py)
+        self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
+                                                        # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 
     # ---- the call, buffers -----------------------------------------------------------------------
     def call(self, fn, *args, feeds: dict, arena: int = 0) -> dict:
@@ -130,6 +136,7 @@ class CudaOps(CacheOps, CollectiveOps, VocabOps, Ops):
         self.outputs, self.site, self.key = {}, 0, (fn.__name__, arena)
         self.where = f"{fn.__name__}({', '.join(str(a) for a in args if isinstance(a, int))}) on {self.gpu.name}"
         fn(self, *args)
+        self.join_pending()
         return self.outputs
 
     def bind(self, name: str, value) -> Tensor:
@@ -347,30 +354,6 @@ class CudaOps(CacheOps, CollectiveOps, VocabOps, Ops):
         q = self._rows(o_lat, "absorb")
         out = self.new((q, spec.heads * spec.v_dim), np.uint16)
         self._absorb(spec).out(o_lat.ptr, kv_b.ptr, out.ptr, q, stream=self.stream)
-        return out
-
-    # ---- MoE -------------------------------------------------------------------------------------
-    def moe(self, x, router, bias, experts, shared, spec):
-        from ddtree.plugins.moe import FusedMoE, MoEShape
-        if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
-            raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
-                                      "kernel's expert offset; tp 1 holds them all")
-        shared_out = self.swiglu_mlp(x, *shared)
-        shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
-                         spec.routed_scaling_factor, self.max_tokens)
-        keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
-                "down_scale": "down.scales"}
-        fused = self.launcher(("moe", router.name), lambda: FusedMoE(
-            self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
-            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
-        out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
-        given = self.routing.get(router.name) if self.routing else None
-        if given is None:
-            fused.run(x.ptr, out.ptr, M, shared=shared_out.ptr, stream=self.stream)
-        else:                              # the router runs (its cost is real), then the given routing is used
-            ids, weights = given
-            fused.route_given(x.ptr, M, ids, weights, stream=self.stream)
-            fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
         return out
 
     # ---- drafter ---------------------------------------------------------------------------------

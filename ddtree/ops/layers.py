@@ -41,20 +41,25 @@ def embed(ops: Ops, cfg) -> None:
     ops.output("h", h, ["q", cfg.hidden_size], ACT)
 
 
-def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask) -> tuple:
-    """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows)."""
+def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=()) -> tuple:
+    """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows). ahead: the
+    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention."""
     R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
     spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
+    with ops.branch() as kv_path:                # the cache rows need only x: beside the query path until attention
+        latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))             # [q, R + Dr] replicated
+        cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
+                                     cfg.rope)                                   # (c_kv normed | k_pe roped)
     c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
     q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
     q_nope, q_pe = ops.slice(q_all, 2, 0, Dn), ops.slice(q_all, 2, Dn, Dn + Dr)
-    latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))                 # [q, R + Dr] replicated
-    cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
-                                 cfg.rope)                                       # (c_kv normed | k_pe roped)
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
     q_lat = ops.mla_absorb_q(q_nope, kv_b, spec)                                        # [q, N_r, R]
-    o_lat = ops.mla_tree_attention(q_lat, ops.rope(q_pe, pos, cfg.rope), cache, cache_len, tree_mask, spec)
+    q_rope = ops.rope(q_pe, pos, cfg.rope)                                              # [q, N_r, Dr]
+    ops.join(kv_path)
+    ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
+    o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
     o = ops.mla_absorb_out(o_lat, kv_b, spec)                                           # [q, N_r Dv]
     return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
 
@@ -67,9 +72,8 @@ def moe(ops: Ops, cfg, m: str, x, inter: int):
                    float(cfg.routed_scaling_factor), cfg.quant.group_size)
     experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
                                                            "down.scales")}
-    shared = tuple(ops.weight(f"{m}shared_experts.{k}_proj.weight") for k in ("gate", "up", "down"))
     return ops.moe(x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
-                   shared, spec)
+                   tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
 
 
 ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
@@ -85,8 +89,22 @@ def router_weight(layer: int) -> str:
     return f"{layer_prefix(layer)}mlp.{ROUTER}"
 
 
+def mlp_names(m: str) -> tuple:
+    """A SwiGLU MLP's (gate, up, down) weight names under prefix m."""
+    return tuple(f"{m}{k}_proj.weight" for k in ("gate", "up", "down"))
+
+
 def dense_mlp(ops: Ops, m: str, x):
-    return ops.swiglu_mlp(x, *(ops.weight(f"{m}{k}_proj.weight") for k in ("gate", "up", "down")))
+    return ops.swiglu_mlp(x, *(ops.weight(n) for n in mlp_names(m)))
+
+
+def mlp_front(cfg, layer: int) -> tuple:
+    """The names of the weights decoder layer `layer`'s MLP reads first, in order: an MoE's router and shared
+    expert (its routed experts wait for the routing), or a dense MLP's."""
+    m = layer_prefix(layer) + "mlp."
+    if cfg.is_moe_layer(layer):
+        return (m + ROUTER, *mlp_names(m + "shared_experts."))
+    return mlp_names(m)
 
 
 def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
@@ -98,7 +116,8 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     cache_len = ops.input("cache_len", [1], I32)
     tree_mask = ops.input("tree_mask", ["q", "W"], I32)
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
-    attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask)
+    attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
+                                ahead=mlp_front(cfg, layer))
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
                                          cfg.rms_norm_eps, "attn")
     mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
@@ -171,6 +190,7 @@ def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
         heads_of(x, "v_proj", kv_heads, None)
     ctx_k, ctx_v = heads_of(ctx, "k_proj", kv_heads, "k_norm"), heads_of(ctx, "v_proj", kv_heads, None)
     spec = DraftAttentionSpec(heads, kv_heads, d, dcfg.window(layer), float(dcfg.attention_factor))
+    ops.prefetch(a + "o_proj.weight", *mlp_names(p + "mlp."))     # staged in L2 during the attention
     o, cache_k, cache_v = ops.draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, dcfg.rope,
                                               spec)
     h1, x2 = ops.all_reduce_add_rms_norm(ops.linear(o, ops.weight(a + "o_proj.weight")), h,

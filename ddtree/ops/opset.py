@@ -29,6 +29,7 @@ per rank, B tree budget, tp ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 ACT, ACC, I32, F32 = "act", "acc", "int32", "float32"
@@ -209,6 +210,23 @@ class Ops(ABC):
     @abstractmethod
     def all_gather(self, x, tag: str):
         """Every rank's x [...] stacked in rank order -> [tp, ...] (the vocab-parallel winners and candidates)."""
+
+    # scheduling: independent ops ---------------------------------------------------------------------
+    @contextmanager
+    def branch(self):
+        """The ops inside read nothing that the ops after the block write, up to join(b) (b: what this yields):
+        a backend may run them beside those (cuda: a parallel branch of the step's graph, ops/cuda_branch.py).
+        Here, and in every backend that does not override it, they simply run in order."""
+        yield None
+
+    def join(self, b) -> None:
+        """After this, ops may read what the ops of branch b wrote (in order: nothing to do)."""
+
+    def prefetch(self, *names: str) -> None:
+        """A hint: the weights of these names are read soon, after the op that runs next (a backend may stage
+        them in cache while that op runs, finishing by the end of the call: cuda, beside the tree attention,
+        ops/cuda_branch.py). No value depends on it; here, and in every backend that does not override it,
+        nothing happens."""
 
     # vocab-parallel sampling and the tree ------------------------------------------------------------
     @abstractmethod

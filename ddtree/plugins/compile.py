@@ -46,6 +46,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "step_state.cu": {"default": {}},          # the decode step's device state and record ring
     "allreduce.cu": {"default": {"AR_MAX_RANKS": 8, "AR_MAX_BLOCKS": 32}},   # one-shot all-reduce (plugins/allreduce.py)
     "router.cu": {"default": {}},              # the fused MoE router (plugins/router.py)
+    "prefetch.cu": {"default": {}},            # L2 prefetch of the next kernels' weights (plugins/prefetch.py)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

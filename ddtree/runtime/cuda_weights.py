@@ -75,6 +75,17 @@ class CudaWeights:
     def gate_up(self, gate: str, up: str):
         return self._tiled[gate]
 
+    def layouts(self, name: str) -> list:
+        """The device buffers the kernels read for weight `name` (its tiled layout, the fused [gate; up] for a
+        gate (none for an up: it lives there), or the raw upload): what an L2 prefetch of it stages."""
+        if name in self._tiled:
+            return [self._tiled[name]]
+        if name in self.raw:
+            return [self.raw[name]]
+        if name.endswith(GATE_UP[1]) and name[: -len(GATE_UP[1])] + GATE_UP[0] in self._tiled:
+            return []
+        raise KeyError(f"cuda executor: tensor '{name}' is not among the rank's weights")
+
     def uk_t(self, kv_b: str, spec):
         return self._uk[kv_b]
 

@@ -20,7 +20,7 @@ def rec(kernel, fn="decoder_layer", tag="", n=None):
     (rec("gemm_bf16_mt1", fn="draft_layer", n=1024), "drafter"), (rec("draft_attention_d128", fn="draft_layer"), "drafter"),
     (rec("draft_topk", fn="draft_logits"), "tree"), (rec("sample_greedy", fn="head_logits"), "tree"),
     (rec("kv_compact", fn="compact"), "tree"), (rec("gather_rows", tag="allreduce_standin"), "allreduce_standin"),
-    (rec("rms_norm_rows"), "other"),
+    (rec("rms_norm_rows"), "other"), (rec("l2_prefetch"), "prefetch"), (rec("l2_prefetch", fn="draft_layer"), "prefetch"),
 ])
 def test_kernel_families(r, family):
     assert kernel_family(r, 20480, 384) == family

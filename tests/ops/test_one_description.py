@@ -27,8 +27,8 @@ def biases(cfg) -> dict[int, np.ndarray]:
 def patch_layer(monkeypatch):
     original = layers.mla_attention
 
-    def biased(ops, cfg, a, *args):
-        partial, cache = original(ops, cfg, a, *args)
+    def biased(ops, cfg, a, *args, **kwargs):
+        partial, cache = original(ops, cfg, a, *args, **kwargs)
         if ops.lay.rank == 0:                                   # a = "model.layers.<L>.self_attn."
             partial = ops.add(partial, ops.weight(a + "o_proj.test_bias"))
         return partial, cache

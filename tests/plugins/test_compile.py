@@ -36,7 +36,8 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                             "rope_rotate_half", "head_rms_norm", "silu_mul", "gather_rows", "cast_f32_bf16", "positions_from", "rows_at"],
            "step_state.cu": ["step_prologue", "ctx_window", "step_commit", "step_force_accept"],
            "allreduce.cu": ["allreduce_push", "allreduce_pingpong", "allreduce_sum_local"],
-           "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)]}
+           "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)],
+           "prefetch.cu": ["l2_prefetch"]}
 
 
 # sha256 of Kimi's (latent 512, rope 64) cubins, by NVRTC version: the kernels the H200 numbers in

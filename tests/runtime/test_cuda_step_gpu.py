@@ -207,3 +207,35 @@ def test_a_wider_table_builds_the_same_tree(tiny):
         for name in ("tokens", "parents", "depth", "positions", "vis"):
             assert (narrow[name] == wide[name]).all(), (budget, name)
         assert (wide["table_logp"][:, :budget] == narrow["table_logp"]).all()
+
+
+def test_parallel_branches_change_no_bit(tiny):
+    """The branches (ops/cuda_branch.py: the shared expert beside the router, the kv path beside the query path,
+    the L2 prefetch beside the attention) run the same kernels on the same inputs as the in-order launches
+    without prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs
+    (recaptured without them) commit the same tokens. A join in the wrong place would let a kernel read an
+    output not yet (or not at all) written."""
+    from ddtree.runtime.loop import causal_visible
+    ex, prompts = tiny
+    assert ex.config.is_moe_layer(ex.config.num_hidden_layers - 1), "the tiny model's last layer is an MoE layer"
+    ids = prompts[0][:40]
+
+    def run():
+        logits, _ = ex.target_forward(ids, np.arange(len(ids)), causal_visible(0, len(ids)), ex.new_target_cache())
+        ar = run_to_end(ar_steps(ex, ids, 24, SAMPLED))
+        dd = run_to_end(ddtree_steps(ex, ids, 24, SAMPLED, 16))
+        return np.array(logits), ar, dd
+
+    assert ex.ops.branches and ex.ops.prefetch_bytes > 0
+    with_branches = run()
+    budget = ex.ops.prefetch_bytes
+    try:
+        ex.ops.branches, ex.ops.prefetch_bytes = False, 0
+        ex.steps.graphs.clear()                      # recapture every step graph without the branches
+        in_order = run()
+    finally:
+        ex.ops.branches, ex.ops.prefetch_bytes = True, budget
+        ex.steps.graphs.clear()
+    assert with_branches[0].view(np.uint32).tolist() == in_order[0].view(np.uint32).tolist()
+    assert with_branches[1] == in_order[1]
+    assert with_branches[2] == in_order[2]

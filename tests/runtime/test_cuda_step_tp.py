@@ -84,8 +84,9 @@ class RecordingGpu:
 
     def __init__(self, device_id: int = 0):
         self.launches, self.allocations, self.next = [], 0, 0x100000
-        self.stream = SimpleNamespace(handle=0)
-        self.dev = SimpleNamespace(set_current=lambda: None)
+        self.stream = SimpleNamespace(handle=0, wait=lambda other: None)
+        self.dev = SimpleNamespace(set_current=lambda: None,               # eager branches: a side stream
+                                   create_stream=lambda: SimpleNamespace(handle=1, wait=lambda other: None))
 
     def alloc(self, shape, dtype):
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))

@@ -1,0 +1,38 @@
+"""The op set's MoE in the cuda backend (MoeOps, mixed into CudaOps: ops/cuda_backend.py): plugins/moe.py FusedMoE
+(the fused router, then the routed experts' gate_up + down, the shared expert's output added in down).
+
+The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router, whose
+routing phase runs on one block while the rest of the GPU idles: it runs on a parallel branch beside the router
+(ops/cuda_branch.py), joined before the experts' launch. `ops.branches = False` runs them in order (A/B: ddtree
+bench step --no-branches); the outputs are the same bits either way (the same kernels on the same inputs)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class MoeOps:
+    def moe(self, x, router, bias, experts, shared, spec):
+        from ddtree.plugins.moe import FusedMoE, MoEShape
+        if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
+            raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
+                                      "kernel's expert offset; tp 1 holds them all")
+        with self.branch() as shared_path:
+            shared_out = self.swiglu_mlp(x, *shared)                               # [m, H], beside the router
+        shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
+                         spec.routed_scaling_factor, self.max_tokens)
+        keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
+                "down_scale": "down.scales"}
+        fused = self.launcher(("moe", router.name), lambda: FusedMoE(
+            self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
+            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
+        out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
+        given = self.routing.get(router.name) if self.routing else None
+        if given is None:
+            fused.route(x.ptr, M, stream=self.stream)
+            ids, weights = fused.topk_ids, fused.topk_w
+        else:                              # the router runs (its cost is real), then the given routing is used
+            ids, weights = given
+            fused.route_given(x.ptr, M, ids, weights, stream=self.stream)
+        self.join(shared_path)
+        fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
+        return out

@@ -1,0 +1,53 @@
+"""L2 prefetch (kernels/prefetch.cu): stage device buffers in L2 ahead of the kernels that read them.
+
+    pf = L2Prefetch(gpu)
+    pf.run([(address, nbytes), ...], stream)        # one launch per buffer; returns at once on the GPU
+
+Why: the tree attention of a layer is latency-bound (8 heads x 17 rows: ~15-20 us while DRAM mostly idles), and
+the kernels after it read weights from DRAM at a fraction of the copy ceiling (o_proj, the router, the shared
+expert: skinny GEMMs whose fixed costs are not hidden). Fetching those weights into L2 while the attention runs
+moves their DRAM time under the attention's. The cuda backend chooses what to stage within a byte budget
+(ops/cuda_branch.py BranchOps.prefetch); the values read never change (a prefetch moves no data a kernel sees).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.plugins.device import Gpu, ptr
+
+SOURCE = "prefetch.cu"
+THREADS = 128
+CHUNK = 16384                       # bytes one thread asks L2 for (one bulk prefetch instruction)
+SLOTS = 4                           # buffers one launch takes (kernels/prefetch.cu)
+
+
+def launches(sizes, chunk: int = CHUNK) -> tuple[int, int]:
+    """(blocks, threads a block) of one launch over buffers of these sizes (<= SLOTS): a thread per chunk."""
+    threads = sum(-(-n // chunk) for n in sizes)
+    return max(1, -(-threads // THREADS)), THREADS
+
+
+class L2Prefetch:
+    def __init__(self, gpu: Gpu, chunk: int = CHUNK):
+        if int(gpu.arch[3:].rstrip("a")) < 90:
+            raise RuntimeError(f"L2 prefetch: cp.async.bulk.prefetch.L2 needs sm_90 or newer; {gpu.name} is {gpu.arch}")
+        if chunk % 16 or chunk <= 0:
+            raise ValueError(f"L2 prefetch: chunk = {chunk} must be a positive multiple of 16 bytes")
+        self.gpu, self.chunk = gpu, chunk
+        self.kernel = gpu.kernel(SOURCE, "l2_prefetch")
+
+    def run(self, buffers, stream=None) -> None:
+        """buffers: (address, nbytes) pairs (DeviceArray addresses or ints), each 16-byte aligned with nbytes a
+        multiple of 16 (the bulk prefetch's rule); one launch per SLOTS of them."""
+        buffers = list(buffers)
+        for address, nbytes in buffers:
+            if int(ptr(address)) % 16 or nbytes % 16 or nbytes <= 0:
+                raise ValueError(f"L2 prefetch: buffer {int(ptr(address)):#x} of {nbytes} B must be 16-byte aligned "
+                                 "and a positive multiple of 16 bytes")
+        for i in range(0, len(buffers), SLOTS):
+            group = buffers[i: i + SLOTS]
+            blocks, threads = launches([n for _, n in group], self.chunk)
+            args = []
+            for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
+                args += [ptr(address), np.uint64(nbytes)]
+            self.gpu.launch(self.kernel, blocks, threads, 0, *args, np.uint32(self.chunk), stream=stream)
