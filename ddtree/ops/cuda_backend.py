@@ -127,6 +127,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         self.capturing = False              # recording a graph: no uploads, no allocations
         self.graph_plans = False            # the plans a captured graph needs (attention for max_context)
         self.branches = True                # parallel branches where ops are independent (ops/cuda_branch.py)
+        self.lane = 0                       # the branch launching now (0: the main chain)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
                                                         # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 
@@ -194,6 +195,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         return replace(out, host=array)
 
     def launcher(self, key: tuple, make):
+        if self.lane:                       # a branch's own launchers: no workspace shared with a parallel chain
+            key = (*key, self.lane)
         if key not in self.kernels:
             self.kernels[key] = make()
         return self.kernels[key]

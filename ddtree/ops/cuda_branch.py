@@ -13,8 +13,8 @@ ops.branches is off or the stream cannot fork (a TensorRT plugin's raw stream).
 
 In a captured graph the branch is a builder split from the ops' builder (cuda.core GraphBuilder.split / join: two
 parallel chains of nodes); eagerly it is a second stream that waits on the GPU's stream. Buffers: every op site
-has its own arena buffer and every launcher its own workspace, so a branch shares nothing it writes with the main
-chain unless the same launcher runs in both (callers keep that from happening).
+has its own arena buffer and every launcher its own workspace, and a branch launches through launchers of its
+own (CudaOps.launcher keys them by the branch's lane), so it shares nothing it writes with a parallel chain.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from contextlib import contextmanager
 
 
 class Fork:
-    def __init__(self, main, side):
-        self.main, self.side_stream = main, side          # main None: eager (the GPU's stream)
+    def __init__(self, main, side, lane):
+        self.main, self.side_stream, self.lane = main, side, lane     # main None: eager (the GPU's stream)
 
     @staticmethod
-    def of(ops, lane: str = "branch") -> "Fork | None":
-        """lane: which eager side stream (the prefetches, joined only at the end of a call, have their own, so a
-        branch opened meanwhile does not queue behind them)."""
+    def of(ops, lane) -> "Fork | None":
+        """lane: the branch's eager side stream and its launchers' key (CudaOps.launcher): two branches open at
+        once (or a branch and the prefetches, joined only at the end of a call) neither queue behind each other
+        eagerly nor share a launcher's workspace (a GEMM's split-K partials) while capturing."""
         if not getattr(ops, "branches", False):
             return None
         s = ops.stream
@@ -37,21 +38,22 @@ class Fork:
             if lane not in streams:
                 streams[lane] = ops.gpu.dev.create_stream()
             streams[lane].wait(ops.gpu.stream)
-            return Fork(None, streams[lane])
+            return Fork(None, streams[lane], lane)
         if hasattr(s, "split") and hasattr(s, "is_join_required"):     # a graph builder while capturing
             main, side = s.split(2)
             if main is not s:
                 raise RuntimeError("cuda backend: GraphBuilder.split did not return the ops' builder first")
-            return Fork(main, side)
+            return Fork(main, side, lane)
         return None                                       # another stream kind (a TensorRT plugin's): in order
 
     @contextmanager
     def side(self, ops):
-        outer, ops.stream = ops.stream, self.side_stream
+        outer = ops.stream, ops.lane
+        ops.stream, ops.lane = self.side_stream, self.lane
         try:
             yield
         finally:
-            ops.stream = outer
+            ops.stream, ops.lane = outer
 
     def join(self, ops) -> None:
         if self.main is None:
@@ -73,16 +75,20 @@ class BranchOps:
 
     @contextmanager
     def branch(self):
-        fork = Fork.of(self)
+        opened = self.__dict__.setdefault("_open", [])
+        lane = min(set(range(1, len(opened) + 2)) - {f.lane for f in opened})     # the lowest lane not open
+        fork = Fork.of(self, lane)
         if fork is None:
             yield None
             return
+        opened.append(fork)
         with fork.side(self):
             yield fork
 
     def join(self, b) -> None:
         if b is not None:
             b.join(self)
+            self._open.remove(b)
 
     def prefetch(self, *names) -> None:
         budget, chosen = self.prefetch_bytes, []

@@ -27,6 +27,7 @@ class Staged(BranchOps):
 
     def __init__(self, sizes, budget):
         self.store, self.prefetch_bytes, self.stream, self.runs = Store(sizes), budget, None, []
+        self.lane = 0
         runs = self.runs
 
         class Recorder:
@@ -161,3 +162,31 @@ def test_prefetch_branch_stays_open_until_the_end_of_the_call():
     assert Builder.log == [("split", "main"), ("join", "main", "main'")] and ops.stream is main
     ops.join_pending()                                                 # nothing left open
     assert len(Builder.log) == 2
+
+
+def test_open_branches_get_their_own_lanes_and_launchers():
+    """Two branches open at once run on distinct lanes, and CudaOps.launcher keys a branch's launchers by its
+    lane, so two parallel GEMMs of one shape never share a workspace; a lane is reused once joined."""
+    from ddtree.ops.cuda_backend import CudaOps
+    ops = Staged(SIZES, 0)
+    ops.branches, ops.stream, ops.kernels, main = True, Builder("main"), {}, Builder("main")
+    ops.stream = main
+    made = []
+
+    def get():
+        return CudaOps.launcher(ops, ("gemm", 128, 7168, False), lambda: made.append(ops.lane) or object())
+    base = get()
+    with ops.branch() as k_path:
+        in_k = get()
+        assert ops.lane == 1
+    with ops.branch() as v_path:
+        in_v = get()
+        assert ops.lane == 2
+    assert ops.lane == 0 and ops.stream is main
+    assert len({id(base), id(in_k), id(in_v)}) == 3 and made == [0, 1, 2]
+    ops.join(k_path)
+    with ops.branch() as again:
+        assert ops.lane == 1 and get() is in_k                      # lane 1 is free again; v_path still holds 2
+    ops.join(v_path)
+    ops.join(again)
+    assert ops.stream is main and ops._open == []

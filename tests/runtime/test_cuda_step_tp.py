@@ -195,9 +195,24 @@ def ranks_of(preset: str, tp: int):
     return ranks
 
 
+class CaptureBuilder:
+    """A graph builder's split / join (cuda.core GraphBuilder): the branches' builders are the capture's too."""
+    is_join_required = False
+
+    def __init__(self, name: str = "capture stream"):
+        self.name = name
+
+    def split(self, n: int):
+        return (self, *(CaptureBuilder(self.name) for _ in range(n - 1)))
+
+    @staticmethod
+    def join(main, *sides):
+        return main
+
+
 def run_bodies(ex, params_list) -> None:
     """Each step body of ex.steps eagerly (it allocates what it needs), then as a capture would record it: it must
-    allocate nothing and launch only on the capture's stream."""
+    allocate nothing and launch only on the capture's builder or builders split from it (the branches)."""
     steps, ops, gpu = ex.steps, ex.ops, ex.gpu
     b = ex.drafter_config.block_size
     for params in params_list:
@@ -205,13 +220,13 @@ def run_bodies(ex, params_list) -> None:
         for body in (lambda: steps._ddtree_body(16, b), steps._ar_body, lambda: steps._ddtree_body(4, b)):
             body()
             allocations, launched = gpu.allocations, len(gpu.launches)
-            ops.stream, ops.capturing = "capture stream", True
+            ops.stream, ops.capturing = CaptureBuilder(), True
             try:
                 body()
             finally:
                 ops.stream, ops.capturing = None, False
             assert gpu.allocations == allocations, "the capture pass allocated"
-            assert {stream for _, stream in gpu.launches[launched:]} == {"capture stream"}
+            assert {getattr(stream, "name", stream) for _, stream in gpu.launches[launched:]} == {"capture stream"}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small-mla"])
