@@ -6,13 +6,14 @@
 
 Letters: M tokens, H hidden (K of the GEMM), E experts, S k-splits, W warps a block, TW weight tiles (16
 experts) a block, KW = W / TW warps a tile, MT 8-token sub-tiles a block, MB token blocks, NB = E/16/TW
-n-blocks. The weight comes tiled (layout.tile_bf16), the bias fp32 or None. Workspaces (split partials,
-hand-off counters) are allocated here for max_tokens; run() only launches (graph-safe). FusedMoE.route uses
-it (plugins/moe.py); the kernel writes the outputs of the router GEMM + moe_route pair it replaces.
+n-blocks, L lanes a row in the route phase. The weight comes tiled (layout.tile_bf16), the bias fp32 or None.
+Workspaces (split partials, the scores [max_tokens, E] that route_rows reads, hand-off counters) are allocated
+here for max_tokens; run() only launches (graph-safe). FusedMoE.route uses it (plugins/moe.py); the kernel
+writes the outputs of the router GEMM + moe_route pair it replaces.
 
-select_ref is the numpy twin of the kernel's top-k selection, one warp a token or G = ceil(E / 32) warps
-(checked against routing.topk_lowest_id on the CPU); the routing rule's twin is ddtree/model/routing.py
-route_logits.
+select_ref is the numpy twin of the kernel's top-k selection, one warp a token, L = 16 lanes a token or
+G = ceil(E / 32) warps (checked against routing.topk_lowest_id on the CPU); the routing rule's twin is
+ddtree/model/routing.py route_logits.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ddtree.plugins.gemm import supports_pdl, token_tiles
 SOURCE = "router.cu"
 MAX_WARPS = 16                          # RT_MAX_WARPS in router.cu
 LANE_EXPERTS = 16                       # RT_EPL: E <= 512
+ROW_SLOTS = {32: LANE_EXPERTS, 16: 24}  # experts a lane of route_rows<L, SL> (router.cu): E <= 512 at 32, 384 at 16
 WARP_CHOICES = (1, 2, 4, 8, 16)        # 1 and 2 serve short hiddens (the tiny model: 128 = 2 chunks)
 # Cost model of plan_router (us). Guesses from the H200's datasheet and the route kernel's timings in
 # kernels/NOTES.md, to be replaced by a fit to tests/plugins/sweep_router.py's sweep.
@@ -84,6 +86,8 @@ class RouterPlan:
     smem: int        # dynamic shared memory, bytes
     fold: bool = False      # one hand-off to the last of all S x NB blocks: it sums every partial, routes from smem
     route_warps: int = 1    # G: warps a token in the routing block (route_block when > 1; folded plans only)
+    lanes: int = 0          # L: lanes a row of route_rows from the stored scores (16 or 32: row_lanes,
+                            # lanes_allowed) or 0: a warp a token from the logits (route_token)
 
     @property
     def kw(self) -> int:
@@ -106,7 +110,7 @@ def _up16(n: int) -> int:
 
 
 def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, splits: int, fold: bool = False,
-                route_warps: int = 1) -> int:
+                route_warps: int = 1, lanes: int = 0) -> int:
     """Bytes of dynamic shared memory: the largest of the kernel's phases (router.cu's table)."""
     E, k = shape.experts, shape.topk
     chunks = shape.hidden // 64 // splits
@@ -116,8 +120,13 @@ def router_smem(M: int, shape: RouterShape, mt: int, warps: int, tiles: int, spl
     rows = min(M, 8 * mt)
     ids = _up16(M * k * 4) if -(-M // (8 * mt)) == 1 else 0          # one token block: the ids' shared copy
     logits = _up16(rows * E * 4) + _up16(E * 4) if fold else 0         # folded: the logits rows and the bias
-    cmax = k * -(-E // 32)
-    scratch = rows * (36 + 98 * k) if route_warps > 1 else warps * (3 * cmax + 2 * k)   # route_block / warp_topk
+    if lanes:                                # route_rows: the bias, a round's scores, each segment's candidates
+        segments = warps * 32 // lanes
+        scratch = E + min(rows, segments) * E + segments * (2 * k * -(-E // lanes) + k)
+    elif route_warps > 1:                    # route_block
+        scratch = rows * (36 + 98 * k)
+    else:                                    # warp_topk, a warp a token
+        scratch = warps * (3 * k * -(-E // 32) + 2 * k)
     route = ids + logits + scratch * 4
     align = ids + (2 * E + 1) * 4 + M * k * 2
     return max(gemm, kw_sum, route, align)
@@ -129,6 +138,25 @@ def spread_warps(rows: int, warps: int, shape: RouterShape) -> int:
     (n_group > 1 needs a token's experts in one warp); else 1 (a warp a token)."""
     g = -(-shape.experts // 32)
     return g if shape.n_group == 1 and g >= shape.topk and rows * g <= warps else 1
+
+
+def lanes_allowed(shape: RouterShape, fold: bool) -> tuple[int, ...]:
+    """The lanes a row the kernel's route phase takes (router.cu): 0 (route_token, a warp a token from the
+    logits) always; route_rows (the scores stored by the logits' writers) unfolded (a folded plan's logits are
+    in shared memory), ungrouped (n_group > 1 needs a token's experts in one warp) and with E % 4 == 0 (rows of
+    scores staged in 16-byte copies): 32, and 16 where topk <= 16 (the topk-th of 16 lane maxima) and E <= 384
+    (the kernel's 24 experts a lane)."""
+    if fold or shape.n_group > 1 or shape.experts % 4:
+        return (0,)
+    return (0, 32, 16) if shape.topk <= 16 and shape.experts <= 16 * ROW_SLOTS[16] else (0, 32)
+
+
+def row_lanes(rows: int, warps: int, shape: RouterShape, fold: bool) -> int:
+    """L the plan prefers: 16 (route_rows, two rows a warp: 17..32 rows in one round of 16 warps instead of two,
+    33..64 in two instead of three or four) where the block routes more rows than 16 and than its warps (more
+    than one round of a warp a token) and 16 lanes are allowed (lanes_allowed); else 0 (route_token, as before:
+    1..16 rows keep it; 32 lanes only when forced, by FusedRouter.override)."""
+    return 16 if rows > max(16, warps) and 16 in lanes_allowed(shape, fold) else 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -150,7 +178,7 @@ def plan_cost(M: int, shape: RouterShape, p: RouterPlan, sm_count: int) -> float
     if p.route_warps > 1:
         route = BLOCK_ROUTE_US
     else:
-        route = -(-rows // p.warps) * ROUTE_US
+        route = -(-rows // (p.warps * 32 // (p.lanes or 32))) * ROUTE_US
     return load + reduce + handoffs * HANDOFF_US + route
 
 
@@ -160,7 +188,7 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
     for sweeps) by the smallest plan_cost among the plans whose shared memory (dynamic + STATIC_SMEM) fits
     `smem_limit` (the device's opt-in bytes a block), each warp with >= 1
     chunk unless K has fewer chunks than a block's warps (the route phase still uses them all). A folded plan
-    routes with spread_warps warps a token."""
+    routes with spread_warps warps a token; an unfolded one with row_lanes lanes a row where that fits."""
     E, kc = shape.experts, shape.hidden // 64
     nt = -(-E // 16)
     if warps is not None and warps not in WARP_CHOICES:
@@ -195,7 +223,12 @@ def plan_router(M: int, shape: RouterShape, sm_count: int, smem_limit: int, warp
     # then the cheaper of folded or not
     cost = {p: plan_cost(M, shape, p, sm_count) for p in options}
     near = [p for p in options if cost[p] <= 1.03 * min(cost.values())]
-    return min(near, key=lambda p: (-p.warps, p.splits, p.tiles, cost[p]))
+    best = min(near, key=lambda p: (-p.warps, p.splits, p.tiles, cost[p]))
+    # then the route phase's lanes a row on the knobs chosen as before (the GEMM part of the plan does not
+    # change with them): row_lanes' where its shared memory fits, else a warp a token
+    lanes = row_lanes(min(M, 8 * mt), best.warps, shape, best.fold)
+    smem = router_smem(M, shape, mt, best.warps, best.tiles, best.splits, best.fold, best.route_warps, lanes)
+    return replace(best, lanes=lanes, smem=smem) if lanes and smem + STATIC_SMEM <= smem_limit else best
 
 
 def invariant_knobs(shape: RouterShape, sm_count: int, smem_limit: int) -> dict:
@@ -219,16 +252,18 @@ class FusedRouter:
         plans = [(m, self.plan(m)) for m in range(1, shape.max_tokens + 1)]
         self.partial = gpu.alloc(max([p.partial_floats(m, shape.experts) for m, p in plans] + [1]), np.float32)
         self.counters = gpu.zeros(max(p.mb * p.nb + p.mb + 1 for _, p in plans), np.uint32)
+        self.score = gpu.alloc(shape.max_tokens * shape.experts, np.float32)   # route_rows' sigmoids [M, E]
 
     def plan(self, M: int) -> RouterPlan:
         if M in self._overrides:
             return self._overrides[M]
         return plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, **self.fixed)
 
-    def override(self, M: int, warps: int | None = None, tiles: int | None = None,
-                 splits: int | None = None, fold: bool | None = None, route_warps: int | None = None) -> RouterPlan:
+    def override(self, M: int, warps: int | None = None, tiles: int | None = None, splits: int | None = None,
+                 fold: bool | None = None, route_warps: int | None = None, lanes: int | None = None) -> RouterPlan:
         """Sweeps: force a plan for M (grows the workspaces if it needs more; call it before capturing);
-        route_warps: 1 (a warp a token) or, in a folded plan that can take it, spread_warps' G."""
+        route_warps: 1 (a warp a token) or, in a folded plan that can take it, spread_warps' G; lanes: 0 (a warp
+        a token from the logits) or route_rows' 32 or 16 lanes a row where lanes_allowed has them."""
         p = plan_router(M, self.shape, self.gpu.sm_count, self.gpu.smem_optin, warps, tiles, splits, fold)
         if route_warps is not None:
             rows = min(M, 8 * p.mt)
@@ -236,10 +271,20 @@ class FusedRouter:
             if route_warps not in (1, g):
                 raise ValueError(f"fused router: route_warps {route_warps} must be 1 or {g} ({rows} rows, "
                                  f"{p.warps} warps, fold {p.fold}: G = ceil(E / 32) >= topk, rows G <= warps)")
-            smem = router_smem(M, self.shape, p.mt, p.warps, p.tiles, p.splits, p.fold, route_warps)
+            smem = router_smem(M, self.shape, p.mt, p.warps, p.tiles, p.splits, p.fold, route_warps, p.lanes)
             if smem + STATIC_SMEM > self.gpu.smem_optin:
                 raise ValueError(f"fused router: route_warps {route_warps} needs {smem} B of shared memory")
             p = replace(p, route_warps=route_warps, smem=smem)
+        if lanes is not None:
+            s = self.shape
+            ok = lanes_allowed(s, p.fold)
+            if lanes not in ok:
+                raise ValueError(f"fused router: lanes {lanes} must be one of {ok} (fold {p.fold}, n_group "
+                                 f"{s.n_group}, topk {s.topk}, experts {s.experts})")
+            smem = router_smem(M, s, p.mt, p.warps, p.tiles, p.splits, p.fold, p.route_warps, lanes)
+            if smem + STATIC_SMEM > self.gpu.smem_optin:
+                raise ValueError(f"fused router: lanes {lanes} needs {smem} B of shared memory")
+            p = replace(p, lanes=lanes, smem=smem)
         if p.partial_floats(M, self.shape.experts) > self.partial.shape[0]:
             self.partial = self.gpu.alloc(p.partial_floats(M, self.shape.experts), np.float32)
         if p.mb * p.nb + p.mb + 1 > self.counters.shape[0]:
@@ -258,27 +303,32 @@ class FusedRouter:
         tile_expert, tile_pairs, num_tiles = tiles
         g.allow_smem(SOURCE, p.kernel, p.smem)
         g.launch(g.kernel(SOURCE, p.kernel), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
-                 ptr(x), ptr(self.weight), ptr(self.bias), ptr(logits), ptr(self.partial), ptr(self.counters),
+                 ptr(x), ptr(self.weight), ptr(self.bias), ptr(logits), ptr(self.score), ptr(self.partial),
+                 ptr(self.counters),
                  ptr(ids), ptr(weights), ptr(tile_expert), ptr(tile_pairs), ptr(num_tiles), np.int32(M),
                  np.int32(s.experts), np.int32(s.hidden), np.int32(p.splits), np.int32(p.tiles), np.int32(s.topk),
                  np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), np.int32(0 if given else 1),
-                 np.int32(p.fold), np.int32(p.route_warps), stream=stream, pdl=self.pdl)
+                 np.int32(p.fold), np.int32(p.route_warps), np.int32(p.lanes), stream=stream, pdl=self.pdl)
 
 
-def warp_topk_ref(choice: np.ndarray, k: int) -> list[tuple[float, int]]:
-    """One warp's top-k (warp_topk), in numpy: lane l holds ids l + 32 j, j < 16 (past E: -inf); T = the k-th
-    best of the 32 lane maxima; the candidates are the elements T does not beat; an id's place is the number of
-    candidates that beat it -> [(value, id)] in selection order."""
+def warp_topk_ref(choice: np.ndarray, k: int, lanes: int = 32) -> list[tuple[float, int]]:
+    """One warp's top-k (warp_topk, route_rows<32, 16>), or one segment's of 16 lanes (route_rows<16, 24>), in
+    numpy: lane l holds ids l + lanes j, j < ROW_SLOTS[lanes] (past E: -inf); T = the k-th best of the lane
+    maxima; the candidates are the elements T does not beat; an id's place is the number of candidates that
+    beat it -> [(value, id)] in selection order."""
     E = choice.shape[0]
-    slots = [[l + 32 * j for j in range(LANE_EXPERTS)] for l in range(32)]
+    per_lane = ROW_SLOTS[lanes]
+    if k > lanes or E > lanes * per_lane:
+        raise ValueError(f"warp_topk_ref: topk {k} > {lanes} lanes or E {E} > {lanes} x {per_lane} slots")
+    slots = [[l + lanes * j for j in range(per_lane)] for l in range(lanes)]
     value = lambda i: choice[i] if i < E else -np.inf     # noqa: E731
     order_key = lambda v, i: (-v, i)                      # noqa: E731   smaller = better
-    lanes = [min(((value(i), i) for i in lane), key=lambda a: order_key(*a)) for lane in slots]
-    lanes.sort(key=lambda a: order_key(*a))
-    t = order_key(*lanes[k - 1])
+    maxima = sorted((min(((value(i), i) for i in lane), key=lambda a: order_key(*a)) for lane in slots),
+                    key=lambda a: order_key(*a))
+    t = order_key(*maxima[k - 1])
     cand = [(value(i), i) for lane in slots for i in lane if order_key(value(i), i) <= t]
-    if len(cand) > k * -(-E // 32):
-        raise AssertionError(f"warp_topk_ref: {len(cand)} candidates exceed the kernel's buffer of k ceil(E/32)")
+    if len(cand) > k * -(-E // lanes):
+        raise AssertionError(f"warp_topk_ref: {len(cand)} candidates exceed the kernel's buffer of k ceil(E/L)")
     cand.sort(key=lambda a: order_key(*a))
     return cand[:k]
 
@@ -303,17 +353,18 @@ def block_topk_ref(choice: np.ndarray, k: int) -> list[tuple[float, int]]:
     return cand[:k]
 
 
-def select_ref(choice: np.ndarray, k: int, route_warps: int = 1) -> np.ndarray:
+def select_ref(choice: np.ndarray, k: int, route_warps: int = 1, lanes: int = 0) -> np.ndarray:
     """The kernel's selection for one token, in numpy: choice [E] -> the k best ids in selection order
-    ((value, lower id) first): one warp (warp_topk_ref) or, route_warps > 1, route_block (block_topk_ref)."""
-    chosen = warp_topk_ref(choice, k) if route_warps == 1 else block_topk_ref(choice, k)
+    ((value, lower id) first): one warp (warp_topk_ref; lanes 0 or 32), a segment of 16 lanes (route_rows,
+    lanes 16) or, route_warps > 1, route_block (block_topk_ref)."""
+    chosen = warp_topk_ref(choice, k, lanes or 32) if route_warps == 1 else block_topk_ref(choice, k)
     return np.array([i for _, i in chosen], dtype=np.int64)
 
 
-def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape,
-              route_warps: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape, route_warps: int = 1,
+              lanes: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's routing of fp32 logits [M, E] in numpy float32 (sigmoid, + bias for the choice, the groups'
-    top-2 sums, select_ref with route_warps warps a token, weights normalised in selection order)
+    top-2 sums, select_ref with route_warps warps or `lanes` lanes a token, weights normalised in selection order)
     -> ids [M, topk], weights [M, topk]."""
     M, E = logits.shape
     k, one = shape.topk, np.float32(1.0)
@@ -330,7 +381,7 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, shape: RouterShape,
             mask = np.zeros(shape.n_group, bool)
             mask[kept] = True
             choice = np.where(np.repeat(mask, E // shape.n_group), choice, -np.inf).astype(np.float32)
-        ids[m] = select_ref(choice, k, route_warps)
+        ids[m] = select_ref(choice, k, route_warps, lanes)
         picked = score[ids[m]]
         total = np.float32(0.0)
         for s in picked:                                     # selection order, fp32

@@ -2,14 +2,16 @@
 (E 384, H 7168, top-8) per row count, beside the plan plan_router picks and the unfused path it replaced
 (router GEMM + moe_route), so plan_router's cost model can be fitted to the device (on the GPU machine):
     python3 tests/plugins/sweep_router.py [M,M,..] [--few] > sweep.json
---few: only the planned knobs, folded or not, and a folded plan's route_block (G > 1) or a warp a token.
+--few: only the planned knobs, folded or not, a folded plan's route_block (G > 1) or a warp a token, and an
+unfolded plan's route phase with 0 (a warp a token from the logits), 32 or 16 lanes a row (route_rows).
 Each launch of a graph reads its own copy of the weight, enough copies to defeat L2 (as each layer's router
 in a step); `*_l2_us` repeat one copy (L2-warm, as `ddtree bench moe` times the router).
 Each candidate's outputs are checked once, untimed: its ids and weights equal moe_route's on its own logits bit
 for bit, and its logits are the planned plan's within fp32 accumulation (a split order of its own); a
 candidate that fails is reported with "ok": false.
 Output: one JSON object {"device", "rows": [{"M", "planned": {..., "us", "l2_us"}, "unfused_us",
-"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "fold", "G", "blocks", "us", "l2_us", "ok"}, ...]}]}.
+"unfused_l2_us", "candidates": [{"warps", "tiles", "splits", "fold", "G", "lanes", "blocks", "us", "l2_us", "ok"},
+...]}]}.
 """
 import json
 import sys
@@ -32,6 +34,8 @@ def knob_sets(planned, few: bool) -> list[dict]:
     sets = [dict(base, fold=False), dict(base, fold=True)]
     if planned.fold and planned.route_warps > 1:
         sets.append(dict(base, fold=True, route_warps=1))
+    if not planned.fold:
+        sets += [dict(base, fold=False, lanes=lanes) for lanes in (0, 32, 16)]
     return sets
 
 
@@ -80,7 +84,7 @@ def sweep(gpu, ms: list[int], few: bool = False) -> list[dict]:
         planned_logits = outputs()[0]
         p = moe.router_fused.plan(M)
         row = {"M": M, "planned": {"warps": p.warps, "tiles": p.tiles, "splits": p.splits, "fold": p.fold,
-                                   "G": p.route_warps, "blocks": p.blocks, "us": timed(fused),
+                                   "G": p.route_warps, "lanes": p.lanes, "blocks": p.blocks, "us": timed(fused),
                                    "l2_us": timed(fused, 1)},
                "unfused_us": timed(unfused), "unfused_l2_us": timed(unfused, 1), "candidates": []}
         for knobs in knob_sets(p, few):
@@ -89,15 +93,17 @@ def sweep(gpu, ms: list[int], few: bool = False) -> list[dict]:
             except ValueError:
                 continue
             row["candidates"].append({"warps": q.warps, "tiles": q.tiles, "splits": q.splits, "fold": q.fold,
-                                      "G": q.route_warps, "blocks": q.blocks, "us": timed(fused),
+                                      "G": q.route_warps, "lanes": q.lanes, "blocks": q.blocks, "us": timed(fused),
                                       "l2_us": timed(fused, 1) if few else None,
                                       "ok": agrees(*outputs(), planned_logits)})
         moe.router_fused._overrides.pop(M, None)
         best = min([c for c in row["candidates"] if c["ok"]] or row["candidates"], key=lambda c: c["us"])
-        failed = [(c["warps"], c["tiles"], c["splits"], c["fold"], c["G"]) for c in row["candidates"] if not c["ok"]]
-        print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} f{p.fold:d} G{p.route_warps} "
+        failed = [(c["warps"], c["tiles"], c["splits"], c["fold"], c["G"], c["lanes"]) for c in row["candidates"]
+                  if not c["ok"]]
+        print(f"M={M:3d} planned w{p.warps} t{p.tiles} s{p.splits:3d} f{p.fold:d} G{p.route_warps} L{p.lanes} "
               f"{row['planned']['us']:6.2f} us (L2-warm {row['planned']['l2_us']:.2f}); best w{best['warps']} "
-              f"t{best['tiles']} s{best['splits']:3d} f{best['fold']:d} G{best['G']} {best['us']:6.2f} us; "
+              f"t{best['tiles']} s{best['splits']:3d} f{best['fold']:d} G{best['G']} L{best['lanes']} "
+              f"{best['us']:6.2f} us; "
               f"unfused {row['unfused_us']:.2f} us (L2-warm {row['unfused_l2_us']:.2f}); "
               f"{len(failed)} candidates failed the check {failed}",
               file=sys.stderr)

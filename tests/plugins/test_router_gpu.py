@@ -102,15 +102,26 @@ def test_exact_logits_route_every_row_as_the_rule(gpu, M):
     np.testing.assert_allclose(wts, w_ref, rtol=1e-5)
 
 
-def kimi_moe(gpu):
+# route_rows' shapes (FusedMoE with route-only expert buffers): kimi (16 lanes planned past 16 rows), small
+# (E 64, H 512: k-split 1 possible, so the GEMM's epilogue stores the scores), ragged (topk 32: 32 lanes only,
+# route_rows<32, 12> at E 200), tiny (the embedded tiny model's router: E 8, 16 lanes planned past 16 rows)
+MOE_SHAPES = {**SHAPES, "small": dict(experts=64, hidden=512, topk=6, n_group=1, topk_group=1, scaling=1.5),
+              "tiny": dict(experts=8, hidden=128, topk=2, n_group=1, topk_group=1, scaling=2.5)}
+
+
+def moe_for(gpu, name="kimi", max_tokens=128):
     from ddtree.plugins.moe import FusedMoE, MoEShape
-    r = SHAPES["kimi"]
+    r = MOE_SHAPES[name]
     E, H = r["experts"], r["hidden"]
-    shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=128)
+    shape = MoEShape(H, 64, E, r["topk"], r["n_group"], r["topk_group"], r["scaling"], max_tokens=max_tokens)
     weights = route_only_weights(gpu, E, H)
     w_router = randfill.hash_array((E, H), np.uint16, 601, randfill.WEIGHT_BF16)
     bias = (np.random.default_rng(7).standard_normal(E) * 0.05).astype(np.float32)
     return FusedMoE(gpu, shape, weights, router=gpu.upload(layout.tile_bf16(w_router)), bias=gpu.upload(bias))
+
+
+def kimi_moe(gpu):
+    return moe_for(gpu, "kimi")
 
 
 @pytest.mark.parametrize("M", [1, 17, 65])
@@ -199,3 +210,95 @@ def test_fold_and_spread_equal_the_two_hand_offs_and_moe_route(gpu, M, fold, G):
     gpu.sync()
     np.testing.assert_array_equal(ids_in.numpy(), given)
     check_tiles(tiles, given, E)
+
+
+def route_checked(gpu, moe, x, M):
+    """moe.route at M with every output poisoned first -> (logits, ids, weights) copies; the tile lists right
+    and the ids and weights bit for bit those of moe_route (the route kernel the fused one replaced) on the
+    same logits."""
+    k, E = moe.shape.topk, moe.shape.experts
+    for a in (moe.logits, moe.topk_w, moe.tile_expert, moe.tile_pairs, moe.topk_ids):
+        gpu.memset(a, 0xFF)
+    moe.route(x, M)
+    gpu.sync()
+    logits, ids, wts = (a.numpy()[:M].copy() for a in (moe.logits, moe.topk_ids, moe.topk_w))
+    assert np.isfinite(logits).all() and ids.min() >= 0 and ids.max() < E
+    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, ids, E)
+    ids_old, w_old = gpu.alloc((M, k), np.int32), gpu.alloc((M, k), np.float32)
+    moe.launch_route(moe.logits, M, ids_old, w_old, None)
+    gpu.sync()
+    np.testing.assert_array_equal(ids_old.numpy(), ids)
+    np.testing.assert_array_equal(w_old.numpy().view(np.uint32), wts.view(np.uint32))   # bit for bit
+    return logits, ids, wts
+
+
+@pytest.mark.parametrize("M", [16, 17, 24, 32, 33, 48, 64, 65, 100, 128])
+def test_route_rows_planned_equal_moe_route(gpu, M):
+    """The planned route phase (on the H200: 16 lanes a row past 16 rows, a warp a token up to 16): ids and
+    weights bit for bit moe_route's on the same logits; the logits, ids and weights bit for bit those of the
+    same knobs routed a warp a token (lanes 0, the committed route phase); a second run (counters reset, the
+    scores rewritten) gives the same bits."""
+    H = MOE_SHAPES["kimi"]["hidden"]
+    moe = kimi_moe(gpu)
+    x = gpu.upload(randfill.hash_array((M, H), np.uint16, 802 + M, randfill.ACT_BF16))
+    plan = moe.router_fused.plan(M)
+    if gpu.arch.rstrip("a") == "sm_90":
+        assert plan.lanes == (16 if M > 16 else 0) and not plan.fold
+    got = route_checked(gpu, moe, x, M)
+    again = route_checked(gpu, moe, x, M)
+    moe.router_fused.override(M, warps=plan.warps, tiles=plan.tiles, splits=plan.splits, fold=plan.fold, lanes=0)
+    warp_a_token = route_checked(gpu, moe, x, M)
+    for a, b, c in zip(got, again, warp_a_token):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        np.testing.assert_array_equal(a.view(np.uint32), c.view(np.uint32))
+
+
+@pytest.mark.parametrize("name, M, knobs", [
+    ("kimi", 3, dict(lanes=16)),                       # fewer rows than segments (idle segments write nothing)
+    ("kimi", 9, dict(lanes=16)),
+    ("kimi", 17, dict(lanes=32)),                      # a warp a row from the scores: two rounds of 16
+    ("kimi", 33, dict(lanes=32)),
+    ("kimi", 64, dict(lanes=32)),                      # four rounds
+    ("kimi", 17, dict(warps=8, lanes=16)),             # 16 segments: two rounds
+    ("kimi", 64, dict(warps=4, lanes=16)),             # 8 segments: eight rounds
+    ("kimi", 65, dict(warps=8, lanes=16)),             # two token blocks of 40 and 25 rows, 16 segments each
+    ("kimi", 128, dict(lanes=32)),
+    ("small", 40, dict(warps=8, tiles=2, splits=2, lanes=16)),   # the k-split hand-off stores the scores
+    ("small", 40, dict(splits=1, lanes=16)),           # S = 1: the GEMM epilogue stores the scores
+    ("small", 40, dict(splits=1, tiles=4, lanes=16)),  # S = 1 and one n-block: no hand-off before the routing
+    ("small", 100, dict(splits=1, lanes=16)),          # two token blocks
+    ("ragged", 40, dict(tiles=2, splits=2, lanes=32)),  # topk 32, E 200: route_rows<32, 12>
+    ("ragged", 40, dict(splits=1, lanes=32)),
+    ("tiny", 17, dict()),                              # planned (16 lanes past 16 rows), E 8: lanes past E idle
+    ("tiny", 100, dict()),
+])
+def test_route_rows_forced_equal_moe_route(gpu, name, M, knobs):
+    """Forced plans: the knobs routed a warp a token (lanes 0) first, then with the forced lanes: the logits bit
+    for bit the same (the same sums), the ids and weights bit for bit moe_route's on them, the tile lists
+    right; then the ids given (route_given): left alone and aligned."""
+    r = MOE_SHAPES[name]
+    E, H, k = r["experts"], r["hidden"], r["topk"]
+    moe = moe_for(gpu, name)
+    x = gpu.upload(randfill.hash_array((M, H), np.uint16, 902 + M, randfill.ACT_BF16))
+    planned, forced = moe.router_fused.plan(M), dict(knobs)
+    lanes = forced.pop("lanes", planned.lanes)
+    if not knobs and gpu.arch.rstrip("a") == "sm_90":    # the planned plan (nothing forced)
+        assert lanes == 16, f"{name} at {M} rows: planned lanes {lanes}"
+    knobs = dict(dict(warps=planned.warps, tiles=planned.tiles, splits=planned.splits), **forced)
+    try:
+        moe.router_fused.override(M, fold=False, lanes=0, **knobs)
+    except ValueError as exc:                          # (the H200 has them all; a 99 KB device not)
+        pytest.skip(f"no such plan on {gpu.arch}: {exc}")
+    base = route_checked(gpu, moe, x, M)
+    plan = moe.router_fused.override(M, fold=False, lanes=lanes, **knobs)
+    assert plan.lanes == lanes and all(getattr(plan, key) == v for key, v in knobs.items())
+    got = route_checked(gpu, moe, x, M)
+    for a, b in zip(got, base):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    given = np.stack([np.random.default_rng(m).permutation(E)[:k] for m in range(M)]).astype(np.int32)
+    ids_in, w_in = gpu.upload(given), gpu.upload(np.full((M, k), 0.5, np.float32))
+    gpu.memset(moe.tile_pairs, 0xFF)
+    moe.route_given(x, M, ids_in, w_in)
+    gpu.sync()
+    np.testing.assert_array_equal(ids_in.numpy(), given)
+    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, given, E)

@@ -36,6 +36,11 @@ __device__ __forceinline__ RouteScratch route_scratch(unsigned char* base, int w
     return r;
 }
 
+// g = sigmoid(logit), fp32, as moe_route (SASS: the exp's scaling and the + 1 one FFMA, then the IEEE division)
+__device__ __forceinline__ float route_sigmoid(float logit) {
+    return 1.0f / (1.0f + expf(-logit));
+}
+
 // One warp's top-k of a token (lane l holds experts l + 32 j, j < ROUTE_EPL; past E: not there), into sc.sel_*
 // in selection order. The logits row and the bias are in shared memory (`shared`, the folded hand-off's sums
 // and its copy of the bias) or global (the row written by other blocks: read through L2).
@@ -52,8 +57,10 @@ __device__ void warp_topk(const float* row, bool shared, const float* bias, int 
 #pragma unroll
         for (int j = 0; j < ROUTE_EPL; ++j) logit[j] = __ldcg(row + min(lane + 32 * j, E - 1));
     }
+    // the bias predicated, at immediate offsets (the clamped addresses, kept over the token loop, spilled 180 B
+    // on sm_90 once route_rows shared the kernel; SASS: the same 16 loads back to back before the first exp)
 #pragma unroll
-    for (int j = 0; j < ROUTE_EPL; ++j) add[j] = bias ? bias[min(lane + 32 * j, E - 1)] : 0.0f;
+    for (int j = 0; j < ROUTE_EPL; ++j) add[j] = bias && lane + 32 * j < E ? bias[lane + 32 * j] : 0.0f;
     // g = sigmoid(logit) = 1 / (1 + exp(-logit)), fp32 (as moe_route): every exp first (no branch), then the
     // divisions (each with its called slow path), so a slot's exp no longer waits for the previous division
     float score[ROUTE_EPL], choice[ROUTE_EPL], den[ROUTE_EPL];
@@ -216,5 +223,114 @@ __device__ void route_block(const float* lg, const float* bs, int rows, int row0
         topk_ids[at] = sel_i[lane];
         topk_w[at] = sel_s[lane] / (sum + 1e-20f) * scaling;
         if (ids_s) ids_s[r * topk + lane] = sel_i[lane];
+    }
+}
+
+// Many rows (unfolded plans, n_group = 1, E % 4 == 0): segments of L lanes route a row each (L = 32: a warp a
+// row; 16: two rows a warp, so 17..32 rows take one round of 16 warps, not two), lane `sub` of a segment holding
+// experts sub + L j, j < SL (E <= L SL). The scores come made: the logits' writers (the k-split hand-off, or the
+// GEMM at S = 1) stored g = route_sigmoid(logit) [M, E] beside the logits, spread over their blocks, so no
+// sigmoid is on the routing block's chain. A round's rows (min(rows, W 32 / L)) are staged into shared memory by
+// cp.async.cg (from L2, 16 B each, all in flight at once), the bias once. A row's selection is warp_topk's
+// within the segment (T = the topk-th of the L lane maxima, topk <= L; the candidates that T does not beat,
+// from topk lanes, <= topk ceil(E / L), ranked by comparison): the same ids in the same order and the same
+// weights bit for bit as moe_route (the same fp32 scores, choice = g + bias, the sum in selection order). Twin:
+// select_ref(.., lanes=L). Every thread of the block runs it (block barriers; shuffles of width L); a segment
+// past the round's rows works on -inf choices and writes nothing. Shared memory from `smem` (floats,
+// router.py router_smem): the bias [E], the round's scores [round][E], then per segment (warp 32 / L + seg)
+// route_rows_floats: candidates (choice, id) [topk ceil(E / L)], the selection's ids [topk] (its scores are
+// read from the staged row by id).
+__device__ __forceinline__ int route_rows_floats(int topk, int E, int L) {
+    return 2 * topk * ((E + L - 1) / L) + topk;
+}
+
+template <int L, int SL>
+__device__ void route_rows(const float* score, const float* bias, int rows, int row0, int E, int topk,
+                           float scaling, int* topk_ids, float* topk_w, int* ids_s, unsigned char* smem,
+                           int warp, int lane, int W) {
+    constexpr int RPW = 32 / L;                                      // rows a warp routes at once
+    constexpr u32 SEG = L == 32 ? 0xffffffffu : (1u << L) - 1;
+    const int seg = lane / L, sub = lane % L, round = min(rows, W * RPW), E4 = E >> 2;
+    const int r = warp * RPW + seg;                                  // this segment's row of a round
+    const int cmax = topk * ((E + L - 1) / L);
+    float* bs = (float*)smem;                                        // [E]
+    float* sg = bs + E;                                              // [round][E] (E % 4 == 0: 16-byte rows)
+    float* cand_v = sg + (size_t)round * E + (size_t)r * route_rows_floats(topk, E, L);
+    int* cand_i = (int*)(cand_v + cmax);
+    int* sel_i = cand_i + cmax;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) bs[e] = bias ? bias[e] : 0.0f;
+    for (int base = 0; base < rows; base += round) {
+        const int n = min(round, rows - base);
+        if (base > 0) __syncthreads();                               // the previous round's rows are read
+        const float* src = score + (size_t)(row0 + base) * E;        // (the round's rows are contiguous)
+        for (int i = threadIdx.x; i < n * E4; i += blockDim.x) cp_async16(sg + 4 * i, src + 4 * i);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        const bool active = r < n;
+        const float* srow = sg + (size_t)(active ? r : 0) * E;
+        float choice[SL];
+#pragma unroll
+        for (int j = 0; j < SL; ++j) {
+            const int e = sub + L * j;
+            choice[j] = active && e < E ? srow[e] + bs[e] : DD_NEG_INF;   // selection only; past E: loses
+        }
+        float best_v = choice[0];                                    // the lane's best (value, lowest id)
+        int best_i = sub;
+#pragma unroll
+        for (int j = 1; j < SL; ++j)
+            if (choice[j] > best_v) { best_v = choice[j]; best_i = sub + L * j; }
+        int lane_rank = 0;                                           // the segment's lanes whose best beats it
+#pragma unroll
+        for (int q = 0; q < L; ++q) {
+            const float ov = __shfl_sync(0xffffffffu, best_v, q, L);
+            const int oi = __shfl_sync(0xffffffffu, best_i, q, L);
+            lane_rank += beats(ov, oi, best_v, best_i);
+        }
+        const u32 at_k = (__ballot_sync(0xffffffffu, lane_rank == topk - 1) >> (seg * L)) & SEG;
+        const int t_sub = at_k ? __ffs(at_k) - 1 : 0;                // (ranks are a permutation of 0..L-1)
+        const float t_v = __shfl_sync(0xffffffffu, best_v, t_sub, L);
+        const int t_i = __shfl_sync(0xffffffffu, best_i, t_sub, L);
+
+        u32 cand = 0;                                                // elements that T does not beat: >= T
+#pragma unroll
+        for (int j = 0; j < SL; ++j)
+            if (!beats(t_v, t_i, choice[j], sub + L * j)) cand |= 1u << j;
+        const int c_n = __popc(cand);
+        int incl = c_n;
+#pragma unroll
+        for (int off = 1; off < L; off <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, incl, off, L);
+            if (sub >= off) incl += o;
+        }
+        const int count = min(__shfl_sync(0xffffffffu, incl, L - 1, L), cmax);
+        int slot = incl - c_n;
+#pragma unroll
+        for (int j = 0; j < SL; ++j) {
+            if ((cand >> j) & 1u) {
+                if (slot < cmax) { cand_v[slot] = choice[j]; cand_i[slot] = sub + L * j; }
+                ++slot;
+            }
+        }
+        __syncwarp();
+        for (int c = sub; c < count; c += L) {                       // rank = candidates that beat this one
+            const float v = cand_v[c];
+            const int id = cand_i[c];
+            int rank = 0;
+#pragma unroll 4
+            for (int q = 0; q < count; ++q) rank += beats(cand_v[q], cand_i[q], v, id);
+            if (rank < topk) sel_i[rank] = id;
+        }
+        __syncwarp();
+        if (active && sub < topk) {
+            float sum = 0.0f;
+            for (int q = 0; q < topk; ++q) sum += srow[sel_i[q]];    // selection order, as moe_route
+            const int id = sel_i[sub];
+            const size_t at = (size_t)(row0 + base + r) * topk + sub;
+            topk_ids[at] = id;
+            topk_w[at] = srow[id] / (sum + 1e-20f) * scaling;
+            if (ids_s) ids_s[at] = id;                               // (one token block: row0 = 0)
+        }
+        __syncwarp();                                                // the scratch is free for the next row
     }
 }

@@ -12,12 +12,15 @@
 // The KW warps of a tile are summed in shared memory (fixed order); then three hand-offs, each to the
 // last block to arrive (handoff_last: an acq_rel ticket), each reading in a fixed order (deterministic):
 //   1. the last of the S k-splits of (mb, nb) sums the S partials [S, M, E] of its experts -> logits
-//   2. the last of the NB n-blocks of mb routes its rows, one warp per token (route_token)
+//   2. the last of the NB n-blocks of mb routes its rows: lanes = 0, a warp per token from the logits
+//      (route_token), or lanes = L (32 or 16: two rows a warp), L lanes a row (route_rows, route_select.cuh)
+//      from the scores [M, E] (g = sigmoid(logit)) that step 1 (or the GEMM itself at S = 1) stored beside
+//      the logits, computed in parallel over the NB blocks (lanes > 0: unfolded, n_group = 1, E % 4 == 0)
 //   3. the last of the MB token blocks aligns all M * topk pairs into tiles of 8 (as moe_route)
 // A hand-off that has one contributor is skipped (S = 1 writes the logits directly).
 // fold = 1 (the plan's choice for few rows): 1 and 2 are one hand-off, to the last of all S x NB blocks of mb,
-// which sums all its rows' partials itself into the logits and a shared copy, routes from that copy and,
-// with G > 1, routes each token with G = ceil(E / 32) warps, one expert a thread (route_block). With one token
+// which sums all its rows' partials itself into the logits and a shared copy, routes from that copy (lanes = 0)
+// and, with G > 1, routes each token with G = ceil(E / 32) warps, one expert a thread (route_block). With one token
 // block (MB = 1) the ids are also kept in shared memory for step 3 (no L2 round trips to read them back).
 // route = 0: the ids are given (topk_ids is an input; bench step's given routing): the logits are still
 // computed (their cost is real), steps 2's routing is skipped and step 3 aligns the given ids.
@@ -64,21 +67,28 @@ __device__ __forceinline__ float sum_splits(const float* p, int S, size_t stride
 // Dynamic shared memory (plugins/router.py router_smem): the maximum of
 //   GEMM     x rows [8 MT][CPS 64 + 32] bf16, then W warps x ceil(CPS / KW) chunks x 2 KB of weights
 //   KW sum   [W][MT][32] float4 (KW > 1)
-//   routing  ids_s + lg + W x (3 topk ceil(E/32) + 2 topk) x 4 B, or (G > 1) rows x (36 + 98 topk) x 4 B
+//   routing  ids_s + lg + W x (3 topk ceil(E/32) + 2 topk) x 4 B, or (G > 1) rows x (36 + 98 topk) x 4 B, or
+//            (lanes = L > 0) ids_s + (E + R E + W (32 / L) (2 topk ceil(E/L) + topk)) x 4 B with R =
+//            min(rows, W 32 / L) (the bias, a round's scores, the segments' candidates and selections)
 //   tiles    ids_s + (2 E + 1) x 4 B + M topk x 2 B
 //   (ids_s: M topk x 4 B rounded to 16 when MB = 1; lg: rows x E x 4 B, then the bias E x 4 B, each rounded
 //   to 16, when folded)
 //   x [M, K] bf16   w [ceil(E/16), K/64, 4, 32] uint4 (layout.tile_bf16)   bias [E] fp32 or null
-//   logits [M, E] fp32 (written)   partial [S, M, E] fp32 (S > 1)   counters [MB NB + MB + 1] (zero, reset)
+//   logits [M, E] fp32 (written)   score [M, E] fp32 (lanes > 0: written, then read)   partial [S, M, E] (S > 1)
+//   counters [MB NB + MB + 1] (zero, reset)
 //   topk_ids, topk_w [M, topk] (written; topk_ids read when route = 0)   tile lists as moe_route
 template <int MT>
 __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                                            const float* __restrict__ bias, float* logits, float* partial,
-                                            u32* counters, int* topk_ids, float* topk_w, int* tile_expert,
-                                            int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW,
-                                            int topk, int n_group, int topk_group, float scaling, int route,
-                                            int fold, int G) {
+                                            const float* __restrict__ bias, float* logits, float* score,
+                                            float* partial, u32* counters, int* topk_ids, float* topk_w,
+                                            int* tile_expert, int* tile_pairs, int* num_tiles, int M, int E, int K,
+                                            int S, int TW, int topk, int n_group, int topk_group, float scaling,
+                                            int route, int fold, int G, int lanes_in) {
     extern __shared__ __align__(16) unsigned char smem[];
+    // route_rows' conditions (the plan's; anything else routes a warp a token from the logits): unfolded,
+    // ungrouped, 16-byte rows of scores, and at 16 lanes topk <= 16, E <= 16 x 24
+    const int lanes = !fold && n_group == 1 && (E & 3) == 0 && (lanes_in == 32 ||
+                      (lanes_in == 16 && topk <= 16 && E <= 16 * 24)) ? lanes_in : 0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int W = blockDim.x >> 5, KW = W / TW, tw = warp % TW, kw = warp / TW;
     const int MB = gridDim.x, NB = gridDim.z, mb = blockIdx.x, s = blockIdx.y, nb = blockIdx.z;
@@ -154,6 +164,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
     }
     if (kw == 0 && nt < NT) {                                        // this block's [rows, 16 TW] of split s
         float* dst = S == 1 ? logits : partial + (size_t)s * M * E;
+        const bool scores = S == 1 && route && lanes;               // the logits are final: their scores too
         const int n = nt * 16 + g;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -161,9 +172,11 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
             for (int q = 0; q < 2; ++q) {
                 const int m = mt * 8 + 2 * t + q;
                 if (m >= rows) continue;
-                float* row = dst + (size_t)(row0 + m) * E;
-                if (n < E) row[n] = acc[mt][q];
-                if (n + 8 < E) row[n + 8] = acc[mt][2 + q];
+                const size_t at = (size_t)(row0 + m) * E + n;
+                if (n < E) dst[at] = acc[mt][q];
+                if (n + 8 < E) dst[at + 8] = acc[mt][2 + q];
+                if (scores && n < E) score[at] = route_sigmoid(acc[mt][q]);
+                if (scores && n + 8 < E) score[at + 8] = route_sigmoid(acc[mt][2 + q]);
             }
         }
     }
@@ -204,7 +217,9 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
             const int e0 = nb * TW * 16, ne = min(TW * 16, E - e0);
             for (int item = threadIdx.x; item < rows * ne; item += blockDim.x) {
                 const size_t at = (size_t)(row0 + item / ne) * E + e0 + item % ne;
-                logits[at] = sum_splits(partial + at, S, split_stride);
+                const float v = sum_splits(partial + at, S, split_stride);
+                logits[at] = v;
+                if (route && lanes) score[at] = route_sigmoid(v);   // over the NB blocks, off the route's chain
             }
         }
         // 2. the last n-block of mb routes its rows
@@ -214,7 +229,14 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
             __syncthreads();                                         // this block's logits visible to the block
         }                                                            // (and the GEMM's shared memory free)
     }
-    if (route && G > 1) {
+    if (route && lanes) {                                            // from the stored scores, L lanes a row
+        if (lanes == 16) route_rows<16, 24>(score, bias, rows, row0, E, topk, scaling, topk_ids, topk_w, ids_s,
+                                            scratch, warp, lane, W);
+        else if (E <= 32 * 12) route_rows<32, 12>(score, bias, rows, row0, E, topk, scaling, topk_ids, topk_w,
+                                                  ids_s, scratch, warp, lane, W);
+        else route_rows<32, 16>(score, bias, rows, row0, E, topk, scaling, topk_ids, topk_w, ids_s, scratch, warp,
+                                lane, W);
+    } else if (route && G > 1) {
         route_block(lg, bs, rows, row0, E, topk, G, scaling, topk_ids, topk_w, ids_s, (float*)scratch, warp, lane);
     } else if (route) {
         const RouteScratch sc = route_scratch(scratch, warp, topk, E);
@@ -242,11 +264,12 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
 #define DD_ROUTER(MT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(RT_MAX_WARPS * 32, 1) router_fused_mt##MT(               \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,      \
-        float* logits, float* partial, u32* counters, int* topk_ids, float* topk_w, int* tile_expert,     \
-        int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW, int topk, int n_group,       \
-        int topk_group, float scaling, int route, int fold, int G) {                                      \
-        router_impl<MT>(x, w, bias, logits, partial, counters, topk_ids, topk_w, tile_expert, tile_pairs, \
-                        num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route, fold, G);   \
+        float* logits, float* score, float* partial, u32* counters, int* topk_ids, float* topk_w,         \
+        int* tile_expert, int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW, int topk,  \
+        int n_group, int topk_group, float scaling, int route, int fold, int G, int lanes) {              \
+        router_impl<MT>(x, w, bias, logits, score, partial, counters, topk_ids, topk_w, tile_expert,      \
+                        tile_pairs, num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route, \
+                        fold, G, lanes);                                                                  \
     }
 DD_ROUTER(1)
 DD_ROUTER(2)
