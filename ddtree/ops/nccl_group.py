@@ -13,9 +13,11 @@ libnccl: nccl4py finds it through cuda.pathfinder (the nvidia-nccl-cu13 wheel in
 system loader, then $NCCL_HOME). Where pathfinder finds none, load_libnccl() loads the first libnccl.so.2
 under a site-packages directory (torch's nvidia/nccl/lib or torch/lib) before the first call.
 Keep NCCL_NVLS_ENABLE=0 (set here when unset): NVLink multicast is never used.
-Status (2 H200s, NCCL 2.28.9): init and the ring connection succeed, but the collectives did not complete
-within 60 s there (docs/hardware-and-kernels.md section 4.4); spawn_ranks now dumps the ranks' stacks
-on a timeout to find where they wait.
+Status (2 H200s, NCCL 2.28.9): it runs end to end in the runtime's rank processes (`ddtree run --allreduce nccl`),
+and hung in the processes ops/spawn_ranks.py starts (bench allreduce, the 2-GPU NCCL test); where is not known:
+NCCL's INFO lines went to those processes' stdout, which C stdio buffers (and, with --json, into the JSON), so the
+last line seen ("NET/IB : No device found") need not be where they stopped. The ranks' stdout is now their stderr,
+the device scripts set NCCL_DEBUG_FILE (unbuffered) and spawn_ranks dumps the Python stacks on a timeout.
 """
 from __future__ import annotations
 

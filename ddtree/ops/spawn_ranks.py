@@ -8,7 +8,8 @@ Processes are spawned (a fresh interpreter: CUDA is never forked). Every wait ha
 raises, exits or stays silent past timeout_s stops the others (killed) and raises RankProcessError naming
 it. `may_exit`: ranks allowed to die (a test's killed peer): an exchange then completes without them (None).
 A rank still running at the timeout is first asked (SIGUSR1, faulthandler) to print its Python stacks on
-stderr, so a hang shows where it waits.
+stderr, so a hang shows where it waits. A rank writes nothing to the command's stdout (the parent's: its JSON):
+its file descriptor 1 is its stderr.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -39,6 +41,11 @@ class Link:
 
 def _rank_main(fn, rank: int, nranks: int, gpu_id: int, conn, args: tuple) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # never NVLink multicast
+    # The command's stdout is the parent's (`bench allreduce --json`): a rank's writes to file descriptor 1, NCCL's
+    # NCCL_DEBUG lines (stdout unless NCCL_DEBUG_FILE) among them, go to stderr. They were also lost when a hung
+    # rank was killed (C stdio buffers a file or pipe): NCCL_DEBUG_FILE (unbuffered in NCCL) keeps them.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         conn.send(("done", fn(Link(conn, rank, nranks), gpu_id, *args)))

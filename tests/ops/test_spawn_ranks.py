@@ -1,8 +1,11 @@
 """CPU tests of the rank-process launcher (ops/spawn_ranks.py) the 2-GPU collectives use: exchanges come back
 in rank order on every rank, a failing or exiting rank is named, a killed rank allowed by may_exit drops
-out of later exchanges, and a silent rank times out, with no process left behind."""
+out of later exchanges, a silent rank times out, with no process left behind, and a rank's stdout writes (NCCL's
+debug lines are C writes to file descriptor 1) reach stderr, not the parent's stdout."""
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -58,3 +61,27 @@ def test_a_silent_rank_times_out():
     with pytest.raises(RankProcessError, match=r"rank\(s\) \[0\] did not finish within 3"):
         run_ranks(silent, [0, 1], timeout_s=3)
     assert time.monotonic() - t0 < 20
+
+
+def printing(link, gpu_id):
+    print(f"python print of rank {link.rank}", flush=True)
+    os.write(1, f"fd 1 write of rank {link.rank}\n".encode())       # as C code (NCCL's INFO lines) writes
+    return link.rank
+
+
+PARENT = """
+import json, sys
+from ddtree.ops.spawn_ranks import run_ranks
+from tests.ops.test_spawn_ranks import printing
+print(json.dumps({"ranks": run_ranks(printing, [0, 1])}))
+"""
+
+
+def test_rank_output_goes_to_stderr_not_the_parents_stdout():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == '{"ranks": [0, 1]}\n'                      # the parent's JSON alone
+    for rank in (0, 1):
+        assert f"python print of rank {rank}" in done.stderr and f"fd 1 write of rank {rank}" in done.stderr

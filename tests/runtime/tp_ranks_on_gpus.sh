@@ -44,9 +44,15 @@ if [ "$(tr ',' '\n' <<< "$GPUS" | sort -u | wc -l)" -eq "$TP" ]; then
   # NCCL has hung after init on the 2-GPU kind before: its rows run last and apart, with NCCL's warnings kept
   timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull --json \
       > "$OUT/allreduce.json"
-  # --timeout-s before the step's limit: a hung rank prints its Python stacks into the .err (where NCCL waits)
-  NCCL_DEBUG=INFO timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl nccl --timeout-s $((LIMIT - 20)) --json \
+  # --timeout-s before the step's limit: a hung rank prints its Python stacks into the .err (where NCCL waits).
+  # NCCL's INFO lines go to a file a process (NCCL_DEBUG_FILE: unbuffered, so a killed rank's last line is kept;
+  # on stdout C stdio held them back), appended to the .err after the run
+  nccl_logs=$(mktemp -d)
+  NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$nccl_logs/nccl.%h.%p.log" timeout "$LIMIT" python3 -m ddtree bench allreduce \
+      --gpus "$GPUS" --impl nccl --timeout-s $((LIMIT - 20)) --json \
       > "$OUT/allreduce_nccl.json" 2> "$OUT/allreduce_nccl.err" || echo "   NCCL bench exited $?" >&2
+  for f in "$nccl_logs"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done >> "$OUT/allreduce_nccl.err"
+  rm -rf "$nccl_logs"
 else
   step "3. bench allreduce skipped: ranks share a GPU ($GPUS)"
 fi
