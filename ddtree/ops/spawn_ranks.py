@@ -23,6 +23,15 @@ import traceback
 from multiprocessing.connection import wait
 
 
+def stdout_to_stderr() -> None:
+    """In a rank process: its file descriptor 1 becomes its stderr. The command's stdout is the parent's (`--json`
+    output); a rank's writes to fd 1, NCCL's NCCL_DEBUG lines (stdout unless NCCL_DEBUG_FILE) among them, would land
+    in it, and C stdio buffers them there, so a killed rank lost its last lines (NCCL_DEBUG_FILE, which NCCL writes
+    unbuffered, keeps them)."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+
 class RankProcessError(RuntimeError):
     """A rank process failed, died or timed out; the message names it."""
 
@@ -41,11 +50,7 @@ class Link:
 
 def _rank_main(fn, rank: int, nranks: int, gpu_id: int, conn, args: tuple) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")          # never NVLink multicast
-    # The command's stdout is the parent's (`bench allreduce --json`): a rank's writes to file descriptor 1, NCCL's
-    # NCCL_DEBUG lines (stdout unless NCCL_DEBUG_FILE) among them, go to stderr. They were also lost when a hung
-    # rank was killed (C stdio buffers a file or pipe): NCCL_DEBUG_FILE (unbuffered in NCCL) keeps them.
-    sys.stdout.flush()
-    os.dup2(2, 1)
+    stdout_to_stderr()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         conn.send(("done", fn(Link(conn, rank, nranks), gpu_id, *args)))

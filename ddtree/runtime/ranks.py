@@ -41,6 +41,7 @@ from ddtree.engine_dir import check_engine
 from ddtree.errors import InputError
 from ddtree.ops.shm_group import (GroupSpec, RankDiedError, RankError, RankFailedError, RankTimeoutError,
                                   SharedMemoryGroup, new_spec, unlink)
+from ddtree.ops.spawn_ranks import stdout_to_stderr
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.tree.sampling import SamplingParams
@@ -278,6 +279,7 @@ def _shutdown(group: SharedMemoryGroup, procs: dict, conns: dict, kill: bool) ->
 def _worker(engine_dir: str, rank: int, spec: GroupSpec, checked, dtype: str, conn, parent_pid: int,
             cuda: dict | None = None, graphs: dict | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is rank 0's to handle; it stops the workers
+    stdout_to_stderr()                                    # rank 0's stdout is the command's (`ddtree run --json`)
     threading.Thread(target=_watch_parent, args=(parent_pid, spec.name), daemon=True).start()
     group, code = None, 0
     try:
