@@ -203,13 +203,19 @@ def test_fold_and_spread_equal_the_two_hand_offs_and_moe_route(gpu, M, fold, G):
     gpu.sync()
     np.testing.assert_array_equal(ids_old.numpy(), ids)
     np.testing.assert_array_equal(w_old.numpy(), wts)
+    given_ids_aligned(gpu, moe, x, M)
+
+
+def given_ids_aligned(gpu, moe, x, M):
+    """route_given with M rows of distinct random ids: the ids left alone and aligned into the tile lists."""
+    E, k = moe.shape.experts, moe.shape.topk
     given = np.stack([np.random.default_rng(m).permutation(E)[:k] for m in range(M)]).astype(np.int32)
     ids_in, w_in = gpu.upload(given), gpu.upload(np.full((M, k), 0.5, np.float32))
     gpu.memset(moe.tile_pairs, 0xFF)
     moe.route_given(x, M, ids_in, w_in)
     gpu.sync()
     np.testing.assert_array_equal(ids_in.numpy(), given)
-    check_tiles(tiles, given, E)
+    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, given, E)
 
 
 def route_checked(gpu, moe, x, M):
@@ -276,8 +282,7 @@ def test_route_rows_forced_equal_moe_route(gpu, name, M, knobs):
     """Forced plans: the knobs routed a warp a token (lanes 0) first, then with the forced lanes: the logits bit
     for bit the same (the same sums), the ids and weights bit for bit moe_route's on them, the tile lists
     right; then the ids given (route_given): left alone and aligned."""
-    r = MOE_SHAPES[name]
-    E, H, k = r["experts"], r["hidden"], r["topk"]
+    H = MOE_SHAPES[name]["hidden"]
     moe = moe_for(gpu, name)
     x = gpu.upload(randfill.hash_array((M, H), np.uint16, 902 + M, randfill.ACT_BF16))
     planned, forced = moe.router_fused.plan(M), dict(knobs)
@@ -295,10 +300,4 @@ def test_route_rows_forced_equal_moe_route(gpu, name, M, knobs):
     got = route_checked(gpu, moe, x, M)
     for a, b in zip(got, base):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-    given = np.stack([np.random.default_rng(m).permutation(E)[:k] for m in range(M)]).astype(np.int32)
-    ids_in, w_in = gpu.upload(given), gpu.upload(np.full((M, k), 0.5, np.float32))
-    gpu.memset(moe.tile_pairs, 0xFF)
-    moe.route_given(x, M, ids_in, w_in)
-    gpu.sync()
-    np.testing.assert_array_equal(ids_in.numpy(), given)
-    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, given, E)
+    given_ids_aligned(gpu, moe, x, M)
