@@ -129,18 +129,10 @@ def test_fused_equals_moe_route_bitwise(gpu, M):
     """FusedMoE.route (fused) and the route kernel it replaced, on the fused logits: the same ids and weights
     bit for bit (same fp32 sigmoid, the same order of the weights' sum); the unfused GEMM's logits agree to
     fp32 accumulation."""
-    r = SHAPES["kimi"]
-    E, H = r["experts"], r["hidden"]
+    H = SHAPES["kimi"]["hidden"]
     moe = kimi_moe(gpu)
     x = gpu.upload(randfill.hash_array((M, H), np.uint16, 602 + M, randfill.ACT_BF16))
-    moe.route(x, M)
-    logits = moe.logits.numpy()[:M]
-    ids, wts = moe.topk_ids.numpy()[:M], moe.topk_w.numpy()[:M]
-    check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, ids, E)
-    ids_old, w_old = gpu.alloc((M, r["topk"]), np.int32), gpu.alloc((M, r["topk"]), np.float32)
-    moe.launch_route(moe.logits, M, ids_old, w_old, None)
-    np.testing.assert_array_equal(ids_old.numpy(), ids)
-    np.testing.assert_array_equal(w_old.numpy(), wts)
+    logits, _, _ = route_checked(gpu, moe, x, M)
     moe.fused_router = False
     moe.route(x, M)
     unfused = moe.logits.numpy()[:M]
@@ -178,8 +170,7 @@ def test_fold_and_spread_equal_the_two_hand_offs_and_moe_route(gpu, M, fold, G):
     """Forced plans (the planned knobs, folded or not, a warp a token or route_block's 12 warps): the logits bit
     for bit those of the unfolded plan (one summation order), the ids and weights moe_route's on them bit for
     bit, the tile lists right; and with the ids given, the same tile lists from the shared copy of the ids."""
-    r = SHAPES["kimi"]
-    E, H, k = r["experts"], r["hidden"], r["topk"]
+    H = SHAPES["kimi"]["hidden"]
     moe = kimi_moe(gpu)
     x = gpu.upload(randfill.hash_array((M, H), np.uint16, 702 + M, randfill.ACT_BF16))
     planned = moe.router_fused.plan(M)
@@ -189,20 +180,8 @@ def test_fold_and_spread_equal_the_two_hand_offs_and_moe_route(gpu, M, fold, G):
     base = moe.logits.numpy()[:M].copy()
     plan = moe.router_fused.override(M, fold=fold, route_warps=G, **knobs)
     assert plan.fold == fold and (G is None or plan.route_warps == G)
-    for a in (moe.logits, moe.topk_w, moe.tile_expert, moe.tile_pairs):
-        gpu.memset(a, 0xFF)
-    gpu.memset(moe.topk_ids, 0xFF)
-    moe.route(x, M)
-    gpu.sync()
-    logits, ids, wts = moe.logits.numpy()[:M], moe.topk_ids.numpy()[:M].copy(), moe.topk_w.numpy()[:M].copy()
+    logits, _, _ = route_checked(gpu, moe, x, M)
     np.testing.assert_array_equal(logits, base)
-    tiles = {"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}
-    check_tiles(tiles, ids, E)
-    ids_old, w_old = gpu.alloc((M, k), np.int32), gpu.alloc((M, k), np.float32)
-    moe.launch_route(moe.logits, M, ids_old, w_old, None)
-    gpu.sync()
-    np.testing.assert_array_equal(ids_old.numpy(), ids)
-    np.testing.assert_array_equal(w_old.numpy(), wts)
     given_ids_aligned(gpu, moe, x, M)
 
 
