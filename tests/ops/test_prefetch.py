@@ -169,8 +169,8 @@ def test_open_branches_get_their_own_lanes_and_launchers():
     lane, so two parallel GEMMs of one shape never share a workspace; a lane is reused once joined."""
     from ddtree.ops.cuda_backend import CudaOps
     ops = Staged(SIZES, 0)
-    ops.branches, ops.stream, ops.kernels, main = True, Builder("main"), {}, Builder("main")
-    ops.stream = main
+    main = Builder("main")
+    ops.branches, ops.stream, ops.kernels = True, main, {}
     made = []
 
     def get():
