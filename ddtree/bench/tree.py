@@ -41,7 +41,8 @@ def lm_logits(rng, rows: int, V: int, flat: bool) -> np.ndarray:
     return x
 
 
-def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, flat: bool, ceiling_gbps: float) -> list:
+def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, flat: bool, ceiling_gbps: float,
+               candidates: bool = True) -> list:
     from ddtree.plugins.tree_build import DraftTreeBuilder
     from ddtree.plugins.tree_sample import TreeSampler
     rng = np.random.default_rng(V + B)
@@ -52,7 +53,8 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
     drafts = [gpu.upload(draft_host) for _ in range(copies)]
     targets = [gpu.upload(target_host) for _ in range(copies)]
     root, start = gpu.upload(np.array([1], np.int32)), gpu.upload(np.array([4096], np.int32))
-    builder, sampler = DraftTreeBuilder(gpu, vocab=V, depth=D, max_budget=B), TreeSampler(gpu, vocab=V, max_rows=n)
+    builder = DraftTreeBuilder(gpu, vocab=V, depth=D, max_budget=B, candidates=candidates)
+    sampler = TreeSampler(gpu, vocab=V, max_rows=n)
     steps = max(launches, copies)
     tree = builder.outputs(B)
 
@@ -83,6 +85,7 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
         walk_us = time_graph(gpu, walk_all) * 1e3 / steps
         total_us = time_graph(gpu, step_all) * 1e3 / steps
         rows.append({"vocab": V, "budget": B, "depth": D, "mode": mode, "logits": "flat" if flat else "peaked",
+                     "tree_build": "candidates" if builder.candidates.entries(B) else "pops",
                      "build_us": round(build_us, 2), "walk_us": round(walk_us, 2), "total_us": round(total_us, 2),
                      "read_once_us": round(step_bytes / ceiling_gbps / 1e3, 2), "full_row_rows": full_rows, "inexact_rows": flagged,
                      "buffers": copies, "steps": steps})
@@ -100,21 +103,27 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
               help=f"sampling modes, comma-separated, from {', '.join(MODES)}")
 @click.option("--launches", default=8, show_default=True, help="steps per captured graph (at least one per buffer)")
 @click.option("--flat", is_flag=True, help="standard-normal logits (top-p keeps most of the vocab: full-row path)")
+@click.option("--build", "builds", default="auto", show_default=True,
+              help="tree build, comma-separated: auto (the candidate table where the budget fits it, else the pops), "
+                   "pops (always the best-first pops on one warp)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def tree_command(vocabs, budgets, depth, modes, launches, flat, as_json):
+def tree_command(vocabs, budgets, depth, modes, launches, flat, builds, as_json):
     """DDTree tree build (top-k + best-first) and acceptance walk (sampling at every node) on the GPU."""
     modes = [m for m in modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {unknown}; choose from {list(MODES)}", param_hint="--mode")
+    builds = [b for b in builds.split(",") if b]
+    if not builds or set(builds) - {"auto", "pops"}:
+        raise click.BadParameter(f"got {builds}; choose from auto, pops", param_hint="--build")
     gpu, ceiling = open_gpu()
     rows = []
     for V in _ints(vocabs):
-        for B in _ints(budgets):
-            for row in bench_case(gpu, V, B, depth, modes, launches, flat, ceiling["gbps"]):
+        for B, build in ((B, b) for B in _ints(budgets) for b in builds):
+            for row in bench_case(gpu, V, B, depth, modes, launches, flat, ceiling["gbps"], build == "auto"):
                 rows.append(row)
-                _say(f"V {V:6d} B {B:3d} {row['mode']:>17s}: build {row['build_us']:7.2f} us  walk "
+                _say(f"V {V:6d} B {B:3d} {row['mode']:>17s} {row['tree_build']:>10s}: build {row['build_us']:7.2f} us  walk "
                      f"{row['walk_us']:7.2f} us  together {row['total_us']:7.2f} us  (logits once: "
                      f"{row['read_once_us']:.2f} us)")
     result = {"bench": "tree", "device": gpu.name, "rows": rows, "ceiling": ceiling}

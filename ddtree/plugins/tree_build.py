@@ -2,6 +2,10 @@
 
     builder = DraftTreeBuilder(gpu, vocab=V, depth=D)            # workspaces for budgets up to 255
     tree = builder.run(logits, root, start, budget)              # two launches, no host round trip
+
+The tree itself is one block-wide top-B over the candidate table of plugins/tree_candidates.py where the
+budget's candidates fit it (depth <= 8; at Kimi's depth 7 budgets up to 64), else B pops on one warp: the
+same tree either way (`candidates=False` forces the pops, for tests and A/B benches).
     tree.tokens, tree.parents, tree.depth, tree.positions, tree.vis, tree.count   (DeviceArrays)
 
 Identical to ddtree/tree/build.py (`topk_logprobs` then `build_tree` with k = min(B, V)) in the nodes,
@@ -19,6 +23,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
+from ddtree.plugins.tree_candidates import candidate_cap, candidate_table, candidates_for
 from ddtree.tree.build import MAX_BUDGET
 
 SOURCE = "tree_build.cu"
@@ -58,8 +63,27 @@ def table_keys(logp: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return (hi << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - np.asarray(ids).astype(np.uint64))
 
 
+class CandidateTable:
+    """The candidate table of budgets up to `cap` on the device (none past depth 8 or with max_budget 0)."""
+
+    def __init__(self, gpu: Gpu, depth: int, max_budget: int):
+        self.depth, self.cap = depth, candidate_cap(max_budget, depth) if max_budget else 0
+        self.tuple = self.meta = None
+        if self.cap:
+            packed, meta, _ = candidate_table(self.cap, depth)
+            self.tuple, self.meta = gpu.upload(packed), gpu.upload(meta)
+
+    def entries(self, budget: int) -> int:
+        """Entries a launch at `budget` reads (0: the pops build this tree)."""
+        return candidates_for(self.cap, self.depth, budget) if budget <= self.cap else 0
+
+    def args(self, budget: int) -> tuple:
+        return ptr(self.tuple), ptr(self.meta), np.int32(self.entries(budget))
+
+
 class DraftTreeBuilder:
-    def __init__(self, gpu: Gpu, vocab: int, depth: int, max_budget: int = MAX_BUDGET, pdl: bool | None = None):
+    def __init__(self, gpu: Gpu, vocab: int, depth: int, max_budget: int = MAX_BUDGET, pdl: bool | None = None,
+                 candidates: bool = True):
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"DraftTreeBuilder: depth (drafter block size - 1) must be in 1..{MAX_DEPTH}, got {depth}")
         if not 1 <= max_budget <= MAX_BUDGET:
@@ -86,6 +110,7 @@ class DraftTreeBuilder:
         self._vis = gpu.alloc((n_max * vis_words(n_max),), np.uint32)
         self._count = gpu.alloc((1,), np.int32)
         self._table = (gpu.alloc((depth * k_max,), np.float32), gpu.alloc((depth * k_max,), np.int32))
+        self.candidates = CandidateTable(gpu, depth, max_budget if candidates else 0)
 
     def outputs(self, budget: int, K: int | None = None) -> DeviceTree:
         """Views of the output buffers shaped for `budget` and K candidates per depth (default min(B, V))."""
@@ -136,7 +161,8 @@ class DraftTreeBuilder:
     def _build_args(self, root, start, budget: int, out: DeviceTree) -> tuple:
         return (ptr(root), ptr(start), np.int32(budget), ptr(self.table), ptr(out.table_logp), ptr(out.table_ids),
                 ptr(out.tokens), ptr(out.parents), ptr(out.depth), ptr(out.positions), ptr(out.scores),
-                ptr(out.vis), ptr(out.count), ptr(self.row_tickets), ptr(self.done_ticket))
+                ptr(out.vis), ptr(out.count), ptr(self.row_tickets), ptr(self.done_ticket),
+                *self.candidates.args(budget))
 
     def _check_budget(self, budget: int) -> None:
         if not 1 <= budget <= self.max_budget:

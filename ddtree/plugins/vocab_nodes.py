@@ -41,6 +41,7 @@ import numpy as np
 
 from ddtree.plugins.device import Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
+from ddtree.plugins.tree_build import CandidateTable
 from ddtree.tree.build import MAX_BUDGET
 
 TREE_SOURCE, SAMPLE_SOURCE = "tree_build.cu", "sample.cu"
@@ -164,6 +165,7 @@ class TreeBuild:
         self.count = gpu.alloc((1,), np.int32)
         self.start = gpu.zeros((1,), np.int32)
         self.done_ticket = gpu.zeros((1,), np.uint32)
+        self.candidates = CandidateTable(gpu, depth, budget)     # the block-wide top-B where it fits
 
     def run(self, root, values, ids, row_max, row_sumexp, tokens, parents, depth, visibility, stream=None) -> None:
         """root [1] int32, values [tp, D, k] float32, ids [tp, D, k] int32, row_max / row_sumexp [tp, D] float32
@@ -174,7 +176,7 @@ class TreeBuild:
                  np.int32(self.K), ptr(root), ptr(self.start), np.int32(self.budget), ptr(self.table),
                  ptr(self.table_logp), ptr(self.table_ids), ptr(tokens), ptr(parents), ptr(depth),
                  ptr(self.positions), ptr(self.scores), ptr(visibility), ptr(self.count), ptr(None),
-                 ptr(self.done_ticket), stream=stream, pdl=self.pdl)
+                 ptr(self.done_ticket), *self.candidates.args(self.budget), stream=stream, pdl=self.pdl)
 
 
 class AcceptWalk:

@@ -27,10 +27,10 @@ def builders(gpu):
     from ddtree.plugins.tree_build import DraftTreeBuilder
     cache = {}
 
-    def get(D, V=V_BIG):
-        if (D, V) not in cache:
-            cache[(D, V)] = DraftTreeBuilder(gpu, vocab=V, depth=D)
-        return cache[(D, V)]
+    def get(D, V=V_BIG, candidates=True):
+        if (D, V, candidates) not in cache:
+            cache[(D, V, candidates)] = DraftTreeBuilder(gpu, vocab=V, depth=D, candidates=candidates)
+        return cache[(D, V, candidates)]
     return get
 
 
@@ -66,25 +66,28 @@ def build_cases():
 def test_build_from_table_is_bitwise_the_numpy_builder(gpu, builders):
     from ddtree.plugins.tree_build import table_keys
     rng = np.random.default_rng(11)
-    ties_seen = 0
+    ties_seen, selected = 0, 0
     for i, D, K, B, kind in build_cases():
         logp, ids = tc.table(rng, D, K, V_BIG, kind)
         root, start = int(rng.integers(0, V_BIG)), int(rng.integers(0, 1 << 20))
         ref = build_tree(root, logp, ids, B)
         ties_seen += len(ref.scores) - len(np.unique(ref.scores))
         keys = table_keys(logp, ids)                                       # [D, K]
-        b = builders(D)
-        for S in (1, 3):                      # S = 3: rank r -> list r % 3, as tensor-parallel ranks deliver them
+        selected += builders(D).candidates.entries(B) > 0
+        # the candidate table's top-B where the budget fits it (depth <= 8), and the pops: the same tree
+        for b, S in ((builders(D), 1), (builders(D), 3), (builders(D, candidates=False), 1)):
+            # S = 3: rank r -> list r % 3, as tensor-parallel ranks deliver them
             lists = np.zeros((D, S, K), np.uint64)
             for s in range(S):
                 part = keys[:, s::S]
                 lists[:, s, : part.shape[1]] = part
             out = b.build(gpu.upload(lists), S, K, scalar(gpu, root), scalar(gpu, start), B).numpy()
-            what = f"case {i}: D {D} K {K} B {B} {kind} S {S}"
+            what = f"case {i}: D {D} K {K} B {B} {kind} S {S} candidates {b.candidates.entries(B)}"
             assert_tree_equal(out, ref, start, B, what)
             np.testing.assert_array_equal(out["table_ids"], ids, err_msg=what)
             np.testing.assert_array_equal(out["table_logp"].view(np.uint32), logp.view(np.uint32), err_msg=what)
     assert ties_seen > 100, "the cases must contain exactly tied path scores"
+    assert 40 <= selected <= 120, f"{selected} of 150 cases built from the candidate table: both paths must run"
 
 
 @pytest.mark.parametrize("D,V,B,ties", [(7, V_BIG, 64, False), (7, V_BIG, 255, True), (1, 16385, 16, True),

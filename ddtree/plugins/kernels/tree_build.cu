@@ -9,6 +9,9 @@
 //                                 finish builds the tree (best_first below). Two launches in all.
 //   draft_merge      grid D       the same merge + build from lists given by the caller (tensor-parallel
 //                                 ranks' candidates, or a table in tests)
+// The build: with a candidate table (plugins/tree_candidates.py: every node that can be among the B best,
+// sorted so a budget's candidates are a prefix), one block-wide top-B of their keys (candidate_select);
+// without one (depth > 8, or a budget whose candidates pass TB_MAX_CAND) the B pops on one warp. Same tree.
 //
 // Letters: D depths (rows), V vocab, S = ceil(V / 16384) slices, K = min(B, V) per-depth candidates,
 // B budget (drafted nodes, root excluded), n = B + 1 nodes, W = ceil(n / 32) visibility words per row.
@@ -21,6 +24,10 @@
 #define TB_MAX_K 256
 #define TB_MAX_LIST_KEYS 4096            // S * K keys per row, merged in registers (8 per thread)
 #define TB_STATUS_NAN_DRAFT 1
+#define TB_CAND_ITEMS 12
+#define TB_MAX_CAND (TB_THREADS * TB_CAND_ITEMS)   // candidate table entries (tree_candidates.MAX_CANDIDATES)
+#define TB_CAND_MAX_DEPTH 8                        // tuples in one u64
+#define TB_CAND_LP (TB_CAND_MAX_DEPTH * TB_MAX_K)  // the [D, K] log-probabilities, flat
 
 // One block's shared memory, by phase (they never overlap in time).
 union TreeSmem {
@@ -28,10 +35,25 @@ union TreeSmem {
     struct { TopKeysSmem top; u64 merged[TB_MAX_K]; } merge;                   // row merge
     struct {                                                                    // best-first build
         float lp[TB_MAX_DEPTH][TB_MAX_K];
-        int ids[TB_MAX_DEPTH][TB_MAX_K];
         u32 nm[TB_MAX_K];                        // popped nodes' node words (node_pack below)
         float score[TB_MAX_K];
     } build;
+    struct {                                                                    // candidate build
+        float lp[TB_CAND_LP];                    // [D][K]
+        TopKeysSmem top;                         // the selection; then top.cand holds node_of (u16)
+        u64 picked[TB_MAX_K];
+        u32 nm[TB_MAX_K];
+        float score[TB_MAX_K];
+    } cand;
+};
+static_assert(sizeof(u64) * DD_TOP_CAND >= sizeof(unsigned short) * TB_MAX_CAND, "node_of fits top.cand");
+
+// The candidate table (plugins/tree_candidates.py): n entries of this launch's budget, none (n = 0): the pops.
+//   tuple [n] u64  ranks r_j + 1 as bytes, big-endian     meta [n] u32  parent's index (0xFFFF: root) | lex << 16
+struct Candidates {
+    const u64* tuple;
+    const u32* meta;
+    int n;
 };
 
 // logits [D, V] fp32 -> parts [D, S] float2 (slice max, slice sum of exp(x - max))
@@ -126,17 +148,12 @@ struct TreeOut {
     u32* vis;
 };
 
-// table [D, K] keys (descending per row) -> the tree. One block; warp 0 pops, lane L owning frontier slots
-// L + 32 j: a pop is the lane-local best then a warp max on the score's order key; only when two lanes
-// hold the same best score do rank tuples decide.
-__device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, int root, int start, TreeOut o) {
+// table [D, K] keys (descending per row) -> nodes 1 .. nodes-1 in b.nm / b.score; returns nodes. One block;
+// warp 0 pops, lane L owning frontier slots L + 32 j: a pop is the lane-local best then a warp max on the
+// score's order key; only when two lanes hold the same best score do rank tuples decide.
+__device__ int best_first_pops(TreeSmem& sm, const u64* table, int D, int K, int B) {
     auto& b = sm.build;
-    DD_TRACE(6, true);
-    for (int e = threadIdx.x; e < D * K; e += TB_THREADS) {
-        const u64 key = ld_cg_u64(table + e);
-        b.lp[e / K][e % K] = key_value(key);
-        b.ids[e / K][e % K] = key_id(key);
-    }
+    for (int e = threadIdx.x; e < D * K; e += TB_THREADS) b.lp[e / K][e % K] = key_value(ld_cg_u64(table + e));
     __syncthreads();
     DD_TRACE(7, true);
     DD_TRACE_CLOCK(10);
@@ -219,22 +236,79 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
         if (lane == 0) s_nodes = nodes;
     }
     __syncthreads();
-    DD_TRACE(8, true);
-    DD_TRACE_CLOCK(11);
-    const int nodes = s_nodes, n = B + 1, W = (n + 31) >> 5;
+    return s_nodes;
+}
+
+// The same nodes from the candidate table: the B largest keys order32(score) << 32 | (0x1FFF - lex) << 16 | index
+// (score descending, then the rank tuple ascending: the pops' order; the index only finds the entry again), then
+// parents through node_of[index]. Returns nodes (1 + the valid candidates, at most B + 1).
+__device__ int candidate_select(TreeSmem& sm, const u64* table, int D, int K, int B, Candidates cand) {
+    auto& c = sm.cand;
+    __shared__ float scratch[32];
+    u64 tup[TB_CAND_ITEMS];
+    u32 meta[TB_CAND_ITEMS];
+#pragma unroll
+    for (int j = 0; j < TB_CAND_ITEMS; ++j) {             // the launch-constant table: in flight with the lp loads
+        const int i = j * TB_THREADS + threadIdx.x;
+        tup[j] = i < cand.n ? cand.tuple[i] : 0ull;
+        meta[j] = i < cand.n ? cand.meta[i] : 0u;
+    }
+    for (int e = threadIdx.x; e < D * K; e += TB_THREADS) c.lp[e] = key_value(ld_cg_u64(table + e));
+    __syncthreads();
+    u64 keys[TB_CAND_ITEMS];
+    float valid = 0.f;
+#pragma unroll
+    for (int j = 0; j < TB_CAND_ITEMS; ++j) {
+        float s = 0.f;                                     // the pops' fold: 0 + logp[0][r_1] + ...
+        bool ok = tup[j] != 0ull;
+#pragma unroll
+        for (int d = 0; d < TB_CAND_MAX_DEPTH; ++d) {
+            const int byte = (int)(tup[j] >> (8 * (7 - d))) & 0xff;
+            if (byte == 0) break;
+            ok = ok && d < D && byte <= K;
+            if (ok) s = __fadd_rn(s, c.lp[d * K + byte - 1]);
+        }
+        const int i = j * TB_THREADS + threadIdx.x;
+        keys[j] = ok ? (u64)order32(s) << 32 | (u64)((0x1fffu - (meta[j] >> 16)) << 16 | (u32)i) : 0ull;
+        valid += ok ? 1.f : 0.f;
+    }
+    const int n_valid = (int)block_reduce(valid, SumOp<float>(), 0.f, scratch);   // exact: <= 6144
+    const int picked = min(B, n_valid);
+    block_top_keys<TB_THREADS, TB_CAND_ITEMS>(keys, picked, c.top, c.picked);
+    unsigned short* node_of = reinterpret_cast<unsigned short*>(c.top.cand);     // [index] -> node
+    for (int r = threadIdx.x; r < picked; r += TB_THREADS) node_of[(u32)c.picked[r] & 0xffffu] = (unsigned short)(r + 1);
+    __syncthreads();
+    for (int r = threadIdx.x; r < picked; r += TB_THREADS) {
+        const u64 key = c.picked[r];
+        const int i = (int)((u32)key & 0xffffu);
+        const u64 t = cand.tuple[i];
+        const int p = (int)(cand.meta[i] & 0xffffu);
+        const int d = 8 - (__ffsll((long long)t) - 1) / 8;  // bytes past the depth are zero
+        const int rank = (int)(t >> (8 * (8 - d))) & 0xff;
+        c.nm[r + 1] = node_pack(p == 0xffff ? 0 : node_of[p], d, rank - 1);
+        c.score[r + 1] = key_value(key);
+    }
+    __syncthreads();
+    return picked + 1;
+}
+
+// Nodes 0 .. nodes-1 (node words nm, scores; tokens from the table's keys) -> the tree tensors, n = B + 1 rows.
+__device__ void tree_outputs(const u32* nm, const float* score, const u64* table, int K, int nodes, int B, int root,
+                             int start, TreeOut o) {
+    const int n = B + 1, W = (n + 31) >> 5;
     for (int i = threadIdx.x; i < n; i += TB_THREADS) {
         const bool real = i > 0 && i < nodes;
-        const u32 m = real ? b.nm[i] : 0u;
+        const u32 m = real ? nm[i] : 0u;
         const int dep = node_depth(m);
-        o.tokens[i] = i == 0 ? root : (real ? b.ids[dep - 1][node_rank(m)] : -1);
+        o.tokens[i] = i == 0 ? root : (real ? key_id(ld_cg_u64(table + (dep - 1) * K + node_rank(m))) : -1);
         o.parents[i] = real ? node_parent(m) : -1;
         o.depth[i] = dep;
         o.positions[i] = start + dep;
-        o.scores[i] = real ? b.score[i] : 0.f;
+        o.scores[i] = real ? score[i] : 0.f;
         for (int w = 0; w < W; ++w) {                    // the row's ancestors-or-self, word w
             u32 bits = 0;
             if (i < nodes)
-                for (int j = i; j >= 0; j = j ? node_parent(b.nm[j]) : -1)
+                for (int j = i; j >= 0; j = j ? node_parent(nm[j]) : -1)
                     if ((j >> 5) == w) bits |= 1u << (j & 31);
             o.vis[(size_t)i * W + w] = bits;
         }
@@ -243,18 +317,36 @@ __device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, 
     DD_TRACE(9, true);
 }
 
+// table [D, K] keys (descending per row) -> the tree.
+__device__ void best_first(TreeSmem& sm, const u64* table, int D, int K, int B, int root, int start, Candidates cand,
+                           TreeOut o) {
+    DD_TRACE(6, true);
+    if (cand.n > 0) {
+        const int nodes = candidate_select(sm, table, D, K, B, cand);
+        DD_TRACE(8, true);
+        DD_TRACE_CLOCK(11);
+        tree_outputs(sm.cand.nm, sm.cand.score, table, K, nodes, B, root, start, o);
+    } else {
+        const int nodes = best_first_pops(sm, table, D, K, B);
+        DD_TRACE(8, true);
+        DD_TRACE_CLOCK(11);
+        tree_outputs(sm.build.nm, sm.build.score, table, K, nodes, B, root, start, o);
+    }
+}
+
 #define TB_BUILD_ARGS const int* __restrict__ root, const int* __restrict__ start, int B, \
     u64* __restrict__ table, float* __restrict__ table_logp, int* __restrict__ table_ids, \
     int* tokens, int* parents, int* depth, int* positions, float* scores, u32* vis, int* count, \
-    u32* row_tickets, u32* done_ticket
+    u32* row_tickets, u32* done_ticket, const u64* __restrict__ cand_tuple, const u32* __restrict__ cand_meta, int n_cand
 #define TB_OUT TreeOut{tokens, parents, depth, positions, count, scores, vis}
+#define TB_CAND Candidates{cand_tuple, cand_meta, n_cand}
 
 // Row d done: merge it; the last row done builds the tree.
 __device__ void finish_row(TreeSmem& sm, const u64* lists, int d, int D, int S, int K, TB_BUILD_ARGS) {
     DD_TRACE(4, d == 0);
     merge_row(sm, lists + (size_t)d * S * K, S, K, table + (size_t)d * K, table_logp + d * K, table_ids + d * K);
     DD_TRACE(5, d == 0);
-    if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_OUT);
+    if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_CAND, TB_OUT);
 }
 
 // -> lists [D, S, K] (each slice's K largest (logp, id) keys, descending), then the table and the tree
@@ -292,7 +384,7 @@ draft_topk(const float* __restrict__ logits, int V, const float2* __restrict__ p
     for (int r = threadIdx.x; r < K; r += TB_THREADS) out[r] = r < k ? sm.slice.picked[r] : 0ull;
     if (arrive_last(row_tickets + d, (u32)S))
         finish_row(sm, lists, d, D, S, K, root, start, B, table, table_logp, table_ids, tokens, parents, depth,
-                   positions, scores, vis, count, row_tickets, done_ticket);
+                   positions, scores, vis, count, row_tickets, done_ticket, cand_tuple, cand_meta, n_cand);
     pdl_trigger();
 }
 
@@ -302,7 +394,7 @@ draft_merge(const u64* __restrict__ lists, int S, int K, TB_BUILD_ARGS) {
     __shared__ __align__(16) TreeSmem sm;
     pdl_wait();
     finish_row(sm, lists, blockIdx.x, gridDim.x, S, K, root, start, B, table, table_logp, table_ids, tokens,
-               parents, depth, positions, scores, vis, count, row_tickets, done_ticket);
+               parents, depth, positions, scores, vis, count, row_tickets, done_ticket, cand_tuple, cand_meta, n_cand);
     pdl_trigger();
 }
 
@@ -405,6 +497,6 @@ node_tree_build(const float* __restrict__ values, const int* __restrict__ cand_i
         table_logp[d * K + r] = key_value(key);
         table_ids[d * K + r] = key_id(key);
     }
-    if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_OUT);
+    if (arrive_last(done_ticket, (u32)D)) best_first(sm, table, D, K, B, *root, *start, TB_CAND, TB_OUT);
     pdl_trigger();
 }
