@@ -252,7 +252,9 @@ class FusedRouter:
         plans = [(m, self.plan(m)) for m in range(1, shape.max_tokens + 1)]
         self.partial = gpu.alloc(max([p.partial_floats(m, shape.experts) for m, p in plans] + [1]), np.float32)
         self.counters = gpu.zeros(max(p.mb * p.nb + p.mb + 1 for _, p in plans), np.uint32)
-        self.score = gpu.alloc(shape.max_tokens * shape.experts, np.float32)   # route_rows' sigmoids [M, E]
+        # route_rows' sigmoids [M, E], for shapes where some plan (or an override) can take lanes > 0
+        self.score = gpu.alloc(shape.max_tokens * shape.experts, np.float32) \
+            if lanes_allowed(shape, False) != (0,) else None
 
     def plan(self, M: int) -> RouterPlan:
         if M in self._overrides:
@@ -300,6 +302,9 @@ class FusedRouter:
         if not 1 <= M <= s.max_tokens:
             raise ValueError(f"fused router: M = {M} outside [1, {s.max_tokens}]")
         p, g = self.plan(M), self.gpu
+        if p.lanes not in lanes_allowed(s, p.fold):            # the kernel trusts the plan's lanes
+            raise ValueError(f"fused router: plan for M = {M} has lanes {p.lanes}, not one of "
+                             f"{lanes_allowed(s, p.fold)} (fold {p.fold}, n_group {s.n_group}, topk {s.topk})")
         tile_expert, tile_pairs, num_tiles = tiles
         g.allow_smem(SOURCE, p.kernel, p.smem)
         g.launch(g.kernel(SOURCE, p.kernel), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,

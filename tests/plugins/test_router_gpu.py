@@ -12,6 +12,7 @@ import pytest
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import route_logits
 from ddtree.plugins import layout, randfill, reference
+from ddtree.plugins.router import lanes_allowed
 from moe_cases import route_only_weights
 
 pytestmark = pytest.mark.gpu
@@ -202,12 +203,22 @@ def route_checked(gpu, moe, x, M):
     and the ids and weights bit for bit those of moe_route (the route kernel the fused one replaced) on the
     same logits."""
     k, E = moe.shape.topk, moe.shape.experts
-    for a in (moe.logits, moe.topk_w, moe.tile_expert, moe.tile_pairs, moe.topk_ids):
-        gpu.memset(a, 0xFF)
+    fused = moe.router_fused
+    for a in (moe.logits, moe.topk_w, moe.tile_expert, moe.tile_pairs, moe.topk_ids, fused.score):
+        if a is not None:                               # score: only where lanes_allowed has lanes > 0
+            gpu.memset(a, 0xFF)
     moe.route(x, M)
     gpu.sync()
     logits, ids, wts = (a.numpy()[:M].copy() for a in (moe.logits, moe.topk_ids, moe.topk_w))
     assert np.isfinite(logits).all() and ids.min() >= 0 and ids.max() < E
+    # route_rows alone stores the scores: the plan's lanes ran (a warp a token leaves the poison)
+    if fused.score is None:
+        assert lanes_allowed(fused.shape, False) == (0,)
+    elif moe.fused_router and fused.plan(M).lanes:
+        score = fused.score.numpy()[: M * E].reshape(M, E)
+        np.testing.assert_allclose(score, 1 / (1 + np.exp(-logits.astype(np.float64))), rtol=1e-6, atol=0)
+    else:
+        assert np.isnan(fused.score.numpy()[: M * E]).all()
     check_tiles({"num_tiles": moe.num_tiles, "tile_expert": moe.tile_expert, "tile_pairs": moe.tile_pairs}, ids, E)
     ids_old, w_old = gpu.alloc((M, k), np.int32), gpu.alloc((M, k), np.float32)
     moe.launch_route(moe.logits, M, ids_old, w_old, None)

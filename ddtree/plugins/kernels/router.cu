@@ -85,10 +85,9 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
                                             int S, int TW, int topk, int n_group, int topk_group, float scaling,
                                             int route, int fold, int G, int lanes_in) {
     extern __shared__ __align__(16) unsigned char smem[];
-    // route_rows' conditions (the plan's; anything else routes a warp a token from the logits): unfolded,
-    // ungrouped, 16-byte rows of scores, and at 16 lanes topk <= 16, E <= 16 x 24
-    const int lanes = !fold && n_group == 1 && (E & 3) == 0 && (lanes_in == 32 ||
-                      (lanes_in == 16 && topk <= 16 && E <= 16 * 24)) ? lanes_in : 0;
+    // lanes a row of the route phase as planned: the launcher takes only what plugins/router.py lanes_allowed
+    // allows (unfolded, ungrouped, E % 4 == 0, at 16 lanes topk <= 16 and E <= 16 x 24), and checks it per launch
+    const int lanes = lanes_in;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int W = blockDim.x >> 5, KW = W / TW, tw = warp % TW, kw = warp / TW;
     const int MB = gridDim.x, NB = gridDim.z, mb = blockIdx.x, s = blockIdx.y, nb = blockIdx.z;
