@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call for the candidate-table tree build (issue 23) and the router's planned lanes (issue 22):
+#   1. every kernel compiled for sm_90 in parallel (this tree, then BEFORE's changed ones)
+#   2. GPU tests: tree build / sampler / walk, the vocab nodes, the fused router, the tiny model's DDTree == AR
+#   3. `ddtree bench tree --build auto,pops` (the candidate build and the pops, same process)
+#   4. STEP=1: `ddtree bench step` at budget 16 (+ AR) here and in BEFORE (a `git archive` of the tree before)
+# Every step is time-boxed (DEADLINE seconds in all) so what finished comes back. Results under $OUT.
+#   BEFORE=.cache/step_before STEP=1 DEADLINE=540 bash tests/plugins/tree_candidates_on_gpu.sh
+set -uo pipefail
+source tests/plugins/gpu_lib.sh
+gpu_setup
+end=$((SECONDS + ${DEADLINE:-540}))
+root=$PWD
+
+compile_tree() {      # DIR SOURCES...: NVRTC in parallel, one process a source
+  local d=$1; shift
+  for s in "$@"; do
+    (cd "$d" && PYTHONPATH=$d python3 -c "
+import ddtree.plugins.compile as kc
+s = '$s'
+kc.compile_cubin(s, 'sm_90', kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE) if s in kc.LATENT_SOURCES else None)") &
+  done
+  wait
+}
+sources=$(python3 -c "import ddtree.plugins.compile as kc; print(' '.join(kc.SOURCES))")
+compile_tree "$root" $sources >> "$out/log.txt" 2>&1
+[[ -n ${BEFORE:-} ]] && compile_tree "$BEFORE" tree_build.cu router.cu >> "$out/log.txt" 2>&1
+echo "compiled at $SECONDS s" >> "$out/log.txt"
+
+T=tests/plugins
+TEST_TIMEOUT=${TEST_TIMEOUT:-240} gpu_tests $T/test_tree_gpu.py $T/test_vocab_nodes_gpu.py $T/test_sampler_graph_gpu.py \
+  $T/test_router_gpu.py tests/runtime/test_cuda_step_gpu.py >> "$out/log.txt" 2>&1
+echo "tests done at $SECONDS s" >> "$out/log.txt"
+
+gpu_step tree 90 "$root" python3 -m ddtree bench tree --vocab 163840,20480 --budget 16,64 --mode greedy,top_p0.95 \
+  --build auto,pops --json
+if [[ ${STEP:-0} == 1 ]]; then
+  step_args="--context 4096 --budget 16 --routing uniform,tree --reuse 0.5 --accept 4 --ar --repeats 10 --json"
+  gpu_step step_after 200 "$root" python3 -m ddtree bench step $step_args
+  [[ -n ${BEFORE:-} ]] && gpu_step step_before 200 "$BEFORE" python3 -m ddtree bench step $step_args
+fi
+echo "end at $SECONDS s" >> "$out/log.txt"
