@@ -33,7 +33,8 @@ from rich.table import Table
 
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.project import depth_histogram
-from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times  # noqa: F401  (kernel_family: tests)
+from ddtree.bench.step_parts import (SPLIT, kernel_family, part_ideals, part_times,  # noqa: F401  (kernel_family: tests)
+                                     top_kernels)
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
@@ -209,6 +210,8 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             "step_us": step_us, "split_us": split, "parts": parts, "kernels": len(launches), "bytes": nbytes,
             "ideal_us": ideal_us, "pct_roofline": 100 * ideal_us / step_us,
             "distinct_experts": distinct, "accepted_per_step": 1 if budget is None else accepted,
+            "top_kernels": top_kernels(launches, times, rank.lay.vocab_stop - rank.lay.vocab_start,
+                                       cfg.n_routed_experts),
             "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None}
 
 

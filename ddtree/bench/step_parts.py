@@ -93,3 +93,21 @@ def part_times(launches, times, vocab_per_rank: int, experts: int, ideals: dict)
         else:
             split[kernel_family(rec, vocab_per_rank, experts)] += us
     return split
+
+
+def top_kernels(launches, times, vocab_per_rank: int, experts: int, top: int = 30) -> list[dict]:
+    """The step's launches grouped by (kernel, layer function, grid, block), largest total us first: where a part's
+    time goes, launch by launch (each timed alone, as in the split)."""
+    groups: dict[tuple, dict] = {}
+    for rec, us in zip(launches, times):
+        kernel, grid, block, smem, _ = rec["launch"]
+        key = (rec["kernel"], rec["fn"], str(tuple(grid)), str(block))
+        g = groups.setdefault(key, {"kernel": rec["kernel"], "fn": rec["fn"], "grid": list(grid), "block": block,
+                                    "smem": smem, "part": kernel_family(rec, vocab_per_rank, experts),
+                                    "launches": 0, "us_total": 0.0})
+        g["launches"] += 1
+        g["us_total"] += us
+    rows = sorted(groups.values(), key=lambda g: -g["us_total"])[:top]
+    for g in rows:
+        g["us_each"] = g["us_total"] / g["launches"]
+    return rows

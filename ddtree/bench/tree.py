@@ -42,7 +42,7 @@ def lm_logits(rng, rows: int, V: int, flat: bool) -> np.ndarray:
 
 
 def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, flat: bool, ceiling_gbps: float,
-               candidates: bool = True) -> list:
+               candidates: bool | None = None) -> list:
     from ddtree.plugins.tree_build import DraftTreeBuilder
     from ddtree.plugins.tree_sample import TreeSampler
     rng = np.random.default_rng(V + B)
@@ -104,8 +104,8 @@ def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, fla
 @click.option("--launches", default=8, show_default=True, help="steps per captured graph (at least one per buffer)")
 @click.option("--flat", is_flag=True, help="standard-normal logits (top-p keeps most of the vocab: full-row path)")
 @click.option("--build", "builds", default="auto", show_default=True,
-              help="tree build, comma-separated: auto (the candidate table where the budget fits it, else the pops), "
-                   "pops (always the best-first pops on one warp)")
+              help="tree build, comma-separated: auto (the builder's choice), candidates (the candidate table's "
+                   "top-B wherever it fits), pops (always the best-first pops on one warp)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def tree_command(vocabs, budgets, depth, modes, launches, flat, builds, as_json):
@@ -115,13 +115,14 @@ def tree_command(vocabs, budgets, depth, modes, launches, flat, builds, as_json)
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {unknown}; choose from {list(MODES)}", param_hint="--mode")
     builds = [b for b in builds.split(",") if b]
-    if not builds or set(builds) - {"auto", "pops"}:
-        raise click.BadParameter(f"got {builds}; choose from auto, pops", param_hint="--build")
+    if not builds or set(builds) - {"auto", "candidates", "pops"}:
+        raise click.BadParameter(f"got {builds}; choose from auto, candidates, pops", param_hint="--build")
     gpu, ceiling = open_gpu()
     rows = []
     for V in _ints(vocabs):
         for B, build in ((B, b) for B in _ints(budgets) for b in builds):
-            for row in bench_case(gpu, V, B, depth, modes, launches, flat, ceiling["gbps"], build == "auto"):
+            for row in bench_case(gpu, V, B, depth, modes, launches, flat, ceiling["gbps"],
+                                  {"auto": None, "candidates": True, "pops": False}[build]):
                 rows.append(row)
                 _say(f"V {V:6d} B {B:3d} {row['mode']:>17s} {row['tree_build']:>10s}: build {row['build_us']:7.2f} us  walk "
                      f"{row['walk_us']:7.2f} us  together {row['total_us']:7.2f} us  (logits once: "

@@ -4,8 +4,9 @@
     tree = builder.run(logits, root, start, budget)              # two launches, no host round trip
 
 The tree itself is one block-wide top-B over the candidate table of plugins/tree_candidates.py where the
-budget's candidates fit it (depth <= 8; at Kimi's depth 7 budgets up to 64), else B pops on one warp: the
-same tree either way (`candidates=False` forces the pops, for tests and A/B benches).
+budget's candidates fit it (depth <= 8; at Kimi's depth 7 budgets up to 64) and it is the faster (from
+CANDIDATES_FROM), else B pops on one warp: the
+same tree either way (`candidates=True / False` force one, for tests and A/B benches).
     tree.tokens, tree.parents, tree.depth, tree.positions, tree.vis, tree.count   (DeviceArrays)
 
 Identical to ddtree/tree/build.py (`topk_logprobs` then `build_tree` with k = min(B, V)) in the nodes,
@@ -63,19 +64,28 @@ def table_keys(logp: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return (hi << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - np.asarray(ids).astype(np.uint64))
 
 
-class CandidateTable:
-    """The candidate table of budgets up to `cap` on the device (none past depth 8 or with max_budget 0)."""
+# Budgets from which the candidate table's top-B beats the pops (H200, `ddtree bench tree --build candidates,pops
+# --mode greedy`, V 163840, depth 7, build us: B 12 30.5 / 30.3, B 16 30.5 / 31.8, B 32 34.8 / 38.2, B 64 36.2 /
+# 49.3; kernels/NOTES.md "The tree build from a candidate table").
+CANDIDATES_FROM = 16
 
-    def __init__(self, gpu: Gpu, depth: int, max_budget: int):
-        self.depth, self.cap = depth, candidate_cap(max_budget, depth) if max_budget else 0
+
+class CandidateTable:
+    """The candidate table of budgets from `min_budget` up to `cap` on the device (none past depth 8 or with
+    max_budget 0); other budgets build by the pops."""
+
+    def __init__(self, gpu: Gpu, depth: int, max_budget: int, min_budget: int = 1):
+        self.depth, self.cap = depth, candidate_cap(max_budget, depth) if max_budget >= min_budget else 0
+        self.min_budget = min_budget
         self.tuple = self.meta = None
-        if self.cap:
+        if self.cap >= min_budget:
             packed, meta, _ = candidate_table(self.cap, depth)
             self.tuple, self.meta = gpu.upload(packed), gpu.upload(meta)
 
     def entries(self, budget: int) -> int:
         """Entries a launch at `budget` reads (0: the pops build this tree)."""
-        return candidates_for(self.cap, self.depth, budget) if budget <= self.cap else 0
+        ok = self.tuple is not None and self.min_budget <= budget <= self.cap
+        return candidates_for(self.cap, self.depth, budget) if ok else 0
 
     def args(self, budget: int) -> tuple:
         return ptr(self.tuple), ptr(self.meta), np.int32(self.entries(budget))
@@ -83,7 +93,9 @@ class CandidateTable:
 
 class DraftTreeBuilder:
     def __init__(self, gpu: Gpu, vocab: int, depth: int, max_budget: int = MAX_BUDGET, pdl: bool | None = None,
-                 candidates: bool = True):
+                 candidates: bool | None = None):
+        """candidates: None builds budgets from CANDIDATES_FROM by the candidate table where it fits, True every
+        budget it fits, False none (the pops always)."""
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"DraftTreeBuilder: depth (drafter block size - 1) must be in 1..{MAX_DEPTH}, got {depth}")
         if not 1 <= max_budget <= MAX_BUDGET:
@@ -110,7 +122,8 @@ class DraftTreeBuilder:
         self._vis = gpu.alloc((n_max * vis_words(n_max),), np.uint32)
         self._count = gpu.alloc((1,), np.int32)
         self._table = (gpu.alloc((depth * k_max,), np.float32), gpu.alloc((depth * k_max,), np.int32))
-        self.candidates = CandidateTable(gpu, depth, max_budget if candidates else 0)
+        self.candidates = CandidateTable(gpu, depth, max_budget if candidates is not False else 0,
+                                         CANDIDATES_FROM if candidates is None else 1)
 
     def outputs(self, budget: int, K: int | None = None) -> DeviceTree:
         """Views of the output buffers shaped for `budget` and K candidates per depth (default min(B, V))."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from ddtree.plugins.device import Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
-from ddtree.plugins.tree_build import CandidateTable
+from ddtree.plugins.tree_build import CANDIDATES_FROM, CandidateTable
 from ddtree.tree.build import MAX_BUDGET
 
 TREE_SOURCE, SAMPLE_SOURCE = "tree_build.cu", "sample.cu"
@@ -165,7 +165,7 @@ class TreeBuild:
         self.count = gpu.alloc((1,), np.int32)
         self.start = gpu.zeros((1,), np.int32)
         self.done_ticket = gpu.zeros((1,), np.uint32)
-        self.candidates = CandidateTable(gpu, depth, budget)     # the block-wide top-B where it fits
+        self.candidates = CandidateTable(gpu, depth, budget, CANDIDATES_FROM)   # the block-wide top-B where it pays
 
     def run(self, root, values, ids, row_max, row_sumexp, tokens, parents, depth, visibility, stream=None) -> None:
         """root [1] int32, values [tp, D, k] float32, ids [tp, D, k] int32, row_max / row_sumexp [tp, D] float32

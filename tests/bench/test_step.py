@@ -26,6 +26,27 @@ def test_kernel_families(r, family):
     assert kernel_family(r, 20480, 384) == family
 
 
+def test_top_kernels_group_launches_by_shape():
+    """Same kernel, function and grid: one row with its launches counted and their times summed; another grid or
+    function is another row; rows by total time, largest first (a brute-force sum over the launches)."""
+    from ddtree.bench.step_parts import top_kernels
+
+    def launch(kernel, grid, fn="decoder_layer", n=1536):
+        r = rec(kernel, fn=fn, n=n)
+        r["launch"] = (None, grid, (128, 1, 1), 1024, r["launch"][4])
+        return r
+    launches = [launch("gemm_bf16_mt1", (1, 2, 48)), launch("mla_absorb_mt1", (8, 1, 1)), launch("gemm_bf16_mt1", (1, 2, 48)),
+                launch("gemm_bf16_mt1", (1, 4, 48)), launch("gemm_bf16_mt1", (1, 2, 48), fn="draft_layer")]
+    times = [3.0, 5.0, 4.0, 1.5, 2.0]
+    rows = top_kernels(launches, times, 20480, 384)
+    got = [(r["kernel"], r["fn"], tuple(r["grid"]), r["launches"], r["us_total"], r["part"]) for r in rows]
+    assert got == [("gemm_bf16_mt1", "decoder_layer", (1, 2, 48), 2, 7.0, "dense"),
+                   ("mla_absorb_mt1", "decoder_layer", (8, 1, 1), 1, 5.0, "dense"),
+                   ("gemm_bf16_mt1", "draft_layer", (1, 2, 48), 1, 2.0, "drafter"),
+                   ("gemm_bf16_mt1", "decoder_layer", (1, 4, 48), 1, 1.5, "dense")]
+    assert rows[0]["us_each"] == 3.5 and len(top_kernels(launches, times, 20480, 384, top=2)) == 2
+
+
 def test_flag_errors_name_the_flag():
     refuses(["bench", "step", "--budget", "0,4"], "--budget", code=2)
     refuses(["bench", "step", "--context", "4k"], "--context", code=2)

@@ -101,3 +101,6 @@ def test_builder_reads_a_prefix_or_pops():
     assert t.cap == 64 and t.entries(16) == 285 and t.entries(64) == 6005 and t.entries(65) == 0
     assert CandidateTable(Uploads(), depth=9, max_budget=255).entries(4) == 0          # past depth 8: the pops
     assert CandidateTable(Uploads(), depth=7, max_budget=0).entries(4) == 0            # candidates=False
+    planned = CandidateTable(Uploads(), depth=7, max_budget=255, min_budget=24)        # candidates=None
+    assert planned.entries(23) == 0 and planned.entries(24) == tcand.candidates_for(64, 7, 24) > 0
+    assert CandidateTable(Uploads(), depth=7, max_budget=16, min_budget=24).tuple is None   # never used: not uploaded

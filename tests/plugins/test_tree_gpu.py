@@ -27,7 +27,7 @@ def builders(gpu):
     from ddtree.plugins.tree_build import DraftTreeBuilder
     cache = {}
 
-    def get(D, V=V_BIG, candidates=True):
+    def get(D, V=V_BIG, candidates=None):
         if (D, V, candidates) not in cache:
             cache[(D, V, candidates)] = DraftTreeBuilder(gpu, vocab=V, depth=D, candidates=candidates)
         return cache[(D, V, candidates)]
@@ -73,9 +73,10 @@ def test_build_from_table_is_bitwise_the_numpy_builder(gpu, builders):
         ref = build_tree(root, logp, ids, B)
         ties_seen += len(ref.scores) - len(np.unique(ref.scores))
         keys = table_keys(logp, ids)                                       # [D, K]
-        selected += builders(D).candidates.entries(B) > 0
-        # the candidate table's top-B where the budget fits it (depth <= 8), and the pops: the same tree
-        for b, S in ((builders(D), 1), (builders(D), 3), (builders(D, candidates=False), 1)):
+        selected += builders(D, candidates=True).candidates.entries(B) > 0
+        # the candidate table's top-B wherever the budget fits it (depth <= 8), the pops, the planned: one tree
+        for b, S in ((builders(D, candidates=True), 1), (builders(D, candidates=True), 3),
+                     (builders(D, candidates=False), 1), (builders(D), 1)):
             # S = 3: rank r -> list r % 3, as tensor-parallel ranks deliver them
             lists = np.zeros((D, S, K), np.uint64)
             for s in range(S):
@@ -246,10 +247,14 @@ def test_nan_logits_are_reported(gpu, builders):
     from ddtree.plugins.tree_sample import TreeSampler
     x = np.zeros((7, 5000), np.float32)
     x[3, 17] = np.nan
-    b = builders(7, 5000)
-    b.run(gpu.upload(x), scalar(gpu, 0), scalar(gpu, 0), 8)
-    with pytest.raises(ValueError, match="drafter logits contained NaN"):
-        b.check_status()
+    for candidates in (True, False):                   # NaN scores: no consistent order, still no stray index
+        b = builders(7, 5000, candidates)
+        for B in (8, 64):
+            out = b.run(gpu.upload(x), scalar(gpu, 0), scalar(gpu, 0), B).numpy()
+            n = int(out["count"][0])
+            assert 1 <= n <= B + 1 and (out["parents"][1:n] < np.arange(1, n)).all(), (candidates, B)
+            with pytest.raises(ValueError, match="drafter logits contained NaN"):
+                b.check_status()
     sampler = TreeSampler(gpu, vocab=5000)
     sampler.run(gpu.upload(x), gpu.upload(np.zeros(7, np.int32)), SamplingParams(), 7)
     with pytest.raises(ValueError, match="target logits contained NaN"):

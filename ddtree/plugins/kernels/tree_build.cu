@@ -274,8 +274,14 @@ __device__ int candidate_select(TreeSmem& sm, const u64* table, int D, int K, in
     }
     const int n_valid = (int)block_reduce(valid, SumOp<float>(), 0.f, scratch);   // exact: <= 6144
     const int picked = min(B, n_valid);
-    block_top_keys<TB_THREADS, TB_CAND_ITEMS>(keys, picked, c.top, c.picked);
+    if (cand.n <= TB_THREADS) {                           // a key a thread (B <= ~24 at depth 7): one sort
+        const u64 v = block_sort_desc_1<TB_THREADS>(keys[0], c.top.thread_max);
+        if (threadIdx.x < picked) c.picked[threadIdx.x] = v;
+    } else {
+        block_top_keys<TB_THREADS, TB_CAND_ITEMS>(keys, picked, c.top, c.picked);
+    }
     unsigned short* node_of = reinterpret_cast<unsigned short*>(c.top.cand);     // [index] -> node
+    __syncthreads();
     for (int r = threadIdx.x; r < picked; r += TB_THREADS) node_of[(u32)c.picked[r] & 0xffffu] = (unsigned short)(r + 1);
     __syncthreads();
     for (int r = threadIdx.x; r < picked; r += TB_THREADS) {
@@ -285,7 +291,11 @@ __device__ int candidate_select(TreeSmem& sm, const u64* table, int D, int K, in
         const int p = (int)(cand.meta[i] & 0xffffu);
         const int d = 8 - (__ffsll((long long)t) - 1) / 8;  // bytes past the depth are zero
         const int rank = (int)(t >> (8 * (8 - d))) & 0xff;
-        c.nm[r + 1] = node_pack(p == 0xffff ? 0 : node_of[p], d, rank - 1);
+        // the parent precedes its child in any consistent order; NaN scores (flagged: TB_STATUS_NAN_DRAFT) are
+        // not one, so a parent not among the earlier nodes hangs the node on the root (no stray index)
+        int q = p == 0xffff ? 0 : node_of[p];
+        if (q != 0 && (q > r || ((u32)c.picked[q - 1] & 0xffffu) != (u32)p)) q = 0;
+        c.nm[r + 1] = node_pack(q, d, rank - 1);
         c.score[r + 1] = key_value(key);
     }
     __syncthreads();
