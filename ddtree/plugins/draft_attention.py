@@ -28,8 +28,8 @@ HEAD_DIMS = (32, 64, 128)
 ROWS_PER_BLOCK = 32                     # DA_ROWS in draft_attention.cu
 TILE = 32                               # DA_TILE
 MAX_BLOCK = 16
-MAX_SPLITS = 64
-KEYS_PER_SPLIT = 512                    # at least this many keys per split at the longest context
+MAX_SPLITS = 160                        # DA_MAX_SPLITS: the combine's weights in shared memory
+KEYS_PER_SPLIT = 64                     # at least this many keys per split at the longest context
 
 
 def plan_splits(kv_heads: int, rows: int, keys: int, sm_count: int) -> int:
@@ -41,7 +41,8 @@ def plan_splits(kv_heads: int, rows: int, keys: int, sm_count: int) -> int:
 
 class DraftAttention:
     def __init__(self, gpu: Gpu, heads: int, kv_heads: int, head_dim: int, max_block: int = MAX_BLOCK,
-                 max_context: int = 4096, scale: float | None = None, pdl: bool = True):
+                 max_context: int = 4096, scale: float | None = None, pdl: bool = True, splits: int | None = None):
+        """splits: force the key splits of every launch (sweeps); default plan_splits."""
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"draft attention: head_dim {head_dim} must be one of {HEAD_DIMS}")
         if kv_heads < 1 or heads % kv_heads:
@@ -51,6 +52,9 @@ class DraftAttention:
                              f"max_context {max_context} >= 1")
         self.gpu, self.heads, self.kv_heads, self.d = gpu, heads, kv_heads, head_dim
         self.max_block, self.max_context = max_block, max_context
+        if splits is not None and not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"draft attention: splits {splits} must be in [1, {MAX_SPLITS}]")
+        self.forced_splits = splits
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.pdl = pdl and supports_pdl(gpu)
         worst = max(self.splits(b) for b in range(1, max_block + 1))
@@ -59,6 +63,8 @@ class DraftAttention:
         self.part_ml = gpu.alloc((worst, rows, 2) if worst > 1 else 1, np.float32)
 
     def splits(self, b: int) -> int:
+        if self.forced_splits:
+            return self.forced_splits
         return plan_splits(self.kv_heads, b * (self.heads // self.kv_heads), self.max_context + b, self.gpu.sm_count)
 
     def run(self, q: DeviceArray | int, k: DeviceArray | int, v: DeviceArray | int, cache_k: DeviceArray | int,

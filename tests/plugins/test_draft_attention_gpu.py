@@ -71,3 +71,7 @@ def test_draft_attention_matches_the_twin(gpu, heads):
     one = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=64)     # short context: a single split
     splits |= {run_case(gpu, one, dev, 40, 3, 16, 0, rng), run_case(gpu, one, dev, 40, 3, 4, 8, rng)}
     assert 1 in splits and max(splits) > 1, f"both the direct and the split-and-combine paths ran: {splits}"
+    # the combine's most splits: 5000 keys in 32-key tiles leave ~3 splits of 160 empty at T 5000 and most at T 100
+    most = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=CAPACITY, splits=160)
+    for case in ((5000, 4, 8, 0), (100, 3, 8, 0), (5000, 4, 16, 2048)):
+        assert run_case(gpu, most, dev, *case, rng) == 160

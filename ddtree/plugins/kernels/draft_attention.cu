@@ -174,20 +174,35 @@ DD_DEFINE_DRAFT(32)
 DD_DEFINE_DRAFT(64)
 DD_DEFINE_DRAFT(128)
 
-// Grid (b Hq), block D: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (splits in order).
+// Grid (b Hq), block D: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (splits in order). The split
+// weights go through shared memory once, so each thread's loop over the splits is loads only (many in flight).
+#define DA_MAX_SPLITS 160                 // plugins/draft_attention.py MAX_SPLITS
 extern "C" __global__ void draft_attention_combine(const float* part_o, const float2* part_ml, bf16_t* o,
                                                    int rows, int splits) {
+    __shared__ float w_s[DA_MAX_SPLITS];
+    __shared__ float M_s;
     pdl_wait();
     const int row = blockIdx.x, d = threadIdx.x, D = blockDim.x;
-    float M = DD_NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[(long long)s * rows + row].x);
+    if (threadIdx.x < 32) {
+        float M = DD_NEG_INF;
+        for (int s = threadIdx.x; s < splits; s += 32) M = fmaxf(M, part_ml[(long long)s * rows + row].x);
+#pragma unroll
+        for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        if (threadIdx.x == 0) M_s = M;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < splits; s += D) {
+        const float m = part_ml[(long long)s * rows + row].x;
+        w_s[s] = m == DD_NEG_INF ? 0.f : exp2f(m - M_s);             // a split with no visible key adds nothing
+    }
+    __syncthreads();
     float num = 0.f, den = 0.f;
+#pragma unroll 8
     for (int s = 0; s < splits; ++s) {
-        const float2 ml = part_ml[(long long)s * rows + row];
-        if (ml.x == DD_NEG_INF) continue;
-        const float w = exp2f(ml.x - M);
+        const float w = w_s[s];
+        if (w == 0.f) continue;
         num += w * part_o[((long long)s * rows + row) * D + d];
-        den += w * ml.y;
+        den += w * part_ml[(long long)s * rows + row].y;
     }
     pdl_trigger();
     o[(long long)row * D + d] = f32_to_bf16(num / den);
