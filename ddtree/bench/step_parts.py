@@ -101,8 +101,10 @@ def top_kernels(launches, times, vocab_per_rank: int, experts: int, top: int = 3
     groups: dict[tuple, dict] = {}
     for rec, us in zip(launches, times):
         kernel, grid, block, smem, _ = rec["launch"]
-        key = (rec["kernel"], rec["fn"], str(tuple(grid)), str(block))
-        g = groups.setdefault(key, {"kernel": rec["kernel"], "fn": rec["fn"], "grid": list(grid), "block": block,
+        grid = list(grid) if isinstance(grid, (tuple, list)) else [grid]                # launches take an int too
+        block = list(block) if isinstance(block, (tuple, list)) else [block]
+        key = (rec["kernel"], rec["fn"], str(grid), str(block))
+        g = groups.setdefault(key, {"kernel": rec["kernel"], "fn": rec["fn"], "grid": grid, "block": block,
                                     "smem": smem, "part": kernel_family(rec, vocab_per_rank, experts),
                                     "launches": 0, "us_total": 0.0})
         g["launches"] += 1

@@ -36,14 +36,16 @@ def test_top_kernels_group_launches_by_shape():
         r["launch"] = (None, grid, (128, 1, 1), 1024, r["launch"][4])
         return r
     launches = [launch("gemm_bf16_mt1", (1, 2, 48)), launch("mla_absorb_mt1", (8, 1, 1)), launch("gemm_bf16_mt1", (1, 2, 48)),
-                launch("gemm_bf16_mt1", (1, 4, 48)), launch("gemm_bf16_mt1", (1, 2, 48), fn="draft_layer")]
-    times = [3.0, 5.0, 4.0, 1.5, 2.0]
+                launch("gemm_bf16_mt1", (1, 4, 48)), launch("gemm_bf16_mt1", (1, 2, 48), fn="draft_layer"),
+                launch("rms_norm_rows", 17)]                           # an int grid, as launches take it
+    times = [3.0, 5.0, 4.0, 1.5, 2.0, 0.5]
     rows = top_kernels(launches, times, 20480, 384)
     got = [(r["kernel"], r["fn"], tuple(r["grid"]), r["launches"], r["us_total"], r["part"]) for r in rows]
     assert got == [("gemm_bf16_mt1", "decoder_layer", (1, 2, 48), 2, 7.0, "dense"),
                    ("mla_absorb_mt1", "decoder_layer", (8, 1, 1), 1, 5.0, "dense"),
                    ("gemm_bf16_mt1", "draft_layer", (1, 2, 48), 1, 2.0, "drafter"),
-                   ("gemm_bf16_mt1", "decoder_layer", (1, 4, 48), 1, 1.5, "dense")]
+                   ("gemm_bf16_mt1", "decoder_layer", (1, 4, 48), 1, 1.5, "dense"),
+                   ("rms_norm_rows", "decoder_layer", (17,), 1, 0.5, "other")]
     assert rows[0]["us_each"] == 3.5 and len(top_kernels(launches, times, 20480, 384, top=2)) == 2
 
 
