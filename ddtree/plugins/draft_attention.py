@@ -29,6 +29,7 @@ ROWS_PER_BLOCK = 32                     # DA_ROWS in draft_attention.cu
 TILE = 32                               # DA_TILE
 MAX_BLOCK = 16
 MAX_SPLITS = 160                        # DA_MAX_SPLITS: the combine's weights in shared memory
+COMBINE_THREADS = 1024                  # DA_COMBINE_THREADS: head_dim x split groups
 KEYS_PER_SPLIT = 64                     # at least this many keys per split at the longest context
 
 
@@ -88,7 +89,8 @@ class DraftAttention:
                         np.int32(self.kv_heads), np.int32(window), np.float32(self.scale * math.log2(math.e)),
                         ptr(self.part_o), ptr(self.part_ml), ptr(o), stream=stream, pdl=self.pdl)
         if splits > 1:
-            self.gpu.launch(self.gpu.kernel(SOURCE, "draft_attention_combine"), b * self.heads, self.d, 0,
+            groups = max(1, min(COMBINE_THREADS // self.d, splits))          # split groups a row block sums
+            self.gpu.launch(self.gpu.kernel(SOURCE, "draft_attention_combine"), b * self.heads, (self.d, groups, 1), 0,
                             ptr(self.part_o), ptr(self.part_ml), ptr(o), np.int32(b * self.heads),
                             np.int32(splits), stream=stream, pdl=self.pdl)
         return splits

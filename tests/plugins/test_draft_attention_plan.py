@@ -11,6 +11,7 @@ def test_constants_are_the_kernels():
     text = (kc.KERNEL_DIR / "draft_attention.cu").read_text()
     d = {k: int(v) for k, v in re.findall(r"^#define (\w+) (\d+)\b", text, re.M)}
     assert d["DA_MAX_SPLITS"] == da.MAX_SPLITS and d["DA_TILE"] == da.TILE
+    assert d["DA_COMBINE_THREADS"] == da.COMBINE_THREADS and da.COMBINE_THREADS % max(da.HEAD_DIMS) == 0
     assert d["DA_WARPS"] * d["DA_RPW"] == da.ROWS_PER_BLOCK
 
 

@@ -174,36 +174,48 @@ DD_DEFINE_DRAFT(32)
 DD_DEFINE_DRAFT(64)
 DD_DEFINE_DRAFT(128)
 
-// Grid (b Hq), block D: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (splits in order). The split
-// weights go through shared memory once, so each thread's loop over the splits is loads only (many in flight).
+// Grid (b Hq), block (D, G): o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. The split weights go
+// through shared memory once; thread group g sums splits g, g + G, ... (loads only, all in flight), then group 0
+// adds the G partial sums in group order (a fixed order: the same bits every launch).
 #define DA_MAX_SPLITS 160                 // plugins/draft_attention.py MAX_SPLITS
-extern "C" __global__ void draft_attention_combine(const float* part_o, const float2* part_ml, bf16_t* o,
-                                                   int rows, int splits) {
+#define DA_COMBINE_THREADS 1024           // D G
+extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
+draft_attention_combine(const float* part_o, const float2* part_ml, bf16_t* o, int rows, int splits) {
     __shared__ float w_s[DA_MAX_SPLITS];
+    __shared__ float num_s[DA_COMBINE_THREADS], den_s[DA_COMBINE_THREADS];
     __shared__ float M_s;
     pdl_wait();
-    const int row = blockIdx.x, d = threadIdx.x, D = blockDim.x;
-    if (threadIdx.x < 32) {
+    const int row = blockIdx.x, d = threadIdx.x, D = blockDim.x, g = threadIdx.y, G = blockDim.y;
+    const int t = g * D + d;
+    if (t < 32) {
         float M = DD_NEG_INF;
-        for (int s = threadIdx.x; s < splits; s += 32) M = fmaxf(M, part_ml[(long long)s * rows + row].x);
+        for (int s = t; s < splits; s += 32) M = fmaxf(M, part_ml[(long long)s * rows + row].x);
 #pragma unroll
         for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-        if (threadIdx.x == 0) M_s = M;
+        if (t == 0) M_s = M;
     }
     __syncthreads();
-    for (int s = threadIdx.x; s < splits; s += D) {
+    for (int s = t; s < splits; s += D * G) {
         const float m = part_ml[(long long)s * rows + row].x;
-        w_s[s] = m == DD_NEG_INF ? 0.f : exp2f(m - M_s);             // a split with no visible key adds nothing
+        w_s[s] = m == DD_NEG_INF ? 0.f : exp2f(m - M_s);             // a split with no visible key adds 0 x 0
     }
     __syncthreads();
     float num = 0.f, den = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
+#pragma unroll 4
+    for (int s = g; s < splits; s += G) {
         const float w = w_s[s];
-        if (w == 0.f) continue;
         num += w * part_o[((long long)s * rows + row) * D + d];
         den += w * part_ml[(long long)s * rows + row].y;
     }
+    num_s[t] = num;
+    den_s[t] = den;
+    __syncthreads();
     pdl_trigger();
-    o[(long long)row * D + d] = f32_to_bf16(num / den);
+    if (g == 0) {
+        for (int i = 1; i < G; ++i) {
+            num += num_s[i * D + d];
+            den += den_s[i * D + d];
+        }
+        o[(long long)row * D + d] = f32_to_bf16(num / den);
+    }
 }
