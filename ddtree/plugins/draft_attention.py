@@ -30,14 +30,18 @@ TILE = 32                               # DA_TILE
 MAX_BLOCK = 16
 MAX_SPLITS = 160                        # DA_MAX_SPLITS: the combine's weights in shared memory
 COMBINE_THREADS = 1024                  # DA_COMBINE_THREADS: head_dim x split groups
-KEYS_PER_SPLIT = 64                     # at least this many keys per split at the longest context
+KEYS_PER_SPLIT = 32                     # at least this many keys (one tile) per split at the longest context
+BLOCKS_PER_SM = 4
 
 
 def plan_splits(kv_heads: int, rows: int, keys: int, sm_count: int) -> int:
-    """Key splits for `rows` = b g query rows per kv head and up to `keys` keys: about two blocks per SM,
-    each split at least KEYS_PER_SPLIT keys, at most MAX_SPLITS."""
+    """Key splits for `rows` = b g query rows per kv head and up to `keys` keys: about BLOCKS_PER_SM blocks per SM,
+    at most one split per SM, each split at least KEYS_PER_SPLIT keys. H200 (tests/plugins/sweep_draft_attention.py,
+    block 8, us with the combine): Kimi's tp 8 drafter (2 row blocks) at 4K keys 9 / 33 / 65 / 132 splits 87.9 /
+    31.2 / 25.8 / 23.4, at 32K 609 / 180 / 122 / 87.7; tp 1 (16 row blocks) at 4K 9 / 17 / 33 / 65 splits 117.7 /
+    89.1 / 67.2 / 76.7, at 32K 812 / 574 / 416 / 418."""
     blocks = kv_heads * -(-rows // ROWS_PER_BLOCK)
-    return max(1, min(MAX_SPLITS, -(-2 * sm_count // blocks), -(-keys // KEYS_PER_SPLIT)))
+    return max(1, min(MAX_SPLITS, sm_count, -(-BLOCKS_PER_SM * sm_count // blocks), -(-keys // KEYS_PER_SPLIT)))
 
 
 class DraftAttention:

@@ -68,7 +68,7 @@ def test_draft_attention_matches_the_twin(gpu, heads):
     splits = {run_case(gpu, attn, dev, *case, rng) for case in CASES}
     # block positions out of order and apart from the context (the window edge inside the block)
     run_case(gpu, attn, dev, 300, 2, 8, 6, rng, pos=np.array([302, 309, 303, 308, 304, 307, 305, 306], np.int32))
-    one = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=32)     # short context: a single split
+    one = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=16)     # short context: a single split
     splits |= {run_case(gpu, one, dev, 40, 3, 16, 0, rng), run_case(gpu, one, dev, 40, 3, 4, 8, rng)}
     assert 1 in splits and max(splits) > 1, f"both the direct and the split-and-combine paths ran: {splits}"
     # the combine's most splits: 5000 keys in 32-key tiles leave ~3 splits of 160 empty at T 5000 and most at T 100
