@@ -23,7 +23,7 @@ compile "$root" $(python3 -c "import ddtree.plugins.compile as kc; print(' '.joi
 echo "compiled at $SECONDS s" >> "$out/log.txt"
 TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests tests/plugins/test_draft_attention_gpu.py tests/runtime/test_cuda_step_gpu.py \
   tests/runtime/test_batch_invariant_step_gpu.py >> "$out/log.txt" 2>&1
-gpu_step sweep 60 "$root" python3 tests/plugins/sweep_draft_attention.py 4096,32768 1,9,17,33,65,97,132,160
+gpu_step sweep 60 "$root" python3 tests/plugins/sweep_draft_attention.py 4096,32768 9,17,33,65,132
 step_args="--context 4096 --budget 16 --routing uniform,tree --reuse 0.5 --accept 4 --repeats 10 --json"
 gpu_step step_after 150 "$root" python3 -m ddtree bench step $step_args
 [[ -n ${BEFORE:-} ]] && gpu_step step_before 150 "$BEFORE" python3 -m ddtree bench step $step_args
