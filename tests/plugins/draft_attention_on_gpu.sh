@@ -8,18 +8,8 @@ source tests/plugins/gpu_lib.sh
 gpu_setup
 end=$((SECONDS + ${DEADLINE:-400}))
 root=$PWD
-compile() {      # DIR SOURCES...: NVRTC in parallel
-  local d=$1; shift
-  for s in "$@"; do
-    (cd "$d" && PYTHONPATH=$d python3 -c "
-import ddtree.plugins.compile as kc
-s = '$s'
-kc.compile_cubin(s, 'sm_90', kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE) if s in kc.LATENT_SOURCES else None)") &
-  done
-  wait
-}
-compile "$root" $(python3 -c "import ddtree.plugins.compile as kc; print(' '.join(kc.SOURCES))") >> "$out/log.txt" 2>&1
-[[ -n ${BEFORE:-} ]] && compile "$BEFORE" draft_attention.cu >> "$out/log.txt" 2>&1
+gpu_compile "$root" >> "$out/log.txt" 2>&1
+[[ -n ${BEFORE:-} ]] && gpu_compile "$BEFORE" draft_attention.cu >> "$out/log.txt" 2>&1
 echo "compiled at $SECONDS s" >> "$out/log.txt"
 TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests tests/plugins/test_draft_attention_gpu.py tests/runtime/test_cuda_step_gpu.py \
   tests/runtime/test_batch_invariant_step_gpu.py >> "$out/log.txt" 2>&1

@@ -4,6 +4,7 @@
 #   gpu_tests FILE...              pytest on the files -> $out/tests.log, a summary ($TESTS=0 skips)
 #   gpu_bench MODULE CMD TAG ARGS  `ddtree.bench.MODULE.CMD --json ARGS` -> one tagged line of $out/MODULE.jsonl
 #   gpu_step NAME LIMIT DIR CMD    CMD under the call's time budget $end -> $step_out/NAME.out (below)
+#   gpu_compile DIR [SOURCES...]   sm_90 cubins of DIR's kernels (default all of them), one NVRTC process a source
 gpu_setup() {
   out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
   export PYTHONUNBUFFERED=1 DDTREE_KERNEL_CACHE=/tmp/ddtree-cubins PYTHONPATH=${PYTHONPATH:-}:.
@@ -39,4 +40,20 @@ gpu_step() {
   echo "== $name (${limit} s): $*" >> "$to/log.txt"
   (cd "$dir" && PYTHONPATH=$PWD timeout "$limit" "$@") > "$to/$name.out" 2>> "$to/log.txt"
   echo "== $name rc=$? in $((SECONDS - t0)) s" >> "$to/log.txt"
+}
+
+# gpu_compile DIR [SOURCES...]: compile DIR's kernel sources for sm_90 into the shared cache, in parallel (the latent
+# ones at Kimi's dims); default every source of ddtree/plugins/compile.py SOURCES.
+gpu_compile() {
+  local d=$1; shift
+  local sources=("$@")
+  ((${#sources[@]})) || sources=($(cd "$d" && PYTHONPATH=$d python3 -c \
+    "import ddtree.plugins.compile as kc; print(' '.join(kc.SOURCES))"))
+  for s in "${sources[@]}"; do
+    (cd "$d" && PYTHONPATH=$d python3 -c "
+import ddtree.plugins.compile as kc
+s = '$s'
+kc.compile_cubin(s, 'sm_90', kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE) if s in kc.LATENT_SOURCES else None)") &
+  done
+  wait
 }

@@ -13,19 +13,8 @@ gpu_setup
 end=$((SECONDS + ${DEADLINE:-540}))
 root=$PWD
 
-compile_tree() {      # DIR SOURCES...: NVRTC in parallel, one process a source
-  local d=$1; shift
-  for s in "$@"; do
-    (cd "$d" && PYTHONPATH=$d python3 -c "
-import ddtree.plugins.compile as kc
-s = '$s'
-kc.compile_cubin(s, 'sm_90', kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE) if s in kc.LATENT_SOURCES else None)") &
-  done
-  wait
-}
-sources=$(python3 -c "import ddtree.plugins.compile as kc; print(' '.join(kc.SOURCES))")
-compile_tree "$root" $sources >> "$out/log.txt" 2>&1
-[[ -n ${BEFORE:-} ]] && compile_tree "$BEFORE" tree_build.cu router.cu >> "$out/log.txt" 2>&1
+gpu_compile "$root" >> "$out/log.txt" 2>&1
+[[ -n ${BEFORE:-} ]] && gpu_compile "$BEFORE" tree_build.cu router.cu >> "$out/log.txt" 2>&1
 echo "compiled at $SECONDS s" >> "$out/log.txt"
 
 T=tests/plugins
