@@ -2,12 +2,12 @@
 
     builder = DraftTreeBuilder(gpu, vocab=V, depth=D)            # workspaces for budgets up to 255
     tree = builder.run(logits, root, start, budget)              # two launches, no host round trip
+    tree.tokens, tree.parents, tree.depth, tree.positions, tree.vis, tree.count   (DeviceArrays)
 
 The tree itself is one block-wide top-B over the candidate table of plugins/tree_candidates.py where the
 budget's candidates fit it (depth <= 8; at Kimi's depth 7 budgets up to 64) and it is the faster (from
-CANDIDATES_FROM), else B pops on one warp: the
-same tree either way (`candidates=True / False` force one, for tests and A/B benches).
-    tree.tokens, tree.parents, tree.depth, tree.positions, tree.vis, tree.count   (DeviceArrays)
+CANDIDATES_FROM), else B pops on one warp: the same tree either way (`candidates=True / False` force one, for
+tests and A/B benches).
 
 Identical to ddtree/tree/build.py (`topk_logprobs` then `build_tree` with k = min(B, V)) in the nodes,
 their order, tie rules and fp32 scores, given the same [D, k] table; the table itself (log-softmax and

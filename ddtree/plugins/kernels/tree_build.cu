@@ -274,7 +274,7 @@ __device__ int candidate_select(TreeSmem& sm, const u64* table, int D, int K, in
     }
     const int n_valid = (int)block_reduce(valid, SumOp<float>(), 0.f, scratch);   // exact: <= 6144
     const int picked = min(B, n_valid);
-    if (cand.n <= TB_THREADS) {                           // a key a thread (B <= ~24 at depth 7): one sort
+    if (cand.n <= TB_THREADS) {                           // a key a thread (B <= 20 at depth 7): one sort
         const u64 v = block_sort_desc_1<TB_THREADS>(keys[0], c.top.thread_max);
         if (threadIdx.x < picked) c.picked[threadIdx.x] = v;
     } else {
