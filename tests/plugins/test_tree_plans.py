@@ -109,3 +109,10 @@ def test_bench_tree_rejects_unknown_mode():
     from ddtree.cli import main
     result = CliRunner().invoke(main, ["bench", "tree", "--mode", "greedy,nucleus"])
     assert result.exit_code != 0 and "unknown mode(s) ['nucleus']" in result.output
+
+
+def test_bench_tree_rejects_unknown_build():
+    """--build names its choices before any GPU is opened."""
+    from ddtree.cli import main
+    result = CliRunner().invoke(main, ["bench", "tree", "--build", "auto,heap"])
+    assert result.exit_code == 2 and "--build" in result.output and "auto, candidates, pops" in result.output
