@@ -19,6 +19,7 @@ numpy twin of the kernel's selection: `candidate_tree` (equal to build_tree; tes
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 
@@ -29,23 +30,28 @@ MAX_DEPTH = 8                  # TB_CAND_MAX_DEPTH: one byte per depth in a u64 
 ROOT = 0xFFFF
 
 
-def _count(budget: int, depth: int, limit: int) -> int:
-    """Tuples of depth <= `depth` with need <= budget, counted up to `limit` + 1."""
+def _tuples(budget: int, depth: int):
+    """(ranks, the parent's lexicographic index or -1, need) of every tuple of depth <= `depth` with need <= budget,
+    in lexicographic order (a prefix before its extensions)."""
     count = 0
 
-    def walk(d: int, prod: int, total: int) -> bool:
+    def walk(prefix: tuple, parent: int, prod: int, total: int):
         nonlocal count
         for r in range(budget):
             p = prod * (r + 1)
             if total + p > budget:
-                return True
-            count += 1
-            if count > limit or (d + 1 < depth and not walk(d + 1, p, total + p)):
-                return False
-        return True
+                return
+            me, count = count, count + 1
+            yield prefix + (r,), parent, total + p
+            if len(prefix) + 1 < depth:
+                yield from walk(prefix + (r,), me, p, total + p)
 
-    walk(0, 1, 0)
-    return count
+    yield from walk((), -1, 1, 0)
+
+
+def _count(budget: int, depth: int, limit: int) -> int:
+    """Tuples of depth <= `depth` with need <= budget, counted up to `limit` + 1."""
+    return sum(1 for _ in itertools.islice(_tuples(budget, depth), limit + 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,21 +72,7 @@ def candidate_cap(max_budget: int, depth: int) -> int:
 @functools.lru_cache(maxsize=None)
 def candidate_table(cap: int, depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tuple [N] uint64, meta [N] uint32, need [N] int64) for budgets up to `cap`, sorted by (need, lex)."""
-    tuples, needs, parents = [], [], []           # in lexicographic order (a prefix before its extensions)
-
-    def walk(prefix: tuple, parent: int, prod: int, total: int) -> None:
-        for r in range(cap):
-            p = prod * (r + 1)
-            if total + p > cap:
-                return
-            me = len(tuples)
-            tuples.append(prefix + (r,))
-            needs.append(total + p)
-            parents.append(parent)
-            if len(prefix) + 1 < depth:
-                walk(prefix + (r,), me, p, total + p)
-
-    walk((), -1, 1, 0)
+    tuples, parents, needs = zip(*_tuples(cap, depth))
     if len(tuples) > MAX_CANDIDATES:
         raise ValueError(f"candidate_table: budget {cap} at depth {depth} has {len(tuples)} candidates, "
                          f"above the kernel's {MAX_CANDIDATES} (candidate_cap gives the largest that fits)")
