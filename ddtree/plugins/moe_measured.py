@@ -12,10 +12,14 @@ from __future__ import annotations
 # routings a graph), us, plan_moe's plan -> 8-warp gate_up blocks (two an SM) at k-split 4, uniform top-8 / tree
 # routing at reuse 0.5: M = 9 91.7-92.0 (the sweep's rows with this gate_up, route + gate_up 61.2-61.4; the plan's
 # own row, first of its M, 99.7; `bench moe` in the next call 89.7) -> 86.3 (55.0) / 67.7 -> 62.2. A layer's 38-66
-# tiles at k-split 2 are one wave of 16-warp blocks plus a few; 4x finer items shorten that tail. M = 17: uniform
-# 137.5 -> 138.4 (not faster), tree 102.3 -> 92.9: left out, as is every other M (the same knobs lose at 33 under
-# uniform: 219.7 -> 262.0).
-TWO_MEASURED = {("sm_90", 7168, 256): ((9, 9, dict(gu_warps=8, gu_splits=4)),)}
+# tiles at k-split 2 are one wave of 16-warp blocks plus a few; 4x finer items shorten that tail.
+# 2026-12-02 (NOTES "Three or four down tile pairs behind the 8-warp gate_up"): the same gate_up with 3 tile pairs
+# a down warp (19 n-blocks of 24 tiles instead of 28 of 16), two calls, us uniform / tree: M = 9 86.1 / 64.7 ->
+# 83.6 / 64.5, 12 122.8 / 73.9 -> 104.8 / 73.8, 17 137.9 / 98.7 -> 133.4 / 90.1 (plan_moe's own plan -> this),
+# 25 190.5 / 126.6 -> 176.5 / 118.8; at 29 and 33 four tile pairs won under both routings (29: 204.3 / 137.4 ->
+# 198.7 / 136.0, 33: 222.5 / 146.7 -> 217.0 / 146.1) where three lost at 29 under uniform (217.9).
+TWO_MEASURED = {("sm_90", 7168, 256): ((9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
+                                       (26, 33, dict(gu_warps=8, gu_splits=4, dn_tpw=4)))}
 
 
 def two_launch_knobs(arch: str, shape, M: int) -> dict:
