@@ -8,6 +8,8 @@
 #   5. STEP=1: `ddtree bench step` at budget 16 here and in BEFORE
 #   6. NCU=1: ncu stall sampling of gate_up / down at 17 rows, here
 #   7. GEMM_MS=M,M..: tests/plugins/sweep_gemm.py 8 at those rows (every skinny GEMM plan), here
+#   GEMM_BENCH=M,M..: `ddtree bench gemm --tp 8` at those rows here and in BEFORE (before the step)
+#   MORE_TESTS="FILE ...": more GPU test files in step 2's second pytest (with RUNTIME=1)
 # Then $OUT/bundle.tgz holds every file (the device returns few files).
 # BEFORE is a `git archive` of the commit before (its own bench). Every step time-boxed (DEADLINE s in all).
 #   BEFORE=.cache/base STEP=1 DEADLINE=540 bash tests/plugins/moe_plan_on_gpu.sh
@@ -17,7 +19,7 @@ gpu_setup
 end=$((SECONDS + ${DEADLINE:-540}))
 root=$PWD
 gpu_compile "$root" >> "$out/log.txt" 2>&1 &
-[[ -n ${BEFORE:-} ]] && gpu_compile "$BEFORE" moe.cu >> "$out/log.txt" 2>&1 &
+[[ -n ${BEFORE:-} ]] && gpu_compile "$BEFORE" ${BEFORE_SOURCES:-moe.cu} >> "$out/log.txt" 2>&1 &
 wait
 echo "compiled at $SECONDS s" >> "$out/log.txt"
 
@@ -26,8 +28,8 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests $T/test_moe_stream_gpu.py $T/test_ke
   $T/test_batch_invariant_gpu.py -k moe >> "$out/log.txt" 2>&1
 if [[ ${RUNTIME:-0} == 1 ]]; then
   cp "$out/tests.log" "$out/tests_kernels.log"
-  TEST_TIMEOUT=150 gpu_tests tests/runtime/test_cuda_moe_routing_gpu.py tests/runtime/test_batch_invariant_step_gpu.py \
-    tests/runtime/test_cuda_step_gpu.py >> "$out/log.txt" 2>&1
+  TEST_TIMEOUT=${TEST2_TIMEOUT:-150} gpu_tests tests/runtime/test_cuda_moe_routing_gpu.py tests/runtime/test_batch_invariant_step_gpu.py \
+    tests/runtime/test_cuda_step_gpu.py ${MORE_TESTS:-} >> "$out/log.txt" 2>&1
 fi
 echo "tests done at $SECONDS s" >> "$out/log.txt"
 
@@ -39,6 +41,10 @@ for routing in uniform tree; do
 done
 [[ -n ${VARIANTS:-} ]] && gpu_step sweep ${SWEEP_S:-120} "$root" python3 $T/sweep_moe_two.py 8 ${SWEEP_MS:-12,17,24} \
   "$VARIANTS"
+if [[ -n ${GEMM_BENCH:-} ]]; then
+  gpu_step gemm_after 60 "$root" python3 -m ddtree bench gemm --tp 8 --m "$GEMM_BENCH" --json
+  [[ -n ${BEFORE:-} ]] && gpu_step gemm_before 60 "$BEFORE" python3 -m ddtree bench gemm --tp 8 --m "$GEMM_BENCH" --json
+fi
 if [[ ${STEP:-0} == 1 ]]; then
   step_args="--context 4096 --budget 16 --routing uniform,tree --reuse 0.5 --accept 4 --repeats 10 --json"
   gpu_step step_after 120 "$root" python3 -m ddtree bench step $step_args

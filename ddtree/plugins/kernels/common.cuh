@@ -196,16 +196,32 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 // partial results, then takes a ticket; the block that takes the last ticket reads all partials in a
 // fixed order (so the sum is deterministic) and resets the counter for the next graph replay.
 // Must be called by every thread of the block; returns true in the last block.
+// One thread fences, after the barrier (the pattern of CUTLASS's split-K semaphore): bar.sync orders the
+// block's partial stores before thread 0's fence, which is cumulative (PTX memory model), so the ticket
+// publishes them all; on the last ticket thread 0's fence again orders the other blocks' partials before
+// the barrier that releases this block's readers (which read them with ld.global.cg, never L1). A fence in
+// every thread made each warp wait on its own drain (ncu: membar stalls in moe_down, NOTES "MoE streaming").
+#ifndef DD_FENCE_ALL_THREADS
+#define DD_FENCE_ALL_THREADS 0       // 1: the fence in every thread (the kernels before 2026-12-02, for A/B runs)
+#endif
 __device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
     __shared__ int s_last;
+#if DD_FENCE_ALL_THREADS
     __threadfence();
+#endif
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence();
         u32 prev = atomicAdd(counter, 1u);
         s_last = (prev == expected - 1);
-        if (s_last) atomicExch(counter, 0u);
+        if (s_last) {
+            atomicExch(counter, 0u);
+            __threadfence();
+        }
     }
     __syncthreads();
+#if DD_FENCE_ALL_THREADS
     if (s_last) __threadfence();
+#endif
     return s_last;
 }

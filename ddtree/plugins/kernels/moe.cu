@@ -203,19 +203,26 @@ __device__ __forceinline__ void down_item(const bf16_t* __restrict__ act, const 
     w4_mainloop<1, true, STAGES, CPSLOT, BULK, PINNED>(act, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT,
                                                        topk, S, tpw, bx, by, bk, wait_for_act, epi);
 
-    // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows
+    // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows. The 8
+    // ticket threads (one warp) fence for the block after the barrier, as arrive_last (common.cuh) does.
+#if DD_FENCE_ALL_THREADS
     __threadfence();
+#endif
     __syncthreads();
     if (threadIdx.x < 8) {
         int p = pairs[threadIdx.x], tok = -1;
+        __threadfence();
         if (p >= 0) {
             u32* c = &counters[(size_t)(p / topk) * NB + bx];
             if (atomicAdd(c, 1u) == (u32)(topk * S) - 1) { atomicExch(c, 0u); tok = p / topk; }
         }
+        __threadfence();
         finished_token[threadIdx.x] = tok;
     }
     __syncthreads();
+#if DD_FENCE_ALL_THREADS
     __threadfence();
+#endif
     const int n0 = bx * tiles_pb * 16, n1 = min(H, n0 + tiles_pb * 16);
     for (int slot = 0; slot < 8; ++slot) {
         const int tok = finished_token[slot];
