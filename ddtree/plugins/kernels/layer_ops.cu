@@ -47,27 +47,56 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, const bf16_t*
 // ---- RMSNorm over rows ---------------------------------------------------------------------------------
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps). x rows x_stride elements apart (a column slice of
 // a wider projection output), out rows out_stride apart; out may be x (each thread rereads only the vectors
-// it writes). D, strides % 8 == 0. Grid m, block <= 256 threads over the D / 8 vectors (two passes: the
-// second rereads x from L1/L2 instead of holding 7168 values in registers).
+// it writes). D, strides % 8 == 0. Grid m, block <= 256 threads over the D / 8 vectors (two passes).
+// A thread's first ROW_VECS 16-byte vectors of a row stay in registers across the two passes, and their norm
+// weights load before griddepcontrol.wait (weights are never written by an earlier kernel), so the weight read
+// overlaps the previous kernel's tail instead of following the reduction. Vectors past ROW_VECS * blockDim
+// (D > 8192 at 256 threads) take the loop of before. Same sums in the same order: the same bits.
+#define ROW_VECS 4
+
 extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf16_t* __restrict__ w,
                                          bf16_t* out, int out_stride, int D, float eps) {
+    const int nv = D >> 3, B = blockDim.x;
+    const uint4* wr = (const uint4*)w;
+    uint4 wv[ROW_VECS], xv[ROW_VECS];
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j)
+        if (threadIdx.x + j * B < nv) wv[j] = wr[threadIdx.x + j * B];
     pdl_wait();
     pdl_trigger();
-    const int nv = D >> 3;
     const uint4* xr = (const uint4*)(x + (size_t)blockIdx.x * x_stride);
     uint4* orow = (uint4*)(out + (size_t)blockIdx.x * out_stride);
     float ss = 0.f;
-    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j) {
+        if (threadIdx.x + j * B >= nv) break;
+        float f[8];
+        xv[j] = xr[threadIdx.x + j * B];
+        unpack8(xv[j], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) ss += f[q] * f[q];
+    }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) {
         float f[8];
         unpack8(xr[v], f);
 #pragma unroll
         for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
     }
     const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j) {
+        if (threadIdx.x + j * B >= nv) break;
+        float f[8], g[8];
+        unpack8(xv[j], f);
+        unpack8(wv[j], g);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) f[q] = g[q] * (f[q] * inv);
+        orow[threadIdx.x + j * B] = pack8(f);
+    }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) {
         float f[8], g[8];
         unpack8(xr[v], f);
-        unpack8(((const uint4*)w)[v], g);
+        unpack8(wr[v], g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
         orow[v] = pack8(f);
@@ -80,31 +109,53 @@ extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf
 extern "C" __global__ void add_rms_norm_rows(const bf16_t* h_in, bf16_t* h, const bf16_t* __restrict__ delta,
                                              const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int D,
                                              float eps) {
+    const int nv = D >> 3, B = blockDim.x;
+    const uint4* wr = (const uint4*)w;
+    uint4 wv[ROW_VECS], hv[ROW_VECS];                           // weights (before the wait), rounded h rows
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j)
+        if (threadIdx.x + j * B < nv) wv[j] = wr[threadIdx.x + j * B];
     pdl_wait();
     pdl_trigger();
-    const int nv = D >> 3;
     const uint4* hi = (const uint4*)(h_in + (size_t)blockIdx.x * D);     // may be h itself (in place)
     uint4* hr = (uint4*)(h + (size_t)blockIdx.x * D);
     const uint4* dr = (const uint4*)(delta + (size_t)blockIdx.x * D);
     uint4* orow = (uint4*)(out + (size_t)blockIdx.x * D);
     float ss = 0.f;
-    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+    auto add_row = [&](int v) {                                 // h[v] = bf16(h_in[v] + delta[v]); ss of the rounded
         float a[8], b[8];
         unpack8(hi[v], a);
         unpack8(dr[v], b);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) a[j] += b[j];
+        for (int q = 0; q < 8; ++q) a[q] += b[q];
         const uint4 r = pack8(a);
         hr[v] = r;
         unpack8(r, a);                                          // the rounded values, as stored
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
+        for (int q = 0; q < 8; ++q) ss += a[q] * a[q];
+        return r;
+    };
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j) {
+        if (threadIdx.x + j * B >= nv) break;
+        hv[j] = add_row(threadIdx.x + j * B);
     }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) add_row(v);
     const float inv = rsqrtf(block_sum(ss) / (float)D + eps);
-    for (int v = threadIdx.x; v < nv; v += blockDim.x) {        // this thread's own writes: no barrier needed
+#pragma unroll
+    for (int j = 0; j < ROW_VECS; ++j) {
+        if (threadIdx.x + j * B >= nv) break;
+        float f[8], g[8];
+        unpack8(hv[j], f);
+        unpack8(wv[j], g);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) f[q] = g[q] * (f[q] * inv);
+        orow[threadIdx.x + j * B] = pack8(f);
+    }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) {   // this thread's own writes: no barrier needed
         float f[8], g[8];
         unpack8(hr[v], f);
-        unpack8(((const uint4*)w)[v], g);
+        unpack8(wr[v], g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
         orow[v] = pack8(f);

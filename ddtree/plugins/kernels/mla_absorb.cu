@@ -54,14 +54,18 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
 
-    pdl_wait();                      // x comes from the previous kernel (the weights could go first: later)
-    for (int c0 = 0; c0 < kspan; c0 += 32 * ABSORB_UNROLL) {
-        uint4 wa[ABSORB_UNROLL], wb[ABSORB_UNROLL];
+    uint4 wa[ABSORB_UNROLL], wb[ABSORB_UNROLL];
+    auto load_weights = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < ABSORB_UNROLL; ++u) {
             const int c = c0 + 32 * u;
             if (c < kspan) { wa[u] = ld_stream16(wg + c); wb[u] = ld_stream16(wg8 + c); }
         }
+    };
+    load_weights(0);                 // the first chunks before the wait: weights never come from an earlier kernel
+    pdl_wait();                      // x comes from the previous kernel
+    for (int c0 = 0; c0 < kspan; c0 += 32 * ABSORB_UNROLL) {
+        if (c0) load_weights(c0);
 #pragma unroll
         for (int u = 0; u < ABSORB_UNROLL; ++u) {
             const int c = c0 + 32 * u;
