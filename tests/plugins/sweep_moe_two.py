@@ -40,6 +40,11 @@ VARIANTS = {
     "w8_s4_tpw4": dict(gu_warps=8, gu_splits=4, dn_tpw=4),
     "w8_s4_tpw3": dict(gu_warps=8, gu_splits=4, dn_tpw=3),
     "dn_tpw3": dict(dn_tpw=3),
+    "w8_s8_tpw3": dict(gu_warps=8, gu_splits=8, dn_tpw=3),
+    "w8_s2_tpw3": dict(gu_warps=8, gu_splits=2, dn_tpw=3),
+    "w8_s4_tpw3_o6": dict(gu_warps=8, gu_splits=4, dn_tpw=3, dn_occ=6),
+    "w8_s4_tpw3_w8o3": dict(gu_warps=8, gu_splits=4, dn_tpw=3, dn_warps=8, dn_occ=3),
+    "w8_s8_tpw3_o6": dict(gu_warps=8, gu_splits=8, dn_tpw=3, dn_occ=6),
 }
 
 
