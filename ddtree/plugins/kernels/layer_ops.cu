@@ -54,6 +54,15 @@ extern "C" __global__ void embed_rows(const int* __restrict__ ids, const bf16_t*
 // (D > 8192 at 256 threads) take the loop of before. Same sums in the same order: the same bits.
 #define ROW_VECS 4
 
+__device__ __forceinline__ uint4 normed8(uint4 x, uint4 w, float inv) {      // bf16(w * (x * inv)), 8 at a time
+    float f[8], g[8];
+    unpack8(x, f);
+    unpack8(w, g);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) f[q] = g[q] * (f[q] * inv);
+    return pack8(f);
+}
+
 extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf16_t* __restrict__ w,
                                          bf16_t* out, int out_stride, int D, float eps) {
     const int nv = D >> 3, B = blockDim.x;
@@ -86,21 +95,9 @@ extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf
 #pragma unroll
     for (int j = 0; j < ROW_VECS; ++j) {
         if (threadIdx.x + j * B >= nv) break;
-        float f[8], g[8];
-        unpack8(xv[j], f);
-        unpack8(wv[j], g);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) f[q] = g[q] * (f[q] * inv);
-        orow[threadIdx.x + j * B] = pack8(f);
+        orow[threadIdx.x + j * B] = normed8(xv[j], wv[j], inv);
     }
-    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) {
-        float f[8], g[8];
-        unpack8(xr[v], f);
-        unpack8(wr[v], g);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
-        orow[v] = pack8(f);
-    }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) orow[v] = normed8(xr[v], wr[v], inv);
 }
 
 // h[r, :] <- bf16(h_in + delta) (the residual stream; h_in may be h: in place), out[r, :] = RMSNorm(that rounded
@@ -145,21 +142,10 @@ extern "C" __global__ void add_rms_norm_rows(const bf16_t* h_in, bf16_t* h, cons
 #pragma unroll
     for (int j = 0; j < ROW_VECS; ++j) {
         if (threadIdx.x + j * B >= nv) break;
-        float f[8], g[8];
-        unpack8(hv[j], f);
-        unpack8(wv[j], g);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) f[q] = g[q] * (f[q] * inv);
-        orow[threadIdx.x + j * B] = pack8(f);
+        orow[threadIdx.x + j * B] = normed8(hv[j], wv[j], inv);
     }
-    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B) {   // this thread's own writes: no barrier needed
-        float f[8], g[8];
-        unpack8(hr[v], f);
-        unpack8(wr[v], g);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = g[j] * (f[j] * inv);
-        orow[v] = pack8(f);
-    }
+    for (int v = threadIdx.x + ROW_VECS * B; v < nv; v += B)     // this thread's own writes: no barrier needed
+        orow[v] = normed8(hr[v], wr[v], inv);
 }
 
 // out = bf16(a + b) element-wise (fp32 add, one rounding: add_rms_norm_rows' residual bits); n8 16-byte vectors
