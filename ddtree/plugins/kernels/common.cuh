@@ -202,7 +202,7 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 // the barrier that releases this block's readers (which read them with ld.global.cg, never L1). A fence in
 // every thread made each warp wait on its own drain (ncu: membar stalls in moe_down, NOTES "MoE streaming").
 #ifndef DD_FENCE_ALL_THREADS
-#define DD_FENCE_ALL_THREADS 0       // 1: the fence in every thread (the kernels before 2026-12-02, for A/B runs)
+#define DD_FENCE_ALL_THREADS 0       // 1: adds back the fence in every thread of the kernels before 2026-12-02 (A/B)
 #endif
 __device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
     __shared__ int s_last;
