@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for a MoE kernel or plan change (issue 22; NOTES "MoE streaming"), before / after:
-#   1. kernels compiled for sm_90 in parallel (this tree; BEFORE's moe.cu)
+#   1. kernels compiled for sm_90 in parallel (this tree; BEFORE's BEFORE_SOURCES, default moe.cu)
 #   2. GPU tests: the MoE launches (bitwise against each other, the float64 rule), the batch-invariant MoE;
 #      RUNTIME=1: also the runtime's routed MoE and DDTree == AR step tests
 #   3. `ddtree bench moe --tp 8` at MS rows, uniform and tree routing, here and in BEFORE (same process each)
