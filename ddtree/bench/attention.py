@@ -121,8 +121,9 @@ def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: flo
 @click.option("--heads", "heads_list", default="8,64", show_default=True, help="query heads (8 = one TP8 rank)")
 @click.option("--launches", default=8, show_default=True,
               help="launches per captured graph (at least one per distinct cache)")
-@click.option("--form", type=click.Choice(["tree", "decode", "tree_qreg"]), default=None,
-              help="force the kernel form (sweeps; tree_qreg: the tree form with the query fragments in registers)")
+@click.option("--form", type=click.Choice(["tree", "decode", "tree_qreg", "tree_wgmma"]), default=None,
+              help="force the kernel form (sweeps; tree_qreg: the tree form with the query fragments in registers; "
+                   "tree_wgmma: sm_90 only, warpgroup MMA)")
 @click.option("--warps", default=None, help="force warps per block (sweeps; a comma list runs each)")
 @click.option("--stages", default=None, help="force the key-ring depth (sweeps; a comma list runs each)")
 @click.option("--splits", default=None, help="force the number of prefix splits (sweeps; a comma list runs each)")

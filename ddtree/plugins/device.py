@@ -92,30 +92,32 @@ class Gpu:
         """Compile-time constants of `source` on this GPU (ring depth, warps): launchers size smem with them."""
         return defines_for(source, self.arch)
 
-    def kernel(self, source: str, name: str, defines: dict[str, int] | None = None):
+    def kernel(self, source: str, name: str, defines: dict[str, int] | None = None, arch: str | None = None):
         """`defines`: extra compile-time constants (the model's latent dims: compile.latent_defines); one
-        module per (source, defines)."""
-        module_key = (source, tuple(sorted((defines or {}).items())))
+        module per (source, defines, arch). `arch` compiles for another arch than the device's own (sm_90a's
+        wgmma kernels on an sm_90 GPU); None: the device's."""
+        module_key = (source, tuple(sorted((defines or {}).items())), arch)
         key = (*module_key, name)
         if key not in self._kernels:
             if module_key not in self._modules:
                 from cuda.core import ObjectCode
-                path = compile_cubin(source, self.arch, defines)
+                path = compile_cubin(source, arch or self.arch, defines)
                 self._modules[module_key] = ObjectCode.from_cubin(path.read_bytes(), name=source)
             self._kernels[key] = self._modules[module_key].get_kernel(name)
         return self._kernels[key]
 
-    def allow_smem(self, source: str, name: str, nbytes: int, defines: dict[str, int] | None = None) -> None:
+    def allow_smem(self, source: str, name: str, nbytes: int, defines: dict[str, int] | None = None,
+                   arch: str | None = None) -> None:
         """Raise a kernel's dynamic shared-memory limit; checked against the device. The default limit is 48 KB
         less the kernel's static shared memory (router.cu's 16 B: its 49152 B plan at 46 rows failed to launch
         in a fresh process), so any dynamic size sets the attribute once per kernel and size rather than trusting 48 KB."""
         if nbytes > self.smem_optin:
             raise ValueError(f"{source}:{name} needs {nbytes} B of shared memory; {self.name} allows {self.smem_optin}")
-        key = (source, tuple(sorted((defines or {}).items())), name)
+        key = (source, tuple(sorted((defines or {}).items())), arch, name)
         if self._smem_set.get(key, 0) >= nbytes or nbytes <= 0:
             return
         driver = _driver()
-        handle = self.kernel(source, name, defines).handle
+        handle = self.kernel(source, name, defines, arch).handle
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         if isinstance(handle, driver.CUkernel):
             check(driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(self.dev.device_id)),

@@ -44,11 +44,17 @@ PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernel
 # warps share 16 query rows and hold their query fragments in registers; 4-warp groups need latent % 64 == 0.
 QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4, 2, 4), ("tree_qreg", 4, 3, 4),
                  ("tree_qreg", 4, 2, 2), ("tree_qreg", 4, 3, 2), ("tree_qreg", 8, 2, 4))
+# "tree_wgmma": kernels/mla_tree_wgmma.cuh (issue 23; sm_90a only, forced plans only until measured faster), 64
+# query rows (8 row groups) and two warpgroups (8 warps) a block, key blocks of WGMMA_KEYS[stages] keys.
+WGMMA_VARIANTS = (("tree_wgmma", 8, 2, 8), ("tree_wgmma", 8, 3, 8), ("tree_wgmma", 8, 4, 8))
+WGMMA_KEYS = {2: 64, 3: 32, 4: 32}      # keys a block per ring depth (mla_attention_wgmma_k<keys>_s<stages>)
+WGMMA_ARCH = "sm_90a"                   # wgmma exists on sm_90a alone (not sm_120)
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
-            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8)) + QREG_VARIANTS
+            ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8)) + QREG_VARIANTS + WGMMA_VARIANTS
 QREG_DEFINES = {"MLA_TREE_QREG": 1}  # the tree_qreg kernels' cubin (mla_attention.cu without its other variants)
-TREE_FORMS = ("tree", "tree_qreg")
+WGMMA_DEFINES = {"MLA_TREE_WGMMA": 1}  # the tree_wgmma kernels' cubin (for WGMMA_ARCH)
+TREE_FORMS = ("tree", "tree_qreg", "tree_wgmma")
 MIN_CHUNK = 64                     # keys per prefix split at least
 # q * H up to DECODE_MAX_ROWS rows take the decode form (H200, 64 rows: the tree form's 2 x 4-warp blocks per
 # SM beat the one-stream 8-row-group decode block 1.2x at 32768 keys and 1.5x at 131072)
@@ -80,8 +86,11 @@ def qreg_group(warps: int, row_groups: int) -> int:
     return warps // (row_groups // 2)
 
 
-def compiled_at(form: str, warps: int, stages: int, row_groups: int, latent: int) -> bool:
-    """Whether the variant exists at this latent (tree_qreg 4-warp groups: latent / 4 in 16-dim P.V steps)."""
+def compiled_at(form: str, warps: int, stages: int, row_groups: int, latent: int, rope: int = 64) -> bool:
+    """Whether the variant exists at this latent (tree_qreg 4-warp groups: latent / 4 in 16-dim P.V steps;
+    tree_wgmma: latent 512, one m64n256 P.V wgmma a warpgroup)."""
+    if form == "tree_wgmma":                         # and a warp copies 4 of a row's 16-byte chunks a step
+        return latent == 512 and (latent + rope) % 32 == 0
     return form != "tree_qreg" or qreg_group(warps, row_groups) == 2 or latent % 64 == 0
 
 
@@ -89,6 +98,9 @@ def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int,
     """sizeof(MlaSmem<warps / 2, stages>), sizeof(MlaQregSmem<row_groups / 2, G, stages>) or
     sizeof(DecodeSmem<row_groups, warps / row_groups, stages>) when compiled for (latent, rope)."""
     row = row_stride(latent, rope)
+    if form == "tree_wgmma":                         # WgSmem<keys, stages>: queries, ring, P tile, row swaps
+        keys, dk = WGMMA_KEYS[stages], latent + rope
+        return 64 * dk * 2 + stages * keys * dk * 2 + 64 * keys * 2 + 2 * 64 * 4
     if form == "tree_qreg":                          # no query tile: the rows borrow a ring slot; partial scores
         groups = row_groups // 2                     # [16, 32 + 8] fp32 per warp
         return (stages * 32 * row * 2 + groups * 16 * PROB_STRIDE * 2 + warps * 16 * 40 * 4 + warps * 16 * 4
@@ -143,12 +155,19 @@ class AttentionPlan:
 
     @property
     def extra_defines(self) -> dict[str, int]:
-        return QREG_DEFINES if self.form == "tree_qreg" else {}
+        return QREG_DEFINES if self.form == "tree_qreg" else WGMMA_DEFINES if self.form == "tree_wgmma" else {}
+
+    @property
+    def arch(self) -> str | None:
+        """The arch the kernel compiles for when not the device's own (tree_wgmma: sm_90a)."""
+        return WGMMA_ARCH if self.form == "tree_wgmma" else None
 
     @property
     def kernel(self) -> str:
         if self.form == "tree":
             return f"mla_attention_p{self.warps // 2}_s{self.stages}"
+        if self.form == "tree_wgmma":
+            return f"mla_attention_wgmma_k{WGMMA_KEYS[self.stages]}_s{self.stages}"
         if self.form == "tree_qreg":
             g = qreg_group(self.warps, self.row_groups)
             return f"mla_attention_qreg_r{self.warps // g}_w{g}_s{self.stages}"
@@ -233,7 +252,7 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
     if form is None:
         form = "decode" if rows <= DECODE_MAX_ROWS else "tree"
     fits = [v[1:] for v in VARIANTS if v[0] == form and smem_bytes(*v, latent, rope) <= smem_limit
-            and compiled_at(*v, latent)]
+            and compiled_at(*v, latent, rope)]
     if not fits:
         raise ValueError(f"MLA tree attention: no compiled {form!r} variant fits {smem_limit} B of shared memory "
                          f"at latent {latent}, rope {rope}")
@@ -257,7 +276,7 @@ def plan_attention(q: int, heads: int, context: int, sm_count: int, smem_limit: 
         resident = (lambda s: blocks_per_sm(smem_bytes(form, warps, s, row_groups, latent, rope), smem_limit)) \
             if form in TREE_FORMS else (lambda s: 1)
         stages = max(rings, key=lambda s: (resident(s), s))
-    if (form, warps, stages, row_groups) not in VARIANTS or not compiled_at(form, warps, stages, row_groups, latent):
+    if (form, warps, stages, row_groups) not in VARIANTS or not compiled_at(form, warps, stages, row_groups, latent, rope):
         raise ValueError(f"MLA tree attention: (form, warps, stages, row groups) = ({form!r}, {warps}, {stages}, "
                          f"{row_groups}) not compiled; have {VARIANTS}")
     smem = smem_bytes(form, warps, stages, row_groups, latent, rope)
@@ -322,6 +341,9 @@ class MlaTreeAttention:
     def override(self, q: int, context: int, **forced) -> AttentionPlan:
         """Benchmark sweeps: force form / warps / stages / splits / row_groups for (q, context); grows the
         workspace if needed."""
+        if forced.get("form") == "tree_wgmma" and self.gpu.arch != "sm_90":
+            raise ValueError(f"MLA tree attention: form tree_wgmma needs an sm_90 GPU (wgmma, compiled for "
+                             f"{WGMMA_ARCH}); {self.gpu.name} is {self.gpu.arch}")
         p = plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, latent=self.latent,
                            rope=self.rope, **forced)
         if p.splits > 1:
@@ -365,8 +387,8 @@ class MlaTreeAttention:
         """The split kernel alone: out / lse when p has one split, else the partials for launch_combine."""
         scale_log2 = np.float32(self.scale * math.log2(math.e))
         defines = {**self.defines, **p.extra_defines}
-        self.gpu.allow_smem(p.source, p.kernel, p.smem, defines)
-        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, defines), (p.row_tiles, p.splits), p.warps * 32,
+        self.gpu.allow_smem(p.source, p.kernel, p.smem, defines, arch=p.arch)
+        self.gpu.launch(self.gpu.kernel(p.source, p.kernel, defines, arch=p.arch), (p.row_tiles, p.splits), p.warps * 32,
                         p.smem, ptr(q_lat), ptr(q_rope), ptr(cache), ptr(vis), ptr(lengths), ptr(out), ptr(lse),
                         ptr(self.part_o), ptr(self.part_lse), np.int32(q * self.heads), np.int32(self.heads),
                         np.int32(q), np.int32(p.prefix_splits), np.int32(int(p.tree_own)), scale_log2,

@@ -36,7 +36,7 @@ def record_launches(steps, body) -> list[dict]:
     """Every kernel launch body() makes, recorded while capturing a graph that is never run: its kernel's name,
     the layer function and collective tag it came from, and what it takes to launch it again alone."""
     g, ops, launches = steps.gpu, steps.ops, []
-    names = {id(k): key[2] for key, k in g._kernels.items()}
+    names = {id(k): key[-1] for key, k in g._kernels.items()}
     launch = g.launch
 
     def spy(kernel, grid, block, smem, *args, stream=None, pdl=False):

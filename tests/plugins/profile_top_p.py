@@ -58,7 +58,7 @@ def stamps(gpu, V: int, host: np.ndarray, pos, defines: dict) -> dict:
     logits = gpu.upload(host)
     sampler.run(logits, pos, MODES["top_p0.95"], n)            # compiles and loads the module
     gpu.sync()
-    handle = gpu._modules[("sample_top_p.cu", tuple(sorted(defines.items())))].handle
+    handle = gpu._modules[("sample_top_p.cu", tuple(sorted(defines.items())), None)].handle
     getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
     prof = DeviceArray(gpu, int(check(getter(handle, b"sp_prof"), "get sp_prof")[0]), (32,), np.uint64)
     gpu.memset(prof, 0)

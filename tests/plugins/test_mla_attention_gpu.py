@@ -93,7 +93,7 @@ def check_variants(gpu, T, q, heads, latent, rope, variants):
     ref_out, ref_lse = ac.reference(T, q, heads, s.case)
     for form, warps, stages, row_groups in variants:
         if smem_bytes(form, warps, stages, row_groups, latent, rope) > gpu.smem_optin \
-                or not compiled_at(form, warps, stages, row_groups, latent):
+                or not compiled_at(form, warps, stages, row_groups, latent, rope):
             continue
         for splits in (1, 3, 200):
             out, lse, plan = s.run(form=form, warps=warps, stages=stages, row_groups=row_groups, splits=splits)
@@ -103,11 +103,11 @@ def check_variants(gpu, T, q, heads, latent, rope, variants):
 @pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)
 @pytest.mark.parametrize("T,q,heads", [(100, 65, 8), (4096, 33, 8), (4096, 1, 8)])
 def test_every_variant_and_split_layout(gpu, T, q, heads, latent, rope):
-    """Each compiled (form, warps, stages, row groups) but tree_qreg's with the tree in its own split, merged into
+    """Each compiled (form, warps, stages, row groups) but tree_qreg's and tree_wgmma's with the tree in its own split, merged into
     one split, and with more splits than the prefix has blocks (empty splits must drop out of the merge; 3 and
     200 splits take different combine shapes)."""
-    from ddtree.plugins.mla_attention import QREG_VARIANTS, VARIANTS
-    check_variants(gpu, T, q, heads, latent, rope, [v for v in VARIANTS if v not in QREG_VARIANTS])
+    from ddtree.plugins.mla_attention import QREG_VARIANTS, VARIANTS, WGMMA_VARIANTS
+    check_variants(gpu, T, q, heads, latent, rope, [v for v in VARIANTS if v not in QREG_VARIANTS + WGMMA_VARIANTS])
 
 
 @pytest.mark.parametrize("latent,rope", ac.DIMS, ids=DIMS_IDS)

@@ -381,7 +381,7 @@ mla_attention_combine(const float* __restrict__ part_o, const float* __restrict_
     }
 
 // (pairs, stages) compiled; ddtree/plugins/mla_attention.py VARIANTS lists the same set
-#ifndef MLA_TREE_QREG                        // the form below has a cubin of its own: not these again
+#if !defined(MLA_TREE_QREG) && !defined(MLA_TREE_WGMMA)   // the forms below have cubins of their own: not these again
 DD_DEFINE_MLA(1, 2)
 DD_DEFINE_MLA(1, 3)
 DD_DEFINE_MLA(1, 4)
@@ -402,4 +402,9 @@ extern "C" __global__ void mla_attention_smem_sizes(int* out) {
 // a cubin of its own (with the combine), so the one above stays byte-identical (the measured kernels).
 #ifdef MLA_TREE_QREG
 #include "mla_tree_qreg.cuh"
+#endif
+
+// The tree form on sm_90a's warpgroup MMA (form "tree_wgmma"): compiled only with -D MLA_TREE_WGMMA, for sm_90a.
+#ifdef MLA_TREE_WGMMA
+#include "mla_tree_wgmma.cuh"
 #endif
