@@ -118,7 +118,7 @@ class RecordingGpu:
     def copy_d2d(self, dst, src, nbytes, stream=None):
         self.launches.append(("copy", stream))
 
-    def kernel(self, source, name, defines=None):
+    def kernel(self, source, name, defines=None, arch=None):
         return name
 
     def defines(self, source):
