@@ -46,8 +46,8 @@ QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4
                  ("tree_qreg", 4, 2, 2), ("tree_qreg", 4, 3, 2), ("tree_qreg", 8, 2, 4))
 # "tree_wgmma": kernels/mla_tree_wgmma.cuh (issue 23; sm_90a only, forced plans only until measured faster), 64
 # query rows (8 row groups) and two warpgroups (8 warps) a block, key blocks of WGMMA_KEYS[stages] keys.
-WGMMA_VARIANTS = (("tree_wgmma", 8, 2, 8), ("tree_wgmma", 8, 3, 8), ("tree_wgmma", 8, 4, 8))
-WGMMA_KEYS = {2: 64, 3: 32, 4: 32}      # keys a block per ring depth (mla_attention_wgmma_k<keys>_s<stages>)
+WGMMA_VARIANTS = (("tree_wgmma", 8, 2, 8),)
+WGMMA_KEYS = {2: 64}                    # keys a block per ring depth (mla_attention_wgmma_k<keys>_s<stages>)
 WGMMA_ARCH = "sm_90a"                   # wgmma exists on sm_90a alone (not sm_120)
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
@@ -100,7 +100,7 @@ def smem_bytes(form: str, warps: int, stages: int, row_groups: int, latent: int,
     row = row_stride(latent, rope)
     if form == "tree_wgmma":                         # WgSmem<keys, stages>: queries, ring, P tile, row swaps
         keys, dk = WGMMA_KEYS[stages], latent + rope
-        return 64 * dk * 2 + stages * keys * dk * 2 + 64 * keys * 2 + 2 * 64 * 4
+        return 64 * dk * 2 + stages * keys * dk * 2 + 64 * keys * 2 + 2 * 64 * 4 + 1024   # + 1024-B alignment
     if form == "tree_qreg":                          # no query tile: the rows borrow a ring slot; partial scores
         groups = row_groups // 2                     # [16, 32 + 8] fp32 per warp
         return (stages * 32 * row * 2 + groups * 16 * PROB_STRIDE * 2 + warps * 16 * 40 * 4 + warps * 16 * 4

@@ -16,6 +16,6 @@ timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -rf --tb=short -p no:cacheprov
 echo "tests rc=$? in $((SECONDS - t0)) s"; tail -12 "$out/tests.log"
 t0=$SECONDS
 timeout ${SWEEP_TIMEOUT:-200} python3 tests/plugins/sweep_attention.py "T=4096,32768 q=8,17 parts" \
-  "T=4096 q=8,17 form=tree_wgmma stages=2,3,4 splits=4,8,14,22,43 parts" \
-  "T=32768 q=8,17 form=tree_wgmma stages=2,3,4 splits=16,32,43,64 parts" > "$out/sweep.jsonl" 2> "$out/sweep.err"
+  "T=4096 q=8,17 form=tree_wgmma stages=2 splits=8,14,22,32,43 parts" \
+  "T=32768 q=8,17 form=tree_wgmma stages=2 splits=32,43,64,86 parts" > "$out/sweep.jsonl" 2> "$out/sweep.err"
 echo "sweep rc=$? in $((SECONDS - t0)) s"; grep -v "^$" "$out/sweep.err" | tail -40

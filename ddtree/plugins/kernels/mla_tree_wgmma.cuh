@@ -12,10 +12,11 @@
 // memory for every 32-key step per warp and top out near 170-200 TFLOP/s on the H200 (NOTES.md "Tree attention at
 // short context").
 //
-// Shared-memory tiles use the no-swizzle core-matrix layout of the descriptors: a [ROWS][MLA_DK] bf16 tile is
-// stored as 8-row x 8-dim core matrices (128 contiguous bytes, row r % 8 at 16 (r % 8) bytes), core (r / 8, c)
-// at 128 (c ROWS / 8 + r / 8). Along the rows the next core matrix is 128 B on, along the dims ROWS x 16 B on.
-// The same bytes serve Q.K^T (K-major: N = keys, K = dims) and P.V (V MN-major: N = dims, K = keys).
+// Shared-memory tiles use the 128-byte swizzle of the descriptors: a [ROWS][MLA_DK] bf16 tile is stored as
+// atom columns of 64 dims (128 B a row, ROWS x 128 B a column, 1024-byte aligned), 16-byte chunk j of row r at
+// chunk j ^ (r % 8) of its 128 B. The same bytes serve Q.K^T (K-major: N = keys, K = dims) and P.V (V
+// MN-major: N = dims, K = keys). The first version used the no-swizzle core-matrix layout: correct, but each
+// wgmma read its 8 row groups from the same banks (H200: ~70 cycles a m64n32k16, ~128 a m64n16k16).
 #define WG_ROWS 64                           // query rows a block: the wgmma M
 #define WG_CHUNKS (MLA_DK / 8)               // 16-byte chunks of a key or query row (Kimi: 72)
 #define WG_DW (MLA_DL / 2)                   // latent dims a warpgroup owns in P.V (Kimi: 256)
@@ -24,6 +25,7 @@ static_assert(WG_DW == 256, "P.V is one m64n256k16 wgmma per 16-key step: latent
 #ifndef WG_V_SWAP
 #define WG_V_SWAP 0                          // 1: V's descriptor offsets swapped (a layout probe, never the default)
 #endif
+#define WG_ALIGN 1024                        // swizzle atoms start on 1024-byte boundaries (the block adds the slack)
 
 template <int NK, int STAGES>
 struct WgSmem {
@@ -33,12 +35,16 @@ struct WgSmem {
     float swap[2][WG_ROWS];                  // a warpgroup's row maxima, then its row sums
 };
 
+// Byte offset of 16-byte chunk c of row r in a swizzled [ROWS][..] tile.
 template <int ROWS>
-__device__ __forceinline__ u32 wg_core(int r, int c) { return (u32)((c * (ROWS / 8) + (r >> 3)) * 128 + (r & 7) * 16); }
+__device__ __forceinline__ u32 wg_core(int r, int c) {
+    return (u32)((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
 
-// Matrix descriptor, no swizzle: start address, leading (K-direction) and stride (M / N-direction) byte offsets.
+// Matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets (K-major: the 8-row
+// group stride in sbo, lbo unused; MN-major: the 64-element atom stride along N in lbo, 8-row groups in sbo).
 __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
-    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -81,16 +87,23 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], u64 desc_a,
         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TNSP_B));
 }
 
-// Issue (no commit) cp.async copies of ROWS rows into a core-layout tile: a warp copies 8 rows x 4 chunks a step
-// (64 contiguous bytes of each global row; 4 core matrices of 128 B in shared memory). src(r) is row r's
-// global start and whether it exists (else zero-filled).
+// Issue (no commit) cp.async copies of ROWS rows into a core-layout tile: a warp copies WG_LOAD_ROWS rows x
+// 32 / WG_LOAD_ROWS chunks a step (8 x 4: 64 contiguous bytes of each global row, 4 whole core matrices, the fewest
+// shared-memory wavefronts; 4 x 8: whole 128-byte lines, twice the wavefronts). src(r, c, ok) is row r's chunk c
+// in global memory and whether it exists (else zero-filled).
+#ifndef WG_LOAD_ROWS
+#define WG_LOAD_ROWS 8
+#endif
+static_assert(WG_LOAD_ROWS == 8 || WG_LOAD_ROWS == 4, "a warp's copy step: 8 x 4 or 4 x 8 chunks");
 template <int ROWS, class Src>
 __device__ __forceinline__ void wg_load_tile(bf16_t* dst, Src src) {
-    constexpr int UNITS = (ROWS / 8) * (WG_CHUNKS / 4);
+    constexpr int RW = WG_LOAD_ROWS, CW = 32 / RW;
+    static_assert(WG_CHUNKS % CW == 0 && ROWS % RW == 0, "whole copy steps");
+    constexpr int UNITS = (ROWS / RW) * (WG_CHUNKS / CW);
     const int lane = threadIdx.x & 31;
     for (int u = threadIdx.x >> 5; u < UNITS; u += blockDim.x >> 5) {
-        const int rb = u % (ROWS / 8), cq = u / (ROWS / 8);
-        const int r = rb * 8 + (lane & 7), c = cq * 4 + (lane >> 3);
+        const int rb = u % (ROWS / RW), cq = u / (ROWS / RW);
+        const int r = rb * RW + lane % RW, c = cq * CW + lane / RW;
         bool ok;
         const bf16_t* s = src(r, c, ok);
         cp_async16_zfill((unsigned char*)dst + wg_core<ROWS>(r, c), s, ok ? 16 : 0);
@@ -107,13 +120,18 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
     constexpr int NO = WG_DW / 8;                // 8-dim n-tiles of a warpgroup's output (32: 128 fp32 a thread)
     static_assert(KW == 16 || KW == 32, "score wgmma: m64n16k16 or m64n32k16");
     static_assert(STAGES >= 2, "one key block in use, one in flight");
+    static_assert(NK == 64, "the probability tile is one 128-byte swizzle atom column: 64 keys");
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    WgSmem<NK, STAGES>& sm = *reinterpret_cast<WgSmem<NK, STAGES>*>(smem_raw);
+    const u32 pad = (WG_ALIGN - (smem_addr(smem_raw) & (WG_ALIGN - 1))) & (WG_ALIGN - 1);
+    WgSmem<NK, STAGES>& sm = *reinterpret_cast<WgSmem<NK, STAGES>*>(smem_raw + pad);
     const int wg = threadIdx.x >> 7, wi = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * WG_ROWS, split = blockIdx.y, n_splits = P + tree_own;
 
+    PROF_NS
+    PROF_T(0)
     pdl_wait();                                      // queries, lengths and new cache entries come from earlier kernels
     pdl_trigger();
+    PROF_T(1)
     wg_load_tile<WG_ROWS>(sm.q, [&](int r, int c, bool& ok) {
         const int rr = min(row0 + r, R - 1);
         ok = row0 + r < R;
@@ -148,15 +166,17 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
     const u32* vis_hi = vis + (size_t)min(r_hi / H, q - 1) * W;
     const bool rows_valid[2] = {r_lo < R, r_hi < R};
     const u32 q_addr = smem_addr(sm.q), p_addr = smem_addr(sm.p);
-    constexpr u32 Q_LBO = (WG_ROWS / 8) * 128, KV_LBO = (NK / 8) * 128;
-    constexpr u32 V_LBO = WG_V_SWAP ? KV_LBO : 128, V_SBO = WG_V_SWAP ? 128 : KV_LBO;
+    constexpr u32 Q_COL = WG_ROWS * 128, KV_COL = NK * 128;       // bytes of an atom column (64 dims)
+    constexpr u32 V_LBO = WG_V_SWAP ? 1024 : KV_COL, V_SBO = WG_V_SWAP ? KV_COL : 1024;
 
+    PROF_INIT
+    PROF_T(2)
 #pragma unroll 1
     for (int b = 0; b < nblk; ++b) {
         cp_async_wait<STAGES - 2>();                 // the query rows and key block b (this thread's copies)
         fence_proxy_async();                         // ... visible to the wgmma (async proxy)
         __syncthreads();                             // every thread's copies landed; block b - 1's slot is free
-        load_block(b + STAGES - 1);
+        PROF_MARK(0)
         const u32 kv_addr = smem_addr(sm.kv[b % STAGES]);
         const int tile0 = begin + b * NK, key0 = tile0 + wg * KW;
 
@@ -167,14 +187,20 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
         wg_fence();
 #pragma unroll
         for (int j = 0; j < MLA_DK / 16; ++j) {
-            const u64 da = wg_desc(q_addr + 2 * j * Q_LBO, Q_LBO, 128);
-            const u64 db = wg_desc(kv_addr + 2 * j * KV_LBO + wg * (KW / 8) * 128, KV_LBO, 128);
+            const u32 k_off = (j & 3) * 32;          // 16 dims = 32 B into the atom's rows
+            const u64 da = wg_desc(q_addr + (j >> 2) * Q_COL + k_off, 16, 1024);
+            const u64 db = wg_desc(kv_addr + (j >> 2) * KV_COL + wg * KW * 128 + k_off, 16, 1024);
             if constexpr (KW == 32) wgmma_m64n32k16_ss<0>(s, da, db, j > 0);
             else wgmma_m64n16k16_ss<0>(s, da, db, j > 0);
         }
         wg_commit();
+        PROF_MARK(1)
+        // the next key block's copies while the tensor cores score this one (the slot of block b - 1 is free:
+        // the barrier above; issued before the scores they stalled the scores ~2500 cycles a 64-key block)
+        load_block(b + STAGES - 1);
         wg_wait0();
         wg_fence_regs(s);
+        PROF_MARK(2)
 
         // scale to log2 units, mask keys past the split and tree keys off the ancestor chain
         const bool masked = tile0 + NK > T;
@@ -231,22 +257,27 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
             o[4 * n] *= alpha[0]; o[4 * n + 1] *= alpha[0];
             o[4 * n + 2] *= alpha[1]; o[4 * n + 3] *= alpha[1];
         }
+        PROF_MARK(3)
         fence_proxy_async();                         // the probabilities (generic stores) before the wgmma reads
         __syncthreads();                             // both halves of P written, both maxima read
+        PROF_MARK(4)
 
         // o[64 rows, this warpgroup's WG_DW dims] += P[64, NK keys] . c_kv[NK keys, dims], 16 keys a wgmma
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < NK / 16; ++kk) {
-            const u64 da = wg_desc(p_addr + 2 * kk * Q_LBO, Q_LBO, 128);
-            const u64 db = wg_desc(kv_addr + wg * (WG_DW / 8) * KV_LBO + 2 * kk * 128, V_LBO, V_SBO);
+            const u64 da = wg_desc(p_addr + kk * 32, 16, 1024);                   // P: one atom column
+            const u64 db = wg_desc(kv_addr + wg * (WG_DW / 64) * KV_COL + kk * 16 * 128, V_LBO, V_SBO);
             wgmma_m64n256k16_ss<1>(o, da, db, 1);
         }
         wg_commit();
         wg_wait0();
         wg_fence_regs(o);
+        PROF_MARK(5)
     }
     cp_async_wait<0>();
+    PROF_T(3)
+    PROF_PRINT("wgmma", nblk)
 
     // ---- finish: row sums of both warpgroups, normalise, write --------------------------------------
 #pragma unroll
@@ -282,6 +313,7 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
             if (wg == 0 && t == 0) part_lse[(size_t)split * R + rr[hi]] = lse2[hi];
         }
     }
+    PROF_TIMELINE("wgmma")
 }
 
 #define DD_DEFINE_MLA_WGMMA(NK, STAGES)                                                                   \
@@ -295,10 +327,9 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
     }
 // (keys a block, stages) compiled; ddtree/plugins/mla_attention.py WGMMA_VARIANTS lists the same set
 DD_DEFINE_MLA_WGMMA(64, 2)
-DD_DEFINE_MLA_WGMMA(32, 3)
-DD_DEFINE_MLA_WGMMA(32, 4)
 
-// sizeof(WgSmem) of each variant above, in that order (the launcher's smem_bytes must agree: GPU test).
+// sizeof(WgSmem) + the alignment slack of each variant above, in that order (the launcher's smem_bytes must
+// agree: GPU test).
 extern "C" __global__ void mla_attention_wgmma_smem_sizes(int* out) {
-    out[0] = sizeof(WgSmem<64, 2>); out[1] = sizeof(WgSmem<32, 3>); out[2] = sizeof(WgSmem<32, 4>);
+    out[0] = sizeof(WgSmem<64, 2>) + WG_ALIGN;
 }
