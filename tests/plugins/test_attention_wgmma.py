@@ -9,7 +9,7 @@ import pytest
 
 from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import (WGMMA_ARCH, WGMMA_DEFINES, WGMMA_KEYS, WGMMA_VARIANTS, AttentionPlan,
-                                          MlaTreeAttention, compiled_at, plan_attention, smem_bytes)
+                                          MlaTreeAttention, compiled_at, plan_attention, smem_bytes, wgmma_default)
 
 H200 = dict(sm_count=132, smem_limit=232448)
 
@@ -89,3 +89,24 @@ def test_wgmma_refused_off_sm90():
     attn.gpu, attn.heads, attn.latent, attn.rope = _FakeGpu(), 8, 512, 64
     with pytest.raises(ValueError, match="tree_wgmma needs an sm_90 GPU.*sm_120"):
         attn.override(17, 4096, form="tree_wgmma")
+
+
+def _attention_on(arch: str) -> MlaTreeAttention:
+    attn = MlaTreeAttention.__new__(MlaTreeAttention)
+    gpu = _FakeGpu()
+    gpu.arch, gpu.sm_count, gpu.smem_optin = arch, 132, 232448
+    attn.gpu, attn.heads, attn.latent, attn.rope, attn._overrides = gpu, 8, 512, 64, {}
+    return attn
+
+
+def test_wgmma_is_the_default_only_where_it_measured_faster():
+    """An sm_90 GPU plans 17 tokens x 8 heads at the 32768-key bucket with tree_wgmma (P 43, the measured plan);
+    the measured-slower shapes, other contexts, other GPUs and other latents keep the older forms."""
+    for context in (32768, 32768 + 17):              # the bench's T, the step's T + q
+        p = _attention_on("sm_90").plan(17, context)
+        assert (p.form, p.prefix_splits, p.tree_own, p.row_tiles, p.kernel) == \
+            ("tree_wgmma", 43, True, 3, "mla_attention_wgmma_k64_s2")
+    for q, context in ((17, 4096), (8, 32768), (8, 4096), (17, 131072), (33, 32768), (17, 32768 + 257)):
+        assert _attention_on("sm_90").plan(q, context).form != "tree_wgmma", (q, context)
+    assert _attention_on("sm_120").plan(17, 32768).form != "tree_wgmma"
+    assert wgmma_default(136, 32768, 96, 32) is None and wgmma_default(136, 32768, 512, 64) == 43

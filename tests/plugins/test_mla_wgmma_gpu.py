@@ -40,3 +40,14 @@ def test_every_wgmma_variant_and_split_layout(sm90, T, q, heads):
         for splits in (1, 3, 200):
             out, lse, plan = s.run(form=form, warps=warps, stages=stages, row_groups=row_groups, splits=splits)
             check_attention(out, lse, ref_out, ref_lse, f"T={T} q={q} H={heads} {plan}")
+
+
+def test_default_plan_at_32768_keys_is_wgmma_and_matches_reference(sm90):
+    """The shape where tree_wgmma is the default (17 tokens x 8 heads at the 32768-key bucket) through run()'s own
+    plan, at T = 32768 and at a shorter T read on the device."""
+    for T in (32768, 5000):
+        s = Setup(sm90, T, 17, 8, max_context=32768)
+        out, lse, plan = s.run(context_hint=32768)
+        assert plan.form == "tree_wgmma" and plan.prefix_splits == 43
+        ref_out, ref_lse = ac.reference(T, 17, 8, s.case)
+        check_attention(out, lse, ref_out, ref_lse, f"T={T} q=17 default {plan}")
