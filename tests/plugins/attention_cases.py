@@ -159,3 +159,33 @@ def build() -> None:
 
 if __name__ == "__main__":
     build()
+
+
+def ptxas_report(arch: str, defines: dict, latent: int = 512, rope: int = 64) -> dict[str, tuple[int, int]]:
+    """{kernel: (registers, spill store bytes)} of mla_attention.cu compiled at (latent, rope) with `defines`
+    (ptxas's resource report through NVRTC)."""
+    import re
+
+    from cuda.core import Program, ProgramOptions
+
+    from ddtree.plugins import compile as kc
+    macros = {**kc.latent_defines(latent, rope), **defines}
+    opts = ProgramOptions(name="mla_attention.cu", arch=arch, std=kc.CXX_STD, include_path=[str(kc.KERNEL_DIR)],
+                          define_macro=[(k, str(v)) for k, v in sorted(macros.items())], ptxas_options="-v")
+    log = []
+
+    class _Log:
+        def write(self, s):
+            log.append(s)
+
+    program = Program((kc.KERNEL_DIR / "mla_attention.cu").read_text(), "c++", options=opts)
+    try:
+        program.compile("cubin", logs=_Log())
+    finally:
+        program.close()
+    text = "".join(log).replace("\0", "")
+    found = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", text, re.S):
+        found[name] = (int(re.search(r"Used (\d+) registers", body).group(1)),
+                       int(re.search(r"(\d+) bytes spill stores", body).group(1)))
+    return found

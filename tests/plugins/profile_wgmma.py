@@ -3,8 +3,6 @@ timelines of some splits of row tile 0), plus the L2-resident rate of the same p
 python3 tests/plugins/profile_wgmma.py T q stages splits [...] (repo root, an sm_90 GPU)."""
 import sys
 
-import numpy as np
-
 from ddtree.bench.attention import bench_case
 from ddtree.bench.kernels import open_gpu
 from ddtree.plugins import mla_attention as ma

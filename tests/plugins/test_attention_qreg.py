@@ -7,7 +7,6 @@ import re
 
 import pytest
 
-from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import (QREG_DEFINES, QREG_VARIANTS, AttentionPlan, compiled_at, plan_attention,
                                           smem_bytes)
 
@@ -15,32 +14,6 @@ import attention_cases as ac
 
 SM120 = dict(sm_count=188, smem_limit=101376)
 H200 = dict(sm_count=132, smem_limit=232448)
-
-
-def ptxas_report(arch: str, latent: int, rope: int) -> dict[str, tuple[int, int]]:
-    """{kernel: (registers, spill store bytes)} of mla_attention.cu compiled with QREG_DEFINES."""
-    from cuda.core import Program, ProgramOptions
-    macros = {**kc.latent_defines(latent, rope), **QREG_DEFINES}
-    opts = ProgramOptions(name="mla_attention.cu", arch=arch, std=kc.CXX_STD, include_path=[str(kc.KERNEL_DIR)],
-                          define_macro=[(k, str(v)) for k, v in sorted(macros.items())], ptxas_options="-v")
-    log = []
-
-    class _Log:
-        def write(self, s):
-            log.append(s)
-
-    program = Program((kc.KERNEL_DIR / "mla_attention.cu").read_text(), "c++", options=opts)
-    try:
-        program.compile("cubin", logs=_Log())
-    finally:
-        program.close()
-    text = "".join(log).replace("\0", "")
-    found = {}
-    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", text, re.S):
-        regs = int(re.search(r"Used (\d+) registers", body).group(1))
-        spills = int(re.search(r"(\d+) bytes spill stores", body).group(1))
-        found[name] = (regs, spills)
-    return found
 
 
 def kernel_name(form, warps, stages, row_groups) -> str:
@@ -53,7 +26,7 @@ def test_qreg_kernels_compile_without_real_spills(arch, latent, rope):
     """Every variant compiled at these dims is in the cubin and nothing else of the tree form (the plain
     variants stay in the measured cubin); 4-warp groups do not spill; 2-warp groups hold 72 query registers
     beside 128 accumulators at Kimi's dims (255 registers) and spill at most 16 bytes."""
-    report = ptxas_report(arch, latent, rope)
+    report = ac.ptxas_report(arch, QREG_DEFINES, latent, rope)
     want = {kernel_name(*v) for v in QREG_VARIANTS if compiled_at(*v, latent)}
     assert want <= set(report), sorted(want - set(report))
     assert not [k for k in report if re.fullmatch(r"mla_attention_p\d_s\d", k)]

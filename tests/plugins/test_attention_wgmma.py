@@ -1,42 +1,17 @@
 """CPU tests of the tree_wgmma attention form (kernels/mla_tree_wgmma.cuh, sm_90a's warpgroup MMA): its cubin
 compiles for sm_90a at Kimi's latent dims with every kernel the launcher names and no spills (ptxas's report
 through NVRTC), the plain cubins do not carry it, its shared memory is the struct's arithmetic and fits the H200,
-the plans take it only when forced, and other latents, sm_120 and non-sm_90 GPUs are refused by name.
+the plans take it only when forced or where it measured faster (wgmma_default), and other latents, sm_120 and
+non-sm_90 GPUs are refused by name.
 GPU correctness: test_mla_wgmma_gpu.py."""
-import re
-
 import pytest
 
-from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import (WGMMA_ARCH, WGMMA_DEFINES, WGMMA_KEYS, WGMMA_VARIANTS, AttentionPlan,
                                           MlaTreeAttention, compiled_at, plan_attention, smem_bytes, wgmma_default)
 
+import attention_cases as ac
+
 H200 = dict(sm_count=132, smem_limit=232448)
-
-
-def ptxas_report(arch: str, defines: dict) -> dict[str, tuple[int, int]]:
-    """{kernel: (registers, spill store bytes)} of mla_attention.cu compiled at Kimi's dims with `defines`."""
-    from cuda.core import Program, ProgramOptions
-    macros = {**kc.latent_defines(512, 64), **defines}
-    opts = ProgramOptions(name="mla_attention.cu", arch=arch, std=kc.CXX_STD, include_path=[str(kc.KERNEL_DIR)],
-                          define_macro=[(k, str(v)) for k, v in sorted(macros.items())], ptxas_options="-v")
-    log = []
-
-    class _Log:
-        def write(self, s):
-            log.append(s)
-
-    program = Program((kc.KERNEL_DIR / "mla_attention.cu").read_text(), "c++", options=opts)
-    try:
-        program.compile("cubin", logs=_Log())
-    finally:
-        program.close()
-    text = "".join(log).replace("\0", "")
-    found = {}
-    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", text, re.S):
-        found[name] = (int(re.search(r"Used (\d+) registers", body).group(1)),
-                       int(re.search(r"(\d+) bytes spill stores", body).group(1)))
-    return found
 
 
 def kernel_name(v) -> str:
@@ -44,7 +19,7 @@ def kernel_name(v) -> str:
 
 
 def test_wgmma_kernels_compile_for_sm90a_without_spills():
-    report = ptxas_report(WGMMA_ARCH, WGMMA_DEFINES)
+    report = ac.ptxas_report(WGMMA_ARCH, WGMMA_DEFINES)
     want = {kernel_name(v) for v in WGMMA_VARIANTS}
     assert want | {"mla_attention_wgmma_smem_sizes", "mla_attention_combine"} == set(report), sorted(report)
     for v in WGMMA_VARIANTS:
@@ -54,7 +29,7 @@ def test_wgmma_kernels_compile_for_sm90a_without_spills():
 
 def test_plain_cubins_do_not_carry_the_wgmma_form():
     """wgmma is not in sm_90 (without a) or sm_120: the plain cubin (what the builder ships) has none of it."""
-    report = ptxas_report("sm_120", {})
+    report = ac.ptxas_report("sm_120", {})
     assert not [k for k in report if "wgmma" in k]
 
 

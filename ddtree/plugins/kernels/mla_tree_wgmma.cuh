@@ -56,16 +56,6 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
-// D[64 x 16] (+)= A[64 x 16] . B[16 x 16], A and B in shared memory by descriptor (tnsp_b: B is MN-major)
-template <int TNSP_B>
-__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, %11;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TNSP_B));
-}
 // D[64 x 32] (+)= A[64 x 16] . B[16 x 32], A and B in shared memory by descriptor (tnsp_b: B is MN-major)
 template <int TNSP_B>
 __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], u64 desc_a, u64 desc_b, int scale_d) {
@@ -118,7 +108,6 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
         int R, int H, int q, int P, int tree_own, float scale_log2) {
     constexpr int KW = NK / 2, NS = KW / 8;      // keys a warpgroup scores, their 8-key n-tiles
     constexpr int NO = WG_DW / 8;                // 8-dim n-tiles of a warpgroup's output (32: 128 fp32 a thread)
-    static_assert(KW == 16 || KW == 32, "score wgmma: m64n16k16 or m64n32k16");
     static_assert(STAGES >= 2, "one key block in use, one in flight");
     static_assert(NK == 64, "the probability tile is one 128-byte swizzle atom column: 64 keys");
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -190,8 +179,7 @@ __device__ __forceinline__ void mla_attention_split_wgmma(
             const u32 k_off = (j & 3) * 32;          // 16 dims = 32 B into the atom's rows
             const u64 da = wg_desc(q_addr + (j >> 2) * Q_COL + k_off, 16, 1024);
             const u64 db = wg_desc(kv_addr + (j >> 2) * KV_COL + wg * KW * 128 + k_off, 16, 1024);
-            if constexpr (KW == 32) wgmma_m64n32k16_ss<0>(s, da, db, j > 0);
-            else wgmma_m64n16k16_ss<0>(s, da, db, j > 0);
+            wgmma_m64n32k16_ss<0>(s, da, db, j > 0);
         }
         wg_commit();
         PROF_MARK(1)
