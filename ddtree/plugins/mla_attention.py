@@ -49,12 +49,19 @@ QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4
 WGMMA_VARIANTS = (("tree_wgmma", 8, 2, 8),)
 WGMMA_KEYS = {2: 64}                    # keys a block per ring depth (mla_attention_wgmma_k<keys>_s<stages>)
 WGMMA_ARCH = "sm_90a"                   # wgmma exists on sm_90a alone (not sm_120)
-# tree_wgmma is the default on an sm_90 GPU only where it measured faster (H200, one call, 8 heads, swizzled
-# tiles, against the default tree_qreg plans): 17 tokens at 32768 keys, P 43: 66.9 -> 57.5 us. At 4096 x 17 (18.5
-# vs 17.5), 4096 x 8 (16.4 vs 12.5) and 32768 x 8 (37.7 vs 36.7) it was slower, so the default stays there.
-# Rows 129 .. 192 take the same three 64-row tiles; the contexts are the 32768-key prefix plus up to MAX_Q tree keys
-# (the step plans for T + q: ops/cuda_backend.py); other contexts were not measured.
-WGMMA_DEFAULT_ROWS, WGMMA_DEFAULT_CONTEXTS, WGMMA_DEFAULT_SPLITS = (129, 192), (32768, 32768 + 256), 43
+# tree_wgmma is the default on an sm_90 GPU only where it measured faster (H200, 8 heads, swizzled tiles, against
+# the default plans then; tests/fixtures/plugins/attention_wgmma_sweep*_h200.jsonl), with one wave of blocks
+# (prefix splits ceil(SMs / row tiles) - 1, the tree split its own; fewer splits were slower everywhere):
+#   3 row tiles (129..192 rows: 17 tokens): 32768 keys 66.9 -> 57.5 us, 131072 241.4 -> 185.6; at 4096 slower
+#     (18.5 vs 17.6), so from 32768 keys;
+#   5 and 9 row tiles (33, 65 tokens): 4096 keys 28.1 -> 24.1, 41.6 -> 30.6; 32768 117.3 -> 86.2, 238.1 -> 146.1;
+#   131072 421.5 -> 296.5, 831.5 -> 526.1.
+# Tiles 4 (193..256 rows, not measured) follow the 3-tile rule, 6..8 the 5 / 9-tile one; contexts between the measured
+# ones are taken (it won at both ends), up to 131072 + MAX_Q (the step plans for T + q); 8 tokens (64 rows) stay on
+# tree_qreg (16.4 vs 12.5 us at 4096, 37.7 vs 36.7 at 32768).
+WGMMA_DEFAULT_CONTEXTS = {3: (32768, 131072 + 256), 4: (32768, 131072 + 256), 5: (4096, 131072 + 256),
+                          6: (4096, 131072 + 256), 7: (4096, 131072 + 256), 8: (4096, 131072 + 256),
+                          9: (4096, 131072 + 256)}      # 64-row tiles -> keys
 VARIANTS = (("tree", 2, 2, 2), ("tree", 2, 3, 2), ("tree", 2, 4, 2), ("tree", 4, 2, 4), ("tree", 4, 3, 4),
             ("tree", 8, 2, 8), ("tree", 8, 3, 8), ("decode", 2, 4, 1), ("decode", 3, 9, 1), ("decode", 4, 8, 1),
             ("decode", 4, 4, 2), ("decode", 6, 9, 2), ("decode", 8, 8, 4), ("decode", 8, 7, 8)) + QREG_VARIANTS + WGMMA_VARIANTS
@@ -215,12 +222,13 @@ def qreg_default(rows: int, context: int, smem_limit: int, latent: int) -> tuple
     return (4, 2) if context <= 4096 else (4, 4)
 
 
-def wgmma_default(rows: int, context: int, latent: int, rope: int) -> int | None:
+def wgmma_default(rows: int, context: int, latent: int, rope: int, sm_count: int) -> int | None:
     """Prefix splits of the default tree_wgmma plan where it measured faster than the other forms (on an sm_90
     GPU: the caller checks the arch), else None."""
-    if WGMMA_DEFAULT_ROWS[0] <= rows <= WGMMA_DEFAULT_ROWS[1] and \
-            WGMMA_DEFAULT_CONTEXTS[0] <= context <= WGMMA_DEFAULT_CONTEXTS[1] and compiled_at(*WGMMA_VARIANTS[0], latent, rope):
-        return WGMMA_DEFAULT_SPLITS
+    tiles = math.ceil(rows / 64)
+    lo, hi = WGMMA_DEFAULT_CONTEXTS.get(tiles, (1, 0))
+    if lo <= context <= hi and compiled_at(*WGMMA_VARIANTS[0], latent, rope):
+        return max(1, math.ceil(sm_count / tiles) - 1)
     return None
 
 
@@ -350,7 +358,8 @@ class MlaTreeAttention:
         key = (q, context)
         if key in self._overrides:
             return self._overrides[key]
-        splits = wgmma_default(q * self.heads, context, self.latent, self.rope) if self.gpu.arch == "sm_90" else None
+        splits = (wgmma_default(q * self.heads, context, self.latent, self.rope, self.gpu.sm_count)
+                  if self.gpu.arch == "sm_90" else None)
         if splits is not None and smem_bytes(*WGMMA_VARIANTS[0], self.latent, self.rope) <= self.gpu.smem_optin:
             _, warps, stages, row_groups = WGMMA_VARIANTS[0]
             return plan_attention(q, self.heads, context, self.gpu.sm_count, self.gpu.smem_optin, latent=self.latent,

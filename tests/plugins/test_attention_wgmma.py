@@ -75,13 +75,16 @@ def _attention_on(arch: str) -> MlaTreeAttention:
 
 
 def test_wgmma_is_the_default_only_where_it_measured_faster():
-    """An sm_90 GPU plans 17 tokens x 8 heads at the 32768-key bucket with tree_wgmma (P 43, the measured plan);
-    the measured-slower shapes, other contexts, other GPUs and other latents keep the older forms."""
-    for context in (32768, 32768 + 17):              # the bench's T, the step's T + q
-        p = _attention_on("sm_90").plan(17, context)
-        assert (p.form, p.prefix_splits, p.tree_own, p.row_tiles, p.kernel) == \
-            ("tree_wgmma", 43, True, 3, "mla_attention_wgmma_k64_s2")
-    for q, context in ((17, 4096), (8, 32768), (8, 4096), (17, 131072), (33, 32768), (17, 32768 + 257)):
+    """An sm_90 GPU plans 17 tokens x 8 heads from the 32768-key bucket and 33 / 65 tokens from 4096 with tree_wgmma,
+    one wave of blocks (the measured plans: P 43, 26, 14 on 132 SMs); the measured-slower shapes, other GPUs and
+    other latents keep the older forms."""
+    for q, context, P in ((17, 32768, 43), (17, 32768 + 17, 43), (17, 131072, 43), (33, 4096, 26), (65, 4096, 14),
+                          (65, 131072 + 65, 14)):
+        p = _attention_on("sm_90").plan(q, context)
+        assert (p.form, p.prefix_splits, p.tree_own, p.kernel) == ("tree_wgmma", P, True,
+                                                                   "mla_attention_wgmma_k64_s2"), (q, context)
+        assert p.row_tiles * p.splits <= 135
+    for q, context in ((17, 4096), (8, 32768), (8, 4096), (17, 131072 + 257), (1, 32768), (256, 32768)):
         assert _attention_on("sm_90").plan(q, context).form != "tree_wgmma", (q, context)
-    assert _attention_on("sm_120").plan(17, 32768).form != "tree_wgmma"
-    assert wgmma_default(136, 32768, 96, 32) is None and wgmma_default(136, 32768, 512, 64) == 43
+    assert _attention_on("sm_120").plan(33, 32768).form != "tree_wgmma"
+    assert wgmma_default(136, 32768, 96, 32, 132) is None and wgmma_default(136, 32768, 512, 64, 132) == 43
