@@ -350,9 +350,11 @@ class MlaTreeAttention:
         plan_attention(max_q, heads, max_context, gpu.sm_count, gpu.smem_optin, latent=latent, rope=rope)
         self._overrides: dict[tuple[int, int], AttentionPlan] = {}
         self._part_rows = 0
-        # splits grow with the context, so the plans at max_context bound the partial rows
-        self._reserve_partials(max([1] + [p.splits * q * heads for q in range(1, max_q + 1)
-                                          for p in [self.plan(q, max_context)] if p.splits > 1]))
+        # splits grow with the context, so the plans at max_context bound the partial rows of each form; the
+        # tree_wgmma plans hold their splits over their context ranges, so the ranges' ends count too
+        contexts = {max_context} | {min(max_context, c) for r in WGMMA_DEFAULT_CONTEXTS.values() for c in r}
+        self._reserve_partials(max([1] + [p.splits * q * heads for q in range(1, max_q + 1) for c in contexts
+                                          for p in [self.plan(q, c)] if p.splits > 1]))
 
     def plan(self, q: int, context: int) -> AttentionPlan:
         key = (q, context)

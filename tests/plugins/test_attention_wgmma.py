@@ -88,3 +88,4 @@ def test_wgmma_is_the_default_only_where_it_measured_faster():
         assert _attention_on("sm_90").plan(q, context).form != "tree_wgmma", (q, context)
     assert _attention_on("sm_120").plan(33, 32768).form != "tree_wgmma"
     assert wgmma_default(136, 32768, 96, 32, 132) is None and wgmma_default(136, 32768, 512, 64, 132) == 43
+
