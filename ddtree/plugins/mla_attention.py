@@ -13,7 +13,9 @@ ddtree.plugins.reference.mla_tree_attention.
 Forms: "decode" (kernels/mla_decode.cu) while q * H <= 32, bandwidth-bound: keys are the mma M, 8 query
 rows the N, all rows in one block so every key is read once; "tree" (kernels/mla_attention.cu) beyond,
 compute-bound: warp pairs share 16 query rows ("tree_qreg", kernels/mla_tree_qreg.cuh: 2 or 4 warps share 16
-rows and hold their query fragments in registers; the default where measured faster, qreg_default). Both split
+rows and hold their query fragments in registers; the default where measured faster, qreg_default; "tree_wgmma",
+kernels/mla_tree_wgmma.cuh: 64 rows and two warpgroups a block on sm_90a's wgmma, the default on an sm_90 GPU where
+measured faster, wgmma_default). All split
 the committed prefix over the SMs, give the tree keys (the only masked ones) their own split or the end of
 the last one, and merge splits exactly by log-sum-exp (mla_attention_combine). The plan (form, block shape, ring
 depth, number of prefix splits P) depends on q, H and the context: decode by a wave model of the splits, tree up
@@ -44,7 +46,7 @@ PROB_STRIDE, DECODE_PROB_STRIDE = 40, 24      # MLA_PROW, DEC_PROW in the kernel
 # warps share 16 query rows and hold their query fragments in registers; 4-warp groups need latent % 64 == 0.
 QREG_VARIANTS = (("tree_qreg", 2, 2, 2), ("tree_qreg", 2, 3, 2), ("tree_qreg", 4, 2, 4), ("tree_qreg", 4, 3, 4),
                  ("tree_qreg", 4, 2, 2), ("tree_qreg", 4, 3, 2), ("tree_qreg", 8, 2, 4))
-# "tree_wgmma": kernels/mla_tree_wgmma.cuh (issue 23; sm_90a only, forced plans only until measured faster), 64
+# "tree_wgmma": kernels/mla_tree_wgmma.cuh (issue 23; sm_90a only; the default only by wgmma_default), 64
 # query rows (8 row groups) and two warpgroups (8 warps) a block, key blocks of WGMMA_KEYS[stages] keys.
 WGMMA_VARIANTS = (("tree_wgmma", 8, 2, 8),)
 WGMMA_KEYS = {2: 64}                    # keys a block per ring depth (mla_attention_wgmma_k<keys>_s<stages>)

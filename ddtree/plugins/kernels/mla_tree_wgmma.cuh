@@ -1,6 +1,6 @@
 // Tree form on sm_90a's warpgroup MMA (form "tree_wgmma", issue 23; mla_attention.cu compiles it only with
 // -D MLA_TREE_WGMMA for sm_90a, into a cubin of its own, so the measured tree / combine cubins stay byte-identical).
-// Launcher: ddtree/plugins/mla_attention.py (forced plans only until measured faster). The contract, key ranges,
+// Launcher: ddtree/plugins/mla_attention.py (the default where wgmma_default says). The contract, key ranges,
 // partials and combine are mla_attention_split's; the math is the same online softmax in log2 units.
 //
 // What differs is who multiplies. A block holds 64 query rows (the wgmma M) and two warpgroups. Per block of NK
