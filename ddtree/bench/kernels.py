@@ -304,14 +304,16 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
         operands = gemm_operands(gpu, N, K, max_m, seed, seed + 1000)
         gemm = SkinnyGemm(gpu, N, K, max_m, pdl=pdl)
         for M in ms:
-            if overrides:
-                gemm.override(M, **overrides)
+            knobs = {k: v for k, v in (overrides or {}).items() if k != "tm" or M > 16}   # tm takes M > 16 only
+            if knobs:
+                gemm.override(M, **knobs)
             us = time_gemm(gpu, gemm, operands, M, residual)
             nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
             p = gemm.plan(M)
             rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),
-                              "residual": residual, "plan": {"mt": p.mt, "splits": p.splits, "blocks": p.blocks,
-                                                              "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
+                              "residual": residual,
+                              "plan": {"kernel": p.kernel, "dsmem": p.dsmem, "mt": p.mt, "splits": p.splits,
+                                       "blocks": p.blocks, "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
                              nbytes, us, ceiling_gbps))
             _say(f"  gemm tp{tp} {name:15s} M={M:4d} {us:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
                  f"{rows[-1]['pct_of_ceiling']:5.1f}%")
@@ -390,11 +392,14 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
 @click.option("--tpw", type=int, default=None, help="force the 16-row tiles per warp (sweeps)")
 @click.option("--warps", type=int, default=None, help="force the warps per block (sweeps)")
 @click.option("--x-kb", type=int, default=None, help="shared memory for the token rows, KB (sweeps)")
+@click.option("--form", type=click.Choice(["auto", "tm", "mt"]), default="auto", show_default=True,
+              help="past 16 rows: tokens as the mma's M side (tm), the 8-row kernels (mt), or the plan's (auto)")
+@click.option("--no-dsmem", is_flag=True, help="split-K partials through global memory, not a cluster's shared memory")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, no_pdl, seed, as_json):
+def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, form, no_dsmem, no_pdl, seed, as_json):
     """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
     gpu, ceiling = open_gpu()
     rows = []
@@ -407,5 +412,9 @@ def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, no_pdl, seed, as_
             raise click.BadParameter(f"--names: unknown {sorted(set(wanted) - known)}; known {sorted(known)}")
         overrides = {k: v for k, v in (("splits", splits), ("tpw", tpw), ("warps", warps),
                                        ("x_budget", x_kb and x_kb * 1024)) if v}
+        if form != "auto":
+            overrides["tm"] = form == "tm"
+        if no_dsmem:
+            overrides["dsmem"] = False
         rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted, overrides, not no_pdl)
     _emit("gemm", gpu, rows, ceiling, as_json)

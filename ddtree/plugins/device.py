@@ -126,11 +126,14 @@ class Gpu:
             check(driver.cuFuncSetAttribute(handle, attr, nbytes), "cuFuncSetAttribute")
         self._smem_set[key] = nbytes
 
-    def launch(self, kernel, grid, block, smem: int, *args, stream=None, pdl: bool = False) -> None:
+    def launch(self, kernel, grid, block, smem: int, *args, stream=None, pdl: bool = False, cluster=None) -> None:
         """pdl: programmatic dependent launch (the kernel may start before the previous one in the stream
-        ends; it must call griddepcontrol.wait before reading that kernel's results)."""
+        ends; it must call griddepcontrol.wait before reading that kernel's results). cluster: thread block
+        cluster dims (sm_90+); `grid` then counts clusters (cuda.core's LaunchConfig)."""
         from cuda.core import LaunchConfig, launch
-        config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem), programmatic_stream_serialization=pdl)
+        extra = {} if cluster is None else {"cluster": cluster}
+        config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem), programmatic_stream_serialization=pdl,
+                              **extra)
         launch(stream if stream is not None else self.stream, config, kernel, *args)
 
     # ---- memory ---------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """Launcher for the BF16 skinny GEMM (kernels/gemm.cu): out[M, N] = x[M, K] @ w[N, K]^T (+ residual).
 
 For attention projections, shared experts, dense layer 0, the router (fp32 out) and lm_head, M <= 256.
-The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time.
+The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time. Up to 16 rows the weight
+rows are the mma's M side (gemm_bf16_mt<MT>, 8-token sub-tiles); past 16 rows the tokens are (gemm_bf16_tm<TT>_g<G>,
+kernels/gemm_tm.cuh: 16-token tiles, 17..80 rows in one block), except under the batch-invariant plan.
 All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
 With pdl (default on sm_90+) a launch may start while the previous kernel in the stream drains: it
 fills its weight ring, then waits for that kernel before reading x.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,6 +27,14 @@ G4_STAGES = 12                                     # their ring stages a warp (R
 # do not fit the plan's split (q_a, dense gate_up) other splits were slower (q_a 28.0 -> 34.5), so no change there
 ONE_BLOCK_BYTES = (14_000_000, 64 << 20)
 WAVES_X_BYTES = 64 * 1024                          # M <= 16: token rows of one k-split, at most
+# split-K through distributed shared memory (gemm.cu dsmem): 2..8 splits (the portable cluster size), at most two
+# tiles a warp (a warp's partial sits in its own ring once its tiles are done; the one-tile loop over more tiles
+# would still be streaming), the 8-row kernels, sm_90+
+DSMEM_SPLITS = (2, 8)
+# tokens as the mma's M side past 16 rows (kernels/gemm_tm.cuh gemm_bf16_tm<TT>_g<G>): TT 16-token tiles a block,
+# G = tpw weight tiles a warp, a ring of TM_SLOTS[G] chunk slots of G tiles a warp
+TM_TTS = (2, 3, 4, 5)
+TM_SLOTS = {1: 8, 2: 4}
 
 
 def supports_pdl(gpu) -> bool:
@@ -42,6 +52,16 @@ def token_tiles(M: int, max_mt: int = 8) -> tuple[int, int]:
     sub = -(-M // 8)
     mb = -(-sub // max_mt)
     return -(-sub // mb), mb
+
+
+def tm_tiles(M: int) -> tuple[int, int]:
+    """(TT, MB) of the tokens-as-M kernels: the fewest token blocks of at most 5 tiles of 16 rows (17..80 rows in
+    one block: the weights streamed once), each with the tiles it needs."""
+    if M <= 16:
+        raise ValueError(f"skinny GEMM: the tokens-as-M kernels take M > 16 rows, got M = {M}")
+    tiles = -(-M // 16)
+    mb = -(-tiles // TM_TTS[-1])
+    return -(-tiles // mb), mb
 
 
 def grouped4(tpw: int, mt: int) -> bool:
@@ -64,6 +84,8 @@ class GemmPlan:
     nb: int          # n-blocks
     splits: int      # k-splits (S)
     smem: int        # dynamic shared memory bytes
+    tm: bool = False  # tokens as the mma's M side (gemm_tm.cuh): mt counts 16-token tiles, tpw is its G
+    dsmem: bool = False  # split-K reduced in a (1, S, 1) cluster through distributed shared memory (DSMEM_SPLITS)
 
     @property
     def blocks(self) -> int:
@@ -71,13 +93,64 @@ class GemmPlan:
 
     @property
     def kernel(self) -> str:
-        """tpw 4 at G4_MTS: the four-tile group kernel (x fragments shared by 4 tiles); else pairs (tpw 2) or one
-        tile at a time."""
+        """tm: gemm_bf16_tm<TT>_g<tpw>; tpw 4 at G4_MTS: the four-tile group kernel (x fragments shared by 4
+        tiles); else pairs (tpw 2) or one tile at a time."""
+        if self.tm:
+            return f"gemm_bf16_tm{self.mt}_g{self.tpw}"
         return f"gemm_bf16_mt{self.mt}" + ("_g4" if grouped4(self.tpw, self.mt) else "")
+
+    @property
+    def partial_floats(self) -> int:
+        """fp32 of the split-K partials (0 at one split): a float4 a lane per (tile, 8-token sub-tile), two per
+        16-token tile of the tm kernels."""
+        if self.splits == 1 or self.dsmem:
+            return 0
+        return self.nb * self.mb * self.splits * self.warps * self.tpw * self.mt * 32 * 4 * (2 if self.tm else 1)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fitted_cost(p: GemmPlan, M: int, N: int, K: int, sm_count: int) -> tuple:
+    """plan_gemm's cost past 16 rows (its docstring), ties to fewer splits then fewer warps."""
+    chunks = K // 64 // p.splits
+    nbytes = N * K * 2 * (1 + 2 * M / (16 * p.warps * p.tpw)) + (16 * p.splits * M * N if p.splits > 1 else 0)
+    fill = min(1.0, p.blocks * p.warps / (4 * sm_count))
+    return nbytes / (fill * chunks / (chunks + 8)), p.splits, p.warps
+
+
+def plan_gemm_tm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int | None = None,
+                 splits: int | None = None, tpw: int | None = None, x_budget: int | None = None) -> GemmPlan:
+    """The tokens-as-M kernels' plan (M > 16): token blocks of tm_tiles, tpw (= G) 2 for weights >= 64 MB
+    else 1, 8 warps where any split fits (else 4) and the k-split by plan_gemm's fitted cost, among those whose
+    token rows (16 TT rows of K / S) and rings fit the shared memory; `warps`, `splits`, `tpw` force them,
+    `x_budget` caps the token rows."""
+    kc = K // 64
+    if splits is not None and kc % splits:
+        raise ValueError(f"skinny GEMM: splits {splits} must divide K / 64 = {kc}")
+    tt, mb = tm_tiles(M)
+    if tpw is None:
+        tpw = 2 if N * K * 2 >= 64 << 20 else 1
+    if tpw not in TM_SLOTS:
+        raise ValueError(f"skinny GEMM tokens-as-M: weight tiles a warp must be one of {sorted(TM_SLOTS)}, got {tpw}")
+    if warps is not None and not 1 <= warps <= MAX_WARPS:
+        raise ValueError(f"skinny GEMM: warps per block must be in [1, {MAX_WARPS}], got {warps}")
+    x_cap = x_budget or smem_limit
+    options = []
+    for w in (warps,) if warps else (4, 8):
+        ring = w * TM_SLOTS[tpw] * tpw * 2048
+        for s in (splits,) if splits else _divisors(kc):
+            x_bytes = 16 * tt * (kc // s) * 64 * 2
+            if x_bytes <= min(x_cap, smem_limit - ring - 1024):
+                options.append(GemmPlan(tt, mb, w, tpw, -(-(-(-N // 16)) // (w * tpw)), s, x_bytes + ring, tm=True))
+    if not splits:                          # at least 4 chunks a warp, unless nothing else fits
+        options = [p for p in options if kc // p.splits >= 4 or p.splits == 1] or options
+    if not options:
+        raise ValueError(f"skinny GEMM: K = {K} leaves no k-split whose {16 * tt} token rows fit the shared memory "
+                         f"({smem_limit} B a block, the weight ring included)")
+    eight = [p for p in options if p.warps == 8]       # the H200 sweep's best tm plans had 8 warps (NOTES.md)
+    return min(eight or options, key=lambda p: _fitted_cost(p, M, N, K, sm_count))
 
 
 def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int | None, stages: int,
@@ -127,10 +200,7 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
         return GemmPlan(mt, mb, w, tpw, -(-(-(-N // 16)) // (w * tpw)), s, x_bytes + ring)
 
     def fitted_cost(p: GemmPlan) -> tuple:
-        chunks = kc // p.splits
-        nbytes = N * K * 2 * (1 + 2 * M / (16 * p.warps * p.tpw)) + (16 * p.splits * M * N if p.splits > 1 else 0)
-        fill = min(1.0, p.blocks * p.warps / (4 * sm_count))
-        return nbytes / (fill * chunks / (chunks + 8)), p.splits, p.warps
+        return _fitted_cost(p, M, N, K, sm_count)
 
     def waves_cost(p: GemmPlan) -> tuple:
         per_sm = max(1, min(2, (smem_limit + 1024) // (p.smem + 1024)))
@@ -154,15 +224,26 @@ def plan_gemm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: int
     return best
 
 
+def with_dsmem(p: GemmPlan, allowed: bool) -> GemmPlan:
+    """p with its split-K reduced through distributed shared memory where allowed and the plan qualifies
+    (DSMEM_SPLITS, the 8-row kernels at <= 2 tiles a warp), else p with the global path."""
+    ok = allowed and not p.tm and p.tpw <= 2 and DSMEM_SPLITS[0] <= p.splits <= DSMEM_SPLITS[1]
+    return p if p.dsmem == ok else replace(p, dsmem=ok)
+
+
 class SkinnyGemm:
     """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
 
     def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True,
-                 invariant: bool = False):
+                 invariant: bool = False, tm: bool = False, dsmem: bool = True):
         """invariant: the batch-invariant plan (docs/interfaces.md section 6): one k-split for every M (the one
         planned for max_tokens, whose token tile is the largest), so a row's sums run in the same order
         whatever the rows beside it; the warps, token tiles and weight tiles per warp still follow M (they
-        change which mma computes a row, not the order of its sum)."""
+        change which mma computes a row, not the order of its sum). It keeps the 8-row kernels at every M.
+        tm: past 16 rows the tokens-as-M kernels (gemm_tm.cuh; plan_gemm_tm), unless invariant (off by default:
+        not faster than the 8-row kernels on the H200, NOTES.md).
+        dsmem: split-K plans that allow it (with_dsmem) reduce their partials in a cluster, not in global memory:
+        the same sums in the same order (bitwise the global path's), no partial traffic."""
         if N < 1 or K % 64:
             raise ValueError(f"skinny GEMM needs K % 64 == 0 (any N >= 1), got N = {N}, K = {K}")
         if not 1 <= max_tokens <= 256:
@@ -173,29 +254,49 @@ class SkinnyGemm:
         defs = gpu.defines(SOURCE)
         self.warps, self.stages = defs["DD_WARPS"], defs["DD_STAGES"]
         self._overrides: dict[int, GemmPlan] = {}
+        self.tm = tm and not invariant
+        self.dsmem = dsmem and supports_pdl(gpu)
         self.fixed_splits = None
         if invariant:
             self.fixed_splits = self.plan(max_tokens).splits
         plans = [self.plan(m) for m in range(1, max_tokens + 1)]
-        part = max(p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4 if p.splits > 1 else 0 for p in plans)
+        part = max(p.partial_floats for p in plans)
         self.partial = gpu.alloc(max(part, 4), np.float32)
         self.counters = gpu.zeros(max(p.nb * p.mb for p in plans), np.uint32)
 
     def plan(self, M: int) -> GemmPlan:
         if M in self._overrides:
             return self._overrides[M]
+        return with_dsmem(self._plan(M), self.dsmem)
+
+    def _plan(self, M: int) -> GemmPlan:
+        if self.tm and M > 16:
+            try:
+                return plan_gemm_tm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit)
+            except ValueError:                # its 16 TT token rows fit no k-split (sm_120's 99 KB): the 8-row kernels
+                pass
         return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages,
                          self.fixed_splits)
 
     def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
-                 x_budget: int | None = None, max_mt: int | None = None) -> GemmPlan:
-        """Benchmark sweeps: force a plan for M (grows the workspaces if needed; call before capturing)."""
-        p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps, self.stages, splits, tpw,
-                      x_budget, max_mt)
+                 x_budget: int | None = None, max_mt: int | None = None, tm: bool | None = None,
+                 dsmem: bool | None = None) -> GemmPlan:
+        """Benchmark sweeps: force a plan for M (grows the workspaces if needed; call before capturing). tm: the
+        tokens-as-M kernels (True) or the 8-row ones (False); None: as plan(M) would."""
+        use_tm = (self.tm and M > 16) if tm is None else tm
+        if use_tm and max_mt is not None:
+            raise ValueError("skinny GEMM: max_mt forces the 8-row kernels' token tile; the tokens-as-M kernels "
+                             "take tm_tiles")
+        if use_tm:
+            p = plan_gemm_tm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps, splits, tpw, x_budget)
+        else:
+            p = plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, warps, self.stages, splits, tpw,
+                          x_budget, max_mt)
+        p = with_dsmem(p, self.dsmem if dsmem is None else dsmem and supports_pdl(self.gpu))
         if p.smem > self.smem_limit:
             raise ValueError(f"skinny GEMM plan {p} needs {p.smem} B of shared memory; the device allows {self.smem_limit}")
-        need = p.nb * p.mb * p.splits * p.warps * p.tpw * p.mt * 32 * 4
-        if p.splits > 1 and need > self.partial.shape[0]:
+        need = p.partial_floats
+        if need > self.partial.shape[0]:
             self.partial = self.gpu.alloc(need, np.float32)
         if p.nb * p.mb > self.counters.shape[0]:
             self.counters = self.gpu.zeros(p.nb * p.mb, np.uint32)
@@ -214,7 +315,16 @@ class SkinnyGemm:
         p = self.plan(M)
         name = p.kernel
         self.gpu.allow_smem(SOURCE, name, p.smem)
-        self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem,
-                        ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters),
-                        np.int32(M), np.int32(self.N), np.int32(self.K), np.int32(p.splits), np.int32(p.tpw),
-                        np.int32(1 if self.out_f32 else 0), np.int32(1 if swiglu else 0), stream=stream, pdl=self.pdl)
+        args = [ptr(x), ptr(w), ptr(residual), ptr(out), ptr(self.partial), ptr(self.counters), np.int32(M),
+                np.int32(self.N), np.int32(self.K), np.int32(p.splits)]
+        if p.tm:                                                      # the tm kernels' tpw is their template G
+            args += [np.int32(1 if self.out_f32 else 0), np.int32(1 if swiglu else 0)]
+        else:
+            args += [np.int32(p.tpw), np.int32(1 if self.out_f32 else 0), np.int32(1 if swiglu else 0),
+                     np.int32(1 if p.dsmem else 0)]
+        if p.dsmem:                                                   # grid in clusters of the S k-split blocks
+            self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, 1, p.nb), p.warps * 32, p.smem, *args,
+                            stream=stream, pdl=self.pdl, cluster=(1, p.splits, 1))
+        else:
+            self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem, *args,
+                            stream=stream, pdl=self.pdl)

@@ -1,7 +1,8 @@
 """The skinny GEMM's tile knobs past 16 rows (issue 22): per shape and row count, the plan plan_gemm picks next to
 every (max_mt, tpw, warps) combination, each at the k-split the fitted cost picks for it and, for weights of
 >= 14 MB, at the divisors of K / 64 on either side of it. max_mt 9 puts 65..72 rows in one token block (the weights
-streamed once), tpw 4 is the four-tile group kernel (gemm_bf16_mt<MT>_g4). On the GPU machine:
+streamed once), tpw 4 is the four-tile group kernel (gemm_bf16_mt<MT>_g4), max_mt "tm" the tokens-as-M kernels
+(gemm_bf16_tm<TT>_g<tpw>). On the GPU machine:
     python3 tests/plugins/sweep_gemm_tiles.py [tp] [M,M,..] > sweep.json
 Each candidate is a graph of launches over enough weight copies to defeat L2 (as ddtree bench gemm times).
 Output: one JSON object {"device", "tp", "rows": [{"name", "N", "K", "M", "planned": {...}, "candidates": [...]}]},
@@ -16,6 +17,7 @@ from ddtree.plugins.gemm import SkinnyGemm, _divisors
 
 COMBOS = [(max_mt, tpw, warps) for max_mt in (8, 9) for tpw in (1, 2, 4) for warps in (4, 8)
           if not (tpw == 4 and warps == 8)]      # 8 warps x 4 tiles leave no room for the token rows
+COMBOS += [("tm", tpw, warps) for tpw in (1, 2) for warps in (4, 8)]   # tokens as the mma's M side (gemm_tm.cuh)
 
 
 def _plan_row(p, us: float, max_mt: int | None) -> dict:
@@ -45,17 +47,18 @@ def sweep(gpu, tp: int, ms: list[int]) -> list[dict]:
             for max_mt, tpw, warps in COMBOS:
                 if max_mt == 9 and -(-M // 8) <= 8:          # the same token tiles as max_mt 8
                     continue
+                form = dict(tm=True) if max_mt == "tm" else dict(tm=False, max_mt=max_mt)
                 try:
-                    auto = gemm.override(M, tpw=tpw, warps=warps, max_mt=max_mt).splits
+                    auto = gemm.override(M, tpw=tpw, warps=warps, **form).splits
                 except ValueError:
                     continue
                 splits = [auto] + (_neighbours(K // 64, auto) if wbytes >= 14e6 else [])
                 for s in splits:
                     try:
-                        p = gemm.override(M, splits=s, tpw=tpw, warps=warps, max_mt=max_mt)
+                        p = gemm.override(M, splits=s, tpw=tpw, warps=warps, **form)
                     except ValueError:
                         continue
-                    key = (p.mt, p.mb, p.tpw, p.warps, p.splits)
+                    key = (p.tm, p.mt, p.mb, p.tpw, p.warps, p.splits)
                     if key in seen:
                         continue
                     seen.add(key)

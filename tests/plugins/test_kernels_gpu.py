@@ -286,11 +286,14 @@ def test_moe_graph_back_to_back(gpu, moe_case):
         assert_close(got[0][1:], c["y_ref"][1:16], what=f"moe {c['name']} graph call 1 (rows call 3 kept)")
 
 
-@pytest.mark.parametrize("plan", [dict(warps=8), dict(warps=8, tpw=2), dict(warps=2, tpw=4), dict(splits=1)])
+@pytest.mark.parametrize("plan", [dict(warps=8), dict(warps=8, tpw=2), dict(warps=2, tpw=4, tm=False), dict(splits=1),
+                                  dict(warps=8, tpw=2, tm=False)])
 def test_skinny_gemm_forced_plans(gpu, gemm_case, plan):
     c = gemm_case
     try:
         for M in (1, 16, 17, 33, 64, 65):
+            if M <= 16 and plan.get("tm") is False:               # the 8-row kernels' plans are the default there
+                continue
             try:
                 c["gemm"].override(M, **plan)
             except ValueError as exc:                              # splits=1 can exceed the smem budget
@@ -305,16 +308,16 @@ def test_skinny_gemm_forced_plans(gpu, gemm_case, plan):
         c["gemm"]._overrides.clear()
 
 
-@pytest.mark.parametrize("M", [9, 17, 33, 65])
-def test_skinny_gemm_paired_tiles_bitwise(gpu, gemm_case, M):
-    """Two tiles a warp stream chunk by chunk and share each x fragment (gemm.cu paired): each tile's sum runs
-    in the order it runs alone, so tpw 2 gives tpw 1's bits at the same k-split (ragged_n: a last warp holding
-    one tile takes the single path)."""
+@pytest.mark.parametrize("M, tm", [(9, False), (17, False), (65, False), (17, True), (33, True), (65, True)])
+def test_skinny_gemm_paired_tiles_bitwise(gpu, gemm_case, M, tm):
+    """Two tiles a warp stream chunk by chunk and share each x fragment (gemm.cu paired; tm: gemm_tm.cuh's G 2):
+    each tile's sum runs in the order it runs alone, so tpw 2 gives tpw 1's bits at the same k-split (ragged_n: a
+    last warp holding one tile takes the single path; under tm it re-reads the last tile and stores nothing)."""
     c, outs = gemm_case, []
     splits = c["gemm"].plan(M).splits
     try:
         for tpw in (1, 2):
-            c["gemm"].override(M, warps=4, tpw=tpw, splits=splits)
+            c["gemm"].override(M, warps=4, tpw=tpw, splits=splits, tm=tm)
             gpu.memset(c["out"], 0xFF)
             c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
             gpu.sync()
@@ -331,9 +334,9 @@ def test_skinny_gemm_grouped_tiles_bitwise(gpu, gemm_case, M):
     neither changes the order of a row's sum (the batch-invariant plan's premise)."""
     c, outs = gemm_case, {}
     try:
-        splits = c["gemm"].override(M, warps=4, tpw=4, max_mt=9).splits
+        splits = c["gemm"].override(M, warps=4, tpw=4, max_mt=9, tm=False).splits
         for tpw, max_mt in ((1, 8), (2, 9), (4, 9), (4, 8)):
-            p = c["gemm"].override(M, warps=4, tpw=tpw, splits=splits, max_mt=max_mt)
+            p = c["gemm"].override(M, warps=4, tpw=tpw, splits=splits, max_mt=max_mt, tm=False)
             gpu.memset(c["out"], 0xFF)
             c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
             gpu.sync()
@@ -360,9 +363,9 @@ def test_skinny_gemm_one_block_of_nine_rule(gpu, M):
     w = randfill.hash_array((N, K), np.uint16, 631, randfill.WEIGHT_BF16)
     x = randfill.hash_array((M, K), np.uint16, 632, randfill.ACT_BF16)
     res = randfill.hash_array((M, N), np.uint16, 633, randfill.ACT_BF16)
-    gemm, wd, xd = SkinnyGemm(gpu, N, K, 256), gpu.upload(layout.tile_bf16(w)), gpu.upload(x)
+    gemm, wd, xd = SkinnyGemm(gpu, N, K, 256, tm=False), gpu.upload(layout.tile_bf16(w)), gpu.upload(x)
     p = gemm.plan(M)
-    assert (p.mt, p.mb, p.tpw) == (9, 1, 1), p
+    assert (p.mt, p.mb, p.tpw, p.tm) == (9, 1, 1, False), p
     outs = []
     for max_mt in (None, 8):
         if max_mt:

@@ -192,6 +192,25 @@ __device__ __forceinline__ u64 global_ns() {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// Thread block clusters (sm_90+): a cluster-wide barrier with release / acquire of shared and global memory, this
+// block's rank in its cluster, and a float4 load from block `rank`'s shared memory at this block's address `local`.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ int cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+__device__ __forceinline__ float4 ld_dsmem_f4(u32 local, int rank) {
+    u32 remote;
+    float4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote) : "memory");
+    return v;
+}
+
 // Split-K / combine hand-off without a second launch: every contributing block publishes its
 // partial results, then takes a ticket; the block that takes the last ticket reads all partials in a
 // fixed order (so the sum is deterministic) and resets the counter for the next graph replay.

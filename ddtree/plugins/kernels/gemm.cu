@@ -12,7 +12,8 @@
 // 16-row tiles and streams them through a private cp.async ring (evict-first: read once); the block's
 // token rows for its k-split sit in shared memory. k is read in the permuted order of
 // ddtree/plugins/layout.py (lane t owns k = 32h + 8t .. +8 of each 64-wide chunk).
-// Split-K partials are reduced by the last block to arrive (fixed order, deterministic).
+// Split-K partials are reduced by the last block to arrive (fixed order, deterministic), or with dsmem (launched as
+// clusters of the S k-split blocks, S <= 8) through distributed shared memory: no partial leaves the cluster.
 // Programmatic dependent launch: the weight ring is filled before griddepcontrol.wait (weights never
 // depend on the previous kernel), the token rows and the residual are read after it.
 #include "common.cuh"
@@ -42,7 +43,7 @@ template <int MT, int G>
 __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                             const bf16_t* residual, void* out, float4* __restrict__ partial,
                                             u32* __restrict__ counters, int M, int N, int K, int S, int tpw,
-                                            int out_f32, int swiglu) {
+                                            int out_f32, int swiglu, int dsmem) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warps = blockDim.x >> 5;
@@ -99,8 +100,8 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 
     const size_t part_base = ((size_t)nb * gridDim.x + blockIdx.x) * S;
     // acc[mt] = {(n, m), (n, m+1), (n+8, m), (n+8, m+1)} with n = tile row g, m = token 8 mt + 2t
-    auto finish = [&](int r, const float (&v)[MT][4]) {
-        const int n = (nt_begin + r) * 16 + g;
+    auto finish = [&](int tile, const float (&v)[MT][4]) {   // tile: the global 16-row tile index
+        const int n = tile * 16 + g;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -111,7 +112,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 if (swiglu) {                            // channel 8 tile + g: gate = row g, up = row g + 8
                     if (n < N) {
                         const float gate = bf16_to_f32(f32_to_bf16(lo)), up = bf16_to_f32(f32_to_bf16(hi));
-                        ((bf16_t*)out)[(size_t)m * (N >> 1) + (nt_begin + r) * 8 + g] = f32_to_bf16(silu(gate) * up);
+                        ((bf16_t*)out)[(size_t)m * (N >> 1) + tile * 8 + g] = f32_to_bf16(silu(gate) * up);
                     }
                     continue;
                 }
@@ -130,11 +131,19 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         }
     };
 
+    // dsmem: the partial stays in this warp's own ring ([r][mt][lane] float4; tpw MT 512 B <= RS 2 KB, checked by
+    // plugins/gemm.py) once the warp's copies have all landed; else it goes to global memory
+    float4* my_part = (float4*)&ring;
     auto store_partial = [&](int r, const float (&v)[MT][4]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            size_t idx = (((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane;
-            partial[idx] = make_float4(v[mt][0], v[mt][1], v[mt][2], v[mt][3]);
+            const float4 f = make_float4(v[mt][0], v[mt][1], v[mt][2], v[mt][3]);
+            if (dsmem) {
+                cp_async_wait<0>();
+                my_part[(r * MT + mt) * 32 + lane] = f;
+            } else {
+                partial[(((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane] = f;
+            }
         }
     };
     float acc[MT][4];
@@ -175,7 +184,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         }
 #pragma unroll
         for (int j = 0; j < G; ++j) {
-            if (S == 1) finish(j, accg[j]);
+            if (S == 1) finish(nt_begin + j, accg[j]);
             else store_partial(j, accg[j]);
         }
     }
@@ -197,7 +206,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         if (++st == RS) st = 0;
         if (++c == CPS) {
             if (S == 1) {
-                finish(r, acc);
+                finish(nt_begin + r, acc);
             } else {
                 store_partial(r, acc);
             }
@@ -210,6 +219,28 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
     cp_async_wait<0>();
 
     if (S == 1) return;
+    if (dsmem) {                 // the S blocks of a k-split cluster (1, S, 1): block rank q sums tiles j = q mod S
+        cluster_sync();          // every block's partials written (release / acquire at cluster scope)
+        const int q = cluster_ctarank();
+        const u32 ring0 = smem_addr(smem + 8 * MT * xstride * 2);
+        for (int j = q + S * warp; j < ntb; j += S * warps) {
+            const int owner = j / tpw, r = j - owner * tpw;
+            if (nb * ntb + j >= NT) break;
+            float sum[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
+                const u32 local = ring0 + owner * (u32)sizeof(Bf16Ring<RS>) + ((r * MT + mt) * 32 + lane) * 16;
+                for (int s = 0; s < S; ++s) {            // fixed order: the global path's sum, bitwise
+                    const float4 v = ld_dsmem_f4(local, s);
+                    sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
+                }
+            }
+            finish(nb * ntb + j, sum);
+        }
+        cluster_sync();          // no block leaves while a peer may still read its shared memory
+        return;
+    }
     if (!arrive_last(&counters[(size_t)nb * gridDim.x + blockIdx.x], (u32)S)) return;
     for (int r = 0; r < my_tiles; ++r) {
         float sum[MT][4];
@@ -221,15 +252,15 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
                 sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
             }
         }
-        finish(r, sum);
+        finish(nt_begin + r, sum);
     }
 }
 
 #define DD_DEFINE_GEMM(NAME, MT, G)                                                                   \
     extern "C" __global__ void __launch_bounds__(DD_GEMM_MAX_WARPS * 32, 1)                           \
     NAME(const bf16_t* x, const bf16_t* w, const bf16_t* residual, void* out, float4* partial,         \
-         u32* counters, int M, int N, int K, int S, int tpw, int out_f32, int swiglu) {                \
-        skinny_gemm<MT, G>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu);  \
+         u32* counters, int M, int N, int K, int S, int tpw, int out_f32, int swiglu, int dsmem) {     \
+        skinny_gemm<MT, G>(x, w, residual, out, partial, counters, M, N, K, S, tpw, out_f32, swiglu, dsmem); \
     }
 // every sub-tile count 1..9: plugins/gemm.py token_tiles gives a block exactly the 8-token sub-tiles it needs
 // (M = 17: 3, 33: 5, 65: two blocks of 5, or one of 9 where the plan takes 9), not the next power of two (4, 8,
@@ -247,3 +278,4 @@ DD_DEFINE_GEMM(gemm_bf16_mt9, 9, 2)
 DD_DEFINE_GEMM(gemm_bf16_mt3_g4, 3, 4)
 DD_DEFINE_GEMM(gemm_bf16_mt5_g4, 5, 4)
 DD_DEFINE_GEMM(gemm_bf16_mt9_g4, 9, 4)
+#include "gemm_tm.cuh"
