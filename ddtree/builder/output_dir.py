@@ -57,14 +57,14 @@ def compile_kernels(archs, out_dir: Path, cache=None, on_done=None, *, latent: i
     and KV cache at the model's latent dims (kv_lora_rank, qk_rope_head_dim).
     Returns the config.json "kernels" entry: {arch: {source: {"file", "source_sha256"}}}."""
     from ddtree.plugins import compile as kc
-    dims = kc.latent_defines(latent, rope)
+    cubins = kc.compile_all(tuple(archs), cache=cache, latent=latent, rope=rope)    # in parallel
     entry = {}
     for arch in archs:
         folder = ed.kernels_dir(out_dir, arch)
         folder.mkdir(parents=True, exist_ok=True)
         entry[arch] = {}
         for source in kc.SOURCES:
-            cubin = kc.compile_cubin(source, arch, dims if source in kc.LATENT_SOURCES else None, cache=cache)
+            cubin = cubins[(source, arch)]
             dest = folder / f"{Path(source).stem}.cubin"
             shutil.copyfile(cubin, dest)
             entry[arch][source] = {"file": dest.relative_to(out_dir).as_posix(), "source_sha256": kc.source_hash(source)}

@@ -170,7 +170,12 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
 
 def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KIMI_LATENT,
                 rope: int = KIMI_ROPE) -> dict[tuple[str, str], Path]:
-    """Every kernel source for every arch -> {(source, arch): cubin path}; LATENT_SOURCES at (latent, rope)."""
+    """Every kernel source for every arch -> {(source, arch): cubin path}; LATENT_SOURCES at (latent, rope).
+    One thread a compile, up to the CPU count (NVRTC runs outside the GIL: ddtree-build and the tests' first
+    compile of everything take the longest source's time, not the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
     dims = latent_defines(latent, rope)
-    return {(src, arch): compile_cubin(src, arch, dims if src in LATENT_SOURCES else None, cache=cache)
-            for src in SOURCES for arch in archs}
+    jobs = [(src, arch) for src in SOURCES for arch in archs]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        paths = pool.map(lambda job: compile_cubin(*job, dims if job[0] in LATENT_SOURCES else None, cache=cache), jobs)
+        return dict(zip(jobs, paths))

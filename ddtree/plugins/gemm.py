@@ -149,7 +149,7 @@ def plan_gemm_tm(M: int, N: int, K: int, sm_count: int, smem_limit: int, warps: 
     if not options:
         raise ValueError(f"skinny GEMM: K = {K} leaves no k-split whose {16 * tt} token rows fit the shared memory "
                          f"({smem_limit} B a block, the weight ring included)")
-    eight = [p for p in options if p.warps == 8]       # the H200 sweep's best tm plans had 8 warps (NOTES.md)
+    eight = [p for p in options if p.warps == 8]       # the H200 sweep: the best tm plans had 8 warps
     return min(eight or options, key=lambda p: _fitted_cost(p, M, N, K, sm_count))
 
 
@@ -235,15 +235,17 @@ class SkinnyGemm:
     """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
 
     def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True,
-                 invariant: bool = False, tm: bool = False, dsmem: bool = True):
+                 invariant: bool = False, tm: bool = False, dsmem: bool = False):
         """invariant: the batch-invariant plan (docs/interfaces.md section 6): one k-split for every M (the one
         planned for max_tokens, whose token tile is the largest), so a row's sums run in the same order
         whatever the rows beside it; the warps, token tiles and weight tiles per warp still follow M (they
         change which mma computes a row, not the order of its sum). It keeps the 8-row kernels at every M.
         tm: past 16 rows the tokens-as-M kernels (gemm_tm.cuh; plan_gemm_tm), unless invariant (off by default:
-        not faster than the 8-row kernels on the H200, NOTES.md).
+        not faster than the 8-row kernels on the H200, ddtree/plugins/kernels/NOTES.md).
         dsmem: split-K plans that allow it (with_dsmem) reduce their partials in a cluster, not in global memory:
-        the same sums in the same order (bitwise the global path's), no partial traffic."""
+        the same sums in the same order (bitwise the global path's), no partial traffic. Off by default until the
+        plan is refitted: at today's plans it was slower at some shapes (H200, lm_head 65 rows 193.7 -> 237.1 us),
+        while the best dsmem plans of the sweep were much faster at others (dense_down 65 rows 37.6 -> 24.9)."""
         if N < 1 or K % 64:
             raise ValueError(f"skinny GEMM needs K % 64 == 0 (any N >= 1), got N = {N}, K = {K}")
         if not 1 <= max_tokens <= 256:

@@ -39,10 +39,10 @@ def record_launches(steps, body) -> list[dict]:
     names = {id(k): key[-1] for key, k in g._kernels.items()}
     launch = g.launch
 
-    def spy(kernel, grid, block, smem, *args, stream=None, pdl=False):
+    def spy(kernel, grid, block, smem, *args, stream=None, pdl=False, cluster=None):
         launches.append({"kernel": names.get(id(kernel), "?"), "fn": ops.key[0] if ops.key else "", "tag": ops.tag,
-                         "launch": (kernel, grid, block, smem, args)})
-        launch(kernel, grid, block, smem, *args, stream=stream, pdl=pdl)
+                         "launch": (kernel, grid, block, smem, args), "cluster": cluster})
+        launch(kernel, grid, block, smem, *args, stream=stream, pdl=pdl, cluster=cluster)
     g.launch = spy
     try:
         steps.capture(body)
@@ -57,9 +57,11 @@ def time_launches(steps, launches: list[dict], repeats: int = 10) -> list[float]
     g, cache, out = steps.gpu, {}, []
     for rec in launches:
         kernel, grid, block, smem, args = rec["launch"]
-        sig = (rec["kernel"], str(grid), str(block), smem, rec["tag"], rec["fn"])
+        cluster = rec.get("cluster")
+        sig = (rec["kernel"], str(grid), str(block), str(cluster), smem, rec["tag"], rec["fn"])
         if sig not in cache:
-            graph = g.capture(lambda s: [g.launch(kernel, grid, block, smem, *args, stream=s) for _ in range(repeats)])
+            graph = g.capture(lambda s: [g.launch(kernel, grid, block, smem, *args, stream=s, cluster=cluster)
+                                         for _ in range(repeats)])
             cache[sig] = 1e3 * float(np.median(g.timed_ms(lambda: g.replay(graph), 5))) / repeats
         out.append(cache[sig])
     return out

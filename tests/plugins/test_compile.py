@@ -56,9 +56,10 @@ KIMI_CUBINS = {(13, 5): {
 
 
 @pytest.fixture(scope="module")
-def cubin_cache(tmp_path_factory):
-    """One cubin cache for the module: each (source, arch, dims) compiles once."""
-    return tmp_path_factory.mktemp("cubins")
+def cubin_cache(kernel_cache):
+    """The session's cubin cache (conftest kernel_cache): each (source, arch, dims) compiles once per run, here or
+    in any other test that needs it."""
+    return kernel_cache
 
 
 def preset_dims(name: str) -> tuple[int, int]:

@@ -23,7 +23,8 @@ def case(gpu, request):
     w = randfill.hash_array((N, K), np.uint16, seed, randfill.WEIGHT_BF16)
     x = randfill.hash_array((65, K), np.uint16, seed + 1, randfill.ACT_BF16)
     res = randfill.hash_array((65, N), np.uint16, seed + 2, randfill.ACT_BF16) if residual else None
-    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 65, out_f32=out_f32), w=gpu.upload(layout.tile_bf16(w)),
+    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 65, out_f32=out_f32, dsmem=True),
+                w=gpu.upload(layout.tile_bf16(w)),
                 x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=reference.gemm(x, w, res),
                 out=gpu.alloc((65, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32, K=K)
 
@@ -61,7 +62,7 @@ def test_dsmem_swiglu_is_the_global_path_bitwise(gpu, M):
     w = randfill.hash_array((2 * I, K), np.uint16, 851, randfill.WEIGHT_BF16)
     x = gpu.upload(randfill.hash_array((M, K), np.uint16, 852, randfill.ACT_BF16))
     wd = gpu.upload(layout.tile_bf16(layout.fuse_gate_up(w[:I], w[I:])))
-    gemm, outs = SkinnyGemm(gpu, 2 * I, K, 17), []
+    gemm, outs = SkinnyGemm(gpu, 2 * I, K, 17, dsmem=True), []
     for dsmem in (True, False):
         assert gemm.override(M, splits=4, warps=8, dsmem=dsmem).dsmem == dsmem
         out = gpu.alloc((M, I), np.uint16)
@@ -75,7 +76,7 @@ def test_dsmem_swiglu_is_the_global_path_bitwise(gpu, M):
 def test_planned_split_k_takes_dsmem_where_it_qualifies(gpu):
     """The plan's own choice: dsmem at 2..8 splits and <= 2 tiles a warp (the 8-row kernels), else the global path."""
     from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm
-    gemm = SkinnyGemm(gpu, 1536, 7168, 65)
+    gemm = SkinnyGemm(gpu, 1536, 7168, 65, dsmem=True)
     for M in (1, 17, 65):
         p = gemm.plan(M)
         assert p.dsmem == (DSMEM_SPLITS[0] <= p.splits <= DSMEM_SPLITS[1] and p.tpw <= 2 and not p.tm), p

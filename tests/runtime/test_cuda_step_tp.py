@@ -128,7 +128,7 @@ class RecordingGpu:
     def allow_smem(self, *args, **kwargs):
         pass
 
-    def launch(self, kernel, grid, block, smem, *args, stream=None, pdl=False):
+    def launch(self, kernel, grid, block, smem, *args, stream=None, pdl=False, cluster=None):
         self.launches.append((kernel, stream))
 
 
