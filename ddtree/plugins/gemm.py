@@ -1,9 +1,9 @@
 """Launcher for the BF16 skinny GEMM (kernels/gemm.cu): out[M, N] = x[M, K] @ w[N, K]^T (+ residual).
 
 For attention projections, shared experts, dense layer 0, the router (fp32 out) and lm_head, M <= 256.
-The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time. Up to 16 rows the weight
-rows are the mma's M side (gemm_bf16_mt<MT>, 8-token sub-tiles); past 16 rows the tokens are (gemm_bf16_tm<TT>_g<G>,
-kernels/gemm_tm.cuh: 16-token tiles, 17..80 rows in one block), except under the batch-invariant plan.
+The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time. The weight rows are the mma's
+M side (gemm_bf16_mt<MT>, 8-token sub-tiles); SkinnyGemm(tm=True) puts the tokens there past 16 rows instead
+(gemm_bf16_tm<TT>_g<G>, kernels/gemm_tm.cuh: 16-token tiles, 17..80 rows in one block; a sweep knob, not faster).
 All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
 With pdl (default on sm_90+) a launch may start while the previous kernel in the stream drains: it
 fills its weight ring, then waits for that kernel before reading x.
@@ -324,9 +324,7 @@ class SkinnyGemm:
         else:
             args += [np.int32(p.tpw), np.int32(1 if self.out_f32 else 0), np.int32(1 if swiglu else 0),
                      np.int32(1 if p.dsmem else 0)]
-        if p.dsmem:                                                   # grid in clusters of the S k-split blocks
-            self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, 1, p.nb), p.warps * 32, p.smem, *args,
-                            stream=stream, pdl=self.pdl, cluster=(1, p.splits, 1))
-        else:
-            self.gpu.launch(self.gpu.kernel(SOURCE, name), (p.mb, p.splits, p.nb), p.warps * 32, p.smem, *args,
-                            stream=stream, pdl=self.pdl)
+        # dsmem: the grid counts clusters of the S k-split blocks
+        grid, cluster = ((p.mb, 1, p.nb), (1, p.splits, 1)) if p.dsmem else ((p.mb, p.splits, p.nb), None)
+        self.gpu.launch(self.gpu.kernel(SOURCE, name), grid, p.warps * 32, p.smem, *args, stream=stream,
+                        pdl=self.pdl, cluster=cluster)

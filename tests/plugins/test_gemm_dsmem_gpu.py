@@ -4,9 +4,9 @@ tiles a warp, 1..65 rows, the residual, fp32 out, ragged N and the SwiGLU epilog
 import numpy as np
 import pytest
 
-from ddtree.model.bf16 import bf16_to_f32
-from ddtree.plugins import layout, randfill, reference
+from ddtree.plugins import layout, randfill
 
+from test_gemm_tm_gpu import as_f64, gemm_case, run_plan
 from test_kernels_gpu import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -17,16 +17,8 @@ SHAPES = {"q_a": (1536, 7168, False, False), "dense_down_res": (7168, 2304, True
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def case(gpu, request):
-    from ddtree.plugins.gemm import SkinnyGemm
-    N, K, residual, out_f32 = SHAPES[request.param]
     seed = 800 + 10 * sorted(SHAPES).index(request.param)
-    w = randfill.hash_array((N, K), np.uint16, seed, randfill.WEIGHT_BF16)
-    x = randfill.hash_array((65, K), np.uint16, seed + 1, randfill.ACT_BF16)
-    res = randfill.hash_array((65, N), np.uint16, seed + 2, randfill.ACT_BF16) if residual else None
-    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 65, out_f32=out_f32, dsmem=True),
-                w=gpu.upload(layout.tile_bf16(w)),
-                x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=reference.gemm(x, w, res),
-                out=gpu.alloc((65, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32, K=K)
+    return gemm_case(gpu, request.param, SHAPES[request.param], seed, 65, dsmem=True)
 
 
 @pytest.mark.parametrize("tpw", [1, 2])
@@ -36,22 +28,15 @@ def test_dsmem_split_k_is_the_global_path_bitwise(gpu, case, M, splits, tpw):
     c, outs = case, []
     if (c["K"] // 64) % splits:
         pytest.skip(f"splits {splits} do not divide K / 64 = {c['K'] // 64}")
-    try:
-        for dsmem in (True, False):
-            try:
-                p = c["gemm"].override(M, splits=splits, tpw=tpw, warps=8, dsmem=dsmem)
-            except ValueError as exc:                              # the token rows of few splits can exceed smem
-                assert "shared memory" in str(exc), exc
-                pytest.skip(str(exc))
-            assert p.dsmem == dsmem and p.splits == splits, p
-            gpu.memset(c["out"], 0xFF)
-            c["gemm"].run(c["x"], c["w"], c["out"], M, residual=c["res"])
-            gpu.sync()
-            outs.append(c["out"].numpy()[:M].copy())
-    finally:
-        c["gemm"]._overrides.clear()
-    y = outs[0].astype(np.float64) if c["out_f32"] else bf16_to_f32(outs[0])
-    assert_close(y, c["ref"][:M], atol_rms=2e-3, what=f"gemm dsmem {c['name']} M={M} S={splits}")
+    for dsmem in (True, False):
+        try:
+            p, y = run_plan(gpu, c, M, splits=splits, tpw=tpw, warps=8, dsmem=dsmem)
+        except ValueError as exc:                                  # the token rows of few splits can exceed smem
+            assert "shared memory" in str(exc), exc
+            pytest.skip(str(exc))
+        assert p.dsmem == dsmem and p.splits == splits, p
+        outs.append(y)
+    assert_close(as_f64(c, outs[0]), c["ref"][:M], atol_rms=2e-3, what=f"gemm dsmem {c['name']} M={M} S={splits}")
     assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8)), f"{c['name']} M={M}: dsmem != global"
 
 

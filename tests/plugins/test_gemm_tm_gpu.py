@@ -17,17 +17,23 @@ SHAPES = {"q_a": (1536, 7168, False, False), "o_proj_res": (7168, 1024, True, Fa
 PLANS = [dict(), dict(warps=4, tpw=1), dict(warps=8, tpw=2), dict(warps=4, tpw=2, splits=1)]
 
 
+def gemm_case(gpu, name, shape, seed, rows, **gemm_kw):
+    """A skinny GEMM case for these files: random bf16 w [N, K] (tiled), x [rows, K] and the residual, the float64
+    reference, an output buffer, and SkinnyGemm(**gemm_kw) for up to `rows` rows. shape = (N, K, residual, out_f32)."""
+    from ddtree.plugins.gemm import SkinnyGemm
+    N, K, residual, out_f32 = shape
+    w = randfill.hash_array((N, K), np.uint16, seed, randfill.WEIGHT_BF16)
+    x = randfill.hash_array((rows, K), np.uint16, seed + 1, randfill.ACT_BF16)
+    res = randfill.hash_array((rows, N), np.uint16, seed + 2, randfill.ACT_BF16) if residual else None
+    return dict(name=name, gemm=SkinnyGemm(gpu, N, K, rows, out_f32=out_f32, **gemm_kw),
+                w=gpu.upload(layout.tile_bf16(w)), x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=reference.gemm(x, w, res),
+                out=gpu.alloc((rows, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32, K=K)
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def tm_case(gpu, request):
-    from ddtree.plugins.gemm import SkinnyGemm
-    N, K, residual, out_f32 = SHAPES[request.param]
     seed = 700 + 10 * sorted(SHAPES).index(request.param)
-    w = randfill.hash_array((N, K), np.uint16, seed, randfill.WEIGHT_BF16)
-    x = randfill.hash_array((256, K), np.uint16, seed + 1, randfill.ACT_BF16)
-    res = randfill.hash_array((256, N), np.uint16, seed + 2, randfill.ACT_BF16) if residual else None
-    return dict(name=request.param, gemm=SkinnyGemm(gpu, N, K, 256, out_f32=out_f32, tm=True), w=gpu.upload(layout.tile_bf16(w)),
-                x=gpu.upload(x), res=None if res is None else gpu.upload(res), ref=reference.gemm(x, w, res),
-                out=gpu.alloc((256, N), np.float32 if out_f32 else np.uint16), out_f32=out_f32)
+    return gemm_case(gpu, request.param, SHAPES[request.param], seed, 256, tm=True)
 
 
 def run_plan(gpu, c, M, **plan):

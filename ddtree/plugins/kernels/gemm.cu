@@ -131,15 +131,16 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
         }
     };
 
-    // dsmem: the partial stays in this warp's own ring ([r][mt][lane] float4; tpw MT 512 B <= RS 2 KB, checked by
-    // plugins/gemm.py) once the warp's copies have all landed; else it goes to global memory
+    // dsmem: the partial stays in this warp's own ring ([r][mt][lane] float4, r < tpw <= 2: plugins/gemm.py
+    // with_dsmem) once the warp's copies have all landed; else it goes to global memory
+    static_assert(2 * MT * 32 * sizeof(float4) <= sizeof(Bf16Ring<RS>), "two tiles' partials fit a warp's ring");
     float4* my_part = (float4*)&ring;
     auto store_partial = [&](int r, const float (&v)[MT][4]) {
+        if (dsmem) cp_async_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const float4 f = make_float4(v[mt][0], v[mt][1], v[mt][2], v[mt][3]);
             if (dsmem) {
-                cp_async_wait<0>();
                 my_part[(r * MT + mt) * 32 + lane] = f;
             } else {
                 partial[(((part_base + blockIdx.y) * ntb + warp * tpw + r) * MT + mt) * 32 + lane] = f;

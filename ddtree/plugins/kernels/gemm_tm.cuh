@@ -2,10 +2,12 @@
 // (+ residual), or the SwiGLU epilogue of gemm.cu. Included by gemm.cu (one module); numpy twin
 // ddtree/plugins/reference.py gemm; launcher plugins/gemm.py (GemmPlan.tm).
 //
-// Why: gemm.cu's loop puts 16 weight rows in A and 8 tokens in B. Past 16 rows it is issue-bound, not
-// bandwidth-bound (ncu at 65 rows: DRAM 30 %, 4.7 cycles between a warp's instructions; ddtree/plugins/kernels/NOTES.md "what binds"):
-// the A fragment {row g, row g + 8} is assembled from two ring reads (register moves), each x fragment is one
-// LDS.128 per 8 tokens, and every cp.async recomputes its ring address. Here tokens are A (16 a tile) and the
+// Why it was tried: gemm.cu's loop puts 16 weight rows in A and 8 tokens in B, and past 16 rows it looked
+// issue-bound (ncu at 65 rows: DRAM 30 %, 4.7 cycles between a warp's instructions; ddtree/plugins/kernels/NOTES.md
+// "what binds"): the A fragment {row g, row g + 8} is assembled from two ring reads (register moves), each x fragment
+// is one LDS.128 per 8 tokens, and every cp.async recomputes its ring address. Measured (the same NOTES, 2026-12-03):
+// this kernel issues ~40 % of those instructions per mma and is no faster, so it is a sweep knob (SkinnyGemm(tm=True)).
+// Here tokens are A (16 a tile) and the
 // weights B: a tile's rows g and g + 8 are two n8 mma whose B fragments are halves of one ring read (no moves);
 // the token rows sit in shared memory in A-fragment order, so one conflict-free LDS.128 is one A fragment; the
 // ring's chunk slots are unrolled, so copies and reads use immediate offsets.
