@@ -174,6 +174,11 @@ def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KI
     One thread a compile, up to the CPU count (NVRTC runs outside the GIL: ddtree-build and the tests' first
     compile of everything take the longest source's time, not the sum)."""
     from concurrent.futures import ThreadPoolExecutor
+    # cuda.core's __init__ copies its cu13 submodule's globals (__spec__ included) into itself, so a second
+    # thread's `from cuda.core import Program` does not wait for a first thread's import to finish and sees a
+    # half-built module (CI: "cannot import name 'Program' from 'cuda.core.cu13'"). Import once, here.
+    import cuda.core  # noqa: F401
+    import cuda.bindings.nvrtc  # noqa: F401
     dims = latent_defines(latent, rope)
     jobs = [(src, arch) for src in SOURCES for arch in archs]
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:

@@ -169,3 +169,24 @@ def test_package_imports_without_cuda_python():
             "ddtree.plugins.kv_cache, ddtree.bench.attention, ddtree.plugins.tree_build, "
             "ddtree.plugins.tree_sample, ddtree.bench.tree, ddtree.plugins.layer_ops\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compile_all_threads_do_not_race_cuda_core_import(tmp_path):
+    """compile_all's threads each import cuda.core on a cache miss; cuda.core's __init__ overwrites its own
+    __spec__, so unguarded concurrent first imports see a half-built module (CI failed that way, about one
+    fresh process in two). Five fresh interpreters, every compile a miss that imports Program in 8 threads."""
+    pytest.importorskip("cuda.core")
+    script = f"""
+from pathlib import Path
+from ddtree.plugins import compile as kc
+def fake_compile(source, arch, defines=None, cache=None):
+    from cuda.core import Program, ProgramOptions  # what a real miss imports
+    return Path(cache) / source
+kc.compile_cubin = fake_compile
+kc.os.cpu_count = lambda: 8
+got = kc.compile_all(cache=Path({str(tmp_path)!r}))
+assert len(got) == len(kc.SOURCES) * len(kc.DEFAULT_ARCHS), len(got)
+"""
+    for _ in range(5):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
