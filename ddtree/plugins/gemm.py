@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
+from ddtree.plugins.gemm_measured import measured_gemm_knobs
 
 SOURCE = "gemm.cu"
 MAX_WARPS = 8                                      # DD_GEMM_MAX_WARPS in gemm.cu
@@ -235,7 +236,7 @@ class SkinnyGemm:
     """out = x @ w.T (+ residual) for one weight shape [N, K] and M <= max_tokens."""
 
     def __init__(self, gpu: Gpu, N: int, K: int, max_tokens: int = 256, out_f32: bool = False, pdl: bool = True,
-                 invariant: bool = False, tm: bool = False, dsmem: bool = False):
+                 invariant: bool = False, tm: bool = False, dsmem: bool = False, measured: bool = True):
         """invariant: the batch-invariant plan (docs/interfaces.md section 6): one k-split for every M (the one
         planned for max_tokens, whose token tile is the largest), so a row's sums run in the same order
         whatever the rows beside it; the warps, token tiles and weight tiles per warp still follow M (they
@@ -245,7 +246,9 @@ class SkinnyGemm:
         dsmem: split-K plans that allow it (with_dsmem) reduce their partials in a cluster, not in global memory:
         the same sums in the same order (bitwise the global path's), no partial traffic. Off by default until the
         plan is refitted: at today's plans it was slower at some shapes (H200, lm_head 65 rows 193.7 -> 237.1 us),
-        while the best dsmem plans of the sweep were much faster at others (dense_down 65 rows 37.6 -> 24.9)."""
+        while the best dsmem plans of the sweep were much faster at others (dense_down 65 rows 37.6 -> 24.9).
+        measured: the plans an H200 sweep measured faster at this device, weight shape and M (gemm_measured; the
+        cluster split-K where they qualify, whatever `dsmem` says), unless invariant or tm."""
         if N < 1 or K % 64:
             raise ValueError(f"skinny GEMM needs K % 64 == 0 (any N >= 1), got N = {N}, K = {K}")
         if not 1 <= max_tokens <= 256:
@@ -258,6 +261,7 @@ class SkinnyGemm:
         self._overrides: dict[int, GemmPlan] = {}
         self.tm = tm and not invariant
         self.dsmem = dsmem and supports_pdl(gpu)
+        self.measured = measured and not invariant and not self.tm
         self.fixed_splits = None
         if invariant:
             self.fixed_splits = self.plan(max_tokens).splits
@@ -269,16 +273,21 @@ class SkinnyGemm:
     def plan(self, M: int) -> GemmPlan:
         if M in self._overrides:
             return self._overrides[M]
-        return with_dsmem(self._plan(M), self.dsmem)
+        return self._plan(M)
 
     def _plan(self, M: int) -> GemmPlan:
+        knobs = measured_gemm_knobs(self.gpu.arch, self.gpu.sm_count, self.N, self.K, M) if self.measured else None
+        if knobs is not None:
+            return with_dsmem(plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit,
+                                        knobs["warps"], self.stages, knobs["splits"], knobs["tpw"], None,
+                                        knobs["max_mt"]), True)
         if self.tm and M > 16:
             try:
                 return plan_gemm_tm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit)
             except ValueError:                # its 16 TT token rows fit no k-split (sm_120's 99 KB): the 8-row kernels
                 pass
-        return plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages,
-                         self.fixed_splits)
+        return with_dsmem(plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit, None, self.stages,
+                                    self.fixed_splits), self.dsmem)
 
     def override(self, M: int, splits: int | None = None, tpw: int | None = None, warps: int | None = None,
                  x_budget: int | None = None, max_mt: int | None = None, tm: bool | None = None,

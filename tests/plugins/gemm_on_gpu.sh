@@ -29,7 +29,8 @@ fi
 if [[ $steps == *,tests,* ]]; then
   gpu_step tests ${TEST_S:-80} "$root" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     tests/plugins/test_kernels_gpu.py tests/plugins/test_gemm_swiglu_gpu.py tests/plugins/test_batch_invariant_gpu.py \
-    tests/plugins/test_gemm_tm_gpu.py tests/plugins/test_gemm_dsmem_gpu.py -k "gemm or swiglu"
+    tests/plugins/test_gemm_tm_gpu.py tests/plugins/test_gemm_dsmem_gpu.py tests/plugins/test_gemm_measured_gpu.py \
+    -k "gemm or swiglu"
   [[ -n ${RUNTIME_TESTS:-} ]] && gpu_step runtime_tests ${RUNTIME_S:-90} "$root" python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider $RUNTIME_TESTS                 # e.g. the DDTree == AR step tests the GEMM plans reach
 fi

@@ -1,0 +1,74 @@
+"""CPU tests of the skinny GEMM's measured plans (plugins/gemm_measured.py): every entry is the H200 sweep's fastest
+8-row-kernel candidate at its shape and M and beat the sweep's planned choice by >= 5 %, every row that gained that
+much is in the table, the plans fit and launch as the sweep ran them (cluster split-K where they qualify), and
+SkinnyGemm takes them only at that device, shape and M, and never under the batch-invariant plan."""
+import json
+from pathlib import Path
+
+import numpy as np
+from ddtree.plugins.compile import defines_for
+from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm
+from ddtree.plugins.gemm_measured import GEMM_MEASURED, measured_gemm_knobs
+
+SWEEP = Path(__file__).parents[1] / "fixtures" / "plugins" / "gemm_sweep_h200_tp8_dsmem_tm.json"
+H200 = ("sm_90", 132)
+
+
+class StubGpu:
+    """What SkinnyGemm's constructor and plan read of a device (no launches)."""
+
+    def __init__(self, arch="sm_90", sm_count=132, smem_optin=232448):
+        self.arch, self.sm_count, self.smem_optin = arch, sm_count, smem_optin
+
+    def defines(self, source):
+        return defines_for(source, self.arch)
+
+    def alloc(self, n, dtype):
+        return np.empty(n, dtype)
+
+    def zeros(self, n, dtype):
+        return np.zeros(n, dtype)
+
+
+def _sweep_rows():
+    for r in json.loads(SWEEP.read_text())["rows"]:
+        eight_row = [c for c in r["candidates"] if not c["kernel"].startswith("gemm_bf16_tm")]
+        yield r, min(eight_row, key=lambda c: c["us"])
+
+
+def test_the_table_is_the_sweeps_fastest_plan_wherever_it_gained_5_percent():
+    table = GEMM_MEASURED[H200]
+    for r, best in _sweep_rows():
+        entry = table.get((r["N"], r["K"]), {}).get(r["M"])
+        gained = r["planned"]["us"] >= 1.05 * best["us"]
+        assert (entry is not None) == gained, (r["name"], r["M"], r["planned"]["us"], best["us"])
+        if entry is not None:
+            assert entry == (best["max_mt"], best["warps"], best["tpw"], best["splits"]), (r["name"], r["M"])
+
+
+def test_measured_plans_are_the_swept_launches_with_the_cluster_split_where_the_sweep_took_it():
+    swept = {(r["N"], r["K"], r["M"]): best for r, best in _sweep_rows()}
+    for (N, K), by_m in GEMM_MEASURED[H200].items():
+        gemm = SkinnyGemm(StubGpu(), N, K, 65)
+        for M, (max_mt, warps, tpw, splits) in by_m.items():
+            p, ran = gemm.plan(M), swept[(N, K, M)]
+            assert (p.kernel, p.mt, p.mb, p.warps, p.tpw, p.splits, p.blocks) == \
+                (ran["kernel"], ran["mt"], ran["mb"], ran["warps"], ran["tpw"], ran["splits"], ran["blocks"])
+            assert p.smem <= 232448
+            assert p.dsmem == (DSMEM_SPLITS[0] <= splits <= DSMEM_SPLITS[1] and tpw <= 2)   # the sweep's launch
+            assert gemm.partial.shape[0] >= p.partial_floats     # the global path's partials were allocated
+
+
+def test_skinny_gemm_takes_the_table_only_at_its_device_shape_and_rows():
+    N, K = 7168, 2304                                           # dense down: measured at 33 and 65 rows
+    fitted = SkinnyGemm(StubGpu(), N, K, 65, measured=False)
+    gemm = SkinnyGemm(StubGpu(), N, K, 65)
+    for M in (17, 32, 34, 64):
+        assert gemm.plan(M) == fitted.plan(M)
+    assert gemm.plan(65) != fitted.plan(65) and gemm.plan(65).dsmem and not fitted.plan(65).dsmem
+    other = SkinnyGemm(StubGpu(sm_count=114), N, K, 65)         # an H100 PCIe: not the swept grid
+    assert other.plan(65) == SkinnyGemm(StubGpu(sm_count=114), N, K, 65, measured=False).plan(65)
+    invariant = SkinnyGemm(StubGpu(), N, K, 65, invariant=True)
+    assert {invariant.plan(M).splits for M in (1, 33, 65)} == {invariant.fixed_splits}
+    assert measured_gemm_knobs("sm_90a", 132, N, K, 65) == measured_gemm_knobs("sm_90", 132, N, K, 65)
+    assert measured_gemm_knobs("sm_120", 188, N, K, 65) is None
