@@ -4,6 +4,7 @@ For attention projections, shared experts, dense layer 0, the router (fp32 out) 
 The weight is passed tiled (ddtree.plugins.layout.tile_bf16), once at build time. The weight rows are the mma's
 M side (gemm_bf16_mt<MT>, 8-token sub-tiles); SkinnyGemm(tm=True) puts the tokens there past 16 rows instead
 (gemm_bf16_tm<TT>_g<G>, kernels/gemm_tm.cuh: 16-token tiles, 17..80 rows in one block; a sweep knob, not faster).
+Past 16 rows on a swept device the plan is the sweep's (gemm_measured.py), elsewhere plan_gemm's fitted cost.
 All workspaces are allocated in the constructor for max_tokens; run() only launches (graph-safe).
 With pdl (default on sm_90+) a launch may start while the previous kernel in the stream drains: it
 fills its weight ring, then waits for that kernel before reading x.
@@ -244,9 +245,9 @@ class SkinnyGemm:
         tm: past 16 rows the tokens-as-M kernels (gemm_tm.cuh; plan_gemm_tm), unless invariant (off by default:
         not faster than the 8-row kernels on the H200, ddtree/plugins/kernels/NOTES.md).
         dsmem: split-K plans that allow it (with_dsmem) reduce their partials in a cluster, not in global memory:
-        the same sums in the same order (bitwise the global path's), no partial traffic. Off by default until the
-        plan is refitted: at today's plans it was slower at some shapes (H200, lm_head 65 rows 193.7 -> 237.1 us),
-        while the best dsmem plans of the sweep were much faster at others (dense_down 65 rows 37.6 -> 24.9).
+        the same sums in the same order (bitwise the global path's), no partial traffic. Off by default for the
+        fitted plans: under them it was slower at some shapes (H200, lm_head 65 rows 193.7 -> 237.1 us); the
+        measured plans below take it where their sweep did (dense_down 65 rows 41.2 -> 25.1 us).
         measured: the plans an H200 sweep measured faster at this device, weight shape and M (gemm_measured; the
         cluster split-K where they qualify, whatever `dsmem` says), unless invariant or tm."""
         if N < 1 or K % 64:
