@@ -293,8 +293,11 @@ def time_gemm(gpu, gemm, operands: tuple, M: int, residual: bool) -> float:
 
 
 def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int, names: list[str] | None,
-                    overrides: dict | None = None, pdl: bool = True) -> list[dict]:
+                    overrides: dict | None = None, pdl: bool = True, measured: bool = True) -> list[dict]:
+    """overrides: forced plan knobs (SkinnyGemm.override: the fitted plan under them); measured False: the fitted
+    plan everywhere (no gemm_measured table)."""
     from ddtree.plugins.gemm import SkinnyGemm
+    from ddtree.plugins.gemm_measured import measured_gemm_knobs
     rows = []
     max_m = max(ms)
     for name, N, K, residual in GEMM_SHAPES[tp]:
@@ -302,7 +305,7 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
             continue
         wbytes = N * K * 2
         operands = gemm_operands(gpu, N, K, max_m, seed, seed + 1000)
-        gemm = SkinnyGemm(gpu, N, K, max_m, pdl=pdl)
+        gemm = SkinnyGemm(gpu, N, K, max_m, pdl=pdl, measured=measured)
         for M in ms:
             knobs = {k: v for k, v in (overrides or {}).items() if k != "tm" or M > 16}   # tm takes M > 16 only
             if knobs:
@@ -310,10 +313,12 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
             us = time_gemm(gpu, gemm, operands, M, residual)
             nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
             p = gemm.plan(M)
+            source = "forced" if knobs else ("measured" if gemm.measured and measured_gemm_knobs(
+                gpu.arch, gpu.sm_count, N, K, M) else "fitted")
             rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),
                               "residual": residual,
-                              "plan": {"kernel": p.kernel, "dsmem": p.dsmem, "mt": p.mt, "splits": p.splits,
-                                       "blocks": p.blocks, "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
+                              "plan": {"source": source, "kernel": p.kernel, "dsmem": p.dsmem, "mt": p.mt,
+                                       "splits": p.splits, "blocks": p.blocks, "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
                              nbytes, us, ceiling_gbps))
             _say(f"  gemm tp{tp} {name:15s} M={M:4d} {us:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
                  f"{rows[-1]['pct_of_ceiling']:5.1f}%")
@@ -394,12 +399,15 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
 @click.option("--x-kb", type=int, default=None, help="shared memory for the token rows, KB (sweeps)")
 @click.option("--form", type=click.Choice(["auto", "tm", "mt"]), default="auto", show_default=True,
               help="past 16 rows: tokens as the mma's M side (tm), the 8-row kernels (mt), or the plan's (auto)")
-@click.option("--no-dsmem", is_flag=True, help="split-K partials through global memory, not a cluster's shared memory")
+@click.option("--no-dsmem", is_flag=True, help="split-K partials through global memory, not a cluster's shared memory "
+              "(a forced knob: the fitted plan)")
+@click.option("--fitted", is_flag=True, help="plan_gemm's fitted plans everywhere, not the measured table "
+              "(plugins/gemm_measured.py)")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, form, no_dsmem, no_pdl, seed, as_json):
+def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, form, no_dsmem, fitted, no_pdl, seed, as_json):
     """BF16 skinny GEMM (M <= 256) vs the device-to-device copy ceiling."""
     gpu, ceiling = open_gpu()
     rows = []
@@ -416,5 +424,6 @@ def gemm_command(tps, m_list, names, splits, tpw, warps, x_kb, form, no_dsmem, n
             overrides["tm"] = form == "tm"
         if no_dsmem:
             overrides["dsmem"] = False
-        rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted, overrides, not no_pdl)
+        rows += bench_gemm_rows(gpu, tp, _ints(m_list), ceiling["gbps"], seed, wanted, overrides, not no_pdl,
+                                not fitted)
     _emit("gemm", gpu, rows, ceiling, as_json)

@@ -6,7 +6,7 @@
 #   .cache/gemm_cubins cubins compiled here for sm_90 (optional; NVRTC recompiles on a version mismatch)
 # Outputs in $OUT: one file a step and log.txt (each step's command, stderr, exit status and seconds).
 # Usage (repo root, on the device):
-#   bash tests/plugins/gemm_on_gpu.sh     STEPS=tests,base,mt,tm,new,sweep,ncu,step (default all but step)  END_S=225
+#   bash tests/plugins/gemm_on_gpu.sh     STEPS=tests,base,mt,fitted,tm,new,sweep,ncu,step (default: tests,base,mt,new,sweep,ncu)  END_S=225
 set -uo pipefail
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 root=$PWD
@@ -40,6 +40,9 @@ if [[ $steps == *,base,* && -d $root/.cache/gemm_base ]]; then
 fi
 if [[ $steps == *,mt,* ]]; then                         # the 8-row kernels with global split-K partials (before dsmem)
   gpu_step mt 25 "$root" python3 -m ddtree bench gemm --tp 8 --m $MS --form mt --no-dsmem --json
+fi
+if [[ $steps == *,fitted,* ]]; then                     # this tree without the measured table (gemm_measured.py)
+  gpu_step fitted 25 "$root" python3 -m ddtree bench gemm --tp 8 --m $MS --fitted --json
 fi
 if [[ $steps == *,tm,* ]]; then
   gpu_step tm 25 "$root" python3 -m ddtree bench gemm --tp 8 --m $MS --form tm --json

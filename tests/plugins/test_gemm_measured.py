@@ -1,7 +1,8 @@
 """CPU tests of the skinny GEMM's measured plans (plugins/gemm_measured.py): every entry is the H200 sweep's fastest
 8-row-kernel candidate at its shape and M and beat the sweep's planned choice by >= 5 %, every row that gained that
-much is in the table unless the A/B bench after it found that plan slower than the fitted one, the plans fit and launch as the sweep ran them (cluster split-K where they qualify), and
-SkinnyGemm takes them only at that device, shape and M, and never under the batch-invariant plan."""
+much is in the table unless the A/B bench after it found that plan slower than the fitted one, the plans fit and
+launch as the sweep ran them (cluster split-K where they qualify), and SkinnyGemm takes them only at that device,
+shape and M, and never under the batch-invariant plan."""
 import json
 from pathlib import Path
 
