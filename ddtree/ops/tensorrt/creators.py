@@ -83,6 +83,7 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
         self.plugin_version = PLUGIN_VERSION
         self.timing_cache_id = ""
         self.runner = None                          # runtime: the node's kernels (attach_to_context)
+        self._fields = None                         # get_fields_to_serialize's collection, built once
 
     # core / build ----------------------------------------------------------------------------------
     def get_capability_interface(self, capability_type):
@@ -114,10 +115,13 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
 
     def get_fields_to_serialize(self):
         # a PluginField points at its array's buffer without holding it: keep the arrays (and the
-        # collection) alive on the plugin, or TensorRT serialises freed memory
-        self._field_arrays = field_arrays(self.spec, self.attrs)
-        self._fields = trt.PluginFieldCollection([trt.PluginField(name, arr, FIELD_TYPES[kind])
-                                                  for name, arr, kind in self._field_arrays])
+        # collection) alive on the plugin, or TensorRT serialises freed memory. Built once: TensorRT may hold a
+        # collection it was given while it asks again, so a rebuilt one must not free the first (the attributes
+        # never change after creation)
+        if self._fields is None:
+            self._field_arrays = field_arrays(self.spec, self.attrs)
+            self._fields = trt.PluginFieldCollection([trt.PluginField(name, arr, FIELD_TYPES[kind])
+                                                      for name, arr, kind in self._field_arrays])
         return self._fields
 
     def clone(self):
