@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from ddtree.plugins.compile import defines_for
 from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm
 from ddtree.plugins.gemm_measured import GEMM_MEASURED, measured_gemm_knobs
@@ -74,6 +75,9 @@ def test_skinny_gemm_takes_the_table_only_at_its_device_shape_and_rows():
     other = SkinnyGemm(StubGpu(sm_count=114), N, K, 65)         # an H100 PCIe: not the swept grid
     assert other.plan(65) == SkinnyGemm(StubGpu(sm_count=114), N, K, 65, measured=False).plan(65)
     invariant = SkinnyGemm(StubGpu(), N, K, 65, invariant=True)
+    invariant_fitted = SkinnyGemm(StubGpu(), N, K, 65, invariant=True, measured=False)
     assert {invariant.plan(M).splits for M in (1, 33, 65)} == {invariant.fixed_splits}
+    assert all(invariant.plan(M) == invariant_fitted.plan(M) for M in (17, 33, 65))
+    assert invariant.plan(33) != gemm.plan(33)                   # the table's 33-row plan is not taken
     assert measured_gemm_knobs("sm_90a", 132, N, K, 65) == measured_gemm_knobs("sm_90", 132, N, K, 65)
     assert measured_gemm_knobs("sm_120", 188, N, K, 65) is None
