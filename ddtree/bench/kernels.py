@@ -297,7 +297,6 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
     """overrides: forced plan knobs (SkinnyGemm.override: the fitted plan under them); measured False: the fitted
     plan everywhere (no gemm_measured table)."""
     from ddtree.plugins.gemm import SkinnyGemm
-    from ddtree.plugins.gemm_measured import measured_gemm_knobs
     rows = []
     max_m = max(ms)
     for name, N, K, residual in GEMM_SHAPES[tp]:
@@ -313,12 +312,12 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
             us = time_gemm(gpu, gemm, operands, M, residual)
             nbytes = wbytes + M * K * 2 + M * N * 2 * (2 if residual else 1)
             p = gemm.plan(M)
-            source = "forced" if knobs else ("measured" if gemm.measured and measured_gemm_knobs(
-                gpu.arch, gpu.sm_count, N, K, M) else "fitted")
+            source = "forced" if knobs else ("measured" if gemm.measured_knobs(M) else "fitted")
             rows.append(_row({"tp": tp, "name": name, "N": N, "K": K, "M": M, "weight_mb": round(wbytes / 1e6, 2),
                               "residual": residual,
                               "plan": {"source": source, "kernel": p.kernel, "dsmem": p.dsmem, "mt": p.mt,
-                                       "splits": p.splits, "blocks": p.blocks, "warps": p.warps, "tpw": p.tpw, "pdl": gemm.pdl}},
+                                       "splits": p.splits, "blocks": p.blocks, "warps": p.warps, "tpw": p.tpw,
+                                       "pdl": gemm.pdl}},
                              nbytes, us, ceiling_gbps))
             _say(f"  gemm tp{tp} {name:15s} M={M:4d} {us:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
                  f"{rows[-1]['pct_of_ceiling']:5.1f}%")

@@ -276,8 +276,12 @@ class SkinnyGemm:
             return self._overrides[M]
         return self._plan(M)
 
+    def measured_knobs(self, M: int) -> dict | None:
+        """The measured table's knobs that plan(M) takes (gemm_measured), None where it takes the fitted plan."""
+        return measured_gemm_knobs(self.gpu.arch, self.gpu.sm_count, self.N, self.K, M) if self.measured else None
+
     def _plan(self, M: int) -> GemmPlan:
-        knobs = measured_gemm_knobs(self.gpu.arch, self.gpu.sm_count, self.N, self.K, M) if self.measured else None
+        knobs = self.measured_knobs(M)
         if knobs is not None:
             return with_dsmem(plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit,
                                         knobs["warps"], self.stages, knobs["splits"], knobs["tpw"], None,

@@ -6,31 +6,21 @@ shape and M, and never under the batch-invariant plan."""
 import json
 from pathlib import Path
 
-import numpy as np
-
-from ddtree.plugins.compile import defines_for
 from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm
 from ddtree.plugins.gemm_measured import GEMM_MEASURED, measured_gemm_knobs
+
+from test_batch_invariant_plans import PlanGpu
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "plugins"
 SWEEP, AB = FIXTURES / "gemm_sweep_h200_tp8_dsmem_tm.json", FIXTURES / "gemm_ab_h200_tp8_measured.json"
 H200 = ("sm_90", 132)
 
 
-class StubGpu:
-    """What SkinnyGemm's constructor and plan read of a device (no launches)."""
-
-    def __init__(self, arch="sm_90", sm_count=132, smem_optin=232448):
-        self.arch, self.sm_count, self.smem_optin = arch, sm_count, smem_optin
-
-    def defines(self, source):
-        return defines_for(source, self.arch)
-
-    def alloc(self, n, dtype):
-        return np.empty(n, dtype)
-
-    def zeros(self, n, dtype):
-        return np.zeros(n, dtype)
+def h200(sm_count: int = 132):
+    """The H200 as the launchers' constructors read it (test_batch_invariant_plans.PlanGpu), at another SM count."""
+    gpu = PlanGpu("sm_90")
+    gpu.sm_count = sm_count
+    return gpu
 
 
 def _sweep_rows():
@@ -55,7 +45,7 @@ def test_the_table_is_the_sweeps_fastest_plan_wherever_it_gained_5_percent_and_d
 def test_measured_plans_are_the_swept_launches_with_the_cluster_split_where_the_sweep_took_it():
     swept = {(r["N"], r["K"], r["M"]): best for r, best in _sweep_rows()}
     for (N, K), by_m in GEMM_MEASURED[H200].items():
-        gemm = SkinnyGemm(StubGpu(), N, K, 65)
+        gemm = SkinnyGemm(h200(), N, K, 65)
         for M, (max_mt, warps, tpw, splits) in by_m.items():
             p, ran = gemm.plan(M), swept[(N, K, M)]
             assert (p.kernel, p.mt, p.mb, p.warps, p.tpw, p.splits, p.blocks) == \
@@ -67,15 +57,16 @@ def test_measured_plans_are_the_swept_launches_with_the_cluster_split_where_the_
 
 def test_skinny_gemm_takes_the_table_only_at_its_device_shape_and_rows():
     N, K = 7168, 2304                                           # dense down: measured at 33 and 65 rows
-    fitted = SkinnyGemm(StubGpu(), N, K, 65, measured=False)
-    gemm = SkinnyGemm(StubGpu(), N, K, 65)
+    fitted = SkinnyGemm(h200(), N, K, 65, measured=False)
+    gemm = SkinnyGemm(h200(), N, K, 65)
     for M in (17, 32, 34, 64):
         assert gemm.plan(M) == fitted.plan(M)
     assert gemm.plan(65) != fitted.plan(65) and gemm.plan(65).dsmem and not fitted.plan(65).dsmem
-    other = SkinnyGemm(StubGpu(sm_count=114), N, K, 65)         # an H100 PCIe: not the swept grid
-    assert other.plan(65) == SkinnyGemm(StubGpu(sm_count=114), N, K, 65, measured=False).plan(65)
-    invariant = SkinnyGemm(StubGpu(), N, K, 65, invariant=True)
-    invariant_fitted = SkinnyGemm(StubGpu(), N, K, 65, invariant=True, measured=False)
+    assert gemm.measured_knobs(65) and gemm.measured_knobs(64) is None and fitted.measured_knobs(65) is None
+    other = SkinnyGemm(h200(sm_count=114), N, K, 65)         # an H100 PCIe: not the swept grid
+    assert other.plan(65) == SkinnyGemm(h200(sm_count=114), N, K, 65, measured=False).plan(65)
+    invariant = SkinnyGemm(h200(), N, K, 65, invariant=True)
+    invariant_fitted = SkinnyGemm(h200(), N, K, 65, invariant=True, measured=False)
     assert {invariant.plan(M).splits for M in (1, 33, 65)} == {invariant.fixed_splits}
     assert all(invariant.plan(M) == invariant_fitted.plan(M) for M in (17, 33, 65))
     assert invariant.plan(33) != gemm.plan(33)                   # the table's 33-row plan is not taken
