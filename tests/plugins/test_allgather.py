@@ -22,7 +22,7 @@ from tests.plugins.test_allreduce import shared_bytes
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_allgather_kernel_compiles(arch):
-    cubin = kc.compile_cubin("allreduce.cu", arch, ).read_bytes()
+    cubin = kc.compile_cubin("allreduce.cu", arch).read_bytes()
     assert b"allgather_push" in cubin
     assert 0 < shared_bytes(cubin, "allgather_push") <= 99 * 1024     # begin_collective's s_seq, s_failed
 

@@ -161,7 +161,7 @@ def shared_bytes(cubin: bytes, kernel: str) -> int:
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_kernel_compiles_within_the_sm120_shared_memory(arch):
-    cubin = kc.compile_cubin("allreduce.cu", arch, ).read_bytes()
+    cubin = kc.compile_cubin("allreduce.cu", arch).read_bytes()
     for name in ("allreduce_push", "allreduce_pull", "allreduce_pingpong"):
         assert name.encode() in cubin
     for name in ("allreduce_push", "allreduce_pull"):

@@ -50,7 +50,7 @@ def test_forced_tile_plans_fit_and_name_their_kernel(tp, smem):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_every_planned_kernel_is_compiled(arch):
-    blob = kc.compile_cubin("gemm.cu", arch, ).read_bytes()
+    blob = kc.compile_cubin("gemm.cu", arch).read_bytes()
     names = [f"gemm_bf16_mt{mt}" for mt in range(1, MAX_MT + 1)] + [f"gemm_bf16_mt{mt}_g4" for mt in G4_MTS]
     names += [f"gemm_bf16_tm{tt}_g{g}" for tt in TM_TTS for g in TM_SLOTS]
     for name in names:

@@ -20,7 +20,7 @@ TOP_P = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_kernels_compile_within_the_static_shared_memory(arch):
-    cubin = kc.compile_cubin(tr.SOURCE, arch, ).read_bytes()
+    cubin = kc.compile_cubin(tr.SOURCE, arch).read_bytes()
     for name in KERNELS:
         used = shared_bytes(cubin, name)
         assert 0 < used <= 48 * 1024 <= 99 * 1024, (name, used)

@@ -30,7 +30,7 @@ def elf_sections(blob: bytes) -> dict[str, int]:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_node_kernels_compile_within_the_shared_memory_limits(arch):
     for source, kernels in NODE_KERNELS.items():
-        blob = kc.compile_cubin(source, arch, ).read_bytes()
+        blob = kc.compile_cubin(source, arch).read_bytes()
         assert blob[:4] == b"\x7fELF"
         sections = elf_sections(blob)
         for name in kernels:
