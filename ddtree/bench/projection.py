@@ -106,7 +106,8 @@ def fit_class(name: str, rows, dev: Device, flop_efficiency: float, source: str)
 
 # op of a meter record -> kernel class; collectives (all_reduce, all_gather) cost only their model
 OP_CLASS = {"moe.experts": "moe", "moe.router": "router", "moe.shared": "gemm", "linear": "gemm",
-            "swiglu_mlp": "gemm", "mla_absorb_q": "gemm", "mla_absorb_out": "gemm",
+            "swiglu_mlp": "gemm", "mla_absorb_q": "gemm", "mla_absorb_q_rope": "gemm",
+            "mla_absorb_out": "gemm",
             "mla_tree_attention": "attention", "draft_attention": "attention",
             "vocab_winner": "tree", "vocab_topk": "tree", "tree_build": "tree", "accept_walk": "tree",
             "add": "elementwise", "rms_norm": "elementwise", "rope": "elementwise", "kv_append": "elementwise",
@@ -114,7 +115,8 @@ OP_CLASS = {"moe.experts": "moe", "moe.router": "router", "moe.shared": "gemm", 
             "cast": "elementwise",
             "all_reduce_add_rms_norm": "elementwise", "all_reduce": None, "all_gather": None}
 PHASES = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce")
-ATTENTION_OPS = {"mla_absorb_q", "mla_tree_attention", "mla_absorb_out", "kv_append", "kv_append_normed", "rope"}
+ATTENTION_OPS = {"mla_absorb_q", "mla_absorb_q_rope", "mla_tree_attention", "mla_absorb_out", "kv_append",
+                 "kv_append_normed", "rope"}
 
 
 def phase_of(rec) -> str:

@@ -67,6 +67,8 @@ LAUNCHERS = {
     "kv_compact": "the kv_compact kernel of plugins/kv_cache.py (one layer; its count from the host copy, or read "
                   "on the device when the count is a device tensor: the captured step)",
     "mla_absorb_q": "plugins/mla_absorb.py MlaAbsorb.q (q_nope read inside q_all; W_UK^T prepared at load)",
+    "mla_absorb_q_rope": "plugins/mla_absorb.py MlaAbsorb.q_rope: absorb_q and the rope of q_pe in one launch (the "
+                         "bits of mla_absorb_q + rope)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
     "moe": "ops/cuda_moe.py: plugins/moe.py FusedMoE route + experts (router tiled at load; the shared expert by "
@@ -336,6 +338,18 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         self._absorb(spec).q(q_nope.ptr, self.store.uk_t(kv_b.name, spec), out.ptr, self._rows(q_nope, "absorb"),
                              rope=extra, stream=self.stream)
         return out
+
+    def mla_absorb_q_rope(self, q_all, kv_b, pos, rope, spec):
+        q, N, D = q_all.shape
+        if q_all.strides != (N * D, D, 1) or D != spec.nope_dim + spec.rope_dim:
+            raise ValueError(f"{self.where}: mla_absorb_q_rope reads a dense q_all [q, N, Dn + Dr], got {q_all.shape} "
+                             f"{q_all.strides}")
+        q_lat = self.new((q, N, spec.kv_lora_rank), np.uint16)
+        q_rope = self.new((q, N, spec.rope_dim), np.uint16)
+        self._absorb(spec).q_rope(q_all.ptr, self.store.uk_t(kv_b.name, spec), q_lat.ptr, q_rope.ptr, pos.ptr,
+                                  self.store.rope_table("interleaved", rope, spec.rope_dim),
+                                  self._rows(q_all, "absorb"), stream=self.stream)
+        return q_lat, q_rope
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
         from ddtree.plugins.mla_attention import MlaTreeAttention

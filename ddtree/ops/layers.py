@@ -53,10 +53,8 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
                                      cfg.rope)                                   # (c_kv normed | k_pe roped)
     c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
     q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
-    q_nope, q_pe = ops.slice(q_all, 2, 0, Dn), ops.slice(q_all, 2, Dn, Dn + Dr)
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
-    q_lat = ops.mla_absorb_q(q_nope, kv_b, spec)                                        # [q, N_r, R]
-    q_rope = ops.rope(q_pe, pos, cfg.rope)                                              # [q, N_r, Dr]
+    q_lat, q_rope = ops.mla_absorb_q_rope(q_all, kv_b, pos, cfg.rope, spec)             # [q, N_r, R], [q, N_r, Dr]
     ops.join(kv_path)
     ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
     o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)

@@ -29,7 +29,7 @@ from ddtree.ops.opset import ACC, ACT, F32, I32, Ops, RankLayout
 STORED_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 KERNELS = {"add": 1, "rms_norm": 1, "all_reduce_add_rms_norm": 1, "linear": 1, "swiglu_mlp": 2, "embed": 1, "cast": 1,
            "rope": 1, "kv_append": 1, "kv_append_normed": 1, "kv_compact": 1, "mla_absorb_q": 1,
-           "mla_tree_attention": 2, "mla_absorb_out": 1,
+           "mla_absorb_q_rope": 1, "mla_tree_attention": 2, "mla_absorb_out": 1,
            "moe.router": 1, "moe.experts": 2, "moe.shared": 2, "draft_attention": 1, "all_reduce": 1, "all_gather": 1,
            "vocab_winner": 1, "vocab_topk": 2, "tree_build": 1, "accept_walk": 1}
 
@@ -186,6 +186,13 @@ class MeterOps(Ops):
         self._rec("mla_absorb_q", [q_nope, self._w_half(kv_b, spec, spec.nope_dim)], [out],
                   2 * q * spec.heads * spec.nope_dim * spec.kv_lora_rank)
         return out
+
+    def mla_absorb_q_rope(self, q_all, kv_b, pos, rope, spec):
+        q, N, Dn, Dr = q_all.shape[0], spec.heads, spec.nope_dim, spec.rope_dim     # one kernel (the cuda backend's)
+        q_lat, q_rope = Meta((q, N, spec.kv_lora_rank), self.sizes[ACT]), Meta((q, N, Dr), self.sizes[ACT])
+        self._rec("mla_absorb_q_rope", [q_all, self._w_half(kv_b, spec, Dn), pos], [q_lat, q_rope],
+                  2 * q * N * Dn * spec.kv_lora_rank + 6 * q * N * Dr)
+        return q_lat, q_rope
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
         q, t = q_lat.shape[0], self.dims["T"] + q_lat.shape[0]

@@ -178,6 +178,14 @@ class Ops(ABC):
     def mla_absorb_q(self, q_nope, kv_b, spec: MlaSpec):
         """q_nope [q, N_r, Dn] -> q_lat [q, N_r, R] = per head q_nope W_UK (W_UK = kv_b's first Dn rows per head)."""
 
+    def mla_absorb_q_rope(self, q_all, kv_b, pos, rope, spec: MlaSpec) -> tuple:
+        """q_all [q, N_r, Dn + Dr] (q_b's output) -> (q_lat = mla_absorb_q(q_nope), q_rope = rope(q_pe, pos)): the
+        query side of the attention, a pattern of the ops above composed here; a backend with one kernel for it
+        overrides it (cuda: one launch instead of two, the same bits: one kernel boundary fewer on the query path)."""
+        Dn, Dr = spec.nope_dim, spec.rope_dim
+        q_nope, q_pe = self.slice(q_all, 2, 0, Dn), self.slice(q_all, 2, Dn, Dn + Dr)
+        return self.mla_absorb_q(q_nope, kv_b, spec), self.rope(q_pe, pos, rope)
+
     @abstractmethod
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec: MlaSpec):
         """Absorbed MLA over cache rows [0, T + q) (T = cache_len, the q new rows already appended): the
@@ -248,4 +256,4 @@ class Ops(ABC):
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
 # patterns: Ops methods composed of the ops above, which a backend may run as one kernel instead
-PATTERNS = ("kv_append_normed",)
+PATTERNS = ("kv_append_normed", "mla_absorb_q_rope")

@@ -4,6 +4,7 @@ mla_absorb_out:
     absorb = MlaAbsorb(gpu, heads=8, nope=128, v=128, latent=512)      # one per layer shape, max_tokens 256
     w_uk_t = gpu.upload(uk_transposed(kv_b, heads, nope, v))           # once at load: W_UK^T [N_r, R, Dn]
     absorb.q(q_all, w_uk_t, q_lat, M, rope=Dr)                          # q_nope read inside q_all
+    absorb.q_rope(q_all, w_uk_t, q_lat, q_rope, pos, table, M)          # + q_pe roped into q_rope, one launch
     absorb.out(o_lat, kv_b, o, M)                                       # kv_b [N_r (Dn + Dv), R] as stored
 
 Weights: absorb_out reads W_UV from kv_b in the checkpoint's layout; absorb_q needs W_UK with its rows along
@@ -84,14 +85,16 @@ class MlaAbsorb:
         return plan_absorb(M, self.heads, *self.shapes["out"], self.gpu.sm_count, self.fixed_ks["out"])
 
     def _launch(self, p: AbsorbPlan, n_out: int, K: int, x, x_tok: int, x_head: int, w, w_head: int, w_row: int,
-                out, o_tok: int, o_head: int, M: int, stream) -> None:
+                out, o_tok: int, o_head: int, M: int, stream, rope: tuple = ()) -> None:
+        """rope: the fused rope's trailing kernel arguments (mla_absorb_q_rope_mt<MT>), empty for the plain kernel."""
         if not 1 <= M <= self.max_tokens:
             raise ValueError(f"MLA absorb: M = {M} outside [1, {self.max_tokens}]")
         if any(s % 8 for s in (x_tok, x_head, w_head, w_row)):
             raise ValueError(f"MLA absorb: strides {x_tok, x_head, w_head, w_row} must be multiples of 8 (16-byte loads)")
-        self.gpu.launch(self.gpu.kernel(SOURCE, f"mla_absorb_mt{p.mt}"), p.grid(self.heads, n_out), p.ks * 32, 0,
+        name = f"mla_absorb_q_rope_mt{p.mt}" if rope else f"mla_absorb_mt{p.mt}"
+        self.gpu.launch(self.gpu.kernel(SOURCE, name), p.grid(self.heads, n_out), p.ks * 32, 0,
                         ptr(x), np.int32(x_tok), np.int32(x_head), ptr(w), np.int64(w_head), np.int32(w_row),
-                        ptr(out), np.int32(o_tok), np.int32(o_head), np.int32(M), np.int32(K),
+                        ptr(out), np.int32(o_tok), np.int32(o_head), np.int32(M), np.int32(K), *rope,
                         stream=stream, pdl=self.pdl)
 
     def q(self, q_nope: DeviceArray | int, w_uk_t: DeviceArray | int, q_lat: DeviceArray | int, M: int,
@@ -101,6 +104,19 @@ class MlaAbsorb:
         N, Dn, R = self.heads, self.nope, self.latent
         self._launch(self.plan_q(M), R, Dn, q_nope, N * (Dn + rope), Dn + rope, w_uk_t, R * Dn, Dn,
                      q_lat, N * R, R, M, stream)
+
+    def q_rope(self, q_all: DeviceArray | int, w_uk_t: DeviceArray | int, q_lat: DeviceArray | int,
+               q_rope: DeviceArray | int, pos: DeviceArray | int, table, M: int, stream=None) -> None:
+        """q and the query's rope in one launch: q_all [M, N_r, Dn + Dr] (q_b's output) -> q_lat [M, N_r, R]
+        (as q(rope=Dr), the same sums) and q_rope [M, N_r, Dr] dense = rope_interleaved(q_pe, pos) with
+        `table` (layer_ops.RopeTable, its dim Dr), the same bits as LayerOps.rope_interleaved from the view."""
+        N, Dn, R, Dr = self.heads, self.nope, self.latent, table.dim
+        if Dr < 2 or Dr % 2:
+            raise ValueError(f"MLA absorb q_rope: the rope table's dim {Dr} must be even and >= 2")
+        pe = ptr(q_all) + np.uint64(Dn * 2)                            # q_pe: after q_nope in every head
+        self._launch(self.plan_q(M), R, Dn, q_all, N * (Dn + Dr), Dn + Dr, w_uk_t, R * Dn, Dn, q_lat, N * R, R, M,
+                     stream, rope=(pe, ptr(q_rope), ptr(pos), ptr(table.table), np.int32(table.max_pos),
+                                   np.int32(Dr // 2)))
 
     def out(self, o_lat: DeviceArray | int, kv_b: DeviceArray | int, o: DeviceArray | int, M: int, stream=None) -> None:
         """o_lat [M, N_r, R] bf16, kv_b [N_r (Dn + Dv), R] as stored -> o [M, N_r Dv] bf16."""

@@ -88,3 +88,69 @@ def test_absorb_replays_in_a_graph_with_new_inputs(gpu):
         check(o.numpy(), twins.mla_absorb_out(lat, kv_b, Dn, Dv),
               2.0 ** -23 * R * twins.mla_absorb_out(np.abs(bf16_to_f32(lat)), np.abs(bf16_to_f32(kv_b)), Dn, Dv),
               "graph absorb_out")
+
+
+@pytest.mark.parametrize("M", (1, 17, 65, 256))
+@pytest.mark.parametrize("dims", DIMS, ids=[f"n{d[0]}_dn{d[1]}_r{d[4]}" for d in DIMS])
+def test_absorb_q_rope_is_absorb_q_and_rope_interleaved(gpu, dims, M):
+    """The fused query side (mla_absorb_q_rope_mt<MT>): q_lat bitwise absorb.q's on the same plan, q_rope bitwise
+    LayerOps.rope_interleaved's from the strided view (a position past the table included: NaN in both), and the
+    rope within the float64 twin's bound (bf16 rounding of |y| <= sqrt(2) m, fp32 math ~1e-6 of the pair)."""
+    from ddtree.model.presets import get_preset
+    from ddtree.model.rope import rope_frequencies, rope_magnitude
+    from ddtree.plugins.layer_ops import LayerOps, RopeTable
+    from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
+    N, Dn, Dr, Dv, R = dims
+    cfg = get_preset("kimi-k2.6", layers=2)[0]
+    rng = np.random.default_rng(hash((dims, M, "rope")) % 2**32)
+    kv_b = bf16(rng, (N * (Dn + Dv), R), R ** -0.5)
+    q_all = bf16(rng, (M, N, Dn + Dr))
+    max_pos = 8192
+    pos = rng.integers(0, max_pos, M).astype(np.int32)
+    pos[-1] = max_pos if M > 1 else pos[-1]                          # past the table: that token's pairs are NaN
+    table = RopeTable.interleaved(gpu, cfg.rope, Dr, max_pos)
+    absorb = MlaAbsorb(gpu, N, Dn, Dv, R)
+    w_uk_t, q_dev, pos_dev = gpu.upload(uk_transposed(kv_b, N, Dn, Dv)), gpu.upload(q_all), gpu.upload(pos)
+
+    lat_ref, rope_ref = nan_buffer(gpu, (M, N, R)), nan_buffer(gpu, (M, N, Dr))
+    absorb.q(q_dev, w_uk_t, lat_ref, M, rope=Dr)
+    LayerOps(gpu).rope_interleaved(rope_ref, pos_dev, table, M, N, src=q_dev.view(Dn, (M, N * (Dn + Dr) - Dn)),
+                                   src_token_stride=N * (Dn + Dr), src_head_stride=Dn + Dr)
+    lat, rope = nan_buffer(gpu, (M, N, R)), nan_buffer(gpu, (M, N, Dr))
+    absorb.q_rope(q_dev, w_uk_t, lat, rope, pos_dev, table, M)
+    np.testing.assert_array_equal(lat.numpy(), lat_ref.numpy())
+    got, want = rope.numpy(), rope_ref.numpy()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(q_dev.numpy(), q_all)             # the input is read, never written
+    live = pos < max_pos
+    assert np.isnan(bf16_to_f32(got[~live])).all()
+    mag = rope_magnitude(cfg.rope)
+    ref = twins.rope_interleaved(q_all[live][:, :, Dn:], pos[live], rope_frequencies(cfg.rope, Dr), mag)
+    assert np.abs(bf16_to_f32(got[live]) - ref).max() <= 1e-2 * mag
+
+
+def test_absorb_q_rope_replays_in_a_graph(gpu):
+    """Captured once, replayed with new queries and positions written in place: both outputs follow."""
+    from ddtree.model.presets import get_preset
+    from ddtree.plugins.layer_ops import LayerOps, RopeTable
+    from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
+    N, Dn, Dr, Dv, R, M = 8, 128, 64, 128, 512, 17
+    rng = np.random.default_rng(11)
+    kv_b = bf16(rng, (N * (Dn + Dv), R), R ** -0.5)
+    table = RopeTable.interleaved(gpu, get_preset("kimi-k2.6", layers=2)[0].rope, Dr, 4096)
+    absorb = MlaAbsorb(gpu, N, Dn, Dv, R)
+    w_uk_t = gpu.upload(uk_transposed(kv_b, N, Dn, Dv))
+    q_all, pos = gpu.alloc((M, N, Dn + Dr), np.uint16), gpu.alloc((M,), np.int32)
+    lat, rope = gpu.alloc((M, N, R), np.uint16), gpu.alloc((M, N, Dr), np.uint16)
+    graph = gpu.capture(lambda s: absorb.q_rope(q_all, w_uk_t, lat, rope, pos, table, M, stream=s))
+    for _ in range(2):
+        x, p = bf16(rng, (M, N, Dn + Dr)), rng.integers(0, 4096, M).astype(np.int32)
+        gpu.copy_in(q_all, x)
+        gpu.copy_in(pos, p)
+        gpu.replay(graph)
+        lat_ref, rope_ref = gpu.alloc((M, N, R), np.uint16), gpu.alloc((M, N, Dr), np.uint16)
+        absorb.q(q_all, w_uk_t, lat_ref, M, rope=Dr)
+        LayerOps(gpu).rope_interleaved(rope_ref, pos, table, M, N, src=q_all.view(Dn, (M, N * (Dn + Dr) - Dn)),
+                                       src_token_stride=N * (Dn + Dr), src_head_stride=Dn + Dr)
+        np.testing.assert_array_equal(lat.numpy(), lat_ref.numpy())
+        np.testing.assert_array_equal(rope.numpy(), rope_ref.numpy())

@@ -10,6 +10,7 @@
 // one start (programmatic dependent launch; no-ops without the launch attribute).
 // Reductions run in a fixed order (warp shuffles, then warp 0 over the warps' sums): same bits every run.
 #include "common.cuh"
+#include "rope.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -164,15 +165,9 @@ extern "C" __global__ void add_rows(const uint4* a, const uint4* b, uint4* out, 
 }
 
 // ---- rope ----------------------------------------------------------------------------------------------
-// x [q, n, d] bf16 = rope(src [q, n, d]) (src may be x: in place), element (t, h, c) at t * token_stride +
-// h * head_stride + c (src: its own strides), so a strided view is roped into a dense copy in one pass; pos [q] int32 on
-// the device; table [max_pos, d/2] float2 (m cos(p phi_i), m sin(p phi_i)) built on the host in float64
-// (layer_ops.RopeTable: an fp32 angle p * phi_i at p ~ 2.6e5 is off by up to ~1e-2 rad). A position outside
-// [0, max_pos) writes NaN into that token's pairs (visible, never a silent wrong rotation).
-// One thread per (token, head, pair i); grid-stride over q * n * d/2.
-//   interleaved (the target's MLA rope, GPT-J pairs): (x[2i], x[2i+1])
-//   rotate_half (the drafter's NeoX halves):          (x[i], x[i + d/2])
-// both turned as (a, b) -> (a c - b s, a s + b c).
+// x [q, n, d] bf16 = rope(src [q, n, d]) (src may be x: in place), one thread per (token, head, pair i) turning it
+// with rope.cuh's rope_pair (strides, table, the NaN of a position outside the table: there); grid-stride over
+// q * n * d/2, so a strided view is roped into a dense copy in one pass.
 template <bool INTERLEAVED>
 __device__ __forceinline__ void rope(const bf16_t* src, int src_token_stride, int src_head_stride, bf16_t* x,
                                      int token_stride, int head_stride, const int* __restrict__ pos,
@@ -180,29 +175,9 @@ __device__ __forceinline__ void rope(const bf16_t* src, int src_token_stride, in
     pdl_wait();
     pdl_trigger();
     const size_t total = (size_t)q * n * half;
-    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
-        const int i = (int)(k % half);
-        const size_t th = k / half;
-        const int hd = (int)(th % n), t = (int)(th / n);
-        bf16_t* row = x + (size_t)t * token_stride + (size_t)hd * head_stride;
-        const bf16_t* srow = src + (size_t)t * src_token_stride + (size_t)hd * src_head_stride;
-        bf16_t* pa = row + (INTERLEAVED ? 2 * i : i);
-        bf16_t* pb = row + (INTERLEAVED ? 2 * i + 1 : i + half);
-        const bf16_t* sa = srow + (INTERLEAVED ? 2 * i : i);
-        const bf16_t* sb = srow + (INTERLEAVED ? 2 * i + 1 : i + half);
-        const int p = pos[t];
-        float ya, yb;
-        if (p < 0 || p >= max_pos) {
-            ya = yb = __int_as_float(0x7fc00000);
-        } else {
-            const float2 cs = table[(size_t)p * half + i];
-            const float a = bf16_to_f32(*sa), b = bf16_to_f32(*sb);
-            ya = a * cs.x - b * cs.y;
-            yb = a * cs.y + b * cs.x;
-        }
-        *pa = f32_to_bf16(ya);
-        *pb = f32_to_bf16(yb);
-    }
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x)
+        rope_pair<INTERLEAVED>(k, src, src_token_stride, src_head_stride, x, token_stride, head_stride, pos, table,
+                               max_pos, n, half);
 }
 
 extern "C" __global__ void rope_interleaved(const bf16_t* src, int src_token_stride, int src_head_stride, bf16_t* x,

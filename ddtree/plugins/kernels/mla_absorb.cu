@@ -16,7 +16,13 @@
 // K may be split over the block's warps (ks = blockDim.x / 32, each warp K / ks) when there are too
 // few (head, 16-row tile) pairs to fill the GPU (absorb_out at tp 8: 8 heads x 8 tiles); the partials
 // are summed in shared memory in warp order (deterministic). fp32 accumulation, bf16 out.
+//
+// mla_absorb_q_rope_mt<MT> is absorb_q with the query's rope in the same launch (the op set's mla_absorb_q_rope
+// pattern: one kernel boundary fewer on the query path): after its mma loop every thread of the grid turns at most
+// a few of the q x heads x Dr/2 pairs of q_pe with rope.cuh's rope_pair, the bits of layer_ops.cu's
+// rope_interleaved; the absorb's own sums are untouched (same loop, same order).
 #include "common.cuh"
+#include "rope.cuh"
 
 #define ABSORB_MAX_WARPS 8
 #define ABSORB_UNROLL 4
@@ -28,14 +34,26 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16_t* p) {      // read onc
     return r;
 }
 
+// The query's rope fused into absorb_q (mla_absorb_q_rope): x_pe [M, heads, 2 half] at x_pe + m pe_tok + n pe_head
+// -> out_pe [M, heads, 2 half] dense (absorb_gemm<MT, true>; the plain kernels take the empty default).
+struct AbsorbRope {
+    const bf16_t* src;
+    int src_tok, src_head;
+    bf16_t* out;
+    const int* pos;
+    const float2* table;
+    int max_pos, half;
+};
+
 // Grid (Nout / 16, heads, ceil(M / (8 MT))), block ks * 32 (ks <= ABSORB_MAX_WARPS, (K / ks) % 32 == 0).
 //   x   [M tokens, heads, K] bf16 at x + m x_tok + n x_head (x_tok, x_head multiples of 8)
 //   w   [heads, Nout, K] bf16 at w + n w_head + row w_row (w_head, w_row multiples of 8)
 //   out [M, heads, Nout] bf16 at out + m o_tok + n o_head
-template <int MT>
+template <int MT, bool ROPE = false>
 __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_tok, int x_head,
                                             const bf16_t* __restrict__ w, long long w_head, int w_row,
-                                            bf16_t* __restrict__ out, int o_tok, int o_head, int M, int K) {
+                                            bf16_t* __restrict__ out, int o_tok, int o_head, int M, int K,
+                                            const AbsorbRope rope = AbsorbRope{}) {
     __shared__ float4 red[ABSORB_MAX_WARPS][MT][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int ks = blockDim.x >> 5, kspan = K / ks, k0 = warp * kspan;
@@ -80,6 +98,14 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
             }
         }
     }
+    if (ROPE) {                      // after the loop: the pairs' loads do not delay this block's first mma
+        const int heads = gridDim.y, half = rope.half;
+        const size_t total = (size_t)M * heads * half, threads = (size_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+        const size_t me = ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+        for (size_t k = me; k < total; k += threads)
+            rope_pair<true>(k, rope.src, rope.src_tok, rope.src_head, rope.out, heads * 2 * half, 2 * half, rope.pos,
+                            rope.table, rope.max_pos, heads, half);
+    }
     pdl_trigger();
     if (ks > 1) {                                                         // sum the K split in warp order
 #pragma unroll
@@ -118,3 +144,15 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
 DD_DEFINE_ABSORB(1)
 DD_DEFINE_ABSORB(2)
 DD_DEFINE_ABSORB(4)
+
+#define DD_DEFINE_ABSORB_Q_ROPE(MT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(ABSORB_MAX_WARPS * 32)                                          \
+    mla_absorb_q_rope_mt##MT(const bf16_t* x, int x_tok, int x_head, const bf16_t* w, long long w_head, int w_row, \
+                             bf16_t* out, int o_tok, int o_head, int M, int K, const bf16_t* pe, bf16_t* out_pe,    \
+                             const int* pos, const float2* table, int max_pos, int half) {                          \
+        absorb_gemm<MT, true>(x, x_tok, x_head, w, w_head, w_row, out, o_tok, o_head, M, K,                      \
+                        AbsorbRope{pe, x_tok, x_head, out_pe, pos, table, max_pos, half});                         \
+    }
+DD_DEFINE_ABSORB_Q_ROPE(1)
+DD_DEFINE_ABSORB_Q_ROPE(2)
+DD_DEFINE_ABSORB_Q_ROPE(4)
