@@ -245,10 +245,13 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 @click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
               help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
                    "L2: ops/cuda_branch.py BranchOps.prefetch)")
+@click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
+              help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
+                   "down launch only (A/B: ops/cuda_moe.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_id,
-                 ranks, gpu_list, no_branches, prefetch_mb, as_json):
+                 ranks, gpu_list, no_branches, prefetch_mb, shared_join, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
@@ -262,7 +265,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     plan = make_plan(cfg, dcfg, tp)
     from ddtree.runtime.cuda_executor import gpu_unavailable
     if ranks == "all":
-        for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None)):
+        for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
+                            ("--shared-join", shared_join is not None)):
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
@@ -298,6 +302,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     rank.ops.branches = not no_branches
     if prefetch_mb is not None:
         rank.ops.prefetch_bytes = int(prefetch_mb * 2**20)
+    if shared_join is not None:
+        rank.ops.shared_join = shared_join
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
@@ -317,7 +323,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                        f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
-              "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes, "rows": rows,
+              "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
+              "shared_join": rank.ops.shared_join, "rows": rows,
               "notes": {"collectives": "stand-ins moving their bytes once on this GPU; not in the roofline",
                         "accept": "each DDTree step commits accepted_per_step tokens: the walk's path replaced by "
                                   "the tree's first-child chain (random weights accept ~1 on their own)",

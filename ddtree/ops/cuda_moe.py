@@ -3,8 +3,10 @@
 
 The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router, whose
 routing phase runs on one block while the rest of the GPU idles: it runs on a parallel branch beside the router
-(ops/cuda_branch.py), joined before the experts' launch. `ops.branches = False` runs them in order (A/B: ddtree
-bench step --no-branches); the outputs are the same bits either way (the same kernels on the same inputs)."""
+(ops/cuda_branch.py), joined before the experts' launch, or with `ops.shared_join = "down"` before the down
+launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`). `ops.branches =
+False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
+same kernels on the same inputs)."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +35,13 @@ class MoeOps:
         else:                              # the router runs (its cost is real), then the given routing is used
             ids, weights = given
             fused.route_given(x.ptr, M, ids, weights, stream=self.stream)
+        if self.shared_join not in ("experts", "down"):
+            raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
+        if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
+            fused.gate_up(x.ptr, M, self.stream)
+            self.join(shared_path)
+            fused.down(out.ptr, M, weights, shared_out.ptr, self.stream)
+            return out
         self.join(shared_path)
         fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
         return out
