@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call for the step's kernel boundaries (issue 22): the GPU tests of the fused query side (absorb + rope)
 # and of the layers and steps that run it, then `ddtree bench step` here, in a base tree, and here with the knobs
-# of $KNOBS (one run each, same process kind, same call).
+# of $KNOBS (one run each, same process kind, same call); probe: tests/plugins/probe_boundaries.py.
 #   .cache/step_base    the baseline: `git archive <commit> ddtree | tar -x -C .cache/step_base` (carried, ignored)
 #   .cache/step_cubins  sm_90 cubins of both trees compiled on the CPU machine (optional; NVRTC recompiles on a
 #                       version mismatch)
 # Outputs in $OUT: one file a step and log.txt (each step's command, stderr, exit status and seconds).
 # Usage (repo root, on the device):
-#   STEPS=tests,new,base,knobs KNOBS="--shared-join down" END_S=560 bash tests/plugins/step_fusion_on_gpu.sh
+#   STEPS=tests,probe,new,base,knobs KNOBS="--shared-join down" END_S=560 bash tests/plugins/step_fusion_on_gpu.sh
 set -uo pipefail
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 root=$PWD
@@ -23,6 +23,7 @@ if [[ $steps == *,tests,* ]]; then
     tests/runtime/test_cuda_step_gpu.py tests/runtime/test_batch_invariant_step_gpu.py \
     tests/runtime/test_cuda_moe_routing_gpu.py ${EXTRA_TESTS:-}
 fi
+[[ $steps == *,probe,* ]] && gpu_step probe 40 "$root" python3 tests/plugins/probe_boundaries.py --json
 STEP_ARGS=${STEP_ARGS:---context 4096 --budget 16 --routing uniform,tree --reuse 0.5 --accept 4 --repeats 8 --json}
 [[ $steps == *,new,* ]] && gpu_step step_new ${STEP_S:-140} "$root" python3 -m ddtree bench step $STEP_ARGS
 [[ $steps == *,base,* && -d $root/.cache/step_base ]] && gpu_step step_base ${STEP_S:-140} "$root/.cache/step_base" \
