@@ -24,7 +24,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
                             + [f"mla_decode_r{g}_k{w // g}_s{s}" for f, w, s, g in VARIANTS if f == "decode"],
            "mla_invariant.cu": ["mla_invariant_split", "mla_invariant_combine"],
            "kv_cache.cu": ["kv_append", "kv_compact", "kv_append_normed"],
-           "mla_absorb.cu": ["mla_absorb_mt1", "mla_absorb_mt2", "mla_absorb_mt4"],
+           "mla_absorb.cu": [f"mla_absorb{q}_mt{mt}" for q in ("", "_q_rope") for mt in (1, 2, 4)],
            "draft_attention.cu": ["draft_attention_d32", "draft_attention_d64", "draft_attention_d128",
                                   "draft_attention_combine"],
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],

@@ -34,8 +34,8 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16_t* p) {      // read onc
     return r;
 }
 
-// The query's rope fused into absorb_q (mla_absorb_q_rope): x_pe [M, heads, 2 half] at x_pe + m pe_tok + n pe_head
-// -> out_pe [M, heads, 2 half] dense (absorb_gemm<MT, true>; the plain kernels take the empty default).
+// The query's rope fused into absorb_q (mla_absorb_q_rope): src [M, heads, 2 half] at src + m src_tok + n src_head
+// -> out [M, heads, 2 half] dense (absorb_gemm<MT, true>; the plain kernels take the empty default).
 struct AbsorbRope {
     const bf16_t* src;
     int src_tok, src_head;
