@@ -3,12 +3,13 @@ kernel boundaries: is a layer as one persistent kernel worth building?). H200 de
 
     python3 tests/plugins/probe_boundaries.py [--chain 200] [--json]
 
-Three chains of `chain` dependent steps, each step reading the previous step's 17 x 7168 bf16 rows (L2-resident)
-and writing its own (a row-wise add: the size of the step's small kernels), timed as graph replays:
-  pdl      one launch a step (17 blocks x 256 threads), programmatic dependent launch (griddepcontrol wait first)
+Chains of `chain` dependent steps, each step reading the previous step's 17 x 7168 bf16 rows (L2-resident) and
+writing its own (an add of one: the size of the step's small kernels), on one block a SM x 256 threads, timed as
+graph replays; each also with no elements (n 0: the boundary alone):
+  pdl      one launch a step, programmatic dependent launch (griddepcontrol wait first)
   plain    the same launches in plain stream order
-  barrier  one persistent launch (one block a SM), the steps separated by a grid barrier (release / acquire
-           atomics on one counter, bounded spin); the same rows, the same work spread over the blocks
+  barrier  one persistent launch, the steps separated by a grid barrier (release / acquire atomics on one
+           counter, bounded spin)
 Each prints us a step = (replay us) / chain.
 """
 import json
@@ -64,35 +65,35 @@ def main(argv):
     n = rows * cols
     a, b = gpu.alloc((n,), np.uint16), gpu.alloc((n,), np.uint16)
     bar, err = gpu.alloc((1,), np.uint32), gpu.alloc((1,), np.int32)
+    gpu.memset(err, 0)
     out = {"device": gpu.name, "chain": chain, "rows": rows, "cols": cols}
 
-    def chain_of(pdl):
+    sms = gpu.sm_count
+
+    def chain_of(pdl, elems):
         def body(s):
             for i in range(chain):
                 src, dst = (a, b) if i % 2 == 0 else (b, a)
-                launch(s, LaunchConfig(grid=17, block=256, programmatic_stream_serialization=pdl), k_pdl,
-                       np.uint64(src.ptr), np.uint64(dst.ptr), np.int32(n))
+                launch(s, LaunchConfig(grid=sms, block=256, programmatic_stream_serialization=pdl), k_pdl,
+                       np.uint64(src.ptr), np.uint64(dst.ptr), np.int32(elems))
         return gpu.capture(body)
 
-    for name, pdl in (("pdl", True), ("plain", False)):
-        g = chain_of(pdl)
-        gpu.replay(g)
-        t = gpu.timed_ms(lambda: gpu.replay(g), 7)
-        out[f"{name}_us_per_step"] = 1e3 * float(np.median(t)) / chain
-    sms = gpu.sm_count
+    def persistent(elems):
+        launch(gpu.stream, LaunchConfig(grid=sms, block=256), k_bar, np.uint64(a.ptr), np.uint64(b.ptr),
+               np.int32(elems), np.int32(chain), np.uint64(bar.ptr), np.uint64(err.ptr))
 
-    times = []
-    for _ in range(7):
-        gpu.memset(bar, 0)
-        gpu.memset(err, 0)
-        times += gpu.timed_ms(lambda: launch(gpu.stream, LaunchConfig(grid=sms, block=256), k_bar, np.uint64(a.ptr),
-                                             np.uint64(b.ptr), np.int32(n), np.int32(chain), np.uint64(bar.ptr),
-                                             np.uint64(err.ptr)), 1)
-    out["barrier_us_per_step"] = 1e3 * float(np.median(times)) / chain
+    for elems, tag in ((n, ""), (0, "_empty")):
+        for name, pdl in (("pdl", True), ("plain", False)):
+            g = chain_of(pdl, elems)
+            gpu.replay(g)
+            t = gpu.timed_ms(lambda: gpu.replay(g), 7)
+            out[f"{name}{tag}_us_per_step"] = 1e3 * float(np.median(t)) / chain
+        times = []
+        for _ in range(7):
+            gpu.memset(bar, 0)
+            times += gpu.timed_ms(lambda: persistent(elems), 1)
+        out[f"barrier{tag}_us_per_step"] = 1e3 * float(np.median(times)) / chain
     out["barrier_errors"] = int(err.numpy()[0])
-    one = gpu.timed_ms(lambda: launch(gpu.stream, LaunchConfig(grid=17, block=256), k_pdl, np.uint64(a.ptr),
-                                      np.uint64(b.ptr), np.int32(n)), 7)
-    out["one_launch_us_eager"] = 1e3 * float(np.median(one))
     print(json.dumps(out) if "--json" in argv else "\n".join(f"{k}: {v}" for k, v in out.items()))
 
 

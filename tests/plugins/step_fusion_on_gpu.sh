@@ -7,7 +7,7 @@
 #                       version mismatch)
 # Outputs in $OUT: one file a step and log.txt (each step's command, stderr, exit status and seconds).
 # Usage (repo root, on the device):
-#   STEPS=tests,probe,new,base,knobs KNOBS="--shared-join down" END_S=560 bash tests/plugins/step_fusion_on_gpu.sh
+#   STEPS=tests,probe,new,base,knobs,again KNOBS="--shared-join down" END_S=560 bash tests/plugins/step_fusion_on_gpu.sh
 set -uo pipefail
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 root=$PWD
@@ -19,9 +19,9 @@ source "$root/tests/plugins/gpu_lib.sh"
 (gpu_compile "$root"; [[ -d $root/.cache/step_base ]] && gpu_compile "$root/.cache/step_base") >> "$out/log.txt" 2>&1
 if [[ $steps == *,tests,* ]]; then
   gpu_step tests ${TEST_S:-150} "$root" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
-    tests/plugins/test_absorb_gpu.py tests/plugins/test_layer_ops_gpu.py tests/runtime/test_kimi_two_layers_gpu.py \
-    tests/runtime/test_cuda_step_gpu.py tests/runtime/test_batch_invariant_step_gpu.py \
-    tests/runtime/test_cuda_moe_routing_gpu.py ${EXTRA_TESTS:-}
+    ${TESTS:-tests/plugins/test_absorb_gpu.py tests/plugins/test_layer_ops_gpu.py tests/runtime/test_kimi_two_layers_gpu.py
+    tests/runtime/test_cuda_step_gpu.py tests/runtime/test_batch_invariant_step_gpu.py
+    tests/runtime/test_cuda_moe_routing_gpu.py} ${EXTRA_TESTS:-}
 fi
 [[ $steps == *,probe,* ]] && gpu_step probe 40 "$root" python3 tests/plugins/probe_boundaries.py --json
 STEP_ARGS=${STEP_ARGS:---context 4096 --budget 16 --routing uniform,tree --reuse 0.5 --accept 4 --repeats 8 --json}
@@ -30,5 +30,9 @@ STEP_ARGS=${STEP_ARGS:---context 4096 --budget 16 --routing uniform,tree --reuse
   python3 -m ddtree bench step $STEP_ARGS
 [[ $steps == *,knobs,* ]] && gpu_step step_knobs ${STEP_S:-140} "$root" python3 -m ddtree bench step $STEP_ARGS \
   ${KNOBS:---shared-join down}
+if [[ $steps == *,again,* ]]; then                     # the spread: this tree and its knobs once more, in turn
+  gpu_step step_new2 ${STEP_S:-140} "$root" python3 -m ddtree bench step $STEP_ARGS
+  gpu_step step_knobs2 ${STEP_S:-140} "$root" python3 -m ddtree bench step $STEP_ARGS ${KNOBS:---shared-join down}
+fi
 tail -n 3 "$out"/tests.out 2>/dev/null
 grep -h "step\|==" "$out/log.txt" | tail -n 30

@@ -18,9 +18,10 @@
 // are summed in shared memory in warp order (deterministic). fp32 accumulation, bf16 out.
 //
 // mla_absorb_q_rope_mt<MT> is absorb_q with the query's rope in the same launch (the op set's mla_absorb_q_rope
-// pattern: one kernel boundary fewer on the query path): after its mma loop every thread of the grid turns at most
-// a few of the q x heads x Dr/2 pairs of q_pe with rope.cuh's rope_pair, the bits of layer_ops.cu's
-// rope_interleaved; the absorb's own sums are untouched (same loop, same order).
+// pattern: one kernel boundary fewer on the query path): every thread of the grid turns at most a few of the
+// q x heads x Dr/2 pairs of q_pe with rope.cuh's arithmetic, the bits of layer_ops.cu's rope_interleaved (its first
+// pair's loads beside x's, its arithmetic after the mma loop); the absorb's own sums are untouched (same loop, same
+// order).
 #include "common.cuh"
 #include "rope.cuh"
 
@@ -82,6 +83,17 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
     };
     load_weights(0);                 // the first chunks before the wait: weights never come from an earlier kernel
     pdl_wait();                      // x comes from the previous kernel
+    // the fused rope (ROPE): a thread's first pair of the M x heads x half, its loads issued here beside x's and
+    // its arithmetic after the mma loop; the grid's threads stride over the rest there
+    const size_t rope_total = ROPE ? (size_t)M * gridDim.y * rope.half : 0;
+    const size_t rope_threads = (size_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    const size_t rope_me = ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x
+                           + threadIdx.x;
+    RopeHeld rope_held{};
+    if (ROPE && rope_me < rope_total)
+        rope_held = rope_fetch<true>(rope_me, rope.src, rope.src_tok, rope.src_head, rope.out,
+                                     gridDim.y * 2 * rope.half, 2 * rope.half, rope.pos, rope.table, rope.max_pos,
+                                     gridDim.y, rope.half);
     for (int c0 = 0; c0 < kspan; c0 += 32 * ABSORB_UNROLL) {
         if (c0) load_weights(c0);
 #pragma unroll
@@ -98,13 +110,11 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
             }
         }
     }
-    if (ROPE) {                      // after the loop: the pairs' loads do not delay this block's first mma
-        const int heads = gridDim.y, half = rope.half;
-        const size_t total = (size_t)M * heads * half, threads = (size_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-        const size_t me = ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-        for (size_t k = me; k < total; k += threads)
-            rope_pair<true>(k, rope.src, rope.src_tok, rope.src_head, rope.out, heads * 2 * half, 2 * half, rope.pos,
-                            rope.table, rope.max_pos, heads, half);
+    if (ROPE) {                      // the first pair's loads were issued before the loop (rope_held)
+        if (rope_me < rope_total) rope_finish(rope_held);
+        for (size_t k = rope_me + rope_threads; k < rope_total; k += rope_threads)
+            rope_pair<true>(k, rope.src, rope.src_tok, rope.src_head, rope.out, gridDim.y * 2 * rope.half,
+                            2 * rope.half, rope.pos, rope.table, rope.max_pos, gridDim.y, rope.half);
     }
     pdl_trigger();
     if (ks > 1) {                                                         // sum the K split in warp order

@@ -10,29 +10,52 @@
 #pragma once
 #include "common.cuh"
 
+// A pair's inputs, loaded ahead of its arithmetic (rope_fetch, then rope_finish), so a kernel can issue the loads
+// early and use them late; rope_pair is the two back to back.
+struct RopeHeld {
+    bf16_t *pa, *pb;
+    float a, b;
+    float2 cs;
+    bool live;           // the position is inside the table
+};
+
 template <bool INTERLEAVED>
-__device__ __forceinline__ void rope_pair(size_t k, const bf16_t* src, int src_token_stride, int src_head_stride,
-                                          bf16_t* x, int token_stride, int head_stride, const int* __restrict__ pos,
-                                          const float2* __restrict__ table, int max_pos, int n, int half) {
+__device__ __forceinline__ RopeHeld rope_fetch(size_t k, const bf16_t* src, int src_token_stride, int src_head_stride,
+                                               bf16_t* x, int token_stride, int head_stride,
+                                               const int* __restrict__ pos, const float2* __restrict__ table,
+                                               int max_pos, int n, int half) {
     const int i = (int)(k % half);
     const size_t th = k / half;
     const int hd = (int)(th % n), t = (int)(th / n);
     bf16_t* row = x + (size_t)t * token_stride + (size_t)hd * head_stride;
     const bf16_t* srow = src + (size_t)t * src_token_stride + (size_t)hd * src_head_stride;
-    bf16_t* pa = row + (INTERLEAVED ? 2 * i : i);
-    bf16_t* pb = row + (INTERLEAVED ? 2 * i + 1 : i + half);
-    const bf16_t* sa = srow + (INTERLEAVED ? 2 * i : i);
-    const bf16_t* sb = srow + (INTERLEAVED ? 2 * i + 1 : i + half);
+    RopeHeld h;
+    h.pa = row + (INTERLEAVED ? 2 * i : i);
+    h.pb = row + (INTERLEAVED ? 2 * i + 1 : i + half);
     const int p = pos[t];
+    h.live = p >= 0 && p < max_pos;
+    h.cs = h.live ? table[(size_t)p * half + i] : make_float2(0.f, 0.f);
+    h.a = bf16_to_f32(srow[INTERLEAVED ? 2 * i : i]);
+    h.b = bf16_to_f32(srow[INTERLEAVED ? 2 * i + 1 : i + half]);
+    return h;
+}
+
+__device__ __forceinline__ void rope_finish(const RopeHeld& h) {
     float ya, yb;
-    if (p < 0 || p >= max_pos) {
+    if (!h.live) {
         ya = yb = __int_as_float(0x7fc00000);
     } else {
-        const float2 cs = table[(size_t)p * half + i];
-        const float a = bf16_to_f32(*sa), b = bf16_to_f32(*sb);
-        ya = a * cs.x - b * cs.y;
-        yb = a * cs.y + b * cs.x;
+        ya = h.a * h.cs.x - h.b * h.cs.y;
+        yb = h.a * h.cs.y + h.b * h.cs.x;
     }
-    *pa = f32_to_bf16(ya);
-    *pb = f32_to_bf16(yb);
+    *h.pa = f32_to_bf16(ya);
+    *h.pb = f32_to_bf16(yb);
+}
+
+template <bool INTERLEAVED>
+__device__ __forceinline__ void rope_pair(size_t k, const bf16_t* src, int src_token_stride, int src_head_stride,
+                                          bf16_t* x, int token_stride, int head_stride, const int* __restrict__ pos,
+                                          const float2* __restrict__ table, int max_pos, int n, int half) {
+    rope_finish(rope_fetch<INTERLEAVED>(k, src, src_token_stride, src_head_stride, x, token_stride, head_stride, pos,
+                                        table, max_pos, n, half));
 }
