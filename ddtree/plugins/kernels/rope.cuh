@@ -6,7 +6,7 @@
 // token's pairs (visible, never a silent wrong rotation).
 //   interleaved (the target's MLA rope, GPT-J pairs): (x[2i], x[2i+1])
 //   rotate_half (the drafter's NeoX halves):          (x[i], x[i + d/2])
-// both turned as (a, b) -> (a c - b s, a s + b c).
+// both turned as (a, b) -> (a c - b s, a s + b c) = (fma(a, c, -(b s)), fma(b, c, a s)).
 #pragma once
 #include "common.cuh"
 
@@ -45,8 +45,10 @@ __device__ __forceinline__ void rope_finish(const RopeHeld& h) {
     if (!h.live) {
         ya = yb = __int_as_float(0x7fc00000);
     } else {
-        ya = h.a * h.cs.x - h.b * h.cs.y;
-        yb = h.a * h.cs.y + h.b * h.cs.x;
+        // the contraction spelled out (the form NVRTC chose for the original expressions in every rope kernel), so
+        // that no call site's inlining can fuse the products otherwise and move a bf16 result by one ulp
+        ya = __fmaf_rn(h.a, h.cs.x, -__fmul_rn(h.b, h.cs.y));
+        yb = __fmaf_rn(h.b, h.cs.x, __fmul_rn(h.a, h.cs.y));
     }
     *h.pa = f32_to_bf16(ya);
     *h.pb = f32_to_bf16(yb);
