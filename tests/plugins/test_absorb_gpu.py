@@ -90,6 +90,19 @@ def test_absorb_replays_in_a_graph_with_new_inputs(gpu):
               "graph absorb_out")
 
 
+def unfused_q_rope(gpu, absorb, q_all, w_uk_t, pos, table, M, buffer=None):
+    """The two kernels the fused one replaces: absorb.q into q_lat and LayerOps.rope_interleaved from q_pe's
+    strided view (inside q_all) into a dense q_rope; buffer(gpu, shape) allocates the outputs (default plain)."""
+    from ddtree.plugins.layer_ops import LayerOps
+    N, Dn, R, Dr = absorb.heads, absorb.nope, absorb.latent, table.dim
+    buffer = buffer or (lambda g, shape: g.alloc(shape, np.uint16))
+    q_lat, q_rope = buffer(gpu, (M, N, R)), buffer(gpu, (M, N, Dr))
+    absorb.q(q_all, w_uk_t, q_lat, M, rope=Dr)
+    LayerOps(gpu).rope_interleaved(q_rope, pos, table, M, N, src=q_all.view(Dn, (M, N * (Dn + Dr) - Dn)),
+                                   src_token_stride=N * (Dn + Dr), src_head_stride=Dn + Dr)
+    return q_lat, q_rope
+
+
 @pytest.mark.parametrize("M", (1, 17, 65, 256))
 @pytest.mark.parametrize("dims", DIMS, ids=[f"n{d[0]}_dn{d[1]}_r{d[4]}" for d in DIMS])
 def test_absorb_q_rope_is_absorb_q_and_rope_interleaved(gpu, dims, M):
@@ -99,7 +112,7 @@ def test_absorb_q_rope_is_absorb_q_and_rope_interleaved(gpu, dims, M):
     magnitude m (|a| + |b|); the table is float64-built, so no angle error)."""
     from ddtree.model.presets import get_preset
     from ddtree.model.rope import rope_frequencies, rope_magnitude
-    from ddtree.plugins.layer_ops import LayerOps, RopeTable
+    from ddtree.plugins.layer_ops import RopeTable
     from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
     N, Dn, Dr, Dv, R = dims
     cfg = get_preset("kimi-k2.6", layers=2)[0]
@@ -113,10 +126,7 @@ def test_absorb_q_rope_is_absorb_q_and_rope_interleaved(gpu, dims, M):
     absorb = MlaAbsorb(gpu, N, Dn, Dv, R)
     w_uk_t, q_dev, pos_dev = gpu.upload(uk_transposed(kv_b, N, Dn, Dv)), gpu.upload(q_all), gpu.upload(pos)
 
-    lat_ref, rope_ref = nan_buffer(gpu, (M, N, R)), nan_buffer(gpu, (M, N, Dr))
-    absorb.q(q_dev, w_uk_t, lat_ref, M, rope=Dr)
-    LayerOps(gpu).rope_interleaved(rope_ref, pos_dev, table, M, N, src=q_dev.view(Dn, (M, N * (Dn + Dr) - Dn)),
-                                   src_token_stride=N * (Dn + Dr), src_head_stride=Dn + Dr)
+    lat_ref, rope_ref = unfused_q_rope(gpu, absorb, q_dev, w_uk_t, pos_dev, table, M, nan_buffer)
     lat, rope = nan_buffer(gpu, (M, N, R)), nan_buffer(gpu, (M, N, Dr))
     absorb.q_rope(q_dev, w_uk_t, lat, rope, pos_dev, table, M)
     np.testing.assert_array_equal(lat.numpy(), lat_ref.numpy())
@@ -135,7 +145,7 @@ def test_absorb_q_rope_is_absorb_q_and_rope_interleaved(gpu, dims, M):
 def test_absorb_q_rope_replays_in_a_graph(gpu):
     """Captured once, replayed with new queries and positions written in place: both outputs follow."""
     from ddtree.model.presets import get_preset
-    from ddtree.plugins.layer_ops import LayerOps, RopeTable
+    from ddtree.plugins.layer_ops import RopeTable
     from ddtree.plugins.mla_absorb import MlaAbsorb, uk_transposed
     N, Dn, Dr, Dv, R, M = 8, 128, 64, 128, 512, 17
     rng = np.random.default_rng(11)
@@ -151,9 +161,6 @@ def test_absorb_q_rope_replays_in_a_graph(gpu):
         gpu.copy_in(q_all, x)
         gpu.copy_in(pos, p)
         gpu.replay(graph)
-        lat_ref, rope_ref = gpu.alloc((M, N, R), np.uint16), gpu.alloc((M, N, Dr), np.uint16)
-        absorb.q(q_all, w_uk_t, lat_ref, M, rope=Dr)
-        LayerOps(gpu).rope_interleaved(rope_ref, pos, table, M, N, src=q_all.view(Dn, (M, N * (Dn + Dr) - Dn)),
-                                       src_token_stride=N * (Dn + Dr), src_head_stride=Dn + Dr)
+        lat_ref, rope_ref = unfused_q_rope(gpu, absorb, q_all, w_uk_t, pos, table, M)
         np.testing.assert_array_equal(lat.numpy(), lat_ref.numpy())
         np.testing.assert_array_equal(rope.numpy(), rope_ref.numpy())

@@ -89,11 +89,12 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
     const size_t rope_threads = (size_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
     const size_t rope_me = ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x
                            + threadIdx.x;
+    auto rope_at = [&](size_t k) {   // pair k's inputs: q_pe of (token, head) into out's dense [M, heads, 2 half]
+        return rope_fetch<true>(k, rope.src, rope.src_tok, rope.src_head, rope.out, gridDim.y * 2 * rope.half,
+                                2 * rope.half, rope.pos, rope.table, rope.max_pos, gridDim.y, rope.half);
+    };
     RopeHeld rope_held{};
-    if (ROPE && rope_me < rope_total)
-        rope_held = rope_fetch<true>(rope_me, rope.src, rope.src_tok, rope.src_head, rope.out,
-                                     gridDim.y * 2 * rope.half, 2 * rope.half, rope.pos, rope.table, rope.max_pos,
-                                     gridDim.y, rope.half);
+    if (ROPE && rope_me < rope_total) rope_held = rope_at(rope_me);
     for (int c0 = 0; c0 < kspan; c0 += 32 * ABSORB_UNROLL) {
         if (c0) load_weights(c0);
 #pragma unroll
@@ -112,9 +113,7 @@ __device__ __forceinline__ void absorb_gemm(const bf16_t* __restrict__ x, int x_
     }
     if (ROPE) {                      // the first pair's loads were issued before the loop (rope_held)
         if (rope_me < rope_total) rope_finish(rope_held);
-        for (size_t k = rope_me + rope_threads; k < rope_total; k += rope_threads)
-            rope_pair<true>(k, rope.src, rope.src_tok, rope.src_head, rope.out, gridDim.y * 2 * rope.half,
-                            2 * rope.half, rope.pos, rope.table, rope.max_pos, gridDim.y, rope.half);
+        for (size_t k = rope_me + rope_threads; k < rope_total; k += rope_threads) rope_finish(rope_at(k));
     }
     pdl_trigger();
     if (ks > 1) {                                                         // sum the K split in warp order
