@@ -13,6 +13,8 @@ attach_to_context, on_shape_change and enqueue (docs/tensorrt-rtx.md 3.2-3.3). R
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from ddtree.ops.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
@@ -84,6 +86,7 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
         self.timing_cache_id = ""
         self.runner = None                          # runtime: the node's kernels (attach_to_context)
         self._fields = None                         # get_fields_to_serialize's collection, built once
+        _never_freed(self)
 
     # core / build ----------------------------------------------------------------------------------
     def get_capability_interface(self, capability_type):
@@ -149,6 +152,17 @@ class DdtreePlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
             raise RuntimeError(f"ddtree::{self.spec.op} plugin: used before attach_to_context (TensorRT attaches "
                                "each plugin to its execution context first)")
         return self.runner
+
+
+def _never_freed(plugin: DdtreePlugin) -> None:
+    """One reference no one releases: Python never deallocates a plugin. TensorRT's Python bindings leave the
+    Python object of a plugin TensorRT deleted alive and registered at its C++ address (each
+    get_capability_interface call keeps a reference, the destructor drops one); when that address is reused
+    by another plugin whose Python object is deallocated, the binding's destructor finds and releases the stale
+    object instead, until its count reaches zero and its holder deletes memory it no longer owns ("malloc():
+    unaligned tcache chunk detected"). tests/ops/test_trt_plans.py::test_plugins_dropped_after_a_build
+    reproduces it (every run aborted before this). TensorRT-owned plugins leak their Python objects anyway."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(plugin))
 
 
 def _dims_types(descs) -> tuple[list, list]:
