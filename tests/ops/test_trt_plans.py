@@ -73,6 +73,14 @@ def test_inspect_lists_plan_io(trt_engine):
     assert "moe_layer" in r.stderr and "tree_mask int32[-1, -1]" in r.stderr and "MlaTreeAttention" in r.stderr
 
 
+def run_fresh(script: str, out) -> str:
+    """`script` in a fresh interpreter with the engine dir as argv[1] -> its stdout; a native crash there fails the
+    calling test with the script's output instead of ending the whole pytest run."""
+    run = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    return run.stdout
+
+
 ROUND_TRIP = """
 import json, sys
 from pathlib import Path
@@ -125,9 +133,8 @@ def test_plugin_fields_round_trip_through_runtime_creation(trt_engine):
     about one run of three here ("malloc(): unaligned tcache chunk detected"; about one in twenty once it was built
     once, from the RUNTIME plugins this check drops: test_plugins_dropped_after_a_build)."""
     out, _, _ = trt_engine
-    run = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(out)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
-    assert run.stdout.split()[-1] == str(len(NODES)), run.stdout
+    stdout = run_fresh(ROUND_TRIP, out)
+    assert stdout.split()[-1] == str(len(NODES)), stdout
 
 
 DROP_AFTER_BUILD = """
@@ -157,9 +164,8 @@ def test_plugins_dropped_after_a_build(trt_engine):
     bindings' destructor released the stale Python objects of TensorRT's deleted plugins until one was freed twice
     (creators._never_freed); this script aborted in 20 of 20 runs before, "malloc(): unaligned tcache chunk"."""
     out, _, _ = trt_engine
-    run = subprocess.run([sys.executable, "-c", DROP_AFTER_BUILD, str(out)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
-    assert run.stdout.split()[-1] == str(200 * len(NODES)), run.stdout
+    stdout = run_fresh(DROP_AFTER_BUILD, out)
+    assert stdout.split()[-1] == str(200 * len(NODES)), stdout
 
 
 def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
