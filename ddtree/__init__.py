@@ -6,7 +6,7 @@ import os
 # OPENBLAS_NUM_THREADS in the environment wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-__version__ = "0.1.0"
+from ddtree.version import __version__  # noqa: E402,F401  (after the thread setting above)
 
 
 def __getattr__(name):

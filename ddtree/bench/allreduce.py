@@ -1,5 +1,5 @@
 """`ddtree bench allreduce`: the one-shot peer-to-peer all-reduce (plugins/allreduce.py) against NCCL
-(ops/nccl_group.py) on M x hidden bf16 messages, one process per GPU (docs/interfaces.md section 9).
+(parallel/nccl_group.py) on M x hidden bf16 messages, one process per GPU (docs/interfaces.md section 9).
 
 Two timings per (impl, M):
     alone     a CUDA graph of one all-reduce, replayed back to back `--replays` times with an event between
@@ -108,7 +108,7 @@ def probe_rank(link, gpu_id: int) -> dict:
 
 def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], replays: int, collectives: int) -> dict:
     """One rank's measurements (every rank runs the same graphs; rank 0's rows are reported)."""
-    from ddtree.ops.nccl_group import NcclGroup, new_unique_id, version
+    from ddtree.parallel.nccl_group import NcclGroup, new_unique_id, version
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu, ptr
     gpu = Gpu(gpu_id)
@@ -172,7 +172,7 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
 
 def nccl_faster_from(rows: list[dict]) -> int | None:
     """The smallest message (bytes) from which NCCL beat the one-shot (push) inside the graph at every measured size
-    (what --allreduce auto's limit should be on this machine; ops/rank_collective.py), None if it never did."""
+    (what --allreduce auto's limit should be on this machine; parallel/rank_collective.py), None if it never did."""
     times = {}
     for row in rows:
         if row["mode"] == "in_graph":
@@ -198,7 +198,7 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, timeout_s, as_json):
     """One-shot peer-to-peer all-reduce vs NCCL, alone and inside a graph of 122."""
-    from ddtree.ops.spawn_ranks import run_ranks
+    from ddtree.parallel.spawn_ranks import run_ranks
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
     if probe:

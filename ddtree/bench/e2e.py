@@ -102,7 +102,7 @@ def one_request(ex, ids: list[int], budget: int | None, n_new: int, params: Samp
 
 def graph_counters(ex) -> dict | None:
     """The GPU steps' counters (capture seconds, graph steps, host seconds in them), or None on the CPU."""
-    steps = getattr(ex, "steps", None)
+    steps = ex.steps
     if steps is None:
         return None
     s = steps.stats()

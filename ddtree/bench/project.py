@@ -1,7 +1,7 @@
 """`ddtree bench project`: one DDTree step of rank 0 projected to 8x RTX PRO 6000 (issue 21; a PROJECTION).
 
 Per (context, budget, routing): the meter backend counts the step (drafter, tree, target verify of
-budget + 1 nodes after `context` cached tokens, acceptance walk, compaction; ddtree/ops/meter.py),
+budget + 1 nodes after `context` cached tokens, acceptance walk, compaction; ddtree/backends/meter.py),
 ddtree/bench/projection.py turns each op call and each counted collective into microseconds on the
 target, and tokens/s = accept_len / step time. Routed experts touched per MoE layer: `uniform` = the
 meter's expectation E (1 - (1 - k/E)^M); `tree` = the routing generator (ddtree/bench/routing.py) on
@@ -23,8 +23,8 @@ from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.ops.meter import expected_distinct, meter_step, totals
-from ddtree.ops.opset import RankLayout
+from ddtree.backends.meter import expected_distinct, meter_step, totals
+from ddtree.description.opset import RankLayout
 from ddtree.tree.build import MAX_BUDGET, Tree, build_tree
 
 

@@ -1,6 +1,6 @@
 """The projection of one DDTree step to the product machine (issue 21, docs/interfaces.md section 10).
 
-A PROJECTION, not a measurement. Per op call of the step (a meter record, ddtree/ops/meter.py):
+A PROJECTION, not a measurement. Per op call of the step (a meter record, ddtree/backends/meter.py):
 
     us = fixed_us + bytes / (efficiency x bandwidth) + flops / (flop_efficiency x bf16 rate)
 

@@ -5,7 +5,7 @@ each part's ideal and overhead (issue 22's definition, so that a target means th
     overhead = the part's measured time - its ideal
 
 The measured time of a part is the sum of its kernels timed alone (kernel_family); the ideal comes from the
-meter (ops/meter.py) walking the same layer functions (meter_family mirrors kernel_family op by op). Every
+meter (backends/meter.py) walking the same layer functions (meter_family mirrors kernel_family op by op). Every
 kernel today does the work of one part (the SwiGLU epilogue is the dense GEMM's, the fused router the
 router's, the query's rope in mla_absorb_q_rope the absorb's: its meter record holds both), so a kernel's time
 goes to its part whole; a kernel doing the work of several parts would be split in proportion to their ideals
@@ -48,7 +48,7 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
 
 
 def meter_family(rec) -> str:
-    """The part of one meter Record (ops/meter.py), by the same rules as kernel_family."""
+    """The part of one meter Record (backends/meter.py), by the same rules as kernel_family."""
     if rec.collective:
         return "allreduce_standin"
     if rec.op == "linear" and rec.kind in ("head", "draft_head"):

@@ -24,11 +24,11 @@ import statistics
 def rank_steps(link, gpu_id: int, preset: str, layers: int | None, tp: int, contexts: list[int], budgets: list[int],
                cases: list, accept: int, repeats: int, with_ar: bool) -> dict:
     """One rank process: its rows, single-rank then with the collectives (the same row order on every rank)."""
-    from ddtree.bench.step import prepare_row, row_cases, synthetic_steps
+    from ddtree.bench.step_rows import prepare_row, row_cases, synthetic_steps
     from ddtree.bench.synthetic_rank import SyntheticWeights
     from ddtree.builder.plan import make_plan
     from ddtree.model.presets import get_preset
-    from ddtree.ops.cuda_collectives import ProcessRankMember
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu
     from ddtree.runtime.cuda_ranks import all_reduce_elems
@@ -55,7 +55,7 @@ def rank_steps(link, gpu_id: int, preset: str, layers: int | None, tp: int, cont
     single = medians(real=False)
     one_shot = OneShotAllReduce(gpu, link.rank, tp, all_reduce_elems(cfg, dcfg))
     one_shot.connect(link.all_exchange(one_shot.ipc_handle()))
-    rank.ops.standin, rank.ops.collective = False, ProcessRankMember(one_shot=one_shot)
+    rank.ops.collective = ProcessRankMember(one_shot=one_shot)
     steps.graphs.clear()                                  # recaptured with the collectives inside
     real = medians(real=True)
     gpu.sync()
@@ -87,7 +87,7 @@ def summarize(infos: list[dict]) -> list[dict]:
 def run_all_ranks(gpus: list[int], preset: str, layers: int | None, tp: int, contexts, budgets, cases, accept: int,
                   repeats: int, with_ar: bool, timeout_s: float = 3600.0) -> dict:
     """Every rank of the tp plan as a process on gpus[rank] -> the bench's JSON object."""
-    from ddtree.ops.spawn_ranks import run_ranks
+    from ddtree.parallel.spawn_ranks import run_ranks
     infos = run_ranks(rank_steps, gpus, args=(preset, layers, tp, contexts, budgets, cases, accept, repeats, with_ar),
                       timeout_s=timeout_s)
     errors = sorted({r for info in infos for r in info["one_shot_errors"]})

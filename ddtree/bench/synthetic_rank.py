@@ -1,7 +1,7 @@
 """One rank of a model at real size on one GPU, weights generated on the device (ddtree bench step).
 
     rank = SyntheticRank(gpu, cfg, dcfg, plan, rank=0, max_context=32768 + 128, seed=0)
-    steps = GpuSteps(rank)             # the real DDTree step graph of that rank (runtime/cuda_step.py)
+    steps = BenchSteps(rank)           # the real DDTree step graph of that rank (bench/bench_ops.py)
 
 Every tensor of the rank (builder/weights.py rank_tensor_specs: the shapes the engine would hold) is allocated
 in the kernels' layout and filled on the device by plugins/randfill.py (seeded, no host transfer): GEMM weights
@@ -9,7 +9,7 @@ tiled, [gate; up] stacked, W_UK^T, INT4 experts as random words with scales in [
 |w| in [2^-11, 2^-7), norms 1, the router's bias 0. Random weights are a layout's permutation of random
 weights, so a tiled buffer filled at random is as real as a tiled real one for timing; the values keep every
 activation finite (checked by the benchmark on the logits). The collectives are stand-ins that move their bytes
-once on this GPU (ops/cuda_backend.py standin): rank r's own work, not the others'.
+once on this GPU (bench/bench_ops.py StandinCollective): rank r's own work, not the others'.
 The KV caches are filled with random rows up to the context.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.bench.hash_model import preset_of
-from ddtree.ops.cuda_backend import CudaOps
-from ddtree.ops.opset import RankLayout
-from ddtree.runtime.cuda_executor import GpuDraftCache, GpuTargetCache
+from ddtree.bench.bench_ops import BenchOps
+from ddtree.description.opset import RankLayout
+from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache
 from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights
 
 
@@ -70,7 +70,7 @@ class SyntheticRank:
         self.lay = RankLayout.from_plan(self.plan_dict, rank)
         self.specs = rank_tensor_specs(plan)
         self.store = SyntheticWeights(gpu, self.specs, cfg, max_context, seed)
-        self.ops = CudaOps(gpu, self.lay, self.store, standin=True)
+        self.ops = BenchOps(gpu, self.lay, self.store)
         self.target_cache = GpuTargetCache(DeviceLatentCache(gpu, cfg.num_hidden_layers, max_context,
                                                              latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
         kv_heads = dcfg.num_key_value_heads // plan.tp if dcfg.num_key_value_heads >= plan.tp else 1

@@ -85,7 +85,7 @@ def tune_command(engine_dir, device, gpu_id, budgets, contexts, prompts, max_new
     from ddtree.engine_dir import engine_configs, check_engine
     from ddtree.engine_dir.tuning import Tuning, now_utc, write_tuning
     from ddtree.model.tokenizer import load_tokenizer
-    from ddtree.ops.meter import expected_distinct
+    from ddtree.backends.meter import expected_distinct
     from ddtree.tree.budget import fit_calibration
     from ddtree.tree.build import MAX_BUDGET
     budgets, contexts = parse_ints(budgets, "--budget"), parse_ints(contexts, "--context")

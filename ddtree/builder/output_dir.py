@@ -93,7 +93,7 @@ def copy_tokenizer(files: list[Path], out_dir: Path) -> str | None:
 def config_fields(cfg: KimiConfig, dcfg: DrafterConfig, plan: dict, archs, budgets, weight_files: list[str],
                   kernels: dict, tokenizer: str | None, sources: dict) -> dict:
     """What config.json holds besides "format" (ddtree/engine_dir/ writes it and checks every field)."""
-    from ddtree import __version__
+    from ddtree.version import __version__
     return {"ddtree_version": __version__, "model": cfg.to_dict(), "drafter": dcfg.to_dict(),
             "tp": plan["tp"], "experts": plan["experts"], "archs": list(archs), "budgets": list(budgets),
             "block_size": dcfg.block_size, "dtypes": DTYPES, "plan": plan,

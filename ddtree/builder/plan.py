@@ -40,7 +40,7 @@ Target, outside the layers
   norm                                        replicated
   lm_head                                     split by vocab (rows): rank r computes logits for its
                                               V/tp ids; logits are never all-gathered on the GPU.
-Sampling on vocab-split logits (docs/interfaces.md section 5; ddtree/ops/vocab_parallel.py)
+Sampling on vocab-split logits (docs/interfaces.md section 5; ddtree/runtime/vocab_parallel.py)
   greedy, and Gumbel-max with no top-k/top-p: exact. Each rank reduces its slice to one (value, id)
   winner per row (value = logit, or z + g(seed, p, v) with the global id v); the winners are
   gathered ([tp, q] pairs) and the largest value wins, ties -> the lower id (= the lower rank).

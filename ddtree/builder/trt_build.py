@@ -42,7 +42,7 @@ def require_graphs() -> None:
 
 def require_trt() -> None:
     """Import the wheels now (and fix the parser link), or raise BuildError with the install command."""
-    from ddtree.ops.tensorrt.loader import TrtUnavailable, import_trt
+    from ddtree.backends.tensorrt.loader import TrtUnavailable, import_trt
     try:
         import_trt()
     except TrtUnavailable as e:
@@ -51,7 +51,7 @@ def require_trt() -> None:
 
 def export_graphs(engine_dir, cfg, dcfg, plan: dict, weight_files, budgets, advance=None) -> dict:
     """graphs/ of an engine whose rank weights are written (their headers give every input's shape)."""
-    from ddtree.ops.onnx_export import rank_specs, write_graphs
+    from ddtree.backends.onnx_export import rank_specs, write_graphs
     specs = rank_specs(engine_dir, weight_files)
     return write_graphs(engine_dir, cfg, dcfg, plan, specs, budgets, on_rank=lambda r: advance and advance(1))
 
@@ -143,7 +143,7 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
 
 def build_plans(engine_dir, on_plan=None) -> dict:
     """Every graphs/rank<r>/<kind>.onnx -> rank<r>/<kind>.plan; writes and returns plans.json."""
-    from ddtree.ops.tensorrt.creators import register_creators, trt
+    from ddtree.backends.tensorrt.creators import register_creators, trt
     register_creators()
     root = Path(engine_dir)
     index = json.loads(ed.graphs_index_path(root).read_text())

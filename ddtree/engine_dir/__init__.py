@@ -12,7 +12,7 @@ an engine is made here, so no other module spells "rank<r>" or "kernels/<arch>" 
                                     "ranks", "weight_files", "kernels", "tokenizer", "source", ...}
       rank<r>/*.safetensors        that rank's weights (builder/weights.py documents every name and shape)
       rank<r>/<kind>.plan          TensorRT-RTX plans (ddtree-build --trt), listed in plans.json
-      graphs/index.json            the graphs of every rank (ops/onnx_export.py)
+      graphs/index.json            the graphs of every rank (backends/onnx_export.py)
       graphs/rank<r>/<kind>.onnx   each rank's share of each layer kind
       kernels/<arch>/              cubins, one per kernel source
       tokenizer/                   the checkpoint's tokenizer files (absent for byte-tokenizer models)
@@ -28,7 +28,7 @@ manifest.json: {"format": "ddtree-engine/1", "files": {"config.json": {"size": 1
 written before it have none)} with relative paths (forward slashes), sorted; files are hashed in 1 MiB reads on a
 few threads (hashlib releases the GIL on large buffers).
 
-Loading an engine (runtime/engine_executor.py, ops/onnx_runner.py) and `ddtree inspect` share one check
+Loading an engine (runtime/engine_executor.py, runtime/graph_ranks.py) and `ddtree inspect` share one check
 (`check_engine`, `engine_problems`), run before the first token:
   structural, always: the manifest well formed; every file it lists present with its size, nothing unlisted;
     config.json consistent with itself, its plan, the rank directories, the manifest and the weights' headers

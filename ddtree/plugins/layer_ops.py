@@ -10,7 +10,7 @@ Every method takes device pointers (DeviceArray or int address), host dims and s
 no allocation, no sync, no host read of device data, so the calls can be captured into a CUDA graph.
 Per-step values (ids, positions, gathered rows) are device int32 buffers, so one graph serves every step.
 bf16 storage (uint16 bits), fp32 math, one rounding to bf16 per output. Numpy twins: plugins/reference.py.
-Letters as in ops/opset.py; strides are in elements.
+Letters as in description/opset.py; strides are in elements.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Why: the tree attention of a layer is latency-bound (8 heads x 17 rows: ~15-20 u
 the kernels after it read weights from DRAM at a fraction of the copy ceiling (o_proj, the router, the shared
 expert: skinny GEMMs whose fixed costs are not hidden). Fetching those weights into L2 while the attention runs
 moves their DRAM time under the attention's. The cuda backend chooses what to stage within a byte budget
-(ops/cuda_branch.py BranchOps.prefetch); the values read never change (a prefetch moves no data a kernel sees).
+(backends/cuda_branch.py BranchOps.prefetch); the values read never change (a prefetch moves no data a kernel sees).
 """
 from __future__ import annotations
 

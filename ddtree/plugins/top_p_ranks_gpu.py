@@ -83,7 +83,7 @@ def exchange_bytes(n: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Dense:
-    """A dense device tensor as the rank collectives take it (ops/cuda_tensor.py Tensor's fields they read)."""
+    """A dense device tensor as the rank collectives take it (backends/cuda_tensor.py Tensor's fields they read)."""
     ptr: int
     shape: tuple
     dtype: np.dtype
@@ -117,7 +117,7 @@ class TopPRanks:
         if not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"TopPRanks: max_rows must be in 1..{MAX_ROWS}, got {max_rows}")
         if not callable(getattr(collective, "all_gather", None)):
-            raise ValueError("TopPRanks: collective needs all_gather(gpu, x, out, stream) (ops/cuda_collectives.py "
+            raise ValueError("TopPRanks: collective needs all_gather(gpu, x, out, stream) (parallel/cuda_collectives.py "
                              f"ThreadRankMember or ProcessRankMember), got {type(collective).__name__}")
         self.gpu, self.collective, self.tp, self.V, self.V_r = gpu, collective, ranks, vocab, slice_vocab
         self.max_rows, self.S = max_rows, math.ceil(slice_vocab / SLICE)

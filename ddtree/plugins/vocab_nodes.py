@@ -1,4 +1,4 @@
-"""Launchers for the vocab-parallel sampling and tree nodes (ops/nodes.py VocabWinner, VocabTopK, TreeBuild,
+"""Launchers for the vocab-parallel sampling and tree nodes (description/nodes.py VocabWinner, VocabTopK, TreeBuild,
 AcceptWalk) at any tp: the kernels the cuda backend runs for these ops and a TensorRT plugin's enqueue launches.
 
     winner = VocabWinner(gpu, vocab=V_r, vocab_start=s)            # workspaces for up to 256 rows
@@ -13,13 +13,13 @@ AcceptWalk) at any tp: the kernels the cuda backend runs for these ops and a Ten
 Each run() is one launch (kernels/sample.cu node_vocab_winner / node_accept_walk, kernels/tree_build.cu
 node_vocab_topk / node_tree_build). Every tensor argument is a device address (an int, a DeviceArray, or a
 cuda-backend Tensor's .ptr), inputs and outputs alike, so a plugin passes its own buffers; the shapes and
-dtypes are the nodes' (ops/nodes.py), dense row-major; `stream` is a cuda.core stream, a graph builder, or
+dtypes are the nodes' (description/nodes.py), dense row-major; `stream` is a cuda.core stream, a graph builder, or
 None (the Gpu's). The constructor allocates every workspace for its max shapes; run() allocates nothing,
 reads no device data on the host and never synchronises, so it can be captured in a CUDA graph. Per-step
 scalars (temperature, seed, sample positions, the root) are device buffers the kernels read: greedy (T = 0)
 and Gumbel sampling are one kernel, so one graph serves both.
 
-Against ops/numpy_math.py (docs/interfaces.md 6: the GPU may depart from numpy only at near-ties):
+Against backends/numpy_math.py (docs/interfaces.md 6: the GPU may depart from numpy only at near-ties):
   VocabWinner  greedy: ids and values exact. T > 0: the value is the float64 l / T + g (the noise of
                sample_gumbel: Philox, float64 log) rounded to float32, as the backend's upload of numpy's;
                CUDA's float64 log may differ from numpy's in the last bit, so a value may differ by one float32

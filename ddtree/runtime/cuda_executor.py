@@ -1,4 +1,4 @@
-"""The executor on one GPU: an engine's layer functions (ops/layers.py) through the cuda backend, at tp 1 or as
+"""The executor on one GPU: an engine's layer functions (description/layers.py) through the cuda backend, at tp 1 or as
 one rank process of tp N (runtime/cuda_ranks.py).
 
     ex = CudaExecutor(engine_dir, gpu=0, max_context=4096)
@@ -30,16 +30,18 @@ import numpy as np
 
 from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
 from ddtree.model.bf16 import as_float, f32_to_bf16
-from ddtree.ops import layers, vocab_parallel
-from ddtree.ops.cuda_backend import MAX_TOKENS, CudaOps
-from ddtree.ops.cuda_tensor import Tensor
-from ddtree.ops.opset import RankLayout
+from ddtree.description import layers, stack
+from ddtree.runtime import vocab_parallel
+from ddtree.backends.cuda_backend import MAX_TOKENS, CudaOps
+from ddtree.backends.cuda_tensor import Tensor
+from ddtree.description.opset import RankLayout
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
-from ddtree.tree.walk import WalkResult, accept_walk
 
 from ddtree.runtime.cuda_weights import CudaWeights
+from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache, draft_feeds, target_feeds, target_layers
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
+from ddtree.runtime.executor import Executor
 from ddtree.runtime.loop import RequestError
 
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
@@ -84,68 +86,18 @@ def gpu_unavailable(gpu: int = 0) -> str | None:
     return None
 
 
-class GpuTargetCache:
-    """The latent cache of every layer on the device (plugins/kv_cache.py DeviceLatentCache) + its length."""
-
-    def __init__(self, dev):
-        self.dev, self.length = dev, 0
-
-    @property
-    def capacity(self) -> int:
-        return self.dev.capacity
-
-    def reserve(self, rows: int) -> None:
-        if rows > self.capacity:
-            raise RequestError(f"GPU target cache: {rows} rows asked for, past its capacity of {self.capacity} "
-                               "(--max-context)")
-
-    def layer(self, L: int) -> Tensor:
-        return Tensor.of(self.dev.layer(L))
-
-    def entries(self, layer: int, end: int | None = None) -> np.ndarray:
-        return self.dev.layer(layer).numpy()[: self.length if end is None else end]
-
-
-class GpuDraftCache:
-    def __init__(self, gpu, layers: int, capacity: int, kv_heads: int, d: int):
-        self.k = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
-        self.v = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
-        self.lengths = gpu.zeros(1, np.int32)
-        self.capacity, self.length = capacity, 0
-
-    def reserve(self, rows: int) -> None:
-        if rows > self.capacity:
-            raise RequestError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity} "
-                               "(--max-context)")
-
-
-def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None) -> Tensor:
-    """The embedding and every decoder layer of ex (an executor, or bench step's SyntheticRank: ops, config,
-    moe_inter) through the op set (feeds: ids, pos, cache_len, tree_mask) -> h [q, H]; tap(L, h) after layer L
-    (the primitives download taps, the step graph copies them on the device)."""
-    cfg, ops = ex.config, ex.ops
-    h = ops.call(layers.embed, cfg, feeds={"ids": feeds["ids"]})["h"]
-    layer_feeds = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
-    for L in range(cfg.num_hidden_layers):
-        h = ops.call(layers.decoder_layer, cfg, L, ex.moe_inter,
-                     feeds={**layer_feeds, "h": h, "cache": cache.layer(L)}, arena=L % 2)["h_out"]
-        if tap:
-            tap(L, h)
-    return h
-
-
-class CudaExecutor:
+class CudaExecutor(Executor):
     name = "cuda"
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
                  graphs: bool = True, cap_context: bool = False, kernel_plan: str = "fast", rank: int = 0,
                  collective=None, host_group=None, checked: tuple | None = None):
         """cap_context: a max_context above the model's context is cut to it (a computed default), else an error.
-        kernel_plan: "fast" or "batch-invariant" (ops/cuda_backend.py KERNEL_PLANS: DDTree == AR bitwise).
+        kernel_plan: "fast" or "batch-invariant" (backends/cuda_backend.py KERNEL_PLANS: DDTree == AR bitwise).
         graphs: the loops' steps (ar_step, ddtree_step) run as captured CUDA graphs (runtime/cuda_step.py);
         False: every step is the composition of the primitives below (host sampling, tree and walk).
         A tp > 1 engine: this process is rank `rank` (runtime/ranks.py), with `collective` its GPU collective for
-        the layers' all-reduces (ops/cuda_collectives.py) and `host_group` the ranks' host group (ops/shm_group.py)
+        the layers' all-reduces (parallel/cuda_collectives.py) and `host_group` the ranks' host group (parallel/shm_group.py)
         that gathers the primitives' logits slices, so every rank samples, builds and walks the same tree from the
         same bits (the rank-symmetric step); its steps are graphs with the collectives inside (runtime/cuda_step_tp.py)
         when the collective is capturable, else the primitives. checked: check_engine's result when the caller has
@@ -169,7 +121,7 @@ class CudaExecutor:
                    kernel_plan: str = "fast") -> "CudaExecutor":
         """Rank `rank` of `plan` (TPPlan.to_dict()) over tensors given in memory (its rank tensors as an engine
         stores them: a test's model, bench/hash_model.py), no engine directory. collective: the GPU collective
-        of tp > 1 (ops/cuda_collectives.py), None at tp 1."""
+        of tp > 1 (parallel/cuda_collectives.py), None at tp 1."""
         self = cls.__new__(cls)
         self.engine_dir, self.tokenizer_dir, self.host_group = None, None, None
         self.meta = {"tp": plan["tp"], "plan": plan}
@@ -220,6 +172,17 @@ class CudaExecutor:
         from ddtree.runtime.cuda_step import GpuSteps
         from ddtree.runtime.cuda_step_tp import TpSteps
         self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
+
+    def device_stats(self) -> dict:
+        """The GPU, the memory plan (bytes), which collective carries a tp N rank's all-reduces, and the step
+        graphs' counters."""
+        out = {"device": self.gpu.name, "memory": dict(self.memory_plan)}
+        collective = getattr(self.ops.collective, "collective", None)    # a stand-in or a real one (tp > 1)
+        if collective is not None:
+            out["allreduce"] = collective.describe()
+        if self.steps is not None:
+            out.update(self.steps.stats())
+        return out
 
     def ar_step(self, state, params: SamplingParams) -> list[int]:
         """The AR loop's step (runtime/loop.py): one replay of the AR graph."""
@@ -286,9 +249,8 @@ class CudaExecutor:
         tapped = {}
 
         def tap(L: int, h: Tensor) -> None:
-            if L in taps:
-                tapped[L] = as_float(ops.host(h), np.float32)
-        h = target_layers(self, step, cache, tap)
+            tapped[L] = as_float(ops.host(h), np.float32)
+        h = target_layers(self, step, cache, tap, taps)
         cache.length = T + q
         return self._logits(ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]), tapped
 
@@ -318,15 +280,12 @@ class CudaExecutor:
         d, ops = self.drafter_config, self.ops
         T, n, b = cache.length, len(ctx_taps), len(block_ids)
         self.gpu.copy_in(cache.lengths, np.array([T], np.int32))
-        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": f32_to_bf16(ctx_taps.astype(np.float64))})["ctx"]
-        h = ops.call(layers.embed, self.config, feeds={"ids": np.asarray(block_ids, np.int32)})["h"]
-        step = {"pos": ops.bind("draft_pos", np.asarray(pos, np.int32)),
-                "cache_len": Tensor.of(cache.lengths, host=np.array([T], np.int32))}
-        for L in range(d.num_hidden_layers):
-            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
-                **step, "h": h, "ctx": ctx, "cache_k": cache.k[L], "cache_v": cache.v[L]})["h_out"]
+        feeds = {"ctx_taps": f32_to_bf16(ctx_taps.astype(np.float64)), "ids": np.asarray(block_ids, np.int32),
+                 "pos": ops.bind("draft_pos", np.asarray(pos, np.int32)),
+                 "cache_len": Tensor.of(cache.lengths, host=np.array([T], np.int32))}
+        logits = stack.drafter_forward(ops.run, self.config, d, feeds, draft_feeds(cache), b)["logits"]
         cache.length = T + n
-        return self._logits(ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"])
+        return self._logits(logits)
 
     def compact(self, cache: GpuTargetCache, start: int, keep) -> None:
         """Keep the verify's rows start + keep[i] at start + i (every layer), through the op set."""
@@ -336,8 +295,7 @@ class CudaExecutor:
         cache.dev.set_length(start)
         step = {"cache_len": Tensor.of(cache.dev.lengths, host=np.array([start], np.int32)),
                 "accepted": self.ops.bind("accepted", keep), "accepted_count": np.array([len(keep)], np.int32)}
-        for L in range(self.config.num_hidden_layers):
-            self.ops.call(layers.compact, self.config, feeds={**step, "cache": cache.layer(L)})
+        stack.compact(self.ops.run, self.config, step, target_feeds(cache))
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
@@ -346,6 +304,3 @@ class CudaExecutor:
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
         logp, ids = vocab_parallel.topk_logprobs(*self._vocab(draft_logits), budget)
         return build_tree(root_token, logp, ids, budget)
-
-    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
-        return accept_walk(tree, target_tokens)

@@ -1,11 +1,11 @@
 """A rank process of a tp N engine on a GPU (runtime/ranks.py RankProcesses(cuda=...)): CudaExecutor(rank=r) on its
 GPU, the layers' all-reduces through the one-shot all-reduce over CUDA IPC (plugins/allreduce.py: every rank pushes
 its partial into every peer's buffer, the sum in rank order with one rounding, so every rank holds the same bits),
-and the logits slices gathered through the ranks' host group (ops/shm_group.py), so every rank samples, builds and
+and the logits slices gathered through the ranks' host group (parallel/shm_group.py), so every rank samples, builds and
 walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works between processes on one device;
 NCCL refuses that): tp 2 runs on one H200 as two processes.
 
---allreduce (ops/rank_collective.py) picks the one-shot (the default), NCCL (a GPU per rank), or both switched
+--allreduce (parallel/rank_collective.py) picks the one-shot (the default), NCCL (a GPU per rank), or both switched
 by message size (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its
 executor at the same time and they meet in the host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
 graphs=False: the primitives of runtime/loop.py).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.ops.cuda_backend import MAX_TOKENS
+from ddtree.backends.cuda_backend import MAX_TOKENS
 
 
 def all_reduce_elems(cfg, dcfg) -> int:
@@ -49,17 +49,17 @@ def connect_one_shot(gpu, rank: int, group, max_elems: int):
 
 def nccl_communicator(gpu, rank: int, group):
     """This rank's NCCL communicator, rank 0's unique id sent to every rank through `group`."""
-    from ddtree.ops.nccl_group import NcclGroup, new_unique_id
+    from ddtree.parallel.nccl_group import NcclGroup, new_unique_id
     uid = np.frombuffer(new_unique_id(), np.uint8) if rank == 0 else np.zeros(128, np.uint8)
     ids = group.all_gather(rank, uid, "NCCL unique id")
     return NcclGroup(gpu, bytes(ids[0].tobytes()), rank, group.size)
 
 
 def rank_member(gpu, rank: int, group, max_elems: int, allreduce: str = "one-shot", gpus: list[int] | None = None):
-    """This rank's GPU collective for CudaOps (ops/rank_collective.py): the connected one-shot (all-reduce and
+    """This rank's GPU collective for CudaOps (parallel/rank_collective.py): the connected one-shot (all-reduce and
     all-gather), NCCL, or both with the one-shot up to the auto limit (--allreduce; NCCL only with a GPU per rank)."""
-    from ddtree.ops.cuda_collectives import ProcessRankMember
-    from ddtree.ops.rank_collective import allreduce_refusal, collective_parts
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
+    from ddtree.parallel.rank_collective import allreduce_refusal, collective_parts
     gpus = list(range(group.size)) if gpus is None else gpus
     why = allreduce_refusal(allreduce, gpus)
     if why:
@@ -74,7 +74,7 @@ def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], m
                        cap_context: bool = False, kernel_plan: str = "fast", graphs: bool = True,
                        allreduce: str = "one-shot"):
     """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat); graphs: the step graphs
-    (False: the primitives, e.g. to compare the two); allreduce: --allreduce (ops/rank_collective.py)."""
+    (False: the primitives, e.g. to compare the two); allreduce: --allreduce (parallel/rank_collective.py)."""
     from ddtree.engine_dir import engine_configs
     from ddtree.runtime.cuda_executor import CudaExecutor
     max_elems = one_shot_elems(*engine_configs(engine_dir, checked[0]))

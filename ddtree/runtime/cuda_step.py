@@ -7,7 +7,7 @@ A DDTree step graph (one per (budget, block size, sampling mode)) runs, with no 
     prologue     state [start, bonus] -> block ids [bonus, MASK..], positions start + i, cache lengths
     draft        draft_fc over the context window (the taps of the last b committed positions, re-appended
                  at start - b: rows the drafter cache holds already are rewritten with the same keys), the
-                 drafter layers, draft_logits [b-1, V]                      (ops/layers.py, cuda backend)
+                 drafter layers, draft_logits [b-1, V]                      (description/layers.py, cuda backend)
     tree         DraftTreeBuilder.run: per-depth top-k + best-first tree of `budget` nodes, root = bonus
     verify       embed + every decoder layer over the tree (its ancestor mask), taps copied at the tap
                  layers, head_logits [n, V]
@@ -35,9 +35,9 @@ import time
 import numpy as np
 
 from ddtree.model.bf16 import as_float, f32_to_bf16
-from ddtree.ops import layers
-from ddtree.ops.cuda_tensor import Tensor, dense_strides
-from ddtree.runtime.cuda_executor import target_layers
+from ddtree.description import layers, stack
+from ddtree.backends.cuda_tensor import Tensor, dense_strides
+from ddtree.runtime.cuda_model import draft_feeds, target_feeds, target_layers
 from ddtree.tree.build import pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -80,9 +80,6 @@ class GpuSteps:
         self.table_host = None                # (host view, device address) of --budget auto's table buffer
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
-        self.forced_accept = None             # bench step --accept a: the walk's path replaced by the tree's
-                                              # first-child chain of a nodes (set before capture)
-        self.stated_draft = None              # bench step: [b-1, V] float32 logits over the drafter's (a stated tree)
 
     def _make_sampler(self):         # the fused sampler + walk over full logits (tp 1's; cuda_step_tp.py has none)
         from ddtree.plugins.tree_sample import TreeSampler
@@ -243,7 +240,7 @@ class GpuSteps:
             ops.k.gather_rows(h.ptr, ops.iota, self.tap_rows.ptr + 2 * j * self.H, n, self.H, n, out_stride=self.KH,
                               stream=ops.stream)
 
-    PHASES = ("draft", "tree", "verify", "sample_walk", "update")
+    PHASES = stack.PHASES
 
     def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None):
         """The step's launches, phase by phase (PHASES); `only`: just those phases, on the buffers of the last
@@ -257,9 +254,7 @@ class GpuSteps:
 
         def draft():
             h = self._drafter(b)
-            v["draft"] = ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"]     # [b-1, V] float32
-            if self.stated_draft is not None:        # bench step: the tree's shape from a stated profile's logits
-                g.copy_d2d(v["draft"].ptr, self.stated_draft.ptr, self.stated_draft.nbytes, stream=S)
+            v["draft"] = self.drafted(ops.call(layers.draft_logits, d, b, feeds={"h": h})["logits"])    # [b-1, V]
 
         def tree():
             v["tree"] = builder.run(_array(g, v["draft"]), st.bonus_ptr, st.start_ptr, budget, stream=S, k=k)
@@ -269,14 +264,13 @@ class GpuSteps:
             W = t.vis.shape[1]
             feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
                      "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap)
+            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps)
             v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
 
         def sample_walk():
             t = v["tree"]
-            v["out"] = self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=t, stream=S)
-            if self.forced_accept:                   # ddtree bench step --accept: a fixed-length accepted path
-                st.force_accept(t.parents, n, self.forced_accept, v["out"].accepted, v["out"].count, stream=S)
+            v["out"] = self.walked(self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=t,
+                                                       stream=S), t.parents, n)
             self.last = {"logits": _array(g, v["logits"]), "tree": t, "sampled": v["out"]}
 
         def update():
@@ -290,26 +284,29 @@ class GpuSteps:
             if only is None or name in only:
                 phase()
 
+    def drafted(self, logits: Tensor) -> Tensor:
+        """The draft logits [b-1, V] the tree is built from: the drafter's (bench/bench_steps.py states its own)."""
+        return logits
+
+    def walked(self, out, parents, n: int):
+        """The sampler's walk over the n nodes: as sampled (bench/bench_steps.py forces a path of its own)."""
+        return out
+
     def _drafter(self, b: int) -> Tensor:
         """The prologue, the drafter over the window (b rows at start - b) and the block at start -> h [b, H]."""
         ex, ops, cfg, d, S = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.ops.stream
         self.state.prologue(b, d.mask_token_id, b, self.block_ids, self.block_pos, self.draft_len,
                             ex.target_cache.dev.lengths, stream=S)
-        ctx = ops.call(layers.draft_fc, d, feeds={"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH)))})["ctx"]
-        h = ops.call(layers.embed, cfg, feeds={"ids": Tensor.of(self.block_ids.view(0, (b,)))})["h"]
-        dfeeds = {"pos": Tensor.of(self.block_pos.view(0, (b,))), "cache_len": Tensor.of(self.draft_len)}
-        for L in range(d.num_hidden_layers):
-            h = ops.call(layers.draft_layer, d, L, b, arena=L % 2, feeds={
-                **dfeeds, "h": h, "ctx": ctx, "cache_k": ex.draft_cache.k[L], "cache_v": ex.draft_cache.v[L]})["h_out"]
-        return h
+        feeds = {"ctx_taps": Tensor.of(self.window.view(0, (b, self.KH))),
+                 "ids": Tensor.of(self.block_ids.view(0, (b,))), "pos": Tensor.of(self.block_pos.view(0, (b,))),
+                 "cache_len": Tensor.of(self.draft_len)}
+        return stack.drafter_forward(ops.run, cfg, d, feeds, draft_feeds(ex.draft_cache), b, head=None)["h"]
 
     def _update(self, b: int, tokens, accepted: Tensor, count: Tensor, bonus, status) -> None:
         """Compaction to the accepted path, the context window, the record (status: two flag words or None)."""
         ex, ops, S, g = self.ex, self.ops, self.ops.stream, self.gpu
-        lengths = Tensor.of(ex.target_cache.dev.lengths)
-        for L in range(ex.config.num_hidden_layers):
-            ops.call(layers.compact, ex.config, feeds={"cache": ex.target_cache.layer(L), "cache_len": lengths,
-                                                       "accepted": accepted, "accepted_count": count})
+        stack.compact(ops.run, ex.config, {"cache_len": Tensor.of(ex.target_cache.dev.lengths), "accepted": accepted,
+                                           "accepted_count": count}, target_feeds(ex.target_cache))
         self.state.ctx_window(self.window, self.tap_rows, accepted.ptr, count.ptr, self.window_next, b, 2 * self.KH,
                               stream=S)
         g.copy_d2d(self.window.ptr, self.window_next.ptr, b * self.KH * 2, stream=S)

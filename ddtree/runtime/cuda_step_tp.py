@@ -4,7 +4,7 @@ does (runtime/cuda_step.py, whose capture, pipelining, record ring and window th
 
     steps = TpSteps(ex)          # ex: CudaExecutor(rank=r) whose collective is capturable (ProcessRankMember)
 
-A DDTree step graph at tp N, written over the op set's layer functions (ops/layers.py) like the model itself:
+A DDTree step graph at tp N, written over the op set's layer functions (description/layers.py) like the model itself:
     draft        the prologue, draft_fc, the drafter layers (tp 1's), then layers.draft_head: this rank's top-k
                  candidates [D, k] of its vocab slice and its row max / sum-exp parts (VocabTopK)
     tree         layers.tree: the candidates all-gathered [tp, D, k] -> TreeBuild: the ranks' normaliser and the
@@ -20,7 +20,7 @@ The AR step graph: the prologue, embed + layers over the bonus token, layers.hea
 over the one-node tree [bonus] (its target token is the sample), the commit (top-p: head_logits, TopPRanks' one
 row committed as it is).
 
-Lockstep. The one-shot collectives number their calls on the device (ops/cuda_collectives.py ProcessRankMember),
+Lockstep. The one-shot collectives number their calls on the device (parallel/cuda_collectives.py ProcessRankMember),
 so every rank must launch the same collectives in the same order: every rank runs the same loop under the same
 control records (runtime/ranks.py), and every choice here (graph or primitives, the graph's key, the step
 enqueued ahead, the first eager run and the captures) is a function of the state all ranks share.
@@ -47,10 +47,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ddtree.ops import layers
-from ddtree.ops.cuda_tensor import Tensor
-from ddtree.ops.opset import F32, I32
-from ddtree.runtime.cuda_executor import target_layers
+from ddtree.description import layers
+from ddtree.backends.cuda_tensor import Tensor
+from ddtree.description.opset import F32, I32
+from ddtree.runtime.cuda_model import target_layers
 from ddtree.runtime.cuda_step import GpuSteps, _array
 from ddtree.tree.sampling import SamplingParams
 
@@ -242,9 +242,8 @@ class TpSteps(GpuSteps):
     def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None):
         """The tp N step's launches by phase (GpuSteps.PHASES; `only`: those phases alone). k (--budget auto's
         table) is tp 1's: its steps never come here."""
-        if k or self.forced_accept or self.stated_draft is not None:
-            raise NotImplementedError(f"tp {self.tp} step graph: --budget auto and bench step's stated trees are "
-                                      "tp 1's")
+        if k:
+            raise NotImplementedError(f"tp {self.tp} step graph: --budget auto's table is tp 1's")
         ex, ops, d, top_p = self.ex, self.ops, self.ex.drafter_config, self.plan.mode == TOP_P
         kc, n = self._k(budget), budget + 1
         v = self.values.setdefault((budget, b), {})
@@ -269,7 +268,7 @@ class TpSteps(GpuSteps):
             t = v["tree"]
             feeds = {"ids": t["tokens"], "pos": v["pos"], "cache_len": Tensor.of(ex.target_cache.dev.lengths),
                      "tree_mask": t["visibility"]}
-            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap)
+            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps)
             if top_p:
                 v["logits"] = ops.call(layers.head_logits, ex.config, feeds={"h": h})["logits"]     # [n, V_r]
             else:
@@ -295,7 +294,7 @@ class TpSteps(GpuSteps):
                 phase()
 
     def _tree_build(self, depth: int, k: int, budget: int):
-        """The op set's TreeBuild launcher for this shape (the key ops/cuda_backend.py tree_build uses), made here
+        """The op set's TreeBuild launcher for this shape (the key backends/cuda_backend.py tree_build uses), made here
         with `start` = block_pos[0] so its best-first writes the verify's positions start + depth."""
         from ddtree.plugins.vocab_nodes import TreeBuild
         build = self.ops.launcher(("tree_build", self.tp, depth, k, budget),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.ops.cuda_tensor import Tensor
+from ddtree.backends.cuda_tensor import Tensor
 
 GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
                  "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",

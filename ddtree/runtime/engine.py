@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ddtree.model.tokenizer import load_tokenizer
+from ddtree.runtime.request import GenerationRequest
 from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
@@ -71,8 +72,8 @@ class DDTreeEngine:
         rank 1..N-1 (runtime/ranks.py; call close(), or use the engine as a context manager).
         cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), or checkpoint dirs repacked at load into
         one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096),
-        kernels under kernel_plan ("fast" or "batch-invariant": ops/cuda_backend.py KERNEL_PLANS); a tp N engine's
-        rank processes reduce through `allreduce` (ops/rank_collective.py: one-shot, nccl or auto)."""
+        kernels under kernel_plan ("fast" or "batch-invariant": backends/cuda_backend.py KERNEL_PLANS); a tp N engine's
+        rank processes reduce through `allreduce` (parallel/rank_collective.py: one-shot, nccl or auto)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         if allreduce != "one-shot" and device != "cuda":
@@ -148,7 +149,7 @@ class DDTreeEngine:
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
         gpus = rank_gpus(gpu, tp)
-        from ddtree.ops.rank_collective import allreduce_refusal
+        from ddtree.parallel.rank_collective import allreduce_refusal
         why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
             f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
         if why:                                     # said before any GPU is touched
@@ -295,21 +296,89 @@ class DDTreeEngine:
 
     @property
     def device(self) -> str:
-        name = getattr(self.executor, "name", "cpu")
+        name = self.executor.name
         return name if self.processes is None or name in ("cuda", "tensorrt") else "cpu"
 
     def device_stats(self) -> dict:
         """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""
-        ex = self.executor
-        if getattr(ex, "name", None) != "cuda":
-            return {}
-        out = {"device": ex.gpu.name, "memory": dict(ex.memory_plan)}
-        describe = getattr(getattr(ex.ops, "collective", None), "collective", None)
-        if describe is not None:                    # a tp N rank: which collective carries the all-reduces
-            out["allreduce"] = describe.describe()
-        if ex.steps is not None:
-            out.update(ex.steps.stats())
-        return out
+        return self.executor.device_stats()
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
+                 mode: str = "ddtree") -> Result:
+        stats = RunStats()
+        tokens = [t for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, budget, seed,
+                                             block_size, mode, stats) for t in chunk]
+        return Result(tokens, self.decode(tokens), stats.to_dict())
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
+               mode: str = "ddtree", stats: RunStats | None = None) -> Iterator[list[int]]:
+        """Yields the token ids each step commits (DDTree: several per step)."""
+        return self.stream_request(prompt, GenerationRequest(max_new_tokens, temperature, top_k, top_p, budget, seed,
+                                                             block_size, mode), stats)
+
+    def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None
+                       ) -> Iterator[list[int]]:
+        """stream() with its parameters as one typed object (runtime/request.py): what the server queues."""
+        params, budget, mode = request.sampling, request.budget, request.mode
+        ids = self.encode(prompt)
+        check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
+        if mode not in MODES:
+            raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "ddtree" and budget == "auto":
+            budget = self.auto_budget()
+        elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
+            raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
+        if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
+            from ddtree.runtime.ranks import Request
+            ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget,
+                                    tuple(sorted(self.stop_ids)), request.block_size)
+            return self.processes.steps(ranks_request, stats)
+        if mode == "ar":
+            return ar_steps(self.executor, ids, request.max_new_tokens, params, self.stop_ids, stats)
+        return ddtree_steps(self.executor, ids, request.max_new_tokens, params, budget, self.stop_ids,
+                            request.block_size, stats)
+
+    def close(self) -> None:
+        """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
+        if self.processes is not None:
+            self.processes.close()
+        if self.repacked is not None:
+            import shutil
+            shutil.rmtree(self.repacked, ignore_errors=True)
+            self.repacked = None
+
+    def __enter__(self) -> "DDTreeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def auto_budget(self):
+        """--budget auto: the chooser over the engine's tuning file (`ddtree tune ENGINE_DIR` writes it)."""
+        from ddtree.engine_dir import is_engine_dir
+        from ddtree.engine_dir.tuning import read_tuning, tuning_path
+        from ddtree.runtime.auto_budget import AutoBudget
+        if self.model_dir is None or not is_engine_dir(self.model_dir):
+            raise RequestError("budget (--budget) 'auto' needs an engine directory with a tuning file "
+                               "(ddtree-build, then `ddtree tune ENGINE_DIR`); this model is a checkpoint")
+        if self.processes is not None and self.processes.tp > 1:
+            raise RequestError("budget (--budget) 'auto' runs tp 1 engines; tp > 1 rank processes take a fixed "
+                               "budget (each rank would have to agree on every choice)")
+        if not tuning_path(self.model_dir).is_file():
+            raise RequestError(f"budget (--budget) 'auto': {tuning_path(self.model_dir)} is missing (run "
+                               f"`ddtree tune {self.model_dir}` on this machine first)")
+        return AutoBudget(read_tuning(self.model_dir))
+
+    @property
+    def device(self) -> str:
+        name = self.executor.name
+        return name if self.processes is None or name in ("cuda", "tensorrt") else "cpu"
+
+    def device_stats(self) -> dict:
+        """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""
+        return self.executor.device_stats()
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,

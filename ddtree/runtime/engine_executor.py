@@ -1,10 +1,10 @@
 """An executor over a built engine directory, with the ranks simulated in one process on CPU.
 
 Same primitives as NumpyExecutor (docs/interfaces.md section 6). Each rank's weights are its own
-rank<r>/*.safetensors; every layer is the one description of ops/layers.py run by the numpy backend,
-one thread per rank, the ranks meeting in their all-reduce (ops/collectives.py). The logits stay
+rank<r>/*.safetensors; every layer is the one description of description/layers.py run by the numpy backend,
+one thread per rank, the ranks meeting in their all-reduce (parallel/collectives.py). The logits stay
 vocab-split per rank: `sample` and `tree_build` run the vocab-parallel algorithms of
-ops/vocab_parallel.py. target_forward / drafter_forward still return the full logits [q, V] (an
+runtime/vocab_parallel.py. target_forward / drafter_forward still return the full logits [q, V] (an
 all-gather of the slices), because the loop's interface hands logits from one primitive to the next;
 a GPU executor keeps them split and gathers only the winners.
 
@@ -24,14 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.engine_dir import check_engine, engine_configs, load_rank_tensors, tokenizer_dir
-from ddtree.ops import layers, vocab_parallel
-from ddtree.ops.caches import DraftCaches, TargetCaches
-from ddtree.ops.collectives import collective_for
-from ddtree.ops.numpy_backend import NumpyOps, NumpyRanks
-from ddtree.ops.opset import RankLayout
+from ddtree.description import layers, stack
+from ddtree.runtime import vocab_parallel
+from ddtree.runtime.caches import DraftCaches, TargetCaches
+from ddtree.runtime.per_rank import per_rank_run
+from ddtree.runtime.executor import Executor
+from ddtree.parallel.collectives import collective_for
+from ddtree.backends.numpy_backend import NumpyOps, NumpyRanks
+from ddtree.description.opset import RankLayout
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
-from ddtree.tree.walk import WalkResult, accept_walk
 
 DRAFT_CAPACITY = 256            # drafter context rows to start with (grown on demand on CPU)
 
@@ -67,7 +69,7 @@ def checked_drafter_inputs(ctx_taps, block_ids, dcfg, min_rows: int = 0, error=V
     return ctx_taps
 
 
-class EngineExecutor:
+class EngineExecutor(Executor):
     name = "engine-numpy"
 
     def __init__(self, engine_dir, dtype=np.float64, verify: bool = True, rank: int | None = None, collective=None,
@@ -108,12 +110,14 @@ class EngineExecutor:
         self.collective = collective_for(self.tp) if rank is None else collective
         self.ranks = NumpyRanks([NumpyOps(w, self.layouts[r], self.collective, self.dtype)
                                  for w, r in zip(weights, self.local)])
+        self.run = per_rank_run(lambda kind, fn, args, feeds, layer: self.ranks.call(fn, *args, feeds=feeds),
+                                self.held)           # description/stack.py's run: every layer function on the ranks
 
-    def _gathered(self, outs: list[dict], what: str) -> np.ndarray:
+    def _gathered(self, logits: list, what: str) -> np.ndarray:
         """Every rank's logits slice [q, V_r] -> [q, V]: joined here, or all-gathered from the other processes."""
         if self.held == self.tp:
-            return np.concatenate([o["logits"] for o in outs], axis=1)
-        parts = self.collective.all_gather(self.local[0], outs[0]["logits"], f"logits of {what}")   # [tp, q, V_r]
+            return np.concatenate(logits, axis=1)
+        parts = self.collective.all_gather(self.local[0], logits[0], f"logits of {what}")   # [tp, q, V_r]
         return np.concatenate(list(parts), axis=1)
 
     # caches ------------------------------------------------------------------------------------
@@ -137,20 +141,14 @@ class EngineExecutor:
         ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, cfg.vocab_size)
         q = len(ids)
         cache.reserve(T + q)
-        h = [o["h"] for o in self.ranks.call(layers.embed, cfg, feeds={"ids": ids.astype(np.int32)})]
-        step = {"pos": pos.astype(np.int32), "cache_len": np.array([T], np.int32),
-                "tree_mask": pack_visibility(visible[:, T:]).view(np.int32)}
+        feeds = {"ids": ids.astype(np.int32), "pos": pos.astype(np.int32), "cache_len": np.array([T], np.int32),
+                 "tree_mask": pack_visibility(visible[:, T:]).view(np.int32)}
+        head = {"sample_pos": feeds["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
         tapped = {}
-        for L in range(cfg.num_hidden_layers):
-            outs = self.ranks.call(layers.decoder_layer, cfg, L, self.moe_inter,
-                                   feeds=[{**step, "h": h[r], "cache": cache.layers[r][L]} for r in range(self.held)])
-            h = [o["h_out"] for o in outs]
-            if L in taps:
-                tapped[L] = h[0].copy()
+        outs = stack.target_forward(self.run, cfg, self.moe_inter, feeds, cache, taps,
+                                    lambda L, h: tapped.__setitem__(L, h[0].copy()), head_feeds=head)
         cache.length = T + q
-        head = {"sample_pos": step["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
-        outs = self.ranks.call(layers.head, cfg, feeds=[{**head, "h": h[r]} for r in range(self.held)])
-        return self._gathered(outs, "head"), tapped
+        return self._gathered(outs["logits"], "head"), tapped
 
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] (all-gathered)."""
@@ -158,30 +156,20 @@ class EngineExecutor:
         ctx_taps = checked_drafter_inputs(ctx_taps, block_ids, d).astype(self.dtype, copy=False)
         T, n, b = cache.length, len(ctx_taps), len(block_ids)
         cache.reserve(T + n)
-        ctx = [o["ctx"] for o in self.ranks.call(layers.draft_fc, d, feeds={"ctx_taps": ctx_taps})]
-        h = [o["h"] for o in self.ranks.call(layers.embed, self.config,
-                                             feeds={"ids": np.asarray(block_ids, np.int32)})]
-        step = {"pos": np.asarray(pos, np.int32), "cache_len": np.array([T], np.int32)}
-        for L in range(d.num_hidden_layers):
-            outs = self.ranks.call(layers.draft_layer, d, L, b, feeds=[
-                {**step, "h": h[r], "ctx": ctx[r], "cache_k": cache.k[r][L], "cache_v": cache.v[r][L]}
-                for r in range(self.held)])
-            h = [o["h_out"] for o in outs]
-        cache.length = T + n
+        feeds = {"ctx_taps": ctx_taps, "ids": np.asarray(block_ids, np.int32), "pos": np.asarray(pos, np.int32),
+                 "cache_len": np.array([T], np.int32)}
         k = layers.draft_topk(self.meta["budgets"], self.layouts[0].vocab_stop - self.layouts[0].vocab_start)
-        outs = self.ranks.call(layers.draft_head, d, k, b, feeds=[{"h": h[r]} for r in range(self.held)])
-        return self._gathered(outs, "draft_head")
+        outs = stack.drafter_forward(self.run, self.config, d, feeds, cache, b, head=(layers.draft_head, (k,)))
+        cache.length = T + n
+        return self._gathered(outs["logits"], "draft_head")
 
     def compact(self, cache: TargetCaches, start: int, keep) -> None:
         """Keep the verify's rows start + keep[i] at start + i (every layer, every rank), through the op set."""
         keep = np.asarray(keep, dtype=np.int32).reshape(-1)
         if not 0 <= start <= cache.length:
             raise ValueError(f"compact: start {start} must be within the cache length {cache.length}")
-        step = {"cache_len": np.array([start], np.int32), "accepted": keep,
-                "accepted_count": np.array([len(keep)], np.int32)}
-        for L in range(self.config.num_hidden_layers):
-            self.ranks.call(layers.compact, self.config,
-                            feeds=[{**step, "cache": cache.layers[r][L]} for r in range(self.held)])
+        stack.compact(self.run, self.config, {"cache_len": np.array([start], np.int32), "accepted": keep,
+                                              "accepted_count": np.array([len(keep)], np.int32)}, cache)
         cache.length = start + len(keep)
 
     def sample(self, logits, positions, params: SamplingParams) -> np.ndarray:
@@ -190,6 +178,3 @@ class EngineExecutor:
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
         logp, ids = vocab_parallel.topk_logprobs(*vocab_parallel.split_logits(draft_logits, self.layouts), budget)
         return build_tree(root_token, logp, ids, budget)
-
-    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
-        return accept_walk(tree, target_tokens)

@@ -1,16 +1,31 @@
-"""Executors: the primitives the decode loops are written over (docs/interfaces.md section 6).
+"""The executor contract: what every executor does, and the float64 reference executor.
 
-    target_forward(ids, pos, visible, cache, taps) -> logits [q, V], {L: h [q, H]}
-    drafter_forward(block_ids, pos, ctx_taps, cache) -> logits [b-1, V]
-    compact(cache, start, keep)
-    sample(logits, positions, params) -> tokens
-    tree_build(root_token, draft_logits, budget) -> Tree
-    accept_walk(tree, target_tokens) -> WalkResult
+Every executor (NumpyExecutor here; EngineExecutor, GraphExecutor, CudaExecutor) subclasses Executor. The decode
+loops (runtime/loop.py), the engine (runtime/engine.py) and the server call only what it names:
 
-`NumpyExecutor` is the float64 reference. A GPU executor provides the same names (and may fuse a
-whole step into one captured CUDA graph), with results equal to these primitives'.
+    primitives (docs/interfaces.md section 6; each executor runs description/stack.py underneath)
+        new_target_cache(capacity, limit) / new_drafter_cache(capacity, limit)
+        target_forward(ids, pos, visible, cache, taps) -> logits [q, V], {L: h [q, H]}
+        drafter_forward(block_ids, pos, ctx_taps, cache) -> logits [b-1, V]
+        compact(cache, start, keep)
+        sample(logits, positions, params) -> tokens
+        tree_build(root_token, draft_logits, budget) -> Tree
+        accept_walk(tree, target_tokens) -> WalkResult
+    abilities (typed attributes, None where the executor lacks one: the loop then composes the primitives)
+        ar_step(state, params) -> tokens            one whole AR step (a captured GPU graph)
+        ddtree_step(state, params, budget) -> tokens one whole DDTree step
+        drafter_prefill(state)                      ingests the prompt's drafter context during the prefill
+        steps                                       the GPU step graphs (their counters: steps.stats())
+    device_stats() -> dict                          the device, its memory plan, the step graphs' counters
+
+`NumpyExecutor` is the float64 reference. A GPU executor provides the same names (and may fuse a whole step
+into one captured CUDA graph), with results equal to these primitives'.
 """
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -22,7 +37,45 @@ from ddtree.tree.sampling import SamplingParams, sample
 from ddtree.tree.walk import WalkResult, accept_walk
 
 
-class NumpyExecutor:
+class Executor(ABC):
+    name: str                                             # "numpy", "engine-numpy", "engine-graphs", "cuda", ...
+    config: object                                        # the target's KimiConfig
+    drafter_config: object | None                         # the drafter's DrafterConfig (None: AR only)
+    tokenizer_dir: Path | None = None                     # an engine's tokenizer/ (None: the checkpoint's own)
+    ar_step: Callable | None = None
+    ddtree_step: Callable | None = None
+    drafter_prefill: Callable | None = None
+    steps: object | None = None
+
+    @abstractmethod
+    def new_target_cache(self, capacity: int = 256, limit: int | None = None): ...
+
+    @abstractmethod
+    def new_drafter_cache(self, capacity: int = 256, limit: int | None = None): ...
+
+    @abstractmethod
+    def target_forward(self, ids, pos, visible, cache, taps=()) -> tuple[np.ndarray, dict]: ...
+
+    @abstractmethod
+    def drafter_forward(self, block_ids, pos, ctx_taps, cache) -> np.ndarray: ...
+
+    @abstractmethod
+    def compact(self, cache, start: int, keep) -> None: ...
+
+    @abstractmethod
+    def sample(self, logits, positions, params: SamplingParams) -> np.ndarray: ...
+
+    @abstractmethod
+    def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree: ...
+
+    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
+        return accept_walk(tree, target_tokens)
+
+    def device_stats(self) -> dict:
+        return {}
+
+
+class NumpyExecutor(Executor):
     name = "numpy"
 
     def __init__(self, target: Target, drafter: Drafter | None = None):
@@ -56,6 +109,3 @@ class NumpyExecutor:
     def tree_build(self, root_token: int, draft_logits: np.ndarray, budget: int) -> Tree:
         logp, ids = topk_logprobs(draft_logits, budget)                 # [D, min(B, V)]
         return build_tree(root_token, logp, ids, budget)
-
-    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
-        return accept_walk(tree, target_tokens)

@@ -4,30 +4,30 @@
     ex = GraphExecutor(PlanRanks(engine_dir))                                  # --device tensorrt (trt_executor.py)
     tokens = run_to_end(ddtree_steps(ex, prompt_ids, 64, SamplingParams(), 16))
 
-`ranks` runs the graph kinds the engine exported (ops/onnx_runner.py GraphRanks: embed, dense/moe layers, head,
+`ranks` runs the graph kinds the engine exported (runtime/graph_ranks.py GraphRanks: embed, dense/moe layers, head,
 draft_fc, draft layers, draft_head, compact) and returns every rank's logits slices side by side; the loop's
 sampling, tree build and walk run here on the host from those full logits, exactly as EngineExecutor's
-(ops/vocab_parallel.py over the ranks' slices), so an engine's graphs decode a prompt with the same loop as every
-other executor. Caches are the ranks' host arrays (ops/caches.py), grown on demand. Whatever runs the graphs
+(runtime/vocab_parallel.py over the ranks' slices), so an engine's graphs decode a prompt with the same loop as every
+other executor. Caches are the ranks' host arrays (runtime/caches.py), grown on demand. Whatever runs the graphs
 (onnx.reference on the CPU, TensorRT-RTX plans on an SM120 GPU) only has to implement GraphRanks.run.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ddtree.ops import vocab_parallel
-from ddtree.ops.caches import DraftCaches, TargetCaches
-from ddtree.ops.onnx_runner import mask_words
+from ddtree.runtime import vocab_parallel
+from ddtree.runtime.caches import DraftCaches, TargetCaches
+from ddtree.runtime.graph_ranks import mask_words
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
+from ddtree.runtime.executor import Executor
 from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams
-from ddtree.tree.walk import WalkResult, accept_walk
 
 
-class GraphExecutor:
+class GraphExecutor(Executor):
     def __init__(self, ranks, name: str = "engine-graphs", host_group=None, tokenizer_dir=None):
         """host_group: when `ranks` holds one rank of several (a rank process), the ranks' host group
-        (ops/shm_group.py) through which the logits slices are gathered, so every rank samples, builds and walks
+        (parallel/shm_group.py) through which the logits slices are gathered, so every rank samples, builds and walks
         the same tree from the same bits (runtime/ranks.py)."""
         self.ranks, self.name, self.host_group, self.tokenizer_dir = ranks, name, host_group, tokenizer_dir
         self.config, self.drafter_config = ranks.cfg, ranks.dcfg
@@ -81,6 +81,3 @@ class GraphExecutor:
         logp, ids = vocab_parallel.topk_logprobs(*vocab_parallel.split_logits(draft_logits, self.ranks.layouts),
                                                  budget)
         return build_tree(root_token, logp, ids, budget)
-
-    def accept_walk(self, tree: Tree, target_tokens) -> WalkResult:
-        return accept_walk(tree, target_tokens)

@@ -149,7 +149,7 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
              stats: RunStats | None = None) -> Iterator[list[int]]:
     """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context.
-    Each step is `ex.ar_step(state, params)` where the executor has one (a captured GPU graph), else the
+    Each step is `ex.ar_step(state, params)` where the executor has that ability (runtime/executor.py) (a captured GPU graph), else the
     composition `ar_step` above."""
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
@@ -163,7 +163,7 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
     logits, _ = ex.target_forward(np.array(prompt), np.arange(len(prompt)), causal_visible(0, len(prompt)), cache)
     token = int(ex.sample(logits[-1:], np.array([len(prompt)]), params)[0])
     st = DecodeState(cache, len(prompt), token, len(prompt) + n_new)
-    step = getattr(ex, "ar_step", None) or (lambda s, p: ar_step(ex, s, p))
+    step = ex.ar_step or (lambda s, p: ar_step(ex, s, p))
     tokens = [token]
     while True:
         if stats.new_tokens:                          # the prefill's token is not a step, as in DDTree,
@@ -227,9 +227,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     ctx = np.concatenate([tapped[L] for L in taps], axis=1)               # [P, K*H]
     st = DecodeState(cache, len(prompt), bonus, end, dcache, ctx, ctx[-b:], b,
                      table_k=min(choose.table_k, ex.config.vocab_size) if choose else None)
-    if getattr(ex, "drafter_prefill", None) is not None:   # an executor that ingests the prompt's drafter context
-        ex.drafter_prefill(st)                             # during the prefill (the GPU step's window)
-    step = getattr(ex, "ddtree_step", None) or (lambda s, p, B: ddtree_step(ex, s, p, B))
+    if ex.drafter_prefill is not None:      # an executor that ingests the prompt's drafter context during the
+        ex.drafter_prefill(st)              # prefill (the GPU step's window)
+    step = ex.ddtree_step or (lambda s, p, B: ddtree_step(ex, s, p, B))
     out, done = commit([bonus])
     stats.wall_s = time.perf_counter() - t0
     yield out

@@ -10,7 +10,7 @@ weight addresses) = per layer and step shape: its first call runs eagerly (Tenso
 shapes and calls the plugins' on_shape_change), its second is captured into a CUDA graph on the Gpu's stream and
 replayed, and every later call replays that graph after writing the feeds in place. So TensorRT's enqueue and the
 plugins' Python enqueue run twice per key and never again (the plugins allocate nothing in enqueue and read their
-per-step scalars from device buffers: ops/tensorrt/plugin_ops.py). The context's device memory (the plans are built
+per-step scalars from device buffers: backends/tensorrt/plugin_ops.py). The context's device memory (the plans are built
 with REQUIRE_USER_ALLOCATION) is one buffer per size, shared by every key of the kind (calls run one at a time).
 """
 from __future__ import annotations

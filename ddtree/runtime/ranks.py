@@ -6,7 +6,7 @@
 
 The step is rank-symmetric: every rank runs the same decode loop (runtime/loop.py) over its own executor
 (rank_executor: EngineExecutor(rank=r) on CPU, CudaExecutor(rank=r) on its GPU, or its own graphs / TensorRT-RTX
-plans) and the shared-memory group (ops/shm_group.py). The logits slices are all-gathered,
+plans) and the shared-memory group (parallel/shm_group.py). The logits slices are all-gathered,
 so every rank samples, builds the tree and walks it from the same bits and reaches the same decisions;
 rank 0 alone owns the tokenizer and hands tokens to the caller. A worker needs the Request once (prompt ids,
 mode, lengths, sampling) and then one ControlRecord per step from rank 0 over its pipe: step index, start
@@ -39,9 +39,9 @@ import numpy as np
 
 from ddtree.engine_dir import check_engine
 from ddtree.errors import InputError
-from ddtree.ops.shm_group import (GroupSpec, RankDiedError, RankError, RankFailedError, RankTimeoutError,
+from ddtree.parallel.shm_group import (GroupSpec, RankDiedError, RankError, RankFailedError, RankTimeoutError,
                                   SharedMemoryGroup, new_spec, unlink)
-from ddtree.ops.spawn_ranks import stdout_to_stderr
+from ddtree.parallel.spawn_ranks import stdout_to_stderr
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.tree.sampling import SamplingParams
@@ -123,7 +123,7 @@ def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtyp
             from ddtree.runtime.trt_executor import PlanRanks
             ranks = PlanRanks(engine_dir, graphs["gpus"][rank], rank=rank, group=group, checked=checked)
             return GraphExecutor(ranks, "tensorrt", group, tokenizer_dir(engine_dir))
-        from ddtree.ops.onnx_runner import GraphRanks
+        from ddtree.runtime.graph_ranks import GraphRanks
         ranks = GraphRanks.from_engine(engine_dir, graphs.get("act"), rank=rank, group=group, checked=checked)
         return GraphExecutor(ranks, host_group=group, tokenizer_dir=tokenizer_dir(engine_dir))
     if cuda is None:

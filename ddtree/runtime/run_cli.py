@@ -15,7 +15,7 @@ from ddtree.cli_types import FiniteFloatRange, QuietCommand, check_prompt_argume
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.runtime.engine import DDTreeEngine
-from ddtree.ops.shm_group import RankError
+from ddtree.parallel.shm_group import RankError
 from ddtree.runtime.loop import RunStats
 from ddtree.tree.build import MAX_BUDGET
 

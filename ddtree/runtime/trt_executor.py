@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ddtree import engine_dir as ed
-from ddtree.ops.onnx_runner import GraphRanks, kind_maps
-from ddtree.ops.opset import RankLayout
+from ddtree.runtime.graph_ranks import GraphRanks, kind_maps
+from ddtree.description.opset import RankLayout
 from ddtree.runtime.plan_kind import PlanKind
 
 
@@ -87,15 +87,15 @@ class PlanRanks(GraphRanks):
     """GraphRanks whose graph kinds run as the engine's TensorRT-RTX plans on GPU `gpu`: a tp 1 engine, or rank `rank`
     of a tp N engine in its own process (runtime/ranks.py RankProcesses(trt=...)), its AllReduce / AllGather plugins
     on the one-shot over CUDA IPC, connected through the host `group` and registered for the GPU before the plans
-    are deserialised (ops/tensorrt/kernels.py register_rank_collective)."""
+    are deserialised (backends/tensorrt/kernels.py register_rank_collective)."""
 
     def __init__(self, engine_dir, gpu: int = 0, verify: bool = True, rank: int | None = None, group=None,
                  checked: tuple | None = None):
         check_gpu_runs_plans(engine_dir, gpu)                  # first: nothing is loaded on a GPU that cannot run them
         import ml_dtypes
 
-        from ddtree.ops.tensorrt.creators import register_creators, trt
-        from ddtree.ops.tensorrt.plugin_ops import device_gpu
+        from ddtree.backends.tensorrt.creators import register_creators, trt
+        from ddtree.backends.tensorrt.plugin_ops import device_gpu
         root = Path(engine_dir)
         meta, digests = checked if checked is not None else ed.check_engine(root, verify)
         tp, r = int(meta["tp"]), 0 if rank is None else rank
@@ -113,8 +113,8 @@ class PlanRanks(GraphRanks):
         register_creators()
         self.gpu = device_gpu(gpu)
         if tp > 1:
-            from ddtree.ops.rank_collective import RankCollective
-            from ddtree.ops.tensorrt.kernels import register_rank_collective
+            from ddtree.parallel.rank_collective import RankCollective
+            from ddtree.backends.tensorrt.kernels import register_rank_collective
             from ddtree.runtime.cuda_ranks import all_reduce_elems, connect_one_shot
             one_shot = connect_one_shot(self.gpu, r, group, all_reduce_elems(self.cfg, self.dcfg))
             register_rank_collective(gpu, RankCollective(one_shot=one_shot))
@@ -134,7 +134,7 @@ class PlanRanks(GraphRanks):
     def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
         """Plan `kind` on feeds (host arrays) and layer `layer`'s weights; its outputs as host arrays (rank 0's),
         bf16 ones as ml_dtypes.bfloat16 (GraphRanks' dtype)."""
-        from ddtree.ops.layers import layer_weight_name
+        from ddtree.description.layers import layer_weight_name
         feeds = feeds[0] if isinstance(feeds, list) else feeds
         out = self.kinds[kind].call(feeds, lambda name: self.weights[0].get(
             layer_weight_name(name, self.prefix.get(kind), layer)))

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.errors import InputError
 from ddtree.runtime.loop import PromptTooLongError, check_context, context_of
+from ddtree.runtime.request import GenerationRequest
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
 from ddtree.server.errors import ApiError, error_body
 from ddtree.server.metrics import Metrics
@@ -147,10 +148,10 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> Job:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        params = dict(max_new_tokens=max_tokens if max_tokens is not None else context - len(ids),
-                      temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=seed,
-                      budget=budget)
-        job = Job(ids, params, asyncio.get_running_loop())
+        request = GenerationRequest(max_new_tokens=max_tokens if max_tokens is not None else context - len(ids),
+                                    temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                                    seed=seed, budget=budget)
+        job = Job(ids, request, asyncio.get_running_loop())
         scheduler.submit(job)
         metrics.prompt_tokens.inc(len(ids))
         return job

@@ -1,7 +1,7 @@
 """One engine, many clients: a bounded FIFO in front of one worker thread that owns the DDTreeEngine.
 
     scheduler = Scheduler(engine, max_queue, metrics); scheduler.start()
-    job = Job(ids, params, loop)        # params: engine.stream keywords (max_new_tokens, temperature, ...)
+    job = Job(ids, request, loop)       # request: a GenerationRequest (runtime/request.py)
     scheduler.submit(job)               # ApiError 429 (Retry-After) when max_queue requests already wait
     event = await job.events.get()      # ("tokens", [ids]) per step, then ("done", stats) or ("error", exc)
     scheduler.cancel(job)               # a client gone: out of the queue now, or stopped at the next step
@@ -25,13 +25,14 @@ import traceback
 from dataclasses import dataclass, field
 
 from ddtree.runtime.loop import RunStats
+from ddtree.runtime.request import GenerationRequest
 from ddtree.server.errors import ApiError
 
 
 @dataclass
 class Job:
     ids: list[int]
-    params: dict
+    request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -131,7 +132,7 @@ class Scheduler:
         t0 = last = time.perf_counter()
         steps = None
         try:
-            steps = self.engine.stream(job.ids, stats=job.stats, **job.params)
+            steps = self.engine.stream_request(job.ids, job.request, job.stats)
             for i, tokens in enumerate(steps):
                 now = time.perf_counter()
                 if i == 0:

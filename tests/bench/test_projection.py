@@ -9,9 +9,9 @@ from ddtree.bench.projection import (H200, HAND_SPLIT, NCCL, ONE_SHOT, AllReduce
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
 from ddtree.model.presets import get_preset
-from ddtree.ops import layers
-from ddtree.ops.meter import MeterOps, Record, meter_call, meter_step
-from ddtree.ops.opset import RankLayout
+from ddtree.description import layers
+from ddtree.backends.meter import MeterOps, Record, meter_call, meter_step
+from ddtree.description.opset import RankLayout
 
 
 def test_two_kernels_and_one_collective_by_hand():

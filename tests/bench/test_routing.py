@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ddtree.bench.routing import distinct_per_layer, reuse_rate, routing_ids, tree_ids, uniform_ids
-from ddtree.ops.meter import expected_distinct
+from ddtree.backends.meter import expected_distinct
 
 E, K = 384, 8
 

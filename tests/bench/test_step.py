@@ -105,7 +105,7 @@ def test_given_routing_writes_the_generators_ids_for_the_stated_tree():
     from types import SimpleNamespace
     from ddtree.bench.project import DraftProfile
     from ddtree.bench.routing import distinct_per_layer, routing_ids
-    from ddtree.bench.step import given_routing
+    from ddtree.bench.step_rows import given_routing
     from ddtree.model.presets import get_preset
 
     class Host:                                   # the Gpu calls given_routing makes, on numpy arrays
@@ -139,9 +139,9 @@ def test_stated_draft_logits_build_the_stated_tree(budget):
     import numpy as np
     from ddtree.bench.project import DraftProfile
     from ddtree.bench.project import depth_histogram
-    from ddtree.bench.step import stated_draft_logits
+    from ddtree.bench.step_rows import stated_draft_logits
     from ddtree.tree.build import Tree
-    from ddtree.ops import vocab_parallel
+    from ddtree.runtime import vocab_parallel
     from ddtree.plugins.step_state import force_accept_ref
     from ddtree.tree.build import build_tree
     logits = stated_draft_logits(budget, 7, 20480)
@@ -159,7 +159,7 @@ def test_every_metered_op_has_the_part_of_its_kernels():
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.model.presets import get_preset
-    from ddtree.ops.meter import meter_step, totals
+    from ddtree.backends.meter import meter_step, totals
     cfg, dcfg = get_preset("kimi-k2.6", layers=3)
     plan = make_plan(cfg, dcfg, 8)
     recs = meter_step(cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), 0, 4096, 16)
@@ -182,7 +182,7 @@ def test_every_metered_op_has_the_part_of_its_kernels():
 
 
 def test_row_cases_are_per_context_the_ar_step_then_every_budget_and_routing():
-    from ddtree.bench.step import row_cases
+    from ddtree.bench.step_rows import row_cases
     cases = [("uniform", None), ("tree", 0.5)]
     assert row_cases([4096, 32768], [16, 64], cases, True) == [
         (4096, None, "router", None), (4096, 16, "uniform", None), (4096, 16, "tree", 0.5),

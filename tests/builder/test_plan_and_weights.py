@@ -15,7 +15,7 @@ from ddtree.model.presets import get_preset
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, expert_name
 from ddtree.plugins import layout
-from ddtree.ops.opset import RankLayout
+from ddtree.description.opset import RankLayout
 
 
 def rank_tensors(engine, tp):

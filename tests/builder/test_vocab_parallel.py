@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddtree.ops import vocab_parallel as vp
+from ddtree.runtime import vocab_parallel as vp
 from ddtree.tree.build import topk_logprobs
 from ddtree.tree.sampling import SamplingParams, sample
 

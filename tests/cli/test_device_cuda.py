@@ -64,7 +64,7 @@ def engine_tp2(tmp_path_factory):
 
 
 def test_an_allreduce_that_cannot_run_is_named_before_any_gpu_is_touched(engine, engine_tp2):
-    """--allreduce (ops/rank_collective.py) is refused, naming the flag, wherever it has nothing to choose or cannot
+    """--allreduce (parallel/rank_collective.py) is refused, naming the flag, wherever it has nothing to choose or cannot
     run: on the cpu device, on a tp 1 engine or a checkpoint (repacked to tp 1), and NCCL on ranks sharing a GPU."""
     refuses(["run", "--allreduce", "nccl", "hi"], "--allreduce nccl chooses the collective", "--device cpu")
     refuses(["run", "--model", str(engine), "--device", "cuda", "--allreduce", "auto", "hi"],

@@ -54,7 +54,7 @@ def one_shot_rank(link, gpu_id: int, ms: list[int], replays: int, protocol: str 
 
 def nccl_rank(link, gpu_id: int, M: int, replays: int) -> dict:
     """NCCL all-reduce (in a graph replayed with new inputs) and all-gather of bf16 parts."""
-    from ddtree.ops.nccl_group import NcclGroup, new_unique_id
+    from ddtree.parallel.nccl_group import NcclGroup, new_unique_id
     from ddtree.plugins.device import Gpu
     gpu = Gpu(gpu_id)
     uid = link.all_exchange(new_unique_id() if link.rank == 0 else None)[0]
@@ -98,14 +98,14 @@ def killed_peer_rank(link, gpu_id: int, max_spins: int) -> dict:
 
 
 def plugin_all_reduce_rank(link, gpu_id: int, M: int, replays: int) -> dict:
-    """The AllReduce plugin's runner of this rank (ops/tensorrt/kernels.py) over a registered one-shot
+    """The AllReduce plugin's runner of this rank (backends/tensorrt/kernels.py) over a registered one-shot
     all-reduce: prepared, its enqueue captured once in global mode on a raw stream, the graph replayed with this
     rank's part of each replay written in place. Returns the outputs."""
     from cuda.bindings import driver
 
-    from ddtree.ops.nodes import NODES
-    from ddtree.ops.rank_collective import RankCollective
-    from ddtree.ops.tensorrt.kernels import node_runner, register_rank_collective
+    from ddtree.description.nodes import NODES
+    from ddtree.parallel.rank_collective import RankCollective
+    from ddtree.backends.tensorrt.kernels import node_runner, register_rank_collective
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu, check
     gpu = Gpu(gpu_id)
@@ -197,7 +197,7 @@ def all_gather_rank(link, gpu_id: int, replays: int) -> dict:
 def step_collectives(ops):
     """A layer function of the op set's collectives as the tp > 1 step uses them: the all-reduce of a hidden row,
     then the all-gathers of the draft candidates' values and ids ([D, k] float32 / int32)."""
-    from ddtree.ops.opset import ACT, F32, I32
+    from ddtree.description.opset import ACT, F32, I32
     ops.output("summed", ops.all_reduce(ops.input("h", [1, HIDDEN], ACT), "h"), [1, HIDDEN], ACT)
     ops.output("values", ops.all_gather(ops.input("values", [7, 4], F32), "values"), [ops.lay.tp, 7, 4], F32)
     ops.output("ids", ops.all_gather(ops.input("ids", [7, 4], I32), "ids"), [ops.lay.tp, 7, 4], I32)
@@ -207,9 +207,9 @@ def cuda_ops_rank(link, gpu_id: int, replays: int) -> dict:
     """ProcessRankMember under CudaOps: step_collectives run eagerly (input rep 0: its buffers made), then captured
     as runtime/cuda_step.py captures a step (ops.stream a graph builder, ops.capturing) and replayed with inputs
     rep 1..replays. Returns each run's outputs, the counter and the error bits."""
-    from ddtree.ops.cuda_backend import CudaOps
-    from ddtree.ops.cuda_collectives import ProcessRankMember
-    from ddtree.ops.opset import RankLayout
+    from ddtree.backends.cuda_backend import CudaOps
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
+    from ddtree.description.opset import RankLayout
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import DeviceArray, Gpu
     gpu = Gpu(gpu_id)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree.ops.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
-from ddtree.ops.cuda_tensor import Tensor
-from ddtree.ops.rank_collective import (AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal,
+from ddtree.parallel.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
+from ddtree.backends.cuda_tensor import Tensor
+from ddtree.parallel.rank_collective import (AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal,
                                          collective_parts)
 from ddtree.plugins import allreduce as ar
 from ddtree.plugins import compile as kc
@@ -220,7 +220,7 @@ class Collectives(CollectiveOps):
     """CollectiveOps over a recorded collective: what CudaOps gives it (lay, stream, capturing, new)."""
 
     def __init__(self, collective, tp=3, capturing=False):
-        self.lay, self.standin, self.collective = SimpleNamespace(tp=tp), False, collective
+        self.lay, self.collective = SimpleNamespace(tp=tp), collective
         self.gpu, self.stream, self.capturing, self.where, self.next = "gpu", "builder", capturing, "step", 0x9000
 
     def new(self, shape, dtype):

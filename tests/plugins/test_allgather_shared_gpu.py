@@ -6,7 +6,7 @@ ProcessRankMember under CudaOps inside a captured graph; a killed peer sets the 
 import numpy as np
 import pytest
 
-from ddtree.ops.spawn_ranks import run_ranks
+from ddtree.parallel.spawn_ranks import run_ranks
 from ddtree.plugins.allreduce import reference_sum
 from tests.plugins.allreduce_cases import (GATHER_CASES, all_gather_rank, cuda_ops_part, cuda_ops_rank,
                                            gather_part, killed_peer_gather_rank, part)

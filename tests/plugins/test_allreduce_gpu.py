@@ -1,4 +1,4 @@
-"""2-GPU tests of the collectives, one spawned process per GPU (ops/spawn_ranks.py): the one-shot all-reduce
+"""2-GPU tests of the collectives, one spawned process per GPU (parallel/spawn_ranks.py): the one-shot all-reduce
 is bit-equal to the rank-ordered float32 sum (plugins/allreduce.reference_sum) on both ranks, in a graph
 replayed with new inputs and eagerly in place; NCCL gives identical bits on both ranks, close to that sum,
 and an exact all-gather; a killed peer sets the one-shot error bit within the spin bound, no hang."""
@@ -23,7 +23,7 @@ def gpu_count() -> int:
 if gpu_count() < 2:
     pytest.skip("needs 2 CUDA GPUs and cuda-python", allow_module_level=True)
 
-from ddtree.ops.spawn_ranks import run_ranks                 # noqa: E402
+from ddtree.parallel.spawn_ranks import run_ranks                 # noqa: E402
 from ddtree.plugins.allreduce import reference_sum           # noqa: E402
 from tests.plugins.allreduce_cases import killed_peer_rank, nccl_rank, one_shot_rank, part   # noqa: E402
 

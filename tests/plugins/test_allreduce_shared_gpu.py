@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ddtree.plugins.allreduce import reference_sum
-from ddtree.ops.spawn_ranks import run_ranks
+from ddtree.parallel.spawn_ranks import run_ranks
 from tests.plugins.allreduce_cases import one_shot_rank, part, plugin_all_reduce_rank
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def test_all_reduce_plugin_at_world_size_2_on_one_gpu():
 
 
 def test_nccl_bindings_on_one_rank():
-    """NCCL through nccl4py (ops/nccl_group.py) on a one-rank communicator: the calls the 2-GPU tests make (init from
+    """NCCL through nccl4py (parallel/nccl_group.py) on a one-rank communicator: the calls the 2-GPU tests make (init from
     a unique id, an all-reduce captured in a graph and replayed with new inputs, an eager all-gather, the async error
     word), on one GPU. A one-rank sum is the part itself; this checks our use of the bindings (pointers, counts,
     dtypes, the stream a capture runs on), not NCCL's transport."""

@@ -1,4 +1,4 @@
-"""The batch-invariant kernel plan (ops/cuda_backend.py KERNEL_PLANS), kernel by kernel: a row's output is
+"""The batch-invariant kernel plan (backends/cuda_backend.py KERNEL_PLANS), kernel by kernel: a row's output is
 bitwise the same whatever rows share its call.
 
 - Attention (plugins/mla_invariant.py): every node of a branching tree, verified in one call, against the

@@ -1,4 +1,4 @@
-"""CPU tests of the batch-invariant kernel plan (ops/cuda_backend.py KERNEL_PLANS): one split per kernel for
+"""CPU tests of the batch-invariant kernel plan (backends/cuda_backend.py KERNEL_PLANS): one split per kernel for
 every row count, plans that fit both archs' shared memory, and the flag refused by name where it means nothing.
 (Bitwise row independence is the GPU's to show: tests/plugins/test_batch_invariant_gpu.py.)"""
 import numpy as np
@@ -58,7 +58,7 @@ def test_invariant_absorb_and_moe_plans_one_split_for_every_m(arch):
 
 
 def test_unknown_kernel_plan_is_refused_by_name():
-    from ddtree.ops.cuda_backend import CudaOps
+    from ddtree.backends.cuda_backend import CudaOps
     with pytest.raises(ValueError, match="kernel plan 'invariant'; choose from fast, batch-invariant"):
         CudaOps(None, None, None, kernel_plan="invariant")
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddtree.model.presets import get_preset
 from ddtree.model.rope import rope_frequencies, rope_magnitude
-from ddtree.ops import numpy_math
+from ddtree.backends import numpy_math
 from ddtree.plugins import reference
 from ddtree.plugins.layer_ops import LayerOps, rope_table
 

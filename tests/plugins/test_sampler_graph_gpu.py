@@ -6,14 +6,14 @@ set_params between replays (other seeds, temperatures, top_k, top_p) and logits 
 place; every replay's tokens equal ddtree/tree/sampling.py sample on the same logits, and two requests
 with different seeds each get their own tokens (no stale seed). A record of another mode is reported.
 Compaction: kv_compact with its count on the device, captured once (DeviceLatentCache.compact and the
-cuda backend's kv_compact), replayed with other counts and paths == ddtree/ops/numpy_math.kv_compact.
+cuda backend's kv_compact), replayed with other counts and paths == ddtree/backends/numpy_math.kv_compact.
 """
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ddtree.ops.numpy_math import kv_compact
+from ddtree.backends.numpy_math import kv_compact
 from ddtree.tree.sampling import SamplingParams, sample
 
 import tree_cases as tc
@@ -161,8 +161,8 @@ def test_kv_compact_count_on_the_device_in_a_graph(gpu):
 def test_cuda_backend_kv_compact_reads_a_device_only_count(gpu):
     """accepted_count without a host copy: n = accepted rows launched, the count read in the graph; with a
     host copy: as before (n = that count)."""
-    from ddtree.ops.cuda_backend import CudaOps
-    from ddtree.ops.cuda_tensor import Tensor
+    from ddtree.backends.cuda_backend import CudaOps
+    from ddtree.backends.cuda_tensor import Tensor
     latent, rope = 512, 64
     ops = CudaOps(gpu, None, SimpleNamespace(latent=(latent, rope)))
     cache, cache_len = gpu.alloc((CAP, latent + rope), np.uint16), gpu.alloc((1,), np.int32)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from ddtree.ops.cuda_collectives import StandinGather
+from ddtree.parallel.cuda_collectives import StandinGather
 from ddtree.plugins import top_p_bins as tb
 from ddtree.plugins.top_p_ranks import ranks_sample_top_p
 from ddtree.tree.sampling import SamplingParams
@@ -35,7 +35,7 @@ def bounds(V: int, tp: int) -> list[int]:
 @pytest.fixture(scope="module")
 def split_sampler(rank_gpus):
     """run(l [n, V], pos [n], params, tp) -> every rank's (tokens, flags, row_state, status)."""
-    from ddtree.ops.cuda_collectives import ThreadRankGroup
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup
     from ddtree.plugins.top_p_ranks_gpu import TopPRanks
     cache = {}
 

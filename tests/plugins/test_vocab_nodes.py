@@ -1,6 +1,6 @@
 """CPU tests of the vocab-parallel node kernels (plugins/vocab_nodes.py): they compile for sm_90 and sm_120 with
 static shared memory inside sm_120's 99 KB per block, the launcher's constants are the kernels', the sliced
-normaliser twin agrees with ops/numpy_math.vocab_topk, and shapes numpy refuses are refused before any GPU
+normaliser twin agrees with backends/numpy_math.vocab_topk, and shapes numpy refuses are refused before any GPU
 work (by the same message)."""
 import re
 import struct
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from ddtree.ops import numpy_math as m
+from ddtree.backends import numpy_math as m
 from ddtree.plugins import compile as kc
 from ddtree.plugins import vocab_nodes as vn
 

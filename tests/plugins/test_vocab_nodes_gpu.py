@@ -1,4 +1,4 @@
-"""GPU tests of the vocab-parallel node kernels (plugins/vocab_nodes.py) against ops/numpy_math.py at tp 1..8:
+"""GPU tests of the vocab-parallel node kernels (plugins/vocab_nodes.py) against backends/numpy_math.py at tp 1..8:
 each rank's slice of one vocab (its vocab_start), the winners / candidates gathered in rank order, then merged.
 
 VocabWinner: ids equal to numpy's per rank, and the gathered winners' merge equal to the sampling definition on
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree.ops import numpy_math as m
+from ddtree.backends import numpy_math as m
 from ddtree.plugins.vocab_nodes import tree_capacity
 from ddtree.tree.build import build_tree
 from ddtree.tree.sampling import SamplingParams, sample
@@ -273,7 +273,7 @@ def rank_gpus():
 def heads(ops, V_r: int, k: int) -> None:
     """Each rank's part before the gathers: the draft top-k and the target winners (layers.draft_head's and
     layers.head's node calls, on fed logits)."""
-    from ddtree.ops.opset import ACC, F32, I32
+    from ddtree.description.opset import ACC, F32, I32
     values, ids, row_max, row_sumexp = ops.vocab_topk(ops.input("draft", ["D", V_r], F32), k)
     value, winner = ops.vocab_winner(ops.input("target", ["n", V_r], ACC), ops.input("sample_pos", ["n"], I32),
                                      ops.input("temperature", [1], F32), ops.input("seed", [2], I32))
@@ -286,10 +286,10 @@ def heads(ops, V_r: int, k: int) -> None:
 def test_the_cuda_backend_runs_the_node_kernels_at_any_tp(rank_gpus, tp):
     """layers.tree and layers.accept through CudaOps, the ranks as threads gathering through their collectives:
     every rank holds numpy's tree, targets and walk."""
-    from ddtree.ops import layers
-    from ddtree.ops.cuda_backend import CudaOps
-    from ddtree.ops.cuda_collectives import ThreadRankGroup, run_ranks
-    from ddtree.ops.opset import RankLayout
+    from ddtree.description import layers
+    from ddtree.backends.cuda_backend import CudaOps
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup, run_ranks
+    from ddtree.description.opset import RankLayout
     from ddtree.plugins.device import DeviceArray
     V_r, D, budget, T, s = 20480 if tp == 8 else 1000, 7, 64, 0.7, 99
     k, n, rng = min(budget, V_r), budget + 1, np.random.default_rng(tp)

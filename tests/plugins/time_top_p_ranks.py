@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ddtree.ops.cuda_collectives import StandinGather
+from ddtree.parallel.cuda_collectives import StandinGather
 
 V, TP, N = 163840, 8, 65
 KERNELS = ("topp_ranks_max", "topp_ranks_mass", "topp_ranks_decide", "topp_ranks_scan", "topp_ranks_cut")
@@ -67,7 +67,7 @@ def copies_of(gpu, x: np.ndarray):
 
 
 def ranks_case(gpus, l, pos, params) -> dict:
-    from ddtree.ops.cuda_collectives import ThreadRankGroup
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup
     from ddtree.plugins.top_p_ranks_gpu import TopPRanks, exchange_bytes
     V_r = V // TP
     group = ThreadRankGroup(TP)

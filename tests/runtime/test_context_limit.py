@@ -14,7 +14,7 @@ import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.data import TINY_DIR, tiny_model_dirs
-from ddtree.ops.caches import DraftCaches, TargetCaches
+from ddtree.runtime.caches import DraftCaches, TargetCaches
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import Drafter
 from ddtree.reference.model import Target

@@ -33,8 +33,8 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import sigmoid
-from ddtree.ops.numpy_backend import NumpyOps
-from ddtree.ops.opset import ACC
+from ddtree.backends.numpy_backend import NumpyOps
+from ddtree.description.opset import ACC
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import ar_steps, causal_visible, run_to_end
 from ddtree.tree.sampling import SamplingParams

@@ -23,8 +23,8 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import route_logits
-from ddtree.ops.numpy_backend import NumpyOps
-from ddtree.ops.opset import ACC
+from ddtree.backends.numpy_backend import NumpyOps
+from ddtree.description.opset import ACC
 from ddtree.plugins import reference
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import causal_visible
@@ -55,7 +55,7 @@ def unbiased(tmp_path_factory):
 def gpu_moe_calls(gex, ids):
     """Prefill ids on the GPU; per MoE call: x, router / bias / expert names, the FusedMoE's router logits,
     ids and weights, the shared expert's and the op's outputs (all as the host sees them)."""
-    from ddtree.ops.cuda_backend import CudaOps
+    from ddtree.backends.cuda_backend import CudaOps
     calls, moe = [], CudaOps.moe
 
     def recording(self, x, router, bias, experts, shared, spec):

@@ -69,7 +69,7 @@ def test_a_killed_gpu_worker_is_named_and_no_kernel_hangs(engine):
     """SIGKILL rank 1 while rank 0 replays step graphs with the one-shot inside: rank 0's waits on the dead peer end
     after their bounded spin (error bit) or the host group sees the death first; either way the error names rank 1,
     within a bound, and rank 0's GPU is usable after: new rank processes decode the tokens decoded before."""
-    from ddtree.ops.shm_group import RankError
+    from ddtree.parallel.shm_group import RankError
     from ddtree.plugins.allreduce import AllReduceError
     from ddtree.runtime.ranks import RankProcesses, Request
     cuda = {"gpus": GPUS, "max_context": 1024, "kernel_plan": "fast"}

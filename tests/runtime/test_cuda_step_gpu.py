@@ -210,7 +210,7 @@ def test_a_wider_table_builds_the_same_tree(tiny):
 
 
 def test_parallel_branches_change_no_bit(tiny):
-    """The branches (ops/cuda_branch.py: the shared expert beside the router, the kv path beside the query path,
+    """The branches (backends/cuda_branch.py: the shared expert beside the router, the kv path beside the query path,
     the L2 prefetch beside the attention) run the same kernels on the same inputs as the in-order launches
     without prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs
     (recaptured without them) commit the same tokens. A join in the wrong place would let a kernel read an

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree.ops.cuda_backend import CudaOps
-from ddtree.ops.cuda_tensor import Tensor
+from ddtree.backends.cuda_backend import CudaOps
+from ddtree.backends.cuda_tensor import Tensor
 from ddtree.plugins.device import DeviceArray
 from ddtree.runtime.cuda_step_tp import GREEDY, GUMBEL, TOP_P, TpSteps, node_sampling
 from ddtree.tree.sampling import SamplingParams
@@ -177,8 +177,8 @@ def ranks_of(preset: str, tp: int):
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.model.presets import get_preset
-    from ddtree.ops.cuda_collectives import ProcessRankMember
-    from ddtree.ops.opset import RankLayout
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
+    from ddtree.description.opset import RankLayout
     from ddtree.runtime.cuda_executor import CudaExecutor
     cfg, dcfg = get_preset(preset)
     plan = make_plan(cfg, dcfg, tp)
@@ -259,8 +259,8 @@ def test_tp1_bodies_still_capture_without_allocating(recording_device):
 def test_a_step_whose_peer_did_not_answer_hands_on_no_tokens():
     """The one-shot's error bits and NCCL's asynchronous error are read before a graph step's tokens leave the rank
     (TpSteps._answered through ProcessRankMember.check)."""
-    from ddtree.ops.cuda_collectives import ProcessRankMember
-    from ddtree.ops.nccl_group import NcclError
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
+    from ddtree.parallel.nccl_group import NcclError
     from ddtree.plugins.allreduce import AllReduceError
 
     class OneShot:

@@ -9,7 +9,7 @@ DDTree graphs with the one-shot collectives inside.
   logits: a wrong sample position in both graphs would keep the first equality and break this one), except at
   near-ties by runtime/near_tie.py's rule (tests/runtime/test_cuda_step_gpu.py's): delta is the largest logit
   difference between the verify and the one-token decode paths, measured by teacher-forcing the AR tokens through
-  this engine's ranks as threads of this process (the same kernels and rank-ordered sums, ops/cuda_collectives.py
+  this engine's ranks as threads of this process (the same kernels and rank-ordered sums, parallel/cuda_collectives.py
   ThreadRankGroup); a departure is a near-tie when the top-2 margin of z + g there is below 2 delta / T.
 - Top-k at tp 2 runs the primitives (counted in stats), with the same rule between DDTree and AR; the kept set is
   a discrete choice too, so a departure where the k-th and (k+1)-th z are within the bound is also a near-tie.
@@ -81,7 +81,7 @@ class ThreadRanks:
     (what runtime/near_tie.py reads); each rank keeps its own cache."""
 
     def __init__(self, engine, tp: int = 2):
-        from ddtree.ops.cuda_collectives import ThreadRankGroup
+        from ddtree.parallel.cuda_collectives import ThreadRankGroup
         from ddtree.runtime.cuda_executor import CudaExecutor
         group = ThreadRankGroup(tp)
         self.ranks = [CudaExecutor(engine, gpu=0, max_context=CUDA["max_context"], graphs=False, rank=r,
@@ -92,7 +92,7 @@ class ThreadRanks:
         return [ex.new_target_cache(capacity, limit) for ex in self.ranks]
 
     def target_forward(self, ids, pos, visible, caches, taps=()):
-        from ddtree.ops.cuda_collectives import run_ranks
+        from ddtree.parallel.cuda_collectives import run_ranks
         return run_ranks(self.ranks, lambda ex: ex.target_forward(ids, pos, visible, caches[ex.lay.rank], taps))[0]
 
 

@@ -217,9 +217,9 @@ def test_inspect(built, copy):
 
 
 def test_graph_runner_load_verifies_too(copy):
-    """ops/onnx_runner.GraphRanks.from_engine goes through the same check and the same hashing loader."""
+    """runtime/graph_ranks.GraphRanks.from_engine goes through the same check and the same hashing loader."""
     pytest.importorskip("onnx")
-    from ddtree.ops.onnx_runner import GraphRanks
+    from ddtree.runtime.graph_ranks import GraphRanks
     flip(copy / WEIGHT)
     with pytest.raises(ed.EngineFormatError, match=re.escape(f"{copy}/{WEIGHT}: sha256 mismatch")):
         GraphRanks.from_engine(copy)

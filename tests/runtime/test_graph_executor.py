@@ -22,7 +22,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def executors(engine):
-    from ddtree.ops.onnx_runner import GraphRanks
+    from ddtree.runtime.graph_ranks import GraphRanks
     from ddtree.runtime.graph_executor import GraphExecutor
     return GraphExecutor(GraphRanks.from_engine(engine, act="float64")), EngineExecutor(engine)
 
@@ -39,7 +39,7 @@ def test_graphs_decode_the_reference_tokens_and_ddtree_is_lossless(executors, pa
 
 def test_graph_logits_equal_the_numpy_executor(executors):
     """Within 1e-6 of the logits' scale: the graphs hold float attributes (the routing scale, the softmax scale)
-    as float32, as ONNX stores them (tests/ops/test_graphs_reference.py: 1e-12 against a float32-attribute twin)."""
+    as float32, as ONNX stores them (tests/backends/test_graphs_reference.py: 1e-12 against a float32-attribute twin)."""
     graphs, numpy_ex = executors
     P = len(PROMPT)
     vis = np.tril(np.ones((P, P), bool))

@@ -2,7 +2,7 @@
 (tests/runtime/kimi_two_layers.py: made on the CPU, kept in tests/fixtures/runtime/kimi_two_layers.npz; the GPU
 fills the same weights on the device): a prefill and a tree-shaped verify (the tree mask) through tp 1 (issue 19),
 and through all 8 rank slices of tp 8 run one after another on this GPU as threads, their collectives summed on
-the device (ops/cuda_collectives.py; issue 21).
+the device (parallel/cuda_collectives.py; issue 21).
 
 Tolerance: tests/runtime/test_cuda_executor_gpu.py's argument (every op rounds to bf16, 2^-9 relative, and
 accumulates in fp32; ~25 roundings per layer) bounds the logits' error by REL = 0.04 of their scale; two layers
@@ -82,7 +82,7 @@ def test_tp1_prefill_and_tree_verify_match_float64(ref, model):
 def test_eight_rank_slices_with_device_sums_match_float64(ref, model):
     from ddtree.builder.plan import make_plan
     from ddtree.builder.reslice import reslice_rank
-    from ddtree.ops.cuda_collectives import ThreadRankGroup, run_ranks
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup, run_ranks
     from ddtree.runtime.cuda_executor import CudaExecutor
     cfg, dcfg, host = model
     plan = make_plan(cfg, dcfg, 8)

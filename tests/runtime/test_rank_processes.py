@@ -1,4 +1,4 @@
-"""Ranks as processes (runtime/ranks.py, ops/shm_group.py): one process per rank of tp 2 and tp 4 engines of
+"""Ranks as processes (runtime/ranks.py, parallel/shm_group.py): one process per rank of tp 2 and tp 4 engines of
 the tiny and small-mla presets gives the tokens of the in-process executor (ranks as threads) and of the float64 reference
 on the source checkpoint, DDTree == AR, greedy and sampled; the shared-memory all-reduce sums in rank order
 (checked against an explicit float32 sum at 3 and 4 ranks, where the order changes the bits); a worker
@@ -19,7 +19,7 @@ import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.model.synthetic import synth
-from ddtree.ops.shm_group import (RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup,
+from ddtree.parallel.shm_group import (RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup,
                                   new_spec)
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.ranks import Committed, ControlRecord, RankProcesses, Request
@@ -246,7 +246,7 @@ def test_a_worker_whose_committed_tokens_differ_is_stopped(monkeypatch):
     """The control record carries a digest of every committed token, so a worker that committed other tokens than
     rank 0 (same counts) fails at the next step instead of going on (runtime/ranks.py _follow)."""
     import ddtree.runtime.ranks as ranks
-    from ddtree.ops.shm_group import RankFailedError
+    from ddtree.parallel.shm_group import RankFailedError
     req = Request("ddtree", (1, 2, 3), 8, SamplingParams(), 4, ())
     rank0 = [[5, 6], [7], [8, 9]]                       # what rank 0 committed, step by step
 

@@ -52,7 +52,7 @@ def test_device_tensorrt_on_this_gpu_refuses_before_loading(tmp_path):
     """A real --trt engine, ddtree-run --device tensorrt on the H200: the refusal names it (no Hopper target)."""
     from ddtree.cli import main
     from ddtree.runtime.trt_executor import gpu_identity
-    from tests.ops.trt_plugin_calls import build_engine
+    from tests.backends.trt_plugin_calls import build_engine
     name, cc = gpu_identity(0)
     if cc == (12, 0):
         pytest.skip(f"{name} runs SM120 plans")

@@ -22,7 +22,7 @@ timeout 60 python3 -m ddtree bench allreduce --gpus 0,1 --probe --json > "$OUT/p
 step "2. 2-GPU tests"
 # NCCL's INFO lines a process into $WORK (unbuffered: a hung rank's last line survives the kill), appended to the log
 DDTREE_TEST_GPUS=0,1 NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$WORK/nccl.%h.%p.log" timeout $((2 * LIMIT)) python3 -m pytest \
-    -q -m gpu -rs tests/plugins/test_allreduce_gpu.py tests/ops/test_cuda_collectives_gpu.py \
+    -q -m gpu -rs tests/plugins/test_allreduce_gpu.py tests/parallel/test_cuda_collectives_gpu.py \
     tests/runtime/test_cuda_rank_processes_gpu.py -k "not one_gpu" > "$OUT/pytest.log" 2>&1
 echo "   pytest exited $?: $(tail -1 "$OUT/pytest.log")" >&2
 for f in "$WORK"/nccl.*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 40 "$f"; }; done >> "$OUT/pytest.log"

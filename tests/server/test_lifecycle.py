@@ -46,13 +46,13 @@ class FailingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def stream(self, ids, **kw):
+    def stream_request(self, ids, request, stats=None):
         text = self.engine.decode(ids)
         if text == "boom":
             raise RuntimeError("a bug inside the engine")
         if text == "die":
             raise WorkerKilled("rank 1 is gone")
-        return self.engine.stream(ids, **kw)
+        return self.engine.stream_request(ids, request, stats)
 
 
 @pytest.fixture()

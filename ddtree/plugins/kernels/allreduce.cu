@@ -202,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(1024) allgather_push(
     end_collective(c, state);
 }
 
-// Ranks that share one process and one GPU (ops/cuda_collectives.py): out = the float32 sum of parts[0..nranks-1]
+// Ranks that share one process and one GPU (parallel/cuda_collectives.py): out = the float32 sum of parts[0..nranks-1]
 // in rank order, rounded once to bf16: the bits allreduce_push gives. parts: nranks addresses of [n8] vectors.
 extern "C" __global__ void allreduce_sum_local(const u64* __restrict__ parts, int nranks, uint4* out, u32 n8) {
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += gridDim.x * blockDim.x) {

@@ -53,7 +53,7 @@ extern "C" __global__ void kv_compact(bf16_t* __restrict__ cache, size_t layer_s
     if (i < n_used && src != i) base[(size_t)i * KV_VECS] = value;
 }
 
-// The MLA's kv_a output appended as the op set composes it (ops/opset.py Ops.kv_append_normed): entry
+// The MLA's kv_a output appended as the op set composes it (description/opset.py Ops.kv_append_normed): entry
 // start + i = (rms_norm(latent[i, :DL]) * w | rope_interleaved(latent[i, DL:], pos[i])), one launch instead of
 // rms_norm_rows + rope_interleaved + kv_append. latent [q, l_stride >= DK] bf16 (the projection output), w [DL],
 // pos [q] int32, table [max_pos, DR/2] float2 (layer_ops.RopeTable). The same arithmetic as those kernels, so the

@@ -1,4 +1,4 @@
-// The small per-layer kernels of the op set (ddtree/ops/opset.py): embedding gather, RMSNorm, add + RMSNorm, add,
+// The small per-layer kernels of the op set (ddtree/description/opset.py): embedding gather, RMSNorm, add + RMSNorm, add,
 // interleaved (YaRN) and rotate-half rope, per-head RMSNorm, SiLU * up, row gather, fp32 -> bf16 cast.
 // Launchers: ddtree/plugins/layer_ops.py (LayerOps, RopeTable). Numpy twins: ddtree/plugins/reference.py
 // (embed, rms_norm, add_rms_norm, rope_interleaved, rope_rotate_half, head_rms_norm, silu_mul, gather_rows,

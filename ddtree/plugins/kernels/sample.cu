@@ -169,10 +169,10 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
     pdl_trigger();
 }
 
-// ---- the vocab-parallel nodes (ops/nodes.py VocabWinner, AcceptWalk; launcher plugins/vocab_nodes.py) --------
+// ---- the vocab-parallel nodes (description/nodes.py VocabWinner, AcceptWalk; launcher plugins/vocab_nodes.py) --------
 // At any tp a rank picks the winner of its vocab slice per row (node_vocab_winner); the ranks' winners are
 // gathered and every rank merges them and walks the tree (node_accept_walk). numpy twins:
-// ops/numpy_math.vocab_winner and accept_walk_winners.
+// backends/numpy_math.vocab_winner and accept_walk_winners.
 
 // logits [q, V] fp32 of this rank's slice (global id vocab_start + v), grid (S, q) -> value [q] (the winning
 // float64 value rounded to float32) and id [q] (global). temperature [1] fp32 and seed [2] (low, high word) are

@@ -173,10 +173,10 @@ draft_merge(const u64* __restrict__ lists, int S, int K, TB_BUILD_ARGS) {
     pdl_trigger();
 }
 
-// ---- the vocab-parallel nodes (ops/nodes.py VocabTopK, TreeBuild; launcher plugins/vocab_nodes.py) ------------
+// ---- the vocab-parallel nodes (description/nodes.py VocabTopK, TreeBuild; launcher plugins/vocab_nodes.py) ------------
 // At any tp a rank takes the top-k of its vocab slice with its (max, sum exp) (node_vocab_topk); the ranks'
 // candidates are gathered, and every rank builds the same tree from them (node_tree_build). numpy twins:
-// ops/numpy_math.vocab_topk and tree_build.
+// backends/numpy_math.vocab_topk and tree_build.
 
 // logits [rows, V] fp32 of this rank's slice (global id vocab_start + v), grid (S, rows) -> per row the k
 // largest (x, -id) keys as raw values [rows, k] and global ids [rows, k], row_max [rows] and row_sumexp [rows]

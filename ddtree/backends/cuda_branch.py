@@ -1,0 +1,120 @@
+"""Parallel branches of a CudaOps launch sequence: launches forked off the current stream run beside the ones
+that follow, until a join. Latency-bound kernels leave most SMs idle (the fused router's one-block routing, the
+skinny GEMMs' tails); a branch lets independent work fill them (CudaOps.moe: the shared expert beside the router;
+layers.mla_attention: the next GEMMs' weights prefetched into L2 beside the tree attention).
+
+    with ops.branch() as b:             # the op set's branch (description/opset.py): launches in here go to the branch
+        y = ops.swiglu_mlp(x, ...)
+    ... launches on the main stream ...
+    ops.join(b)                         # what follows waits for both
+
+BranchOps (mixed into CudaOps) implements the op set's branch / join with a Fork: None (in order) when
+ops.branches is off or the stream cannot fork (a TensorRT plugin's raw stream).
+
+In a captured graph the branch is a builder split from the ops' builder (cuda.core GraphBuilder.split / join: two
+parallel chains of nodes); eagerly it is a second stream that waits on the GPU's stream. Buffers: every op site
+has its own arena buffer and every launcher its own workspace, and a branch launches through launchers of its
+own (CudaOps.launcher keys them by the branch's lane), so it shares nothing it writes with a parallel chain.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+class Fork:
+    def __init__(self, main, side, lane):
+        self.main, self.side_stream, self.lane = main, side, lane     # main None: eager (the GPU's stream)
+
+    @staticmethod
+    def of(ops, lane) -> "Fork | None":
+        """lane: the branch's eager side stream and its launchers' key (CudaOps.launcher): two branches open at
+        once (or a branch and the prefetches, joined only at the end of a call) neither queue behind each other
+        eagerly nor share a launcher's workspace (a GEMM's split-K partials) while capturing."""
+        if not getattr(ops, "branches", False):
+            return None
+        s = ops.stream
+        if s is None:                                     # eager: a second stream, after all launched so far
+            streams = ops.__dict__.setdefault("_side_streams", {})
+            if lane not in streams:
+                streams[lane] = ops.gpu.dev.create_stream()
+            streams[lane].wait(ops.gpu.stream)
+            return Fork(None, streams[lane], lane)
+        if hasattr(s, "split") and hasattr(s, "is_join_required"):     # a graph builder while capturing
+            main, side = s.split(2)
+            if main is not s:
+                raise RuntimeError("cuda backend: GraphBuilder.split did not return the ops' builder first")
+            return Fork(main, side, lane)
+        return None                                       # another stream kind (a TensorRT plugin's): in order
+
+    @contextmanager
+    def side(self, ops):
+        outer = ops.stream, ops.lane
+        ops.stream, ops.lane = self.side_stream, self.lane
+        try:
+            yield
+        finally:
+            ops.stream, ops.lane = outer
+
+    def join(self, ops) -> None:
+        if self.main is None:
+            ops.gpu.stream.wait(self.side_stream)
+            return
+        joined = type(self.main).join(self.main, self.side_stream)
+        if joined is not self.main:
+            raise RuntimeError("cuda backend: GraphBuilder.join did not keep the ops' builder")
+        ops.stream = self.main
+
+
+class BranchOps:
+    """The op set's scheduling hints in the cuda backend: branch / join (above) and prefetch: the weights a
+    layer reads next staged in L2 (plugins/prefetch.py) within `prefetch_bytes` (0: off), in the order given
+    (the first readers first; a buffer that does not fit the rest of the budget ends the list), one launch on a
+    branch of its own that nothing waits for until the end of the call (join_pending: CudaOps.call). A prefetch
+    writes nothing a kernel reads, so no later op needs to wait for it; waiting at o_proj cost more than it
+    saved (the launch takes ~10 us for 15 MB: ddtree/plugins/kernels/NOTES.md)."""
+
+    @contextmanager
+    def branch(self):
+        opened = self.__dict__.setdefault("_open", [])
+        lane = min(set(range(1, len(opened) + 2)) - {f.lane for f in opened})     # the lowest lane not open
+        fork = Fork.of(self, lane)
+        if fork is None:
+            yield None
+            return
+        opened.append(fork)
+        with fork.side(self):
+            yield fork
+
+    def join(self, b) -> None:
+        if b is not None:
+            b.join(self)
+            self._open.remove(b)
+
+    def prefetch(self, *names) -> None:
+        budget, chosen = self.prefetch_bytes, []
+        for name in names:
+            for buf in self.store.layouts(name):
+                if buf.nbytes > budget:
+                    break
+                chosen.append((buf.ptr, buf.nbytes))
+                budget -= buf.nbytes
+            else:
+                continue
+            break
+        if not chosen:
+            return
+        from ddtree.plugins.prefetch import L2Prefetch
+        pre = self.launcher(("l2_prefetch",), lambda: L2Prefetch(self.gpu))
+        fork = Fork.of(self, "prefetch")
+        if fork is None:
+            pre.run(chosen, stream=self.stream)
+            return
+        with fork.side(self):
+            pre.run(chosen, stream=self.stream)
+        self.__dict__.setdefault("_pending", []).append(fork)
+
+    def join_pending(self) -> None:
+        """Join the branches left open (the prefetches) into the main chain: the end of a call."""
+        pending, self._pending = self.__dict__.get("_pending", []), []
+        for fork in pending:
+            fork.join(self)

@@ -1,0 +1,46 @@
+"""The op set's MoE in the cuda backend (MoeOps, mixed into CudaOps: backends/cuda_backend.py): plugins/moe.py FusedMoE
+(the fused router, then the routed experts' gate_up + down, the shared expert's output added in down).
+
+The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router, whose
+routing phase runs on one block while the rest of the GPU idles: it runs on a parallel branch beside the router
+(backends/cuda_branch.py), joined before the experts' launch, or with `ops.shared_join = "down"` before the down
+launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`). `ops.branches =
+False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
+same kernels on the same inputs)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class MoeOps:
+    def route(self, fused, x, M: int, router_name: str) -> tuple:
+        """The router over x's M rows -> (expert ids [M, k], weights [M, k]) in the fused MoE's buffers."""
+        fused.route(x.ptr, M, stream=self.stream)
+        return fused.topk_ids, fused.topk_w
+
+    def moe(self, x, router, bias, experts, shared, spec):
+        from ddtree.plugins.moe import FusedMoE, MoEShape
+        if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
+            raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
+                                      "kernel's expert offset; tp 1 holds them all")
+        with self.branch() as shared_path:
+            shared_out = self.swiglu_mlp(x, *shared)                               # [m, H], beside the router
+        shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
+                         spec.routed_scaling_factor, self.max_tokens)
+        keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
+                "down_scale": "down.scales"}
+        fused = self.launcher(("moe", router.name), lambda: FusedMoE(
+            self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
+            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
+        out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
+        ids, weights = self.route(fused, x, M, router.name)
+        if self.shared_join not in ("experts", "down"):
+            raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
+        if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
+            fused.gate_up(x.ptr, M, self.stream)
+            self.join(shared_path)
+            fused.down(out.ptr, M, weights, shared_out.ptr, self.stream)
+            return out
+        self.join(shared_path)
+        fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
+        return out

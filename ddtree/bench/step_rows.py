@@ -1,0 +1,107 @@
+"""The rows of `ddtree bench step` (bench/step.py; every rank of bench/step_ranks.py runs the same): a synthetic rank
+and its step graphs, one row's setup (given routing, stated tree, fixed accepted length) and its eager run + capture.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: int = 0) -> dict | None:
+    """routing 'router': None (the router's own choice). 'uniform' / 'tree': ids for the budget's stated tree
+    (bench/project.py DraftProfile) from bench/routing.py, written into the rank's routing buffers (one per MoE
+    layer, the rows past the tree unused) that CudaOps.moe uses after its router ran; -> the distinct experts
+    per layer, from those ids."""
+    from ddtree.bench.project import DraftProfile, depth_histogram
+    from ddtree.bench.routing import distinct_per_layer, routing_ids
+    from ddtree.description.layers import router_weight
+    if routing == "router":
+        rank.ops.routing = None
+        return None
+    cfg, gpu = rank.config, rank.gpu
+    k, layers = cfg.num_experts_per_tok, cfg.moe_layers
+    tree = DraftProfile().tree(budget, rank.drafter_config.block_size - 1)
+    ids = routing_ids(routing, tree.parents, cfg.n_routed_experts, k, reuse or 0.0, len(layers), seed)   # [L, n, k]
+    if rank.routing_buffers is None:
+        rows = rank.ops.max_tokens
+        rank.routing_buffers = {L: (gpu.zeros((rows, k), np.int32), gpu.alloc((rows, k), np.float32)) for L in layers}
+    weight = np.full((len(tree.parents), k), cfg.routed_scaling_factor / k, np.float32)
+    for i, L in enumerate(layers):
+        gpu.copy_in(rank.routing_buffers[L][0], ids[i].astype(np.int32))
+        gpu.copy_in(rank.routing_buffers[L][1], weight)
+    rank.ops.routing = {router_weight(L): rank.routing_buffers[L] for L in layers}
+    d = distinct_per_layer(ids)
+    return {"mean": float(d.mean()), "min": int(d.min()), "max": int(d.max()),
+            "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}
+
+
+def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
+    """[depths, vocab] float32 logits whose log-softmax is DraftProfile's stated table (token r: log top1 (1-top1)^r
+    for r < budget, the rest of the mass on token `budget`, nothing elsewhere): the tree builder then builds
+    DraftProfile.tree(budget, depths), the shape the routing generator and the projection use."""
+    from ddtree.bench.project import DraftProfile
+    top1 = DraftProfile().top1
+    logp = np.log(top1) + np.arange(budget) * np.log(1.0 - top1)          # a geometric series, whose rest is
+    if vocab <= budget:
+        raise click.ClickException(f"a rank's vocab slice of {vocab} cannot hold a budget {budget} tree's candidates")
+    row = np.full(vocab, -1e30, np.float64)
+    row[:budget], row[budget] = logp, budget * np.log(1.0 - top1)          # (1 - top1)^budget
+    return np.tile(row.astype(np.float32), (depths, 1))
+
+
+def stated_depths(budget: int, depths: int) -> list[int]:
+    from ddtree.bench.project import DraftProfile
+    return depth_histogram(DraftProfile().tree(budget, depths))
+
+
+def context_room(repeats: int, accept: int, b: int) -> int:
+    """Cache rows past the context a row's replays use: each replay commits `accept` tokens (the AR step one)."""
+    return (repeats + 3) * max(accept, 1) + 2 * b + 64
+
+
+def row_cases(contexts: list[int], budgets: list[int], cases: list, with_ar: bool) -> list[tuple]:
+    """The rows a run measures, in order: per context the AR step (budget None, with --ar), then every budget x
+    (routing, reuse)."""
+    rows = []
+    for context in contexts:
+        rows += [(context, None, "router", None)] if with_ar else []
+        rows += [(context, budget, routing, reuse) for budget in budgets for routing, reuse in cases]
+    return rows
+
+
+def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repeats: int, accept: int):
+    """Rank rank_id of `plan` on `gpu` with generated weights and caches for the run's longest row, and its step
+    graphs (greedy) -> (rank, steps, max_context)."""
+    from ddtree.bench.synthetic_rank import SyntheticRank
+    from ddtree.bench.bench_ops import BenchSteps
+    from ddtree.tree.sampling import SamplingParams
+    max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
+    rank = SyntheticRank(gpu, cfg, dcfg, plan, rank_id, max_context)
+    steps = BenchSteps(rank)
+    steps.set_params(SamplingParams())
+    return rank, steps, max_context
+
+
+def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",
+                reuse: float | None = None, accept: int = 1):
+    """Set the rank up for one row and run its step once eagerly, then once more into its graph: -> (graph key, the
+    step's body, the distinct experts per layer or None). budget None: the AR step."""
+    from ddtree.plugins import randfill as rf
+    gpu, b = rank.gpu, rank.drafter_config.block_size
+    if budget:
+        distinct = given_routing(rank, budget, routing, reuse)
+    else:                                                     # the AR step: the router's own choice
+        rank.ops.routing, distinct = None, None
+    rank.ops.attention_context = context + context_room(repeats, accept, b)          # attention planned per context
+    steps.state.set(start=context, bonus=1)
+    if budget is None:
+        key, body = ("ar", steps.plan.mode, context), steps._ar_body
+    else:
+        rf.fill_device(gpu, steps.window, 7, rf.ACT_BF16)
+        key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router", accept)
+        body = lambda: steps._ddtree_body(budget, b)         # noqa: E731
+        vocab = rank.lay.vocab_stop - rank.lay.vocab_start
+        steps.stated_draft = gpu.upload(stated_draft_logits(budget, b - 1, vocab))
+    steps.forced_accept = accept if budget else None
+    steps._run(key, body)                                     # the first step eagerly, then its capture
+    gpu.sync()
+    return key, body, distinct

@@ -1,0 +1,292 @@
+"""The per-rank model, written once: each layer kind is one function over the op set (description/opset.py).
+
+Every executor runs these functions through a backend: numpy (CPU ranks), onnx (the engine's graphs
+and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), cuda (one GPU). The float64 oracle in
+ddtree/reference/ is the only other copy of the model, written independently on purpose.
+
+    embed        ids [q] -> this rank's rows, zeros elsewhere -> all-reduce -> h [q, H]
+    decoder      h [q, H], pos [q], cache [S, R + Dr], cache_len [1], tree_mask [q, W]
+                 x = RMSNorm_in(h)
+                 c_q = RMSNorm(x q_a^T);  q = c_q q_b^T -> (q_nope | q_pe) [q, N_r, Dn | Dr]
+                 latent = x kv_a^T -> c_kv = RMSNorm(latent[:R]), k_pe = rope(latent[R:])
+                 cache <- (c_kv | k_pe) at cache_len..;  q_lat = q_nope W_UK;  q_pe = rope(q_pe)
+                 o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
+                 h1, x2 = h + attn, RMSNorm_post(h + attn)
+                 h_out = h1 + all-reduce(dense SwiGLU slice(x2) | MoE(x2))
+    head         h -> RMSNorm -> logits [q, V_r] (ACC) -> this rank's sampling winner per row
+    draft_fc     ctx_taps [n, K H] -> this rank's fc input columns -> all-reduce -> hidden_norm -> ctx
+    draft_layer  h [b, H], ctx [n, H]: q/k/v of the block and k/v of the new context (per-head norms),
+                 DFlash attention (context appended to the cache), o_proj, all-reduce, SwiGLU, all-reduce
+    draft_head   h [b, H] -> drafter.norm -> rows 1.. -> target lm_head slice -> logits [D, V_r] ->
+                 this rank's top-k candidates and log-sum-exp parts
+    compact      one layer's cache after a verify: rows T + accepted[i] -> T + i (the accepted path)
+    tree         this rank's candidates -> all-gather [tp, D, k] -> best-first tree of B drafted nodes
+    accept       the tree and this rank's sampling winners -> all-gather [tp, n] -> the acceptance walk
+    head_logits, draft_logits   the two heads without their sampler / top-k (a backend that fuses sampling
+                 with the walk and top-k with the tree build at tp 1: the GPU step, runtime/cuda_step.py)
+The drafter's block embedding is the target's `embed` (the drafter has none of its own).
+Tensor names are the rank files' (builder/weights.py) and the graphs' I/O names.
+"""
+from __future__ import annotations
+
+from ddtree.description.opset import ACC, ACT, F32, I32, DraftAttentionSpec, MlaSpec, MoESpec, Ops
+
+
+# ----------------------------------------------------------------------------------------------
+# target
+
+def embed(ops: Ops, cfg) -> None:
+    ids = ops.input("ids", ["q"], I32)
+    h = ops.all_reduce(ops.embed(ids, ops.weight("model.embed_tokens.weight")), "embed")
+    ops.output("h", h, ["q", cfg.hidden_size], ACT)
+
+
+def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=()) -> tuple:
+    """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows). ahead: the
+    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention."""
+    R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
+    q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
+    spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
+    with ops.branch() as kv_path:                # the cache rows need only x: beside the query path until attention
+        latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))             # [q, R + Dr] replicated
+        cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
+                                     cfg.rope)                                   # (c_kv normed | k_pe roped)
+    c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
+    q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
+    kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
+    q_lat, q_rope = ops.mla_absorb_q_rope(q_all, kv_b, pos, cfg.rope, spec)             # [q, N_r, R], [q, N_r, Dr]
+    ops.join(kv_path)
+    ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
+    o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
+    o = ops.mla_absorb_out(o_lat, kv_b, spec)                                           # [q, N_r Dv]
+    return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
+
+
+def moe(ops: Ops, cfg, m: str, x, inter: int):
+    """Normed x [q, H] -> this rank's partial [q, H] of routed + shared experts."""
+    lay = ops.lay
+    spec = MoESpec(cfg.hidden_size, inter, lay.expert_stop - lay.expert_start, cfg.n_routed_experts,
+                   lay.expert_start, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                   float(cfg.routed_scaling_factor), cfg.quant.group_size)
+    experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
+                                                           "down.scales")}
+    return ops.moe(x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
+                   tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
+
+
+ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def router_weight(layer: int) -> str:
+    """Decoder layer `layer`'s router weight name: what a backend's given routing is keyed by (ops.moe's
+    router.name; ddtree bench step)."""
+    return f"{layer_prefix(layer)}mlp.{ROUTER}"
+
+
+def mlp_names(m: str) -> tuple:
+    """A SwiGLU MLP's (gate, up, down) weight names under prefix m."""
+    return tuple(f"{m}{k}_proj.weight" for k in ("gate", "up", "down"))
+
+
+def dense_mlp(ops: Ops, m: str, x):
+    return ops.swiglu_mlp(x, *(ops.weight(n) for n in mlp_names(m)))
+
+
+def mlp_front(cfg, layer: int) -> tuple:
+    """The names of the weights decoder layer `layer`'s MLP reads first, in order: an MoE's router and shared
+    expert (its routed experts wait for the routing), or a dense MLP's."""
+    m = layer_prefix(layer) + "mlp."
+    if cfg.is_moe_layer(layer):
+        return (m + ROUTER, *mlp_names(m + "shared_experts."))
+    return mlp_names(m)
+
+
+def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
+    """Decoder layer `layer` (dense MLP or MoE by the config)."""
+    p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    h = ops.input("h", ["q", H], ACT)
+    pos = ops.input("pos", ["q"], I32)
+    cache = ops.input("cache", ["S", W], ACT)
+    cache_len = ops.input("cache_len", [1], I32)
+    tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
+    attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
+                                ahead=mlp_front(cfg, layer))
+    h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
+                                         cfg.rms_norm_eps, "attn")
+    mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
+    ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
+    ops.output("cache_out", cache, ["S", W], ACT)
+
+
+def compact(ops: Ops, cfg) -> None:
+    W = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = ops.input("cache", ["S", W], ACT)
+    cache_len = ops.input("cache_len", [1], I32)                                        # T before the verify
+    accepted = ops.input("accepted", ["nodes"], I32)                                    # the walk's outputs
+    count = ops.input("accepted_count", [1], I32)
+    ops.output("cache_out", ops.kv_compact(cache, cache_len, accepted, count), ["S", W], ACT)
+
+
+def _target_logits(ops: Ops, cfg):
+    h = ops.input("h", ["q", cfg.hidden_size], ACT)
+    x = ops.rms_norm(h, ops.weight("model.norm.weight"), cfg.rms_norm_eps)
+    return ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                         # [q, V_r]
+
+
+def head_logits(ops: Ops, cfg) -> None:
+    """The head without its sampler: the logits alone, for a backend that samples them itself (the GPU step's
+    fused sampler + acceptance walk, runtime/cuda_step.py) or a host loop that downloads them."""
+    ops.output("logits", _target_logits(ops, cfg), ["q", ops.lay.vocab_stop - ops.lay.vocab_start], ACC)
+
+
+def head(ops: Ops, cfg) -> None:
+    logits = _target_logits(ops, cfg)
+    sample_pos = ops.input("sample_pos", ["q"], I32)
+    temperature = ops.input("temperature", [1], F32)
+    seed = ops.input("seed", [2], I32)                                                  # (low word, high word)
+    value, winner = ops.vocab_winner(logits, sample_pos, temperature, seed)
+    ops.output("logits", logits, ["q", ops.lay.vocab_stop - ops.lay.vocab_start], ACC)
+    ops.output("win_value", value, ["q"], ACC)
+    ops.output("win_id", winner, ["q"], I32)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafter (DFlash; rank tensors prefixed "drafter.")
+
+def draft_fc(ops: Ops, dcfg) -> None:
+    H, lay = dcfg.hidden_size, ops.lay
+    ctx_taps = ops.input("ctx_taps", ["n", dcfg.num_taps * H], ACT)
+    partial = ops.linear(ops.slice(ctx_taps, 1, lay.fc_start, lay.fc_stop), ops.weight("drafter.fc.weight"))
+    ctx = ops.rms_norm(ops.all_reduce(partial, "fc"), ops.weight("drafter.hidden_norm.weight"), dcfg.rms_norm_eps)
+    ops.output("ctx", ctx, ["n", H], ACT)
+
+
+def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
+    """`block`: the block size b of this call (static per graph, as the budget is; default the drafter's)."""
+    p, a = f"drafter.layers.{layer}.", f"drafter.layers.{layer}.self_attn."
+    H, d, b, eps = dcfg.hidden_size, dcfg.head_dim, block or dcfg.block_size, dcfg.rms_norm_eps
+    heads = ops.shape(ops.weight(a + "q_proj.weight"))[0] // d
+    kv_heads = ops.shape(ops.weight(a + "k_proj.weight"))[0] // d
+    h = ops.input("h", [b, H], ACT)
+    ctx = ops.input("ctx", ["n", H], ACT)
+    pos = ops.input("pos", [b], I32)
+    cache_k = ops.input("cache_k", ["S", kv_heads, d], ACT)
+    cache_v = ops.input("cache_v", ["S", kv_heads, d], ACT)
+    cache_len = ops.input("cache_len", [1], I32)
+
+    def heads_of(x, proj: str, n: int, norm: str | None):
+        y = ops.reshape(ops.linear(x, ops.weight(f"{a}{proj}.weight")), [0, n, d])      # [m, n, d]
+        return ops.rms_norm(y, ops.weight(f"{a}{norm}.weight"), eps) if norm else y
+
+    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), eps)                   # [b, H]
+    q, k, v = heads_of(x, "q_proj", heads, "q_norm"), heads_of(x, "k_proj", kv_heads, "k_norm"), \
+        heads_of(x, "v_proj", kv_heads, None)
+    ctx_k, ctx_v = heads_of(ctx, "k_proj", kv_heads, "k_norm"), heads_of(ctx, "v_proj", kv_heads, None)
+    spec = DraftAttentionSpec(heads, kv_heads, d, dcfg.window(layer), float(dcfg.attention_factor))
+    ops.prefetch(a + "o_proj.weight", *mlp_names(p + "mlp."))     # staged in L2 during the attention
+    o, cache_k, cache_v = ops.draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, dcfg.rope,
+                                              spec)
+    h1, x2 = ops.all_reduce_add_rms_norm(ops.linear(o, ops.weight(a + "o_proj.weight")), h,
+                                         ops.weight(p + "post_attention_layernorm.weight"), eps, "attn")
+    ops.output("h_out", ops.add(h1, ops.all_reduce(dense_mlp(ops, p + "mlp.", x2), "mlp")), [b, H], ACT)
+    ops.output("cache_k_out", cache_k, ["S", kv_heads, d], ACT)
+    ops.output("cache_v_out", cache_v, ["S", kv_heads, d], ACT)
+
+
+def _draft_logits(ops: Ops, dcfg, b: int):
+    h = ops.input("h", [b, dcfg.hidden_size], ACT)
+    x = ops.slice(ops.rms_norm(h, ops.weight("drafter.norm.weight"), dcfg.rms_norm_eps), 0, 1, b)   # [D, H]
+    return ops.linear(x, ops.weight("lm_head.weight"), out=ACC)                         # [D, V_r]
+
+
+def draft_logits(ops: Ops, dcfg, block: int | None = None) -> None:
+    """The drafter head without its top-k: logits [b-1, V_r] (the GPU step builds the tree from them in
+    its fused top-k + build kernels, plugins/tree_build.py)."""
+    b, lay = block or dcfg.block_size, ops.lay
+    ops.output("logits", _draft_logits(ops, dcfg, b), [b - 1, lay.vocab_stop - lay.vocab_start], ACC)
+
+
+def draft_head(ops: Ops, dcfg, k: int, block: int | None = None) -> None:
+    b, lay = block or dcfg.block_size, ops.lay
+    D, V_r = b - 1, lay.vocab_stop - lay.vocab_start
+    logits = _draft_logits(ops, dcfg, b)
+    values, ids, row_max, row_sumexp = ops.vocab_topk(ops.cast(logits, F32), k)
+    ops.output("logits", logits, [D, V_r], ACC)
+    ops.output("topk_values", values, [D, k], F32)
+    ops.output("topk_ids", ids, [D, k], I32)
+    ops.output("row_max", row_max, [D], F32)
+    ops.output("row_sumexp", row_sumexp, [D], F32)
+
+
+def tree(ops: Ops, dcfg, k: int, budget: int) -> None:
+    D, n = dcfg.block_size - 1, budget + 1
+    root = ops.input("root", [1], I32)
+    mine = {"topk_values": ([D, k], F32), "topk_ids": ([D, k], I32), "row_max": ([D], F32), "row_sumexp": ([D], F32)}
+    cands = [ops.all_gather(ops.input(name, shape, dt), name) for name, (shape, dt) in mine.items()]   # [tp, ...]
+    tokens, parents, depth, visibility = ops.tree_build(root, *cands, budget)
+    for name, x, shape in (("tokens", tokens, [n]), ("parents", parents, [n]), ("depth", depth, [n]),
+                           ("visibility", visibility, [n, -(-n // 32)])):
+        ops.output(name, x, shape, I32)
+
+
+def accept(ops: Ops) -> None:
+    tokens, parents = ops.input("tokens", ["nodes"], I32), ops.input("parents", ["nodes"], I32)
+    win_value = ops.all_gather(ops.input("win_value", ["nodes"], ACC), "win_value")    # [tp, nodes]
+    win_id = ops.all_gather(ops.input("win_id", ["nodes"], I32), "win_id")
+    target, accepted, count, bonus = ops.accept_walk(tokens, parents, win_value, win_id)
+    ops.output("target_tokens", target, ["nodes"], I32)
+    ops.output("accepted", accepted, ["nodes"], I32)
+    ops.output("accepted_count", count, [1], I32)
+    ops.output("bonus", bonus, [1], I32)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kinds of one rank: kind -> (function, args, layers it serves, weight prefix)
+
+def drafter_groups(dcfg) -> dict[str, list[int]]:
+    """Drafter layers by attention kind: one graph kind, or full / sliding when the drafter mixes both."""
+    groups: dict[int, list[int]] = {}
+    for L in range(dcfg.num_hidden_layers):
+        groups.setdefault(dcfg.window(L), []).append(L)
+    if len(groups) == 1:
+        return {"draft_layer": next(iter(groups.values()))}
+    return {("draft_layer_sliding" if w else "draft_layer_full"): layers for w, layers in groups.items()}
+
+
+def draft_topk(budgets, vocab_per_rank: int) -> int:
+    """Candidates per rank and depth: enough for the largest budget (a tree of B nodes uses ranks < B)."""
+    return min(max(budgets), vocab_per_rank)
+
+
+def rank_kinds(cfg, dcfg, plan: dict, lay, budgets) -> dict[str, tuple]:
+    """kind -> (layer function, its arguments after ops, layers served, weight prefix of the first)."""
+    inter = plan["per_rank"]["moe_intermediate"]
+    k = draft_topk(budgets, lay.vocab_stop - lay.vocab_start)
+    kinds: dict[str, tuple] = {"embed": (embed, (cfg,), [], None)}
+    dense = [L for L in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(L)]
+    for kind, layers in (("dense_layer", dense), ("moe_layer", cfg.moe_layers)):
+        if layers:
+            kinds[kind] = (decoder_layer, (cfg, layers[0], inter), layers, f"model.layers.{layers[0]}.")
+    kinds["head"] = (head, (cfg,), [], None)
+    kinds["compact"] = (compact, (cfg,), [], None)
+    kinds["draft_fc"] = (draft_fc, (dcfg,), [], None)
+    for kind, layers in drafter_groups(dcfg).items():
+        kinds[kind] = (draft_layer, (dcfg, layers[0]), layers, f"drafter.layers.{layers[0]}.")
+    kinds["draft_head"] = (draft_head, (dcfg, k), [], None)
+    for B in sorted(set(budgets)):
+        kinds[f"tree_b{B}"] = (tree, (dcfg, k, B), [], None)
+    kinds["accept"] = (accept, (), [], None)
+    return kinds
+
+
+def layer_weight_name(name: str, prefix: str | None, layer: int) -> str:
+    """The rank tensor that serves `name` (written for the kind's first layer) at `layer`."""
+    if prefix is None or not name.startswith(prefix):
+        return name
+    family = prefix[: prefix.rstrip(".").rfind(".") + 1]                 # "model.layers."
+    return f"{family}{layer}.{name[len(prefix):]}"

@@ -1,0 +1,142 @@
+"""The whole model, written once over the layer functions (description/layers.py): every executor runs these.
+
+    outs = target_forward(run, cfg, inter, feeds, caches, taps=(1, 2), on_tap=keep_tap)   # embed, layers, head
+    outs = drafter_forward(run, cfg, dcfg, feeds, caches, block=b)                        # fc, embed, layers, head
+    compact(run, cfg, feeds, caches)                                                       # every layer's cache
+    records = ddtree_step(run, cfg, dcfg, inter, k, budget, StepFeeds(...))                # the step, op set only
+
+`run(kind, fn, args, feeds, layer)` is how an executor runs one layer function: the numpy ranks call
+fn(ops, *args) on every rank (runtime/engine_executor.py), the ONNX runner runs the exported graph `kind` with
+layer `layer`'s weights (runtime/graph_ranks.py), the meter counts bytes (backends/meter.py), the cuda backend
+launches the kernels with arena `layer % 2` (runtime/cuda_executor.py, cuda_step.py, cuda_step_tp.py). The values
+that flow between calls are the executor's own (arrays, per-rank lists, device tensors): this module only wires
+outputs to inputs. `caches` says where layer L's cache tensors are (`feeds(L)`) and takes a layer's outputs back
+(`keep(L, outs)`: a no-op where the backend updates caches in place).
+
+Kinds (the engine's graph kinds, and the meter's labels): embed / draft_embed, dense_layer / moe_layer,
+draft_layer (or draft_layer_full / draft_layer_sliding), head, draft_fc, draft_head, tree_b<B>, accept, compact.
+
+The DDTree step over the op set (docs/ddtree.md 2.6), the order every executor follows:
+    draft        drafter_forward over the block [bonus, MASK x (b-1)] and the new context taps -> candidates
+    tree         the candidates (all-gathered) -> best-first tree of `budget` nodes
+    verify       target_forward over the tree's nodes (ancestor mask), taps at the drafter's tap layers -> the
+                 ranks' sampling winners at every node
+    sample_walk  accept: the winners (all-gathered) -> the target token at every node, the walk
+    update       compact every layer's cache to the accepted path (the context window and the commit are the
+                 executor's: host arrays, or device buffers inside a CUDA graph)
+The GPU step at tp 1 fuses tree + top-k and sampling + walk into kernels of their own (plugins/tree_build.py,
+tree_sample.py) and runs draft / verify / update through the functions here; the loop's composition over
+executor primitives (runtime/loop.py) is the same phases with the sampling and the walk on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from ddtree.description import layers
+
+PHASES = ("draft", "tree", "verify", "sample_walk", "update")
+
+
+class Run(Protocol):
+    def __call__(self, kind: str, fn: Callable, args: tuple, feeds: dict, layer: int | None = None) -> dict: ...
+
+
+class LayerCaches(Protocol):
+    def feeds(self, layer: int) -> dict: ...                     # {"cache": c} or {"cache_k": k, "cache_v": v}
+    def keep(self, layer: int, outs: dict) -> None: ...          # the layer's *_out caches (or nothing: in place)
+
+
+class InPlace:
+    """Caches a backend updates in place: layer L's feeds from `feeds_of(L)`, nothing to keep."""
+
+    def __init__(self, feeds_of: Callable[[int], dict]):
+        self.feeds = feeds_of
+
+    def keep(self, layer: int, outs: dict) -> None:
+        pass
+
+
+def decoder_kind(cfg, layer: int) -> str:
+    return "moe_layer" if cfg.is_moe_layer(layer) else "dense_layer"
+
+
+def draft_kinds(dcfg) -> dict[int, str]:
+    """drafter layer -> its kind (one kind, or full / sliding when the drafter mixes both)."""
+    return {L: kind for kind, group in layers.drafter_groups(dcfg).items() for L in group}
+
+
+def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
+                   head=(layers.head, ()), head_feeds: dict | None = None) -> dict:
+    """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
+    head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg)."""
+    h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
+    step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
+    for L in range(cfg.num_hidden_layers):
+        outs = run(decoder_kind(cfg, L), layers.decoder_layer, (cfg, L, moe_inter),
+                   {**step, "h": h, **caches.feeds(L)}, L)
+        caches.keep(L, outs)
+        h = outs["h_out"]
+        if on_tap is not None and L in taps:
+            on_tap(L, h)
+    if head is None:
+        return {"h": h}
+    fn, args = head
+    return run("head", fn, (cfg, *args), {"h": h, **(head_feeds or {})})
+
+
+def drafter_forward(run: Run, cfg, dcfg, feeds: dict, caches: LayerCaches, block: int | None = None,
+                    head=(layers.draft_logits, ())) -> dict:
+    """feeds: ctx_taps [n, K H], ids [b], pos [b], cache_len [1] -> the drafter head's outputs ({"h": h [b, H]}
+    with head None). The block's embedding is the target's. head: (layer function, its arguments between dcfg
+    and the block size)."""
+    ctx = run("draft_fc", layers.draft_fc, (dcfg,), {"ctx_taps": feeds["ctx_taps"]})["ctx"]
+    h = run("draft_embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
+    step = {"pos": feeds["pos"], "cache_len": feeds["cache_len"]}
+    for L, kind in sorted(draft_kinds(dcfg).items()):
+        outs = run(kind, layers.draft_layer, (dcfg, L, block), {**step, "h": h, "ctx": ctx, **caches.feeds(L)}, L)
+        caches.keep(L, outs)
+        h = outs["h_out"]
+    if head is None:
+        return {"h": h}
+    fn, args = head
+    return run("draft_head", fn, (dcfg, *args, block), {"h": h})
+
+
+def compact(run: Run, cfg, feeds: dict, caches: LayerCaches) -> None:
+    """feeds: cache_len [1] (the rows before the verify), accepted [nodes], accepted_count [1] -> every layer's
+    cache holds the accepted rows at cache_len.."""
+    for L in range(cfg.num_hidden_layers):
+        caches.keep(L, run("compact", layers.compact, (cfg,), {**feeds, **caches.feeds(L)}))
+
+
+@dataclass
+class StepFeeds:
+    """What a DDTree step over the op set reads besides the caches; `verify(tree)` and `head` wire the tree's
+    outputs into the verify (positions start + depth, the ancestor mask) as the executor computes them."""
+    draft: dict                                  # ctx_taps, ids (the block), pos, cache_len (the drafter's)
+    root: object                                 # [1] the bonus token
+    verify: Callable[[dict], dict]               # tree outputs -> ids, pos, cache_len, tree_mask
+    head: Callable[[dict], dict]                 # verify feeds -> sample_pos, temperature, seed
+    compact: Callable[[dict], dict]              # accept outputs -> cache_len, accepted, accepted_count
+
+
+def ddtree_step(run: Run, cfg, dcfg, moe_inter: int, k: int, budget: int, feeds: StepFeeds,
+                target_caches: LayerCaches, draft_caches: LayerCaches, taps=(), on_tap=None) -> dict:
+    """One DDTree step of one rank, every phase over the op set (PHASES) -> the accept outputs (target_tokens,
+    accepted, accepted_count, bonus)."""
+    cands = drafter_forward(run, cfg, dcfg, feeds.draft, draft_caches, head=(layers.draft_head, (k,)))
+    tree = run(f"tree_b{budget}", layers.tree, (dcfg, k, budget),
+               {"root": feeds.root, **{n: cands[n] for n in ("topk_values", "topk_ids", "row_max", "row_sumexp")}})
+    verify = feeds.verify(tree)
+    win = target_forward(run, cfg, moe_inter, verify, target_caches, taps, on_tap, head_feeds=feeds.head(verify))
+    walk = run("accept", layers.accept, (), {"tokens": tree["tokens"], "parents": tree["parents"],
+                                            "win_value": win["win_value"], "win_id": win["win_id"]})
+    compact(run, cfg, feeds.compact(walk), target_caches)
+    return walk
+
+
+def ar_step(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, head_feeds: dict) -> dict:
+    """One autoregressive step of one rank over the op set: the target over the bonus token, and the head's
+    sampling winner at the next position (the executor's walk over one node turns winners into the token)."""
+    return target_forward(run, cfg, moe_inter, feeds, caches, head_feeds=head_feeds)

@@ -1,0 +1,65 @@
+"""The model (description/stack.py) on the cuda backend: the device caches and the stack's feeds of them.
+
+    cache = GpuTargetCache(DeviceLatentCache(...));  h = target_layers(ex, feeds, cache, tap, taps)
+
+Shared by the executor's primitives (cuda_executor.py) and the step graphs (cuda_step.py, cuda_step_tp.py), which
+run the same functions with device buffers as feeds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.backends.cuda_tensor import Tensor
+from ddtree.description import stack
+from ddtree.runtime.loop import RequestError
+
+
+class GpuTargetCache:
+    """The latent cache of every layer on the device (plugins/kv_cache.py DeviceLatentCache) + its length."""
+
+    def __init__(self, dev):
+        self.dev, self.length = dev, 0
+
+    @property
+    def capacity(self) -> int:
+        return self.dev.capacity
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            raise RequestError(f"GPU target cache: {rows} rows asked for, past its capacity of {self.capacity} "
+                               "(--max-context)")
+
+    def layer(self, L: int) -> Tensor:
+        return Tensor.of(self.dev.layer(L))
+
+    def entries(self, layer: int, end: int | None = None) -> np.ndarray:
+        return self.dev.layer(layer).numpy()[: self.length if end is None else end]
+
+
+class GpuDraftCache:
+    def __init__(self, gpu, layers: int, capacity: int, kv_heads: int, d: int):
+        self.k = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
+        self.v = [gpu.alloc((capacity, kv_heads, d), np.uint16) for _ in range(layers)]
+        self.lengths = gpu.zeros(1, np.int32)
+        self.capacity, self.length = capacity, 0
+
+    def reserve(self, rows: int) -> None:
+        if rows > self.capacity:
+            raise RequestError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity} "
+                               "(--max-context)")
+
+
+def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=()) -> Tensor:
+    """The embedding and every decoder layer of ex (an executor, or bench step's SyntheticRank: ops, config,
+    moe_inter) through description/stack.py (feeds: ids, pos, cache_len, tree_mask) -> h [q, H]; tap(L, h) after
+    each layer L in taps (the primitives download taps, the step graph copies them on the device)."""
+    return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds, target_feeds(cache), taps, tap,
+                                head=None)["h"]
+
+
+def target_feeds(cache: GpuTargetCache) -> stack.InPlace:
+    return stack.InPlace(lambda L: {"cache": cache.layer(L)})
+
+
+def draft_feeds(cache: GpuDraftCache) -> stack.InPlace:
+    return stack.InPlace(lambda L: {"cache_k": cache.k[L], "cache_v": cache.v[L]})

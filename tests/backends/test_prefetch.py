@@ -1,0 +1,192 @@
+"""CPU tests of the L2 prefetch hint: what the cuda backend stages within its budget (backends/cuda_branch.py
+BranchOps.prefetch), which buffers a weight name means (runtime/cuda_weights.py layouts), and the launcher's
+grid and checks (plugins/prefetch.py) against a brute-force cover of the bytes."""
+import numpy as np
+import pytest
+
+from ddtree.backends.cuda_branch import BranchOps
+from ddtree.plugins import prefetch as pf
+from ddtree.runtime.cuda_weights import CudaWeights
+
+
+class Buf:
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = ptr, nbytes
+
+
+class Store:
+    def __init__(self, sizes):
+        self.bufs = {name: [Buf(0x1000 * (i + 1), n)] if n else [] for i, (name, n) in enumerate(sizes.items())}
+
+    def layouts(self, name):
+        return self.bufs[name]
+
+
+class Staged(BranchOps):
+    """BranchOps over a recording launcher: (address, nbytes) lists handed to the prefetch kernel."""
+
+    def __init__(self, sizes, budget):
+        self.store, self.prefetch_bytes, self.stream, self.runs = Store(sizes), budget, None, []
+        self.lane = 0
+        runs = self.runs
+
+        class Recorder:
+            def run(self, buffers, stream=None):
+                runs.append(list(buffers))
+        self.recorder = Recorder()
+
+    def launcher(self, key, make):
+        assert key == ("l2_prefetch",)
+        return self.recorder
+
+
+SIZES = {"o_proj": 14 << 20, "router": 6 << 20, "gate": 8 << 20, "up": 0, "down": 4 << 20}
+
+
+@pytest.mark.parametrize("budget, staged", [
+    (64 << 20, ["o_proj", "router", "gate", "down"]),          # all fit; up lives in gate's buffer
+    (28 << 20, ["o_proj", "router", "gate"]),                  # exactly fills at gate
+    (27 << 20, ["o_proj", "router"]),                          # gate does not fit: the list ends there,
+    (14 << 20, ["o_proj"]),                                    # even where a later, smaller one (down) would
+    (13 << 20, []),
+    (0, []),
+])
+def test_budget_stages_the_first_readers_in_order(budget, staged):
+    ops = Staged(SIZES, budget)
+    ops.prefetch(*SIZES)
+    want = [(ops.store.bufs[n][0].ptr, SIZES[n]) for n in staged]
+    assert ops.runs == ([want] if want else [])
+    assert sum(n for _, n in want) <= budget
+
+
+def test_layouts_name_the_buffers_a_kernel_reads():
+    w = CudaWeights.__new__(CudaWeights)
+    w._tiled = {"mlp.gate_proj.weight": "gate+up tiled", "o_proj.weight": "tiled"}
+    w.raw = {"mlp.gate.e_score_correction_bias": "raw"}
+    assert w.layouts("o_proj.weight") == ["tiled"]
+    assert w.layouts("mlp.gate_proj.weight") == ["gate+up tiled"]
+    assert w.layouts("mlp.up_proj.weight") == []                   # interleaved into gate's layout
+    assert w.layouts("mlp.gate.e_score_correction_bias") == ["raw"]
+    with pytest.raises(KeyError, match="not among the rank's weights"):
+        w.layouts("mlp.down_proj.weight")
+
+
+def kernel_cover(sizes, blocks, threads, chunk):
+    """What kernels/prefetch.cu's l2_prefetch asks for, thread by thread: {buffer: [(offset, len)]}."""
+    asked = {b: [] for b in range(len(sizes))}
+    for t in range(blocks * threads):
+        c = t
+        for b, n in enumerate(sizes):
+            chunks = -(-n // chunk)
+            if c < chunks:
+                asked[b].append((c * chunk, min(chunk, n - c * chunk)))
+                break
+            c -= chunks
+    return asked
+
+
+@pytest.mark.parametrize("sizes", [[16], [4096], [pf.CHUNK - 16], [pf.CHUNK], [pf.CHUNK + 16], [14 << 20],
+                                   [(14 << 20) + 48, 16, pf.CHUNK * 3 + 32, 6 << 20],
+                                   [pf.CHUNK * pf.THREADS * 3 + 16, 0, 48]])
+def test_launch_grid_covers_every_byte_once(sizes):
+    blocks, threads = pf.launches(sizes)
+    for b, pieces in kernel_cover(sizes, blocks, threads, pf.CHUNK).items():
+        covered = np.zeros(sizes[b] // 16, int)
+        for at, n in pieces:
+            assert n > 0 and at % 16 == 0 and n % 16 == 0
+            covered[at // 16: (at + n) // 16] += 1
+        assert (covered == 1).all(), b
+    assert (blocks - 1) * threads < sum(-(-n // pf.CHUNK) for n in sizes)      # no block without work
+
+
+class FakeGpu:
+    def __init__(self, arch="sm_90"):
+        self.arch, self.name, self.launched = arch, "fake", []
+
+    def kernel(self, source, name):
+        return (source, name)
+
+    def launch(self, kernel, grid, block, smem, *args, stream=None):
+        self.launched.append((kernel, grid, block, [int(a) for a in args]))
+
+
+def test_launcher_packs_four_buffers_a_launch_and_checks_them():
+    gpu = FakeGpu()
+    pre = pf.L2Prefetch(gpu)
+    bufs = [(0x10000, 4 << 20), (0x20010, 32), (0x30000, 1 << 20), (0x40000, 64), (0x50000, 2 << 20)]
+    pre.run(bufs)
+    k = ("prefetch.cu", "l2_prefetch")
+    first = [v for b in bufs[:4] for v in b]
+    assert gpu.launched == [(k, 3, 128, first + [pf.CHUNK]),                       # 256 + 1 + 64 + 1 chunks
+                            (k, 1, 128, [0x50000, 2 << 20] + [0, 0] * 3 + [pf.CHUNK])]
+    for bad in [(0x10008, 32), (0x10000, 40), (0x10000, 0)]:
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            pre.run([bad])
+    with pytest.raises(RuntimeError, match="sm_90 or newer"):
+        pf.L2Prefetch(FakeGpu("sm_80"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pf.L2Prefetch(FakeGpu(), chunk=1000)
+
+
+class Builder:
+    """A graph builder's split / join as cuda.core's GraphBuilder offers them (recorded)."""
+    log = []
+
+    def __init__(self, name):
+        self.name = name
+        self.is_join_required = False
+
+    def split(self, n):
+        assert n == 2
+        Builder.log.append(("split", self.name))
+        return self, Builder(self.name + "'")
+
+    @staticmethod
+    def join(main, side):
+        Builder.log.append(("join", main.name, side.name))
+        return main
+
+
+def test_prefetch_branch_stays_open_until_the_end_of_the_call():
+    """While capturing, the prefetch goes on a split of the builder and the main chain goes on at once; only
+    join_pending (the end of CudaOps.call) joins it, so no op of the layer waits for the prefetch launch."""
+    ops = Staged(SIZES, 64 << 20)
+    ops.branches, main = True, Builder("main")
+    ops.stream, Builder.log = main, []
+    streams = []
+    ops.recorder.run = lambda buffers, stream=None: streams.append(stream)
+    ops.prefetch("o_proj", "router")
+    assert ops.stream is main and [s.name for s in streams] == ["main'"]
+    assert Builder.log == [("split", "main")]                        # not joined yet
+    ops.join_pending()
+    assert Builder.log == [("split", "main"), ("join", "main", "main'")] and ops.stream is main
+    ops.join_pending()                                                 # nothing left open
+    assert len(Builder.log) == 2
+
+
+def test_open_branches_get_their_own_lanes_and_launchers():
+    """Two branches open at once run on distinct lanes, and CudaOps.launcher keys a branch's launchers by its
+    lane, so two parallel GEMMs of one shape never share a workspace; a lane is reused once joined."""
+    from ddtree.backends.cuda_backend import CudaOps
+    ops = Staged(SIZES, 0)
+    main = Builder("main")
+    ops.branches, ops.stream, ops.kernels = True, main, {}
+    made = []
+
+    def get():
+        return CudaOps.launcher(ops, ("gemm", 128, 7168, False), lambda: made.append(ops.lane) or object())
+    base = get()
+    with ops.branch() as k_path:
+        in_k = get()
+        assert ops.lane == 1
+    with ops.branch() as v_path:
+        in_v = get()
+        assert ops.lane == 2
+    assert ops.lane == 0 and ops.stream is main
+    assert len({id(base), id(in_k), id(in_v)}) == 3 and made == [0, 1, 2]
+    ops.join(k_path)
+    with ops.branch() as again:
+        assert ops.lane == 1 and get() is in_k                      # lane 1 is free again; v_path still holds 2
+    ops.join(v_path)
+    ops.join(again)
+    assert ops.stream is main and ops._open == []
