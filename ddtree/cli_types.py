@@ -22,6 +22,14 @@ from ddtree.errors import InputError
 
 EXIT_PIPE_CLOSED = 128 + 13       # 128 + SIGPIPE: what `yes | head` exits with in a shell
 
+# The end of both `ddtree-run --help` and `ddtree serve --help`: where their defaults differ, and why. The command line
+# is deterministic by default; the server takes OpenAI's defaults, which clients expect. tests/cli/test_cli_consistency.py
+# checks every value here against the options' and the request models' own defaults.
+SAMPLING_DEFAULTS = (
+    "Sampling defaults differ between ddtree-run and ddtree serve. ddtree-run: temperature 0 (greedy), seed 0, "
+    "max new tokens 128. ddtree serve, as the OpenAI API: temperature 1, seed random, max tokens 16 on "
+    "/v1/completions and the rest of the context on /v1/chat/completions. Both: top-p 1, top-k 0, budget 16.")
+
 
 class FiniteFloatRange(click.FloatRange):
     """A float flag that must be a finite number (and in the range, if one is given)."""

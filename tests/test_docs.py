@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-DOC_NAMES = ("architecture", "interfaces", "kimi-k2", "ddtree", "hardware-and-kernels", "tensorrt-rtx", "style")
+DOC_NAMES = ("architecture", "interfaces", "kimi-k2", "ddtree", "hardware-and-kernels", "tensorrt-rtx", "style",
+             "usage", "performance", "tiny-model")
 
 # a mention of a markdown file: a path-like word ending in .md (not preceded by another path character)
 MD_MENTION = re.compile(r"(?<![\w./-])([\w./-]*\w\.md)\b")

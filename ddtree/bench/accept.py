@@ -88,16 +88,17 @@ def run_accept(ex: NumpyExecutor, prompt_ids: list[list[int]], budgets, max_new_
 
 
 @click.command("accept")
-@click.option("--target", "target_dir", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--model", "target_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="target checkpoint dir (default: the embedded tiny model)")
 @click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="DFlash drafter dir (default: the embedded tiny drafter)")
-@click.option("--budgets", default=",".join(map(str, BUDGETS)), show_default=True,
+@click.option("--budget", "budgets", default=",".join(map(str, BUDGETS)), show_default=True,
               help="comma-separated node budgets (1..255)")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False), default=None,
+@click.option("--prompt-file", "prompts_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON-lines prompt file with a 'text' per line (default: the committed held-out prompts)")
-@click.option("--num-prompts", type=click.IntRange(1), default=None, help="use only the first N prompts")
+@click.option("--prompts", "num_prompts", type=click.IntRange(1), default=None,
+              help="use only the first N prompts")
 @click.option("--block-size", type=click.IntRange(2), default=None, help="draft block (<= the drafter's)")
 @click.option("--attention-factor", type=FiniteFloatRange(min=0.0, min_open=True), default=None,
               help="override the drafter's ddtree_attention_factor (to measure it)")
@@ -106,15 +107,15 @@ def run_accept(ex: NumpyExecutor, prompt_ids: list[list[int]], budgets, max_new_
 def accept(target_dir, drafter_dir, budgets, max_new_tokens, prompts_path, num_prompts, block_size,
            attention_factor, as_json):
     """Acceptance length vs budget on held-out prompts (greedy, numpy reference)."""
-    budget_list = comma_list(budgets, "--budgets", int, 1, 255)
+    budget_list = comma_list(budgets, "--budget", int, 1, 255)
     if (target_dir is None) != (drafter_dir is None):
-        raise click.UsageError("give both --target and --drafter, or neither (the embedded tiny model)")
+        raise click.UsageError("give both --model and --drafter, or neither (the embedded tiny model)")
     if target_dir is None:
         target_dir, drafter_dir = tiny_model_dirs()
     try:
         prompts = load_prompts(Path(prompts_path) if prompts_path else HELDOUT_PROMPTS)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--prompts")
+        raise click.BadParameter(str(e), param_hint="--prompt-file")
     prompts = prompts[:num_prompts] if num_prompts else prompts
     ex = load_models(target_dir, drafter_dir, attention_factor)
     dcfg = ex.drafter_config

@@ -48,9 +48,9 @@ def parse_flags(sizes: str, hidden: int, impls: str, gpus: str, replays: int, co
     unknown = [v for v in names if v not in IMPLS]
     if unknown or not names:
         raise InputError(f"--impl: expected a comma-separated subset of {list(IMPLS)}, got {impls!r}")
-    ids = ints("--gpus", gpus)
+    ids = ints("--gpu", gpus)
     if len(ids) < 2 or len(set(ids)) != len(ids) or min(ids) < 0 or len(ids) > limits()[0]:
-        raise InputError(f"--gpus: expected 2..{limits()[0]} distinct GPU ids, got {gpus!r}")
+        raise InputError(f"--gpu: expected 2..{limits()[0]} distinct GPU ids, got {gpus!r}")
     for flag, value in (("--replays", replays), ("--collectives", collectives)):
         if value < 1:
             raise InputError(f"{flag}: must be >= 1, got {value}")
@@ -189,7 +189,8 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
 @click.option("--sizes", default="1,17,65", show_default=True, help="rows M of the M x hidden bf16 messages")
 @click.option("--hidden", default=7168, show_default=True, help="row width (Kimi K2.6: 7168)")
 @click.option("--impl", "impls", default="one-shot,nccl", show_default=True, help="implementations to time")
-@click.option("--gpus", default="0,1", show_default=True, help="one rank process per GPU id")
+@click.option("--gpu", "gpus", default="0,1", show_default=True,
+              help="one rank process per GPU index, comma-separated (as ddtree-run --gpu for a tp N engine)")
 @click.option("--replays", default=50, show_default=True, help="replays of the one-all-reduce graph")
 @click.option("--collectives", default=122, show_default=True, help="all-reduces in the in-graph chain")
 @click.option("--probe", is_flag=True, help="report peer access, IPC and the flag round trip instead")

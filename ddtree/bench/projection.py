@@ -221,7 +221,7 @@ KIMI_DFLASH_CARD = AcceptSource(
     "exists; held at every budget (a tree of B >= 7 nodes should accept at least as much, B < 7 less)",
     constant=4.5, source_budget=7)
 TINY_MODEL = AcceptSource(
-    "tiny", "ddtree's embedded TINY model (6 M parameters, byte tokenizer), README `ddtree bench accept`, "
+    "tiny", "ddtree's embedded TINY model (6 M parameters, byte tokenizer), docs/tiny-model.md `ddtree bench accept`, "
     "greedy, block 8: NOT Kimi, only the shape of a curve",
     by_budget={1: 1.93, 2: 2.79, 4: 4.37, 8: 6.26, 16: 6.76, 32: 7.00, 64: 7.10})
 ACCEPT_SOURCES = {s.name: s for s in (KIMI_DFLASH_CARD, TINY_MODEL)}

@@ -52,15 +52,26 @@ def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
 
 
 def parse_rank_gpus(text: str | None, tp: int, rank_id: int) -> list[int]:
-    """--gpus for --ranks all: one index per rank (default 0..tp-1)."""
+    """--gpu for --ranks all: one index per rank (default 0..tp-1), as ddtree-run's --gpu for a tp N engine."""
     if rank_id:
         raise click.BadParameter(f"--ranks all runs every rank; --rank {rank_id} names one", param_hint="--rank")
     if text is None:
         return list(range(tp))
-    gpus = comma_list(text, "--gpus", int, 0)
+    gpus = comma_list(text, "--gpu", int, 0)
     if len(gpus) != tp:
-        raise click.BadParameter(f"{len(gpus)} GPU index(es) for tp {tp}: one per rank", param_hint="--gpus")
+        raise click.BadParameter(f"{len(gpus)} GPU index(es) for tp {tp}: one per rank", param_hint="--gpu")
     return gpus
+
+
+def parse_one_gpu(text: str | None) -> int:
+    """--gpu for --ranks one: one index (default 0)."""
+    if text is None:
+        return 0
+    gpus = comma_list(text, "--gpu", int, 0)
+    if len(gpus) != 1:
+        raise click.BadParameter(f"'{text}': --ranks one runs on one GPU; a GPU per rank is for --ranks all",
+                                 param_hint="--gpu")
+    return gpus[0]
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -133,13 +144,12 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
                    "shallower, reported per row); 4 ~ SGLang DDTree's reported 4.5")
 @click.option("--ar", "with_ar", is_flag=True, help="also the autoregressive step (one token) at each context")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--gpu", "gpu_id", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--gpu", "gpu_text", default=None,
+              help="--ranks one: the GPU index (default 0); --ranks all: one index per rank, comma-separated (default "
+                   "0..tp-1; indices may repeat for a rehearsal on fewer GPUs)")
 @click.option("--ranks", type=click.Choice(["one", "all"]), default="one", show_default=True,
               help="one: rank --rank alone, the collectives as stand-ins; all: every rank as a process on its GPU "
-                   "(--gpus) with the real collectives (bench/step_ranks.py), each next to its single-rank figure")
-@click.option("--gpus", "gpu_list", default=None,
-              help="--ranks all: one GPU index per rank, comma-separated (default 0..tp-1; indices may repeat for a "
-                   "rehearsal on fewer GPUs)")
+                   "(--gpu) with the real collectives (bench/step_ranks.py), each next to its single-rank figure")
 @click.option("--no-branches", is_flag=True,
               help="launch every op in order (A/B of the cuda backend's parallel branches: backends/cuda_branch.py)")
 @click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
@@ -150,8 +160,8 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
                    "down launch only (A/B: backends/cuda_moe.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
-def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_id,
-                 ranks, gpu_list, no_branches, prefetch_mb, shared_join, as_json):
+def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
+                 ranks, no_branches, prefetch_mb, shared_join, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     from ddtree.bench.kernels import measure_ceiling
     from ddtree.builder.plan import make_plan
@@ -170,7 +180,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
-        gpus = parse_rank_gpus(gpu_list, tp, rank_id)
+        gpus = parse_rank_gpus(gpu_text, tp, rank_id)
         for g in sorted(set(gpus)):
             why = gpu_unavailable(g)
             if why:
@@ -186,9 +196,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                            f"{row['skew_us']:.0f}), rank 0 single-rank {row['single_rank_us'][0]:.0f}, collectives "
                            f"{row['collectives_us_rank0']:.0f}")
         return
-    if gpu_list is not None:
-        raise click.BadParameter("--gpus lists a GPU per rank for --ranks all; one rank runs on --gpu",
-                                 param_hint="--gpus")
+    gpu_id = parse_one_gpu(gpu_text)
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")

@@ -1,7 +1,7 @@
 """`ddtree bench step --ranks all`: every rank of the tp plan at once, one process per GPU, with the real collectives
 (docs/interfaces.md section 10; issue 29's rank-parallel step).
 
-    ddtree bench step --tp 8 --ranks all --gpus 0,1,2,3,4,5,6,7 --context 4096 --budget 16 --routing uniform --json
+    ddtree bench step --tp 8 --ranks all --gpu 0,1,2,3,4,5,6,7 --context 4096 --budget 16 --routing uniform --json
 
 Each rank process generates its own rank's weights on its GPU (bench/synthetic_rank.py) and runs the step graph of
 `ddtree bench step` (the stated tree, the forced accepted path, the given routing) twice per row:

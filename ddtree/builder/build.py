@@ -45,7 +45,7 @@ def check_budgets(budgets) -> list[int]:
     budgets = sorted(set(int(b) for b in budgets))
     bad = [b for b in budgets if not 1 <= b <= MAX_BUDGET]
     if not budgets or bad:
-        raise od.BuildError(f"--budgets: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
+        raise od.BuildError(f"--budget: each budget must be in 1..{MAX_BUDGET}, got {bad or 'none'}")
     return budgets
 
 

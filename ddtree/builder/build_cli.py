@@ -1,7 +1,7 @@
 """`ddtree-build` (also `ddtree build`): checkpoint + DFlash drafter -> engine directory.
 
     ddtree-build --model DIR --drafter DIR --tp N --arch sm_120 [--arch sm_90] --out engines/NAME
-                 [--budgets 16,32,64] [--experts tp|ep] [--jobs N] [--trt | --no-graphs] [--force] [--json]
+                 [--budget 16,32,64] [--experts tp|ep] [--jobs N] [--trt | --no-graphs] [--force] [--json]
 Progress (one line per stage with its elapsed time) goes to stderr; --json prints one summary
 object on stdout: {"engine", "tp", "experts", "archs", "budgets", "files", "bytes", "weights_bytes",
 "stages": {stage: seconds}, "peak_rss_mb", "plans"}. --trt adds SM120 TensorRT-RTX plans
@@ -47,7 +47,7 @@ class RichStages:
 
 
 def parse_budgets(text: str) -> list[int]:
-    return comma_list(text, "--budgets", int)
+    return comma_list(text, "--budget", int)
 
 
 @click.command("build", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,7 +59,7 @@ def parse_budgets(text: str) -> list[int]:
 @click.option("--arch", "archs", multiple=True, required=True,
               help="GPU architecture to compile kernels for (repeatable), e.g. sm_120, sm_90.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Engine directory to write.")
-@click.option("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), show_default=True,
+@click.option("--budget", "budgets", default=",".join(map(str, DEFAULT_BUDGETS)), show_default=True,
               help="Tree budgets the engine is built for (comma-separated).")
 @click.option("--experts", type=click.Choice(EXPERT_MODES), default="tp", show_default=True,
               help="Routed experts: tp = split each expert's intermediate dim; ep = whole experts per rank.")

@@ -7,7 +7,7 @@
     corpus.json                the pinned stdlib training corpus (path, sha256, split)
     heldout_prompts.jsonl      bench prompts cut from the held-out files
 
-Rebuilt by `python -m ddtree.training.train --out ddtree/data/tiny --seed 0` (README).
+Rebuilt by `python -m ddtree.training.train --out ddtree/data/tiny --seed 0` (docs/tiny-model.md).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ import sys
 
 import click
 
-from ddtree.cli_types import FiniteFloatRange, QuietCommand, check_prompt_argument, decode_prompt
+from ddtree.cli_types import (SAMPLING_DEFAULTS, FiniteFloatRange, QuietCommand, check_prompt_argument,
+                              decode_prompt)
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.runtime.engine import DDTreeEngine
@@ -84,7 +85,8 @@ def _summary(stats: dict, label: str) -> str:
             f"finish reason {stats['finish_reason']}")
 
 
-@click.command("run", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("run", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]},
+               epilog=SAMPLING_DEFAULTS)
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.File("rb"), default=None,
               help="Read the prompt from a file ('-' = stdin), UTF-8.")

@@ -16,14 +16,15 @@ import signal
 
 import click
 
-from ddtree.cli_types import QuietCommand
+from ddtree.cli_types import SAMPLING_DEFAULTS, QuietCommand
 from ddtree.errors import reported
 from ddtree.tree.build import MAX_BUDGET
 
 DEFAULT_MODEL_NAME = "ddtree-tiny"
 
 
-@click.command("serve", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("serve", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]},
+               epilog=SAMPLING_DEFAULTS)
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
 @click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,

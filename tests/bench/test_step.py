@@ -55,9 +55,10 @@ def test_flag_errors_name_the_flag():
     refuses(["bench", "step", "--tp", "8", "--rank", "8"], "--rank", code=2)
     refuses(["bench", "step", "--accept", "0"], "--accept", code=2)
     refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--rank", "1"], "--ranks all runs every rank", code=2)
-    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpus", "0,1,2"], "3 GPU index(es) for tp 2", code=2)
-    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpus", "0,x"], "--gpus", code=2)
-    refuses(["bench", "step", "--tp", "2", "--gpus", "0,1"], "--gpus lists a GPU per rank for --ranks all", code=2)
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpu", "0,1,2"], "3 GPU index(es) for tp 2", code=2)
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--gpu", "0,x"], "--gpu", code=2)
+    refuses(["bench", "step", "--tp", "2", "--gpu", "0,1"], "--ranks one runs on one GPU", code=2)
+    refuses(["bench", "step", "--gpu", "-1"], "--gpu", code=2)
 
 
 def test_all_ranks_summary_is_per_row_across_ranks():

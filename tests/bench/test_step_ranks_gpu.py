@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_all_ranks_step_on_one_gpu():
-    r = ddtree(["bench", "step", "--preset", "small-mla", "--tp", "2", "--ranks", "all", "--gpus", "0,0",
+    r = ddtree(["bench", "step", "--preset", "small-mla", "--tp", "2", "--ranks", "all", "--gpu", "0,0",
                 "--context", "256", "--budget", "4", "--routing", "uniform", "--ar", "--repeats", "3", "--json"],
                timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -28,7 +28,7 @@ def build_args(ckpt, out, *extra):
 @pytest.fixture(scope="module")
 def built(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "engines" / "tiny-tp2"
-    r = invoke(*build_args(tiny_ckpt, out, "--budgets", "8,16", "--json"))
+    r = invoke(*build_args(tiny_ckpt, out, "--budget", "8,16", "--json"))
     assert r.exit_code == 0, r.output
     return out, json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -104,7 +104,7 @@ def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
     cases = [
         (build_args(tiny_ckpt, out, "--tp", "8"), "num_attention_heads 4 is not divisible by 8"),
         (build_args(tiny_ckpt, out, "--arch", "sm_42"), "--arch sm_42: unknown architecture"),
-        (build_args(tiny_ckpt, out, "--budgets", "16,300"), "--budgets: each budget must be in 1..255"),
+        (build_args(tiny_ckpt, out, "--budget", "16,300"), "--budget: each budget must be in 1..255"),
         (["build", "--model", tiny_ckpt[0], "--tp", "2", "--arch", "sm_120", "--out", out], "Missing option '--drafter'"),
         (["build", "--model", tiny_ckpt[0], "--drafter", tmp_path, "--arch", "sm_120", "--out", out],
          f"--drafter {tmp_path}: {tmp_path}/config.json: config.json not found"),
@@ -131,7 +131,7 @@ def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
 
 def test_parallel_expert_repack_writes_identical_files(built, tiny_ckpt, tmp_path):
     out, _, _ = built
-    r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs2", "--budgets", "8,16", "--jobs", "2", "--experts", "tp"))
+    r = invoke(*build_args(tiny_ckpt, tmp_path / "jobs2", "--budget", "8,16", "--jobs", "2", "--experts", "tp"))
     assert r.exit_code == 0, r.output
     one = json.loads(manifest_path(out).read_text())["files"]
     two = json.loads(manifest_path(tmp_path / "jobs2").read_text())["files"]

@@ -37,7 +37,7 @@ def test_run_float_flags_refuse_non_finite(flag, value):
 
 
 @pytest.mark.parametrize("args,flag", [
-    (["bench", "accept", "--num-prompts", "1", "--attention-factor", "nan"], "--attention-factor"),
+    (["bench", "accept", "--prompts", "1", "--attention-factor", "nan"], "--attention-factor"),
     (["synth", "--preset", "tiny", "--out", "{tmp}", "--shard-mb", "inf"], "--shard-mb"),
 ])
 def test_other_float_flags_refuse_non_finite(args, flag, tmp_path):
@@ -185,8 +185,8 @@ def test_device_without_a_runtime_is_a_named_error():
 def test_build_reports_its_input_errors_by_type(tmp_path):
     target, drafter = tiny_model_dirs()
     r = CliRunner().invoke(main, ["build", "--model", str(target), "--drafter", str(drafter), "--arch", "sm_120",
-                                  "--out", str(tmp_path / "e"), "--budgets", "0"])
-    assert r.exit_code == 1 and "Error: BuildError: --budgets" in r.output, r.output
+                                  "--out", str(tmp_path / "e"), "--budget", "0"])
+    assert r.exit_code == 1 and "Error: BuildError: --budget" in r.output, r.output
 
 
 def test_every_command_wraps_its_body_in_reported():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 7: the attention / KV-cache GPU tests, then `ddtree bench attention` runs
 # (JSON lines in $OUT/attention.jsonl, tagged by the sweep knob), then a summary table.
-# Usage (repo root, on the device; wheels as in the README's GPU section):
+# Usage (repo root, on the device; wheels as in the README's test set-up):
 #   TESTS=1 BENCH="default" bash tests/plugins/attention_on_gpu.sh
 #   BENCH="default stages warps splits" ...   also sweep the plan knobs
 set -uo pipefail

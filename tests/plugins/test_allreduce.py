@@ -130,8 +130,8 @@ def test_an_unknown_protocol_is_named_before_any_allocation():
     (dict(sizes="1,x"), "--sizes"), (dict(sizes="0,17"), "--sizes"), (dict(sizes=""), "--sizes"),
     (dict(hidden=7164), "--hidden"), (dict(hidden=0), "--hidden"),
     (dict(impls="one-shot,mpi"), "--impl"), (dict(impls=""), "--impl"),
-    (dict(gpus="0"), "--gpus"), (dict(gpus="0,0"), "--gpus"), (dict(gpus="0,1,2,3,4,5,6,7,8"), "--gpus"),
-    (dict(gpus="-1,0"), "--gpus"), (dict(replays=0), "--replays"), (dict(collectives=0), "--collectives")])
+    (dict(gpus="0"), "--gpu"), (dict(gpus="0,0"), "--gpu"), (dict(gpus="0,1,2,3,4,5,6,7,8"), "--gpu"),
+    (dict(gpus="-1,0"), "--gpu"), (dict(replays=0), "--replays"), (dict(collectives=0), "--collectives")])
 def test_bench_flags_are_named(flags, named):
     args = {**dict(sizes="1,17,65", hidden=7168, impls="one-shot,nccl", gpus="0,1", replays=5, collectives=122),
             **flags}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 8: the tree build / sampler / walk GPU tests, then `ddtree bench tree`
 # (JSON lines in $OUT/tree.jsonl, tagged), then a summary table.
-# Usage (repo root, on the device; wheels as in the README's GPU section):
+# Usage (repo root, on the device; wheels as in the README's test set-up):
 #   TESTS=1 BENCH="default flat" bash tests/plugins/tree_on_gpu.sh
 set -uo pipefail
 source tests/plugins/gpu_lib.sh

@@ -17,7 +17,7 @@ trap 'rm -rf "$WORK"' EXIT
 step() { echo "== $1 ($(date +%T))" >&2; }
 
 step "1. probe"
-timeout 60 python3 -m ddtree bench allreduce --gpus 0,1 --probe --json > "$OUT/probe.json" || echo "   probe exited $?" >&2
+timeout 60 python3 -m ddtree bench allreduce --gpu 0,1 --probe --json > "$OUT/probe.json" || echo "   probe exited $?" >&2
 
 step "2. 2-GPU tests"
 # NCCL's INFO lines a process into $WORK (unbuffered: a hung rank's last line survives the kill), appended to the log

@@ -33,7 +33,7 @@ timeout "$LIMIT" python3 -m ddtree run --model "$WORK/engine" --device cuda --gp
   || echo "   run --mode both exited $? (run_both.err says why)" >&2
 
 step "2. bench step --ranks all (the real collectives) and rank 0 alone"
-timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpus "$GPUS" \
+timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --ranks all --gpu "$GPUS" \
     --context "$CONTEXT" --budget "$BUDGETS" --routing uniform,tree --reuse 0.5 --ar --repeats "$REPEATS" \
     --json > "$OUT/step_ranks.json"
 timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@]}" --tp "$TP" --rank 0 --context "$CONTEXT" \
@@ -42,14 +42,14 @@ timeout "$LIMIT" python3 -m ddtree bench step --preset "$PRESET" "${LAYER_FLAG[@
 if [ "$(tr ',' '\n' <<< "$GPUS" | sort -u | wc -l)" -eq "$TP" ]; then
   step "3. bench allreduce on $TP ranks"
   # NCCL has hung after init on the 2-GPU kind before: its rows run last and apart, with NCCL's warnings kept
-  timeout "$LIMIT" python3 -m ddtree bench allreduce --gpus "$GPUS" --impl one-shot,one-shot-pull --json \
+  timeout "$LIMIT" python3 -m ddtree bench allreduce --gpu "$GPUS" --impl one-shot,one-shot-pull --json \
       > "$OUT/allreduce.json"
   # --timeout-s before the step's limit: a hung rank prints its Python stacks into the .err (where NCCL waits).
   # NCCL's INFO lines go to a file a process (NCCL_DEBUG_FILE: unbuffered, so a killed rank's last line is kept;
   # on stdout C stdio held them back), appended to the .err after the run
   nccl_logs=$(mktemp -d)
   NCCL_DEBUG=INFO NCCL_DEBUG_FILE="$nccl_logs/nccl.%h.%p.log" timeout "$LIMIT" python3 -m ddtree bench allreduce \
-      --gpus "$GPUS" --impl nccl --timeout-s $((LIMIT - 20)) --json \
+      --gpu "$GPUS" --impl nccl --timeout-s $((LIMIT - 20)) --json \
       > "$OUT/allreduce_nccl.json" 2> "$OUT/allreduce_nccl.err" || echo "   NCCL bench exited $?" >&2
   for f in "$nccl_logs"/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f"; }; done >> "$OUT/allreduce_nccl.err"
   rm -rf "$nccl_logs"

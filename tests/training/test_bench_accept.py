@@ -8,8 +8,8 @@ from ddtree.cli import main
 
 
 def test_accept_json_schema_reduced_run():
-    res = CliRunner().invoke(main, ["bench", "accept", "--budgets", "1,4", "--max-new-tokens", "12",
-                                    "--num-prompts", "2", "--json"])
+    res = CliRunner().invoke(main, ["bench", "accept", "--budget", "1,4", "--max-new-tokens", "12",
+                                    "--prompts", "2", "--json"])
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout.strip().splitlines()[-1])
     assert obj["bench"] == "accept" and isinstance(obj["device"], str)
@@ -27,8 +27,8 @@ def test_accept_json_schema_reduced_run():
 
 
 def test_bad_budgets_are_named():
-    res = CliRunner().invoke(main, ["bench", "accept", "--budgets", "0,300", "--json"])
-    assert res.exit_code != 0 and "--budgets" in res.output
+    res = CliRunner().invoke(main, ["bench", "accept", "--budget", "0,300", "--json"])
+    assert res.exit_code != 0 and "--budget" in res.output
 
 
 def test_distinct_ngram_fraction():
