@@ -12,6 +12,6 @@ from ddtree.version import __version__  # noqa: E402,F401  (after the thread set
 def __getattr__(name):
     # `ddtree.DDTreeEngine` without importing numpy and the reference at `import ddtree`
     if name == "DDTreeEngine":
-        from ddtree.runtime.engine import DDTreeEngine
+        from ddtree.runtime.engine import DDTreeEngine  # heavy: `import ddtree` stays free of numpy
         return DDTreeEngine
     raise AttributeError(f"module 'ddtree' has no attribute '{name}'")

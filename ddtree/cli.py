@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import click
 
-from ddtree import __version__
 from ddtree.bench.cli import bench
-from ddtree.cli_types import QuietGroup
+from ddtree.bench.tune import tune_command
 from ddtree.builder.build_cli import build_command
 from ddtree.builder.inspect_cli import inspect_command
+from ddtree.cli_types import QuietGroup
 from ddtree.model.synth_cli import synth
 from ddtree.runtime.run_cli import run_command
 from ddtree.server.serve_cli import serve_command
-from ddtree.bench.tune import tune_command
+from ddtree.version import __version__
 
 
 @click.group(cls=QuietGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import click
+
 
 class InputError(ValueError):
     """Bad input, named: file / field / flag, the value, what was expected."""
@@ -17,7 +19,6 @@ class InputError(ValueError):
 @contextmanager
 def reported():
     """Inside a click command: an InputError becomes a ClickException (exit 1, no traceback)."""
-    import click
     try:
         yield
     except InputError as e:

@@ -1,57 +1,75 @@
-"""The package's rooms import each other in one direction only: no cycle between top-level packages
-(ddtree/<pkg>/, or a top-level module such as ddtree/jsonout.py), and plugins/ (the CUDA kernels,
-their launchers and layouts) imports nothing from the rooms built on top of it, nor TensorRT, nor the
-oracle. The op set (ops/, the model written once) and the float64 oracle (reference/) never import
-each other: the oracle checks the op set only if the two are independent.
+"""The package's imports hold to docs/architecture.md: no import cycle between files, each room imports only
+the rooms its row of the "may import" table names, plugins/ imports no TensorRT, the op set's rooms and the
+float64 oracle never import each other, and an import inside a function says why in a comment.
 
 Every `import` counts, including those inside functions: a lazy import is still a dependency."""
 import ast
+import re
 from pathlib import Path
 
 import ddtree
 
 ROOT = Path(ddtree.__file__).resolve().parent
-ABOVE_PLUGINS = {"ops", "runtime", "builder", "bench", "reference"}
+TABLE = ROOT.parent / "docs" / "architecture.md"
 
 
-def room_of(path: Path) -> str:
-    """ddtree/<pkg>/... -> pkg; ddtree/<module>.py -> module; ddtree/__init__.py -> 'ddtree'."""
-    rel = path.relative_to(ROOT).parts
-    return rel[0] if len(rel) > 1 else ("ddtree" if rel[0] == "__init__.py" else rel[0][:-3])
+def module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute module names a file imports (`from ddtree import x` counts as ddtree.x)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:                                    # relative: resolve against the file's package
-                base = path.relative_to(ROOT.parent).with_suffix("").parts[:-node.level]
-                module = ".".join(base + ((node.module,) if node.module else ()))
-            else:
-                module = node.module
-            out.add(module)
-            out |= {f"{module}.{a.name}" for a in node.names}
+MODULES = {module_of(p): p for p in ROOT.rglob("*.py")}
+
+
+def room_of(module: str) -> str:
+    """ddtree.<pkg>.x -> pkg; ddtree.<module> -> module; ddtree -> 'ddtree'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ddtree"
+
+
+def imports(path: Path) -> list[tuple[str, ast.stmt, bool]]:
+    """(the ddtree module or third-party name imported, its node, inside a function) for every import of a file;
+    `from pkg import mod` names the module mod where it is one."""
+    out = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:                                   # relative: resolve against the file's package
+                    base = path.relative_to(ROOT.parent).with_suffix("").parts[:-child.level]
+                    module = ".".join(base + ((child.module,) if child.module else ()))
+                else:
+                    module = child.module
+                for a in child.names:
+                    full = f"{module}.{a.name}"
+                    out.append((full if full in MODULES else module, child, in_function))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
     return out
 
 
-def room_imports() -> dict[str, dict[str, set[str]]]:
-    """room -> {room it imports -> the files that do}."""
-    rooms = {room_of(p) for p in ROOT.rglob("*.py")}
-    graph: dict[str, dict[str, set[str]]] = {r: {} for r in rooms}
-    for path in sorted(ROOT.rglob("*.py")):
-        src = room_of(path)
-        for module in imported_modules(path):
-            parts = module.split(".")
-            if parts[0] == "ddtree" and len(parts) > 1 and parts[1] in rooms and parts[1] != src:
-                graph[src].setdefault(parts[1], set()).add(str(path.relative_to(ROOT.parent)))
+def ddtree_module(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def file_graph() -> dict[str, set[str]]:
+    graph = {m: set() for m in MODULES}
+    for m, path in MODULES.items():
+        for name, _, _ in imports(path):
+            target = ddtree_module(name) if name.startswith("ddtree") else None
+            if target and target != m:
+                graph[m].add(target)
     return graph
 
 
-def cycles(graph: dict[str, dict]) -> list[list[str]]:
-    """Every strongly connected set of more than one room (Tarjan), each as a sorted list."""
+def cycles(graph: dict[str, set]) -> list[list[str]]:
+    """Every strongly connected set of more than one node (Tarjan), each as a sorted list."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v):
@@ -81,35 +99,83 @@ def cycles(graph: dict[str, dict]) -> list[list[str]]:
     return found
 
 
+def may_import() -> dict[str, set[str]]:
+    """docs/architecture.md's rooms table: room -> the rooms it may import (the backticked names before any ';')."""
+    rows = {}
+    for line in TABLE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        room = cells[0].strip("`").rstrip("/")
+        allowed = cells[2].split(";")[0]
+        rows[room] = set() if allowed.strip() == "nothing" else set(re.findall(r"`([\w]+)`", allowed))
+    return rows
+
+
 def test_cycle_finder_finds_a_cycle():
-    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
-    assert cycles({"a": {"b": 1}, "b": {}}) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_imports_are_read_from_the_tree():
-    graph = room_imports()
-    assert {"plugins", "ops", "runtime", "builder", "model", "reference"} <= set(graph)
-    assert "model" in graph["reference"]                     # a known edge: the oracle reads the config
+    graph = file_graph()
+    assert "ddtree.model.config" in graph["ddtree.reference.model"]          # a known edge: the oracle's config
+    assert "ddtree.description.layers" in graph["ddtree.description.stack"]
+    lazy = [n for n, _, inside in imports(MODULES["ddtree.runtime.engine"]) if inside]
+    assert "ddtree.runtime.ranks" in lazy                                     # a known lazy import is seen
 
 
-def test_no_package_cycles():
-    graph = room_imports()
-    found = cycles(graph)
-    detail = [" <-> ".join(c) + ": " + "; ".join(f"{a} -> {b} in {sorted(graph[a][b])}" for a in c for b in c
-                                                if b in graph[a]) for c in found]
-    assert not found, "package import cycles:\n" + "\n".join(detail)
+def test_no_import_cycle_between_files():
+    found = cycles(file_graph())
+    assert not found, "file import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-def test_plugins_import_only_what_lies_below_them():
-    graph = room_imports()
-    above = {room: sorted(files) for room, files in graph["plugins"].items() if room in ABOVE_PLUGINS}
-    assert not above, f"ddtree/plugins imports packages built on top of it: {above}"
-    trt = sorted(str(p.relative_to(ROOT.parent)) for p in (ROOT / "plugins").rglob("*.py")
-                 if any(m.split(".")[0].startswith("tensorrt") for m in imported_modules(p)))
+def test_every_room_has_a_row_and_imports_only_what_its_row_allows():
+    table = may_import()
+    rooms = {room_of(m) for m in MODULES}
+    assert rooms <= set(table), f"rooms without a row in {TABLE.name}: {sorted(rooms - set(table))}"
+    assert set(table) <= rooms, f"rows of {TABLE.name} that are no room: {sorted(set(table) - rooms)}"
+    wrong = {}
+    for m, targets in file_graph().items():
+        for t in targets:
+            src, dst = room_of(m), room_of(t)
+            if src != dst and dst not in table[src]:
+                wrong.setdefault(f"{src} -> {dst}", []).append(m)
+    assert not wrong, f"imports outside {TABLE.name}'s table: {wrong}"
+
+
+def test_the_table_parser_reads_the_rows():
+    table = may_import()
+    assert table["reference"] == {"model"} and table["data"] == set()
+    assert "runtime" in table["server"] and "fastapi" not in table["server"]
+
+
+def test_plugins_import_no_tensorrt():
+    trt = sorted(m for m, p in MODULES.items() if room_of(m) == "plugins"
+                 and any(n.split(".")[0].startswith("tensorrt") for n, _, _ in imports(p)))
     assert not trt, f"ddtree/plugins imports TensorRT: {trt}"
 
 
 def test_the_op_set_and_the_oracle_are_independent():
-    graph = room_imports()
-    assert "reference" not in graph["ops"], f"ops imports the oracle: {sorted(graph['ops'].get('reference', []))}"
-    assert "ops" not in graph["reference"], f"the oracle imports ops: {sorted(graph['reference'].get('ops', []))}"
+    edges = {(room_of(m), room_of(t)) for m, ts in file_graph().items() for t in ts}
+    for room in ("description", "backends"):
+        assert (room, "reference") not in edges and ("reference", room) not in edges
+
+
+def test_an_import_inside_a_function_says_why():
+    """A lazy import is for an optional extra or a heavy module: a comment on its line (or the line above,
+    or the first line of a group of imports) says which."""
+    bare = []
+    for m, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for _, node, inside in imports(path):
+            if not inside:
+                continue
+            i = node.lineno - 1
+            group = i
+            while group > 0 and lines[group - 1].strip().startswith(("import ", "from ")):
+                group -= 1
+            said = any("#" in lines[j] for j in {i, node.end_lineno - 1, max(group - 1, 0), group})
+            if not said:
+                bare.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not bare, f"{len(bare)} imports inside functions with no comment saying why: {sorted(set(bare))[:40]}"

@@ -28,11 +28,18 @@ import numpy as np
 
 from ddtree.backends.cuda_branch import BranchOps
 from ddtree.backends.cuda_cache import CacheOps
-from ddtree.parallel.cuda_collectives import CollectiveOps
 from ddtree.backends.cuda_moe import MoeOps
-from ddtree.backends.cuda_vocab import VocabOps
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
+from ddtree.backends.cuda_vocab import VocabOps
 from ddtree.description.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, Ops, RankLayout
+from ddtree.parallel.cuda_collectives import CollectiveOps
+from ddtree.plugins.device import DeviceArray
+from ddtree.plugins.draft_attention import DraftAttention
+from ddtree.plugins.gemm import SkinnyGemm
+from ddtree.plugins.layer_ops import LayerOps
+from ddtree.plugins.mla_absorb import MlaAbsorb
+from ddtree.plugins.mla_attention import MlaTreeAttention
+from ddtree.plugins.mla_invariant import MlaInvariantAttention
 
 DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
 MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
@@ -107,7 +114,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         position-ordered attention of plugins/mla_invariant.py, so a verify row is bitwise the decode's)."""
         if kernel_plan not in KERNEL_PLANS:
             raise ValueError(f"cuda backend: kernel plan {kernel_plan!r}; choose from {', '.join(KERNEL_PLANS)}")
-        from ddtree.plugins.layer_ops import LayerOps
         self.gpu, self.lay, self.store, self.max_tokens = gpu, lay, store, max_tokens
         self.collective = collective
         self.invariant = kernel_plan == "batch-invariant"
@@ -189,13 +195,11 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
             return x.host
         if not x.contiguous:
             raise ValueError(f"{self.where}: download of a strided tensor")
-        from ddtree.plugins.device import DeviceArray
         return DeviceArray(self.gpu, x.ptr, x.shape, x.dtype).numpy()
 
     def upload(self, array) -> Tensor:
         array = np.ascontiguousarray(array)
         out = self.new(array.shape, array.dtype)
-        from ddtree.plugins.device import DeviceArray
         self.gpu.copy_in(DeviceArray(self.gpu, out.ptr, out.shape, out.dtype), array)
         return replace(out, host=array)
 
@@ -284,7 +288,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         return h1, x2
 
     def _gemm(self, x, tiled, N: int, out_dtype, swiglu: bool = False) -> Tensor:
-        from ddtree.plugins.gemm import SkinnyGemm
         M, K = self._rows(x, "linear"), x.shape[1]
         if len(x.shape) == 2 and not x.contiguous and x.strides[1] == 1 and K * x.itemsize % 16 == 0:
             dense = self.new(x.shape, x.dtype)              # a column slice (tp > 1's fc input): rows made dense
@@ -328,7 +331,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         return out
 
     def _absorb(self, spec):
-        from ddtree.plugins.mla_absorb import MlaAbsorb
         return self.launcher(("absorb", spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank), lambda: MlaAbsorb(
             self.gpu, spec.heads, spec.nope_dim, spec.v_dim, spec.kv_lora_rank, self.max_tokens, invariant=self.invariant))
 
@@ -355,8 +357,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         return q_lat, q_rope
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
-        from ddtree.plugins.mla_attention import MlaTreeAttention
-        from ddtree.plugins.mla_invariant import MlaInvariantAttention
         q, S = self._rows(q_lat, "mla_tree_attention"), cache.shape[0]
         form = MlaInvariantAttention if self.invariant else MlaTreeAttention
         attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: form(
@@ -388,7 +388,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
                        host=None)
 
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
-        from ddtree.plugins.draft_attention import DraftAttention
         b, n, (S, Hk, d) = q.shape[0], ctx_k.shape[0], cache_k.shape
         if cache_len.host is not None and int(cache_len.host[0]) + n > S:
             raise ValueError(f"{self.where}: {n} context rows after {int(cache_len.host[0])} exceed the drafter "

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from ddtree.plugins.prefetch import L2Prefetch
+
 
 class Fork:
     def __init__(self, main, side, lane):
@@ -103,7 +105,6 @@ class BranchOps:
             break
         if not chosen:
             return
-        from ddtree.plugins.prefetch import L2Prefetch
         pre = self.launcher(("l2_prefetch",), lambda: L2Prefetch(self.gpu))
         fork = Fork.of(self, "prefetch")
         if fork is None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.plugins.compile import latent_defines
+from ddtree.plugins.device import ptr
+from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE, append_threads, normed_append_threads
+
 
 class CacheOps:
     def kv_append(self, cache, cache_len, c_kv, k_pe):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import SOURCE, append_threads
-        from ddtree.plugins.device import ptr
         q, R, Dr = self._rows(c_kv, "kv_append"), c_kv.shape[1], k_pe.shape[1]
         if cache_len.host is not None and int(cache_len.host[0]) + q > cache.shape[0]:
             raise ValueError(f"{self.where}: {q} cache rows after {int(cache_len.host[0])} exceed its {cache.shape[0]}")
@@ -22,9 +23,6 @@ class CacheOps:
         return cache
 
     def kv_append_normed(self, cache, cache_len, latent, norm_w, eps, pos, rope):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import SOURCE, normed_append_threads
-        from ddtree.plugins.device import ptr
         q, R = self._rows(latent, "kv_append_normed"), norm_w.shape[0]
         Dr = latent.shape[1] - R
         if cache.shape[1] != R + Dr:
@@ -41,9 +39,6 @@ class CacheOps:
         return cache
 
     def kv_compact(self, cache, cache_len, accepted, accepted_count):
-        from ddtree.plugins.compile import latent_defines
-        from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE
-        from ddtree.plugins.device import ptr
         if accepted_count.host is None:                        # on the device only (a captured step): the
             n, count = accepted.shape[0], ptr(accepted_count.ptr)  # kernel moves min(n, count[0]) rows
         else:

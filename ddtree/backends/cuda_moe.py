@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.plugins.moe import FusedMoE, MoEShape
+
 
 class MoeOps:
     def route(self, fused, x, M: int, router_name: str) -> tuple:
@@ -19,7 +21,6 @@ class MoeOps:
         return fused.topk_ids, fused.topk_w
 
     def moe(self, x, router, bias, experts, shared, spec):
-        from ddtree.plugins.moe import FusedMoE, MoEShape
         if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
             raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
                                       "kernel's expert offset; tp 1 holds them all")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.plugins.vocab_nodes import AcceptWalk, TreeBuild, VocabTopK, VocabWinner
+
 
 class VocabOps:
     def _dense(self, what: str, *pairs) -> None:
@@ -16,7 +18,6 @@ class VocabOps:
                                  f"{x.dtype.name} {x.shape} {x.strides}")
 
     def vocab_winner(self, logits, sample_pos, temperature, seed):
-        from ddtree.plugins.vocab_nodes import VocabWinner
         q, V = self._rows(logits, "vocab_winner"), logits.shape[1]
         self._dense("vocab_winner", (logits, np.float32), (sample_pos, np.int32), (temperature, np.float32),
                     (seed, np.int32))
@@ -27,7 +28,6 @@ class VocabOps:
         return value, winner
 
     def vocab_topk(self, logits, k):
-        from ddtree.plugins.vocab_nodes import VocabTopK
         D, V = self._rows(logits, "vocab_topk"), logits.shape[1]
         self._dense("vocab_topk", (logits, np.float32))
         start = self.lay.vocab_start
@@ -38,7 +38,6 @@ class VocabOps:
         return values, ids, row_max, row_sumexp
 
     def tree_build(self, root, values, ids, row_max, row_sumexp, budget):
-        from ddtree.plugins.vocab_nodes import TreeBuild
         tp, D, k = values.shape
         self._dense("tree_build", (root, np.int32), (values, np.float32), (ids, np.int32), (row_max, np.float32),
                     (row_sumexp, np.float32))
@@ -54,7 +53,6 @@ class VocabOps:
         return tokens, parents, depth, visibility
 
     def accept_walk(self, tokens, parents, win_value, win_id):
-        from ddtree.plugins.vocab_nodes import AcceptWalk
         n, tp = tokens.shape[0], win_value.shape[0]
         self._dense("accept_walk", (tokens, np.int32), (parents, np.int32), (win_value, np.float32),
                     (win_id, np.int32))

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ddtree.backends import numpy_math as m
-from ddtree.parallel.collectives import Identity
 from ddtree.description.opset import ACC, ACT, F32, I32, Ops, RankLayout
+from ddtree.parallel.collectives import Identity
 
 
 class NumpyOps(Ops):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.description.nodes import rope_attrs
 from ddtree.backends.onnx_graph import FLOAT, INT32, GraphBuilder
+from ddtree.description.nodes import rope_attrs
 from ddtree.description.opset import ACC, ACT, F32, I32, Ops, RankLayout
 
 # the `ddtree` node of each op and the node name it gets (tests and plan builders look nodes up by name)

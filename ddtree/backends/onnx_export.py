@@ -21,12 +21,12 @@ from pathlib import Path
 import onnx
 
 from ddtree import engine_dir as ed
-from ddtree.model.safetensors_io import SafetensorsFile
-from ddtree.model.tensors import TensorSpec
-from ddtree.description.layers import rank_kinds
 from ddtree.backends.onnx_backend import OnnxOps
 from ddtree.backends.onnx_graph import GraphBuilder
+from ddtree.description.layers import rank_kinds
 from ddtree.description.opset import RankLayout
+from ddtree.model.safetensors_io import SafetensorsFile
+from ddtree.model.tensors import TensorSpec
 
 GRAPHS_FORMAT = "ddtree-graphs/1"
 MAX_TOKENS = 256                 # tokens per target call and new drafter context per call (the kernels' M)

@@ -17,10 +17,16 @@ import statistics
 
 import click
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from ddtree.cli_types import FiniteFloatRange
 from ddtree.errors import InputError, reported
 from ddtree.jsonout import emit_json
+from ddtree.parallel.nccl_group import NcclGroup, new_unique_id, version
+from ddtree.parallel.spawn_ranks import run_ranks
+from ddtree.plugins.allreduce import VECTOR, OneShotAllReduce, can_access_peer, ipc_handle, limits, open_ipc
+from ddtree.plugins.device import Gpu, _driver, check, ptr
 
 IMPLS = ("one-shot", "one-shot-pull", "nccl")   # one-shot: the push protocol (plugins/allreduce.py)
 FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and mantissa in [0.5, 1)
@@ -28,7 +34,6 @@ FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and 
 
 def parse_flags(sizes: str, hidden: int, impls: str, gpus: str, replays: int, collectives: int) -> tuple:
     """(sizes, impls, gpus) from the flags, or an InputError naming the flag."""
-    from ddtree.plugins.allreduce import VECTOR, limits
 
     def ints(flag: str, text: str) -> list[int]:
         try:
@@ -59,7 +64,7 @@ def parse_flags(sizes: str, hidden: int, impls: str, gpus: str, replays: int, co
 
 def _replays_ms(gpu, graph, replays: int) -> float:
     """Median ms of `replays` back-to-back replays, an event between each (one sync at the end)."""
-    from cuda.core import EventOptions
+    from cuda.core import EventOptions  # cuda: the cuda extra
     opts = EventOptions(timing_enabled=True)
     events = [gpu.stream.record(options=opts)]
     for _ in range(replays):
@@ -71,8 +76,6 @@ def _replays_ms(gpu, graph, replays: int) -> float:
 
 def probe_rank(link, gpu_id: int) -> dict:
     """What this rank's GPU allows with the others (see the module doc)."""
-    from ddtree.plugins.allreduce import can_access_peer, ipc_handle, open_ipc
-    from ddtree.plugins.device import Gpu, _driver, check, ptr
     gpu = Gpu(gpu_id)
     driver = _driver()
     ids = link.all_exchange(gpu_id)
@@ -108,9 +111,6 @@ def probe_rank(link, gpu_id: int) -> dict:
 
 def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], replays: int, collectives: int) -> dict:
     """One rank's measurements (every rank runs the same graphs; rank 0's rows are reported)."""
-    from ddtree.parallel.nccl_group import NcclGroup, new_unique_id, version
-    from ddtree.plugins.allreduce import OneShotAllReduce
-    from ddtree.plugins.device import Gpu, ptr
     gpu = Gpu(gpu_id)
     max_elems = max(ms) * hidden
     ar = OneShotAllReduce(gpu, link.rank, link.nranks, max_elems)
@@ -199,7 +199,6 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, timeout_s, as_json):
     """One-shot peer-to-peer all-reduce vs NCCL, alone and inside a graph of 122."""
-    from ddtree.parallel.spawn_ranks import run_ranks
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
     if probe:
@@ -216,8 +215,6 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, t
     if as_json:
         emit_json(result)
         return
-    from rich.console import Console
-    from rich.table import Table
     table = Table(title=f"all-reduce on {len(ids)} x {result['gpu']} (NCCL {result['nccl_version']})")
     for col in ("impl", "M", "bytes", "mode", "us"):
         table.add_column(col)

@@ -30,13 +30,16 @@ import numpy as np
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.model.presets import get_preset
+from ddtree.plugins import randfill
+from ddtree.plugins.mla_attention import MlaTreeAttention
+from ddtree.tree.build import pack_visibility
 
 DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "RTX PRO 6000": 503.8}
 
 
 def kimi_softmax_scale() -> float:
     """The real model's softmax scale (192^-1/2 with the YaRN mscale), from the kimi-k2.6 preset config."""
-    from ddtree.model.presets import get_preset
     return get_preset("kimi-k2.6", layers=2)[0].softmax_scale
 
 
@@ -45,7 +48,6 @@ def dense_peak(device_name: str) -> float | None:
 
 
 def tree_visibility(q: int, seed: int) -> np.ndarray:
-    from ddtree.tree.build import pack_visibility
     rng = np.random.default_rng(seed)
     vis = np.zeros((q, q), dtype=bool)
     for i in range(q):
@@ -57,8 +59,6 @@ def tree_visibility(q: int, seed: int) -> np.ndarray:
 
 def bench_case(gpu, T: int, q: int, heads: int, launches: int, ceiling_gbps: float, forced: dict,
                l2_resident: bool = False, parts: bool = False, pdl: bool = True) -> dict:
-    from ddtree.plugins import randfill
-    from ddtree.plugins.mla_attention import MlaTreeAttention
     entry_bytes = 576 * 2
     cache_bytes = (T + q) * entry_bytes
     copies = 1 if l2_resident else max(1, math.ceil(4 * gpu.l2_bytes / cache_bytes))

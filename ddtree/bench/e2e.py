@@ -36,8 +36,11 @@ from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.tokenizer import load_tokenizer
+from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
+from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.runtime.near_tie import first_difference
+from ddtree.runtime.step_profile import kernel_times, phase_times
 from ddtree.training.corpus import load_prompts
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
@@ -73,16 +76,14 @@ def spread(values: list[float]) -> dict:
 
 def build_tiny_engine(out_dir: Path, log) -> Path:
     """The embedded tiny model's tp 1 engine, built at out_dir/engine (kernels from the NVRTC cache)."""
-    from ddtree.builder.build import build_engine
+    from ddtree.builder.build import build_engine  # onnx: the graphs extra
     log("building the embedded tiny model's tp 1 engine (a temp dir) ...")
     return Path(build_engine(*tiny_model_dirs(), 1, ["sm_90"], out_dir / "engine", graphs=False)["engine"])
 
 
 def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | None, kernel_plan: str = "fast"):
     if device == "cuda":
-        from ddtree.runtime.cuda_executor import CudaExecutor
         return CudaExecutor(engine_dir, gpu=gpu, max_context=max_context, kernel_plan=kernel_plan)
-    from ddtree.runtime.engine_executor import EngineExecutor
     return EngineExecutor(engine_dir)
 
 
@@ -142,7 +143,6 @@ def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, 
                    host_us_per_started_step=(1e6 * (after["started_host_s"] - before["started_host_s"]) / started
                                              if started else None),
                    capture_s=after["capture_s"] - before_warm["capture_s"])   # the warm-up's (and any later one)
-        from ddtree.runtime.step_profile import kernel_times, phase_times
         if budget is not None:                                  # device time per phase, captured alone
             row["phases"] = phase_times(ex.steps, budget, ex.drafter_config.block_size)
         else:                                                   # the AR graph against its kernels alone
@@ -259,7 +259,6 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     texts = heldout_texts(n_prompts)
     if device == "cuda":
-        from ddtree.runtime.cuda_executor import gpu_unavailable
         why = gpu_unavailable(gpu)
         if why:
             raise click.ClickException(f"--device cuda is not available: {why}")

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.builder.plan import make_plan
+from ddtree.builder.weights import rank_tensor_specs
 from ddtree.plugins import randfill as rf
+from ddtree.plugins.device import DeviceArray
 
 ONES_BF16 = (0, 0x3F803F80)
 ZEROS = (0, 0)
@@ -87,8 +90,6 @@ class HashModel:
     """The tp 1 rank tensors of (cfg, dcfg) as HashTensors (the router biases as arrays)."""
 
     def __init__(self, cfg, dcfg, seed: int = 0):
-        from ddtree.builder.plan import make_plan
-        from ddtree.builder.weights import rank_tensor_specs
         self.cfg, self.dcfg, self.seed = cfg, dcfg, seed
         self.plan = make_plan(cfg, dcfg, 1)
         self.specs = rank_tensor_specs(self.plan)
@@ -105,7 +106,6 @@ class HashModel:
     def on_device(self, gpu) -> dict[str, np.ndarray]:
         """Every tensor filled on the GPU (one scratch buffer, reused) and downloaded: the host arrays the
         executors load, equal bit for bit to the CPU's rows."""
-        from ddtree.plugins.device import DeviceArray
         hashed = {k: t for k, t in self.tensors.items() if isinstance(t, HashTensor)}
         scratch = gpu.alloc(max(t.nbytes for t in hashed.values()) // 4, np.uint32)
         out = {}

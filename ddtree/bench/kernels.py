@@ -13,12 +13,17 @@ from __future__ import annotations
 import statistics
 
 import click
-
-from ddtree.cli_types import FiniteFloatRange, comma_list
 import numpy as np
 
+from ddtree.bench.project import DraftProfile
+from ddtree.bench.routing import tree_ids
+from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.plugins import randfill
+from ddtree.plugins.device import Gpu
+from ddtree.plugins.gemm import SkinnyGemm
+from ddtree.plugins.moe import FusedMoE, MoEShape
 
 TP_SHAPES = {1: dict(inter=2048), 8: dict(inter=256)}
 HIDDEN, EXPERTS, TOPK, VOCAB = 7168, 384, 8, 163840
@@ -65,11 +70,10 @@ def measure_ceiling(gpu, nbytes: int = 2 << 30, repeats: int = 5) -> dict:
 def open_gpu():
     """The device and its copy ceiling, measured first while nothing else is allocated (said on stderr)."""
     try:
-        from cuda.pathfinder import DynamicLibNotFoundError
+        from cuda.pathfinder import DynamicLibNotFoundError  # cuda: the cuda extra
     except ImportError as e:
         raise click.ClickException(f"this benchmark runs on an NVIDIA GPU and needs the 'cuda' extra "
                                    f"(pip install -e '.[cuda]'): {e}") from e
-    from ddtree.plugins.device import Gpu
     try:
         gpu = Gpu()
     except DynamicLibNotFoundError as e:               # cuda-python installed, no NVIDIA driver on this machine
@@ -119,8 +123,6 @@ def moe_routing_ids(rng, M: int, routing: str, reuse: float) -> np.ndarray:
     parent's with probability `reuse`, so fewer distinct experts with more rows each)."""
     if routing == "uniform":
         return np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(M)]).astype(np.int32)
-    from ddtree.bench.project import DraftProfile
-    from ddtree.bench.routing import tree_ids
     parents = DraftProfile().tree(M - 1, DRAFT_DEPTHS).parents if M > 1 else np.array([-1])
     return tree_ids(rng, parents, EXPERTS, TOPK, reuse)
 
@@ -129,8 +131,6 @@ def moe_operands(gpu, tp: int, max_m: int, seed: int) -> tuple:
     """(shape, weights, x, out, expert_bytes) of Kimi's routed experts at tp: random INT4 words and bf16 scales
     (seed + i in moe_weight_shapes' order), x [max_m, H] random (seed + 8), out [max_m, H], the bytes of one
     expert's slices."""
-    from ddtree.plugins import randfill
-    from ddtree.plugins.moe import MoEShape
     inter = TP_SHAPES[tp]["inter"]
     shape = MoEShape(HIDDEN, inter, EXPERTS, TOPK, scaling=2.827, max_tokens=max_m)
     weights = {k: gpu.alloc(s, dtype) for k, (s, dtype) in moe_weight_shapes(EXPERTS, HIDDEN, inter).items()}
@@ -159,8 +159,6 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                    routing: str = "uniform", reuse: float = 0.5) -> list[dict]:
     """Rows of the experts (route kernel + gate_up -> down) per M and per path of `paths` (MOE_PATHS: the plan's
     choice, the two launches, the streaming launch), then the router's rows. routing: moe_routing_ids'."""
-    from ddtree.plugins import randfill
-    from ddtree.plugins.moe import FusedMoE
     E, H = EXPERTS, HIDDEN
     shape, weights, x, out, expert_bytes = moe_operands(gpu, tp, max(ms), seed)
     router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
@@ -271,7 +269,6 @@ def gemm_operands(gpu, N: int, K: int, max_m: int, seed: int, x_seed: int) -> tu
     """(ws, x, out, launches) for timing an [N, K] skinny GEMM: random weight copies in the tile_bf16 layout that
     together exceed 4x the L2 (weights seed + i), x [max_m, K] random (x_seed), out [max_m, N] zeros, and the
     launches a timing graph takes (a multiple of the copies, at least 8)."""
-    from ddtree.plugins import randfill
     copies = max(1, -(-4 * gpu.l2_bytes // (N * K * 2)))
     ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
     for i, w in enumerate(ws):
@@ -296,7 +293,6 @@ def bench_gemm_rows(gpu, tp: int, ms: list[int], ceiling_gbps: float, seed: int,
                     overrides: dict | None = None, pdl: bool = True, measured: bool = True) -> list[dict]:
     """overrides: forced plan knobs (SkinnyGemm.override: the fitted plan under them); measured False: the fitted
     plan everywhere (no gemm_measured table)."""
-    from ddtree.plugins.gemm import SkinnyGemm
     rows = []
     max_m = max(ms)
     for name, N, K, residual in GEMM_SHAPES[tp]:

@@ -17,14 +17,25 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ddtree.bench.projection import (ACCEPT_SOURCES, ALLREDUCE_CHOICES, HAND_SPLIT, PRO_6000, AcceptSource,
-                                     Projection, load_measured)
+from ddtree.backends.meter import expected_distinct, meter_step, totals
+from ddtree.bench.projection import (
+    ACCEPT_SOURCES,
+    ALLREDUCE_CHOICES,
+    HAND_SPLIT,
+    PRO_6000,
+    AcceptSource,
+    Projection,
+    load_measured,
+)
 from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
+from ddtree.bench.step_correction import correction, load_measured_step
+from ddtree.builder.plan import make_plan
+from ddtree.builder.weights import rank_tensor_specs
 from ddtree.cli_types import FiniteFloatRange, comma_list
+from ddtree.description.opset import RankLayout
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.backends.meter import expected_distinct, meter_step, totals
-from ddtree.description.opset import RankLayout
+from ddtree.model.presets import get_preset
 from ddtree.tree.build import MAX_BUDGET, Tree, build_tree
 
 
@@ -81,7 +92,6 @@ def project_row(model, proj: Projection, accept: AcceptSource, context: int, bud
                 "collectives": step["collectives"],
                 "dominant": sorted(split_ms, key=split_ms.get, reverse=True)[:3]}}
     if measured_step is not None:
-        from ddtree.bench.step_correction import correction
         row["projection"]["measured_correction"] = correction(measured_step[0], proj.classes, proj.tp, recs, row,
                                                               measured_step[1])
     return row
@@ -149,9 +159,6 @@ def _table(rows: list[dict], title: str) -> Table:
 def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured,
                     measured_step, top1, seed, as_json):
     """Project one DDTree step to 8x RTX PRO 6000 (a projection from the meter's counts; no GPU)."""
-    from ddtree.builder.plan import make_plan
-    from ddtree.builder.weights import rank_tensor_specs
-    from ddtree.model.presets import get_preset
     budget_list = _ints(budgets, "--budget", 1, MAX_BUDGET)
     routing_list = _routings(routing, reuse)
     cfg, dcfg = get_preset(preset, 61 if preset == "kimi-k2.6" else None)
@@ -167,7 +174,6 @@ def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_
     trees = {b: profile.tree(b, dcfg.block_size - 1) for b in budget_list}
     corrected = None
     if measured_step:
-        from ddtree.bench.step_correction import load_measured_step
         corrected = (load_measured_step(measured_step), measured_step)
     rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed, corrected)
             for c in context_list for b in budget_list for r, p in routing_list]

@@ -13,6 +13,7 @@ is accept_len / step time, accept_len from a named `AcceptSource`. Every number 
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -232,7 +233,6 @@ def load_measured(path, dev: Device = H200) -> dict:
 
     Format: {"rows": [{"kernel_class", "bytes", "flops", "us"}]}; the FLOP term uses HAND_SPLIT's
     flop_efficiency of the class."""
-    import json
     try:
         obj = json.loads(open(path).read())
     except (OSError, ValueError) as e:

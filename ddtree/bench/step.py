@@ -31,15 +31,26 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ddtree.backends.meter import meter_ar_step, meter_step, totals
+from ddtree.bench.attention import dense_peak
 from ddtree.bench.e2e import parse_budgets
+from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
+from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
+from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_rows import prepare_row, row_cases, stated_depths, synthetic_steps
-from ddtree.bench.step_parts import (SPLIT, kernel_family, part_ideals, part_times,  # noqa: F401  (kernel_family: tests)
-                                     top_kernels)
+from ddtree.bench.synthetic_rank import SyntheticWeights
+from ddtree.builder.plan import make_plan
+from ddtree.builder.weights import rank_tensor_specs
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.model.presets import get_preset
+from ddtree.plugins.device import Gpu
+from ddtree.runtime.cuda_executor import gpu_unavailable
+from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
+
 
 def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
     """--routing / --reuse -> [(routing, reuse)]: tree once per reuse, the others once."""
@@ -82,9 +93,6 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
                 routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
     """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
     has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
-    from ddtree.bench.attention import dense_peak
-    from ddtree.backends.meter import meter_ar_step, meter_step, totals
-    from ddtree.runtime.step_profile import record_launches, time_launches
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
     key, body, distinct = prepare_row(rank, steps, context, budget, repeats, routing, reuse, accept)
@@ -163,9 +171,6 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
                  ranks, no_branches, prefetch_mb, shared_join, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
-    from ddtree.bench.kernels import measure_ceiling
-    from ddtree.builder.plan import make_plan
-    from ddtree.model.presets import get_preset
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     cases = parse_routing(routings, reuses)
     if rank_id >= tp:
@@ -173,7 +178,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     layers = layers or (61 if preset == "kimi-k2.6" else None)
     cfg, dcfg = get_preset(preset, layers)
     plan = make_plan(cfg, dcfg, tp)
-    from ddtree.runtime.cuda_executor import gpu_unavailable
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--shared-join", shared_join is not None)):
@@ -185,7 +189,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             why = gpu_unavailable(g)
             if why:
                 raise click.ClickException(f"ddtree bench step --ranks all runs on GPUs: {why}")
-        from ddtree.bench.step_ranks import run_all_ranks
         result = run_all_ranks(gpus, preset, layers, tp, contexts, budgets, cases, accept, repeats, with_ar)
         if as_json:
             emit_json(result)
@@ -200,9 +203,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
-    from ddtree.bench.synthetic_rank import SyntheticWeights
-    from ddtree.builder.weights import rank_tensor_specs
-    from ddtree.plugins.device import Gpu
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
     gpu.free_all()

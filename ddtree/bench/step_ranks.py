@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import statistics
 
+from ddtree.bench.step_rows import prepare_row, row_cases, synthetic_steps
+from ddtree.bench.synthetic_rank import SyntheticWeights
+from ddtree.builder.plan import make_plan
+from ddtree.model.presets import get_preset
+from ddtree.parallel.cuda_collectives import ProcessRankMember
+from ddtree.parallel.spawn_ranks import run_ranks
+from ddtree.plugins.allreduce import OneShotAllReduce
+from ddtree.plugins.device import Gpu
+from ddtree.runtime.cuda_ranks import all_reduce_elems
+
 
 def rank_steps(link, gpu_id: int, preset: str, layers: int | None, tp: int, contexts: list[int], budgets: list[int],
                cases: list, accept: int, repeats: int, with_ar: bool) -> dict:
     """One rank process: its rows, single-rank then with the collectives (the same row order on every rank)."""
-    from ddtree.bench.step_rows import prepare_row, row_cases, synthetic_steps
-    from ddtree.bench.synthetic_rank import SyntheticWeights
-    from ddtree.builder.plan import make_plan
-    from ddtree.model.presets import get_preset
-    from ddtree.parallel.cuda_collectives import ProcessRankMember
-    from ddtree.plugins.allreduce import OneShotAllReduce
-    from ddtree.plugins.device import Gpu
-    from ddtree.runtime.cuda_ranks import all_reduce_elems
     cfg, dcfg = get_preset(preset, layers)
     plan = make_plan(cfg, dcfg, tp)
     gpu = Gpu(gpu_id)
@@ -87,7 +89,6 @@ def summarize(infos: list[dict]) -> list[dict]:
 def run_all_ranks(gpus: list[int], preset: str, layers: int | None, tp: int, contexts, budgets, cases, accept: int,
                   repeats: int, with_ar: bool, timeout_s: float = 3600.0) -> dict:
     """Every rank of the tp plan as a process on gpus[rank] -> the bench's JSON object."""
-    from ddtree.parallel.spawn_ranks import run_ranks
     infos = run_ranks(rank_steps, gpus, args=(preset, layers, tp, contexts, budgets, cases, accept, repeats, with_ar),
                       timeout_s=timeout_s)
     errors = sorted({r for info in infos for r in info["one_shot_errors"]})

@@ -3,7 +3,16 @@ and its step graphs, one row's setup (given routing, stated tree, fixed accepted
 """
 from __future__ import annotations
 
+import click
 import numpy as np
+
+from ddtree.bench.bench_ops import BenchSteps
+from ddtree.bench.project import DraftProfile, depth_histogram
+from ddtree.bench.routing import distinct_per_layer, routing_ids
+from ddtree.bench.synthetic_rank import SyntheticRank
+from ddtree.description.layers import router_weight
+from ddtree.plugins import randfill as rf
+from ddtree.tree.sampling import SamplingParams
 
 
 def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: int = 0) -> dict | None:
@@ -11,9 +20,6 @@ def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: in
     (bench/project.py DraftProfile) from bench/routing.py, written into the rank's routing buffers (one per MoE
     layer, the rows past the tree unused) that CudaOps.moe uses after its router ran; -> the distinct experts
     per layer, from those ids."""
-    from ddtree.bench.project import DraftProfile, depth_histogram
-    from ddtree.bench.routing import distinct_per_layer, routing_ids
-    from ddtree.description.layers import router_weight
     if routing == "router":
         rank.ops.routing = None
         return None
@@ -38,7 +44,6 @@ def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
     """[depths, vocab] float32 logits whose log-softmax is DraftProfile's stated table (token r: log top1 (1-top1)^r
     for r < budget, the rest of the mass on token `budget`, nothing elsewhere): the tree builder then builds
     DraftProfile.tree(budget, depths), the shape the routing generator and the projection use."""
-    from ddtree.bench.project import DraftProfile
     top1 = DraftProfile().top1
     logp = np.log(top1) + np.arange(budget) * np.log(1.0 - top1)          # a geometric series, whose rest is
     if vocab <= budget:
@@ -49,7 +54,6 @@ def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:
 
 
 def stated_depths(budget: int, depths: int) -> list[int]:
-    from ddtree.bench.project import DraftProfile
     return depth_histogram(DraftProfile().tree(budget, depths))
 
 
@@ -71,9 +75,6 @@ def row_cases(contexts: list[int], budgets: list[int], cases: list, with_ar: boo
 def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repeats: int, accept: int):
     """Rank rank_id of `plan` on `gpu` with generated weights and caches for the run's longest row, and its step
     graphs (greedy) -> (rank, steps, max_context)."""
-    from ddtree.bench.synthetic_rank import SyntheticRank
-    from ddtree.bench.bench_ops import BenchSteps
-    from ddtree.tree.sampling import SamplingParams
     max_context = max(contexts) + max(budgets) + context_room(repeats, accept, dcfg.block_size)
     rank = SyntheticRank(gpu, cfg, dcfg, plan, rank_id, max_context)
     steps = BenchSteps(rank)
@@ -85,7 +86,6 @@ def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, rou
                 reuse: float | None = None, accept: int = 1):
     """Set the rank up for one row and run its step once eagerly, then once more into its graph: -> (graph key, the
     step's body, the distinct experts per layer or None). budget None: the AR step."""
-    from ddtree.plugins import randfill as rf
     gpu, b = rank.gpu, rank.drafter_config.block_size
     if budget:
         distinct = given_routing(rank, budget, routing, reuse)

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.bench.hash_model import preset_of
 from ddtree.bench.bench_ops import BenchOps
+from ddtree.bench.hash_model import preset_of
+from ddtree.builder.weights import rank_tensor_specs
 from ddtree.description.opset import RankLayout
+from ddtree.plugins import randfill as rf
+from ddtree.plugins.kv_cache import DeviceLatentCache
+from ddtree.plugins.randfill import fill_device
 from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache
 from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights
 
@@ -32,7 +36,6 @@ class SyntheticWeights(CudaWeights):
     the device instead of uploaded."""
 
     def __init__(self, gpu, specs: dict, cfg, max_pos: int, seed: int = 0):
-        from ddtree.plugins.randfill import fill_device
         self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
         self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.shapes = {k: tuple(v.shape) for k, v in specs.items()}
@@ -62,8 +65,6 @@ class SyntheticRank:
     name = "cuda"
 
     def __init__(self, gpu, cfg, dcfg, plan, rank: int, max_context: int, seed: int = 0):
-        from ddtree.builder.weights import rank_tensor_specs
-        from ddtree.plugins.kv_cache import DeviceLatentCache
         self.gpu, self.config, self.drafter_config = gpu, cfg, dcfg
         self.max_context, self.moe_inter = max_context, plan.moe_inter
         self.plan_dict = plan.to_dict()
@@ -80,7 +81,6 @@ class SyntheticRank:
 
     def fill_caches(self, context: int, seed: int = 1) -> None:
         """Random rows in every cache up to `context` (the committed sequence the step reads)."""
-        from ddtree.plugins import randfill as rf
         for L in range(self.config.num_hidden_layers):
             rf.fill_device(self.gpu, self.target_cache.dev.layer(L), seed + L, rf.ACT_BF16)
         for i, a in enumerate(self.draft_cache.k + self.draft_cache.v):

@@ -22,6 +22,8 @@ import numpy as np
 from ddtree.bench.kernels import _ints, _say, open_gpu, time_graph
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.plugins.tree_build import DraftTreeBuilder
+from ddtree.plugins.tree_sample import TreeSampler
 from ddtree.tree.sampling import SamplingParams
 
 MODES = {"greedy": SamplingParams(),
@@ -43,8 +45,6 @@ def lm_logits(rng, rows: int, V: int, flat: bool) -> np.ndarray:
 
 def bench_case(gpu, V: int, B: int, D: int, modes: list[str], launches: int, flat: bool, ceiling_gbps: float,
                candidates: bool | None = None) -> list:
-    from ddtree.plugins.tree_build import DraftTreeBuilder
-    from ddtree.plugins.tree_sample import TreeSampler
     rng = np.random.default_rng(V + B)
     n = B + 1
     step_bytes = (D + n) * V * 4

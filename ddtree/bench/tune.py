@@ -19,9 +19,21 @@ import time
 
 import click
 
+from ddtree.backends.meter import expected_distinct
+from ddtree.bench.calibration import edge_samples, record_steps
+from ddtree.bench.e2e import heldout_texts
 from ddtree.cli_types import comma_list
+from ddtree.engine_dir import check_engine, engine_configs
+from ddtree.engine_dir.tuning import Tuning, now_utc, write_tuning
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
+from ddtree.model.tokenizer import load_tokenizer
+from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
+from ddtree.runtime.engine_executor import EngineExecutor
+from ddtree.runtime.loop import RunStats, ddtree_steps, run_to_end
+from ddtree.tree.budget import fit_calibration
+from ddtree.tree.build import MAX_BUDGET
+from ddtree.tree.sampling import SamplingParams
 
 DEFAULT_BUDGETS = "1,2,4,8,16,32,64"
 
@@ -31,8 +43,6 @@ def parse_ints(text: str, flag: str) -> list[int]:
 
 
 def cuda_step_times(ex, prompt: list[int], budgets, contexts, repeats: int) -> list[list[float]]:
-    from ddtree.runtime.loop import ddtree_steps, run_to_end
-    from ddtree.tree.sampling import SamplingParams
     steps, b = ex.steps, ex.drafter_config.block_size
     times = []
     for budget in budgets:
@@ -53,8 +63,6 @@ def cuda_step_times(ex, prompt: list[int], budgets, contexts, repeats: int) -> l
 
 
 def cpu_step_times(ex, prompt: list[int], budgets, contexts) -> list[list[float]]:
-    from ddtree.runtime.loop import RunStats, ddtree_steps, run_to_end
-    from ddtree.tree.sampling import SamplingParams
     times = []
     for budget in budgets:
         stats = RunStats()
@@ -80,14 +88,6 @@ def cpu_step_times(ex, prompt: list[int], budgets, contexts) -> list[list[float]
 def tune_command(engine_dir, device, gpu_id, budgets, contexts, prompts, max_new_tokens, repeats, as_json):
     """Measure ENGINE_DIR's step time per budget and context on this machine and fit the calibration
     (writes ENGINE_DIR/tuning.json for --budget auto)."""
-    from ddtree.bench.calibration import edge_samples, record_steps
-    from ddtree.bench.e2e import heldout_texts
-    from ddtree.engine_dir import engine_configs, check_engine
-    from ddtree.engine_dir.tuning import Tuning, now_utc, write_tuning
-    from ddtree.model.tokenizer import load_tokenizer
-    from ddtree.backends.meter import expected_distinct
-    from ddtree.tree.budget import fit_calibration
-    from ddtree.tree.build import MAX_BUDGET
     budgets, contexts = parse_ints(budgets, "--budget"), parse_ints(contexts, "--context")
     if budgets[-1] > MAX_BUDGET:
         raise click.BadParameter(f"budgets must be at most {MAX_BUDGET}", param_hint="--budget")
@@ -97,7 +97,6 @@ def tune_command(engine_dir, device, gpu_id, budgets, contexts, prompts, max_new
         raise click.BadParameter(f"context buckets up to {contexts[-1]} leave no room for the steps in the model's "
                                  f"{cfg.max_position_embeddings}-token context", param_hint="--context")
     if device == "cuda":
-        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         why = gpu_unavailable(gpu_id)
         if why:
             raise click.ClickException(f"ddtree tune --device cuda: {why}")
@@ -105,7 +104,6 @@ def tune_command(engine_dir, device, gpu_id, budgets, contexts, prompts, max_new
         ex = CudaExecutor(engine_dir, gpu=gpu_id, max_context=rows)
         machine = ex.gpu.name
     else:
-        from ddtree.runtime.engine_executor import EngineExecutor
         ex, machine = EngineExecutor(engine_dir), "cpu"
     tok = load_tokenizer(ex.tokenizer_dir, cfg)
     prompt_ids = [tok.encode(t) for t in heldout_texts(prompts)]

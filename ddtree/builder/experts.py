@@ -19,6 +19,7 @@ import numpy as np
 
 from ddtree.builder.plan import TPPlan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader
+from ddtree.model.checkpoint import Checkpoint
 from ddtree.model.safetensors_io import CheckpointError
 from ddtree.model.tensors import EXPERT_PROJS, TensorSpec, expert_name
 from ddtree.plugins import layout
@@ -92,7 +93,6 @@ _worker: dict = {}
 
 
 def _worker_init(model_dir: str) -> None:
-    from ddtree.model.checkpoint import Checkpoint
     _worker["reader"] = TensorReader(Checkpoint(model_dir))
 
 

@@ -21,7 +21,15 @@ from rich.console import Console
 
 from ddtree.builder.trt_build import describe_plans, plan_lines
 from ddtree.engine_dir import (
-    PLANS, describe_tuning, engine_configs, engine_files, engine_problems, kernels_rel, rank_name, tuning_problems)
+    PLANS,
+    describe_tuning,
+    engine_configs,
+    engine_files,
+    engine_problems,
+    kernels_rel,
+    rank_name,
+    tuning_problems,
+)
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 

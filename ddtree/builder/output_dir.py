@@ -15,6 +15,8 @@ from pathlib import Path
 from ddtree import engine_dir as ed
 from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.plugins import compile as kc
+from ddtree.version import __version__
 
 # Archs the kernels target (mma.sync bf16 + cp.async: sm_80 and later; 'a' = arch-specific features)
 KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_103", "sm_120",
@@ -44,7 +46,7 @@ def check_archs(archs) -> list[str]:
 def require_nvrtc() -> str:
     """The NVRTC version as 'major.minor', or BuildError naming the missing extra."""
     try:
-        from ddtree.plugins.compile import nvrtc_version
+        from ddtree.plugins.compile import nvrtc_version  # optional: an ImportError here is handled
         major, minor = nvrtc_version()
     except Exception as e:  # noqa: BLE001 - ImportError or NVRTC failing to load: same remedy
         raise BuildError("--arch: compiling the kernels needs NVRTC from the 'cuda' extra "
@@ -56,7 +58,6 @@ def compile_kernels(archs, out_dir: Path, cache=None, on_done=None, *, latent: i
     """Every kernel source for every arch -> out_dir/kernels/<arch>/<source stem>.cubin, the MLA attention
     and KV cache at the model's latent dims (kv_lora_rank, qk_rope_head_dim).
     Returns the config.json "kernels" entry: {arch: {source: {"file", "source_sha256"}}}."""
-    from ddtree.plugins import compile as kc
     cubins = kc.compile_all(tuple(archs), cache=cache, latent=latent, rope=rope)    # in parallel
     entry = {}
     for arch in archs:
@@ -93,7 +94,6 @@ def copy_tokenizer(files: list[Path], out_dir: Path) -> str | None:
 def config_fields(cfg: KimiConfig, dcfg: DrafterConfig, plan: dict, archs, budgets, weight_files: list[str],
                   kernels: dict, tokenizer: str | None, sources: dict) -> dict:
     """What config.json holds besides "format" (ddtree/engine_dir/ writes it and checks every field)."""
-    from ddtree.version import __version__
     return {"ddtree_version": __version__, "model": cfg.to_dict(), "drafter": dcfg.to_dict(),
             "tp": plan["tp"], "experts": plan["experts"], "archs": list(archs), "budgets": list(budgets),
             "block_size": dcfg.block_size, "dtypes": DTYPES, "plan": plan,

@@ -73,8 +73,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddtree.errors import InputError
 from ddtree.engine_dir import EXPERT_MODES, plan_all_reduce_counts, plan_per_rank
+from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.plugins import layout
 

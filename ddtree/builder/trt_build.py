@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddtree import engine_dir as ed
+from ddtree.backends.tensorrt.loader import TrtUnavailable, import_trt
 from ddtree.builder.output_dir import BuildError
 
 if TYPE_CHECKING:                       # onnx is the `graphs` extra: imported only when plans are built
@@ -42,7 +43,6 @@ def require_graphs() -> None:
 
 def require_trt() -> None:
     """Import the wheels now (and fix the parser link), or raise BuildError with the install command."""
-    from ddtree.backends.tensorrt.loader import TrtUnavailable, import_trt
     try:
         import_trt()
     except TrtUnavailable as e:
@@ -51,7 +51,7 @@ def require_trt() -> None:
 
 def export_graphs(engine_dir, cfg, dcfg, plan: dict, weight_files, budgets, advance=None) -> dict:
     """graphs/ of an engine whose rank weights are written (their headers give every input's shape)."""
-    from ddtree.backends.onnx_export import rank_specs, write_graphs
+    from ddtree.backends.onnx_export import rank_specs, write_graphs  # onnx, onnx_graphsurgeon: the graphs extra
     specs = rank_specs(engine_dir, weight_files)
     return write_graphs(engine_dir, cfg, dcfg, plan, specs, budgets, on_rank=lambda r: advance and advance(1))
 
@@ -124,7 +124,7 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
     # every I/O address is the runtime's (weights, caches, activations): what an outer CUDA-graph capture of the
     # step needs (runtime/trt_executor.py), and what TensorRT requires before a stream it runs on is captured
     config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
-    import onnx
+    import onnx  # onnx: the graphs extra
     shapes = _profile_shapes(onnx.load(str(graph_path), load_external_data=False), dims)
     if shapes:
         profile = builder.create_optimization_profile()
@@ -143,7 +143,7 @@ def build_plan(trt, graph_path: Path, dims: dict) -> tuple[bytes, dict]:
 
 def build_plans(engine_dir, on_plan=None) -> dict:
     """Every graphs/rank<r>/<kind>.onnx -> rank<r>/<kind>.plan; writes and returns plans.json."""
-    from ddtree.backends.tensorrt.creators import register_creators, trt
+    from ddtree.backends.tensorrt.creators import register_creators, trt  # onnx: the graphs extra
     register_creators()
     root = Path(engine_dir)
     index = json.loads(ed.graphs_index_path(root).read_text())

@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-
 from ddtree.builder.experts import ExpertRepacker, expert_specs
 from ddtree.builder.plan import ROWS, TPPlan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader, header_bytes

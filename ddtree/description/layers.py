@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from ddtree.description.opset import ACC, ACT, F32, I32, DraftAttentionSpec, MlaSpec, MoESpec, Ops
 
-
 # ----------------------------------------------------------------------------------------------
 # target
 

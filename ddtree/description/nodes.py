@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree.model.config import RopeConfig
+
 DOMAIN = "ddtree"
 PLUGIN_VERSION = "1"
 FIELD_KINDS = ("int", "float", "str", "ints")
@@ -158,7 +160,6 @@ def rope_attrs(rope) -> dict:
 
 def rope_config(attrs: dict):
     """Node attributes -> RopeConfig (the numpy ops' view of the float32 attribute values)."""
-    from ddtree.model.config import RopeConfig
     return RopeConfig(theta=float(attrs["rope_theta"]), type=str(attrs["rope_type"]),
                       factor=float(attrs["rope_factor"]),
                       original_max_position_embeddings=int(attrs["rope_original_max_position"]),

@@ -40,17 +40,70 @@ Loading an engine (runtime/engine_executor.py, runtime/graph_ranks.py) and `ddtr
 from __future__ import annotations
 
 from ddtree.engine_dir.layout import (  # noqa: F401
-    CONFIG, DRAFTER_PREFIX, ENGINE_FORMAT, EXPERT_MODES, EXPERT_STACKS, EngineFormatError, FORMAT_FAMILY, GRAPHS,
-    HASH_THREADS, KERNELS, MANIFEST, PACKED_SUFFIXES, PLANS, READ_BYTES, REQUIRED, TOKENIZER, TUNING, WEIGHT_SUFFIX,
-    check_engine_config, config_path, engine_configs, graph_rel, graphs_dir, graphs_index_path, graphs_rank_dir, is_engine_dir,
-    kernels_dir, kernels_rel, manifest_path, not_an_engine, plan_rel, plans_path, rank_dir, rank_name,
-    read_engine_config, tokenizer_dir, write_engine_config)
+    CONFIG,
+    DRAFTER_PREFIX,
+    ENGINE_FORMAT,
+    EXPERT_MODES,
+    EXPERT_STACKS,
+    FORMAT_FAMILY,
+    GRAPHS,
+    HASH_THREADS,
+    KERNELS,
+    MANIFEST,
+    PACKED_SUFFIXES,
+    PLANS,
+    READ_BYTES,
+    REQUIRED,
+    TOKENIZER,
+    TUNING,
+    WEIGHT_SUFFIX,
+    EngineFormatError,
+    check_engine_config,
+    config_path,
+    engine_configs,
+    graph_rel,
+    graphs_dir,
+    graphs_index_path,
+    graphs_rank_dir,
+    is_engine_dir,
+    kernels_dir,
+    kernels_rel,
+    manifest_path,
+    not_an_engine,
+    plan_rel,
+    plans_path,
+    rank_dir,
+    rank_name,
+    read_engine_config,
+    tokenizer_dir,
+    write_engine_config,
+)
 from ddtree.engine_dir.manifest import (  # noqa: F401
-    MANIFEST_FIELDS, SHA256_HEX, engine_files, files_checksum, read_manifest, sha256_file, verify_manifest,
-    write_manifest)
-from ddtree.engine_dir.verify import (  # noqa: F401
-    PLAN_SOURCES, check_engine, config_problems, engine_problems, plan_all_reduce_counts, plan_per_rank)
-from ddtree.engine_dir.tensors import (  # noqa: F401
-    BFLOAT16, STORED, load_rank_tensors)
+    MANIFEST_FIELDS,
+    SHA256_HEX,
+    engine_files,
+    files_checksum,
+    read_manifest,
+    sha256_file,
+    verify_manifest,
+    write_manifest,
+)
+from ddtree.engine_dir.tensors import BFLOAT16, STORED, load_rank_tensors  # noqa: F401
 from ddtree.engine_dir.tuning import (  # noqa: F401
-    TUNING_FORMAT, Tuning, TuningError, describe_tuning, read_tuning, tuning_path, tuning_problems, write_tuning)
+    TUNING_FORMAT,
+    Tuning,
+    TuningError,
+    describe_tuning,
+    read_tuning,
+    tuning_path,
+    tuning_problems,
+    write_tuning,
+)
+from ddtree.engine_dir.verify import (  # noqa: F401
+    PLAN_SOURCES,
+    check_engine,
+    config_problems,
+    engine_problems,
+    plan_all_reduce_counts,
+    plan_per_rank,
+)

@@ -10,7 +10,6 @@ from pathlib import Path
 from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig, write_json
 
-
 ENGINE_FORMAT = "ddtree-engine/1"
 FORMAT_FAMILY = "ddtree-engine/"
 CONFIG = "config.json"

@@ -11,7 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from ddtree.engine_dir.layout import (
-    ENGINE_FORMAT, EngineFormatError, HASH_THREADS, MANIFEST, READ_BYTES, TUNING, json_object, manifest_path)
+    ENGINE_FORMAT,
+    HASH_THREADS,
+    MANIFEST,
+    READ_BYTES,
+    TUNING,
+    EngineFormatError,
+    json_object,
+    manifest_path,
+)
 
 
 def sha256_file(path: Path) -> str:

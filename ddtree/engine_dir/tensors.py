@@ -10,11 +10,17 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.engine_dir.layout import (
-    CONFIG, EngineFormatError, MANIFEST, PACKED_SUFFIXES, READ_BYTES, rank_dir, rank_name)
+    CONFIG,
+    MANIFEST,
+    PACKED_SUFFIXES,
+    READ_BYTES,
+    EngineFormatError,
+    rank_dir,
+    rank_name,
+)
 from ddtree.engine_dir.manifest import mismatch
 from ddtree.model.bf16 import as_float
 from ddtree.model.safetensors_io import NUMPY_DTYPE, SafetensorsFile
-
 
 STORED, BFLOAT16 = "stored", "bfloat16"
 
@@ -25,7 +31,7 @@ def _converter(convert):
     if choice == STORED:
         return lambda name, dtype, a: a
     if choice == BFLOAT16:                      # for the graphs; ml_dtypes is the `graphs` extra
-        import ml_dtypes
+        import ml_dtypes  # ml_dtypes: the graphs extra
         return lambda name, dtype, a: a.view(ml_dtypes.bfloat16) if dtype == "BF16" else a
     try:
         target = np.dtype(convert) if convert is not None else None      # np.dtype(None) is float64

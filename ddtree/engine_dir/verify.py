@@ -5,15 +5,31 @@ Part of ddtree/engine_dir (the package docstring has the layout).
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from ddtree.engine_dir.layout import (
-    CONFIG, DRAFTER_PREFIX, EXPERT_STACKS, EngineFormatError, MANIFEST, WEIGHT_SUFFIX, config_path, is_engine_dir,
-    engine_configs, not_an_engine, rank_name, read_engine_config)
+    CONFIG,
+    DRAFTER_PREFIX,
+    EXPERT_STACKS,
+    MANIFEST,
+    WEIGHT_SUFFIX,
+    EngineFormatError,
+    config_path,
+    engine_configs,
+    is_engine_dir,
+    not_an_engine,
+    rank_name,
+    read_engine_config,
+)
 from ddtree.engine_dir.manifest import (
-    hash_problems, presence_problems, sized_files, read_manifest, sha256_file, verify_manifest)
+    hash_problems,
+    presence_problems,
+    read_manifest,
+    sha256_file,
+    sized_files,
+    verify_manifest,
+)
 from ddtree.model.config import ConfigError, DrafterConfig, KimiConfig
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import drafter_tensor_specs, target_tensor_specs

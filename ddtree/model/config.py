@@ -23,7 +23,6 @@ from pathlib import Path
 
 from ddtree.model.fields import ConfigError, Fields, check_field, show
 
-
 # ----------------------------------------------------------------------------------------------
 # RoPE
 

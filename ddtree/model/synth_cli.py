@@ -12,7 +12,8 @@ from ddtree.cli_types import FiniteFloatRange
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import PRESETS, PresetError
-from ddtree.model.synthetic import estimate_bytes, synth as synth_checkpoint
+from ddtree.model.synthetic import estimate_bytes
+from ddtree.model.synthetic import synth as synth_checkpoint
 
 
 @click.command("synth")

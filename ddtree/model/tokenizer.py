@@ -25,10 +25,13 @@ import re
 import warnings
 from pathlib import Path
 
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
 from ddtree.errors import InputError
 from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, render_chat
-from ddtree.model.tool_declaration import ToolSchemaError, render_tools
 from ddtree.model.presets import BYTE_BOS, BYTE_EOS, BYTE_MASK, BYTE_PAD
+from ddtree.model.tool_declaration import ToolSchemaError, render_tools
 
 # --- interoperability constants (byte-exact) -----------------------------------------------------
 # TikTokenTokenizer.pat_str of moonshotai Kimi-K2 tokenization_kimi.py (identical in K2-Thinking,
@@ -105,7 +108,6 @@ class KimiTokenizer:
     def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
                  default_system: str | None = None, source: str = "tiktoken.model",
                  tools_as_typescript: bool = True, tools_json_spaced: bool = False, thinking_switch: bool = True):
-        import tiktoken
 
         n_ranks = len(mergeable_ranks)
         if sorted(mergeable_ranks.values()) != list(range(n_ranks)):
@@ -139,7 +141,6 @@ class KimiTokenizer:
     def from_dir(cls, model_dir: str | Path) -> "KimiTokenizer":
         """Load tiktoken.model, name the specials from tokenizer_config.json, and read
         chat_template.jinja to learn whether this checkpoint injects the default system prompt."""
-        from tiktoken.load import load_tiktoken_bpe
 
         model_dir = Path(model_dir)
         bpe_path = model_dir / "tiktoken.model"

@@ -26,8 +26,16 @@ a call's first event has arguments_delta "" when its arguments have not started 
 """
 from __future__ import annotations
 
-from ddtree.model.chat_template import (IM_END, THINK_CLOSE, THINK_OPEN, TOOL_CALL_ARGS, TOOL_CALL_BEGIN,
-                                        TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END)
+from ddtree.model.chat_template import (
+    IM_END,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_ARGS,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+)
 from ddtree.model.tool_declaration import ToolSchemaError, render_tools
 
 __all__ = ["AssistantParser", "ToolSchemaError", "parse_assistant", "render_tools", "collect"]

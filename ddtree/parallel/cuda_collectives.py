@@ -21,11 +21,13 @@ same sequence of collectives (one device counter).
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 
 from ddtree.parallel.collectives import RankGroup
+from ddtree.parallel.rank_collective import RankCollective
 from ddtree.plugins.allreduce import SOURCE, THREADS, VECTOR
 
 
@@ -157,7 +159,6 @@ class ProcessRankMember:
     capturable = True
 
     def __init__(self, one_shot=None, nccl=None, one_shot_max_bytes: int | None = None):
-        from ddtree.parallel.rank_collective import RankCollective
         self.collective = RankCollective(nccl=nccl, one_shot=one_shot, one_shot_max_bytes=one_shot_max_bytes)
         self.one_shot, self.rank, self.nranks = one_shot, self.collective.rank, self.collective.nranks
 
@@ -189,7 +190,6 @@ class ProcessRankMember:
 def run_ranks(executors: list, fn) -> list:
     """fn(ex) for every rank's executor, each in a thread of its own with its GPU current; results in rank order.
     A rank that raises aborts its group (the others' waits end) and its error is raised."""
-    from concurrent.futures import ThreadPoolExecutor
 
     def body(ex):
         ex.gpu.dev.set_current()

@@ -27,6 +27,8 @@ import os
 import site
 import sys
 
+import numpy as np
+
 from ddtree.plugins.device import ptr
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -40,7 +42,7 @@ class NcclError(RuntimeError):
 
 def load_libnccl() -> str:
     """Make libnccl.so.2 loadable for nccl4py: its path (pathfinder's answer, or one found in site-packages)."""
-    from cuda.pathfinder import DynamicLibNotFoundError, load_nvidia_dynamic_lib
+    from cuda.pathfinder import DynamicLibNotFoundError, load_nvidia_dynamic_lib  # cuda: the cuda extra
     try:
         return load_nvidia_dynamic_lib("nccl").abs_path
     except DynamicLibNotFoundError:
@@ -55,7 +57,7 @@ def load_libnccl() -> str:
 
 def _bindings():
     load_libnccl()
-    import nccl.bindings.nccl as nccl
+    import nccl.bindings.nccl as nccl  # nccl: the nccl extra
     return nccl
 
 
@@ -90,7 +92,6 @@ class NcclGroup:
     def _warm_up(self) -> None:
         """One eager all-reduce and all-gather, synced: NCCL connects its peers on a communicator's first
         collectives, which should not happen inside a graph capture (PyTorch too warms up before capturing)."""
-        import numpy as np
         scratch = self.gpu.zeros((self.nranks + 1, 256), np.uint16)
         self.all_reduce(scratch, scratch, 256)
         self.all_gather(scratch, scratch.view(256, (self.nranks, 256)), 256)

@@ -19,6 +19,8 @@ and describe() says so.
 """
 from __future__ import annotations
 
+from ddtree.parallel.nccl_group import NcclError
+
 ALLREDUCE_CHOICES = ("one-shot", "nccl", "auto")
 AUTO_ONE_SHOT_MAX_BYTES = 1 << 20
 
@@ -87,7 +89,6 @@ class RankCollective:
         if self.nccl is not None:
             code = self.nccl.async_error()
             if code:
-                from ddtree.parallel.nccl_group import NcclError
                 self.nccl.abort()
                 raise NcclError(f"NCCL rank {self.rank}: asynchronous error {code} (communicator aborted)")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,7 @@ def _check(source: str, arch: str) -> None:
 
 
 def nvrtc_version() -> tuple[int, int]:
-    from cuda.bindings import nvrtc
+    from cuda.bindings import nvrtc  # cuda: the cuda extra
     err, major, minor = nvrtc.nvrtcVersion()
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"nvrtcVersion failed: {err}")
@@ -120,7 +121,7 @@ def source_hash(source: str) -> str:
 
 
 def _options(source: str, arch: str, defines: dict[str, int] | None):
-    from cuda.core import ProgramOptions
+    from cuda.core import ProgramOptions  # cuda: the cuda extra
     macros = {**defines_for(source, arch), **(defines or {})}
     return ProgramOptions(name=source, arch=arch, std=CXX_STD, include_path=[str(KERNEL_DIR)],
                           define_macro=[(k, str(v)) for k, v in sorted(macros.items())] or None)
@@ -147,7 +148,7 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
     path = cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
     if path.exists():
         return path
-    from cuda.core import Program
+    from cuda.core import Program  # cuda: the cuda extra
     log = []
 
     class _Log:
@@ -173,12 +174,11 @@ def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KI
     """Every kernel source for every arch -> {(source, arch): cubin path}; LATENT_SOURCES at (latent, rope).
     One thread a compile, up to the CPU count (NVRTC runs outside the GIL: ddtree-build and the tests' first
     compile of everything take the longest source's time, not the sum)."""
-    from concurrent.futures import ThreadPoolExecutor
     # cuda.core's __init__ copies its cu13 submodule's globals (__spec__ included) into itself, so a second
     # thread's `from cuda.core import Program` does not wait for a first thread's import to finish and sees a
     # half-built module (CI: "cannot import name 'Program' from 'cuda.core.cu13'"). Import once, here.
-    import cuda.core  # noqa: F401
     import cuda.bindings.nvrtc  # noqa: F401
+    import cuda.core  # noqa: F401
     dims = latent_defines(latent, rope)
     jobs = [(src, arch) for src in SOURCES for arch in archs]
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from ddtree.plugins.compile import compile_cubin, defines_for
 
 
 def _driver():
-    from cuda.bindings import driver
+    from cuda.bindings import driver  # cuda: the cuda extra
     return driver
 
 
@@ -71,7 +72,7 @@ class DeviceArray:
 
 class Gpu:
     def __init__(self, device_id: int = 0):
-        from cuda.core import Device
+        from cuda.core import Device  # cuda: the cuda extra
         self.dev = Device(device_id)
         self.dev.set_current()
         self.stream = self.dev.create_stream()
@@ -100,7 +101,7 @@ class Gpu:
         key = (*module_key, name)
         if key not in self._kernels:
             if module_key not in self._modules:
-                from cuda.core import ObjectCode
+                from cuda.core import ObjectCode  # cuda: the cuda extra
                 path = compile_cubin(source, arch or self.arch, defines)
                 self._modules[module_key] = ObjectCode.from_cubin(path.read_bytes(), name=source)
             self._kernels[key] = self._modules[module_key].get_kernel(name)
@@ -130,7 +131,7 @@ class Gpu:
         """pdl: programmatic dependent launch (the kernel may start before the previous one in the stream
         ends; it must call griddepcontrol.wait before reading that kernel's results). cluster: thread block
         cluster dims (sm_90+); `grid` then counts clusters (cuda.core's LaunchConfig)."""
-        from cuda.core import LaunchConfig, launch
+        from cuda.core import LaunchConfig, launch  # cuda: the cuda extra
         extra = {} if cluster is None else {"cluster": cluster}
         config = LaunchConfig(grid=grid, block=block, shmem_size=int(smem), programmatic_stream_serialization=pdl,
                               **extra)
@@ -148,7 +149,6 @@ class Gpu:
         """Host memory the device writes directly (pinned, mapped): (a zeroed numpy view, its device address).
         A kernel's writes are visible to the host once the kernel is known to have finished (an event or a
         sync); the host reads, never writes, while the GPU may be writing."""
-        import ctypes
         driver = _driver()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
@@ -215,7 +215,7 @@ class Gpu:
 
     def timed_ms(self, fn, repeats: int = 1) -> list[float]:
         """Run fn() `repeats` times on the stream, each between two timing events; ms per run."""
-        from cuda.core import EventOptions
+        from cuda.core import EventOptions  # cuda: the cuda extra
         opts = EventOptions(timing_enabled=True)
         times = []
         for _ in range(repeats):

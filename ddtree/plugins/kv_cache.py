@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.plugins.compile import latent_defines
-from ddtree.plugins.device import DeviceArray, Gpu, check, ptr, _driver
+from ddtree.plugins.device import DeviceArray, Gpu, _driver, check, ptr
 from ddtree.plugins.gemm import supports_pdl
 
 SOURCE = "kv_cache.cu"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.model.rope import rope_frequencies, rope_magnitude
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
 
@@ -55,13 +56,11 @@ class RopeTable:
     @classmethod
     def interleaved(cls, gpu: Gpu, rope, dim: int, max_pos: int) -> "RopeTable":
         """The target's MLA rope: YaRN frequencies of `rope` (model/rope.py), magnitude rope_magnitude."""
-        from ddtree.model.rope import rope_frequencies, rope_magnitude
         return cls(gpu, rope_frequencies(rope, dim), rope_magnitude(rope), max_pos)
 
     @classmethod
     def rotate_half(cls, gpu: Gpu, rope, dim: int, attention_factor: float, max_pos: int) -> "RopeTable":
         """The drafter's rope: frequencies of its `rope`, cos/sin scaled by its attention_factor."""
-        from ddtree.model.rope import rope_frequencies
         return cls(gpu, rope_frequencies(rope, dim), attention_factor, max_pos)
 
     @classmethod

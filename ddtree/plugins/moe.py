@@ -20,8 +20,7 @@ from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
 from ddtree.plugins.moe_measured import two_launch_knobs
 from ddtree.plugins.moe_plan import DEFAULT_RING, SOURCE, MoEPlan, MoEShape, plan_moe, plan_moe_stream
-from ddtree.plugins.moe_stream import StreamPlan, stream_knobs
-from ddtree.plugins.moe_stream import STREAM_MEASURED, stream_default  # noqa: F401  (the plan's table, re-exported)
+from ddtree.plugins.moe_stream import STREAM_MEASURED, StreamPlan, stream_default, stream_knobs  # noqa: F401  (the plan's table, re-exported)
 from ddtree.plugins.router import FusedRouter, RouterShape
 
 

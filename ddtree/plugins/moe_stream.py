@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.plugins.reference import as_float, expert_dense, silu
+
 STAGE_BYTES = 2 * (32 * 16 + 8 * 8)     # one chunk of a warp's ring slot (plugins/moe.py STAGE_BYTES)
 REGS_PER_THREAD = 128                   # __launch_bounds__(512, 1) of moe_stream: at most 128 registers
 DOWN_WAVES = 2                          # default down items per block of the grid (at least), plan_stream
@@ -213,7 +215,6 @@ def simulate_stream(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packed:
     partials and the combine handed off by counters as in the kernel. Checks what the kernel relies on: a down
     item finds its tile's act complete, every act row and output element is written exactly once.
     x [M, H], ids / weights [M, topk], packed: kernel-layout experts -> y [M, H]."""
-    from ddtree.plugins.reference import as_float, expert_dense, silu
     M, topk = ids.shape
     H = x.shape[1]
     x = as_float(x, np.float64)

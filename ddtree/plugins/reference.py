@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddtree.model.bf16 import as_float
+from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.model.int4 import dequantize_int4
-from ddtree.plugins import layout
 from ddtree.model.routing import sigmoid
+from ddtree.plugins import layout
+from ddtree.tree.build import unpack_visibility
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -57,7 +58,6 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
     q_lat [q, N, 512], q_rope [q, N, 64], cache [>= prefix + q, 576] (bf16 bits or float), vis_words
     [q, ceil(q/32)] uint32 (tree node i at cache row prefix + i) -> out [q, N, 512] fp32 (before W_UV),
     lse [q, N] float64 (natural log of the sum of exp of the visible scaled scores)."""
-    from ddtree.tree.build import unpack_visibility
     q, heads = q_lat.shape[:2]
     keys = as_float(cache[: prefix + q], dtype)                                       # [t, 576]
     query = np.concatenate([as_float(q_lat, dtype), as_float(q_rope, dtype)], axis=-1).reshape(q * heads, -1)
@@ -82,7 +82,6 @@ def mla_tree_attention(q_lat: np.ndarray, q_rope: np.ndarray, cache: np.ndarray,
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float -> bf16 bits, nearest even (the kernels' one rounding of an fp32 result)."""
-    from ddtree.model.bf16 import f32_to_bf16
     return f32_to_bf16(np.asarray(x, np.float32))
 
 

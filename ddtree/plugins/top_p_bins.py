@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddtree.tree.sampling import gumbel
+
 BINS = 4096                    # SP_BINS
 CLAMP = BINS - 1               # d < -4095/128: the far bin, weights relative to s_4095 through expf
 FIXED_BITS = 35                # F = round(exp(r) 2^35)
@@ -221,7 +223,6 @@ def order_tie(l, order, cut, temperature, z_top) -> bool:
 
 def sample_top_p(logits, positions, temperature: float, top_p: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """logits [n, V] float32 -> (tokens [n] int64, flags [n]): Gumbel-max over row_cut's kept set."""
-    from ddtree.tree.sampling import gumbel
     logits = np.asarray(logits, F32)
     positions = np.asarray(positions, np.int64).reshape(-1)
     tokens, flags = np.zeros(len(logits), np.int64), np.zeros(len(logits), np.int64)

@@ -56,9 +56,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.top_p_bins import (ARG_EPS, BIN_OVERFLOW, BIN_SLACK, BINS, CLAMP, CLAMP_EPS, FIXED_BITS, INEXACT,
-                                       MAX_BIN_KEYS, TOKEN_EPS, U64, F32, bin_errors, bin_scales, certify, inv_t_pair,
-                                       mass_prefix, order_tie, token_fixed)
+from ddtree.plugins.top_p_bins import (
+    ARG_EPS,
+    BIN_OVERFLOW,
+    BIN_SLACK,
+    BINS,
+    CLAMP,
+    CLAMP_EPS,
+    F32,
+    FIXED_BITS,
+    INEXACT,
+    MAX_BIN_KEYS,
+    TOKEN_EPS,
+    U64,
+    bin_errors,
+    bin_scales,
+    certify,
+    inv_t_pair,
+    mass_prefix,
+    order_tie,
+    token_fixed,
+)
+from ddtree.tree.sampling import gumbel
 
 
 def ranks_kept(slices: list[np.ndarray], offsets: list[int], temperature: float, top_p: float):
@@ -113,7 +132,6 @@ def ranks_sample_top_p(slices: list[np.ndarray], offsets: list[int], positions, 
 
 def _sample(decide, slices, offsets, positions, temperature, top_p, seed) -> tuple[np.ndarray, np.ndarray]:
     """decide(row slices, offsets, temperature, top_p) -> (kept per rank, flags); then the winners' merge."""
-    from ddtree.tree.sampling import gumbel
     positions = np.asarray(positions, np.int64).reshape(-1)
     n = len(slices[0])
     tokens, flags = np.zeros(n, np.int64), np.zeros(n, np.int64)

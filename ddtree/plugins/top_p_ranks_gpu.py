@@ -55,9 +55,19 @@ import numpy as np
 from ddtree.plugins.device import DeviceArray, Gpu, ptr, set_words
 from ddtree.plugins.gemm import supports_pdl
 from ddtree.plugins.top_p_bins import bin_scales
-from ddtree.plugins.tree_sample import (MASS_BINS, MAX_BIN_KEYS, MAX_TOP_P_VOCAB, ROW_STATE_DTYPE, STATUS_BIN_OVERFLOW,
-                                        STATUS_INEXACT, STATUS_NAN_TARGET, STATUS_WRONG_MODE, TOP_P, params_record,
-                                        plan_sampling)
+from ddtree.plugins.tree_sample import (
+    MASS_BINS,
+    MAX_BIN_KEYS,
+    MAX_TOP_P_VOCAB,
+    ROW_STATE_DTYPE,
+    STATUS_BIN_OVERFLOW,
+    STATUS_INEXACT,
+    STATUS_NAN_TARGET,
+    STATUS_WRONG_MODE,
+    TOP_P,
+    params_record,
+    plan_sampling,
+)
 from ddtree.tree.sampling import SamplingParams
 
 SOURCE = "sample_top_p_ranks.cu"

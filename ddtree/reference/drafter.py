@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree.model.checkpoint import DrafterCheckpoint
 from ddtree.model.config import DrafterConfig
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.rope import rope_frequencies
@@ -121,7 +122,6 @@ class Drafter:
 
     @classmethod
     def from_checkpoint(cls, path_or_ckpt, target, dtype=np.float64) -> "Drafter":
-        from ddtree.model.checkpoint import DrafterCheckpoint
         ck = DrafterCheckpoint(path_or_ckpt) if isinstance(path_or_ckpt, (str, Path)) else path_or_ckpt
         ck.config.check_target(target.config)
         weights = {name: ck.get_f32(name) for name in ck.specs}

@@ -21,13 +21,19 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree.model.checkpoint import Checkpoint
 from ddtree.model.config import KimiConfig
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.layers import rms_norm, swiglu
 from ddtree.reference.mla import MLA, MLAWeights
 from ddtree.reference.moe import ExpertWeights, MoEWeights, moe
-from ddtree.reference.weights import (CheckpointWeights, LazyExperts, checked_array, dense_weight_names,
-                                      load_dense_weights)
+from ddtree.reference.weights import (
+    CheckpointWeights,
+    LazyExperts,
+    checked_array,
+    dense_weight_names,
+    load_dense_weights,
+)
 
 
 @dataclass
@@ -65,7 +71,6 @@ class Target:
     def from_checkpoint(cls, ckpt_or_path, dtype=np.float64, lazy_experts: bool = False, **kwargs) -> "Target":
         """A Checkpoint (or its directory) -> Target; INT4 experts are dequantised to `dtype`, once at
         load, or (lazy_experts) each time the router picks them: for real-dimension checkpoints."""
-        from ddtree.model.checkpoint import Checkpoint
         ckpt = Checkpoint(ckpt_or_path) if isinstance(ckpt_or_path, (str, Path)) else ckpt_or_path
         weights = CheckpointWeights(ckpt, dtype) if lazy_experts else load_dense_weights(ckpt, dtype)
         return cls(ckpt.config, weights, dtype=dtype, **kwargs)

@@ -28,21 +28,24 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
-from ddtree.model.bf16 import as_float, f32_to_bf16
-from ddtree.description import layers, stack
-from ddtree.runtime import vocab_parallel
 from ddtree.backends.cuda_backend import MAX_TOKENS, CudaOps
 from ddtree.backends.cuda_tensor import Tensor
+from ddtree.description import layers, stack
 from ddtree.description.opset import RankLayout
-from ddtree.tree.build import Tree, build_tree, pack_visibility
-from ddtree.tree.sampling import SamplingParams
-
-from ddtree.runtime.cuda_weights import CudaWeights
+from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
+from ddtree.model.bf16 import as_float, f32_to_bf16
+from ddtree.plugins.device import Gpu, _driver, check
+from ddtree.plugins.kv_cache import DeviceLatentCache
+from ddtree.runtime import vocab_parallel
 from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache, draft_feeds, target_feeds, target_layers
+from ddtree.runtime.cuda_step import GpuSteps
+from ddtree.runtime.cuda_step_tp import TpSteps
+from ddtree.runtime.cuda_weights import CudaWeights
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.executor import Executor
-from ddtree.runtime.loop import RequestError
+from ddtree.runtime.loop import RequestError, ar_step, ddtree_step
+from ddtree.tree.build import Tree, build_tree, pack_visibility
+from ddtree.tree.sampling import SamplingParams
 
 WORKSPACE_BYTES = 256 << 20      # activations arena + kernel workspaces, a stated allowance (tiny to Kimi tp 8)
 class MemoryPlanError(RequestError, MemoryError):
@@ -70,8 +73,8 @@ def prefill_chunks(visible: np.ndarray, T: int, limit: int = MAX_TOKENS) -> list
 def gpu_unavailable(gpu: int = 0) -> str | None:
     """Why GPU `gpu` cannot run the executor (the cuda extra missing, no driver or GPU, a bad index), or None."""
     try:
-        from cuda.bindings import driver
         import cuda.core  # noqa: F401
+        from cuda.bindings import driver  # cuda: the cuda extra
     except ImportError as e:
         return f"cuda-python is not installed ({e}; pip install -e '.[cuda]')"
     try:
@@ -131,8 +134,6 @@ class CudaExecutor(Executor):
     def _setup(self, cfg, d, plan: dict, rank: int, tensors: dict, gpu: int, max_context, cap_context: bool,
                graphs: bool, collective, kernel_plan: str = "fast") -> None:
         """The memory plan, then the weights, ops and caches of rank `rank` on GPU `gpu`."""
-        from ddtree.plugins.device import Gpu, _driver, check
-        from ddtree.plugins.kv_cache import DeviceLatentCache
         self.config, self.drafter_config = cfg, d
         context = int(cfg.max_position_embeddings)
         self.max_context = int(max_context or min(context, 4096))
@@ -169,8 +170,6 @@ class CudaExecutor(Executor):
         self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
         # tp > 1: graphs only over a collective that launches without host syncs (not the ranks-as-threads one)
         self.graphs = graphs and (self.lay.tp == 1 or getattr(collective, "capturable", False))
-        from ddtree.runtime.cuda_step import GpuSteps
-        from ddtree.runtime.cuda_step_tp import TpSteps
         self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
 
     def device_stats(self) -> dict:
@@ -186,7 +185,6 @@ class CudaExecutor(Executor):
 
     def ar_step(self, state, params: SamplingParams) -> list[int]:
         """The AR loop's step (runtime/loop.py): one replay of the AR graph."""
-        from ddtree.runtime.loop import ar_step
         return self.steps.ar_step(state, params) if self.steps else ar_step(self, state, params)
 
     def drafter_prefill(self, state) -> None:
@@ -196,7 +194,6 @@ class CudaExecutor(Executor):
 
     def ddtree_step(self, state, params: SamplingParams, budget: int) -> list[int]:
         """The DDTree loop's step (runtime/loop.py): one replay of the step graph of (budget, block, mode)."""
-        from ddtree.runtime.loop import ddtree_step
         return self.steps.ddtree_step(state, params, budget) if self.steps else ddtree_step(self, state, params, budget)
 
     def _logits(self, t: Tensor) -> np.ndarray:

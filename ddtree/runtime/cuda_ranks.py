@@ -15,6 +15,13 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.backends.cuda_backend import MAX_TOKENS
+from ddtree.engine_dir import engine_configs
+from ddtree.parallel.cuda_collectives import ProcessRankMember
+from ddtree.parallel.nccl_group import NcclGroup, new_unique_id
+from ddtree.parallel.rank_collective import allreduce_refusal, collective_parts
+from ddtree.plugins.allreduce import VECTOR, OneShotAllReduce
+from ddtree.plugins.top_p_ranks_gpu import exchange_bytes
+from ddtree.runtime.cuda_executor import CudaExecutor
 
 
 def all_reduce_elems(cfg, dcfg) -> int:
@@ -26,8 +33,6 @@ def top_p_gather_elems(rows: int = MAX_TOKENS) -> int:
     """The largest all-gather part of top-p across ranks (plugins/top_p_ranks_gpu.py TopPRanks: the records,
     32 816 B a row) for `rows` rows, in the one-shot's bf16 elements (a part holds 2 B an element), rounded up to
     its vector."""
-    from ddtree.plugins.allreduce import VECTOR
-    from ddtree.plugins.top_p_ranks_gpu import exchange_bytes
     elems = -(-max(exchange_bytes(rows).values()) // 2)
     return -(-elems // VECTOR) * VECTOR
 
@@ -40,7 +45,6 @@ def one_shot_elems(cfg, dcfg) -> int:
 
 def connect_one_shot(gpu, rank: int, group, max_elems: int):
     """A one-shot all-reduce on `gpu` connected to every peer's buffer, the IPC handles exchanged through `group`."""
-    from ddtree.plugins.allreduce import OneShotAllReduce
     ar = OneShotAllReduce(gpu, rank, group.size, max_elems)
     handles = group.all_gather(rank, np.frombuffer(ar.ipc_handle(), np.uint8), "one-shot all-reduce IPC handles")
     ar.connect([bytes(h.tobytes()) for h in handles])
@@ -49,7 +53,6 @@ def connect_one_shot(gpu, rank: int, group, max_elems: int):
 
 def nccl_communicator(gpu, rank: int, group):
     """This rank's NCCL communicator, rank 0's unique id sent to every rank through `group`."""
-    from ddtree.parallel.nccl_group import NcclGroup, new_unique_id
     uid = np.frombuffer(new_unique_id(), np.uint8) if rank == 0 else np.zeros(128, np.uint8)
     ids = group.all_gather(rank, uid, "NCCL unique id")
     return NcclGroup(gpu, bytes(ids[0].tobytes()), rank, group.size)
@@ -58,8 +61,6 @@ def nccl_communicator(gpu, rank: int, group):
 def rank_member(gpu, rank: int, group, max_elems: int, allreduce: str = "one-shot", gpus: list[int] | None = None):
     """This rank's GPU collective for CudaOps (parallel/rank_collective.py): the connected one-shot (all-reduce and
     all-gather), NCCL, or both with the one-shot up to the auto limit (--allreduce; NCCL only with a GPU per rank)."""
-    from ddtree.parallel.cuda_collectives import ProcessRankMember
-    from ddtree.parallel.rank_collective import allreduce_refusal, collective_parts
     gpus = list(range(group.size)) if gpus is None else gpus
     why = allreduce_refusal(allreduce, gpus)
     if why:
@@ -75,8 +76,6 @@ def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], m
                        allreduce: str = "one-shot"):
     """Rank `rank` on GPU gpus[rank] (a list of one index per rank; indices may repeat); graphs: the step graphs
     (False: the primitives, e.g. to compare the two); allreduce: --allreduce (parallel/rank_collective.py)."""
-    from ddtree.engine_dir import engine_configs
-    from ddtree.runtime.cuda_executor import CudaExecutor
     max_elems = one_shot_elems(*engine_configs(engine_dir, checked[0]))
     return CudaExecutor(engine_dir, gpu=gpus[rank], max_context=max_context, cap_context=cap_context,
                         kernel_plan=kernel_plan, rank=rank, graphs=graphs,

@@ -34,22 +34,25 @@ import time
 
 import numpy as np
 
-from ddtree.model.bf16 import as_float, f32_to_bf16
-from ddtree.description import layers, stack
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
+from ddtree.description import layers, stack
+from ddtree.model.bf16 import as_float, f32_to_bf16
+from ddtree.plugins.device import DeviceArray
+from ddtree.plugins.step_state import StepState
+from ddtree.plugins.tree_build import DraftTreeBuilder
+from ddtree.plugins.tree_sample import TreeSampler
 from ddtree.runtime.cuda_model import draft_feeds, target_feeds, target_layers
+from ddtree.runtime.loop import ar_step, ddtree_step
 from ddtree.tree.build import pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
 
 def _array(gpu, t: Tensor):
-    from ddtree.plugins.device import DeviceArray
     return DeviceArray(gpu, t.ptr, t.shape, t.dtype)
 
 
 class GpuSteps:
     def __init__(self, ex):
-        from ddtree.plugins.step_state import StepState
         self.ex, self.gpu, self.ops = ex, ex.gpu, ex.ops
         cfg, d = ex.config, ex.drafter_config
         self.V = ex.lay.vocab_stop - ex.lay.vocab_start
@@ -82,7 +85,6 @@ class GpuSteps:
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
 
     def _make_sampler(self):         # the fused sampler + walk over full logits (tp 1's; cuda_step_tp.py has none)
-        from ddtree.plugins.tree_sample import TreeSampler
         return TreeSampler(self.gpu, vocab=self.V, max_rows=self.ops.max_tokens)
 
     # ---- request set-up --------------------------------------------------------------------------
@@ -97,7 +99,6 @@ class GpuSteps:
         return self.plan
 
     def builder(self, depth: int):
-        from ddtree.plugins.tree_build import DraftTreeBuilder
         if depth not in self.builders:
             self.builders[depth] = DraftTreeBuilder(self.gpu, vocab=self.V, depth=depth,
                                                     max_budget=min(255, self.ops.max_tokens - 1))
@@ -219,7 +220,6 @@ class GpuSteps:
     def ar_step(self, s, params: SamplingParams) -> list[int]:
         """One token through the AR graph; `s` a loop.DecodeState on the executor's target cache."""
         if s.cache is not self.ex.target_cache or s.start + 1 > self.ex.max_context:
-            from ddtree.runtime.loop import ar_step
             self.drain()
             self.synced = None
             return ar_step(self.ex, s, params)
@@ -327,7 +327,6 @@ class GpuSteps:
                 and (b - 1) * min(budget, self.V) >= budget)
 
     def ddtree_step(self, s, params: SamplingParams, budget: int) -> list[int]:
-        from ddtree.runtime.loop import ddtree_step
         ex, b = self.ex, s.block
         if not self.graph_ready(s, budget):
             self.drain()

@@ -47,11 +47,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from ddtree.description import layers
 from ddtree.backends.cuda_tensor import Tensor
+from ddtree.description import layers
 from ddtree.description.opset import F32, I32
+from ddtree.plugins.device import set_words
+from ddtree.plugins.top_p_ranks_gpu import KERNELS, SOURCE, TopPRanks
+from ddtree.plugins.tree_build import DraftTreeBuilder
+from ddtree.plugins.tree_sample import STATUS_BIN_OVERFLOW, STATUS_INEXACT
+from ddtree.plugins.vocab_nodes import MAX_DEPTH, MAX_LIST_KEYS, TreeBuild, slices, tree_capacity
 from ddtree.runtime.cuda_model import target_layers
 from ddtree.runtime.cuda_step import GpuSteps, _array
+from ddtree.runtime.loop import ar_step, ddtree_step
 from ddtree.tree.sampling import SamplingParams
 
 GREEDY, GUMBEL, TOP_P = "greedy", "gumbel", "top_p"   # plugins/tree_sample.py's mode names (a step graph's key)
@@ -119,7 +125,6 @@ class TpSteps(GpuSteps):
                 self._top_p().set_params(params, stream=self.gpu.stream)
                 self.plan, self.params = NodePlan(mode), params
                 return self.plan
-            from ddtree.plugins.device import set_words
             set_words(self.temperature.ptr, [np.array(params.temperature, np.float32).view(np.uint32)], self.gpu.stream)
             set_words(self.seed.ptr, [params.seed & 0xFFFFFFFF, params.seed >> 32], self.gpu.stream)
             self.plan, self.params = NodePlan(mode), params
@@ -130,7 +135,6 @@ class TpSteps(GpuSteps):
         collective (cuda_ranks.py sizes the one-shot for its largest part). Its kernels are loaded (compiled if
         not cached) here, not between the step's collectives, where a peer waits a bounded ~1 s."""
         if self.top_p is None:
-            from ddtree.plugins.top_p_ranks_gpu import KERNELS, SOURCE, TopPRanks
             lay, g = self.ex.lay, self.gpu
             self.top_p = TopPRanks(g, self.ops.collective, ranks=self.tp, vocab=self.vocab,
                                    slice_vocab=lay.vocab_stop - lay.vocab_start, max_rows=self.ops.max_tokens)
@@ -150,7 +154,6 @@ class TpSteps(GpuSteps):
         return layers.draft_topk([budget], self.slice_min)
 
     def graph_ready(self, s, budget: int) -> bool:
-        from ddtree.plugins.vocab_nodes import MAX_DEPTH, MAX_LIST_KEYS, slices, tree_capacity
         k, b = self._k(budget), s.block
         return (super().graph_ready(s, budget) and b - 1 <= MAX_DEPTH
                 and tree_capacity(b - 1, min(budget, self.tp * k)) >= budget
@@ -180,7 +183,6 @@ class TpSteps(GpuSteps):
         """NaN logits or a wrong record raise (TopPRanks.check_status); a row flagged INEXACT / BIN_OVERFLOW raises
         naming the step and the rows unless allow_inexact. overwritten: the next step (enqueued ahead, drained by
         _step) ran after it, so the per-row flags read are that step's."""
-        from ddtree.plugins.tree_sample import STATUS_BIN_OVERFLOW, STATUS_INEXACT
         flags = self.top_p.check_status(allow_inexact=True)
         if not flags & (STATUS_INEXACT | STATUS_BIN_OVERFLOW) or self.allow_inexact:
             return
@@ -197,7 +199,6 @@ class TpSteps(GpuSteps):
     def ar_step(self, s, params: SamplingParams) -> list[int]:
         if node_sampling(params, self.vocab) is not None:
             return self._answered(super().ar_step(s, params))
-        from ddtree.runtime.loop import ar_step
         self.drain()
         self.synced = None
         self.primitive_sampling_steps += 1
@@ -209,7 +210,6 @@ class TpSteps(GpuSteps):
         on_nodes = node_sampling(params, self.vocab) is not None
         if on_nodes and not s.table_k:
             return self._answered(super().ddtree_step(s, params, budget))
-        from ddtree.runtime.loop import ddtree_step
         self.drain()
         self._leave_window(s)
         self.primitive_sampling_steps += not on_nodes
@@ -296,7 +296,6 @@ class TpSteps(GpuSteps):
     def _tree_build(self, depth: int, k: int, budget: int):
         """The op set's TreeBuild launcher for this shape (the key backends/cuda_backend.py tree_build uses), made here
         with `start` = block_pos[0] so its best-first writes the verify's positions start + depth."""
-        from ddtree.plugins.vocab_nodes import TreeBuild
         build = self.ops.launcher(("tree_build", self.tp, depth, k, budget),
                                   lambda: TreeBuild(self.gpu, self.tp, depth, k, budget))
         build.start = self.block_pos.view(0, (1,))
@@ -305,7 +304,6 @@ class TpSteps(GpuSteps):
     def _sample_positions(self, build, depth: int, budget: int) -> Tensor:
         """start + depth + 1 at every node: best-first again over TreeBuild's table (the same tree, one list of
         its K keys per depth) from block_pos[1] = start + 1."""
-        from ddtree.plugins.tree_build import DraftTreeBuilder
         if depth not in self.position_builders:
             self.position_builders[depth] = DraftTreeBuilder(self.gpu, vocab=self.vocab, depth=depth,
                                                              max_budget=min(255, self.ops.max_tokens - 1))

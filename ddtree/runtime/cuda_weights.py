@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.backends.cuda_tensor import Tensor
+from ddtree.plugins.layer_ops import RopeTable
+from ddtree.plugins.layout import fuse_gate_up, tile_bf16
+from ddtree.plugins.mla_absorb import uk_transposed
 
 GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
                  "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
@@ -22,7 +25,6 @@ class CudaWeights:
     layouts (tiled GEMM weights, [gate; up] interleaved per 8 rows and tiled, W_UK^T), each prepared once at load."""
 
     def __init__(self, gpu, tensors: dict[str, np.ndarray], cfg, max_pos: int):
-        from ddtree.plugins.layout import fuse_gate_up, tile_bf16
         self.gpu, self.cfg, self.max_pos = gpu, cfg, max_pos
         self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -38,7 +40,6 @@ class CudaWeights:
                 self.raw[name] = gpu.upload(a)
         self._uk = {}
         Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-        from ddtree.plugins.mla_absorb import uk_transposed
         for name, a in tensors.items():
             if name.endswith("kv_b_proj.weight"):
                 self._uk[name] = gpu.upload(uk_transposed(a, a.shape[0] // (Dn + Dv), Dn, Dv))
@@ -95,7 +96,6 @@ class CudaWeights:
         return self._ones[D]
 
     def rope_table(self, kind: str, rope, dim: int, factor: float | None = None):
-        from ddtree.plugins.layer_ops import RopeTable
         key = (kind, rope, dim, factor)
         if key not in self._tables:
             self._tables[key] = RopeTable.of(self.gpu, kind, rope, dim, factor, self.max_pos)

@@ -14,15 +14,30 @@ and `stats["finish_reason"]` is "stop" (a stop token) or "length" (max_new_token
 """
 from __future__ import annotations
 
+import atexit
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ddtree.data import tiny_model_dirs
+from ddtree.engine_dir import is_engine_dir, read_engine_config, tokenizer_dir
+from ddtree.engine_dir.tuning import read_tuning, tuning_path
 from ddtree.model.tokenizer import load_tokenizer
-from ddtree.runtime.request import GenerationRequest
+from ddtree.parallel.rank_collective import allreduce_refusal
+from ddtree.plugins.device import Gpu
+from ddtree.reference.drafter import Drafter
+from ddtree.reference.model import Target
+from ddtree.runtime.auto_budget import AutoBudget
+from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
+from ddtree.runtime.engine_executor import EngineExecutor
+from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
+from ddtree.runtime.ranks import RankProcesses, Request
+from ddtree.runtime.request import GenerationRequest
 from ddtree.tree.build import MAX_BUDGET
-from ddtree.tree.sampling import SamplingParams
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 MODES = ("ddtree", "ar")
@@ -87,7 +102,6 @@ class DDTreeEngine:
         if kernel_plan != "fast":
             raise RequestError(f"--kernel-plan {kernel_plan} is a plan of the GPU kernels (--device cuda); the cpu "
                                "executor's float64 numpy has none")
-        from ddtree.engine_dir import is_engine_dir
         if is_engine_dir(model_dir):          # a built engine dir (ddtree-build): it carries its drafter
             if drafter_dir is not None:
                 raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
@@ -95,19 +109,13 @@ class DDTreeEngine:
             if ranks not in RANKS:
                 raise RequestError(f"ranks (--ranks) {ranks!r}: expected one of {', '.join(RANKS)}")
             if ranks == "processes":
-                from ddtree.runtime.ranks import RankProcesses
                 return cls._of_processes(RankProcesses(model_dir, verify=verify), model_dir)
-            from ddtree.runtime.engine_executor import EngineExecutor
             executor = EngineExecutor(model_dir, verify=verify)
             return cls(executor, load_tokenizer(executor.tokenizer_dir, executor.config), Path(model_dir), None)
         if model_dir is None or drafter_dir is None:
-            from ddtree.data import tiny_model_dirs
             default_model, default_drafter = tiny_model_dirs()
             model_dir = model_dir or default_model
             drafter_dir = drafter_dir or default_drafter
-        from ddtree.reference.drafter import Drafter
-        from ddtree.reference.model import Target
-        from ddtree.runtime.executor import NumpyExecutor
         target = Target.from_checkpoint(Path(model_dir))
         drafter = Drafter.from_checkpoint(Path(drafter_dir), target)
         tokenizer = load_tokenizer(model_dir, target.config)
@@ -129,8 +137,6 @@ class DDTreeEngine:
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu, max_context: int | None,
                    cap_context: bool = False, kernel_plan: str = "fast", ranks: str = "threads",
                    allreduce: str = "one-shot") -> "DDTreeEngine":
-        from ddtree.engine_dir import is_engine_dir, read_engine_config
-        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         built = None
         if model_dir is None or not is_engine_dir(model_dir):     # a checkpoint: repacked at load (interfaces 8)
             if allreduce != "one-shot":
@@ -149,7 +155,6 @@ class DDTreeEngine:
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
         tp = int(read_engine_config(model_dir)["tp"])
         gpus = rank_gpus(gpu, tp)
-        from ddtree.parallel.rank_collective import allreduce_refusal
         why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
             f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
         if why:                                     # said before any GPU is touched
@@ -162,7 +167,6 @@ class DDTreeEngine:
             if ranks != "processes":
                 raise RequestError(f"ranks (--ranks) {ranks!r}: a tp {tp} engine on GPUs runs its ranks as processes "
                                    "(ranks='processes')")
-            from ddtree.runtime.ranks import RankProcesses
             cuda = {"gpus": gpus, "max_context": max_context, "cap_context": cap_context, "kernel_plan": kernel_plan,
                     "allreduce": allreduce}
             return cls._of_processes(RankProcesses(model_dir, verify=verify, cuda=cuda), model_dir)
@@ -177,9 +181,12 @@ class DDTreeEngine:
     def _load_tensorrt(cls, model_dir, drafter_dir, gpu, verify: bool = True) -> "DDTreeEngine":
         """An engine dir with TensorRT-RTX plans on GPUs of the plans' compute capability (checked first; --gpu as
         for cuda: a tp N engine runs a rank process per listed GPU)."""
-        from ddtree.engine_dir import is_engine_dir, read_engine_config, tokenizer_dir
-        from ddtree.runtime.graph_executor import GraphExecutor
-        from ddtree.runtime.trt_executor import PlanDeviceError, PlanRanks, check_gpu_runs_plans
+        from ddtree.runtime.graph_executor import GraphExecutor  # ml_dtypes, onnx, onnx_graphsurgeon: the graphs extra
+        from ddtree.runtime.trt_executor import (  # ml_dtypes, onnx, onnx_graphsurgeon: the graphs extra
+            PlanDeviceError,
+            PlanRanks,
+            check_gpu_runs_plans,
+        )
         if model_dir is None or not is_engine_dir(model_dir):
             raise RequestError("--device tensorrt runs an engine directory's TensorRT-RTX plans: build one with "
                                "ddtree-build --trt and pass it as --model")
@@ -192,7 +199,7 @@ class DDTreeEngine:
             for g in sorted(set(gpus)):
                 check_gpu_runs_plans(model_dir, g)          # before anything is loaded
             if tp > 1:                                      # a rank process per GPU (runtime/ranks.py)
-                from ddtree.runtime.ranks import RankProcesses
+                from ddtree.runtime.ranks import RankProcesses  # optional: an ImportError here is handled
                 return cls._of_processes(RankProcesses(model_dir, verify=verify, graphs={"gpus": gpus}), model_dir)
             executor = GraphExecutor(PlanRanks(model_dir, gpus[0], verify), "tensorrt", None, tokenizer_dir(model_dir))
         except PlanDeviceError as e:
@@ -204,14 +211,8 @@ class DDTreeEngine:
         """A checkpoint (default: the embedded tiny model) and its drafter -> a tp 1 engine directory for this
         GPU's architecture, built in a temporary directory (removed by close() and at exit): the same
         ddtree-build an engine dir comes from, so the GPU path stays one. -> (engine dir, None, temp dir)."""
-        import atexit
-        import shutil
-        import sys
-        import tempfile
-        from ddtree.builder.build import build_engine
-        from ddtree.plugins.device import Gpu
+        from ddtree.builder.build import build_engine  # onnx: the graphs extra
         if model_dir is None:
-            from ddtree.data import tiny_model_dirs
             model_dir, default_drafter = tiny_model_dirs()
             drafter_dir = drafter_dir or default_drafter
         if drafter_dir is None:
@@ -240,35 +241,11 @@ class DDTreeEngine:
     def decode(self, tokens) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
 
-    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
-               mode: str = "ddtree", stats: RunStats | None = None) -> Iterator[list[int]]:
-        """Yields the token ids each step commits (DDTree: several per step)."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        ids = self.encode(prompt)
-        check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
-        if mode not in MODES:
-            raise RequestError(f"mode (--mode) {mode!r}: expected one of {', '.join(MODES)}")
-        if mode == "ddtree" and budget == "auto":
-            budget = self.auto_budget()
-        elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
-            raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
-        if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
-            from ddtree.runtime.ranks import Request
-            request = Request(mode, tuple(ids), max_new_tokens, params, budget, tuple(sorted(self.stop_ids)),
-                              block_size)
-            return self.processes.steps(request, stats)
-        if mode == "ar":
-            return ar_steps(self.executor, ids, max_new_tokens, params, self.stop_ids, stats)
-        return ddtree_steps(self.executor, ids, max_new_tokens, params, budget, self.stop_ids,
-                            block_size, stats)
-
     def close(self) -> None:
         """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
         if self.processes is not None:
             self.processes.close()
         if self.repacked is not None:
-            import shutil
             shutil.rmtree(self.repacked, ignore_errors=True)
             self.repacked = None
 
@@ -280,9 +257,6 @@ class DDTreeEngine:
 
     def auto_budget(self):
         """--budget auto: the chooser over the engine's tuning file (`ddtree tune ENGINE_DIR` writes it)."""
-        from ddtree.engine_dir import is_engine_dir
-        from ddtree.engine_dir.tuning import read_tuning, tuning_path
-        from ddtree.runtime.auto_budget import AutoBudget
         if self.model_dir is None or not is_engine_dir(self.model_dir):
             raise RequestError("budget (--budget) 'auto' needs an engine directory with a tuning file "
                                "(ddtree-build, then `ddtree tune ENGINE_DIR`); this model is a checkpoint")
@@ -331,7 +305,6 @@ class DDTreeEngine:
         elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
             raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
         if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
-            from ddtree.runtime.ranks import Request
             ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget,
                                     tuple(sorted(self.stop_ids)), request.block_size)
             return self.processes.steps(ranks_request, stats)
@@ -339,51 +312,3 @@ class DDTreeEngine:
             return ar_steps(self.executor, ids, request.max_new_tokens, params, self.stop_ids, stats)
         return ddtree_steps(self.executor, ids, request.max_new_tokens, params, budget, self.stop_ids,
                             request.block_size, stats)
-
-    def close(self) -> None:
-        """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
-        if self.processes is not None:
-            self.processes.close()
-        if self.repacked is not None:
-            import shutil
-            shutil.rmtree(self.repacked, ignore_errors=True)
-            self.repacked = None
-
-    def __enter__(self) -> "DDTreeEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def auto_budget(self):
-        """--budget auto: the chooser over the engine's tuning file (`ddtree tune ENGINE_DIR` writes it)."""
-        from ddtree.engine_dir import is_engine_dir
-        from ddtree.engine_dir.tuning import read_tuning, tuning_path
-        from ddtree.runtime.auto_budget import AutoBudget
-        if self.model_dir is None or not is_engine_dir(self.model_dir):
-            raise RequestError("budget (--budget) 'auto' needs an engine directory with a tuning file "
-                               "(ddtree-build, then `ddtree tune ENGINE_DIR`); this model is a checkpoint")
-        if self.processes is not None and self.processes.tp > 1:
-            raise RequestError("budget (--budget) 'auto' runs tp 1 engines; tp > 1 rank processes take a fixed "
-                               "budget (each rank would have to agree on every choice)")
-        if not tuning_path(self.model_dir).is_file():
-            raise RequestError(f"budget (--budget) 'auto': {tuning_path(self.model_dir)} is missing (run "
-                               f"`ddtree tune {self.model_dir}` on this machine first)")
-        return AutoBudget(read_tuning(self.model_dir))
-
-    @property
-    def device(self) -> str:
-        name = self.executor.name
-        return name if self.processes is None or name in ("cuda", "tensorrt") else "cpu"
-
-    def device_stats(self) -> dict:
-        """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""
-        return self.executor.device_stats()
-
-    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
-                 mode: str = "ddtree") -> Result:
-        stats = RunStats()
-        tokens = [t for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, budget, seed,
-                                             block_size, mode, stats) for t in chunk]
-        return Result(tokens, self.decode(tokens), stats.to_dict())

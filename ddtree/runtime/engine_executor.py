@@ -23,15 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree.engine_dir import check_engine, engine_configs, load_rank_tensors, tokenizer_dir
+from ddtree.backends.numpy_backend import NumpyOps, NumpyRanks
 from ddtree.description import layers, stack
+from ddtree.description.opset import RankLayout
+from ddtree.engine_dir import check_engine, engine_configs, load_rank_tensors, tokenizer_dir
+from ddtree.parallel.collectives import collective_for
 from ddtree.runtime import vocab_parallel
 from ddtree.runtime.caches import DraftCaches, TargetCaches
-from ddtree.runtime.per_rank import per_rank_run
 from ddtree.runtime.executor import Executor
-from ddtree.parallel.collectives import collective_for
-from ddtree.backends.numpy_backend import NumpyOps, NumpyRanks
-from ddtree.description.opset import RankLayout
+from ddtree.runtime.per_rank import per_rank_run
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 

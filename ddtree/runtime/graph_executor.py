@@ -17,9 +17,9 @@ import numpy as np
 
 from ddtree.runtime import vocab_parallel
 from ddtree.runtime.caches import DraftCaches, TargetCaches
-from ddtree.runtime.graph_ranks import mask_words
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.executor import Executor
+from ddtree.runtime.graph_ranks import mask_words
 from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams
 

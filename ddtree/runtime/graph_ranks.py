@@ -27,16 +27,16 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 
 from ddtree import engine_dir as ed
-from ddtree.model.config import DrafterConfig, KimiConfig
-from ddtree.runtime.caches import DraftCaches, TargetCaches
-from ddtree.runtime.per_rank import per_rank_run
-from ddtree.parallel.collectives import collective_for
-from ddtree.description import layers, stack
-from ddtree.description.layers import layer_weight_name
 from ddtree.backends.numpy_backend import run_on_ranks
 from ddtree.backends.onnx_export import LayerGraph, export_rank, rank_specs
 from ddtree.backends.onnx_nodes import ops_for
+from ddtree.description import layers, stack
+from ddtree.description.layers import layer_weight_name
 from ddtree.description.opset import RankLayout
+from ddtree.model.config import DrafterConfig, KimiConfig
+from ddtree.parallel.collectives import collective_for
+from ddtree.runtime.caches import DraftCaches, TargetCaches
+from ddtree.runtime.per_rank import per_rank_run
 from ddtree.tree.build import pack_visibility
 
 ACT_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}

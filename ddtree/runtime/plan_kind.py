@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddtree.plugins.device import DeviceArray
+
 TRT_NUMPY = {"BF16": np.uint16, "FLOAT": np.float32, "INT32": np.int32, "INT64": np.int64, "INT8": np.int8}
 BF16_NAMES = ("bfloat16",)
 
@@ -69,7 +71,6 @@ class PlanKind:
             else:
                 self._execute(self.gpu.stream)
                 self.seen.add(key)
-        from ddtree.plugins.device import DeviceArray
         return {name: DeviceArray(self.gpu, address, shape, dtype).numpy() for name, (address, shape, dtype) in outs.items()}
 
     def _bind(self, staged: dict, shapes: dict) -> dict:

@@ -37,11 +37,20 @@ from typing import Iterator
 
 import numpy as np
 
-from ddtree.engine_dir import check_engine
+from ddtree.engine_dir import check_engine, tokenizer_dir
 from ddtree.errors import InputError
-from ddtree.parallel.shm_group import (GroupSpec, RankDiedError, RankError, RankFailedError, RankTimeoutError,
-                                  SharedMemoryGroup, new_spec, unlink)
+from ddtree.parallel.shm_group import (
+    GroupSpec,
+    RankDiedError,
+    RankError,
+    RankFailedError,
+    RankTimeoutError,
+    SharedMemoryGroup,
+    new_spec,
+    unlink,
+)
 from ddtree.parallel.spawn_ranks import stdout_to_stderr
+from ddtree.runtime.cuda_ranks import cuda_rank_executor
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.tree.sampling import SamplingParams
@@ -117,18 +126,16 @@ def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtyp
     (runtime/graph_executor.py), or ({"gpus": one GPU index per rank}) its TensorRT-RTX plans on its GPU
     (runtime/trt_executor.py PlanRanks). Every rank builds its own at the same time (they meet in the group)."""
     if graphs is not None:
-        from ddtree.engine_dir import tokenizer_dir
-        from ddtree.runtime.graph_executor import GraphExecutor
+        from ddtree.runtime.graph_executor import GraphExecutor  # ml_dtypes, onnx, onnx_graphsurgeon: the graphs extra
         if "gpus" in graphs:                       # the graphs as TensorRT-RTX plans (--device tensorrt)
-            from ddtree.runtime.trt_executor import PlanRanks
+            from ddtree.runtime.trt_executor import PlanRanks  # ml_dtypes, onnx, onnx_graphsurgeon: the graphs extra
             ranks = PlanRanks(engine_dir, graphs["gpus"][rank], rank=rank, group=group, checked=checked)
             return GraphExecutor(ranks, "tensorrt", group, tokenizer_dir(engine_dir))
-        from ddtree.runtime.graph_ranks import GraphRanks
+        from ddtree.runtime.graph_ranks import GraphRanks  # ml_dtypes, onnx, onnx_graphsurgeon: the graphs extra
         ranks = GraphRanks.from_engine(engine_dir, graphs.get("act"), rank=rank, group=group, checked=checked)
         return GraphExecutor(ranks, host_group=group, tokenizer_dir=tokenizer_dir(engine_dir))
     if cuda is None:
         return EngineExecutor(engine_dir, np.dtype(dtype), rank=rank, collective=group, checked=checked)
-    from ddtree.runtime.cuda_ranks import cuda_rank_executor
     return cuda_rank_executor(engine_dir, rank, group, checked, **cuda)
 
 

@@ -11,14 +11,15 @@ import sys
 
 import click
 
-from ddtree.cli_types import (SAMPLING_DEFAULTS, FiniteFloatRange, QuietCommand, check_prompt_argument,
-                              decode_prompt)
+from ddtree.cli_types import SAMPLING_DEFAULTS, FiniteFloatRange, QuietCommand, check_prompt_argument, decode_prompt
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
-from ddtree.runtime.engine import DDTreeEngine
 from ddtree.parallel.shm_group import RankError
+from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.loop import RunStats
+from ddtree.runtime.near_tie import classify_departure, first_difference, path_differences
 from ddtree.tree.build import MAX_BUDGET
+from ddtree.tree.sampling import SamplingParams
 
 
 def _read_prompt(prompt, prompt_file) -> str:
@@ -183,7 +184,6 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
     if as_json:
         emit_json(result)
     if mode == "both" and not result["identical"] and not result["stats"].get("near_ties"):
-        from ddtree.runtime.near_tie import first_difference
         raise click.ClickException(f"DDTree and AR outputs differ at new token {first_difference(tokens, ar.tokens)}: "
                                    "losslessness broken")
 
@@ -192,8 +192,6 @@ def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
     """GPU --mode both: 1 if the first departure of DDTree from AR is a near-tie under the derived rule
     (runtime/near_tie.py: delta measured on this prompt's AR tokens), 0 if the runs agree; a departure that is
     no near-tie is an error (losslessness broken) raised by the caller."""
-    from ddtree.runtime.near_tie import classify_departure, first_difference, path_differences
-    from ddtree.tree.sampling import SamplingParams
     if ar_tokens == dd_tokens:
         return 0
     if engine.processes is not None:             # the test replays the AR path on rank 0's executor alone

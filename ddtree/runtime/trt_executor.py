@@ -31,8 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from ddtree import engine_dir as ed
-from ddtree.runtime.graph_ranks import GraphRanks, kind_maps
+from ddtree.backends.tensorrt.kernels import register_rank_collective
+from ddtree.backends.tensorrt.plugin_ops import device_gpu
+from ddtree.description.layers import layer_weight_name
 from ddtree.description.opset import RankLayout
+from ddtree.parallel.rank_collective import RankCollective
+from ddtree.plugins.device import check
+from ddtree.runtime.cuda_ranks import all_reduce_elems, connect_one_shot
+from ddtree.runtime.graph_ranks import GraphRanks, kind_maps
 from ddtree.runtime.plan_kind import PlanKind
 
 
@@ -53,9 +59,8 @@ def plans_compute_capability(engine_dir) -> tuple[int, int]:
 
 def gpu_identity(gpu: int) -> tuple[str, tuple[int, int]]:
     """(name, (major, minor)) of CUDA device `gpu`, from the driver without creating a context."""
-    from cuda.bindings import driver
+    from cuda.bindings import driver  # cuda: the cuda extra
 
-    from ddtree.plugins.device import check
     check(driver.cuInit(0), "cuInit")
     count = int(check(driver.cuDeviceGetCount(), "cuDeviceGetCount"))
     if not 0 <= gpu < count:
@@ -92,10 +97,9 @@ class PlanRanks(GraphRanks):
     def __init__(self, engine_dir, gpu: int = 0, verify: bool = True, rank: int | None = None, group=None,
                  checked: tuple | None = None):
         check_gpu_runs_plans(engine_dir, gpu)                  # first: nothing is loaded on a GPU that cannot run them
-        import ml_dtypes
+        import ml_dtypes  # ml_dtypes: the graphs extra
 
-        from ddtree.backends.tensorrt.creators import register_creators, trt
-        from ddtree.backends.tensorrt.plugin_ops import device_gpu
+        from ddtree.backends.tensorrt.creators import register_creators, trt  # onnx: the graphs extra
         root = Path(engine_dir)
         meta, digests = checked if checked is not None else ed.check_engine(root, verify)
         tp, r = int(meta["tp"]), 0 if rank is None else rank
@@ -113,9 +117,6 @@ class PlanRanks(GraphRanks):
         register_creators()
         self.gpu = device_gpu(gpu)
         if tp > 1:
-            from ddtree.parallel.rank_collective import RankCollective
-            from ddtree.backends.tensorrt.kernels import register_rank_collective
-            from ddtree.runtime.cuda_ranks import all_reduce_elems, connect_one_shot
             one_shot = connect_one_shot(self.gpu, r, group, all_reduce_elems(self.cfg, self.dcfg))
             register_rank_collective(gpu, RankCollective(one_shot=one_shot))
         tensors = ed.load_rank_tensors(root, r, meta["weight_files"], convert=ed.STORED, digests=digests)
@@ -134,7 +135,6 @@ class PlanRanks(GraphRanks):
     def run(self, kind: str, feeds, layer: int | None = None) -> list[dict[str, np.ndarray]]:
         """Plan `kind` on feeds (host arrays) and layer `layer`'s weights; its outputs as host arrays (rank 0's),
         bf16 ones as ml_dtypes.bfloat16 (GraphRanks' dtype)."""
-        from ddtree.description.layers import layer_weight_name
         feeds = feeds[0] if isinstance(feeds, list) else feeds
         out = self.kinds[kind].call(feeds, lambda name: self.weights[0].get(
             layer_weight_name(name, self.prefix.get(kind), layer)))

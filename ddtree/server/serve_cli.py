@@ -13,11 +13,13 @@ install's `ddtree` works without it.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import click
 
 from ddtree.cli_types import SAMPLING_DEFAULTS, QuietCommand
 from ddtree.errors import reported
+from ddtree.runtime.engine import DDTreeEngine
 from ddtree.tree.build import MAX_BUDGET
 
 DEFAULT_MODEL_NAME = "ddtree-tiny"
@@ -45,15 +47,13 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
-            import uvicorn
+            import uvicorn  # uvicorn: the serve extra
 
-            from ddtree.server.app import create_app
+            from ddtree.server.app import create_app  # fastapi, prometheus_client, pydantic, starlette: the serve extra
         except ImportError as e:
             raise click.ClickException(f"ddtree serve needs the 'serve' extra ({e.name} is missing): "
                                        "pip install -e '.[serve]'") from e
-        from pathlib import Path
 
-        from ddtree.runtime.engine import DDTreeEngine
         engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
         name = served_model_name or (Path(model_dir).resolve().name if model_dir else DEFAULT_MODEL_NAME)
         app = create_app(engine, name, budget=budget, max_queue=max_queue)

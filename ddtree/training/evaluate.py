@@ -20,8 +20,10 @@ import time
 
 import numpy as np
 
+from ddtree.data import tiny_model_dirs
 from ddtree.jsonout import emit_json
 from ddtree.reference.model import Target, causal_visible
+from ddtree.training.corpus import load_corpus
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -88,8 +90,6 @@ def context_curve(target: Target, stream: np.ndarray, window: int = 2048, window
 
 
 def main(argv=None) -> dict:
-    from ddtree.data import tiny_model_dirs
-    from ddtree.training.corpus import load_corpus
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded tiny model)")

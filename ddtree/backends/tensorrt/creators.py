@@ -17,10 +17,10 @@ import ctypes
 
 import numpy as np
 
-from ddtree.description.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
 from ddtree.backends.tensorrt import kernels
 from ddtree.backends.tensorrt.fields import attrs_from_fields, field_arrays
 from ddtree.backends.tensorrt.loader import import_trt
+from ddtree.description.nodes import DOMAIN, NODES, PLUGIN_VERSION, NodeSpec
 
 trt = import_trt()
 

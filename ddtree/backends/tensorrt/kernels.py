@@ -25,6 +25,8 @@ import numpy as np
 from ddtree.backends.tensorrt.plugin_ops import STAND_IN, OpRunner, PreparedGpu, cuda_stream, current_device, device_gpu
 from ddtree.description.nodes import NodeSpec
 from ddtree.parallel.rank_collective import RankCollective  # noqa: F401  (what register_rank_collective takes)
+from ddtree.plugins.device import DeviceArray, _driver, check
+from ddtree.plugins.moe import FusedMoE, MoEShape
 
 MAX_TOKENS = 256
 NUMPY_DTYPES = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
@@ -78,7 +80,6 @@ class CollectiveRunner:
         s = cuda_stream(stream)
         if self.attrs["world_size"] == 1:
             if int(out_ptrs[0]) != int(in_ptrs[0]) and nbytes:
-                from ddtree.plugins.device import _driver, check
                 check(_driver().cuMemcpyDtoDAsync(int(out_ptrs[0]), int(in_ptrs[0]), nbytes, s.handle),
                       "cuMemcpyDtoDAsync")
         elif self.spec.op == "AllReduce":
@@ -100,7 +101,6 @@ class MoERunner:
         self.moe, self.prepared = None, set()
 
     def _layer(self, gpu, in_dims, in_types, in_ptrs) -> tuple[dict, object]:
-        from ddtree.plugins.device import DeviceArray
         weights = {k: DeviceArray(gpu, int(in_ptrs[3 + i]), tuple(in_dims[3 + i]), np.dtype(NUMPY_DTYPES[in_types[3 + i]]))
                    for i, k in enumerate(self.KEYS)}
         return weights, DeviceArray(gpu, int(in_ptrs[2]), tuple(in_dims[2]), np.dtype(np.float32))
@@ -119,7 +119,6 @@ class MoERunner:
         key = tuple(tuple(d) for d in in_dims)
         if key in self.prepared:
             return
-        from ddtree.plugins.moe import FusedMoE, MoEShape
         stand_in = [STAND_IN * (1 + i) for i in range(8)]
         if self.moe is None:
             gpu = PreparedGpu(device_gpu(current_device() if self.device is None else self.device),

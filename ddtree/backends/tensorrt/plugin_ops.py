@@ -27,6 +27,8 @@ from ddtree.backends.cuda_backend import CudaOps
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
 from ddtree.description.nodes import NodeSpec, rope_config
 from ddtree.description.opset import DraftAttentionSpec, MlaSpec, RankLayout
+from ddtree.plugins.device import Gpu, check
+from ddtree.plugins.layer_ops import RopeTable
 
 NUMPY_DTYPES = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
 STAND_IN = 1 << 44                      # dry-pass addresses: STAND_IN * (1 + index), never dereferenced
@@ -38,21 +40,19 @@ _TABLES: dict[tuple, object] = {}
 def device_gpu(device: int):
     """The process's Gpu of `device` (created once)."""
     if device not in _GPUS:
-        from ddtree.plugins.device import Gpu
         _GPUS[device] = Gpu(device)
     return _GPUS[device]
 
 
 
 def current_device() -> int:
-    from cuda.bindings import driver
+    from cuda.bindings import driver  # cuda: the cuda extra
 
-    from ddtree.plugins.device import check
     return int(check(driver.cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
 def cuda_stream(handle: int):
-    from cuda.core import Stream
+    from cuda.core import Stream  # cuda: the cuda extra
     return Stream.from_handle(int(handle))
 
 class PreparedGpu:
@@ -113,7 +113,6 @@ class PluginStore:
         self.gpu, self.latent, self.max_pos = gpu, latent, max_pos
 
     def rope_table(self, kind: str, rope, dim: int, factor: float | None = None):
-        from ddtree.plugins.layer_ops import RopeTable
         gpu = getattr(self.gpu, "_gpu", self.gpu)          # the Gpu itself (not a PreparedGpu view)
         key = (gpu.dev.device_id, kind, rope, dim, factor, self.max_pos)
         if key not in _TABLES:
