@@ -5,6 +5,7 @@ The layer functions (ops/layers.py) are written once over these ops; a backend i
     onnx   (ops/onnx_backend.py)   emits the per-rank ONNX graphs (`ddtree` plugin nodes, TensorRT-RTX)
     meter  (ops/meter.py)          shapes only: bytes read/written, FLOPs, kernels, collectives per op
     cuda   (ops/cuda_backend.py)   the kernels of ddtree/plugins on one GPU (tp 1; graph capture to come)
+    torch  (backends/torch_backend.py) torch tensors at tp 1, differentiable: training's target forward
 A tensor is whatever the backend returns (an ndarray, a graph variable, a shape record); layer code
 never looks inside it except through `shape`.
 

@@ -8,6 +8,7 @@ outputs' scale (measured 6e-7 on the logits); the bound TOL is 2e-5, and a rope 
 of (2i, 2i + 1) misses it by far (checked). Training's use of it: generate.py's greedy tokens equal the float64 executor's; gradients through
 the description equal finite differences (float64) and reach every weight that should get one.
 """
+import inspect
 from dataclasses import replace
 
 import numpy as np
@@ -25,7 +26,7 @@ from ddtree.model.routing import route_logits  # noqa: E402
 from ddtree.ops import layers  # noqa: E402
 from ddtree.ops import numpy_math as m  # noqa: E402
 from ddtree.ops.numpy_backend import NumpyOps  # noqa: E402
-from ddtree.ops.opset import RankLayout  # noqa: E402
+from ddtree.ops.opset import OP_NAMES, Ops, RankLayout  # noqa: E402
 from ddtree.reference.model import Target, causal_visible  # noqa: E402
 from ddtree.runtime.engine_executor import EngineExecutor  # noqa: E402
 from ddtree.runtime.executor import NumpyExecutor  # noqa: E402
@@ -65,6 +66,27 @@ def tiny(tmp_path_factory):
                **{f"drafter.{n}": p for n, p in drafter.named_parameters()}}
     ops = tb.TorchOps(weights, tb.tp1_layout(ckpt.config, dckpt.config))
     return EngineExecutor.of_weights(ckpt.config, dckpt.config, plan, [rank]), ops, plan, rank
+
+
+def test_every_op_is_implemented_with_the_op_sets_signature():
+    assert not tb.TorchOps.__abstractmethods__
+    for name in OP_NAMES:
+        assert getattr(tb.TorchOps, name) is not getattr(Ops, name), f"TorchOps.{name} is not implemented"
+        want = list(inspect.signature(getattr(Ops, name)).parameters)
+        assert list(inspect.signature(getattr(tb.TorchOps, name)).parameters) == want, f"TorchOps.{name}"
+    with pytest.raises(ValueError, match="tp 1"):
+        tb.TorchOps({}, RankLayout(1, 2, 0, 8, 0, 8, 0, 8))
+
+
+def test_bad_feeds_and_missing_weights_name_what_was_expected(tiny):
+    ex, ops, _, _ = tiny
+    cfg, H = ex.config, ex.config.hidden_size
+    with pytest.raises(ValueError, match=rf"head_logits\(\) \(torch\): input 'h' must be \['B', 'q', {H}\], got \[3, {H}\]"):
+        ops.call(layers.head_logits, cfg, feeds={"h": torch.zeros(3, H)})
+    with pytest.raises(KeyError, match="input 'ids'"):
+        ops.call(layers.embed, cfg, feeds={})
+    with pytest.raises(KeyError, match=r"'model.layers.9.mlp.experts.0.gate_proj.weight' is not among the weights"):
+        ops.weight("model.layers.9.mlp.experts.down.scales")
 
 
 def assert_close(got, want, what: str, tol: float = TOL):
