@@ -5,8 +5,9 @@ time, EngineExecutor over the tp 1 rank tensors): a prefill and a tree verify th
 every layer's output, the latent caches), two drafter calls with a growing context (full and sliding-window
 attention), and the sampling / tree / walk / compaction ops. Float32 against float64 agrees to ~1e-6 of the
 outputs' scale (measured 6e-7 on the logits); the bound TOL is 2e-5, and a rope that pairs (i, i + d/2) instead
-of (2i, 2i + 1) misses it by far (checked). Training's use of it: generate.py's greedy tokens equal the float64 executor's; gradients through
-the description equal finite differences (float64) and reach every weight that should get one.
+of (2i, 2i + 1) misses it by far (checked). Training's use of it: generate.py's greedy tokens equal the float64
+executor's; gradients through the description equal finite differences (float64) and reach every weight that
+should get one.
 """
 import inspect
 from dataclasses import replace
@@ -24,7 +25,6 @@ from ddtree.engine_dir import load_rank_tensors  # noqa: E402
 from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint  # noqa: E402
 from ddtree.model.routing import route_logits  # noqa: E402
 from ddtree.ops import layers  # noqa: E402
-from ddtree.ops import numpy_math as m  # noqa: E402
 from ddtree.ops.numpy_backend import NumpyOps  # noqa: E402
 from ddtree.ops.opset import OP_NAMES, Ops, RankLayout  # noqa: E402
 from ddtree.reference.model import Target, causal_visible  # noqa: E402
@@ -81,7 +81,8 @@ def test_every_op_is_implemented_with_the_op_sets_signature():
 def test_bad_feeds_and_missing_weights_name_what_was_expected(tiny):
     ex, ops, _, _ = tiny
     cfg, H = ex.config, ex.config.hidden_size
-    with pytest.raises(ValueError, match=rf"head_logits\(\) \(torch\): input 'h' must be \['B', 'q', {H}\], got \[3, {H}\]"):
+    want = rf"head_logits\(\) \(torch\): input 'h' must be \['B', 'q', {H}\], got \[3, {H}\]"
+    with pytest.raises(ValueError, match=want):
         ops.call(layers.head_logits, cfg, feeds={"h": torch.zeros(3, H)})
     with pytest.raises(KeyError, match="input 'ids'"):
         ops.call(layers.embed, cfg, feeds={})
@@ -101,7 +102,8 @@ def target_calls(P: int):
     tree = Tree.from_parents(TREE_PARENTS)
     ids = np.stack([np.frombuffer(p, np.uint8) for p in PROMPTS]).astype(np.int32)
     verify_vis = np.concatenate([np.ones((tree.size, P), bool), tree.visible()], axis=1)
-    return [(ids, np.arange(P), causal_visible(0, P), 0), (np.array(TREE_IDS, np.int32), tree.positions(P), verify_vis, P)]
+    return [(ids, np.arange(P), causal_visible(0, P), 0),
+            (np.array(TREE_IDS, np.int32), tree.positions(P), verify_vis, P)]
 
 
 def torch_target_calls(ops, cfg, P: int, caches):
@@ -194,8 +196,8 @@ def test_sampling_tree_walk_and_compaction_ops_equal_numpy(tiny):
         want = np_ops.call(layers.draft_head, dcfg, k, feeds={"h": hd[s]})
         np.testing.assert_array_equal(got["topk_ids"][s].numpy(), want["topk_ids"])
         cand = {n: want[n] for n in ("topk_values", "topk_ids", "row_max", "row_sumexp")}
-        tree_t = ops.call(layers.tree, dcfg, k, budget, feeds={"root": torch.tensor([[65]]),
-                                                               **{n: torch.from_numpy(v)[None] for n, v in cand.items()}})
+        batched = {n: torch.from_numpy(v)[None] for n, v in cand.items()}                 # one sequence: [1, ...]
+        tree_t = ops.call(layers.tree, dcfg, k, budget, feeds={"root": torch.tensor([[65]]), **batched})
         tree_n = np_ops.call(layers.tree, dcfg, k, budget, feeds={"root": np.array([65]), **cand})
         for name in ("tokens", "parents", "depth", "visibility"):
             np.testing.assert_array_equal(tree_t[name][0].numpy(), tree_n[name])

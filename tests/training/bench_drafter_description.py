@@ -30,7 +30,8 @@ b, K, H = dcfg.block_size, dcfg.num_taps, dcfg.hidden_size
 rng = np.random.default_rng(0)
 taps = torch.randn(B, S, K * H)
 ids = torch.randint(0, 256, (B, S))
-anchors = torch.from_numpy(np.stack([np.sort(rng.choice(np.arange(40, S - b + 1), A, replace=False)) for _ in range(B)]))
+anchors = torch.from_numpy(np.stack([np.sort(rng.choice(np.arange(40, S - b + 1), A, replace=False))
+                                     for _ in range(B)]))
 offsets = anchors[..., None] + torch.arange(b)
 block = torch.full_like(offsets, dcfg.mask_token_id); block[..., 0] = torch.gather(ids, 1, anchors)
 labels = torch.gather(ids, 1, offsets.reshape(B, -1)).reshape(offsets.shape)[..., 1:]
@@ -76,4 +77,5 @@ losses = [v[0][1] for v in res.values()]
 assert abs(losses[0] - losses[1]) < 1e-3, f"the two forms disagree: losses {losses}"
 for k, v in res.items():
     ts = sorted(t for t, _ in v)
-    print(f"{k:20s} step {[round(t, 2) for t in ts]} s, loss {v[0][1]:.4f}; best {B * A * (b - 1) / ts[0]:.0f} predicted tokens/s")
+    print(f"{k:20s} step {[round(t, 2) for t in ts]} s, loss {v[0][1]:.4f}; "
+          f"best {B * A * (b - 1) / ts[0]:.0f} predicted tokens/s")
