@@ -7,4 +7,5 @@
     cuda_backend.py   every op on a GPU with the kernels of ddtree/plugins (cuda_tensor.py its strided views;
                       cuda_branch, cuda_cache, cuda_moe, cuda_vocab its parts)
     tensorrt/         the `ddtree` nodes as TensorRT-RTX plugins whose enqueue launches the cuda backend's kernels
+    torch_backend.py  torch tensors at tp 1, differentiable (training's target forward; the `train` extra)
 The executors that drive a backend live in ddtree/runtime; the kernels in ddtree/plugins."""

@@ -1,8 +1,10 @@
 """The per-rank model, written once: each layer kind is one function over the op set (description/opset.py).
 
 Every executor runs these functions through a backend: numpy (CPU ranks), onnx (the engine's graphs
-and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), cuda (one GPU). The float64 oracle in
-ddtree/reference/ is the only other copy of the model, written independently on purpose.
+and TensorRT-RTX plans), meter (bytes, FLOPs, collectives), cuda (one GPU), torch (training's target
+forward and its greedy generation, backends/torch_backend.py). The float64 oracle in
+ddtree/reference/ is the only other copy of the target, written independently on purpose; the drafter has
+one more, training/drafter_model.py, for its many-blocks-per-sequence objective (its docstring says why).
 
     embed        ids [q] -> this rank's rows, zeros elsewhere -> all-reduce -> h [q, H]
     decoder      h [q, H], pos [q], cache [S, R + Dr], cache_len [1], tree_mask [q, W]

@@ -4,7 +4,8 @@ The layer functions (description/layers.py) are written once over these ops; a b
     numpy  (backends/numpy_backend.py)  eager float64 (or float32) arrays, ranks in threads or processes
     onnx   (backends/onnx_backend.py)   emits the per-rank ONNX graphs (`ddtree` plugin nodes, TensorRT-RTX)
     meter  (backends/meter.py)          shapes only: bytes read/written, FLOPs, kernels, collectives per op
-    cuda   (backends/cuda_backend.py)   the kernels of ddtree/plugins on one GPU (tp 1; graph capture to come)
+    cuda   (backends/cuda_backend.py)   the kernels of ddtree/plugins on one GPU (tp 1 or one rank of tp N)
+    torch  (backends/torch_backend.py) torch tensors at tp 1, differentiable: training's target forward
 A tensor is whatever the backend returns (an ndarray, a graph variable, a shape record); layer code
 never looks inside it except through `shape`.
 

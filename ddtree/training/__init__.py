@@ -5,7 +5,9 @@ Everything that imports torch lives in this subpackage and is imported only when
 
     python -m ddtree.training.train --out ddtree/data/tiny --seed 0
 
-Modules: corpus (the pinned stdlib corpus, numpy only), target_model / drafter_model (torch
-twins of ddtree/reference), export (torch <-> checkpoint files), generate (greedy continuations
-the drafter learns from), train (the phases), evaluate (bits/byte through the numpy reference).
+Modules: corpus (the pinned stdlib corpus, numpy only), target_model (the target's parameters; its
+forward is description/layers.py on the torch backend, ddtree/backends/torch_backend.py), drafter_model (the
+drafter's torch twin of ddtree/reference, for its many-blocks-per-sequence objective), export (torch <->
+checkpoint files), generate (greedy continuations the drafter learns from, through the same description),
+train (the phases), evaluate (bits/byte through the numpy reference).
 """

@@ -2,48 +2,33 @@
 
 At inference the drafter proposes what the *target* will say next, so its training sequences are
 a corpus prompt followed by the target's own greedy continuation (the DFlash recipe trains on
-target-generated responses). Batched decoding with an expanded per-head K/V cache, float32.
+target-generated responses). Batched decoding through the one description (description/layers.py on the
+torch backend, backends/torch_backend.target_forward) with its latent caches, float32.
 
-Letters: B batch, P prompt length, T cached positions, N heads.
+Letters: B batch, P prompt length, V vocab.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ddtree.training.target_model import KimiForCausalLM, causal_attention
-
-
-@torch.no_grad()
-def forward_cached(model: KimiForCausalLM, ids: torch.Tensor, start: int, cache: list) -> torch.Tensor:
-    """ids [B, q] at positions start..start+q-1 -> logits [B, q, V]; appends K/V to `cache`
-    (one [k, v] pair per layer, [B, N, T, D] each). q > 1 only for the prefill (start = 0)."""
-    B, q = ids.shape
-    cos, sin = model.rope_tables(torch.arange(start, start + q))
-    h = model.model.embed_tokens(ids)
-    for L, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q_, k, v = attn.project(x, cos, sin)                                   # [B, N, q, D]
-        if len(cache) <= L:
-            cache.append([k, v])
-        else:
-            cache[L] = [torch.cat([cache[L][0], k], dim=2), torch.cat([cache[L][1], v], dim=2)]
-        k_all, v_all = cache[L]
-        o = causal_attention(q_, k_all, v_all, model.cfg.softmax_scale, is_causal=q > 1)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, q, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(model.model.norm(h))
+from ddtree.backends.torch_backend import causal_mask, new_target_caches, target_forward
+from ddtree.training.target_model import KimiForCausalLM
 
 
 @torch.no_grad()
 def greedy_continue(model: KimiForCausalLM, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + n_new]: argmax decoding (ties -> lowest id, as torch.argmax)."""
-    cache: list = []
-    logits = forward_cached(model, prompts, 0, cache)
+    """prompts [B, P] -> [B, P + n_new]: argmax decoding (ties -> lowest id, as torch.argmax): a prefill,
+    then one token per call at position P + i after P + i cached rows."""
+    B, P = prompts.shape
+    ops, cfg = model.ops(), model.cfg
+    caches = new_target_caches(cfg, B, P + n_new, ops.act)
+    logits, _ = target_forward(ops, cfg, prompts, torch.arange(P, dtype=torch.int32), caches,
+                               torch.zeros(1, dtype=torch.int32), causal_mask(P))      # [B, P, V]
     out = [prompts, logits[:, -1:].argmax(-1)]
     for i in range(n_new - 1):
-        logits = forward_cached(model, out[-1], prompts.shape[1] + i, cache)
+        T = torch.tensor([P + i], dtype=torch.int32)
+        logits, _ = target_forward(ops, cfg, out[-1], T, caches, T, causal_mask(1))   # [B, 1, V]
         out.append(logits[:, -1:].argmax(-1))
     return torch.cat(out, dim=1)
 

@@ -98,8 +98,7 @@ def train_target(cfg: KimiConfig, corpus, args, rng: np.random.Generator, log) -
     torch.manual_seed(args.seed)
     model = KimiForCausalLM(cfg)
     init_weights(model, args.seed)
-    for layer in model.model.layers:
-        layer.dropout = args.dropout
+    model.dropout = args.dropout
     opt = make_optimizer(model, args.lr, 0.1)
     S, steps = args.seq_len + 1, args.target_steps
     val_starts = np.random.default_rng(args.seed + 7).integers(0, len(corpus.heldout) - S, size=16)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ops" / "trt_plugin_calls"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "backends" / "trt_plugin_calls"
 TINY = Path(__file__).resolve().parents[2] / "ddtree" / "data" / "tiny"
 PROMPT = np.array([256] + list(b"def fib(n):\n    return"))
 BUDGET, CALLS = 16, 3
