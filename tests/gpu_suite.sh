@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 start=$SECONDS
 python3 -c "from ddtree.plugins.compile import compile_all; compile_all()" && echo "kernels compiled in $((SECONDS - start)) s"
 paths=("$@"); [[ ${#paths[@]} -gt 0 ]] || paths=(tests/backends tests/bench tests/cli tests/parallel tests/plugins tests/runtime)
-timeout "${SUITE_TIMEOUT:-500}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --durations=10 \
+timeout "${SUITE_TIMEOUT:-500}" python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider --durations=10 \
   -n "${WORKERS:-4}" --dist loadfile "${paths[@]}" > "$out/gpu_suite.log" 2>&1
 echo "suite rc=$? in $((SECONDS - start)) s"
-grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_suite.log" | tail -40
+grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_suite.log" | tail -40; grep -E "^SKIPPED" "$out/gpu_suite.log" | sed -E "s/^SKIPPED \[[0-9]+\] [^ ]+ //" | sort | uniq -c | sort -rn | head -12
