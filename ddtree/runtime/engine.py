@@ -241,9 +241,15 @@ class DDTreeEngine:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
-               mode: str = "ddtree", stats: RunStats | None = None) -> Iterator[list[int]]:
-        """Yields the token ids each step commits (DDTree: several per step)."""
+               mode: str = "ddtree", stats: RunStats | None = None, logit_bias: dict | None = None,
+               ignore_eos: bool = False, on_logits=None) -> Iterator[list[int]]:
+        """Yields the token ids each step commits (DDTree: several per step).
+        logit_bias {token id: bias} is added to the target logits before sampling (path-independent, so
+        DDTree still equals AR); ignore_eos: no stop token ends the run (only max_new_tokens or the context);
+        on_logits(rows [len(chunk), V] float64) is called before each chunk is yielded with the raw target
+        logits its tokens were sampled from (runtime/observed.py). The last two need a CPU executor."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        stop_ids = frozenset() if ignore_eos else self.stop_ids
         ids = self.encode(prompt)
         check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
         if mode not in MODES:
@@ -254,13 +260,30 @@ class DDTreeEngine:
             raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
         if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
             from ddtree.runtime.ranks import Request
-            request = Request(mode, tuple(ids), max_new_tokens, params, budget, tuple(sorted(self.stop_ids)),
+            if logit_bias or on_logits is not None:
+                raise RequestError(f"{'logit_bias' if logit_bias else 'logprobs'} needs the executor in this "
+                                   "process (--device cpu with threads ranks); rank processes sample elsewhere")
+            request = Request(mode, tuple(ids), max_new_tokens, params, budget, tuple(sorted(stop_ids)),
                               block_size)
             return self.processes.steps(request, stats)
+        ex = self.executor
+        if logit_bias or on_logits is not None:
+            ex = self._observed(logit_bias, "logit_bias" if logit_bias else "logprobs")
         if mode == "ar":
-            return ar_steps(self.executor, ids, max_new_tokens, params, self.stop_ids, stats)
-        return ddtree_steps(self.executor, ids, max_new_tokens, params, budget, self.stop_ids,
-                            block_size, stats)
+            steps = ar_steps(ex, ids, max_new_tokens, params, stop_ids, stats)
+        else:
+            steps = ddtree_steps(ex, ids, max_new_tokens, params, budget, stop_ids, block_size, stats)
+        return steps if on_logits is None else _observing(steps, ex, on_logits)
+
+    def _observed(self, logit_bias, param: str):
+        from ddtree.runtime.observed import ObservedExecutor
+        if getattr(self.executor, "name", None) not in ("numpy", "engine-numpy"):
+            raise RequestError(f"{param} is implemented on the CPU executors (--device cpu); the "
+                               f"{getattr(self.executor, 'name', '?')} executor's fused steps sample on the device")
+        try:
+            return ObservedExecutor(self.executor, logit_bias)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def close(self) -> None:
         """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
@@ -318,3 +341,10 @@ class DDTreeEngine:
         tokens = [t for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, budget, seed,
                                              block_size, mode, stats) for t in chunk]
         return Result(tokens, self.decode(tokens), stats.to_dict())
+
+
+def _observing(steps, ex, on_logits) -> Iterator[list[int]]:
+    """steps, with on_logits(the raw target logits rows of a chunk's tokens) called before each chunk."""
+    for chunk in steps:
+        on_logits(ex.rows[:len(chunk)])
+        yield chunk
