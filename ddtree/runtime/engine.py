@@ -64,7 +64,8 @@ class DDTreeEngine:
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
              ranks: str = "threads", gpu: int = 0, max_context: int | None = None,
              cap_context: bool = False, kernel_plan: str = "fast", allreduce: str = "one-shot") -> "DDTreeEngine":
-        """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
+        """Checkpoint dirs (default: the embedded tiny model; a Hub id `owner/name` resolves through
+        huggingface_hub's cache, model/hub.py), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
         ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
@@ -75,6 +76,8 @@ class DDTreeEngine:
         rank processes reduce through `allreduce` (ops/rank_collective.py: one-shot, nccl or auto)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
+        from ddtree.model.hub import resolve_model          # a local dir as is; owner/name via huggingface_hub
+        model_dir, drafter_dir = resolve_model(model_dir), resolve_model(drafter_dir, "--drafter")
         if allreduce != "one-shot" and device != "cuda":
             raise RequestError(f"--allreduce {allreduce} chooses the collective of a tp N engine's rank processes on "
                                f"GPUs (--device cuda); --device {device} has none to choose")

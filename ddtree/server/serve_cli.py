@@ -26,10 +26,11 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 
 
 @click.command("serve", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
-@click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="DFlash drafter dir (default: the embedded tiny drafter; none with an engine dir).")
+@click.option("--model", "model_dir", default=None,
+              help="Target checkpoint dir, engine dir from ddtree-build, or a Hugging Face Hub id owner/name[@rev] "
+                   "(downloaded to, or offline read from, the Hub cache). Default: the embedded tiny model.")
+@click.option("--drafter", "drafter_dir", default=None,
+              help="DFlash drafter dir or Hub id (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -80,7 +81,8 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
             from ddtree.model.jinja_template import read_chat_template
             from ddtree.model.tokenizer import use_chat_template
             use_chat_template(engine.tokenizer, read_chat_template(chat_template).text, chat_template)
-        names = list(served_model_names) or [Path(model_dir).resolve().name if model_dir else DEFAULT_MODEL_NAME]
+        names = list(served_model_names) or [(model_dir if not Path(model_dir).is_dir() else
+                                              Path(model_dir).resolve().name) if model_dir else DEFAULT_MODEL_NAME]
         origins = [o.strip() for o in allowed_origins.split(",") if o.strip()] if allowed_origins else None
         if not disable_log_requests:
             handler = logging.StreamHandler(sys.stderr)
