@@ -18,7 +18,7 @@ from ddtree.model.tensors import TensorSpec
 FIELDS = {"model": {"hidden_size": 8}, "drafter": {"block_size": 4}, "tp": 2, "experts": "tp", "archs": ["sm_120"],
           "budgets": [8, 16], "block_size": 4, "plan": {"tp": 2}, "weight_files": ["embed.safetensors"]}
 WRONG = [("model", []), ("drafter", "drafter"), ("tp", 0), ("tp", -2), ("tp", "2"), ("tp", 2.0), ("tp", True),
-         ("experts", "dp"), ("experts", None), ("archs", "sm_120"), ("archs", []), ("archs", ["sm_120", 90]),
+         ("experts", "dp"), ("experts", None), ("archs", "sm_120"), ("archs", [""]), ("archs", ["sm_120", 90]),
          ("budgets", [8, 0]), ("budgets", [8.5]), ("block_size", None), ("plan", []),
          ("weight_files", "embed.safetensors"), ("weight_files", ["embed.safetensors", 3]), ("weight_files", [])]
 

@@ -34,7 +34,8 @@ class BuildError(InputError):
 def check_archs(archs) -> list[str]:
     archs = list(dict.fromkeys(archs))
     if not archs:
-        raise BuildError("--arch: give at least one target architecture, e.g. --arch sm_120")
+        raise BuildError("--arch: give at least one target architecture, e.g. --arch sm_120 (or --no-kernels for an "
+                         "engine the CPU executors run, without NVRTC)")
     for a in archs:
         if a not in KNOWN_ARCHS:
             raise BuildError(f"--arch {a}: unknown architecture (known: {', '.join(KNOWN_ARCHS)})")
@@ -47,7 +48,8 @@ def require_nvrtc() -> str:
         from ddtree.plugins.compile import nvrtc_version
         major, minor = nvrtc_version()
     except Exception as e:  # noqa: BLE001 - ImportError or NVRTC failing to load: same remedy
-        raise BuildError("--arch: compiling the kernels needs NVRTC from the 'cuda' extra "
+        raise BuildError("--arch: compiling the kernels needs NVRTC from the 'cuda' extra (or build with --no-kernels "
+                         "for the CPU executors) "
                          f"(pip install -e '.[cuda]': cuda-core, cuda-bindings, nvidia-cuda-nvrtc); {e}") from e
     return f"{major}.{minor}"
 

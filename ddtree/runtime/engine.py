@@ -149,7 +149,11 @@ class DDTreeEngine:
         if drafter_dir is not None:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
-        tp = int(read_engine_config(model_dir)["tp"])
+        meta = read_engine_config(model_dir)
+        if meta.get("kernels_skipped"):             # ddtree-build --no-kernels: said before any GPU is touched
+            raise RequestError(f"--device cuda: {model_dir} was {meta['kernels_skipped']} (rebuild it with ddtree-build "
+                               "--arch sm_90 or sm_120, or run it with --device cpu)")
+        tp = int(meta["tp"])
         gpus = rank_gpus(gpu, tp)
         from ddtree.ops.rank_collective import allreduce_refusal
         why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
