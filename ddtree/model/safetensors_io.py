@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import struct
@@ -251,7 +250,6 @@ class SafetensorsFile:
         for name, e in header.items():
             self.entries[name], self.offsets[name] = _tensor_spec(name, e, where)
         self._check_layout(data_len, size)
-        self._mm: mmap.mmap | None = None
         self._lib = None                # the library's handle (safe_open), opened on the first read
 
     def _check_layout(self, data_len: int, size: int) -> None:
@@ -290,19 +288,19 @@ class SafetensorsFile:
     def keys(self):
         return self.entries.keys()
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            with open(self.path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._mm
-
     def read(self, name: str) -> np.ndarray:
         """One tensor as the library reads it (BF16 as its uint16 bits); only its bytes of the file are read."""
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: tensor '{name}' is not in this shard")
         spec = self.entries[name]
+        if spec.dtype == "BF16":
+            try:
+                import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: the library's numpy reader needs it)
+            except ImportError as e:
+                raise CheckpointError(f"{self.path}: tensor '{name}' is BF16, which the safetensors library reads "
+                                      "into numpy only with ml_dtypes (a dependency of ddtree: pip install "
+                                      "ml-dtypes)") from e
         if self._lib is None:
-            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: the library's numpy reader needs it)
             from safetensors import safe_open
             self._lib = safe_open(str(self.path), framework="numpy")
         try:
@@ -316,9 +314,6 @@ class SafetensorsFile:
         return np.ascontiguousarray(arr.reshape(spec.shape))
 
     def close(self):
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
         self._lib = None
 
 
