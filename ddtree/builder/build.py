@@ -59,6 +59,9 @@ def _open(reader, path, flag: str):
     return ckpt
 
 
+KERNELS_SKIPPED = "built with --no-kernels: no cubins; --device cpu runs it, --device cuda needs a build with --arch"
+
+
 def peak_rss_bytes() -> int:
     """This process's peak RSS: VmHWM where /proc exists (ru_maxrss would include the RSS of the
     process that spawned us, carried across exec), else ru_maxrss."""
@@ -71,8 +74,10 @@ def peak_rss_bytes() -> int:
 
 def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BUDGETS, force: bool = False,
                  experts: str = "tp", kernel_cache=None, ui=None, jobs: int = 1, graphs: bool = True,
-                 trt: bool = False) -> dict:
+                 trt: bool = False, kernels: bool = True) -> dict:
     """Build the engine at `out`; returns a summary (engine path, sizes, per-stage seconds).
+    kernels=False (--no-kernels): no cubins and no NVRTC (the base install): "archs" is [] and config.json
+    says "kernels_skipped", so the CPU executors run the engine and --device cuda refuses it by name.
     `jobs` worker processes repack the routed experts (1: all in this process). `graphs` exports the
     per-rank ONNX graphs (graphs/); `trt` also builds the SM120 TensorRT-RTX plans (builder/trt_build.py)."""
     ui = ui or Quiet()
@@ -89,7 +94,9 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         stages[name] = round(time.perf_counter() - t0, 3)
 
     with stage("check"):
-        archs = od.check_archs(archs)
+        if not kernels and archs:
+            raise od.BuildError(f"--no-kernels: give no --arch (got {', '.join(archs)}); the engine gets no cubins")
+        archs = od.check_archs(archs) if kernels else []
         budgets = check_budgets(budgets)
         od.check_out(out, force)
         ckpt = _open(Checkpoint, model_dir, "--model")
@@ -97,7 +104,7 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         dckpt.config.check_target(ckpt.config)
         plan = make_plan(ckpt.config, dckpt.config, tp, experts)
         tok_files = od.tokenizer_files(Path(model_dir), ckpt.config)
-        nvrtc = od.require_nvrtc()
+        nvrtc = od.require_nvrtc() if kernels else None
         kernel_compile.latent_defines(ckpt.config.kv_lora_rank, ckpt.config.qk_rope_head_dim)   # LatentDimsError
         if graphs or trt:
             trt_build.require_graphs()
@@ -109,17 +116,22 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         od.check_disk(out, need)
     stage_dir = od.staging_dir(out)
     try:
-        with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
-            kernels = od.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1),
-                                         latent=ckpt.config.kv_lora_rank, rope=ckpt.config.qk_rope_head_dim)
+        cubins = {}
+        if kernels:
+            with stage("kernels", len(archs) * len(kernel_compile.SOURCES)) as advance:
+                cubins = od.compile_kernels(archs, stage_dir, kernel_cache, on_done=lambda a, s: advance(1),
+                                            latent=ckpt.config.kv_lora_rank, rope=ckpt.config.qk_rope_head_dim)
         with stage("weights", source_bytes(plan)) as advance:
             files = write_rank_weights(plan, ckpt, dckpt, stage_dir, progress=advance, jobs=jobs)
         with stage("config"):
             tok = od.copy_tokenizer(tok_files, stage_dir)
             sources = {"model": str(Path(model_dir).absolute()), "drafter": str(Path(drafter_dir).absolute()),
                        "nvrtc": nvrtc}
-            engine_dir.write_engine_config(stage_dir, od.config_fields(ckpt.config, dckpt.config, plan.to_dict(),
-                                                                       archs, budgets, files, kernels, tok, sources))
+            fields = od.config_fields(ckpt.config, dckpt.config, plan.to_dict(), archs, budgets, files, cubins, tok,
+                                      sources)
+            if not kernels:
+                fields["kernels_skipped"] = KERNELS_SKIPPED
+            engine_dir.write_engine_config(stage_dir, fields)
         if graphs or trt:
             with stage("graphs", tp) as advance:
                 trt_build.export_graphs(stage_dir, ckpt.config, dckpt.config, plan.to_dict(), files, budgets, advance)
@@ -136,7 +148,8 @@ def build_engine(model_dir, drafter_dir, tp: int, archs, out, budgets=DEFAULT_BU
         ckpt.close()
         dckpt.close()
     total = sum(f["size"] for f in manifest["files"].values())
-    return {"engine": str(out), "tp": tp, "experts": experts, "archs": archs, "budgets": budgets,
+    return {"engine": str(out), "kernels": "skipped" if not kernels else len(archs) * len(kernel_compile.SOURCES),
+            "tp": tp, "experts": experts, "archs": archs, "budgets": budgets,
             "files": len(manifest["files"]) + 1, "bytes": total, "weights_bytes": weights_bytes,
             "stages": stages, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
             "plans": len(plans["plans"]) if trt else 0}

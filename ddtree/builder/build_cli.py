@@ -56,8 +56,12 @@ def parse_budgets(text: str) -> list[int]:
 @click.option("--drafter", "drafter_dir", required=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path), help="DFlash drafter directory.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (1, 2, 4 or 8).")
-@click.option("--arch", "archs", multiple=True, required=True,
-              help="GPU architecture to compile kernels for (repeatable), e.g. sm_120, sm_90.")
+@click.option("--arch", "archs", multiple=True,
+              help="GPU architecture to compile kernels for (repeatable), e.g. sm_120, sm_90 (needs the 'cuda' "
+                   "extra's NVRTC).")
+@click.option("--no-kernels", is_flag=True,
+              help="No kernels (no --arch, no NVRTC: the base install): an engine the CPU executors run; "
+                   "--device cuda refuses it.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Engine directory to write.")
 @click.option("--budget", "budgets", default=",".join(map(str, DEFAULT_BUDGETS)), show_default=True,
               help="Tree budgets the engine is built for (comma-separated).")
@@ -71,17 +75,18 @@ def parse_budgets(text: str) -> list[int]:
 @click.option("--force", is_flag=True, help="Replace an existing engine directory at --out.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @reported()
-def build_command(model_dir, drafter_dir, tp, archs, out, budgets, experts, jobs, trt, no_graphs, force, as_json):
+def build_command(model_dir, drafter_dir, tp, archs, no_kernels, out, budgets, experts, jobs, trt, no_graphs, force,
+                  as_json):
     """Build an engine directory from a Kimi K2.x checkpoint and a DFlash drafter."""
     console = Console(stderr=True)
     ui = RichStages(console)
     console.print(f"ddtree-build: {model_dir} + {drafter_dir} -> {out} (tp {tp}, experts {experts}, "
-                  f"archs {', '.join(archs)})")
+                  f"archs {', '.join(archs) or 'none (--no-kernels)'})")
     if trt and no_graphs:
         raise click.UsageError("--trt builds its plans from the graphs; drop --no-graphs")
     with ui.progress:
         summary = build_engine(model_dir, drafter_dir, tp, archs, out, parse_budgets(budgets), force, experts,
-                               ui=ui, jobs=jobs, graphs=not no_graphs, trt=trt)
+                               ui=ui, jobs=jobs, graphs=not no_graphs, trt=trt, kernels=not no_kernels)
     console.print(f"engine {summary['engine']}: {summary['files']} files, {summary['bytes'] / 2**20:.1f} MiB, "
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB")
     if as_json:

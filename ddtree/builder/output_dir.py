@@ -16,6 +16,7 @@ from ddtree import engine_dir as ed
 from ddtree.errors import InputError
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.plugins import compile as kc
+from ddtree.plugins.compile import nvrtc_version
 from ddtree.version import __version__
 
 # Archs the kernels target (mma.sync bf16 + cp.async: sm_80 and later; 'a' = arch-specific features)
@@ -36,7 +37,8 @@ class BuildError(InputError):
 def check_archs(archs) -> list[str]:
     archs = list(dict.fromkeys(archs))
     if not archs:
-        raise BuildError("--arch: give at least one target architecture, e.g. --arch sm_120")
+        raise BuildError("--arch: give at least one target architecture, e.g. --arch sm_120 (or --no-kernels for an "
+                         "engine the CPU executors run, without NVRTC)")
     for a in archs:
         if a not in KNOWN_ARCHS:
             raise BuildError(f"--arch {a}: unknown architecture (known: {', '.join(KNOWN_ARCHS)})")
@@ -46,10 +48,10 @@ def check_archs(archs) -> list[str]:
 def require_nvrtc() -> str:
     """The NVRTC version as 'major.minor', or BuildError naming the missing extra."""
     try:
-        from ddtree.plugins.compile import nvrtc_version  # optional: an ImportError here is handled
         major, minor = nvrtc_version()
     except Exception as e:  # noqa: BLE001 - ImportError or NVRTC failing to load: same remedy
-        raise BuildError("--arch: compiling the kernels needs NVRTC from the 'cuda' extra "
+        raise BuildError("--arch: compiling the kernels needs NVRTC from the 'cuda' extra (or build with --no-kernels "
+                         "for the CPU executors) "
                          f"(pip install -e '.[cuda]': cuda-core, cuda-bindings, nvidia-cuda-nvrtc); {e}") from e
     return f"{major}.{minor}"
 

@@ -1,10 +1,14 @@
 """safetensors files read lazily and written as a stream, with bf16 carried as uint16 bits.
 
-The `safetensors` package's numpy API cannot represent BF16 (numpy has no such dtype), which is
-most of a Kimi checkpoint, so this module parses the (simple, documented) format itself:
+Tensors are read by the `safetensors` library (`safe_open(framework="numpy")`; with `ml_dtypes`
+installed its numpy reader holds BF16 as ml_dtypes.bfloat16, which `read` views as the uint16 bits
+the rest of ddtree carries). The header is also parsed here, with the library's own checks
+(tests/model/test_safetensors_strict.py), because two readers need what the library does not expose:
+each tensor's byte offsets (engine_dir/tensors.py hashes a file while reading it; builder/tensor_io.py
+reads row blocks) and refusals that name the file and the field. The format:
   u64 little-endian N | N bytes of JSON header (space padded) | data buffer
   header: {name: {"dtype", "shape", "data_offsets": [begin, end)}, "__metadata__": {...}}
-Reading memory-maps the file and copies out only the requested tensor. Writing takes the full
+Writing stays here: the library writes a whole dict of arrays at once, this writer takes the full
 list of specs first, writes the header, then tensor bytes in order, so a shard is never whole in
 memory. Files written here load with the `safetensors` package (tests check that).
 """
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import struct
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+from safetensors import safe_open
 
 from ddtree.errors import InputError
 from ddtree.model.tensors import TensorSpec
@@ -247,7 +251,7 @@ class SafetensorsFile:
         for name, e in header.items():
             self.entries[name], self.offsets[name] = _tensor_spec(name, e, where)
         self._check_layout(data_len, size)
-        self._mm: mmap.mmap | None = None
+        self._lib = None                # the library's handle (safe_open), opened on the first read
 
     def _check_layout(self, data_len: int, size: int) -> None:
         """Sorted by (begin, end), the tensors must tile [0, data_len) exactly (the library's rule)."""
@@ -285,27 +289,32 @@ class SafetensorsFile:
     def keys(self):
         return self.entries.keys()
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            with open(self.path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._mm
-
     def read(self, name: str) -> np.ndarray:
-        """A copy of one tensor; only its pages of the file are touched."""
+        """One tensor as the library reads it (BF16 as its uint16 bits); only its bytes of the file are read."""
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: tensor '{name}' is not in this shard")
         spec = self.entries[name]
-        b, _ = self.offsets[name]
-        count = int(np.prod(spec.shape, dtype=np.int64))
-        arr = np.frombuffer(self._map(), dtype=NUMPY_DTYPE[spec.dtype], count=count,
-                            offset=self.data_start + b)
-        return arr.reshape(spec.shape).copy()
+        if spec.dtype == "BF16":
+            try:
+                import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: the library's numpy reader needs it)
+            except ImportError as e:
+                raise CheckpointError(f"{self.path}: tensor '{name}' is BF16, which the safetensors library reads "
+                                      "into numpy only with ml_dtypes (a dependency of ddtree: pip install "
+                                      "ml-dtypes)") from e
+        if self._lib is None:
+            self._lib = safe_open(str(self.path), framework="numpy")
+        try:
+            arr = self._lib.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - the library's SafetensorError / OSError, re-raised naming the file
+            raise CheckpointError(f"{self.path}: tensor '{name}': the safetensors library could not read it: "
+                                  f"{type(e).__name__}: {e}") from e
+        want = np.dtype(NUMPY_DTYPE[spec.dtype])
+        if arr.dtype != want:                       # BF16: ml_dtypes.bfloat16 -> the same bits as uint16
+            arr = arr.view(want)
+        return np.ascontiguousarray(arr.reshape(spec.shape))
 
     def close(self):
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        self._lib = None
 
 
 def header_bytes(specs: dict[str, TensorSpec], metadata: dict | None) -> tuple[bytes, dict[str, int]]:

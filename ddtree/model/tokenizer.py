@@ -29,7 +29,8 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from ddtree.errors import InputError
-from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, render_chat
+from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, _deep_sorted, render_chat
+from ddtree.model.jinja_template import ChatTemplate
 from ddtree.model.presets import BYTE_BOS, BYTE_EOS, BYTE_MASK, BYTE_PAD
 from ddtree.model.tool_declaration import ToolSchemaError, render_tools
 
@@ -125,6 +126,7 @@ class KimiTokenizer:
         self.tools_as_typescript = tools_as_typescript   # K2.5+: tools declared via tools_ts_str
         self.tools_json_spaced = tools_json_spaced       # K2-Thinking: `tools | tojson()`, ", " and ": "
         self.thinking_switch = thinking_switch           # False (K2-Thinking): no `thinking` variable
+        self.chat_template = None                        # jinja_template.ChatTemplate: the checkpoint's own
         self.bos_id = self._required("[BOS]", source)
         self.eos_id = self._required("[EOS]", source)
         self.im_end_id = self._required("<|im_end|>", source)
@@ -154,17 +156,11 @@ class KimiTokenizer:
         config_path = model_dir / "tokenizer_config.json"
         tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         names = special_names(len(ranks), tok_config.get("added_tokens_decoder"), where=str(config_path))
-        template = _chat_template_text(model_dir, tok_config)
-        default_system = KIMI_DEFAULT_SYSTEM if template and KIMI_DEFAULT_SYSTEM in template else None
-        # K2.5+ templates print `tools_ts_str` (their tokenizer's TypeScript declaration) and fall back
-        # to compact JSON; K2-Thinking's has no such variable and prints `tools | tojson()` (spaced).
-        # No template: the newest format.
-        typescript = template is None or "tools_ts_str" in template
-        spaced = template is not None and "tojson(separators" not in template
-        # K2.5+ read `thinking` (default on); K2-Thinking's template has no such switch
-        switch = template is None or "thinking" in template
-        return cls(ranks, names, default_system=default_system, source=str(bpe_path),
-                   tools_as_typescript=typescript, tools_json_spaced=spaced, thinking_switch=switch)
+        template, where = _chat_template_text(model_dir, tok_config)
+        tok = cls(ranks, names, source=str(bpe_path), **template_traits(template))
+        if template is not None:
+            use_chat_template(tok, template, where)
+        return tok
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -195,18 +191,55 @@ class KimiTokenizer:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, thinking))
 
 
+def template_traits(template: str | None) -> dict:
+    """What the hand port and the tools declaration need to know of a Kimi template's text."""
+    return dict(
+        default_system=KIMI_DEFAULT_SYSTEM if template and KIMI_DEFAULT_SYSTEM in template else None,
+        # K2.5+ templates print `tools_ts_str` (their tokenizer's TypeScript declaration) and fall back
+        # to compact JSON; K2-Thinking's has no such variable and prints `tools | tojson()` (spaced).
+        # No template: the newest format.
+        tools_as_typescript=template is None or "tools_ts_str" in template,
+        tools_json_spaced=template is not None and "tojson(separators" not in template,
+        # K2.5+ read `thinking` (default on); K2-Thinking's template has no such switch
+        thinking_switch=template is None or "thinking" in template)
+
+
+def use_chat_template(tok, template: str, source: str) -> None:
+    """Render tok's chat prompts with `template` (jinja2, sandboxed: jinja_template.py); --chat-template and
+    the checkpoint's own template come here. Without jinja2 installed (the base install), the checkpoint's
+    template is rendered by the hand port, which equals it on Kimi K2.5 / K2.6 / K2-Thinking, with a warning."""
+    for key, value in template_traits(template).items():
+        setattr(tok, key, value)
+    try:
+        import jinja2  # noqa: F401
+    except ImportError:
+        warnings.warn(f"{source}: jinja2 is not installed (the 'serve' extra); rendering chat prompts with the "
+                      "built-in Kimi K2.x port instead of the checkpoint's template", stacklevel=2)
+        return
+    tok.chat_template = ChatTemplate(template, source)
+
+
 def chat_text(tok, messages, tools=None, add_generation_prompt=True, thinking=None,
               tools_ts_str: str | None = None) -> str:
     """The prompt text as the checkpoint's own tokenizer + template render it: thinking None is the
     template's default (on; a template without the switch ignores it); with tools_as_typescript the tools are declared in TypeScript style
     (tool_declaration.py). Where that encoder fails on a schema the Kimi tokenizer falls back to
-    the template's JSON declaration, and so do we, with a warning naming the schema problem."""
+    the template's JSON declaration, and so do we, with a warning naming the schema problem.
+    With a jinja template (tok.chat_template) the messages are first checked by the hand port's rules (a
+    tool turn needs its tool_call_id, text-only parts, ...), then the template renders them, the tools
+    key-sorted at every depth as Kimi's tokenizer passes them."""
     if tools and tools_ts_str is None and tok.tools_as_typescript:
         try:
             tools_ts_str = render_tools(tools) or None
         except ToolSchemaError as e:
             warnings.warn(f"{e}; declaring the tools as JSON instead, as the Kimi tokenizer does", stacklevel=3)
-    elif tools and tools_ts_str is None and tok.tools_json_spaced:
+    template = getattr(tok, "chat_template", None)
+    if template is not None:
+        render_chat(messages, add_generation_prompt=False)           # the checks only (ChatFormatError)
+        return template.render(messages, tools=_deep_sorted(tools) if tools else None,
+                               add_generation_prompt=add_generation_prompt, tools_ts_str=tools_ts_str,
+                               thinking=thinking)
+    if tools and tools_ts_str is None and tok.tools_json_spaced:
         tools_ts_str = json.dumps(tools, ensure_ascii=False, sort_keys=True)   # the key-sorted tools, tojson()
     return render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                        thinking=True if thinking is None else thinking,
@@ -232,12 +265,18 @@ def special_names(n_ranks: int, added_tokens_decoder: dict | None, where: str = 
     return {i: named.get(i, reserved_name(i)) for i in range(n_ranks, n_ranks + NUM_SPECIAL)}
 
 
-def _chat_template_text(model_dir: Path, tok_config: dict) -> str | None:
+def _chat_template_text(model_dir: Path, tok_config: dict) -> tuple[str | None, str]:
+    """The checkpoint's chat template and where it came from: chat_template.jinja, else tokenizer_config.json
+    "chat_template" (a string, or transformers' list of {"name", "template"}: the one named "default")."""
     path = model_dir / "chat_template.jinja"
     if path.is_file():
-        return path.read_text()
+        return path.read_text(), str(path)
+    where = str(model_dir / "tokenizer_config.json")
     template = tok_config.get("chat_template")
-    return template if isinstance(template, str) else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (template, where) if isinstance(template, str) else (None, where)
 
 
 # --- bytes -----------------------------------------------------------------------------------------
@@ -253,6 +292,7 @@ class ByteTokenizer:
     stop_ids = frozenset({BYTE_EOS})
     default_system = None
     tools_as_typescript, tools_json_spaced, thinking_switch = True, False, True   # the tiny models: K2.6's format
+    chat_template = None                # none in the tiny checkpoints: the hand port (--chat-template sets one)
     _special_re = re.compile("|".join(re.escape(name) for name in special_tokens))
 
     def __init__(self, model_vocab_size: int = 260):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -181,6 +182,29 @@ def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KI
     import cuda.core  # noqa: F401
     dims = latent_defines(latent, rope)
     jobs = [(src, arch) for src in SOURCES for arch in archs]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    notice = compile_notice(jobs, dims, cache, workers)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         paths = pool.map(lambda job: compile_cubin(*job, dims if job[0] in LATENT_SOURCES else None, cache=cache), jobs)
         return dict(zip(jobs, paths))
+
+
+COLD_COMPILE_S = 126        # every source for sm_90 + sm_120 from an empty cache, 2 CPU cores (issue 50's run)
+
+
+def compile_notice(jobs, dims, cache, workers: int) -> str | None:
+    """The line a compile prints before it starts: how many (source, arch) pairs miss the cache, where the
+    cache is, and about how long the misses take (scaled from COLD_COMPILE_S; NVRTC threads run in parallel,
+    the longest source bounds the time on many cores). None when every cubin is cached (nothing to wait for).""" 
+    cache = Path(cache) if cache is not None else cache_dir()
+    missing = [(src, arch) for src, arch in jobs
+               if not (cache / f"{Path(src).stem}-{arch}-"
+                       f"{cubin_key(src, arch, dims if src in LATENT_SOURCES else None)}.cubin").exists()]
+    if not missing:
+        return None
+    estimate = COLD_COMPILE_S * len(missing) / (2 * len(SOURCES))      # linear in the misses, same machine
+    return (f"compiling {len(missing)} of {len(jobs)} kernels with NVRTC in {workers} threads: about "
+            f"{max(5, round(estimate, -1)):.0f} s on 2 CPU cores ({COLD_COMPILE_S} s measured for all kernels of two "
+            f"archs; more cores take less); cached in {cache} (DDTREE_KERNEL_CACHE) for the next build or load")

@@ -35,6 +35,7 @@ from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
+from ddtree.runtime.observed import ObservedExecutor
 from ddtree.runtime.ranks import RankProcesses, Request
 from ddtree.runtime.request import GenerationRequest
 from ddtree.tree.build import MAX_BUDGET
@@ -80,7 +81,8 @@ class DDTreeEngine:
     def load(cls, model_dir=None, drafter_dir=None, device: str = "cpu", verify: bool = True,
              ranks: str = "threads", gpu: int = 0, max_context: int | None = None,
              cap_context: bool = False, kernel_plan: str = "fast", allreduce: str = "one-shot") -> "DDTreeEngine":
-        """Checkpoint dirs (default: the embedded tiny model), or an engine dir built by ddtree-build
+        """Checkpoint dirs (default: the embedded tiny model; a Hub id `owner/name` resolves through
+        huggingface_hub's cache, model/hub.py), or an engine dir built by ddtree-build
         (ranks simulated on CPU), -> engine. cpu = float64 numpy. An engine dir is checked before the first
         token (engine_dir.check_engine); verify=False skips its sha256 hashes, never the structural checks.
         ranks (engine dirs): "threads" runs every rank in this process; "processes" spawns one process per
@@ -91,6 +93,8 @@ class DDTreeEngine:
         rank processes reduce through `allreduce` (parallel/rank_collective.py: one-shot, nccl or auto)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
+        from ddtree.model.hub import resolve_model  # a local dir as is; owner/name via huggingface_hub
+        model_dir, drafter_dir = resolve_model(model_dir), resolve_model(drafter_dir, "--drafter")
         if allreduce != "one-shot" and device != "cuda":
             raise RequestError(f"--allreduce {allreduce} chooses the collective of a tp N engine's rank processes on "
                                f"GPUs (--device cuda); --device {device} has none to choose")
@@ -153,7 +157,11 @@ class DDTreeEngine:
         if drafter_dir is not None:
             raise RequestError(f"{model_dir} is an engine directory with its drafter built in; "
                                f"do not pass a drafter dir (--drafter {drafter_dir})")
-        tp = int(read_engine_config(model_dir)["tp"])
+        meta = read_engine_config(model_dir)
+        if meta.get("kernels_skipped"):             # ddtree-build --no-kernels: said before any GPU is touched
+            raise RequestError(f"--device cuda: {model_dir} was {meta['kernels_skipped']} (rebuild it with ddtree-build "
+                               "--arch sm_90 or sm_120, or run it with --device cpu)")
+        tp = int(meta["tp"])
         gpus = rank_gpus(gpu, tp)
         why = allreduce_refusal(allreduce, gpus) if tp > 1 else (
             f"--allreduce {allreduce}: a tp 1 engine has no all-reduce to choose" if allreduce != "one-shot" else None)
@@ -199,7 +207,6 @@ class DDTreeEngine:
             for g in sorted(set(gpus)):
                 check_gpu_runs_plans(model_dir, g)          # before anything is loaded
             if tp > 1:                                      # a rank process per GPU (runtime/ranks.py)
-                from ddtree.runtime.ranks import RankProcesses  # optional: an ImportError here is handled
                 return cls._of_processes(RankProcesses(model_dir, verify=verify, graphs={"gpus": gpus}), model_dir)
             executor = GraphExecutor(PlanRanks(model_dir, gpus[0], verify), "tensorrt", None, tokenizer_dir(model_dir))
         except PlanDeviceError as e:
@@ -240,6 +247,15 @@ class DDTreeEngine:
 
     def decode(self, tokens) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
+
+    def _observed(self, logit_bias, param: str):
+        if self.executor.name not in ("numpy", "engine-numpy"):
+            raise RequestError(f"{param} is implemented on the CPU executors (--device cpu); the "
+                               f"{self.executor.name} executor's fused steps sample on the device")
+        try:
+            return ObservedExecutor(self.executor, logit_bias)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     def close(self) -> None:
         """Stop the rank processes, if any, and remove an engine repacked at load (idempotent)."""
@@ -287,15 +303,21 @@ class DDTreeEngine:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
-               mode: str = "ddtree", stats: RunStats | None = None) -> Iterator[list[int]]:
-        """Yields the token ids each step commits (DDTree: several per step)."""
-        return self.stream_request(prompt, GenerationRequest(max_new_tokens, temperature, top_k, top_p, budget, seed,
-                                                             block_size, mode), stats)
+               mode: str = "ddtree", stats: RunStats | None = None, logit_bias: dict | None = None,
+               ignore_eos: bool = False, on_logits=None) -> Iterator[list[int]]:
+        """Yields the token ids each step commits (DDTree: several per step); the parameters are
+        GenerationRequest's (runtime/request.py), on_logits stream_request's."""
+        request = GenerationRequest(max_new_tokens, temperature, top_k, top_p, budget, seed, block_size, mode,
+                                    logit_bias, ignore_eos)
+        return self.stream_request(prompt, request, stats, on_logits)
 
-    def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None
-                       ) -> Iterator[list[int]]:
-        """stream() with its parameters as one typed object (runtime/request.py): what the server queues."""
-        params, budget, mode = request.sampling, request.budget, request.mode
+    def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None,
+                       on_logits=None) -> Iterator[list[int]]:
+        """stream() with its parameters as one typed object: what the server queues. on_logits(rows [len(chunk),
+        V] float64) is called before each chunk is yielded with the raw target logits its tokens were sampled from
+        (runtime/observed.py; logprobs). logit_bias, ignore_eos and on_logits need a CPU executor."""
+        params, budget, mode, logit_bias = request.sampling, request.budget, request.mode, request.logit_bias
+        stop_ids = frozenset() if request.ignore_eos else self.stop_ids
         ids = self.encode(prompt)
         check_context(len(ids), context_of(self.config))   # a PromptTooLongError now, not at the first step
         if mode not in MODES:
@@ -305,10 +327,24 @@ class DDTreeEngine:
         elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
             raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
         if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
-            ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget,
-                                    tuple(sorted(self.stop_ids)), request.block_size)
+            if logit_bias or on_logits is not None:
+                raise RequestError(f"{'logit_bias' if logit_bias else 'logprobs'} needs the executor in this "
+                                   "process (--device cpu with threads ranks); rank processes sample elsewhere")
+            ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget, tuple(sorted(stop_ids)),
+                                    request.block_size)
             return self.processes.steps(ranks_request, stats)
+        ex = self.executor
+        if logit_bias or on_logits is not None:
+            ex = self._observed(logit_bias, "logit_bias" if logit_bias else "logprobs")
         if mode == "ar":
-            return ar_steps(self.executor, ids, request.max_new_tokens, params, self.stop_ids, stats)
-        return ddtree_steps(self.executor, ids, request.max_new_tokens, params, budget, self.stop_ids,
-                            request.block_size, stats)
+            steps = ar_steps(ex, ids, request.max_new_tokens, params, stop_ids, stats)
+        else:
+            steps = ddtree_steps(ex, ids, request.max_new_tokens, params, budget, stop_ids, request.block_size, stats)
+        return steps if on_logits is None else _observing(steps, ex, on_logits)
+
+
+def _observing(steps, ex, on_logits) -> Iterator[list[int]]:
+    """steps, with on_logits(the raw target logits rows of a chunk's tokens) called before each chunk."""
+    for chunk in steps:
+        on_logits(ex.rows[:len(chunk)])
+        yield chunk

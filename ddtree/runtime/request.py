@@ -23,6 +23,9 @@ class GenerationRequest:
     seed: int = 0
     block_size: int | None = None         # the drafter's block (None: its config's)
     mode: str = "ddtree"                  # "ddtree" | "ar"
+    logit_bias: dict | None = None        # {token id: bias} added to the target logits before sampling (the same
+                                          # at every position, so DDTree still commits what AR commits)
+    ignore_eos: bool = False              # no stop token ends the run (max_new_tokens or the context do)
 
     @property
     def sampling(self) -> SamplingParams:

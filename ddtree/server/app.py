@@ -1,50 +1,62 @@
 """`ddtree serve`'s routes (docs/interfaces.md section 11): the OpenAI HTTP API over one DDTreeEngine.
 
-    app = create_app(engine, model_name="tiny", budget=16, max_queue=8)     # a FastAPI app for uvicorn
+    app = create_app(engine, ["tiny"], budget=16, max_queue=8)     # a FastAPI app for uvicorn
+    (optional: api_key=, allowed_origins=[...], max_model_len=, log_requests=; docs/serving.md)
 
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics.
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics, and vLLM's
+/tokenize, /detokenize, /version, /ping (server/utility_routes.py). --api-key guards /v1/* (server/auth.py).
 A request is checked whole before it queues (body, types, model, unsupported parameters, the prompt
 against the context), so every refusal is a status code, never a half-sent stream. It then waits in the
 scheduler's FIFO (429 when full) and its tokens come back step by step: `stream: true` sends one SSE
 chunk per DDTree step (the text those tokens made final), a chunk with the finish_reason, the usage
 chunk when stream_options.include_usage, then `data: [DONE]`. An error after the stream has begun is
 sent as an SSE error object before [DONE]. usage: prompt_tokens, completion_tokens (every token the
-engine committed for the request), total_tokens and "ddtree": {"steps", "mean_accept_len"} as in
-ddtree-run's stats (the prefill is not a step).
+engine committed for the request, up to and including the one that completed a stop string), total_tokens
+and "ddtree": {"steps", "mean_accept_len"} as in ddtree-run's stats (the prefill is not a step).
+One log line per request (unless log_requests=False): id, status, prompt / completion tokens, latency.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import secrets
 import sys
 import time
 import traceback
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.errors import InputError
 from ddtree.runtime.loop import PromptTooLongError, check_context, context_of
 from ddtree.runtime.request import GenerationRequest
+from ddtree.server.auth import add_access_middleware
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
 from ddtree.server.errors import ApiError, error_body
+from ddtree.server.logprobs import chat_logprobs, completion_logprobs
 from ddtree.server.metrics import Metrics
 from ddtree.server.scheduler import Job, Scheduler
-from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling, unsupported_params
+from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling, parse, unsupported_params
 from ddtree.server.streaming import TextStream, sse
+from ddtree.server.utility_routes import add_utility_routes
 
 DISCONNECT_POLL_S = 0.25        # while a request waits for its next step, how often it checks its client
+log = logging.getLogger("ddtree.serve")
 
 
-def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) -> FastAPI:
-    metrics = Metrics()
+def create_app(engine, model_names: str | list[str], budget: int | str = 16, max_queue: int = 8,
+               api_key: str | None = None, allowed_origins: list[str] | None = None,
+               max_model_len: int | None = None, log_requests: bool = True) -> FastAPI:
+    """model_names: the ids clients may send (the first names the metrics); budget: per DDTree step, or
+    "auto" (the engine dir's tuning file); max_model_len: the context the server allows (<= the model's)."""
+    names = [model_names] if isinstance(model_names, str) else list(model_names)
+    metrics = Metrics(names[0])
     scheduler = Scheduler(engine, max_queue, metrics)
-    context = context_of(engine.config)
+    context = min(context_of(engine.config), max_model_len or context_of(engine.config))
     created = int(time.time())
 
     @asynccontextmanager
@@ -58,10 +70,12 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     app = FastAPI(title="ddtree serve", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    add_access_middleware(app, api_key, allowed_origins)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        metrics.requests.labels(request.url.path, str(e.status)).inc()
+        metrics.answered(request.url.path, e.status)
+        log_request("-", request.url.path, e.status, None, None)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -73,12 +87,12 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
     # --- routes ---------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         check_model(name)
-        return model_card()
+        return model_card(name)
 
     @app.get("/health")
     async def health():
@@ -99,12 +113,13 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
         rid, stops = f"cmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.max_tokens)
         if req.stream:
-            return streamed(request, job, req, lambda body: completion_chunk(rid, body, req), stops, None)
-        text, finish, usage = await collected(request, job, stops, None)
-        return answered(request, {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                  "model": model_name, "usage": usage,
-                                  "choices": [{"index": 0, "text": text, "logprobs": None,
-                                               "finish_reason": finish}]})
+            return streamed(request, job, req, rid, lambda body: completion_chunk(rid, body, req), stops, None)
+        text, end = await collected(request, job, stops, None)
+        logprobs = completion_logprobs(engine.tokenizer, end.entries, end.offsets) if end.entries is not None else None
+        return answered(request, rid, job, {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                            "model": req.model, "usage": end.usage,
+                                            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                                         "finish_reason": end.finish}]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -115,22 +130,23 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
         rid, stops = f"chatcmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.new_tokens_limit())
         if req.stream:
-            return streamed(request, job, req, lambda body: chat_chunk(rid, body, req), stops, output)
-        _, finish, usage = await collected(request, job, stops, output)
-        return answered(request, {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                                  "model": model_name, "usage": usage,
-                                  "choices": [{"index": 0, "message": output.message(), "logprobs": None,
-                                               "finish_reason": finish}]})
+            return streamed(request, job, req, rid, lambda body: chat_chunk(rid, body, req), stops, output)
+        _, end = await collected(request, job, stops, output)
+        logprobs = chat_logprobs(engine.tokenizer, end.entries) if end.entries is not None else None
+        return answered(request, rid, job, {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                                            "model": req.model, "usage": end.usage,
+                                            "choices": [{"index": 0, "message": output.message(),
+                                                         "logprobs": logprobs, "finish_reason": end.finish}]})
 
     # --- checking a request ---------------------------------------------------------------------
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "ddtree",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "ddtree", "root": names[0],
                 "max_model_len": context}
 
     def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+        if name not in names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
 
     def prepare(req: Sampling) -> None:
         check_model(req.model)
@@ -148,22 +164,34 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> Job:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        request = GenerationRequest(max_new_tokens=max_tokens if max_tokens is not None else context - len(ids),
+        room = context - len(ids)                       # --max-model-len may be below the model's context
+        request = GenerationRequest(max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
                                     temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
-                                    seed=seed, budget=budget)
-        job = Job(ids, request, asyncio.get_running_loop())
+                                    seed=seed, budget=budget, logit_bias=req.bias_by_id(engine.config.vocab_size) or None,
+                                    ignore_eos=bool(req.ignore_eos))
+        job = Job(ids, request, asyncio.get_running_loop(), top_logprobs=req.top_logprobs_n())
         scheduler.submit(job)
         metrics.prompt_tokens.inc(len(ids))
         return job
 
-    def answered(request: Request, body: dict) -> dict:
-        metrics.requests.labels(request.url.path, "200").inc()
+    def answered(request: Request, rid: str, job: Job, body: dict) -> dict:
+        metrics.answered(request.url.path, 200)
+        log_request(rid, request.url.path, 200, body["usage"], job.arrived)
         return body
+
+    def log_request(rid: str, path: str, status: int, usage: dict | None, arrived: float | None) -> None:
+        if not log_requests:
+            return
+        tokens = (f", prompt {usage['prompt_tokens']} tokens, completion {usage['completion_tokens']} tokens"
+                  if usage else "")
+        latency = f", {time.perf_counter() - arrived:.3f} s" if arrived is not None else ""
+        log.info("request %s %s: status %s%s%s", rid, path, status, tokens, latency)
 
     # --- running it -----------------------------------------------------------------------------
     async def steps(request: Request, job: Job):
-        """Yields each step's tokens; ends after the last; raises ApiError if the request failed.
-        Leaving early (client gone, stop string) takes the job out of the queue or stops it next step."""
+        """Yields each step's (tokens, logprobs entries or None); ends after the last; raises ApiError if the
+        request failed. Leaving early (client gone, stop string) takes the job out of the queue or stops it
+        next step."""
         finished = False
         try:
             while True:
@@ -176,7 +204,7 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
                 if event[0] == "tokens":
                     if await request.is_disconnected():     # checked every step: a gone client frees the engine
                         return
-                    yield event[1]
+                    yield event[1], event[2]
                 elif event[0] == "done":
                     finished = True
                     job.result = event[1]
@@ -189,15 +217,21 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
                 scheduler.cancel(job)
 
     async def run(request: Request, job: Job, stops: list[str], output: ChatOutput | None):
-        """Yields (delta, None) per step (delta: text, or a chat delta dict), then (None, (finish, usage))."""
+        """Yields Piece(delta, logprobs, offsets) per step (delta: text, or a chat delta dict), then End.
+        Tokens past the one that completed a stop string are dropped: not shown, not counted."""
         text = TextStream(engine.tokenizer, engine.stop_ids, stops)
-        chunks = []
+        chunks, entries, offsets = [], [], []
+        with_logprobs = job.top_logprobs is not None
         gen = steps(request, job)
         try:
-            async for tokens in gen:
-                chunks.append(tokens)
-                piece = text.feed(tokens)
-                yield (output.feed(piece) if output else piece), None
+            async for tokens, logprobs in gen:
+                piece, used, step_offsets = text.feed_step(tokens)
+                chunks.append(tokens[:used])
+                step_logprobs = logprobs[:used] if logprobs is not None else None
+                if step_logprobs is not None:
+                    entries.extend(step_logprobs)
+                    offsets.extend(step_offsets)
+                yield Piece(output.feed(piece) if output else piece, step_logprobs, step_offsets)
                 if text.stopped:
                     break
             piece = text.finish()                       # the held-back rest (cut at a stop string)
@@ -205,85 +239,92 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
                 delta = output.feed(piece)
                 merge_delta(delta, output.finish())
                 if delta:
-                    yield delta, None
+                    yield Piece(delta, [] if with_logprobs else None, [])
             elif piece:
-                yield piece, None
+                yield Piece(piece, [] if with_logprobs else None, [])
         finally:
             await gen.aclose()
         finish = ("tool_calls" if output is not None and output.called_tools else
                   "stop" if text.stopped else (job.result or {}).get("finish_reason") or "stop")
-        yield None, (finish, usage_of(job, chunks))
+        metrics.finished(finish)
+        yield End(finish, usage_of(job, chunks), entries if with_logprobs else None, offsets)
 
     async def collected(request: Request, job: Job, stops, output):
         pieces = []
-        async for delta, end in run(request, job, stops, output):
-            if end is not None:
-                return "".join(pieces), end[0], end[1]
+        async for item in run(request, job, stops, output):
+            if isinstance(item, End):
+                return "".join(pieces), item
             if output is None:
-                pieces.append(delta)
+                pieces.append(item.delta)
 
-    def streamed(request: Request, job: Job, req: Sampling, chunk, stops, output) -> StreamingResponse:
+    def streamed(request: Request, job: Job, req: Sampling, rid: str, chunk, stops, output) -> StreamingResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        def logprobs_of(piece: Piece):
+            if piece.logprobs is None:
+                return None
+            if output is not None:
+                return chat_logprobs(engine.tokenizer, piece.logprobs)
+            return completion_logprobs(engine.tokenizer, piece.logprobs, piece.offsets)
+
         async def events():
+            status, usage = 200, None
             try:
                 if output is not None:
                     yield sse(chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
-                async for delta, end in run(request, job, stops, output):
-                    if end is None:
-                        body = {"delta": delta} if output is not None else {"text": delta}
-                        yield sse(chunk({**body, "finish_reason": None}))
+                async for item in run(request, job, stops, output):
+                    if isinstance(item, Piece):
+                        body = {"delta": item.delta} if output is not None else {"text": item.delta}
+                        yield sse(chunk({**body, "logprobs": logprobs_of(item), "finish_reason": None}))
                         continue
+                    usage = item.usage
                     body = {"delta": {}} if output is not None else {"text": ""}
-                    yield sse(chunk({**body, "finish_reason": end[0]}))
+                    yield sse(chunk({**body, "finish_reason": item.finish}))
                     if include_usage:
-                        yield sse({**chunk(None), "choices": [], "usage": end[1]})
-                metrics.requests.labels(request.url.path, "200").inc()
+                        yield sse({**chunk(None), "choices": [], "usage": item.usage})
             except ApiError as e:
-                metrics.requests.labels(request.url.path, str(e.status)).inc()
+                status = e.status
                 yield sse(e.body())
+            metrics.answered(request.url.path, status)
+            log_request(rid, request.url.path, status, usage, job.arrived)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def completion_chunk(rid: str, body: dict | None, req: Sampling) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+        out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                "choices": [] if body is None else [{"index": 0, "logprobs": None, **body}]}
         if req.stream_options and req.stream_options.include_usage:
             out["usage"] = None
         return out
 
     def chat_chunk(rid: str, body: dict | None, req: Sampling) -> dict:
-        out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+        out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model,
                "choices": [] if body is None else [{"index": 0, "logprobs": None, **body}]}
         if req.stream_options and req.stream_options.include_usage:
             out["usage"] = None
         return out
 
+    add_utility_routes(app, engine, context, check_model)
     return app
 
 
 # --- helpers without the app's state ------------------------------------------------------------
 
-def parse(body: bytes, model):
-    """The request body as `model`, or a 400 naming the field (malformed JSON, a wrong type, ...)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or None
-        if err["type"] == "extra_forbidden":
-            message = f"{where}: unrecognized request argument (not a parameter ddtree serve knows)"
-        else:
-            message = f"{where}: {err['msg']} (got {err.get('input')!r})"
-        raise ApiError(400, message, param=where, code=err["type"]) from None
+@dataclass
+class Piece:
+    delta: str | dict                   # completions: text; chat: a delta dict
+    logprobs: list | None               # this step's entries (server/logprobs.py), None without logprobs
+    offsets: list[int]                  # each entry's character offset in the output (completions)
+
+
+@dataclass
+class End:
+    finish: str
+    usage: dict
+    entries: list | None                # every token's logprobs entry, None without logprobs
+    offsets: list[int]
 
 
 def as_api_error(e: BaseException) -> ApiError:

@@ -3,12 +3,13 @@
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
 400 bad request (a malformed body, a wrong type, an unsupported parameter, a prompt past the context),
+401 a missing or wrong API key (--api-key; code "invalid_api_key"),
 404 an unknown model, 429 the queue is full (with Retry-After), 500 a request that failed inside the
 engine, 503 the engine is dead or the server is draining.
 """
 from __future__ import annotations
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "server_error"}
 
 

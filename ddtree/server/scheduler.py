@@ -3,7 +3,7 @@
     scheduler = Scheduler(engine, max_queue, metrics); scheduler.start()
     job = Job(ids, request, loop)       # request: a GenerationRequest (runtime/request.py)
     scheduler.submit(job)               # ApiError 429 (Retry-After) when max_queue requests already wait
-    event = await job.events.get()      # ("tokens", [ids]) per step, then ("done", stats) or ("error", exc)
+    event = await job.events.get()      # ("tokens", [ids], logprobs) per step, then ("done", stats) or ("error", exc)
     scheduler.cancel(job)               # a client gone: out of the queue now, or stopped at the next step
     scheduler.drain()                   # refuse new jobs (503), finish the queued ones, stop the thread
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ddtree.runtime.loop import RunStats
 from ddtree.runtime.request import GenerationRequest
 from ddtree.server.errors import ApiError
+from ddtree.server.logprobs import token_logprobs
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Job:
     stats: RunStats = field(default_factory=RunStats)
     arrived: float = field(default_factory=time.perf_counter)
     result: dict | None = None                  # the run's stats, once "done" arrived
+    top_logprobs: int | None = None             # None: no logprobs; else the alternatives per token
 
     def push(self, *event) -> None:
         try:
@@ -131,17 +133,22 @@ class Scheduler:
             return
         t0 = last = time.perf_counter()
         steps = None
+        rows = []                                   # the raw target logits of each chunk (logprobs only)
         try:
-            steps = self.engine.stream_request(job.ids, job.request, job.stats)
+            steps = self.engine.stream_request(job.ids, job.request, job.stats,
+                                               rows.append if job.top_logprobs is not None else None)
             for i, tokens in enumerate(steps):
                 now = time.perf_counter()
                 if i == 0:
                     self.metrics.ttft.observe(now - job.arrived)
                 else:
-                    self.metrics.step(now - last, len(tokens))
+                    ar = job.request.mode == "ar"
+                    self.metrics.step(now - last, len(tokens), None if ar else (job.stats.budgets or [None])[-1]
+                                      or job.request.budget)
                 last = now
                 self.metrics.generation_tokens.inc(len(tokens))
-                job.push("tokens", list(tokens))
+                logprobs = token_logprobs(rows.pop(), tokens, job.top_logprobs) if rows else None
+                job.push("tokens", list(tokens), logprobs)
                 if job.cancelled.is_set():          # checked between steps: the client is gone or done
                     break
         except Exception as e:                      # this request failed; the server goes on

@@ -2,21 +2,29 @@
 
 Strict types (a string where a number belongs is a 400, never coerced) and no unknown fields: a
 parameter this server does not know is a 400 naming it, never silently ignored. Parameters it knows
-but does not implement (penalties, logprobs, n > 1, response_format other than text, ...) are checked
-in `unsupported_params`: a 400 naming the parameter when set to anything but its default.
+but does not implement (penalties, n > 1, response_format other than text, ...) are checked in
+`unsupported_params`: a 400 naming the parameter when set to anything but its default.
+
+Accepted and ignored, because they never change the output (IGNORED_FIELDS, listed in docs/serving.md):
+`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`. Implemented: `logprobs` /
+`top_logprobs` (server/logprobs.py), `logit_bias` (OpenAI's shape: token id string -> bias in
+[-100, 100], added to the logits) and vLLM's `ignore_eos`.
 
 Sampling follows docs/interfaces.md section 5: temperature 0 is greedy, top_k 0 (or -1, vLLM's "off")
 keeps every token, top_p 1 keeps all, and `seed` picks the Philox stream (no seed: a random one).
 """
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ddtree.server.errors import ApiError, unsupported
 
 MAX_STOPS = 4                           # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20                   # vLLM's default max_logprobs
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
 
 class Strict(BaseModel):
@@ -27,14 +35,9 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[dict], None] = None       # parts: only {"type": "text"} (check_content)
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
@@ -63,12 +66,35 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
+    logit_bias: dict[str, Union[int, float]] | None = None  # {"token id": bias in [-100, 100]}
+    ignore_eos: bool = False                                # vLLM: no stop token ends the run
+    # accepted and ignored: they never change the output (IGNORED_FIELDS)
     user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # known, not implemented: a 400 when not at the default (unsupported_params)
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+
+    def bias_by_id(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer keys, checked: ids in the vocabulary, biases in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise ApiError(400, f"logit_bias: key {key!r} is not a token id in 0..{vocab_size - 1}",
+                               param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise ApiError(400, f"logit_bias[{key!r}]: {bias} is outside [-100, 100]", param="logit_bias")
+            out[int(key)] = float(bias)
+        return out
+
+    def top_logprobs_n(self) -> int | None:
+        """None: no logprobs; else how many alternatives each token lists (0: only the chosen token)."""
+        return None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -82,8 +108,11 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # the top alternatives per token
     suffix: str | None = None
+
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """str or token ids; a list of one prompt is that prompt; several prompts are a 400."""
@@ -107,7 +136,7 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict | None = None
     reasoning_effort: str | None = None
 
@@ -117,6 +146,24 @@ class ChatRequest(Sampling):
             raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                            f"({self.max_completion_tokens}) disagree; give one", param="max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: only allowed when logprobs is true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_content(self) -> None:
+        """Every content part is {"type": "text", "text": str}; anything else is a 400 naming the part."""
+        for i, m in enumerate(self.messages):
+            for k, part in enumerate(m.content if isinstance(m.content, list) else []):
+                where = f"messages.{i}.content.{k}"
+                kind = part.get("type")
+                if kind != "text":
+                    raise ApiError(400, f"{where}: content part type {kind!r} is not supported: ddtree serve is "
+                                   "text-only (only {'type': 'text', 'text': ...} parts)", param=where,
+                                   code="unsupported_content_part")
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{where}.text: a text part needs a string 'text'", param=f"{where}.text")
 
     def thinking(self) -> bool | None:
         """chat_template_kwargs.thinking (the Kimi template's variable); None: the template's default."""
@@ -138,20 +185,16 @@ def unsupported_params(req: Sampling) -> None:
     for name, default in defaults:
         if getattr(req, name) != default:
             raise unsupported(name, getattr(req, name))
-    if req.logit_bias:
-        raise unsupported("logit_bias", req.logit_bias)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):
-        for name, off in (("echo", False), ("best_of", None), ("logprobs", None), ("suffix", None)):
+        for name, off in (("echo", False), ("best_of", None), ("suffix", None)):
             value = getattr(req, name)
             if value != off and not (name == "best_of" and value == 1):
                 raise unsupported(name, value)
     if isinstance(req, ChatRequest):
-        if req.logprobs:
-            raise unsupported("logprobs", req.logprobs)
-        if req.top_logprobs is not None:
-            raise unsupported("top_logprobs", req.top_logprobs)
+        req.check_content()
+        req.top_logprobs_n()
         if req.response_format is not None and req.response_format != {"type": "text"}:
             raise unsupported("response_format", req.response_format, " (only {'type': 'text'})")
         if req.reasoning_effort is not None:
@@ -159,3 +202,23 @@ def unsupported_params(req: Sampling) -> None:
                               " (use chat_template_kwargs.thinking)")
         if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
             raise unsupported("tool_choice", req.tool_choice, " (only 'auto' and 'none')")
+
+
+def parse(body: bytes, model):
+    """The request body as `model`, or a 400 naming the field (malformed JSON, a wrong type, ...)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            message = f"{where}: unrecognized request argument (not a parameter ddtree serve knows)"
+        else:
+            message = f"{where}: {err['msg']} (got {err.get('input')!r})"
+        raise ApiError(400, message, param=where, code=err["type"]) from None

@@ -12,38 +12,57 @@ install's `ddtree` works without it.
 """
 from __future__ import annotations
 
+import logging
 import signal
+import sys
 from pathlib import Path
 
 import click
 
 from ddtree.cli_types import SAMPLING_DEFAULTS, QuietCommand
-from ddtree.errors import reported
+from ddtree.errors import InputError, reported
+from ddtree.model.jinja_template import read_chat_template
+from ddtree.model.tokenizer import use_chat_template
 from ddtree.runtime.engine import DDTreeEngine
-from ddtree.tree.build import MAX_BUDGET
+from ddtree.runtime.loop import context_of
+from ddtree.runtime.run_cli import BudgetParam
 
 DEFAULT_MODEL_NAME = "ddtree-tiny"
 
 
 @click.command("serve", cls=QuietCommand, context_settings={"help_option_names": ["-h", "--help"]},
                epilog=SAMPLING_DEFAULTS)
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
-@click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="DFlash drafter dir (default: the embedded tiny drafter; none with an engine dir).")
+@click.option("--model", "model_dir", default=None,
+              help="Target checkpoint dir, engine dir from ddtree-build, or a Hugging Face Hub id owner/name[@rev] "
+                   "(downloaded to, or offline read from, the Hub cache). Default: the embedded tiny model.")
+@click.option("--drafter", "drafter_dir", default=None,
+              help="DFlash drafter dir or Hub id (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--budget", type=click.IntRange(1, MAX_BUDGET), default=16, show_default=True,
-              help="Drafted tree nodes per DDTree step (root excluded).")
+@click.option("--budget", type=BudgetParam(), default="16", show_default=True,
+              help="Drafted tree nodes per DDTree step (root excluded), or 'auto' (per step, from an engine "
+                   "dir's tuning file: `ddtree tune ENGINE_DIR`).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
-@click.option("--served-model-name", default=None,
-              help=f"The model id clients send (default: {DEFAULT_MODEL_NAME} for the embedded model, "
-                   "else the --model folder's name).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help=f"A model id clients may send; repeat it for several (the first names the metrics). Default: "
+                   f"{DEFAULT_MODEL_NAME} for the embedded model, else the --model folder's name.")
 @click.option("--skip-verify", is_flag=True,
               help="Engine dir: skip the sha256 of every file (the sizes and config checks still run).")
-def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_name, skip_verify):
+@click.option("--api-key", default=None, envvar="DDTREE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health, /metrics stay open). "
+                   "Env: DDTREE_API_KEY.")
+@click.option("--allowed-origins", default=None,
+              help="CORS: comma-separated origins browsers may call from ('*': any). Default: no CORS headers.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+              help="The context the server allows, prompt + new tokens (default and maximum: the model's).")
+@click.option("--chat-template", "chat_template", type=click.Path(dir_okay=False), default=None,
+              help="A jinja2 chat template file to render chat prompts with, instead of the checkpoint's own.")
+@click.option("--disable-log-requests", is_flag=True,
+              help="No log line per request (default: one each: id, status, tokens, latency).")
+def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_names, skip_verify,
+                  api_key, allowed_origins, max_model_len, chat_template, disable_log_requests):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
@@ -55,10 +74,28 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
                                        "pip install -e '.[serve]'") from e
 
         engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
-        name = served_model_name or (Path(model_dir).resolve().name if model_dir else DEFAULT_MODEL_NAME)
-        app = create_app(engine, name, budget=budget, max_queue=max_queue)
-        click.echo(f"ddtree serve: model '{name}' ({engine.model_dir}), budget {budget}, "
-                   f"max queue {max_queue}", err=True)
+        if budget == "auto":
+            engine.auto_budget()                        # refused now (naming the tuning file), not per request
+        context = context_of(engine.config)
+        if max_model_len is not None and max_model_len > context:
+            raise InputError(f"--max-model-len {max_model_len} is more than the model's context ({context} "
+                             f"tokens, max_position_embeddings of {engine.model_dir / 'config.json'})")
+        if chat_template is not None:
+            use_chat_template(engine.tokenizer, read_chat_template(chat_template).text, chat_template)
+        names = list(served_model_names) or [(model_dir if not Path(model_dir).is_dir() else
+                                              Path(model_dir).resolve().name) if model_dir else DEFAULT_MODEL_NAME]
+        origins = [o.strip() for o in allowed_origins.split(",") if o.strip()] if allowed_origins else None
+        if not disable_log_requests:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+            logging.getLogger("ddtree.serve").addHandler(handler)
+            logging.getLogger("ddtree.serve").setLevel(logging.INFO)
+        app = create_app(engine, names, budget=budget, max_queue=max_queue, api_key=api_key,
+                         allowed_origins=origins, max_model_len=max_model_len,
+                         log_requests=not disable_log_requests)
+        click.echo(f"ddtree serve: model {', '.join(repr(n) for n in names)} ({engine.model_dir}), budget {budget}, "
+                   f"max queue {max_queue}, context {max_model_len or context}"
+                   + (", API key required" if api_key else ""), err=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False))
     # uvicorn handles SIGTERM / SIGINT itself (graceful shutdown) and, once drained, raises the signal
     # again for the handler it found: this one makes that a normal exit 0 instead of death by signal

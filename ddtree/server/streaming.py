@@ -6,6 +6,7 @@ is released only once it is final:
 
     TextStream(tokenizer, stop_ids, stops)
     .feed(ids) -> str          the text that became final with these tokens ("" while held back)
+    .feed_step(ids)            the same token by token, up to the one that completes a stop string
     .finish() -> str           the rest at the end of the run (an unfinished character becomes U+FFFD)
     .stopped                   True once a stop string matched: the text is cut right before it
 
@@ -53,6 +54,7 @@ class TextStream:
         self.stop_ids = frozenset(stop_ids)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.matcher = StopMatcher(stops or [])
+        self.decoded = 0                # characters the UTF-8 decoder has produced (before stop matching)
 
     @property
     def stopped(self) -> bool:
@@ -60,7 +62,21 @@ class TextStream:
 
     def feed(self, ids) -> str:
         shown = [int(t) for t in ids if int(t) not in self.stop_ids]
-        return self.matcher.feed(self.utf8.decode(self.tokenizer.decode_bytes(shown)))
+        decoded = self.utf8.decode(self.tokenizer.decode_bytes(shown))
+        self.decoded += len(decoded)
+        return self.matcher.feed(decoded)
+
+    def feed_step(self, ids) -> tuple[str, int, list[int]]:
+        """A step's tokens fed one at a time, stopping at the token that completes a stop string ->
+        (the text made final, how many tokens were used, each used token's character offset in the decoded
+        output). Tokens after a stop string's match are not part of the output (nor of completion_tokens)."""
+        pieces, offsets = [], []
+        for t in ids:
+            offsets.append(self.decoded)
+            pieces.append(self.feed([t]))
+            if self.stopped:
+                break
+        return "".join(pieces), len(offsets), offsets
 
     def finish(self) -> str:
         return self.matcher.feed(self.utf8.decode(b"", final=True)) + self.matcher.finish()

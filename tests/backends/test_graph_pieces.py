@@ -8,17 +8,17 @@ import numpy as np
 import onnx
 import pytest
 
-from ddtree.builder.build import build_engine
-from ddtree.builder.output_dir import BuildError
-from ddtree.description.layers import layer_weight_name
-from ddtree.parallel.collectives import RankGroup
 from ddtree.backends.onnx_graph import GraphBuilder
-from ddtree.runtime.graph_ranks import GraphRanks
-from ddtree.description.nodes import NODES, node_spec
 from ddtree.backends.tensorrt.fields import attrs_from_fields, field_arrays, node_attrs
 from ddtree.backends.tensorrt.kernels import MissingKernelError, node_runner, register_rank_collective
 from ddtree.backends.tensorrt.loader import TrtUnavailable, ensure_parser_link
+from ddtree.builder.build import build_engine
+from ddtree.builder.output_dir import BuildError
+from ddtree.description.layers import layer_weight_name
+from ddtree.description.nodes import NODES, node_spec
+from ddtree.parallel.collectives import RankGroup
 from ddtree.plugins.compile import KERNEL_DIR
+from ddtree.runtime.graph_ranks import GraphRanks
 
 
 def test_rank_group_sums_in_rank_order_on_every_rank():

@@ -8,9 +8,9 @@ the MLA softmax scale), and the plain reference to ~1e-7."""
 import numpy as np
 import pytest
 
-from ddtree.runtime.graph_ranks import GraphRanks, mask_words
 from ddtree.reference.model import causal_visible
 from ddtree.runtime import vocab_parallel
+from ddtree.runtime.graph_ranks import GraphRanks, mask_words
 from ddtree.tree.build import Tree, build_tree
 from ddtree.tree.sampling import SamplingParams
 from ddtree.tree.walk import accept_walk, sample_positions

@@ -4,13 +4,13 @@ import math
 import numpy as np
 import pytest
 
+from ddtree.backends.meter import MeterOps, meter_call, meter_step, totals
 from ddtree.bench.kernels import moe_touched_bytes, moe_weight_shapes
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
-from ddtree.model.presets import get_preset
 from ddtree.description import layers
-from ddtree.backends.meter import MeterOps, meter_call, meter_step, totals
 from ddtree.description.opset import RankLayout
+from ddtree.model.presets import get_preset
 
 H, E, K = 7168, 384, 8
 

@@ -7,13 +7,13 @@ what the float64 oracle moves by when the same bias is added after its attention
 import numpy as np
 import pytest
 
-from ddtree.model.tensors import TensorSpec
 from ddtree.description import layers
-from ddtree.runtime import graph_ranks as onnx_runner
-from ddtree.runtime.graph_ranks import GraphRanks, mask_words
+from ddtree.model.tensors import TensorSpec
 from ddtree.reference.mla import MLA
 from ddtree.reference.model import causal_visible
+from ddtree.runtime import graph_ranks as onnx_runner
 from ddtree.runtime.engine_executor import EngineExecutor
+from ddtree.runtime.graph_ranks import GraphRanks, mask_words
 
 PROMPT = np.array([256] + list(b"def fib(n):"))
 BIAS_NAME = "model.layers.{}.self_attn.o_proj.test_bias"

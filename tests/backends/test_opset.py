@@ -31,6 +31,7 @@ def test_cuda_ops_views_and_the_missing_collectives():
     """CPU part of the cuda backend: reshape / slice are strided views (the GPU tests run them on kernels:
     tests/runtime/test_cuda_executor_gpu.py); at tp > 1 without a collective the collectives raise naming it."""
     import numpy as np
+
     from ddtree.backends.cuda_tensor import Tensor
     ops = object.__new__(CudaOps)
     ops.lay, ops.where, ops.collective = LAY, "test", None

@@ -7,12 +7,12 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from ddtree.description.nodes import DOMAIN, NODES
 from ddtree.backends.onnx_nodes import ops_for
+from ddtree.backends.tensorrt.kernels import node_runner
+from ddtree.description.nodes import DOMAIN, NODES
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.model.int4 import pack_int4, quantize_int4
 from ddtree.plugins import layout
-from ddtree.backends.tensorrt.kernels import node_runner
 
 pytestmark = pytest.mark.gpu
 H, I, E, TOPK = 256, 128, 8, 2

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from ddtree.cli import main
-from ddtree.engine_dir import graphs_index_path, manifest_path, plan_rel, plans_path
 from ddtree.backends.onnx_export import io_of
+from ddtree.cli import main
 from ddtree.description.nodes import NODES
+from ddtree.engine_dir import graphs_index_path, manifest_path, plan_rel, plans_path
 
 pytestmark = pytest.mark.trt
 
@@ -170,8 +170,8 @@ def test_plugins_dropped_after_a_build(trt_engine):
 
 def test_cache_outputs_are_aliased_to_their_inputs(trt_engine, monkeypatch):
     """TensorRT sees the in-place caches: without the aliasing preview feature the layer plans do not build."""
-    from ddtree.builder.trt_build import PlanBuildError, build_plan
     from ddtree.backends.tensorrt.creators import trt
+    from ddtree.builder.trt_build import PlanBuildError, build_plan
     out, _, plans = trt_engine
     dims = json.loads(graphs_index_path(out).read_text())["dims"]
     original = trt.IBuilderConfig.set_preview_feature

@@ -31,8 +31,8 @@ def trt():
 
 @pytest.fixture(scope="module")
 def gpu():
-    from ddtree.plugins.device import Gpu
     from ddtree.backends.tensorrt.plugin_ops import device_gpu
+    from ddtree.plugins.device import Gpu
     g = device_gpu(0)
     assert isinstance(g, Gpu)
     return g

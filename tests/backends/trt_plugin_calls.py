@@ -53,8 +53,8 @@ def build_engine(out: Path) -> Path:
 def plan_fields(engine: Path) -> list[dict]:
     """Every plugin TensorRT created building rank 0's plans: plan, node name, op, attrs and serialised fields."""
     from ddtree import engine_dir as ed
-    from ddtree.builder.trt_build import build_plan
     from ddtree.backends.tensorrt import creators
+    from ddtree.builder.trt_build import build_plan
     creators.register_creators()
     dims = json.loads(ed.graphs_index_path(engine).read_text())["dims"]
     plans = json.loads(ed.plans_path(engine).read_text())["plans"]
@@ -85,8 +85,8 @@ def plan_fields(engine: Path) -> list[dict]:
 def node_calls(engine: Path) -> list[dict]:
     """Each ddtree node call of a prompt and three DDTree steps on the engine's bf16 graphs (onnx.reference)."""
     from ddtree.backends import onnx_nodes
-    from ddtree.runtime.graph_ranks import GraphRanks, mask_words
     from ddtree.reference.model import causal_visible
+    from ddtree.runtime.graph_ranks import GraphRanks, mask_words
     calls = []
     originals = {op: op._run for op in onnx_nodes.OPS}
 

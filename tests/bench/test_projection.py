@@ -4,14 +4,25 @@ import math
 
 import pytest
 
-from ddtree.bench.projection import (H200, HAND_SPLIT, NCCL, ONE_SHOT, AllReduceModel, Device, KernelClass,
-                                     MeasuredRowsError, Projection, fit_class, fit_line)
+from ddtree.backends.meter import MeterOps, Record, meter_call, meter_step
+from ddtree.bench.projection import (
+    H200,
+    HAND_SPLIT,
+    NCCL,
+    ONE_SHOT,
+    AllReduceModel,
+    Device,
+    KernelClass,
+    MeasuredRowsError,
+    Projection,
+    fit_class,
+    fit_line,
+)
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
-from ddtree.model.presets import get_preset
 from ddtree.description import layers
-from ddtree.backends.meter import MeterOps, Record, meter_call, meter_step
 from ddtree.description.opset import RankLayout
+from ddtree.model.presets import get_preset
 
 
 def test_two_kernels_and_one_collective_by_hand():

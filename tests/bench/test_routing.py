@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from ddtree.bench.routing import distinct_per_layer, reuse_rate, routing_ids, tree_ids, uniform_ids
 from ddtree.backends.meter import expected_distinct
+from ddtree.bench.routing import distinct_per_layer, reuse_rate, routing_ids, tree_ids, uniform_ids
 
 E, K = 384, 8
 

@@ -102,8 +102,10 @@ def test_routing_flags():
 def test_given_routing_writes_the_generators_ids_for_the_stated_tree():
     """What the MoE will use, per MoE layer: bench/routing.py's ids for the budget's stated tree, weights
     routed_scaling_factor / k; the distinct experts reported are those ids' (no GPU: a recording stand-in)."""
-    import numpy as np
     from types import SimpleNamespace
+
+    import numpy as np
+
     from ddtree.bench.project import DraftProfile
     from ddtree.bench.routing import distinct_per_layer, routing_ids
     from ddtree.bench.step_rows import given_routing
@@ -138,13 +140,12 @@ def test_stated_draft_logits_build_the_stated_tree(budget):
     projection's DraftProfile tree from them (the same nodes per depth; which of two equal-probability siblings
     comes first is the rounding's choice), and its first-child chain is long enough for --accept 4."""
     import numpy as np
-    from ddtree.bench.project import DraftProfile
-    from ddtree.bench.project import depth_histogram
+
+    from ddtree.bench.project import DraftProfile, depth_histogram
     from ddtree.bench.step_rows import stated_draft_logits
-    from ddtree.tree.build import Tree
-    from ddtree.runtime import vocab_parallel
     from ddtree.plugins.step_state import force_accept_ref
-    from ddtree.tree.build import build_tree
+    from ddtree.runtime import vocab_parallel
+    from ddtree.tree.build import Tree, build_tree
     logits = stated_draft_logits(budget, 7, 20480)
     logp, ids = vocab_parallel.topk_logprobs([logits], [0], budget)
     tree, stated = build_tree(5, logp, ids, budget), DraftProfile().tree(budget, 7)
@@ -156,11 +157,11 @@ def test_stated_draft_logits_build_the_stated_tree(budget):
 def test_every_metered_op_has_the_part_of_its_kernels():
     """meter_family mirrors kernel_family: a Kimi tp 8 step's records land in the parts whose kernels do that work,
     and the parts' ideals add up to the step's bytes at the ceiling."""
+    from ddtree.backends.meter import meter_step, totals
     from ddtree.bench.step_parts import SPLIT, meter_family, part_ideals
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.model.presets import get_preset
-    from ddtree.backends.meter import meter_step, totals
     cfg, dcfg = get_preset("kimi-k2.6", layers=3)
     plan = make_plan(cfg, dcfg, 8)
     recs = meter_step(cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), 0, 4096, 16)

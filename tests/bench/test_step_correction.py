@@ -11,10 +11,10 @@ from tests.cli.bad_input import ddtree, refuses
 
 
 def modelled_h200_us(context: int, budget: int) -> float:
+    from ddtree.backends.meter import meter_step
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.model.presets import get_preset
-    from ddtree.backends.meter import meter_step
     cfg, dcfg = get_preset("kimi-k2.6", 61)
     plan = make_plan(cfg, dcfg, 8)
     recs = meter_step(cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), 0, context, budget)

@@ -8,6 +8,7 @@ import pytest
 from ddtree.builder.build import build_engine
 from ddtree.model.synthetic import synth
 
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """(target dir, drafter dir) of the tiny preset, sharded small so tensors span many shards."""

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from ddtree.builder import output_dir as od
-from ddtree.plugins.compile import SOURCES
 from ddtree.cli import main
 from ddtree.engine_dir import ENGINE_FORMAT, config_path, kernels_dir, manifest_path, rank_dir
+from ddtree.plugins.compile import SOURCES
 
 STAGES = {"check", "kernels", "weights", "config", "graphs", "manifest"}
 

@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
+from big_checkpoint import write_big_checkpoint
 
 from ddtree.builder.tensor_io import TensorReader
 from ddtree.engine_dir import rank_dir
 from ddtree.model.checkpoint import Checkpoint
 from ddtree.model.safetensors_io import SafetensorsFile
-from big_checkpoint import write_big_checkpoint
 
 LIMIT_BYTES = 1 << 30
 

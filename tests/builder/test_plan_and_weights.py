@@ -9,13 +9,13 @@ import pytest
 from ddtree.builder.plan import PlanError, make_plan
 from ddtree.builder.tensor_io import RankFileWriter, TensorReader
 from ddtree.builder.weights import DRAFTER_PREFIX
+from ddtree.description.opset import RankLayout
 from ddtree.engine_dir import STORED, load_rank_tensors, read_engine_config
 from ddtree.model.checkpoint import Checkpoint, DrafterCheckpoint
 from ddtree.model.presets import get_preset
 from ddtree.model.safetensors_io import CheckpointError, SafetensorsFile
 from ddtree.model.tensors import TensorSpec, expert_name
 from ddtree.plugins import layout
-from ddtree.description.opset import RankLayout
 
 
 def rank_tensors(engine, tp):
@@ -129,6 +129,6 @@ def test_rank_file_writer_checks_every_row(tmp_path):
     w.close()
     f = SafetensorsFile(tmp_path / "y.safetensors")
     np.testing.assert_array_equal(f.read("a"), np.arange(12, dtype=np.float32).reshape(4, 3))
-    from safetensors import safe_open              # the package reads our files too
+    from safetensors import safe_open  # the package reads our files too
     with safe_open(str(tmp_path / "y.safetensors"), framework="numpy") as g:
         np.testing.assert_array_equal(g.get_tensor("a"), f.read("a"))

@@ -222,6 +222,7 @@ def test_comma_lists_one_rule():
     """ddtree/cli_types.comma_list, the one parser of every comma-separated flag: values in order, a bad item,
     an empty list or a value out of range is a BadParameter naming the flag."""
     import click
+
     from ddtree.cli_types import comma_list
     assert comma_list("4, 16,64", "--budget", int, 1, 255) == [4, 16, 64]
     assert comma_list("0,0.5", "--reuse", float, 0.0, 1.0) == [0.0, 0.5]

@@ -47,6 +47,7 @@ def test_a_checkpoint_runs_on_the_gpu():
     """The embedded tiny checkpoint with --device cuda: repacked at load into a temporary tp 1 engine for this
     GPU's architecture, then decoded there."""
     import json
+
     from ddtree.runtime.cuda_executor import gpu_unavailable
     from tests.cli.bad_input import ddtree
     if gpu_unavailable(0):

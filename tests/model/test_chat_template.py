@@ -8,12 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # jinja2: a dev dependency
 
 from ddtree.model.chat_template import KIMI_DEFAULT_SYSTEM, ChatFormatError, render_chat
 from ddtree.model.tokenizer import ByteTokenizer, KimiTokenizer
 from ddtree.model.tool_declaration import render_tools
-
-from jinja2.sandbox import ImmutableSandboxedEnvironment   # jinja2: a dev dependency
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kimi"
 K25_TEMPLATE = FIXTURES / "k2.5_chat_template.jinja"        # moonshotai/Kimi-K2.5 (via lightseekorg/smg)

@@ -198,3 +198,35 @@ def test_synth_cli_json(tmp_path):
     assert r.exit_code != 0 and "--force" in r.output
     r = CliRunner().invoke(main, ["synth", "--preset", "kimi-k2.6", "--out", str(tmp_path / "k")])
     assert r.exit_code != 0 and "--layers" in r.output
+
+
+def test_tensors_are_read_by_the_safetensors_library(monkeypatch):
+    """SafetensorsFile.read goes through safetensors.safe_open (numpy + ml_dtypes: BF16 as bfloat16), and hands
+    BF16 on as its uint16 bits, equal to the file's bytes."""
+    import glob
+
+    import ml_dtypes
+    import numpy as np
+    import safetensors
+
+    from ddtree.data import tiny_model_dirs
+    from ddtree.model.safetensors_io import SafetensorsFile
+    opened = []
+    real = safetensors.safe_open
+
+    def spy(path, framework, **kw):
+        opened.append((path, framework))
+        return real(path, framework=framework, **kw)
+
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    path = sorted(glob.glob(str(tiny_model_dirs()[0] / "*.safetensors")))[0]
+    f = SafetensorsFile(path)
+    name = next(n for n in f.keys() if f.entries[n].dtype == "BF16")
+    got = f.read(name)
+    assert opened == [(path, "numpy")] and got.dtype == np.uint16
+    with real(path, framework="numpy") as lib:
+        want = lib.get_tensor(name)
+    assert want.dtype == ml_dtypes.bfloat16 and np.array_equal(got, want.view(np.uint16))
+    b, e = f.offsets[name]
+    raw = open(path, "rb").read()[f.data_start + b: f.data_start + e]
+    assert got.tobytes() == raw

@@ -12,9 +12,18 @@ import warnings
 import pytest
 
 from ddtree.model.presets import BYTE_BOS, BYTE_EOS, BYTE_MASK, BYTE_PAD, get_preset
-from ddtree.model.tokenizer import (FALLBACK_SPECIALS, MAX_NO_WHITESPACES_CHARS, NUM_SPECIAL,
-                                    TIKTOKEN_MAX_ENCODE_CHARS, ByteTokenizer, KimiTokenizer, TokenizerError,
-                                    load_tokenizer, split_for_tiktoken, split_long_runs)
+from ddtree.model.tokenizer import (
+    FALLBACK_SPECIALS,
+    MAX_NO_WHITESPACES_CHARS,
+    NUM_SPECIAL,
+    TIKTOKEN_MAX_ENCODE_CHARS,
+    ByteTokenizer,
+    KimiTokenizer,
+    TokenizerError,
+    load_tokenizer,
+    split_for_tiktoken,
+    split_long_runs,
+)
 
 MERGES = [b"th", b"the", b" the", b"in", b"ing", b" a", b"\xe4\xbd", b"\xe4\xbd\xa0", b"er", b"  "]
 # ids after the ranks, named like the real tokenizer_config.json (offsets as in 163584 + k)

@@ -16,7 +16,7 @@ import pytest
 from ddtree.model.chat_template import render_chat
 from ddtree.model.tokenizer import ByteTokenizer, KimiTokenizer
 from ddtree.model.tool_calls import AssistantParser, ToolSchemaError, collect, parse_assistant, render_tools
-from tests.model.test_chat_template import K25_TEMPLATE, K2T_TEMPLATE, hf_render, write_byte_level_checkpoint
+from tests.model.test_chat_template import K2T_TEMPLATE, K25_TEMPLATE, hf_render, write_byte_level_checkpoint
 
 HEAD, TAIL = "# Tools\n\n## functions\nnamespace functions {\n", "\n}\n"
 

@@ -37,8 +37,8 @@ def run(gpus, body):
 
 
 def test_all_reduce_and_all_gather_are_the_rank_ordered_twins(gpus):
-    from ddtree.parallel.cuda_collectives import ThreadRankGroup
     from ddtree.backends.cuda_tensor import Tensor
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup
     from ddtree.plugins.allreduce import reference_sum
     rng = np.random.default_rng(3)
     parts = [rng.normal(0, 1 + r, (17, 7168)).astype(np.float32).view(np.uint32) >> 16 for r in range(len(gpus))]
@@ -62,8 +62,9 @@ def test_all_reduce_and_all_gather_are_the_rank_ordered_twins(gpus):
 
 def test_a_failing_rank_releases_the_others(gpus):
     from threading import BrokenBarrierError
-    from ddtree.parallel.cuda_collectives import ThreadRankGroup
+
     from ddtree.backends.cuda_tensor import Tensor
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup
     group = ThreadRankGroup(len(gpus), timeout_s=60)
 
     def body(r, g):

@@ -103,9 +103,9 @@ def plugin_all_reduce_rank(link, gpu_id: int, M: int, replays: int) -> dict:
     rank's part of each replay written in place. Returns the outputs."""
     from cuda.bindings import driver
 
+    from ddtree.backends.tensorrt.kernels import node_runner, register_rank_collective
     from ddtree.description.nodes import NODES
     from ddtree.parallel.rank_collective import RankCollective
-    from ddtree.backends.tensorrt.kernels import node_runner, register_rank_collective
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import Gpu, check
     gpu = Gpu(gpu_id)
@@ -208,8 +208,8 @@ def cuda_ops_rank(link, gpu_id: int, replays: int) -> dict:
     as runtime/cuda_step.py captures a step (ops.stream a graph builder, ops.capturing) and replayed with inputs
     rep 1..replays. Returns each run's outputs, the counter and the error bits."""
     from ddtree.backends.cuda_backend import CudaOps
-    from ddtree.parallel.cuda_collectives import ProcessRankMember
     from ddtree.description.opset import RankLayout
+    from ddtree.parallel.cuda_collectives import ProcessRankMember
     from ddtree.plugins.allreduce import OneShotAllReduce
     from ddtree.plugins.device import DeviceArray, Gpu
     gpu = Gpu(gpu_id)

@@ -57,6 +57,7 @@ extern "C" __global__ void steps_barrier(bf16_t* a, bf16_t* b, int n, int steps,
 def main(argv):
     chain = int(argv[argv.index("--chain") + 1]) if "--chain" in argv else 200
     from cuda.core import LaunchConfig, Program, ProgramOptions, launch
+
     from ddtree.plugins.device import Gpu
     gpu = Gpu(0)
     mod = Program(SRC, "c++", ProgramOptions(arch=gpu.arch, std="c++17")).compile("cubin")

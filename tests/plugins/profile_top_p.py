@@ -51,6 +51,7 @@ class Only:
 def stamps(gpu, V: int, host: np.ndarray, pos, defines: dict) -> dict:
     """Cycles per phase (sum over blocks / blocks) of one eager top-p launch of a DD_PROFILE=1 build."""
     from cuda.bindings import driver
+
     from ddtree.plugins.device import DeviceArray, check
     defines = {**defines, "DD_PROFILE": 1}
     n = host.shape[0]

@@ -3,9 +3,8 @@
     DD_TREE_TRACE=1 python3 tests/plugins/profile_tree.py ...   (phase timestamps printed by the kernels)
 modes: comma-separated names from ddtree.bench.tree.MODES, or "build" for the build alone.
 """
-import sys
-
 import os
+import sys
 
 import numpy as np
 
@@ -37,6 +36,7 @@ TRACE_PHASES = ["topk start", "keys loaded", "slice selected", "last slice selec
 def trace_global():
     """Device pointer of tree_build.cu's dd_trace[32] (DD_TREE_TRACE builds only)."""
     from cuda.bindings import driver
+
     from ddtree.plugins.device import check
     handle = gpu._modules["tree_build.cu"].handle
     getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal

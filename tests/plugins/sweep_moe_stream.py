@@ -11,8 +11,17 @@ import sys
 
 import numpy as np
 
-from ddtree.bench.kernels import (EXPERTS, HIDDEN, TOPK, _row, moe_operands, moe_plan_row, moe_touched_bytes,
-                                  open_gpu, time_moe)
+from ddtree.bench.kernels import (
+    EXPERTS,
+    HIDDEN,
+    TOPK,
+    _row,
+    moe_operands,
+    moe_plan_row,
+    moe_touched_bytes,
+    open_gpu,
+    time_moe,
+)
 from ddtree.plugins.moe import FusedMoE
 
 VARIANTS = {

@@ -12,8 +12,17 @@ import sys
 
 import numpy as np
 
-from ddtree.bench.kernels import (HIDDEN, _row, moe_operands, moe_plan_row, moe_routes, moe_touched_bytes, open_gpu,
-                                  time_graph, time_moe)
+from ddtree.bench.kernels import (
+    HIDDEN,
+    _row,
+    moe_operands,
+    moe_plan_row,
+    moe_routes,
+    moe_touched_bytes,
+    open_gpu,
+    time_graph,
+    time_moe,
+)
 from ddtree.plugins.moe import FusedMoE
 
 R32 = (3, 2)

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddtree.parallel.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
 from ddtree.backends.cuda_tensor import Tensor
-from ddtree.parallel.rank_collective import (AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal,
-                                         collective_parts)
+from ddtree.parallel.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
+from ddtree.parallel.rank_collective import AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal, collective_parts
 from ddtree.plugins import allreduce as ar
 from ddtree.plugins import compile as kc
 from ddtree.plugins.device import DeviceArray

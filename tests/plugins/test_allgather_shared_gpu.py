@@ -8,8 +8,15 @@ import pytest
 
 from ddtree.parallel.spawn_ranks import run_ranks
 from ddtree.plugins.allreduce import reference_sum
-from tests.plugins.allreduce_cases import (GATHER_CASES, all_gather_rank, cuda_ops_part, cuda_ops_rank,
-                                           gather_part, killed_peer_gather_rank, part)
+from tests.plugins.allreduce_cases import (
+    GATHER_CASES,
+    all_gather_rank,
+    cuda_ops_part,
+    cuda_ops_rank,
+    gather_part,
+    killed_peer_gather_rank,
+    part,
+)
 
 pytestmark = pytest.mark.gpu
 

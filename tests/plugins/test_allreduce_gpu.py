@@ -23,9 +23,9 @@ def gpu_count() -> int:
 if gpu_count() < 2:
     pytest.skip("needs 2 CUDA GPUs and cuda-python", allow_module_level=True)
 
-from ddtree.parallel.spawn_ranks import run_ranks                 # noqa: E402
-from ddtree.plugins.allreduce import reference_sum           # noqa: E402
-from tests.plugins.allreduce_cases import killed_peer_rank, nccl_rank, one_shot_rank, part   # noqa: E402
+from ddtree.parallel.spawn_ranks import run_ranks  # noqa: E402
+from ddtree.plugins.allreduce import reference_sum  # noqa: E402
+from tests.plugins.allreduce_cases import killed_peer_rank, nccl_rank, one_shot_rank, part  # noqa: E402
 
 
 @pytest.mark.parametrize("protocol", ["push", "pull"])

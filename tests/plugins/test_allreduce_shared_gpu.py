@@ -5,8 +5,8 @@ replayed with new inputs) gives the same bits. One GPU is enough."""
 import numpy as np
 import pytest
 
-from ddtree.plugins.allreduce import reference_sum
 from ddtree.parallel.spawn_ranks import run_ranks
+from ddtree.plugins.allreduce import reference_sum
 from tests.plugins.allreduce_cases import one_shot_rank, part, plugin_all_reduce_rank
 
 pytestmark = pytest.mark.gpu

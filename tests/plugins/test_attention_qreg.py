@@ -5,12 +5,17 @@ sm_120 plans fit 99 KB, and the default plans take it only where it measured fas
 correctness: test_mla_attention_gpu.py test_every_qreg_variant_and_split_layout."""
 import re
 
+import attention_cases as ac
 import pytest
 
-from ddtree.plugins.mla_attention import (QREG_DEFINES, QREG_VARIANTS, AttentionPlan, compiled_at, plan_attention,
-                                          smem_bytes)
-
-import attention_cases as ac
+from ddtree.plugins.mla_attention import (
+    QREG_DEFINES,
+    QREG_VARIANTS,
+    AttentionPlan,
+    compiled_at,
+    plan_attention,
+    smem_bytes,
+)
 
 SM120 = dict(sm_count=188, smem_limit=101376)
 H200 = dict(sm_count=132, smem_limit=232448)

@@ -4,12 +4,21 @@ through NVRTC), the plain cubins do not carry it, its shared memory is the struc
 the plans take it only when forced or where it measured faster (wgmma_default), and other latents, sm_120 and
 non-sm_90 GPUs are refused by name.
 GPU correctness: test_mla_wgmma_gpu.py."""
+import attention_cases as ac
 import pytest
 
-from ddtree.plugins.mla_attention import (WGMMA_ARCH, WGMMA_DEFINES, WGMMA_KEYS, WGMMA_VARIANTS, AttentionPlan,
-                                          MlaTreeAttention, compiled_at, plan_attention, smem_bytes, wgmma_default)
-
-import attention_cases as ac
+from ddtree.plugins.mla_attention import (
+    WGMMA_ARCH,
+    WGMMA_DEFINES,
+    WGMMA_KEYS,
+    WGMMA_VARIANTS,
+    AttentionPlan,
+    MlaTreeAttention,
+    compiled_at,
+    plan_attention,
+    smem_bytes,
+    wgmma_default,
+)
 
 H200 = dict(sm_count=132, smem_limit=232448)
 

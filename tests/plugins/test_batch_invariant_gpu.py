@@ -113,8 +113,9 @@ def test_invariant_absorb_rows_do_not_depend_on_the_batch(gpu):
 
 
 def test_invariant_moe_rows_do_not_depend_on_the_batch(gpu):
-    from ddtree.plugins.moe import FusedMoE, MoEShape
     from moe_cases import random_experts
+
+    from ddtree.plugins.moe import FusedMoE, MoEShape
     rng = np.random.default_rng(5)
     H, I, E, k, M = 1024, 256, 16, 4, 33
     packed = layout.repack_experts(random_experts(rng, E, H, I, 0.05))

@@ -4,10 +4,9 @@ every row count, plans that fit both archs' shared memory, and the flag refused 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from test_plans import ARCHS, GEMM_SHAPES, MOE_SHAPES
 
 from ddtree.plugins.moe_plan import DEFAULT_RING, plan_moe
-
-from test_plans import ARCHS, GEMM_SHAPES, MOE_SHAPES
 
 
 class PlanGpu:

@@ -3,11 +3,10 @@ global-memory path's outputs (the same partials summed in the same order) under 
 tiles a warp, 1..65 rows, the residual, fp32 out, ragged N and the SwiGLU epilogue; and against float64 numpy."""
 import numpy as np
 import pytest
-
-from ddtree.plugins import layout, randfill
-
 from test_gemm_tm_gpu import as_f64, gemm_case, run_plan
 from test_kernels_gpu import assert_close
+
+from ddtree.plugins import layout, randfill
 
 pytestmark = pytest.mark.gpu
 # name: (N, K, residual, out_f32)

@@ -6,10 +6,10 @@ shape and M, and never under the batch-invariant plan."""
 import json
 from pathlib import Path
 
+from test_batch_invariant_plans import PlanGpu
+
 from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm
 from ddtree.plugins.gemm_measured import GEMM_MEASURED, measured_gemm_knobs
-
-from test_batch_invariant_plans import PlanGpu
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "plugins"
 SWEEP, AB = FIXTURES / "gemm_sweep_h200_tp8_dsmem_tm.json", FIXTURES / "gemm_ab_h200_tp8_measured.json"

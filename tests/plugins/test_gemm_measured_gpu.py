@@ -4,13 +4,12 @@ the shapes that take one in the layer (o_proj, dense down), and SwiGLU for the d
 On a device the table does not name, the plan is the fitted one and the test says so (skip)."""
 import numpy as np
 import pytest
+from test_gemm_tm_gpu import as_f64, gemm_case, run_plan
+from test_kernels_gpu import assert_close
 
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
 from ddtree.plugins import layout, randfill, reference
 from ddtree.plugins.gemm_measured import GEMM_MEASURED
-
-from test_gemm_tm_gpu import as_f64, gemm_case, run_plan
-from test_kernels_gpu import assert_close
 
 pytestmark = pytest.mark.gpu
 RESIDUAL = {(7168, 1024), (7168, 2304)}

@@ -5,8 +5,17 @@ import pytest
 
 from ddtree.bench.kernels import GEMM_SHAPES
 from ddtree.plugins import compile as kc
-from ddtree.plugins.gemm import (G4_MTS, G4_STAGES, MAX_MT, TM_SLOTS, TM_TTS, plan_gemm, plan_gemm_tm, tm_tiles,
-                                 token_tiles)
+from ddtree.plugins.gemm import (
+    G4_MTS,
+    G4_STAGES,
+    MAX_MT,
+    TM_SLOTS,
+    TM_TTS,
+    plan_gemm,
+    plan_gemm_tm,
+    tm_tiles,
+    token_tiles,
+)
 
 H200_SMEM, PRO6000_SMEM = 232448, 101376
 

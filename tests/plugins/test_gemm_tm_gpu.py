@@ -4,11 +4,10 @@ against float64 numpy under forced (warps, tiles a warp, splits) plans and token
 one bf16 rounding of the 8-row kernels (the same k order chunk by chunk; the mma's internal order may differ)."""
 import numpy as np
 import pytest
+from test_kernels_gpu import assert_close
 
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.plugins import layout, randfill, reference
-
-from test_kernels_gpu import assert_close
 
 pytestmark = pytest.mark.gpu
 # name: (N, K, residual, out_f32)

@@ -6,12 +6,11 @@ poisoned with NaN before each run, so an unwritten element fails.
 """
 import numpy as np
 import pytest
+from moe_cases import CASES, FIXTURES, TOKENS, TOPK, random_experts, route_only_weights, tensor_specs
 
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
-from ddtree.plugins import layout, randfill, reference
 from ddtree.model.routing import route_logits, sigmoid
-
-from moe_cases import CASES, FIXTURES, TOKENS, TOPK, random_experts, route_only_weights, tensor_specs
+from ddtree.plugins import layout, randfill, reference
 
 pytestmark = pytest.mark.gpu
 MS = [1, 2, 3, 8, 16, 64, 256]

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ddtree.backends import numpy_math
 from ddtree.model.presets import get_preset
 from ddtree.model.rope import rope_frequencies, rope_magnitude
-from ddtree.backends import numpy_math
 from ddtree.plugins import reference
 from ddtree.plugins.layer_ops import LayerOps, rope_table
 

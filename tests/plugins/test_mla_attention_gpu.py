@@ -8,13 +8,12 @@ Outputs are poisoned with NaN before each run, so an unwritten element fails. Th
 through DeviceLatentCache.append, so the append is exercised by every attention case. The cache tests,
 the kernels' sizeof checks and the variant sweep run at every dims of attention_cases.DIMS.
 """
+import attention_cases as ac
 import numpy as np
 import pytest
 
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.plugins import randfill
-
-import attention_cases as ac
 
 pytestmark = pytest.mark.gpu
 DIMS_IDS = [f"l{latent}_r{rope}" for latent, rope in ac.DIMS]

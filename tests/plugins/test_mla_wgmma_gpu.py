@@ -3,10 +3,9 @@ against the fp32 numpy reference, as test_mla_attention_gpu.py checks the other 
 with one split, three, and 200 (empty splits dropping out of the merge), at 8 and 64 heads, short and long
 contexts, the tree in its own split and at the end of the last one; and the launcher's shared memory against
 the kernel's struct."""
+import attention_cases as ac
 import numpy as np
 import pytest
-
-import attention_cases as ac
 from test_mla_attention_gpu import Setup, check_attention
 
 pytestmark = pytest.mark.gpu

@@ -5,15 +5,36 @@ numpy twin of the schedule (each item on exactly its slice, split partials and c
 float64 reference moe_given_routing."""
 import numpy as np
 import pytest
+from moe_cases import random_experts
 
 from ddtree.plugins import layout, reference
-from ddtree.plugins.moe_plan import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe, plan_moe_stream
-from ddtree.plugins.moe_stream import STREAM_MEASURED, stream_default, stream_knobs
-from ddtree.plugins.moe_stream import (BAR_BYTES, DOWN_WAVES, REGS_PER_THREAD, STATIC_SMEM, align_tiles, first_round,
-                                       looks_ahead, pinned_count, pinned_items, schedule, simulate_stream, stream_items,
-                                       x_bytes)
-
-from moe_cases import random_experts
+from ddtree.plugins.moe_plan import (
+    DEFAULT_RING,
+    ONE_CHUNK_RING,
+    RINGS,
+    STAGE_BYTES,
+    MoEShape,
+    plan_moe,
+    plan_moe_stream,
+)
+from ddtree.plugins.moe_stream import (
+    BAR_BYTES,
+    DOWN_WAVES,
+    REGS_PER_THREAD,
+    STATIC_SMEM,
+    STREAM_MEASURED,
+    align_tiles,
+    first_round,
+    looks_ahead,
+    pinned_count,
+    pinned_items,
+    schedule,
+    simulate_stream,
+    stream_default,
+    stream_items,
+    stream_knobs,
+    x_bytes,
+)
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448, l2=50 << 20),
          "sm_120": dict(sm_count=188, smem_limit=101376, l2=128 << 20)}

@@ -6,10 +6,9 @@ copies, pinned down items, deeper rings);
 three back-to-back calls in one graph. Outputs are poisoned with NaN before each replay."""
 import numpy as np
 import pytest
+from test_kernels_gpu import assert_close, moe_case  # noqa: F401  (moe_case: the module fixture of both paths)
 
 from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
-
-from test_kernels_gpu import assert_close, moe_case  # noqa: F401  (moe_case: the module fixture of both paths)
 
 pytestmark = pytest.mark.gpu
 STREAM_MS = [1, 2, 3, 8, 16, 17, 33, 64, 65]

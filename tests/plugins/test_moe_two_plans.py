@@ -6,8 +6,8 @@ tree routing (fewer distinct experts than uniform, each row top-k distinct)."""
 import numpy as np
 import pytest
 
-from ddtree.plugins.moe_plan import DEFAULT_RING, OCC_KERNELS, RINGS, MoEShape, plan_moe
 from ddtree.plugins.moe_measured import TWO_MEASURED, two_launch_knobs
+from ddtree.plugins.moe_plan import DEFAULT_RING, OCC_KERNELS, RINGS, MoEShape, plan_moe
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
 TP8 = MoEShape(7168, 256, 384, 8)
@@ -80,8 +80,8 @@ def test_measured_knobs_fit_and_cover_every_tile():
 
 def test_bench_tree_routing_ids():
     from ddtree.bench.kernels import EXPERTS, TOPK, moe_routing_ids
-    from ddtree.bench.routing import reuse_rate
     from ddtree.bench.project import DraftProfile
+    from ddtree.bench.routing import reuse_rate
     rng = np.random.default_rng(3)
     for M in (1, 9, 17, 33):
         tree = np.stack([moe_routing_ids(rng, M, "tree", 0.5) for _ in range(40)])       # [40, M, k]

@@ -4,7 +4,6 @@ The attention plans are checked at every preset's latent dims (kv_lora_rank, qk_
 import pytest
 
 from ddtree.model.presets import PRESETS, get_preset
-
 from ddtree.plugins.gemm import plan_gemm
 from ddtree.plugins.moe_plan import DEFAULT_RING, ONE_CHUNK_RING, RINGS, STAGE_BYTES, MoEShape, plan_moe
 

@@ -9,11 +9,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ddtree.plugins import compile as kc
-
 from ddtree.model.routing import route_logits, topk_lowest_id
-from ddtree.plugins.router import (MAX_WARPS, STATIC_SMEM, RouterShape, invariant_knobs, lanes_allowed, plan_router,
-                                   route_ref, router_smem, row_lanes, select_ref)
+from ddtree.plugins import compile as kc
+from ddtree.plugins.router import (
+    MAX_WARPS,
+    STATIC_SMEM,
+    RouterShape,
+    invariant_knobs,
+    lanes_allowed,
+    plan_router,
+    route_ref,
+    router_smem,
+    row_lanes,
+    select_ref,
+)
 
 ARCHS = {"sm_90": dict(sm_count=132, smem_limit=232448), "sm_120": dict(sm_count=188, smem_limit=101376)}
 SHAPES = {"kimi_tp8": RouterShape(384, 7168, 8, scaling=2.827),

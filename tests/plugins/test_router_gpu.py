@@ -8,12 +8,12 @@ against the ids. Outputs are poisoned before each run, so an unwritten element f
 """
 import numpy as np
 import pytest
+from moe_cases import route_only_weights
 
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import route_logits
 from ddtree.plugins import layout, randfill, reference
 from ddtree.plugins.router import lanes_allowed
-from moe_cases import route_only_weights
 
 pytestmark = pytest.mark.gpu
 

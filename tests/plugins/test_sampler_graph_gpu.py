@@ -12,11 +12,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tree_cases as tc
 
 from ddtree.backends.numpy_math import kv_compact
 from ddtree.tree.sampling import SamplingParams, sample
-
-import tree_cases as tc
 
 pytestmark = pytest.mark.gpu
 V, N = 40000, 33                                    # 3 slices a row; 33 rows (a tree of budget 32)

@@ -8,9 +8,9 @@ rows' flags.
 """
 import numpy as np
 import pytest
+from test_top_p_bins import lm_row
 
 from ddtree.plugins import top_p_bins as tb
-from test_top_p_bins import lm_row
 from ddtree.tree.sampling import SamplingParams, kept_mask, sample
 
 pytestmark = pytest.mark.gpu

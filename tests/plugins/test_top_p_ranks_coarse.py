@@ -11,8 +11,16 @@ import pytest
 
 from ddtree.plugins import top_p_bins as tb
 from ddtree.plugins import top_p_ranks as trk
-from ddtree.plugins.top_p_ranks import (BIN_OVERFLOW, INEXACT, KEYS_PER_RANK, coarse_crossing, fine_crossing,
-                                        rank_coarse, ranks_kept_coarse, ranks_sample_top_p_coarse)
+from ddtree.plugins.top_p_ranks import (
+    BIN_OVERFLOW,
+    INEXACT,
+    KEYS_PER_RANK,
+    coarse_crossing,
+    fine_crossing,
+    rank_coarse,
+    ranks_kept_coarse,
+    ranks_sample_top_p_coarse,
+)
 from tests.plugins.test_top_p_bins import cumulative, lm_row
 from tests.plugins.test_top_p_ranks import rows, split
 

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from test_top_p_gpu import CASES, V_BIG
 
 from ddtree.parallel.cuda_collectives import StandinGather
 from ddtree.plugins import top_p_bins as tb
 from ddtree.plugins.top_p_ranks import ranks_sample_top_p
 from ddtree.tree.sampling import SamplingParams
-from test_top_p_gpu import CASES, V_BIG
 
 pytestmark = pytest.mark.gpu
 TPS = (2, 4, 8)

@@ -7,12 +7,12 @@ import re
 
 import numpy as np
 import pytest
+from test_allreduce import shared_bytes
 
 from ddtree.plugins import compile as kc
 from ddtree.plugins import top_p_ranks_gpu as tr
 from ddtree.plugins.device import DeviceArray
 from ddtree.tree.sampling import SamplingParams
-from test_allreduce import shared_bytes
 
 KERNELS = ("topp_ranks_max", "topp_ranks_mass", "topp_ranks_decide", "topp_ranks_scan", "topp_ranks_cut")
 TOP_P = SamplingParams(temperature=0.8, top_p=0.9, seed=5)

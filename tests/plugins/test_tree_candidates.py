@@ -8,12 +8,11 @@ import re
 
 import numpy as np
 import pytest
+import tree_cases as tc
 
 import ddtree.plugins.compile as kc
 from ddtree.plugins import tree_candidates as tcand
 from ddtree.tree.build import build_tree
-
-import tree_cases as tc
 
 
 def all_tuples(K: int, D: int):

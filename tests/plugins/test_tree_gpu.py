@@ -11,12 +11,11 @@ the whole step with new device-side inputs.
 """
 import numpy as np
 import pytest
+import tree_cases as tc
 
 from ddtree.tree.build import Tree, build_tree, pack_visibility, topk_logprobs
 from ddtree.tree.sampling import SamplingParams, sample
 from ddtree.tree.walk import accept_walk
-
-import tree_cases as tc
 
 pytestmark = pytest.mark.gpu
 V_BIG = 163840

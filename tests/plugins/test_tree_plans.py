@@ -8,10 +8,18 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ddtree.plugins.tree_build import table_keys
 from ddtree.plugins.compile import KERNEL_DIR
-from ddtree.plugins.tree_sample import (CANDIDATES, GREEDY, GUMBEL, SAMPLE_PARAMS_DTYPE, TOP_K, TOP_P, params_record,
-                                        plan_sampling)
+from ddtree.plugins.tree_build import table_keys
+from ddtree.plugins.tree_sample import (
+    CANDIDATES,
+    GREEDY,
+    GUMBEL,
+    SAMPLE_PARAMS_DTYPE,
+    TOP_K,
+    TOP_P,
+    params_record,
+    plan_sampling,
+)
 from ddtree.tree.sampling import SamplingParams
 
 

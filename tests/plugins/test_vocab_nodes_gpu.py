@@ -17,13 +17,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tree_cases as tc
 
 from ddtree.backends import numpy_math as m
 from ddtree.plugins.vocab_nodes import tree_capacity
 from ddtree.tree.build import build_tree
 from ddtree.tree.sampling import SamplingParams, sample
-
-import tree_cases as tc
 
 pytestmark = pytest.mark.gpu
 # (V_r, tp): a drafter vocab of ~1000 ids split over tp ranks, and Kimi's 163840
@@ -286,10 +285,10 @@ def heads(ops, V_r: int, k: int) -> None:
 def test_the_cuda_backend_runs_the_node_kernels_at_any_tp(rank_gpus, tp):
     """layers.tree and layers.accept through CudaOps, the ranks as threads gathering through their collectives:
     every rank holds numpy's tree, targets and walk."""
-    from ddtree.description import layers
     from ddtree.backends.cuda_backend import CudaOps
-    from ddtree.parallel.cuda_collectives import ThreadRankGroup, run_ranks
+    from ddtree.description import layers
     from ddtree.description.opset import RankLayout
+    from ddtree.parallel.cuda_collectives import ThreadRankGroup, run_ranks
     from ddtree.plugins.device import DeviceArray
     V_r, D, budget, T, s = 20480 if tp == 8 else 1000, 7, 64, 0.7, 99
     k, n, rng = min(budget, V_r), budget + 1, np.random.default_rng(tp)

@@ -46,10 +46,10 @@ def calls():
 
 
 def build(path: Path = FIXTURE) -> Path:
-    from ddtree.bench.hash_model import HashModel
-    from ddtree.model.routing import sigmoid
     from ddtree.backends.numpy_backend import NumpyOps
+    from ddtree.bench.hash_model import HashModel
     from ddtree.description.opset import ACC
+    from ddtree.model.routing import sigmoid
     from ddtree.runtime.engine_executor import EngineExecutor
     cfg, dcfg = config()
     model = HashModel(cfg, dcfg, SEED)

@@ -3,13 +3,19 @@
     PYTHONPATH=. python3 tests/runtime/profile_step.py
 Found with it: the steady state costs ~15 us of host time a step (replay 7, event 2, record 5); the rest of the
 mean was the per-request start (state and window uploads, which synchronise), now counted apart."""
-import sys, time, tempfile, cProfile, pstats
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 import numpy as np
+
 from ddtree.builder.build import build_engine
 from ddtree.data import tiny_model_dirs
 from ddtree.runtime.cuda_executor import CudaExecutor
-from ddtree.runtime.loop import ddtree_steps, ar_steps, run_to_end
+from ddtree.runtime.loop import ar_steps, ddtree_steps, run_to_end
 from ddtree.tree.sampling import SamplingParams
 
 root = Path(tempfile.mkdtemp())
@@ -23,6 +29,7 @@ def replay(graph):
     t = time.perf_counter(); orig_replay(graph); T["replay"].append(time.perf_counter() - t)
 g.replay = replay
 from ddtree.runtime import cuda_step
+
 P = {"enter": [], "replay_next": [], "record_next": [], "sync": [], "after": []}
 def _step(self, key, body, prepare, ahead):
     t0 = time.perf_counter()

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ddtree.cli import main
 from ddtree.model.synthetic import synth
 from ddtree.model.tokenizer import ByteTokenizer
 from ddtree.reference.model import Target, causal_visible
-from ddtree.cli import main
 from ddtree.runtime.autoregressive import generate_ar
 from ddtree.tree.sampling import SamplingParams, sample
 

@@ -14,10 +14,10 @@ import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.data import TINY_DIR, tiny_model_dirs
-from ddtree.runtime.caches import DraftCaches, TargetCaches
 from ddtree.reference.cache import LatentCache
 from ddtree.reference.drafter import Drafter
 from ddtree.reference.model import Target
+from ddtree.runtime.caches import DraftCaches, TargetCaches
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import PromptTooLongError, RunStats, ar_steps, ddtree_steps, run_to_end

@@ -30,11 +30,11 @@ expert twin; its differences from float64 are near-ties).
 import numpy as np
 import pytest
 
+from ddtree.backends.numpy_backend import NumpyOps
 from ddtree.builder.build import build_engine
+from ddtree.description.opset import ACC
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import sigmoid
-from ddtree.backends.numpy_backend import NumpyOps
-from ddtree.description.opset import ACC
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import ar_steps, causal_visible, run_to_end
 from ddtree.tree.sampling import SamplingParams
@@ -177,6 +177,7 @@ def near_ties(ref, prompt, tokens) -> int:
 def test_greedy_ar_matches_float64_except_near_ties(engines):
     """The decode steps replay one captured graph (CudaExecutor graphs=True); an eager executor runs too."""
     import time
+
     from ddtree.runtime.cuda_executor import CudaExecutor
     ref, gex = engines
     eager = CudaExecutor(ref.engine_dir, max_context=256, graphs=False)
@@ -196,6 +197,7 @@ def test_greedy_ar_matches_float64_except_near_ties(engines):
 
 def test_cli_runs_ar_on_the_gpu(engines):
     import json
+
     from tests.cli.bad_input import ddtree
     ref, gex = engines
     r = ddtree(["run", "--model", str(ref.engine_dir), "--device", "cuda", "--max-context", "256", "--mode", "ar",
@@ -241,6 +243,7 @@ def test_a_600_token_prompt_runs_in_chunks(engines):
 
 def test_the_cli_takes_a_long_prompt_and_names_what_it_cannot(engines):
     import json
+
     from tests.cli.bad_input import ddtree, refuses
     ref, _ = engines
     r = ddtree(["run", "--model", str(ref.engine_dir), "--device", "cuda", "--max-context", str(CONTEXT),

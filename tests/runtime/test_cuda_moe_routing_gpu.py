@@ -20,11 +20,11 @@ logit difference is routing near-ties carried to later rows by attention, no ker
 import numpy as np
 import pytest
 
+from ddtree.backends.numpy_backend import NumpyOps
 from ddtree.builder.build import build_engine
+from ddtree.description.opset import ACC
 from ddtree.model.bf16 import bf16_to_f32
 from ddtree.model.routing import route_logits
-from ddtree.backends.numpy_backend import NumpyOps
-from ddtree.description.opset import ACC
 from ddtree.plugins import reference
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import causal_visible

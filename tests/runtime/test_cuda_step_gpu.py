@@ -156,10 +156,12 @@ def test_auto_budget_on_the_gpu(tiny, delta):
     brute-force best rate for the table the graph handed back; then `ddtree tune --device cuda` and a
     `ddtree run --budget auto --mode both` on its file."""
     import json
+
     from ddtree.runtime.loop import RunStats
     from ddtree.tree.budget import expected_accept_for_table
     from tests.cli.bad_input import ddtree
-    from tests.runtime.test_auto_budget import BUDGETS as budgets, Spy, hand_tuning
+    from tests.runtime.test_auto_budget import BUDGETS as budgets
+    from tests.runtime.test_auto_budget import Spy, hand_tuning
     ex, prompts = tiny
     times = (100.0, 110.0, 120.0, 5000.0)
     tuning = hand_tuning(times)

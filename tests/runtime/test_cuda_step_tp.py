@@ -176,9 +176,9 @@ def ranks_of(preset: str, tp: int):
     rank_tensor_specs shapes them), at tp > 1 each with a ProcessRankMember over a recording one-shot."""
     from ddtree.builder.plan import make_plan
     from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.description.opset import RankLayout
     from ddtree.model.presets import get_preset
     from ddtree.parallel.cuda_collectives import ProcessRankMember
-    from ddtree.description.opset import RankLayout
     from ddtree.runtime.cuda_executor import CudaExecutor
     cfg, dcfg = get_preset(preset)
     plan = make_plan(cfg, dcfg, tp)

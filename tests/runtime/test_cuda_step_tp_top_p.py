@@ -170,8 +170,8 @@ def test_a_flagged_top_p_row_raises_naming_the_step_and_row(monkeypatch, ahead_r
 def test_the_one_shot_holds_top_ps_largest_part(preset):
     """The rank processes' one-shot: max(the step's largest all-reduce, TopPRanks' largest all-gather part at the
     kernels' 256 rows), in bf16 elements (2 B each) and a multiple of the one-shot's vector."""
-    from ddtree.model.presets import get_preset
     from ddtree.backends.cuda_backend import MAX_TOKENS
+    from ddtree.model.presets import get_preset
     from ddtree.plugins.allreduce import VECTOR
     from ddtree.plugins.top_p_ranks_gpu import RECORD_BYTES, exchange_bytes
     from ddtree.runtime.cuda_ranks import all_reduce_elems, one_shot_elems, top_p_gather_elems

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli.bad_input import ddtree, refuses
 from ddtree import engine_dir as ed
 from ddtree.builder.build import build_engine
 from ddtree.builder.plan import make_plan
 from ddtree.model.config import DrafterConfig, KimiConfig
 from ddtree.model.synthetic import synth
+from tests.cli.bad_input import ddtree, refuses
 
 RUN = ["--max-new-tokens", "2"]
 WEIGHT = "rank1/layer-002.safetensors"          # a MoE layer of rank 1 (the last rank read)

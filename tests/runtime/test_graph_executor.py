@@ -22,8 +22,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def executors(engine):
-    from ddtree.runtime.graph_ranks import GraphRanks
     from ddtree.runtime.graph_executor import GraphExecutor
+    from ddtree.runtime.graph_ranks import GraphRanks
     return GraphExecutor(GraphRanks.from_engine(engine, act="float64")), EngineExecutor(engine)
 
 

@@ -19,8 +19,7 @@ import pytest
 
 from ddtree.builder.build import build_engine
 from ddtree.model.synthetic import synth
-from ddtree.parallel.shm_group import (RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup,
-                                  new_spec)
+from ddtree.parallel.shm_group import RankDiedError, RankError, RankUnresponsiveError, SharedMemoryGroup, new_spec
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.ranks import Committed, ControlRecord, RankProcesses, Request
 from ddtree.tree.sampling import SamplingParams

@@ -88,12 +88,20 @@ def engine():
     return DDTreeEngine.load()
 
 
-def metric(url: str, name: str) -> float:
-    """One unlabelled sample of the server's /metrics."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+def samples(url: str) -> dict:
+    """The server's /metrics parsed by prometheus_client: {(sample name, frozenset(labels)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """One sample of the server's /metrics, labelled model_name=MODEL and `labels`."""
+    key = (name, frozenset({"model_name": MODEL, **labels}.items()))
+    found = samples(url)
+    assert key in found, f"{name}{labels} not in /metrics"
+    return found[key]
 
 
 def wait_idle(url: str, timeout_s: float = 30.0) -> dict:

@@ -46,13 +46,13 @@ class FailingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def stream_request(self, ids, request, stats=None):
+    def stream_request(self, ids, request, stats=None, on_logits=None):
         text = self.engine.decode(ids)
         if text == "boom":
             raise RuntimeError("a bug inside the engine")
         if text == "die":
             raise WorkerKilled("rank 1 is gone")
-        return self.engine.stream_request(ids, request, stats)
+        return self.engine.stream_request(ids, request, stats, on_logits)
 
 
 @pytest.fixture()

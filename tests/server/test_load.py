@@ -58,4 +58,5 @@ def test_64_clients_queue_of_8(server, engine):
         alone = engine.generate(body["prompt"], max_new_tokens=40, temperature=0.9, top_k=50, seed=body["seed"])
         assert answers[i][2] == alone.text, f"client {i}"
     assert wait_idle(server) == {"status": "ok", "queue": 0, "running": 0}
-    assert metric(server, "ddtree_queue_depth") == 0 and metric(server, "ddtree_running_requests") == 0
+    assert metric(server, "ddtree:num_requests_waiting") == 0
+    assert metric(server, "ddtree:num_requests_running") == 0

@@ -4,7 +4,6 @@ makes the target's logits pick a fixed Kimi-format answer, driven through the re
 official openai client, streamed and not."""
 from __future__ import annotations
 
-
 import numpy as np
 import openai
 import pytest

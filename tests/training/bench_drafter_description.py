@@ -17,10 +17,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.training.train import embedded_configs
-from ddtree.training.target_model import KimiForCausalLM, init_weights
-from ddtree.training.drafter_model import DFlashDrafter
 from ddtree.backends import torch_backend as tb
+from ddtree.training.drafter_model import DFlashDrafter
+from ddtree.training.target_model import KimiForCausalLM, init_weights
+from ddtree.training.train import embedded_configs
+
 torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else 2)
 B, A, S = int(sys.argv[1]), int(sys.argv[2]), 512
 cfg, dcfg = embedded_configs()

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from ddtree.tree.budget import (
-    BudgetError, Calibration, _pool_adjacent_violators, choose_budget, edge_draft_probs,
-    expected_accept_for_table, expected_accept_from_edges, expected_accept_prefix, fit_calibration)
+    BudgetError,
+    Calibration,
+    _pool_adjacent_violators,
+    choose_budget,
+    edge_draft_probs,
+    expected_accept_for_table,
+    expected_accept_from_edges,
+    expected_accept_prefix,
+    fit_calibration,
+)
 from ddtree.tree.build import Tree, build_tree, topk_logprobs
 from ddtree.tree.walk import accept_walk
 

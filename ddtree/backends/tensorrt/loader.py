@@ -44,12 +44,12 @@ def ensure_parser_link(libs_dir: Path) -> Path:
 def import_trt():
     """The tensorrt_rtx_bindings module, after loading the libs wheel and fixing the parser link."""
     try:
-        import tensorrt_rtx_libs  # optional: an ImportError here is handled
+        import tensorrt_rtx_libs  # tensorrt_rtx: the trt extra (its absence is answered below)
     except ImportError as e:
         raise TrtUnavailable(f"TensorRT-RTX is not installed: {INSTALL}") from e
     ensure_parser_link(Path(tensorrt_rtx_libs.__file__).resolve().parent)
     try:
-        import tensorrt_rtx_bindings as trt  # optional: an ImportError here is handled
+        import tensorrt_rtx_bindings as trt  # tensorrt_rtx: the trt extra (its absence is answered below)
     except ImportError as e:
         raise TrtUnavailable(f"the TensorRT-RTX bindings do not import ({e}): {INSTALL}") from e
     return trt
