@@ -131,6 +131,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         self.lane = 0                       # the branch launching now (0: the main chain)
         self.shared_join = "experts"        # where the MoE's shared-expert branch joins: before the experts' launch,
                                             # or "down" (beside the routed gate_up too; backends/cuda_moe.py)
+        self.prefetch_next = True            # ops.prefetch(beside="collective"): the next layer's attention weights
+                                             # staged beside the MLP all-reduce (PCIe: tens of us the HBM idles)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
                                                         # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 

@@ -92,7 +92,9 @@ class BranchOps:
             b.join(self)
             self._open.remove(b)
 
-    def prefetch(self, *names) -> None:
+    def prefetch(self, *names, beside: str = "attention") -> None:
+        if beside == "collective" and not self.prefetch_next:
+            return
         budget, chosen = self.prefetch_bytes, []
         for name in names:
             for buf in self.store.layouts(name):

@@ -8,11 +8,20 @@
 Stand-in collectives (StandinCollective) move each all-reduce's bytes once on this GPU (a copy of the partial;
 an all-gather copies it into every rank's slot) and sum nothing: rank r's step at its real cost without the
 other ranks, not its results. Their launches carry the tag "allreduce_standin" (bench/step_parts.py).
+PcieCollective (--collectives pcie) moves the same bytes and then holds a one-shot's blocks for the time the PCIe
+model of 8x RTX PRO 6000 gives the collective (bench/projection.py AllReduceModel, the fit `bench project` uses),
+so the step pays the modelled collective and whatever runs beside it (an L2 prefetch on a side branch) overlaps
+it for real.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ddtree.backends.cuda_backend import CudaOps
+from ddtree.bench.projection import ALLREDUCE_CHOICES
 from ddtree.parallel.cuda_collectives import StandinGather
+from ddtree.plugins.allreduce import gather_grid, grid_for
+from ddtree.plugins.pcie_standin import PcieStandin
 from ddtree.runtime.cuda_step import GpuSteps
 
 STANDIN_TAG = "allreduce_standin"
@@ -32,6 +41,47 @@ class StandinCollective:
     def all_gather(self, gpu, x, out, stream=None) -> None:
         self.ops.tag = STANDIN_TAG
         self.gather.all_gather(gpu, x, out, stream)
+        self.ops.tag = ""
+
+
+class PcieCollective:
+    """The collectives of rank `ops.lay.rank` of tp `tp` as the PCIe model prices them: `allreduce` names the
+    models (ALLREDUCE_CHOICES: one-shot, nccl, or auto = the cheaper of the two for each message)."""
+    capturable = True
+
+    def __init__(self, ops: CudaOps, tp: int, allreduce: str = "auto"):
+        self.ops, self.tp, self.models = ops, tp, ALLREDUCE_CHOICES[allreduce]
+        self.allreduce, self.standin, self.gather = allreduce, PcieStandin(ops.gpu), StandinGather(tp)
+
+    def modelled_us(self, nbytes: int) -> float:
+        """One collective whose message (an all-gather's: every rank's part together) is nbytes."""
+        return min(m.us(nbytes, self.tp) for m in self.models)
+
+    def describe(self) -> dict:
+        return {"collectives": "pcie", "allreduce": self.allreduce, "tp": self.tp,
+                "models": [{"name": m.name, "latency_us": m.latency_us, "bandwidth_gbps": m.bandwidth_gbps,
+                            "source": m.source} for m in self.models],
+                "price": "us = latency_us + bytes (tp - 1) / tp / bandwidth (the cheapest model), all-gathers on "
+                         "their gathered bytes (bench/projection.py Projection.collective_us)"}
+
+    def all_reduce(self, gpu, x, out, stream=None) -> None:
+        nbytes = size = int(np.prod(x.shape)) * x.itemsize
+        self.ops.tag = STANDIN_TAG
+        if nbytes % 16:                               # the data by DMA, then the hold alone
+            self.ops.copy_into(x, out)
+            nbytes = 0
+        self.standin.run(x.ptr, out.ptr, nbytes, 1, self.modelled_us(size), grid_for(max(size // 2, 8))[0],
+                         stream=stream)
+        self.ops.tag = ""
+
+    def all_gather(self, gpu, x, out, stream=None) -> None:
+        nbytes = size = int(np.prod(x.shape)) * x.itemsize
+        self.ops.tag = STANDIN_TAG
+        if nbytes % 16 or x.ptr % 16 or out.ptr % 16:
+            self.gather.all_gather(gpu, x, out, stream)
+            nbytes = 0
+        self.standin.run(x.ptr, out.ptr, nbytes, self.tp, self.modelled_us(size * self.tp),
+                         gather_grid(max(size, 16))[0], stream=stream)
         self.ops.tag = ""
 
 

@@ -25,6 +25,7 @@ from ddtree.bench.projection import (
     PRO_6000,
     AcceptSource,
     Projection,
+    load_hidden,
     load_measured,
 )
 from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
@@ -151,13 +152,16 @@ def _table(rows: list[dict], title: str) -> Table:
 @click.option("--measured-step", type=click.Path(dir_okay=False, exists=True), default=None,
               help="a `ddtree bench step --json` file from the H200: each matching row also gets the projection "
                    "corrected by the measured / modelled factor (bench/step_correction.py)")
+@click.option("--hidden-collectives", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="bench step JSON measured with --collectives copy,pcie: the collectives cost (1 - its hidden "
+                   "fraction) of their modelled time instead of all of it")
 @click.option("--top1", type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.6,
               show_default=True, help="draft profile: top-1 probability at every depth (the tree's shape)")
 @click.option("--seed", type=int, default=0, show_default=True, help="routing generator seed")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured,
-                    measured_step, top1, seed, as_json):
+                    measured_step, hidden_collectives, top1, seed, as_json):
     """Project one DDTree step to 8x RTX PRO 6000 (a projection from the meter's counts; no GPU)."""
     budget_list = _ints(budgets, "--budget", 1, MAX_BUDGET)
     routing_list = _routings(routing, reuse)
@@ -167,7 +171,8 @@ def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_
         raise click.BadParameter(f"rank {rank} is not below --tp {tp}", param_hint="--rank")
     plan = make_plan(cfg, dcfg, tp)
     classes = {**HAND_SPLIT, **(load_measured(measured) if measured else {})}
-    proj = Projection(PRO_6000, classes, ALLREDUCE_CHOICES[allreduce], tp)
+    hidden = load_hidden(hidden_collectives) if hidden_collectives else (0.0, Projection.hidden_source)
+    proj = Projection(PRO_6000, classes, ALLREDUCE_CHOICES[allreduce], tp, *hidden)
     accept = ACCEPT_SOURCES[accept_name]
     model = (cfg, dcfg, plan.to_dict(), rank_tensor_specs(plan), rank)
     profile = DraftProfile(top1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -144,6 +145,8 @@ class Projection:
     classes: dict                    # class name -> KernelClass
     allreduce: tuple                 # AllReduceModels; a collective costs the cheapest ("auto" with two)
     tp: int
+    hidden: float = 0.0              # the fraction of the collectives' time the step hides (measured: bench step
+    hidden_source: str = "none: every collective adds its whole time"   # --collectives copy,pcie)
 
     def collective_us(self, nbytes: float) -> float:
         return min(m.us(nbytes, self.tp) for m in self.allreduce)
@@ -164,7 +167,7 @@ class Projection:
                 messages[(r.collective, total)] += 1
         collectives = [{"op": op, "message_bytes": nbytes, "count": n, "us_each": self.collective_us(nbytes),
                         "us": n * self.collective_us(nbytes)} for (op, nbytes), n in sorted(messages.items())]
-        split["allreduce"] = sum(c["us"] for c in collectives)
+        split["allreduce"] = sum(c["us"] for c in collectives) * (1.0 - self.hidden)
         by_class["collectives"] = split["allreduce"]
         return {"step_us": sum(split.values()), "split_us": split, "by_class_us": dict(by_class),
                 "collectives": collectives}
@@ -173,7 +176,8 @@ class Projection:
         return {"target": f"{self.tp}x {self.device.name}", "bandwidth_tbps": self.device.bandwidth_tbps,
                 "bf16_tflops": self.device.bf16_tflops, "device_source": self.device.source,
                 "allreduce_model": {"choice": "cheapest per message" if len(self.allreduce) > 1 else "single",
-                                    "models": [asdict(m) for m in self.allreduce]},
+                                    "models": [asdict(m) for m in self.allreduce],
+                                    "hidden_fraction": self.hidden, "hidden_source": self.hidden_source},
                 "kernel_classes": {k: asdict(c) for k, c in sorted(self.classes.items())},
                 "fixed_cost": "per op call, carried from the H200 fit unchanged"}
 
@@ -254,3 +258,16 @@ def load_measured(path, dev: Device = H200) -> dict:
         by_class.setdefault(row["kernel_class"], []).append(values)
     return {name: fit_class(name, r, dev, HAND_SPLIT[name].flop_efficiency, f"fit of {len(r)} rows of {path}")
             for name, r in by_class.items()}
+
+
+def load_hidden(path, budget: int | None = None) -> tuple[float, str]:
+    """A bench step JSON measured with --collectives copy,pcie -> (the mean hidden fraction of its DDTree rows, at
+    `budget` where it has rows of it, clamped to [0, 1], and a sentence naming the file and the rows)."""
+    obj = json.loads(Path(path).read_text())
+    rows = [r for r in obj.get("hidden", []) if r.get("budget") is not None]
+    if not rows:
+        raise InputError(f"{path}: no 'hidden' rows (measure them with ddtree bench step --collectives copy,pcie)")
+    at = [r for r in rows if r["budget"] == budget] or rows
+    f = sum(r["hidden_fraction"] for r in at) / len(at)
+    what = ", ".join(f"budget {r['budget']} {r['routing']}: {r['hidden_fraction']:.3f}" for r in at)
+    return min(max(f, 0.0), 1.0), f"{path} ({obj.get('device', '?')}; mean of {what})"

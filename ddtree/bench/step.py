@@ -36,6 +36,9 @@ from ddtree.bench.attention import dense_peak
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
+from ddtree.bench.projection import ALLREDUCE_CHOICES
+from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
+from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
 from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_rows import prepare_row, row_cases, stated_depths, synthetic_steps
@@ -131,7 +134,19 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             "distinct_experts": distinct, "accepted_per_step": 1 if budget is None else accepted,
             "top_kernels": top_kernels(launches, times, rank.lay.vocab_stop - rank.lay.vocab_start,
                                        cfg.n_routed_experts),
-            "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None}
+            "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None,
+            "collectives_modelled_us": modelled_us(rank.ops.collective, recs, rank.lay.tp)}
+
+
+def echo_row(row: dict) -> None:
+    where = f"context {row['context']}, {row['collectives']} collectives"
+    if row["budget"] is None:
+        click.echo(f"{where}, AR: step {row['step_us']:.0f} us, {1e6 / row['step_us']:.0f} tok/s, "
+                   f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
+    else:
+        reuse = "" if row["reuse"] is None else f" {row['reuse']}"
+        click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}: step {row['step_us']:.0f} us, "
+                   f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
 
 
 @click.command("step")
@@ -166,10 +181,19 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
                    "down launch only (A/B: backends/cuda_moe.py)")
+@click.option("--collectives", "collective_modes", default="copy", show_default=True,
+              help="--ranks one: copy (each collective's bytes moved once) and/or pcie (the same, then held for the "
+                   "PCIe model's time: bench/step_collectives.py); both: each row under each, and the fraction of "
+                   "the modelled time the step hides")
+@click.option("--allreduce", type=click.Choice(sorted(ALLREDUCE_CHOICES)), default="auto", show_default=True,
+              help="--collectives pcie: the PCIe model(s) a collective is priced by (auto: the cheaper per message)")
+@click.option("--prefetch-next/--no-prefetch-next", default=None,
+              help="the next layer's attention weights staged in L2 beside each layer's MLP all-reduce (default on: "
+                   "backends/cuda_branch.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, as_json):
+                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     cases = parse_routing(routings, reuses)
@@ -178,9 +202,16 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     layers = layers or (61 if preset == "kimi-k2.6" else None)
     cfg, dcfg = get_preset(preset, layers)
     plan = make_plan(cfg, dcfg, tp)
+    modes = comma_list(collective_modes, "--collectives", str)
+    if any(m not in COLLECTIVE_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise click.BadParameter(f"{collective_modes!r}: a comma list of {', '.join(COLLECTIVE_MODES)}",
+                                 param_hint="--collectives")
+    if modes != ["copy"] and tp == 1:
+        raise click.BadParameter("a tp 1 rank has no collectives to stand in for", param_hint="--collectives")
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
-                            ("--shared-join", shared_join is not None)):
+                            ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
+                            ("--prefetch-next", prefetch_next is not None)):
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
@@ -212,28 +243,33 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         rank.ops.prefetch_bytes = int(prefetch_mb * 2**20)
     if shared_join is not None:
         rank.ops.shared_join = shared_join
+    if prefetch_next is not None:
+        rank.ops.prefetch_next = prefetch_next
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
                err=True)
     rows, filled = [], None
-    for context, budget, routing, reuse in row_cases(contexts, budgets, cases, with_ar):
-        if context != filled:
-            rank.fill_caches(context)
-            filled = context
-        row = measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept)
-        rows.append(row)
-        if budget is None:
-            click.echo(f"context {context}, AR: step {row['step_us']:.0f} us, {1e6 / row['step_us']:.0f} tok/s, "
-                       f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
-        else:
-            click.echo(f"context {context}, budget {budget}, {routing} {reuse if reuse is not None else ''}: "
-                       f"step {row['step_us']:.0f} us, {row['pct_roofline']:.0f} % of the copy roofline", err=True)
+    for mode in modes:
+        if tp > 1:
+            use_collectives(rank, steps, mode, allreduce)
+        for context, budget, routing, reuse in row_cases(contexts, budgets, cases, with_ar):
+            if context != filled:
+                rank.fill_caches(context)
+                filled = context
+            row = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept),
+                   "collectives": mode}
+            rows.append(row)
+            echo_row(row)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
-              "shared_join": rank.ops.shared_join, "rows": rows,
-              "notes": {"collectives": "stand-ins moving their bytes once on this GPU; not in the roofline",
+              "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next, "rows": rows,
+              "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},
+              "hidden": hidden_rows(rows),
+              "notes": {"collectives": "copy: stand-ins moving their bytes once on this GPU; pcie: the same, held for "
+                                       "the PCIe model's time (bench/step_collectives.py); neither in the roofline",
+                        "hidden": "per row under both: hidden_fraction = 1 - (step pcie - step copy) / modelled_us",
                         "accept": "each DDTree step commits accepted_per_step tokens: the walk's path replaced by "
                                   "the tree's first-child chain (random weights accept ~1 on their own)",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "

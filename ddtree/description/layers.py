@@ -106,6 +106,16 @@ def mlp_front(cfg, layer: int) -> tuple:
     return mlp_names(m)
 
 
+def attention_front(cfg, layer: int) -> tuple:
+    """The names of the weights decoder layer `layer`'s attention reads, smallest first (a prefetch takes them in
+    order while they fit its budget); none past the last layer."""
+    if layer >= cfg.num_hidden_layers:
+        return ()
+    a = layer_prefix(layer) + "self_attn."
+    return tuple(a + n for n in ("kv_b_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                                 "q_a_proj.weight"))
+
+
 def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     """Decoder layer `layer` (dense MLP or MoE by the config)."""
     p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -120,6 +130,7 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
                                          cfg.rms_norm_eps, "attn")
     mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
+    ops.prefetch(*attention_front(cfg, layer + 1), beside="collective")   # the all-reduce leaves the HBM idle
     ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
     ops.output("cache_out", cache, ["S", W], ACT)
 

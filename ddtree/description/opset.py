@@ -231,11 +231,11 @@ class Ops(ABC):
     def join(self, b) -> None:
         """After this, ops may read what the ops of branch b wrote (in order: nothing to do)."""
 
-    def prefetch(self, *names: str) -> None:
+    def prefetch(self, *names: str, beside: str = "attention") -> None:
         """A hint: the weights of these names are read soon, after the op that runs next (a backend may stage
-        them in cache while that op runs, finishing by the end of the call: cuda, beside the tree attention,
-        backends/cuda_branch.py). No value depends on it; here, and in every backend that does not override it,
-        nothing happens."""
+        them in cache while that op runs, finishing by the end of the call: cuda, beside the tree attention or a
+        collective, backends/cuda_branch.py). `beside` says which ("attention" or "collective"). No value depends
+        on it; here, and in every backend that does not override it, nothing happens."""
 
     # vocab-parallel sampling and the tree ------------------------------------------------------------
     @abstractmethod

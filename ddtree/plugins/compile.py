@@ -49,6 +49,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "allreduce.cu": {"default": {"AR_MAX_RANKS": 8, "AR_MAX_BLOCKS": 32}},   # one-shot all-reduce (plugins/allreduce.py)
     "router.cu": {"default": {}},              # the fused MoE router (plugins/router.py)
     "prefetch.cu": {"default": {}},            # L2 prefetch of the next kernels' weights (plugins/prefetch.py)
+    "pcie_standin.cu": {"default": {}},        # a PCIe collective's stand-in on one GPU (plugins/pcie_standin.py)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)
