@@ -93,8 +93,8 @@ class BranchOps:
             self._open.remove(b)
 
     def prefetch(self, *names, beside: str = "attention") -> None:
-        if beside == "collective" and not self.prefetch_next:
-            return
+        if beside == "collective" and (not self.prefetch_next or self.lay.tp == 1):
+            return                                   # tp 1's all-reduce is no collective: nothing to hide behind
         budget, chosen = self.prefetch_bytes, []
         for name in names:
             for buf in self.store.layouts(name):
