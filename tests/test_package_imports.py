@@ -10,7 +10,7 @@ from pathlib import Path
 import ddtree
 
 ROOT = Path(ddtree.__file__).resolve().parent
-TABLE = ROOT.parent / "docs" / "architecture.md"
+TABLE = ROOT.parent / "docs/architecture.md"
 
 
 def module_of(path: Path) -> str:

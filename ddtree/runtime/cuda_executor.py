@@ -36,14 +36,14 @@ from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_te
 from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.plugins.device import Gpu, _driver, check
 from ddtree.plugins.kv_cache import DeviceLatentCache
-from ddtree.runtime import vocab_parallel
+from ddtree.runtime import loop, vocab_parallel
 from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache, draft_feeds, target_feeds, target_layers
 from ddtree.runtime.cuda_step import GpuSteps
 from ddtree.runtime.cuda_step_tp import TpSteps
 from ddtree.runtime.cuda_weights import CudaWeights
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.executor import Executor
-from ddtree.runtime.loop import RequestError, ar_step, ddtree_step
+from ddtree.runtime.loop import RequestError
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -185,7 +185,7 @@ class CudaExecutor(Executor):
 
     def ar_step(self, state, params: SamplingParams) -> list[int]:
         """The AR loop's step (runtime/loop.py): one replay of the AR graph."""
-        return self.steps.ar_step(state, params) if self.steps else ar_step(self, state, params)
+        return self.steps.ar_step(state, params) if self.steps else loop.ar_step(self, state, params)
 
     def drafter_prefill(self, state) -> None:
         """The DDTree loop's hook after the prefill (runtime/loop.py): the step graphs' drafter window."""
@@ -194,7 +194,7 @@ class CudaExecutor(Executor):
 
     def ddtree_step(self, state, params: SamplingParams, budget: int) -> list[int]:
         """The DDTree loop's step (runtime/loop.py): one replay of the step graph of (budget, block, mode)."""
-        return self.steps.ddtree_step(state, params, budget) if self.steps else ddtree_step(self, state, params, budget)
+        return self.steps.ddtree_step(state, params, budget) if self.steps else loop.ddtree_step(self, state, params, budget)
 
     def _logits(self, t: Tensor) -> np.ndarray:
         """[q, V_r] of this rank -> [q, V]: at tp > 1 the ranks' slices gathered through the host group."""

@@ -41,8 +41,8 @@ from ddtree.plugins.device import DeviceArray
 from ddtree.plugins.step_state import StepState
 from ddtree.plugins.tree_build import DraftTreeBuilder
 from ddtree.plugins.tree_sample import TreeSampler
+from ddtree.runtime import loop
 from ddtree.runtime.cuda_model import draft_feeds, target_feeds, target_layers
-from ddtree.runtime.loop import ar_step, ddtree_step
 from ddtree.tree.build import pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -222,7 +222,7 @@ class GpuSteps:
         if s.cache is not self.ex.target_cache or s.start + 1 > self.ex.max_context:
             self.drain()
             self.synced = None
-            return ar_step(self.ex, s, params)
+            return loop.ar_step(self.ex, s, params)
         key = ("ar", self.set_params(params).mode)
         ahead = s.start + 2 < min(s.end, self.ex.max_context)     # step k + 1 needed and inside the cache
         rec = self._step(key, self._ar_body, lambda: self._sync_state(s.start, s.bonus), ahead)

@@ -55,9 +55,9 @@ from ddtree.plugins.top_p_ranks_gpu import KERNELS, SOURCE, TopPRanks
 from ddtree.plugins.tree_build import DraftTreeBuilder
 from ddtree.plugins.tree_sample import STATUS_BIN_OVERFLOW, STATUS_INEXACT
 from ddtree.plugins.vocab_nodes import MAX_DEPTH, MAX_LIST_KEYS, TreeBuild, slices, tree_capacity
+from ddtree.runtime import loop
 from ddtree.runtime.cuda_model import target_layers
 from ddtree.runtime.cuda_step import GpuSteps, _array
-from ddtree.runtime.loop import ar_step, ddtree_step
 from ddtree.tree.sampling import SamplingParams
 
 GREEDY, GUMBEL, TOP_P = "greedy", "gumbel", "top_p"   # plugins/tree_sample.py's mode names (a step graph's key)
@@ -202,7 +202,7 @@ class TpSteps(GpuSteps):
         self.drain()
         self.synced = None
         self.primitive_sampling_steps += 1
-        return ar_step(self.ex, s, params)
+        return loop.ar_step(self.ex, s, params)
 
     def ddtree_step(self, s, params: SamplingParams, budget: int) -> list[int]:
         """The graph of (budget, b, mode), or the primitives for top-k (and --budget auto's table, which rank
@@ -213,7 +213,7 @@ class TpSteps(GpuSteps):
         self.drain()
         self._leave_window(s)
         self.primitive_sampling_steps += not on_nodes
-        return ddtree_step(self.ex, s, params, budget)
+        return loop.ddtree_step(self.ex, s, params, budget)
 
     # ---- the graphs' bodies --------------------------------------------------------------------
     def _winners(self, h: Tensor, sample_pos: Tensor) -> dict:

@@ -94,8 +94,8 @@ def test_too_many_prompts_names_the_flag():
 
 
 def test_cuda_without_a_gpu_names_what_is_missing(monkeypatch):
-    import ddtree.runtime.cuda_executor as cx
-    monkeypatch.setattr(cx, "gpu_unavailable", lambda gpu=0: f"--gpu {gpu}: this machine has 0 CUDA GPU(s)")
+    import ddtree.bench.e2e as e2e_module
+    monkeypatch.setattr(e2e_module, "gpu_unavailable", lambda gpu=0: f"--gpu {gpu}: this machine has 0 CUDA GPU(s)")
     r = e2e("--device", "cuda", "--gpu", "3")
     assert r.exit_code == 1 and "--device cuda is not available: --gpu 3: this machine has 0" in r.output, r.output
 
