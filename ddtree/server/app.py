@@ -15,7 +15,6 @@ ddtree-run's stats (the prefill is not a step).
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import sys
 import time
@@ -32,15 +31,19 @@ from ddtree.errors import InputError
 from ddtree.runtime.loop import PromptTooLongError, check_context, context_of
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
 from ddtree.server.errors import ApiError, error_body
+from ddtree.server.limits import BodyLimit, Limits, endpoint_label, shown
 from ddtree.server.metrics import Metrics
 from ddtree.server.scheduler import Job, Scheduler
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling, unsupported_params
 from ddtree.server.streaming import TextStream, sse
+from ddtree.server.validate import check_sampling, check_token_ids, load_json
 
 DISCONNECT_POLL_S = 0.25        # while a request waits for its next step, how often it checks its client
 
 
-def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) -> FastAPI:
+def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8,
+               limits: Limits | None = None) -> FastAPI:
+    limits = limits or Limits()
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, metrics)
     context = context_of(engine.config)
@@ -50,23 +53,26 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
     async def lifespan(app):
         scheduler.start()
         yield
-        await asyncio.to_thread(scheduler.drain)       # uvicorn has drained the connections; stop the worker
+        await asyncio.to_thread(scheduler.drain, limits.shutdown_timeout_s)   # uvicorn has drained the connections
         close = getattr(engine, "close", None)          # rank processes, where the engine has them
         if close is not None:
             close()
 
     app = FastAPI(title="ddtree serve", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
+    max_values = limits.max_json_values or context + 65536
+    app.add_middleware(BodyLimit, limits=limits,
+                       count=lambda scope, status: metrics.requests.labels(endpoint_label(app, scope), str(status)).inc())
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        metrics.requests.labels(request.url.path, str(e.status)).inc()
+        metrics.requests.labels(endpoint_label(app, request.scope), str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
         status = 404 if e.status_code == 404 else 400 if e.status_code in (405, 422) else e.status_code
-        return JSONResponse(error_body(status, f"{request.method} {request.url.path}: {e.detail}"),
+        return JSONResponse(error_body(status, f"{request.method} {shown(request.url.path)}: {e.detail}"),
                             status_code=e.status_code)
 
     # --- routes ---------------------------------------------------------------------------------
@@ -92,9 +98,9 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(await request.body(), CompletionRequest)
+        req = await parsed(request, CompletionRequest)
         prepare(req)
-        ids = prompt_ids(lambda: engine.encode(req.single_prompt()), "prompt")
+        ids = await prompt_ids(lambda: engine.encode(req.single_prompt()), "prompt")
         rid, stops = f"cmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.max_tokens)
         if req.stream:
@@ -107,9 +113,9 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(await request.body(), ChatRequest)
+        req = await parsed(request, ChatRequest)
         prepare(req)
-        ids = prompt_ids(lambda: chat_prompt_ids(engine.tokenizer, req), "messages")
+        ids = await prompt_ids(lambda: chat_prompt_ids(engine.tokenizer, req), "messages")
         output = ChatOutput(parser_thinking(engine.tokenizer, req))
         rid, stops = f"chatcmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.new_tokens_limit())
@@ -128,21 +134,28 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
     def check_model(name: str) -> None:
         if name != model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
+            raise ApiError(404, f"The model '{shown(name)}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
+
+    async def parsed(request: Request, model):
+        """The body (read whole by BodyLimit) as `model`, parsed off the event loop (validate.py)."""
+        return await asyncio.to_thread(parse, await request.body(), model, limits.max_json_depth, max_values)
 
     def prepare(req: Sampling) -> None:
         check_model(req.model)
         unsupported_params(req)
+        check_sampling(req.temperature, req.top_k, req.top_p, req.seed)
 
-    def prompt_ids(encode, param: str) -> list[int]:
+    async def prompt_ids(encode, param: str) -> list[int]:
+        """The prompt's token ids, encoded off the event loop (a long prompt takes a while), each id checked."""
         try:
-            ids = encode()
+            ids = await asyncio.to_thread(encode)
+            check_token_ids(ids, engine.config.vocab_size, param)
             check_context(len(ids), context)
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
-        except InputError as e:
-            raise ApiError(400, f"{type(e).__name__}: {e}", param=param) from None
+        except (InputError, RecursionError) as e:
+            raise ApiError(400, f"{type(e).__name__}: {shown(str(e), 300)}", param=param) from None
         return ids
 
     def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> Job:
@@ -156,7 +169,7 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
         return job
 
     def answered(request: Request, body: dict) -> dict:
-        metrics.requests.labels(request.url.path, "200").inc()
+        metrics.requests.labels(endpoint_label(app, request.scope), "200").inc()
         return body
 
     # --- running it -----------------------------------------------------------------------------
@@ -237,9 +250,9 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
                     yield sse(chunk({**body, "finish_reason": end[0]}))
                     if include_usage:
                         yield sse({**chunk(None), "choices": [], "usage": end[1]})
-                metrics.requests.labels(request.url.path, "200").inc()
+                metrics.requests.labels(endpoint_label(app, request.scope), "200").inc()
             except ApiError as e:
-                metrics.requests.labels(request.url.path, str(e.status)).inc()
+                metrics.requests.labels(endpoint_label(app, request.scope), str(e.status)).inc()
                 yield sse(e.body())
             yield sse("[DONE]")
 
@@ -265,14 +278,9 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8) ->
 
 # --- helpers without the app's state ------------------------------------------------------------
 
-def parse(body: bytes, model):
-    """The request body as `model`, or a 400 naming the field (malformed JSON, a wrong type, ...)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+def parse(body: bytes, model, max_depth: int = 32, max_values: int = 1 << 16):
+    """The request body as `model`, or a 400 naming the field or limit (malformed JSON, a wrong type, ...)."""
+    data = load_json(body, max_depth, max_values)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -281,7 +289,7 @@ def parse(body: bytes, model):
         if err["type"] == "extra_forbidden":
             message = f"{where}: unrecognized request argument (not a parameter ddtree serve knows)"
         else:
-            message = f"{where}: {err['msg']} (got {err.get('input')!r})"
+            message = f"{where}: {err['msg']} (got {shown(repr(err.get('input')))})"
         raise ApiError(400, message, param=where, code=err["type"]) from None
 
 

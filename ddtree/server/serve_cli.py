@@ -18,6 +18,7 @@ import click
 
 from ddtree.cli_types import QuietCommand
 from ddtree.errors import reported
+from ddtree.server.limits import Limits, limit_options
 from ddtree.tree.build import MAX_BUDGET
 
 DEFAULT_MODEL_NAME = "ddtree-tiny"
@@ -40,7 +41,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
                    "else the --model folder's name).")
 @click.option("--skip-verify", is_flag=True,
               help="Engine dir: skip the sha256 of every file (the sizes and config checks still run).")
-def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_name, skip_verify):
+@limit_options
+def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_name, skip_verify,
+                  **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
@@ -55,10 +58,14 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
         from ddtree.runtime.engine import DDTreeEngine
         engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
         name = served_model_name or (Path(model_dir).resolve().name if model_dir else DEFAULT_MODEL_NAME)
-        app = create_app(engine, name, budget=budget, max_queue=max_queue)
+        limits = Limits(**limit_kw)
+        app = create_app(engine, name, budget=budget, max_queue=max_queue, limits=limits)
         click.echo(f"ddtree serve: model '{name}' ({engine.model_dir}), budget {budget}, "
                    f"max queue {max_queue}", err=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False))
+    from ddtree.server.limits import deadline_protocol
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                                           http=deadline_protocol(limits),
+                                           timeout_graceful_shutdown=limits.shutdown_timeout_s))
     # uvicorn handles SIGTERM / SIGINT itself (graceful shutdown) and, once drained, raises the signal
     # again for the handler it found: this one makes that a normal exit 0 instead of death by signal
     for sig in (signal.SIGTERM, signal.SIGINT):
