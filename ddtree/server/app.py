@@ -46,7 +46,7 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8,
     limits = limits or Limits()
     metrics = Metrics()
     scheduler = Scheduler(engine, max_queue, metrics)
-    context = context_of(engine.config)
+    context, vocab = context_of(engine.config), engine.config.vocab_size
     created = int(time.time())
 
     @asynccontextmanager
@@ -100,7 +100,8 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8,
     async def completions(request: Request):
         req = await parsed(request, CompletionRequest)
         prepare(req)
-        ids = await prompt_ids(lambda: engine.encode(req.single_prompt()), "prompt")
+        ids = await prompt_ids(lambda: engine.encode(check_token_ids(req.single_prompt(), vocab, "prompt")),
+                              "prompt")
         rid, stops = f"cmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.max_tokens)
         if req.stream:
@@ -150,7 +151,6 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8,
         """The prompt's token ids, encoded off the event loop (a long prompt takes a while), each id checked."""
         try:
             ids = await asyncio.to_thread(encode)
-            check_token_ids(ids, engine.config.vocab_size, param)
             check_context(len(ids), context)
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None

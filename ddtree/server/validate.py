@@ -1,7 +1,7 @@
 """Checks on a request before it reaches the engine: every refusal a 400 before any stream starts.
 
     data = load_json(body, max_depth=32, max_values=66432)    # bytes -> dict, bounded work
-    check_token_ids(ids, vocab_size, "prompt")                 # every id in [0, vocab)
+    engine.encode(check_token_ids(prompt, vocab_size, "prompt"))  # token ids: each in [0, vocab)
     check_sampling(req)                                        # SamplingParams' domain (section 5)
 
 `load_json` is called off the event loop (a thread), and its expensive step, the C JSON parser that
@@ -114,12 +114,13 @@ def _encodable(text: str, path: tuple) -> None:
                      "text must be valid Unicode", code="invalid_string", param=where) from None
 
 
-def check_token_ids(ids, vocab_size: int, param: str) -> None:
-    """Token-id prompts: every id an int in [0, vocab_size)."""
-    for i, t in enumerate(ids):
+def check_token_ids(prompt, vocab_size: int, param: str):
+    """A token-id prompt: every id in [0, vocab_size), else a 400 naming the first; the prompt returned."""
+    for i, t in enumerate(prompt if isinstance(prompt, list) else ()):
         if not 0 <= t < vocab_size:
             raise ApiError(400, f"{param}[{i}]: token id {shown(str(t))} is outside the vocabulary "
                            f"[0, {vocab_size})", param=param, code="invalid_token_id")
+    return prompt
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
