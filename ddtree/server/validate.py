@@ -23,6 +23,7 @@ from ddtree.tree.sampling import SamplingError, SamplingParams
 MAX_CONTAINERS = 16384          # arrays + objects in one body (~12 ms for the parser at most)
 MAX_INT_DIGITS = 20             # 2**64 - 1 (the largest seed) has 20
 BRACKETS = re.compile(rb"[\[\]{}]")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 LONG_INT = re.compile(rb"(?<![\d.])\d{%d}" % (MAX_INT_DIGITS + 1))
 
 
@@ -86,32 +87,57 @@ def load_json(body: bytes, max_depth: int, max_values: int) -> dict:
         raise refuse(f"the request body is not valid JSON: {shown(str(e), 200)}") from None
     if not isinstance(data, dict):
         raise refuse(f"the request body must be a JSON object, got {type(data).__name__}", code=None)
-    check_strings(data)
+    check_strings(data, body)
     return data
 
 
-def check_strings(data) -> None:
-    """Every string, keys included, encodable as UTF-8 (a lone surrogate is not), else a 400 naming it."""
-    stack = [(data, ())]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                _encodable(key, path + (key,))
-                stack.append((item, path + (key,)))
-        elif isinstance(value, list):
-            stack.extend((item, path + (i,)) for i, item in enumerate(value))
-        elif isinstance(value, str):
-            _encodable(value, path)
+def check_strings(data, body: bytes) -> None:
+    """Every string, keys included, encodable as UTF-8 (a lone surrogate is not), else a 400 naming it.
+    The body was strict UTF-8, so only a \\uD800-\\uDFFF escape can make one: without any, nothing to walk."""
+    if not SURROGATE_ESCAPE.search(body):
+        return
+    stack = [data]
+    while stack:                                # plain loops, no allocation per value: other threads run
+        value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and not _encodable(key):
+                raise _surrogate(data, key)
+            if isinstance(item, str):
+                if not _encodable(item):
+                    raise _surrogate(data, item)
+            elif isinstance(item, (dict, list)):
+                stack.append(item)
 
 
-def _encodable(text: str, path: tuple) -> None:
+def _encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        where = ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or None
-        raise refuse(f"{where}: a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}; "
-                     "text must be valid Unicode", code="invalid_string", param=where) from None
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _path_to(node, target, path=()):
+    """The keys / indices that lead from node to the object `target` (found by identity), or None."""
+    if node is target:
+        return path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, item in items:
+        if key is target:
+            return path
+        found = _path_to(item, target, path + (key,))
+        if found is not None:
+            return found
+    return None
+
+
+def _surrogate(data, text: str) -> ApiError:
+    path = _path_to(data, text) or ()
+    where = ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or None
+    at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    return refuse(f"{where}: a lone surrogate (U+{ord(text[at]):04X}) at character {at}; text must be valid "
+                  "Unicode", code="invalid_string", param=where)
 
 
 def check_token_ids(prompt, vocab_size: int, param: str):
