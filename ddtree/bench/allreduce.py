@@ -201,6 +201,12 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, t
     from ddtree.ops.spawn_ranks import run_ranks
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
+        from ddtree.runtime.cuda_executor import gpu_unavailable
+        from ddtree.runtime.engine import DeviceUnavailableError
+        for g in sorted(set(ids)):          # said before any rank process starts (each would fail on its own)
+            why = gpu_unavailable(g)
+            if why:
+                raise DeviceUnavailableError(f"bench allreduce --gpus {gpus}: GPU {g} is not available: {why}")
     if probe:
         result = {"probe": run_ranks(probe_rank, ids, timeout_s=timeout_s)}
         if as_json:

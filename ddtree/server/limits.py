@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import click
 
+from ddtree.cli_types import FiniteFloatRange
 from ddtree.server.errors import error_body
 
 SHOWN_CHARS = 80                # longest piece of client text echoed in an error message
@@ -49,7 +50,7 @@ def limit_options(command):
              "shutdown_timeout_s": "Seconds SIGTERM waits for requests in flight before cancelling them."}
     for f in reversed(fields(Limits)):
         flag = "--" + (f.name[:-2] + "_seconds" if f.name.endswith("_s") else f.name).replace("_", "-")
-        kind = click.FloatRange(min=0.1) if f.name.endswith("_s") else click.IntRange(min=1)
+        kind = FiniteFloatRange(0.1, 86400.0) if f.name.endswith("_s") else click.IntRange(min=1)
         command = click.option(flag, f.name, type=kind, default=f.default, show_default=f.default is not None,
                                help=helps[f.name])(command)
     return command
