@@ -231,10 +231,16 @@ def _raise(root: Path, problems: list[str], note: str = "") -> None:
     raise EngineFormatError("; ".join(f"{root}/{p}" for p in problems[:3]) + more + note)
 
 
+EDIT_SLACK_BYTES = 64 << 10     # config.json may outgrow its manifest size by this and still be read, so
+                                # that a hand edit is named by its field; past it, it is refused unread
+
+
 def _config_size_first(root: Path, presence: list[str], listed: dict) -> None:
-    """config.json's size against the manifest before a byte of it is read (a 1 GB one is never parsed)."""
+    """config.json's size against the manifest before a byte of it is read: far larger than listed (a 1 GB
+    one) is refused unread; a small edit is read, so the error can name the edited field."""
+    path, entry = config_path(root), listed.get(CONFIG)
     wrong = [p for p in presence if p.startswith(f"{CONFIG}: size ")]
-    if wrong:
+    if wrong and entry is not None and path.stat().st_size > entry["size"] + EDIT_SLACK_BYTES:
         _raise(root, wrong, _edited_note(root, listed))
 
 

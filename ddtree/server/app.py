@@ -3,8 +3,8 @@
     app = create_app(engine, model_name="tiny", budget=16, max_queue=8)     # a FastAPI app for uvicorn
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics.
-A request is checked whole before it queues (body, types, model, unsupported parameters, the prompt
-against the context), so every refusal is a status code, never a half-sent stream. It then waits in the
+A request is checked whole before it queues (limits.py: size, time; validate.py: JSON shape, text, ids,
+sampling; then types, model, unsupported parameters, the prompt against the context), so every refusal is a status code, never a half-sent stream. It then waits in the
 scheduler's FIFO (429 when full) and its tokens come back step by step: `stream: true` sends one SSE
 chunk per DDTree step (the text those tokens made final), a chunk with the finish_reason, the usage
 chunk when stream_options.include_usage, then `data: [DONE]`. An error after the stream has begun is
@@ -61,8 +61,11 @@ def create_app(engine, model_name: str, budget: int = 16, max_queue: int = 8,
     app = FastAPI(title="ddtree serve", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     max_values = limits.max_json_values or context + 65536
-    app.add_middleware(BodyLimit, limits=limits,
-                       count=lambda scope, status: metrics.requests.labels(endpoint_label(app, scope), str(status)).inc())
+
+    def refused(scope, status: int) -> None:            # a 413 / 408 from BodyLimit, counted like the others
+        metrics.requests.labels(endpoint_label(app, scope), str(status)).inc()
+
+    app.add_middleware(BodyLimit, limits=limits, count=refused)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):

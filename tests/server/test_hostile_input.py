@@ -96,7 +96,8 @@ def test_deep_nesting_is_refused_by_depth(server, depth):
 
 
 def test_many_containers_or_values_are_refused(server):
-    """Wide instead of deep: 20000 empty lists (+ the prompt list and the body object) (each costs the C parser ~4 values' time), 70000 values."""
+    """Wide instead of deep: 20000 empty lists (each costs the C parser ~4 values' time; + the prompt list and
+    the body object), 70000 values, 70000 strings."""
     raw = f'{{"model": "{MODEL}", "prompt": [{",".join(["[]"] * 20000)}]}}'.encode()
     assert "20002 arrays and objects" in refused(post_raw(server, COMPLETIONS, raw), "request_too_complex")["message"]
     raw = f'{{"model": "{MODEL}", "prompt": [{",".join(["1"] * 70000)}]}}'.encode()
