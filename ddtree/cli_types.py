@@ -7,7 +7,12 @@
 - `QuietCommand` / `QuietGroup` (the `cls` of the entry points: `ddtree`, `ddtree-run`, `ddtree-build`):
   a reader that goes away (`ddtree run "x" | head -c 1`) ends the command quietly with exit code 141
   (128 + SIGPIPE, what a shell reports for `yes | head`), and a closed stdout or stderr (`>&-`) is
-  treated as /dev/null, instead of a BrokenPipeError / AttributeError traceback.
+  treated as /dev/null, instead of a BrokenPipeError / AttributeError traceback. Rich's own handling of a
+  closed reader (exit 1) is turned into the same exit 141. Any other OS error that reaches the top (a full
+  disk, `>/dev/full`, a missing or read-only directory) is the one-line `Error: <Type>: <message>`, exit 1;
+  stdout is flushed inside the command so that a failed final write is reported the same way.
+- `read_prompt_bytes(stream, source)`: at most MAX_PROMPT_BYTES read, more is a `PromptError` before any
+  decoding (`--prompt-file /dev/zero` or `/dev/urandom` is refused after 16 MiB, not read until memory ends).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import click
 from ddtree.errors import InputError
 
 EXIT_PIPE_CLOSED = 128 + 13       # 128 + SIGPIPE: what `yes | head` exits with in a shell
+MAX_PROMPT_BYTES = 16 << 20       # 16 MiB: 64x the longest context (262144 tokens) at ~1 byte per token
 
 # The end of both `ddtree-run --help` and `ddtree serve --help`: where their defaults differ, and why. The command line
 # is deterministic by default; the server takes OpenAI's defaults, which clients expect. tests/cli/test_cli_consistency.py
@@ -79,6 +85,15 @@ def decode_prompt(data: bytes, source: str, universal_newlines: bool = False) ->
     return text.replace("\r\n", "\n").replace("\r", "\n") if universal_newlines else text
 
 
+def read_prompt_bytes(stream, source: str, limit: int = MAX_PROMPT_BYTES) -> bytes:
+    """At most `limit` bytes of a prompt file or stdin; a longer one is a PromptError, refused before decoding."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise PromptError(f"{source}: longer than {limit} bytes ({limit >> 20} MiB), the most a prompt may be; "
+                          "no model's context holds that much text")
+    return data
+
+
 def check_prompt_argument(prompt: str) -> str:
     """The PROMPT argument as is. An argument that is not valid UTF-8 reaches Python with lone surrogates
     (surrogateescape): name its first bad byte instead of failing later inside the tokenizer."""
@@ -110,19 +125,64 @@ def _open_closed_streams() -> None:
         sys.stderr = open(os.devnull, "w")
 
 
+def _rich_broken_pipe(console) -> None:
+    """Rich's Console.on_broken_pipe exits 1; a closed reader is EPIPE here, like any other write."""
+    raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
+def _stdout_discarded() -> None:
+    """stdout could not be written (a full disk): what is still buffered goes to /dev/null at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
+
+
 class _Quiet:
     def main(self, *args, **kwargs):
         _open_closed_streams()
-        return super().main(*args, **kwargs)
-
-    def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            import rich.console  # optional: an ImportError here is handled
+            rich.console.Console.on_broken_pipe = _rich_broken_pipe
+        except ImportError:
+            pass
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:                    # outside any command (--help into a full disk); click itself
+            _stdout_discarded_if_unwritable()   # turns EPIPE here into exit 1, make_context makes it 141
+            click.echo(f"Error: {type(e).__name__}: {e}", err=True)
+            sys.exit(1)
+
+    def make_context(self, *args, **kwargs):
+        try:                                    # --help and --version print while the arguments are parsed
+            return super().make_context(*args, **kwargs)
         except OSError as e:
             if e.errno != errno.EPIPE:
                 raise
             _discard_output()
             raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
+
+    def invoke(self, ctx):
+        try:
+            result = super().invoke(ctx)
+            sys.stdout.flush()                  # a failed last write is reported here, not at exit
+            return result
+        except OSError as e:
+            if e.errno == errno.EPIPE:
+                _discard_output()
+                raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
+            _stdout_discarded_if_unwritable()
+            raise click.ClickException(f"{type(e).__name__}: {e}") from e
+
+
+def _stdout_discarded_if_unwritable() -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        _stdout_discarded()
 
 
 class QuietCommand(_Quiet, click.Command):

@@ -23,3 +23,19 @@ def reported():
         yield
     except InputError as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from e
+
+
+class ResourceError(InputError):
+    """Too little of a machine's resource (disk, memory, /dev/shm) for what was asked: both amounts named."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says a new allocation can get (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -27,6 +27,8 @@ from ddtree.parallel.nccl_group import NcclGroup, new_unique_id, version
 from ddtree.parallel.spawn_ranks import run_ranks
 from ddtree.plugins.allreduce import VECTOR, OneShotAllReduce, can_access_peer, ipc_handle, limits, open_ipc
 from ddtree.plugins.device import Gpu, _driver, check, ptr
+from ddtree.runtime.cuda_executor import gpu_unavailable
+from ddtree.runtime.engine import DeviceUnavailableError
 
 IMPLS = ("one-shot", "one-shot-pull", "nccl")   # one-shot: the push protocol (plugins/allreduce.py)
 FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and mantissa in [0.5, 1)
@@ -201,6 +203,10 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, t
     """One-shot peer-to-peer all-reduce vs NCCL, alone and inside a graph of 122."""
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
+        for g in sorted(set(ids)):          # said before any rank process starts (each would fail on its own)
+            why = gpu_unavailable(g)
+            if why:
+                raise DeviceUnavailableError(f"bench allreduce --gpus {gpus}: GPU {g} is not available: {why}")
     if probe:
         result = {"probe": run_ranks(probe_rank, ids, timeout_s=timeout_s)}
         if as_json:

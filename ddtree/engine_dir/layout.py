@@ -14,6 +14,8 @@ ENGINE_FORMAT = "ddtree-engine/1"
 FORMAT_FAMILY = "ddtree-engine/"
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
+MAX_JSON_BYTES = 64 << 20                      # the most any JSON file of an engine may be (a real one: KBs to MBs);
+                                               # checked on the file's size before a byte of it is read
 TUNING = "tuning.json"                        # machine-specific, outside the manifest (engine_dir/tuning.py)
 PLANS = "plans.json"
 GRAPHS = "graphs"
@@ -148,7 +150,7 @@ def write_engine_config(root, fields: dict) -> dict:
 
 def _config_json(root) -> dict | None:
     path = config_path(root)
-    if not path.is_file():
+    if not path.is_file() or path.stat().st_size > MAX_JSON_BYTES:
         return None
     try:
         d = json.loads(path.read_text())
@@ -160,6 +162,9 @@ def _config_json(root) -> dict | None:
 def json_object(path: Path, bad) -> dict:
     """path's JSON object; not JSON, or JSON but not an object, is bad(why) raised (the caller's error type,
     naming the file and what to do)."""
+    size = Path(path).stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise bad(f"{size} bytes, more than any engine JSON file may be ({MAX_JSON_BYTES}); damaged or replaced")
     try:
         d = json.loads(Path(path).read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -202,7 +207,9 @@ def read_engine_config(root) -> dict:
     d = _config_json(root)
     if d is None:
         why = ""
-        if path.is_file():
+        if path.is_file() and path.stat().st_size > MAX_JSON_BYTES:
+            why = f" ({path.stat().st_size} bytes, more than any engine JSON file may be: {MAX_JSON_BYTES})"
+        elif path.is_file():
             try:
                 json.loads(path.read_bytes())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -16,7 +16,9 @@ It is machine-specific and written after the build (by `ddtree tune`), so it is 
      "sha256": sha256 of the canonical JSON (sorted keys, no spaces) of every other field}
 
 A file whose checksum does not match was edited (or damaged) after it was written: an error, as is any
-field missing or of the wrong type; each names the file and the field.
+field missing, of the wrong type or out of its range (a budget past MAX_BUDGET, a calibration sample count
+that is not a count); each names the file and the field. `ddtree inspect` and `--budget auto` read the
+file through the one check (read_tuning), so a file inspect passes is one auto can run.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ from pathlib import Path
 from ddtree.engine_dir.layout import TUNING, is_engine_dir, json_object, not_an_engine
 from ddtree.errors import InputError
 from ddtree.tree.budget import BudgetError, Calibration
+from ddtree.tree.build import MAX_BUDGET
 
 TUNING_FORMAT = "ddtree-tuning/1"
+MIN_STEP_US = 1e-3                  # a step takes at least a nanosecond; below, tokens / time overflows
 FIELDS = ("format", "machine", "created", "budgets", "context_buckets", "step_time_us",
           "expected_distinct_experts", "calibration", "sha256")
 
@@ -111,11 +115,14 @@ def check_tuning_fields(d: dict, where) -> Tuning:
     for k in ("budgets", "context_buckets"):
         if not _increasing_ints(d[k]):
             raise bad(k, "a non-empty increasing list of positive ints")
+    if d["budgets"][-1] > MAX_BUDGET:
+        raise bad("budgets", f"budgets in 1..{MAX_BUDGET} (the most a DDTree step drafts)")
     nB, nC = len(d["budgets"]), len(d["context_buckets"])
     times = d["step_time_us"]
     if not (isinstance(times, list) and len(times) == nB and all(
-            isinstance(row, list) and len(row) == nC and all(_number(t) and t > 0 for t in row) for row in times)):
-        raise bad("step_time_us", f"[{nB} budgets][{nC} context buckets] of positive microseconds")
+            isinstance(row, list) and len(row) == nC and all(_number(t) and t >= MIN_STEP_US for t in row)
+            for row in times)):
+        raise bad("step_time_us", f"[{nB} budgets][{nC} context buckets] of microseconds >= {MIN_STEP_US}")
     experts = d["expected_distinct_experts"]
     if not (isinstance(experts, list) and len(experts) == nB and all(_number(x) and x >= 0 for x in experts)):
         raise bad("expected_distinct_experts", f"a list of {nB} numbers >= 0 (one per budget)")

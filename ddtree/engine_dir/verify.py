@@ -247,6 +247,19 @@ def _raise(root: Path, problems: list[str], note: str = "") -> None:
     raise EngineFormatError("; ".join(f"{root}/{p}" for p in problems[:3]) + more + note)
 
 
+EDIT_SLACK_BYTES = 64 << 10     # config.json may outgrow its manifest size by this and still be read, so
+                                # that a hand edit is named by its field; past it, it is refused unread
+
+
+def _config_size_first(root: Path, presence: list[str], listed: dict) -> None:
+    """config.json's size against the manifest before a byte of it is read: far larger than listed (a 1 GB
+    one) is refused unread; a small edit is read, so the error can name the edited field."""
+    path, entry = config_path(root), listed.get(CONFIG)
+    wrong = [p for p in presence if p.startswith(f"{CONFIG}: size ")]
+    if wrong and entry is not None and path.stat().st_size > entry["size"] + EDIT_SLACK_BYTES:
+        _raise(root, wrong, _edited_note(root, listed))
+
+
 def check_engine(root, verify: bool = True) -> tuple[dict, dict | None]:
     """Everything about an engine directory short of hashing its weights, before anything is loaded.
     Structural (always): the manifest, every listed file present with its size and nothing unlisted,
@@ -259,6 +272,7 @@ def check_engine(root, verify: bool = True) -> tuple[dict, dict | None]:
         raise not_an_engine(root)
     listed = read_manifest(root)["files"]
     presence = presence_problems(root, listed)
+    _config_size_first(root, presence, listed)
     try:
         meta = read_engine_config(root)
     except EngineFormatError as e:
@@ -295,6 +309,7 @@ def engine_problems(root) -> tuple[dict, list[str]]:
     if not is_engine_dir(root):
         raise not_an_engine(root)
     listed = read_manifest(root)["files"]
+    _config_size_first(root, presence_problems(root, listed), listed)
     meta = read_engine_config(root)
     usable = set(sized_files(root, listed))
     return meta, config_problems(root, meta, listed, usable) + verify_manifest(root)

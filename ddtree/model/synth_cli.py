@@ -9,11 +9,28 @@ import click
 from rich.console import Console
 
 from ddtree.cli_types import FiniteFloatRange
-from ddtree.errors import reported
+from ddtree.errors import ResourceError, available_memory, reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import PRESETS, PresetError
-from ddtree.model.synthetic import estimate_bytes
+from ddtree.model.synthetic import estimate, estimate_bytes
 from ddtree.model.synthetic import synth as synth_checkpoint
+
+
+def check_resources(out_dir: Path, disk: int, memory: int) -> None:
+    """Before anything is built or written: the free disk under OUT (its nearest existing folder) and the
+    available memory, each against synth's estimate; a ResourceError naming both numbers if short."""
+    existing = out_dir.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if disk * 1.05 > free:
+        raise ResourceError(f"--out {out_dir}: the checkpoint needs {disk / 2**30:.2f} GiB of disk, "
+                            f"{existing} has {free / 2**30:.2f} GiB free")
+    avail = available_memory()
+    if avail is not None and memory > avail:
+        raise ResourceError(f"synth's table of tensors needs {memory / 2**30:.2f} GiB of memory, "
+                            f"{avail / 2**30:.2f} GiB is available (fewer --layers)")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 @click.command("synth")
@@ -34,13 +51,10 @@ def synth(preset, out_dir, seed, layers, layout, shard_mb, force, as_json):
     """Write a synthetic Kimi K2.x checkpoint and DFlash drafter with seeded random weights."""
     err = Console(stderr=True)
     try:
-        need = estimate_bytes(preset, layers)
+        need, memory = estimate(preset, layers)
     except PresetError as e:
         raise click.BadParameter(str(e), param_hint="--layers" if "layers" in str(e) else "--preset")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out_dir).free
-    if need * 1.05 > free:
-        raise click.ClickException(f"{out_dir}: needs {need / 2**30:.2f} GiB, only {free / 2**30:.2f} GiB free")
+    check_resources(out_dir, need, memory)
     err.print(f"synth {preset} -> {out_dir} ({need / 2**20:.1f} MiB, layout {layout})")
     t0 = time.perf_counter()
     with err.status("writing shards...") as status:

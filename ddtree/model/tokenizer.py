@@ -304,13 +304,13 @@ class ByteTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode: expected str, got {type(text).__name__}")
         if not allow_special:
-            return list(text.encode("utf-8"))
+            return _byte_ids([], text.encode("utf-8"))
         ids, start = [], 0
         for match in self._special_re.finditer(text):
-            ids += text[start:match.start()].encode("utf-8")
+            _byte_ids(ids, text[start:match.start()].encode("utf-8"))
             ids.append(self.special_tokens[match.group()])
             start = match.end()
-        return ids + list(text[start:].encode("utf-8"))
+        return _byte_ids(ids, text[start:].encode("utf-8"))
 
     def decode_bytes(self, ids) -> bytes:
         out = bytearray()
@@ -335,6 +335,14 @@ class ByteTokenizer:
 
     def encode_chat(self, messages, tools=None, add_generation_prompt=True, thinking=None) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, thinking))
+
+
+def _byte_ids(ids: list[int], data: bytes, chunk: int = 1 << 16) -> list[int]:
+    """ids extended by data's bytes, a chunk at a time: a server thread encoding a long prompt lets the
+    event loop's thread run between chunks (one list(data) of megabytes would hold the interpreter)."""
+    for i in range(0, len(data), chunk):
+        ids += data[i:i + chunk]
+    return ids
 
 
 # --- choose one for a checkpoint -------------------------------------------------------------------

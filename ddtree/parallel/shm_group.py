@@ -26,6 +26,10 @@ beat[rank] every HEARTBEAT_PERIOD_S. Every wait checks, while it spins: a peer t
 that exited (rank 0 holds the workers' handles: `exit_code`), and the overall `timeout_s`. The error names
 the rank waited for, the collective's number and what it was for (its tag and layer).
 
+Space: the owner checks /dev/shm's free space against the segment before creating it, and reserves every
+page of it at creation (posix_fallocate), so a full /dev/shm is a ResourceError naming both sizes before
+any rank starts, never a SIGBUS on the first write to a page tmpfs could not supply.
+
 Layout of the one segment ({prefix}{owner pid}_{random}; the owner creates and unlinks it):
     beat [N] f64 | failed [N] i64 (0, or the index of the error class in FAILURES) | seq [N, 2, N] i64 |
     sent [N, 2, N] i64 | note [N, NOTE_BYTES] u8 | data [N dest, 2 slot, N src, slot_bytes] u8
@@ -43,8 +47,10 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from ddtree.errors import ResourceError
 from ddtree.parallel.collectives import rank_order_sum
 
+SHM_DIR = "/dev/shm"                    # where POSIX shared memory lives on Linux (a tmpfs)
 SEGMENT_PREFIX = "ddtree_"              # /dev/shm/ddtree_<owner pid>_<hex>: tests look for leftovers by it
 HEARTBEAT_PERIOD_S = 0.05
 NOTE_BYTES = 512
@@ -116,7 +122,7 @@ class SharedMemoryGroup:
         self.spec, self.rank, self.size, self.owner = spec, rank, spec.size, create
         self.exit_code, self.parent_pid = exit_code, parent_pid
         self.count = 0                                              # collectives run by this rank
-        self.shm = shared_memory.SharedMemory(spec.name, create=create, size=spec.nbytes() if create else 0)
+        self.shm = create_segment(spec) if create else shared_memory.SharedMemory(spec.name)
         for name, (off, shape, dt) in spec.layout().items():
             setattr(self, name, np.ndarray(shape, dt, buffer=self.shm.buf, offset=off))
         if create:                                                  # a peer still starting counts as alive
@@ -228,6 +234,36 @@ class SharedMemoryGroup:
         shm.close()
         if self.owner:
             unlink(self.spec.name)
+
+
+def shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:                         # no /dev/shm to ask (another OS): creation will tell
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def create_segment(spec: GroupSpec) -> shared_memory.SharedMemory:
+    """The group's segment, its free space checked first and every page reserved (posix_fallocate)."""
+    need = spec.nbytes()
+    free = shm_free_bytes()
+    if free is not None and need > free:
+        raise ResourceError(f"{SHM_DIR}: the rank group's shared memory needs {need} bytes, {free} are free "
+                            f"(free {SHM_DIR}, or raise its size: mount -o remount,size=... {SHM_DIR})")
+    try:
+        shm = shared_memory.SharedMemory(spec.name, create=True, size=need)
+    except OSError as e:
+        raise ResourceError(f"{SHM_DIR}: could not create the rank group's {need}-byte segment: {e}") from e
+    try:
+        if hasattr(os, "posix_fallocate"):             # Linux: tmpfs supplies every page now, or says ENOSPC now
+            os.posix_fallocate(shm._fd, 0, need)
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        raise ResourceError(f"{SHM_DIR}: could not reserve the rank group's {need} bytes ({e}); free "
+                            f"{SHM_DIR} or raise its size") from e
+    return shm
 
 
 def unlink(name: str) -> None:

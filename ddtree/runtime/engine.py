@@ -242,6 +242,10 @@ class DDTreeEngine:
         if prompt and all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.encode_chat(prompt)
         if all(isinstance(t, int) for t in prompt):
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"prompt[{bad}]: token id {prompt[bad]} is outside the vocabulary "
+                                   f"[0, {self.config.vocab_size})")
             return prompt
         raise TypeError("prompt must be a str, a list of chat messages (dicts), or a list of token ids")
 

@@ -11,7 +11,15 @@ import sys
 
 import click
 
-from ddtree.cli_types import SAMPLING_DEFAULTS, FiniteFloatRange, QuietCommand, check_prompt_argument, decode_prompt
+from ddtree.cli_types import (
+    MAX_PROMPT_BYTES,
+    SAMPLING_DEFAULTS,
+    FiniteFloatRange,
+    QuietCommand,
+    check_prompt_argument,
+    decode_prompt,
+    read_prompt_bytes,
+)
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.parallel.shm_group import RankError
@@ -28,13 +36,16 @@ def _read_prompt(prompt, prompt_file) -> str:
     if prompt_file is not None:            # bytes, decoded strictly: a bad byte is named with its file and offset
         name = getattr(prompt_file, "name", None)
         is_file = isinstance(name, str) and name not in ("-", "<stdin>")
-        return decode_prompt(prompt_file.read(), name if is_file else "<stdin>", universal_newlines=is_file)
+        source = name if is_file else "<stdin>"
+        return decode_prompt(read_prompt_bytes(prompt_file, source), source, universal_newlines=is_file)
     if prompt is not None:
         return check_prompt_argument(prompt)
     if sys.stdin is None or sys.stdin.isatty():
         raise click.UsageError("no prompt: pass PROMPT, --prompt-file FILE, or pipe text on stdin")
     binary = getattr(sys.stdin, "buffer", None)        # None: stdin replaced by a text-only stream (embedding)
-    return sys.stdin.read() if binary is None else decode_prompt(binary.read(), "<stdin>")
+    if binary is None:
+        return sys.stdin.read(MAX_PROMPT_BYTES)
+    return decode_prompt(read_prompt_bytes(binary, "<stdin>"), "<stdin>")
 
 
 CHAT_TEMPLATE_TOKENS = 256          # a chat template's own tokens around one user turn, at most
@@ -163,11 +174,16 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
     stats = RunStats()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tokens = []
-    for chunk in engine.stream(request, mode=first, stats=stats, **kw):
-        tokens += chunk
-        shown = [t for t in chunk if t not in engine.stop_ids]
-        out.write(decoder.decode(engine.tokenizer.decode_bytes(shown)))
-        out.flush()
+    try:
+        for chunk in engine.stream(request, mode=first, stats=stats, **kw):
+            tokens += chunk
+            shown = [t for t in chunk if t not in engine.stop_ids]
+            out.write(decoder.decode(engine.tokenizer.decode_bytes(shown)))
+            out.flush()
+    except Exception:
+        if tokens:                          # the partial text ends its line: an error is a line of its own
+            _end_line(out)
+        raise
     out.write(decoder.decode(b"", final=True) + "\n")
     result = {"text": engine.decode(tokens), "tokens": tokens, "stats": stats.to_dict()}
     click.echo(_summary(result["stats"], first), err=True)
@@ -186,6 +202,14 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
     if mode == "both" and not result["identical"] and not result["stats"].get("near_ties"):
         raise click.ClickException(f"DDTree and AR outputs differ at new token {first_difference(tokens, ar.tokens)}: "
                                    "losslessness broken")
+
+
+def _end_line(out) -> None:
+    try:
+        out.write("\n")
+        out.flush()
+    except (OSError, ValueError):             # the stream itself failed: nothing to end
+        pass
 
 
 def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:

@@ -5,8 +5,8 @@
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics, and vLLM's
 /tokenize, /detokenize, /version, /ping (server/utility_routes.py). --api-key guards /v1/* (server/auth.py).
-A request is checked whole before it queues (body, types, model, unsupported parameters, the prompt
-against the context), so every refusal is a status code, never a half-sent stream. It then waits in the
+A request is checked whole before it queues (limits.py: size, time; validate.py: JSON shape, text, ids,
+sampling; then types, model, unsupported parameters, the prompt against the context), so every refusal is a status code, never a half-sent stream. It then waits in the
 scheduler's FIFO (429 when full) and its tokens come back step by step: `stream: true` sends one SSE
 chunk per DDTree step (the text those tokens made final), a chunk with the finish_reason, the usage
 chunk when stream_options.include_usage, then `data: [DONE]`. An error after the stream has begun is
@@ -37,12 +37,14 @@ from ddtree.runtime.request import GenerationRequest
 from ddtree.server.auth import add_access_middleware
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
 from ddtree.server.errors import ApiError, error_body
+from ddtree.server.limits import BodyLimit, Limits, endpoint_label, shown
 from ddtree.server.logprobs import chat_logprobs, completion_logprobs
 from ddtree.server.metrics import Metrics
 from ddtree.server.scheduler import Job, Scheduler
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling, parse, unsupported_params
 from ddtree.server.streaming import TextStream, sse
 from ddtree.server.utility_routes import add_utility_routes
+from ddtree.server.validate import check_sampling, check_token_ids
 
 DISCONNECT_POLL_S = 0.25        # while a request waits for its next step, how often it checks its client
 log = logging.getLogger("ddtree.serve")
@@ -50,20 +52,23 @@ log = logging.getLogger("ddtree.serve")
 
 def create_app(engine, model_names: str | list[str], budget: int | str = 16, max_queue: int = 8,
                api_key: str | None = None, allowed_origins: list[str] | None = None,
-               max_model_len: int | None = None, log_requests: bool = True) -> FastAPI:
+               max_model_len: int | None = None, log_requests: bool = True,
+               limits: Limits | None = None) -> FastAPI:
     """model_names: the ids clients may send (the first names the metrics); budget: per DDTree step, or
     "auto" (the engine dir's tuning file); max_model_len: the context the server allows (<= the model's)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
+    limits = limits or Limits()
     metrics = Metrics(names[0])
     scheduler = Scheduler(engine, max_queue, metrics)
     context = min(context_of(engine.config), max_model_len or context_of(engine.config))
+    vocab = engine.config.vocab_size
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
         yield
-        await asyncio.to_thread(scheduler.drain)       # uvicorn has drained the connections; stop the worker
+        await asyncio.to_thread(scheduler.drain, limits.shutdown_timeout_s)   # uvicorn has drained the connections
         close = getattr(engine, "close", None)          # rank processes, where the engine has them
         if close is not None:
             close()
@@ -71,10 +76,16 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
     app = FastAPI(title="ddtree serve", lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     add_access_middleware(app, api_key, allowed_origins)
+    max_values = limits.max_json_values or context + 65536
+
+    def refused(scope, status: int) -> None:            # a 413 / 408 from BodyLimit, counted like the others
+        metrics.answered(endpoint_label(app, scope), status)
+
+    app.add_middleware(BodyLimit, limits=limits, count=refused)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        metrics.answered(request.url.path, e.status)
+        metrics.answered(endpoint_label(app, request.scope), e.status)
         log_request("-", request.url.path, e.status, None, None)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -107,9 +118,10 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(await request.body(), CompletionRequest)
+        req = await parsed(request, CompletionRequest)
         prepare(req)
-        ids = prompt_ids(lambda: engine.encode(req.single_prompt()), "prompt")
+        ids = await prompt_ids(lambda: engine.encode(check_token_ids(req.single_prompt(), vocab, "prompt")),
+                               "prompt")
         rid, stops = f"cmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.max_tokens)
         if req.stream:
@@ -123,9 +135,9 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(await request.body(), ChatRequest)
+        req = await parsed(request, ChatRequest)
         prepare(req)
-        ids = prompt_ids(lambda: chat_prompt_ids(engine.tokenizer, req), "messages")
+        ids = await prompt_ids(lambda: chat_prompt_ids(engine.tokenizer, req), "messages")
         output = ChatOutput(parser_thinking(engine.tokenizer, req))
         rid, stops = f"chatcmpl-{uuid.uuid4().hex}", req.stop_list()
         job = submit(req, ids, req.new_tokens_limit())
@@ -145,21 +157,27 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
 
     def check_model(name: str) -> None:
         if name not in names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+            raise ApiError(404, f"The model '{shown(name)}' does not exist; this server serves "
                            f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
+
+    async def parsed(request: Request, model):
+        """The body (read whole by BodyLimit) as `model`, parsed off the event loop (validate.py)."""
+        return await asyncio.to_thread(parse, await request.body(), model, limits.max_json_depth, max_values)
 
     def prepare(req: Sampling) -> None:
         check_model(req.model)
         unsupported_params(req)
+        check_sampling(req.temperature, req.top_k, req.top_p, req.seed)
 
-    def prompt_ids(encode, param: str) -> list[int]:
+    async def prompt_ids(encode, param: str) -> list[int]:
+        """The prompt's token ids, encoded off the event loop (a long prompt takes a while), each id checked."""
         try:
-            ids = encode()
+            ids = await asyncio.to_thread(encode)
             check_context(len(ids), context)
         except PromptTooLongError as e:
             raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
-        except InputError as e:
-            raise ApiError(400, f"{type(e).__name__}: {e}", param=param) from None
+        except (InputError, RecursionError) as e:
+            raise ApiError(400, f"{type(e).__name__}: {shown(str(e), 300)}", param=param) from None
         return ids
 
     def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> Job:
@@ -175,7 +193,7 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         return job
 
     def answered(request: Request, rid: str, job: Job, body: dict) -> dict:
-        metrics.answered(request.url.path, 200)
+        metrics.answered(endpoint_label(app, request.scope), 200)
         log_request(rid, request.url.path, 200, body["usage"], job.arrived)
         return body
 
@@ -285,7 +303,7 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
             except ApiError as e:
                 status = e.status
                 yield sse(e.body())
-            metrics.answered(request.url.path, status)
+            metrics.answered(endpoint_label(app, request.scope), status)
             log_request(rid, request.url.path, status, usage, job.arrived)
             yield sse("[DONE]")
 

@@ -5,7 +5,8 @@
     scheduler.submit(job)               # ApiError 429 (Retry-After) when max_queue requests already wait
     event = await job.events.get()      # ("tokens", [ids], logprobs) per step, then ("done", stats) or ("error", exc)
     scheduler.cancel(job)               # a client gone: out of the queue now, or stopped at the next step
-    scheduler.drain()                   # refuse new jobs (503), finish the queued ones, stop the thread
+    scheduler.drain(timeout)            # refuse new jobs (503), finish the queued ones, stop the thread;
+                                        # past the timeout, stop the running job and fail the queued ones
 
 Generation runs off the event loop: the worker hands each step's tokens to the job's asyncio queue with
 loop.call_soon_threadsafe. It checks `cancelled` between steps, so a disconnected client (or a stop
@@ -98,6 +99,14 @@ class Scheduler:
             self.draining = True
             self.cond.notify_all()
         if self.thread.is_alive():
+            self.thread.join(timeout)
+        if self.thread.is_alive():              # past the timeout: stop the running job, fail the waiting ones
+            with self.cond:
+                for job in [self.running, *self.waiting]:
+                    if job is not None:
+                        job.cancelled.set()
+                        job.push("error", ApiError(503, "the server is shutting down", code="shutting_down"))
+                self.waiting.clear()
             self.thread.join(timeout)
 
     # --- the worker thread ----------------------------------------------------------------------

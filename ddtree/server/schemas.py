@@ -15,12 +15,13 @@ keeps every token, top_p 1 keeps all, and `seed` picks the Philox stream (no see
 """
 from __future__ import annotations
 
-import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ddtree.server.errors import ApiError, unsupported
+from ddtree.server.limits import shown
+from ddtree.server.validate import load_json
 
 MAX_STOPS = 4                           # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20                   # vLLM's default max_logprobs
@@ -204,14 +205,9 @@ def unsupported_params(req: Sampling) -> None:
             raise unsupported("tool_choice", req.tool_choice, " (only 'auto' and 'none')")
 
 
-def parse(body: bytes, model):
-    """The request body as `model`, or a 400 naming the field (malformed JSON, a wrong type, ...)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+def parse(body: bytes, model, max_depth: int = 32, max_values: int = 1 << 16):
+    """The request body as `model`, or a 400 naming the field or limit (malformed JSON, a wrong type, ...)."""
+    data = load_json(body, max_depth, max_values)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -220,5 +216,5 @@ def parse(body: bytes, model):
         if err["type"] == "extra_forbidden":
             message = f"{where}: unrecognized request argument (not a parameter ddtree serve knows)"
         else:
-            message = f"{where}: {err['msg']} (got {err.get('input')!r})"
+            message = f"{where}: {err['msg']} (got {shown(repr(err.get('input')))})"
         raise ApiError(400, message, param=where, code=err["type"]) from None

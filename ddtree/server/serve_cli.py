@@ -26,6 +26,7 @@ from ddtree.model.tokenizer import use_chat_template
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.loop import context_of
 from ddtree.runtime.run_cli import BudgetParam
+from ddtree.server.limits import Limits, deadline_protocol, limit_options
 
 DEFAULT_MODEL_NAME = "ddtree-tiny"
 
@@ -61,8 +62,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
               help="A jinja2 chat template file to render chat prompts with, instead of the checkpoint's own.")
 @click.option("--disable-log-requests", is_flag=True,
               help="No log line per request (default: one each: id, status, tokens, latency).")
+@limit_options
 def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_names, skip_verify,
-                  api_key, allowed_origins, max_model_len, chat_template, disable_log_requests):
+                  api_key, allowed_origins, max_model_len, chat_template, disable_log_requests, **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
@@ -90,13 +92,16 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
             handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
             logging.getLogger("ddtree.serve").addHandler(handler)
             logging.getLogger("ddtree.serve").setLevel(logging.INFO)
+        limits = Limits(**limit_kw)
         app = create_app(engine, names, budget=budget, max_queue=max_queue, api_key=api_key,
                          allowed_origins=origins, max_model_len=max_model_len,
-                         log_requests=not disable_log_requests)
+                         log_requests=not disable_log_requests, limits=limits)
         click.echo(f"ddtree serve: model {', '.join(repr(n) for n in names)} ({engine.model_dir}), budget {budget}, "
                    f"max queue {max_queue}, context {max_model_len or context}"
                    + (", API key required" if api_key else ""), err=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                                           http=deadline_protocol(limits),
+                                           timeout_graceful_shutdown=limits.shutdown_timeout_s))
     # uvicorn handles SIGTERM / SIGINT itself (graceful shutdown) and, once drained, raises the signal
     # again for the handler it found: this one makes that a normal exit 0 instead of death by signal
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -130,6 +130,8 @@ def _fit_map(p: np.ndarray, accepted: np.ndarray, bins: int) -> dict:
 def _check_map(m, where: str) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(m, dict) or not {"x", "y", "samples"} <= set(m):
         raise BudgetError(f"{where}: expected an object with x, y, samples, got {m!r:.80}")
+    if not (isinstance(m["samples"], int) and not isinstance(m["samples"], bool) and m["samples"] >= 0):
+        raise BudgetError(f"{where}: samples must be a count (an int >= 0), got {m['samples']!r:.80}")
     try:
         x, y = np.asarray(m["x"], dtype=np.float64), np.asarray(m["y"], dtype=np.float64)
     except (TypeError, ValueError) as e:

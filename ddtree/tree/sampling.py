@@ -1,7 +1,7 @@
 """The one sampling definition every backend implements (docs/interfaces.md section 5).
 
 For the token that will occupy absolute position p, with target logits l [V], all in float64:
-  temperature 0   argmax l, ties -> lowest id
+  temperature 0   argmax l, ties -> lowest id (0 < T < MIN_TEMPERATURE = 1e-6 is refused: l / T overflows)
   otherwise       z = l / T
                   top-k: keep the k largest z (ties -> lower id); k = 0 keeps all
                   top-p: probabilities = softmax over the top-k survivors; sorted by probability
@@ -27,6 +27,9 @@ from ddtree.tree.philox import philox4x32_10
 
 CHUNK = 1 << 20              # Philox evaluations per numpy batch (bounds the temporaries)
 TWO_POW_32 = 4294967296.0
+MIN_TEMPERATURE = 1e-6       # smallest T > 0: below, l / T overflows float32 on the device for large
+                             # logits (1e-310: inf, a run of garbage), and the draw equals greedy
+                             # except where logits tie within ~1e-5; so 0 < T < 1e-6 is refused
 
 
 class SamplingError(InputError):
@@ -52,6 +55,9 @@ class SamplingParams:
         if not (_is_real(self.temperature) and self.temperature >= 0 and np.isfinite(self.temperature)):
             raise SamplingError(f"SamplingParams: temperature (--temperature) must be a finite number >= 0, "
                                 f"got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingError(f"SamplingParams: temperature (--temperature) must be 0 (greedy) or at least "
+                                f"{MIN_TEMPERATURE:g} (below it l / T overflows), got {self.temperature!r}")
         if not (_is_int(self.top_k) and self.top_k >= 0):
             raise SamplingError(f"SamplingParams: top_k (--top-k) must be an integer >= 0 (0 = off), "
                                 f"got {self.top_k!r}")
