@@ -331,7 +331,7 @@ class GpuSteps:
         if not self.graph_ready(s, budget):
             self.drain()
             self._leave_window(s)
-            return ddtree_step(ex, s, params, budget)
+            return loop.ddtree_step(ex, s, params, budget)
         k = s.table_k
         key = ("ddtree", budget, b, self.set_params(params).mode) + ((k,) if k else ())
         nxt = copy.copy(s)
