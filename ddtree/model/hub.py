@@ -36,8 +36,8 @@ def resolve_model(name, flag: str = "--model") -> Path | None:
         raise ModelNotFoundError(f"{flag} {name}: no such directory, and not a Hugging Face Hub id (owner/name)")
     repo_id, _, revision = text.partition("@")
     try:
-        from huggingface_hub import constants, snapshot_download  # huggingface_hub: the hub extra
-        from huggingface_hub.errors import (  # huggingface_hub: the hub extra
+        from huggingface_hub import constants, snapshot_download  # huggingface_hub: the serve extra
+        from huggingface_hub.errors import (  # huggingface_hub: the serve extra
             HfHubHTTPError,
             LocalEntryNotFoundError,
             RepositoryNotFoundError,

@@ -102,10 +102,11 @@ def _summary(stats: dict, label: str) -> str:
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.File("rb"), default=None,
               help="Read the prompt from a file ('-' = stdin), UTF-8.")
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Target checkpoint dir or engine dir from ddtree-build (default: the embedded tiny model).")
-@click.option("--drafter", "drafter_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="DFlash drafter dir (default: the embedded tiny drafter; none with an engine dir).")
+@click.option("--model", "model_dir", default=None,
+              help="Target checkpoint dir, engine dir from ddtree-build, or a Hugging Face Hub id owner/name[@rev] "
+                   "(downloaded to, or offline read from, the Hub cache). Default: the embedded tiny model.")
+@click.option("--drafter", "drafter_dir", default=None,
+              help="DFlash drafter dir or Hub id (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
               help="0 = greedy.")

@@ -2,6 +2,7 @@
 library's documented layout (blobs/<sha>, snapshots/<commit>/<file> symlinks, refs/main) holding the tiny model,
 and the library itself must recognise it (scan_cache_dir) before the engine loads from it."""
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,20 @@ def test_engine_loads_a_hub_id_offline(hub_cache):
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(hub_cache / "models--ddtree--tiny-target" / "snapshots" / COMMIT)
+
+
+def test_ddtree_run_takes_a_hub_id_offline(hub_cache):
+    """`ddtree run --model owner/name --drafter owner/name@rev`: the cached snapshots, the embedded model's tokens."""
+    run = [sys.executable, "-m", "ddtree", "run", "--max-new-tokens", "12", "--json", "def"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    hub = subprocess.run(run[:4] + ["--model", "ddtree/tiny-target", "--drafter", "ddtree/tiny-drafter@main"] + run[4:],
+                         capture_output=True, text=True, timeout=300, env=env)
+    local = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert hub.returncode == 0 and local.returncode == 0, hub.stderr + local.stderr
+    assert json.loads(hub.stdout)["tokens"] == json.loads(local.stdout)["tokens"]
+    missing = subprocess.run(run[:4] + ["--model", "/no/such/dir"] + run[4:], capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert missing.returncode == 1 and "--model /no/such/dir: no such directory" in missing.stderr, missing.stderr
 
 
 def test_missing_from_the_cache_offline_is_named(hub_cache):
