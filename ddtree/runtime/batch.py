@@ -28,8 +28,8 @@ event with the error; the others go on.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from ddtree.runtime.loop import RequestError, RunStats
 from ddtree.runtime.request import GenerationRequest
@@ -59,6 +59,7 @@ class Event:
     finished: bool = False              # the last step of this sequence: stats.finish_reason is set
     error: Exception | None = None      # the step raised: the sequence is gone
     step_s: float = 0.0                 # the wall time of this sequence's step
+    at: float = 0.0                     # time.perf_counter() when it ended (the tokens' time, not the round's)
 
 
 @dataclass
@@ -108,30 +109,34 @@ class BatchDecoder:
                 tokens = next(seq.steps)
             except StopIteration:                     # a run of 0 new tokens: nothing to commit
                 self.seqs.pop(key)
-                events.append(Event(key, [], True, None, time.perf_counter() - t0))
+                now = time.perf_counter()
+                events.append(Event(key, [], True, None, now - t0, now))
                 continue
             except Exception as e:                    # this request failed; the batch goes on
                 self.remove(key)
-                events.append(Event(key, [], True, e, time.perf_counter() - t0))
+                now = time.perf_counter()
+                events.append(Event(key, [], True, e, now - t0, now))
                 continue
+            now = time.perf_counter()
             finished = seq.stats.finish_reason is not None
             if finished:
                 self.remove(key)
-            events.append(Event(key, list(tokens), finished, None, time.perf_counter() - t0))
+            events.append(Event(key, list(tokens), finished, None, now - t0, now))
         return events
 
 
 def run_batch(engine, jobs: list[tuple], max_num_seqs: int, cancel_after: dict | None = None) -> dict:
     """Run jobs [(key, prompt, request)] through one BatchDecoder: FIFO, each joining as a slot frees (at the
     start of a round); cancel_after {key: n}: the sequence is removed after its n-th event. -> {key: {"tokens",
-    "stats", "queued_s", "first_s", "end_s" (seconds from the call), "cancelled"}}."""
+    "stats", "joined_s", "first_s", "end_s" (when its first / last step ended; seconds from the
+    call), "cancelled", "events"}}."""
     cancel_after = cancel_after or {}
     batch, waiting, out = BatchDecoder(engine, max_num_seqs), list(jobs), {}
     t0 = time.perf_counter()
     while waiting or batch:
         while waiting and not batch.full:
             key, prompt, request = waiting.pop(0)
-            out[key] = {"tokens": [], "stats": RunStats(), "queued_s": time.perf_counter() - t0, "first_s": None,
+            out[key] = {"tokens": [], "stats": RunStats(), "joined_s": time.perf_counter() - t0, "first_s": None,
                         "end_s": None, "cancelled": False, "events": 0}
             batch.add(key, prompt, request, out[key]["stats"])
         for ev in batch.step():
@@ -140,7 +145,7 @@ def run_batch(engine, jobs: list[tuple], max_num_seqs: int, cancel_after: dict |
                 raise ev.error
             rec["tokens"] += ev.tokens
             rec["events"] += 1
-            now = time.perf_counter() - t0
+            now = ev.at - t0
             if rec["first_s"] is None and ev.tokens:
                 rec["first_s"] = now
             if ev.finished:

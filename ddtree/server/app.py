@@ -41,10 +41,10 @@ from ddtree.runtime.request import GenerationRequest
 from ddtree.server.auth import add_access_middleware
 from ddtree.server.batch_scheduler import BatchScheduler
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
+from ddtree.server.choices import choice_seeds, merged, merged_usage
 from ddtree.server.errors import ApiError, error_body
 from ddtree.server.logprobs import chat_logprobs, completion_logprobs
 from ddtree.server.metrics import Metrics
-from ddtree.server.choices import choice_seeds, merged, merged_usage
 from ddtree.server.scheduler import Job, Scheduler
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling, parse, unsupported_params
 from ddtree.server.streaming import TextStream, sse
@@ -264,7 +264,7 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         metrics.finished(finish)
         yield End(finish, usage_of(job, chunks), entries if with_logprobs else None, offsets)
 
-    async def collected(request: Request, jobs: list[Job], stops, outputs) -> list[tuple[str, "End"]]:
+    async def collected(request: Request, jobs: list[Job], stops, outputs) -> list[tuple[str, End]]:
         """Every choice's (text, End), in choice order; a choice that fails stops the others."""
         pieces, ends = [[] for _ in jobs], [None] * len(jobs)
         async for i, item in merged([run(request, job, stops, out) for job, out in zip(jobs, outputs)]):

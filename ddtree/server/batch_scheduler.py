@@ -104,7 +104,7 @@ class BatchScheduler(Scheduler):
                 job.push("error", ev.error)
                 continue
             if ev.tokens:
-                now = time.perf_counter()
+                now = ev.at                         # when its step ended (the round goes on with the others)
                 if run.steps == 0:
                     self.metrics.ttft.observe(now - job.arrived)
                 else:

@@ -101,9 +101,9 @@ def test_logprobs_rows_stay_with_their_request(engine):
         batch.add(key, prompt, request, on_logits=rows_batch[key].append)
     while batch:
         batch.step()
-    for key in rows_alone:
-        assert len(rows_batch[key]) == len(rows_alone[key])
-        for a, b in zip(rows_alone[key], rows_batch[key]):
+    for key, rows in rows_alone.items():
+        assert len(rows_batch[key]) == len(rows)
+        for a, b in zip(rows, rows_batch[key]):
             assert (a == b).all()
 
 
