@@ -31,6 +31,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ddtree.bench.e2e_batch import print_concurrency_table, run_concurrency
+from ddtree.bench.samples import LosslessError, spread
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
 from ddtree.errors import reported
@@ -51,10 +53,6 @@ PHASES_NOTE = ("device us per DDTree step phase, each captured alone and replaye
                "sample_walk, update; step = the whole step's graph; gaps = step - the phases' sum (cuda only)")
 
 
-class LosslessError(click.ClickException):
-    """DDTree committed other tokens than AR on the float64 CPU executor: a bug, reported as a failed bench."""
-
-
 def parse_budgets(text: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16] (duplicates dropped); anything else is a BadParameter naming --budget."""
     return list(dict.fromkeys(comma_list(text, "--budget", int, 1, MAX_BUDGET)))
@@ -66,12 +64,6 @@ def heldout_texts(n: int) -> list[str]:
     if n > len(rows):
         raise click.BadParameter(f"{n} prompts asked for; the held-out file has {len(rows)}", param_hint="--prompts")
     return [rows[i * len(rows) // n]["text"] for i in range(n)]
-
-
-def spread(values: list[float]) -> dict:
-    """{"mean", "sd" (sample stddev; 0 for one value), "min", "max"} of the samples."""
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
 
 
 def build_tiny_engine(out_dir: Path, log) -> Path:
@@ -281,7 +273,6 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
         prompt_ids = [tok.encode(t) or [ex.config.bos_token_id] for t in texts]
         t0 = time.perf_counter()
         if concurrencies:
-            from ddtree.bench.e2e_batch import run_concurrency  # imports this module
             rows = run_concurrency(ex, tok, prompt_ids, budget_list, n_new, params, repeats, concurrencies, log)
         else:
             rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log)
@@ -303,7 +294,6 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
     if as_json:
         emit_json(result)
     if concurrencies:
-        from ddtree.bench.e2e_batch import print_concurrency_table  # noqa: I001 - it imports this module
         print_concurrency_table(result, Console(stderr=as_json, width=160))
     else:
         print_table(result, Console(stderr=as_json, width=160))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ddtree.bench.e2e import LosslessError, spread
+from ddtree.bench.samples import LosslessError, spread
 from ddtree.runtime.batch import run_batch
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.near_tie import first_difference
