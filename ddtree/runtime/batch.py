@@ -15,8 +15,10 @@ neighbours do (join, finish, be cancelled): tests/runtime/test_batch.py checks t
 
 Why interleaving and not one fused forward here: the CPU executors compute in float64 numpy, where the
 rows of a second request are not free (the cost is per row, not per weight read), so fusing the R verifies
-gains nothing on the CPU; the union verify as ONE target forward is written over the description
-(description/batched.py) and checked against the per-request forwards, for the GPU step that will use it.
+gains nothing on the CPU. The union verify as ONE target forward (rows = the R trees' nodes, each seeing its own
+request's cache and ancestors) is not written yet: the op set's MLA attention reads one cache whose whole prefix
+every row sees (description/layers.py mla_attention), so it needs an attention op over R caches first; that
+is the GPU batched step's work.
 A GPU executor keeps one request's state on the device (one cache, captured graphs), and rank processes
 run one request loop in lock step: both are refused with more than one sequence (RequestError naming
 --max-num-seqs).
