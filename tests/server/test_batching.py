@@ -37,9 +37,9 @@ def request_of(engine, i: int) -> dict:
             "temperature": 0.0 if i % 4 == 0 else 0.9, "top_k": 50, "seed": 1000 + i, "stream": i % 2 == 1}
 
 
-def alone(engine, body: dict, seed: int | None = None) -> list[int]:
+def alone(engine, body: dict, seed: int | None = None, budget: int = 8) -> list[int]:
     request = GenerationRequest(max_new_tokens=body["max_tokens"], temperature=body["temperature"],
-                                top_k=body["top_k"], seed=body["seed"] if seed is None else seed, budget=8)
+                                top_k=body["top_k"], seed=body["seed"] if seed is None else seed, budget=budget)
     return run_to_end(engine.stream_request(body["prompt"], request))
 
 
@@ -101,13 +101,15 @@ def test_16_clients_with_max_num_seqs_4(batch_server, engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_choices_are_the_requests_with_seeds_seed_plus_i(batch_server, engine, stream):
+@pytest.mark.parametrize("which", ["batch_server", "server"])       # --max-num-seqs 4, and the default 1
+def test_n_choices_are_the_requests_with_seeds_seed_plus_i(request, engine, stream, which):
+    url = request.getfixturevalue(which)
     body = {**request_of(engine, 1), "n": 3, "seed": 2**64 - 2, "stream": stream, "max_tokens": 14}
-    status, texts, usage = asyncio.run(_one(batch_server, body))
+    status, texts, usage = asyncio.run(_one(url, body))
     assert status == 200 and sorted(texts) == [0, 1, 2]
     seeds = choice_seeds(body["seed"], 3)
     assert seeds == [2**64 - 2, 2**64 - 1, 0]                        # wraps at 2^64
-    runs = [alone(engine, body, seed) for seed in seeds]
+    runs = [alone(engine, body, seed, 8 if which == "batch_server" else 16) for seed in seeds]   # their --budget
     assert [texts[i] for i in range(3)] == [engine.decode(t) for t in runs]
     assert len({tuple(t) for t in runs}) > 1                          # the choices do differ
     assert usage["completion_tokens"] == sum(map(len, runs)) and usage["prompt_tokens"] == len(body["prompt"])
