@@ -31,6 +31,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ddtree.bench.e2e_batch import print_concurrency_table, run_concurrency
+from ddtree.bench.samples import LosslessError, spread
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
 from ddtree.errors import reported
@@ -51,10 +53,6 @@ PHASES_NOTE = ("device us per DDTree step phase, each captured alone and replaye
                "sample_walk, update; step = the whole step's graph; gaps = step - the phases' sum (cuda only)")
 
 
-class LosslessError(click.ClickException):
-    """DDTree committed other tokens than AR on the float64 CPU executor: a bug, reported as a failed bench."""
-
-
 def parse_budgets(text: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16] (duplicates dropped); anything else is a BadParameter naming --budget."""
     return list(dict.fromkeys(comma_list(text, "--budget", int, 1, MAX_BUDGET)))
@@ -66,12 +64,6 @@ def heldout_texts(n: int) -> list[str]:
     if n > len(rows):
         raise click.BadParameter(f"{n} prompts asked for; the held-out file has {len(rows)}", param_hint="--prompts")
     return [rows[i * len(rows) // n]["text"] for i in range(n)]
-
-
-def spread(values: list[float]) -> dict:
-    """{"mean", "sd" (sample stddev; 0 for one value), "min", "max"} of the samples."""
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
 
 
 def build_tiny_engine(out_dir: Path, log) -> Path:
@@ -243,12 +235,19 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--top-p", type=FiniteFloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               help=">= 1 = off")
 @click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
+@click.option("--concurrency", default=None,
+              help="requests at once, comma-separated (e.g. 1,2,4,8): rows per mode and concurrency instead "
+                   "(aggregate and per-request decode tok/s, time to first token; bench/e2e_batch.py); --device cpu")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_prompts, max_new_tokens, repeats, temperature,
-                top_k, top_p, seed, as_json):
+                top_k, top_p, seed, concurrency, as_json):
     """End-to-end tokens/s of AR and of DDTree per budget (mean ± sd over prompts x repeats)."""
     budget_list = parse_budgets(budgets)
+    concurrencies = list(dict.fromkeys(comma_list(concurrency, "--concurrency", int, 1))) if concurrency else None
+    if concurrencies and device == "cuda":
+        raise click.BadParameter("not implemented for --device cuda yet (the batched GPU step is not built); run "
+                                 "it with --device cpu", param_hint="--concurrency")
     if device == "cpu" and kernel_plan != "fast":
         raise click.BadParameter(f"{kernel_plan} is a plan of the GPU kernels; --device cpu runs float64 numpy",
                                  param_hint="--kernel-plan")
@@ -273,7 +272,10 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
         tok = load_tokenizer(ex.tokenizer_dir, ex.config)
         prompt_ids = [tok.encode(t) or [ex.config.bos_token_id] for t in texts]
         t0 = time.perf_counter()
-        rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log)
+        if concurrencies:
+            rows = run_concurrency(ex, tok, prompt_ids, budget_list, n_new, params, repeats, concurrencies, log)
+        else:
+            rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log)
         wall = time.perf_counter() - t0
     label = "greedy" if params.greedy else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
     result = {"bench": "e2e", "device": ex.gpu.name if device == "cuda" else "cpu",
@@ -282,7 +284,7 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
               "prompt_tokens": [len(ids) for ids in prompt_ids], "max_new_tokens": n_new, "repeats": repeats,
               "block_size": ex.drafter_config.block_size,
               "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "label": label},
-              "memory": dict(ex.memory_plan) if device == "cuda" else None,
+              "memory": dict(ex.memory_plan) if device == "cuda" else None, "concurrency": concurrencies,
               "rows": rows, "ceiling": {"max_accept_len": ex.drafter_config.block_size},
               "notes": {"phases": PHASES_NOTE,
                         "tokens_per_s": "new tokens / the request's wall time, prefill included; decode_tokens_per_s"
@@ -291,5 +293,8 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
               "wall_s": round(wall, 3)}
     if as_json:
         emit_json(result)
-    print_table(result, Console(stderr=as_json, width=160))
+    if concurrencies:
+        print_concurrency_table(result, Console(stderr=as_json, width=160))
+    else:
+        print_table(result, Console(stderr=as_json, width=160))
 

@@ -1,7 +1,7 @@
 """`ddtree serve`'s routes (docs/interfaces.md section 11): the OpenAI HTTP API over one DDTreeEngine.
 
     app = create_app(engine, ["tiny"], budget=16, max_queue=8)     # a FastAPI app for uvicorn
-    (optional: api_key=, allowed_origins=[...], max_model_len=, log_requests=; docs/serving.md)
+    (optional: api_key=, allowed_origins=[...], max_model_len=, log_requests=, max_num_seqs=; docs/serving.md)
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics, and vLLM's
 /tokenize, /detokenize, /version, /ping (server/utility_routes.py). --api-key guards /v1/* (server/auth.py).
@@ -14,6 +14,10 @@ sent as an SSE error object before [DONE]. usage: prompt_tokens, completion_toke
 engine committed for the request, up to and including the one that completed a stop string), total_tokens
 and "ddtree": {"steps", "mean_accept_len"} as in ddtree-run's stats (the prefill is not a step).
 One log line per request (unless log_requests=False): id, status, prompt / completion tokens, latency.
+`n` > 1 is n jobs of the scheduler (all queued or none), choice i sampled with seed (seed + i) mod 2^64
+(no seed: a random base), so choice i is the request with n = 1 and that seed; their streams interleave as
+chunks with "index": i; usage sums the choices' completion tokens (the prompt counted once).
+--max-num-seqs N > 1: the continuous-batching scheduler (server/batch_scheduler.py), else the FIFO one.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ from ddtree.errors import InputError
 from ddtree.runtime.loop import PromptTooLongError, check_context, context_of
 from ddtree.runtime.request import GenerationRequest
 from ddtree.server.auth import add_access_middleware
+from ddtree.server.batch_scheduler import BatchScheduler
 from ddtree.server.chat import ChatOutput, chat_prompt_ids, parser_thinking
+from ddtree.server.choices import choice_seeds, merged, merged_usage
 from ddtree.server.errors import ApiError, error_body
 from ddtree.server.limits import BodyLimit, Limits, endpoint_label, shown
 from ddtree.server.logprobs import chat_logprobs, completion_logprobs
@@ -53,13 +59,15 @@ log = logging.getLogger("ddtree.serve")
 def create_app(engine, model_names: str | list[str], budget: int | str = 16, max_queue: int = 8,
                api_key: str | None = None, allowed_origins: list[str] | None = None,
                max_model_len: int | None = None, log_requests: bool = True,
-               limits: Limits | None = None) -> FastAPI:
+               limits: Limits | None = None, max_num_seqs: int = 1) -> FastAPI:
     """model_names: the ids clients may send (the first names the metrics); budget: per DDTree step, or
-    "auto" (the engine dir's tuning file); max_model_len: the context the server allows (<= the model's)."""
+    "auto" (the engine dir's tuning file); max_model_len: the context the server allows (<= the model's);
+    max_num_seqs: requests generated at once (> 1: continuous batching, CPU executors)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     limits = limits or Limits()
     metrics = Metrics(names[0])
-    scheduler = Scheduler(engine, max_queue, metrics)
+    scheduler = (BatchScheduler(engine, max_queue, metrics, max_num_seqs) if max_num_seqs > 1
+                 else Scheduler(engine, max_queue, metrics))
     context = min(context_of(engine.config), max_model_len or context_of(engine.config))
     vocab = engine.config.vocab_size
     created = int(time.time())
@@ -110,7 +118,7 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         if not scheduler.alive:
             raise ApiError(503, f"the engine is dead ({scheduler.dead or 'its worker is not running'})",
                            code="engine_dead")
-        return {"status": "ok", "queue": scheduler.depth(), "running": int(scheduler.running is not None)}
+        return {"status": "ok", "queue": scheduler.depth(), "running": scheduler.n_running()}
 
     @app.get("/metrics")
     async def metrics_text():
@@ -123,32 +131,36 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         ids = await prompt_ids(lambda: engine.encode(check_token_ids(req.single_prompt(), vocab, "prompt")),
                                "prompt")
         rid, stops = f"cmpl-{uuid.uuid4().hex}", req.stop_list()
-        job = submit(req, ids, req.max_tokens)
+        jobs = submit(req, ids, req.max_tokens)
+        outputs = [None] * len(jobs)
         if req.stream:
-            return streamed(request, job, req, rid, lambda body: completion_chunk(rid, body, req), stops, None)
-        text, end = await collected(request, job, stops, None)
-        logprobs = completion_logprobs(engine.tokenizer, end.entries, end.offsets) if end.entries is not None else None
-        return answered(request, rid, job, {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                            "model": req.model, "usage": end.usage,
-                                            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                                         "finish_reason": end.finish}]})
+            return streamed(request, jobs, req, rid, lambda body, i=0: completion_chunk(rid, body, req, i), stops,
+                            outputs)
+        ends = await collected(request, jobs, stops, outputs)
+        choices = [{"index": i, "text": text, "finish_reason": end.finish,
+                    "logprobs": completion_logprobs(engine.tokenizer, end.entries, end.offsets)
+                    if end.entries is not None else None} for i, (text, end) in enumerate(ends)]
+        return answered(request, rid, jobs[0], {"id": rid, "object": "text_completion", "created": int(time.time()),
+                                                "model": req.model, "usage": merged_usage([e.usage for _, e in ends]),
+                                                "choices": choices})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parsed(request, ChatRequest)
         prepare(req)
         ids = await prompt_ids(lambda: chat_prompt_ids(engine.tokenizer, req), "messages")
-        output = ChatOutput(parser_thinking(engine.tokenizer, req))
         rid, stops = f"chatcmpl-{uuid.uuid4().hex}", req.stop_list()
-        job = submit(req, ids, req.new_tokens_limit())
+        jobs = submit(req, ids, req.new_tokens_limit())
+        outputs = [ChatOutput(parser_thinking(engine.tokenizer, req)) for _ in jobs]
         if req.stream:
-            return streamed(request, job, req, rid, lambda body: chat_chunk(rid, body, req), stops, output)
-        _, end = await collected(request, job, stops, output)
-        logprobs = chat_logprobs(engine.tokenizer, end.entries) if end.entries is not None else None
-        return answered(request, rid, job, {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                                            "model": req.model, "usage": end.usage,
-                                            "choices": [{"index": 0, "message": output.message(),
-                                                         "logprobs": logprobs, "finish_reason": end.finish}]})
+            return streamed(request, jobs, req, rid, lambda body, i=0: chat_chunk(rid, body, req, i), stops, outputs)
+        ends = await collected(request, jobs, stops, outputs)
+        choices = [{"index": i, "message": output.message(), "finish_reason": end.finish,
+                    "logprobs": chat_logprobs(engine.tokenizer, end.entries) if end.entries is not None else None}
+                   for i, (output, (_, end)) in enumerate(zip(outputs, ends))]
+        return answered(request, rid, jobs[0], {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                                                "model": req.model, "usage": merged_usage([e.usage for _, e in ends]),
+                                                "choices": choices})
 
     # --- checking a request ---------------------------------------------------------------------
     def model_card(name: str) -> dict:
@@ -180,17 +192,20 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
             raise ApiError(400, f"{type(e).__name__}: {shown(str(e), 300)}", param=param) from None
         return ids
 
-    def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> Job:
+    def submit(req: Sampling, ids: list[int], max_tokens: int | None) -> list[Job]:
+        """The request's n choices as n jobs, queued together (or none: 429 / 400)."""
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         room = context - len(ids)                       # --max-model-len may be below the model's context
-        request = GenerationRequest(max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
-                                    temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
-                                    seed=seed, budget=budget, logit_bias=req.bias_by_id(engine.config.vocab_size) or None,
-                                    ignore_eos=bool(req.ignore_eos))
-        job = Job(ids, request, asyncio.get_running_loop(), top_logprobs=req.top_logprobs_n())
-        scheduler.submit(job)
+        bias = req.bias_by_id(engine.config.vocab_size) or None
+        loop = asyncio.get_running_loop()
+        jobs = [Job(ids, GenerationRequest(max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
+                                           temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                                           seed=choice_seed, budget=budget, logit_bias=bias,
+                                           ignore_eos=bool(req.ignore_eos)),
+                    loop, top_logprobs=req.top_logprobs_n()) for choice_seed in choice_seeds(seed, req.n)]
+        scheduler.submit(*jobs)
         metrics.prompt_tokens.inc(len(ids))
-        return job
+        return jobs
 
     def answered(request: Request, rid: str, job: Job, body: dict) -> dict:
         metrics.answered(endpoint_label(app, request.scope), 200)
@@ -267,59 +282,65 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         metrics.finished(finish)
         yield End(finish, usage_of(job, chunks), entries if with_logprobs else None, offsets)
 
-    async def collected(request: Request, job: Job, stops, output):
-        pieces = []
-        async for item in run(request, job, stops, output):
+    async def collected(request: Request, jobs: list[Job], stops, outputs) -> list[tuple[str, End]]:
+        """Every choice's (text, End), in choice order; a choice that fails stops the others."""
+        pieces, ends = [[] for _ in jobs], [None] * len(jobs)
+        async for i, item in merged([run(request, job, stops, out) for job, out in zip(jobs, outputs)]):
             if isinstance(item, End):
-                return "".join(pieces), item
-            if output is None:
-                pieces.append(item.delta)
+                ends[i] = item
+            elif outputs[i] is None:
+                pieces[i].append(item.delta)
+        return [("".join(p), end) for p, end in zip(pieces, ends)]
 
-    def streamed(request: Request, job: Job, req: Sampling, rid: str, chunk, stops, output) -> StreamingResponse:
+    def streamed(request: Request, jobs: list[Job], req: Sampling, rid: str, chunk, stops, outputs
+                 ) -> StreamingResponse:
+        chat = outputs[0] is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def logprobs_of(piece: Piece):
             if piece.logprobs is None:
                 return None
-            if output is not None:
+            if chat:
                 return chat_logprobs(engine.tokenizer, piece.logprobs)
             return completion_logprobs(engine.tokenizer, piece.logprobs, piece.offsets)
 
         async def events():
-            status, usage = 200, None
+            status, usage, usages = 200, None, []
             try:
-                if output is not None:
-                    yield sse(chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
-                async for item in run(request, job, stops, output):
+                if chat:
+                    for i in range(len(jobs)):
+                        yield sse(chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, i))
+                async for i, item in merged([run(request, job, stops, out) for job, out in zip(jobs, outputs)]):
                     if isinstance(item, Piece):
-                        body = {"delta": item.delta} if output is not None else {"text": item.delta}
-                        yield sse(chunk({**body, "logprobs": logprobs_of(item), "finish_reason": None}))
+                        body = {"delta": item.delta} if chat else {"text": item.delta}
+                        yield sse(chunk({**body, "logprobs": logprobs_of(item), "finish_reason": None}, i))
                         continue
-                    usage = item.usage
-                    body = {"delta": {}} if output is not None else {"text": ""}
-                    yield sse(chunk({**body, "finish_reason": item.finish}))
-                    if include_usage:
-                        yield sse({**chunk(None), "choices": [], "usage": item.usage})
+                    usages.append(item.usage)
+                    body = {"delta": {}} if chat else {"text": ""}
+                    yield sse(chunk({**body, "finish_reason": item.finish}, i))
+                usage = merged_usage(usages)
+                if include_usage:
+                    yield sse({**chunk(None), "choices": [], "usage": usage})
             except ApiError as e:
                 status = e.status
                 yield sse(e.body())
             metrics.answered(endpoint_label(app, request.scope), status)
-            log_request(rid, request.url.path, status, usage, job.arrived)
+            log_request(rid, request.url.path, status, usage, jobs[0].arrived)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def completion_chunk(rid: str, body: dict | None, req: Sampling) -> dict:
+    def completion_chunk(rid: str, body: dict | None, req: Sampling, index: int = 0) -> dict:
         out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
-               "choices": [] if body is None else [{"index": 0, "logprobs": None, **body}]}
+               "choices": [] if body is None else [{"index": index, "logprobs": None, **body}]}
         if req.stream_options and req.stream_options.include_usage:
             out["usage"] = None
         return out
 
-    def chat_chunk(rid: str, body: dict | None, req: Sampling) -> dict:
+    def chat_chunk(rid: str, body: dict | None, req: Sampling, index: int = 0) -> dict:
         out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model,
-               "choices": [] if body is None else [{"index": 0, "logprobs": None, **body}]}
+               "choices": [] if body is None else [{"index": index, "logprobs": None, **body}]}
         if req.stream_options and req.stream_options.include_usage:
             out["usage"] = None
         return out

@@ -31,7 +31,7 @@ from ddtree.server.errors import ApiError
 from ddtree.server.logprobs import token_logprobs
 
 
-@dataclass
+@dataclass(eq=False)                            # a job is itself: compared and hashed by identity
 class Job:
     ids: list[int]
     request: GenerationRequest
@@ -71,19 +71,27 @@ class Scheduler:
     def depth(self) -> int:
         return len(self.waiting)
 
-    def submit(self, job: Job) -> None:
+    def n_running(self) -> int:
+        """Requests the engine is generating now (0 or 1 here; up to --max-num-seqs in batch_scheduler.py)."""
+        return int(self.running is not None)
+
+    def submit(self, *jobs: Job) -> None:
+        """Queue the jobs (the n choices of one request: all of them or none)."""
         with self.cond:
             if not self.alive:
                 raise ApiError(503, f"the engine is dead ({self.dead or 'its worker is not running'})",
                                code="engine_dead")
             if self.draining:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
-            if len(self.waiting) >= self.max_queue:
+            if len(jobs) > self.max_queue:
+                raise ApiError(400, f"n: {len(jobs)} choices are more than the queue holds ({self.max_queue}, "
+                               "--max-queue)", param="n")
+            if len(self.waiting) + len(jobs) > self.max_queue:
                 wait_s = max(1, math.ceil(self.recent_s * (len(self.waiting) + 1)))
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests waiting, --max-queue); "
                                f"retry in about {wait_s} s", code="queue_full",
                                headers={"Retry-After": str(wait_s)})
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.metrics.queue_depth.set(len(self.waiting))
             self.cond.notify()
 

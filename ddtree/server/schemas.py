@@ -2,7 +2,7 @@
 
 Strict types (a string where a number belongs is a 400, never coerced) and no unknown fields: a
 parameter this server does not know is a 400 naming it, never silently ignored. Parameters it knows
-but does not implement (penalties, n > 1, response_format other than text, ...) are checked in
+but does not implement (penalties, response_format other than text, ...) are checked in
 `unsupported_params`: a 400 naming the parameter when set to anything but its default.
 
 Accepted and ignored, because they never change the output (IGNORED_FIELDS, listed in docs/serving.md):
@@ -74,8 +74,8 @@ class Sampling(Strict):
     metadata: dict | None = None
     store: bool | None = None
     service_tier: str | None = None
+    n: int = Field(1, ge=1)                                 # choices: n jobs, seeds seed + i (server/choices.py)
     # known, not implemented: a 400 when not at the default (unsupported_params)
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -182,7 +182,7 @@ class ChatRequest(Sampling):
 
 def unsupported_params(req: Sampling) -> None:
     """A 400 naming the first parameter set to a value this server does not implement."""
-    defaults = [("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
+    defaults = [("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
     for name, default in defaults:
         if getattr(req, name) != default:
             raise unsupported(name, getattr(req, name))

@@ -46,6 +46,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
                    "dir's tuning file: `ddtree tune ENGINE_DIR`).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests generated at once (continuous batching: a request joins the running batch at the next "
+                   "step and leaves when done); more than 1 needs --device cpu.")
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help=f"A model id clients may send; repeat it for several (the first names the metrics). Default: "
                    f"{DEFAULT_MODEL_NAME} for the embedded model, else the --model folder's name.")
@@ -63,8 +66,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--disable-log-requests", is_flag=True,
               help="No log line per request (default: one each: id, status, tokens, latency).")
 @limit_options
-def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, served_model_names, skip_verify,
-                  api_key, allowed_origins, max_model_len, chat_template, disable_log_requests, **limit_kw):
+def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, max_num_seqs, served_model_names,
+                  skip_verify, api_key, allowed_origins, max_model_len, chat_template, disable_log_requests,
+                  **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
@@ -95,9 +99,9 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
         limits = Limits(**limit_kw)
         app = create_app(engine, names, budget=budget, max_queue=max_queue, api_key=api_key,
                          allowed_origins=origins, max_model_len=max_model_len,
-                         log_requests=not disable_log_requests, limits=limits)
+                         log_requests=not disable_log_requests, limits=limits, max_num_seqs=max_num_seqs)
         click.echo(f"ddtree serve: model {', '.join(repr(n) for n in names)} ({engine.model_dir}), budget {budget}, "
-                   f"max queue {max_queue}, context {max_model_len or context}"
+                   f"max queue {max_queue}, max num seqs {max_num_seqs}, context {max_model_len or context}"
                    + (", API key required" if api_key else ""), err=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                                            http=deadline_protocol(limits),

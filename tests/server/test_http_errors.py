@@ -76,10 +76,10 @@ def test_prompt_past_the_context_names_the_limit(server):
 
 
 UNSUPPORTED = [   # parameters that would change the output and are not implemented
-    (CHAT, "n", 2), (CHAT, "presence_penalty", 0.5), (CHAT, "frequency_penalty", -1.0),
+    (CHAT, "presence_penalty", 0.5), (CHAT, "frequency_penalty", -1.0),
     (CHAT, "response_format", {"type": "json_object"}), (CHAT, "tool_choice", "required"),
     (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}), (CHAT, "reasoning_effort", "low"),
-    (COMPLETIONS, "n", 3), (COMPLETIONS, "presence_penalty", 1.0), (COMPLETIONS, "frequency_penalty", 0.1),
+    (COMPLETIONS, "presence_penalty", 1.0), (COMPLETIONS, "frequency_penalty", 0.1),
     (COMPLETIONS, "echo", True), (COMPLETIONS, "best_of", 2), (COMPLETIONS, "suffix", "end"),
 ]
 

@@ -123,5 +123,5 @@ def test_errors_reach_the_client_typed(client):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=0)
     assert e.value.body["param"] == "n"

@@ -1,0 +1,158 @@
+"""Several requests at once on the CPU executors: R sequences advance together, one step each per round.
+
+    batch = BatchDecoder(engine, max_num_seqs=4)
+    batch.add("a", prompt_ids, GenerationRequest(max_new_tokens=64, seed=1))   # joins at the next round
+    while batch:
+        for event in batch.step():        # one step of every sequence, in join order
+            event.key, event.tokens, event.finished, event.error
+    batch.remove("a")                     # cancelled mid-run: its generator is closed, the others go on
+
+Each sequence is the engine's own decode loop for that request (runtime/loop.py's generator from
+DDTreeEngine.stream_request): its own target / drafter caches, context window, seed, sampling parameters,
+budget, stop rules and RunStats. A round calls next() on each, so the sequences share nothing but the
+executor's weights and a sequence's tokens are exactly those of the same request run alone, whatever its
+neighbours do (join, finish, be cancelled): tests/runtime/test_batch.py checks this token for token.
+
+Why interleaving and not one fused forward here: the CPU executors compute in float64 numpy, where the
+rows of a second request are not free (the cost is per row, not per weight read), so fusing the R verifies
+gains nothing on the CPU. The union verify as ONE target forward (rows = the R trees' nodes, each seeing its own
+request's cache and ancestors) is not written yet: the op set's MLA attention reads one cache whose whole prefix
+every row sees (description/layers.py mla_attention), so it needs an attention op over R caches first; that
+is the GPU batched step's work.
+A GPU executor keeps one request's state on the device (one cache, captured graphs), and rank processes
+run one request loop in lock step: both are refused with more than one sequence (RequestError naming
+--max-num-seqs).
+
+A sequence finishes in the round that yields its last tokens (its RunStats has a finish_reason): the event
+carries those tokens and finished=True, and its generator is closed. A request whose step raises yields one
+event with the error; the others go on.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ddtree.runtime.loop import RequestError, RunStats
+from ddtree.runtime.request import GenerationRequest
+
+BATCHING_EXECUTORS = ("numpy", "engine-numpy")     # the CPU executors: every request's state lives on the host
+
+
+def check_batchable(engine, max_num_seqs: int) -> None:
+    """A RequestError naming --max-num-seqs when this engine cannot interleave max_num_seqs requests."""
+    if max_num_seqs < 1:
+        raise RequestError(f"--max-num-seqs {max_num_seqs}: expected at least 1")
+    if max_num_seqs == 1:
+        return
+    if engine.processes is not None:
+        raise RequestError(f"--max-num-seqs {max_num_seqs}: the rank processes run one request at a time "
+                           "(--ranks processes); use --ranks threads or --max-num-seqs 1")
+    if engine.executor.name not in BATCHING_EXECUTORS:
+        raise RequestError(f"--max-num-seqs {max_num_seqs} is implemented on the CPU executors (--device cpu); "
+                           f"the {engine.executor.name} executor keeps one request's state on the device "
+                           "(--max-num-seqs 1 there)")
+
+
+@dataclass
+class Event:
+    key: object
+    tokens: list[int]                   # the tokens this step committed (empty with an error, or a run of 0)
+    finished: bool = False              # the last step of this sequence: stats.finish_reason is set
+    error: Exception | None = None      # the step raised: the sequence is gone
+    step_s: float = 0.0                 # the wall time of this sequence's step
+    at: float = 0.0                     # time.perf_counter() when it ended (the tokens' time, not the round's)
+
+
+@dataclass
+class Sequence:
+    steps: Iterator[list[int]]
+    stats: RunStats
+    joined: float = field(default_factory=time.perf_counter)
+
+
+class BatchDecoder:
+    def __init__(self, engine, max_num_seqs: int):
+        check_batchable(engine, max_num_seqs)
+        self.engine, self.max_num_seqs = engine, max_num_seqs
+        self.seqs: dict[object, Sequence] = {}        # insertion order = join order = step order in a round
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def full(self) -> bool:
+        return len(self.seqs) >= self.max_num_seqs
+
+    def add(self, key, prompt, request: GenerationRequest, stats: RunStats | None = None, on_logits=None) -> None:
+        """Join at the next round. A request the engine refuses raises here (RequestError), before any step."""
+        if key in self.seqs:
+            raise ValueError(f"sequence {key!r} is already in the batch")
+        if self.full:
+            raise RequestError(f"the batch is full ({self.max_num_seqs} sequences, --max-num-seqs)")
+        stats = stats if stats is not None else RunStats()
+        self.seqs[key] = Sequence(self.engine.stream_request(prompt, request, stats, on_logits), stats)
+
+    def remove(self, key) -> None:
+        """Leave now (cancelled): the sequence's generator is closed; unknown keys are ignored."""
+        seq = self.seqs.pop(key, None)
+        if seq is not None:
+            seq.steps.close()
+
+    def step(self) -> list[Event]:
+        """One step of every sequence, in join order -> one event each."""
+        events = []
+        for key, seq in list(self.seqs.items()):
+            t0 = time.perf_counter()
+            try:
+                tokens = next(seq.steps)
+            except StopIteration:                     # a run of 0 new tokens: nothing to commit
+                self.seqs.pop(key)
+                now = time.perf_counter()
+                events.append(Event(key, [], True, None, now - t0, now))
+                continue
+            except Exception as e:                    # this request failed; the batch goes on
+                self.remove(key)
+                now = time.perf_counter()
+                events.append(Event(key, [], True, e, now - t0, now))
+                continue
+            now = time.perf_counter()
+            finished = seq.stats.finish_reason is not None
+            if finished:
+                self.remove(key)
+            events.append(Event(key, list(tokens), finished, None, now - t0, now))
+        return events
+
+
+def run_batch(engine, jobs: list[tuple], max_num_seqs: int, cancel_after: dict | None = None) -> dict:
+    """Run jobs [(key, prompt, request)] through one BatchDecoder: FIFO, each joining as a slot frees (at the
+    start of a round); cancel_after {key: n}: the sequence is removed after its n-th event. -> {key: {"tokens",
+    "stats", "joined_s", "first_s", "end_s" (when its first / last step ended; seconds from the
+    call), "cancelled", "events"}}."""
+    cancel_after = cancel_after or {}
+    batch, waiting, out = BatchDecoder(engine, max_num_seqs), list(jobs), {}
+    t0 = time.perf_counter()
+    while waiting or batch:
+        while waiting and not batch.full:
+            key, prompt, request = waiting.pop(0)
+            out[key] = {"tokens": [], "stats": RunStats(), "joined_s": time.perf_counter() - t0, "first_s": None,
+                        "end_s": None, "cancelled": False, "events": 0}
+            batch.add(key, prompt, request, out[key]["stats"])
+        for ev in batch.step():
+            rec = out[ev.key]
+            if ev.error is not None:
+                raise ev.error
+            rec["tokens"] += ev.tokens
+            rec["events"] += 1
+            now = ev.at - t0
+            if rec["first_s"] is None and ev.tokens:
+                rec["first_s"] = now
+            if ev.finished:
+                rec["end_s"] = now
+            elif rec["events"] >= cancel_after.get(ev.key, float("inf")):
+                batch.remove(ev.key)
+                rec["cancelled"], rec["end_s"] = True, now
+    return out

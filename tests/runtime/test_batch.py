@@ -1,0 +1,157 @@
+"""Several requests at once (runtime/batch.py): every request's tokens equal the same request run alone, token for
+token, whatever its neighbours do (join late, finish early, get cancelled), on the numpy reference and on an
+engine dir's numpy ranks; the GPU executors and rank processes are refused with a message naming the flag."""
+from types import SimpleNamespace
+
+import pytest
+
+from ddtree.builder.build import build_engine
+from ddtree.data import tiny_model_dirs
+from ddtree.runtime.batch import BatchDecoder, check_batchable, run_batch
+from ddtree.runtime.engine import DDTreeEngine
+from ddtree.runtime.loop import RequestError, RunStats, run_to_end
+from ddtree.runtime.request import GenerationRequest
+
+PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n    def push(self, x):", "# sort a list\n"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return DDTreeEngine.load()
+
+
+def mixed_jobs(engine) -> list[tuple]:
+    """Requests that differ in everything a request carries: mode, budget, block, sampling, seed, length, stops."""
+    reqs = [GenerationRequest(max_new_tokens=24, temperature=0.0, budget=8),
+            GenerationRequest(max_new_tokens=9, temperature=0.9, top_k=20, seed=7, budget=4, block_size=3),
+            GenerationRequest(max_new_tokens=20, temperature=0.7, top_p=0.9, seed=1, mode="ar"),
+            GenerationRequest(max_new_tokens=30, temperature=1.0, seed=2**40 + 3, budget=16, ignore_eos=True),
+            GenerationRequest(max_new_tokens=5, temperature=0.7, seed=1, budget=2),
+            GenerationRequest(max_new_tokens=16, temperature=0.7, seed=1, budget=16, logit_bias={5: 4.0, 9: -100.0}),
+            GenerationRequest(max_new_tokens=0, budget=8)]
+    return [(i, engine.encode(PROMPTS[i % len(PROMPTS)]), r) for i, r in enumerate(reqs)]
+
+
+def alone(engine, prompt, request) -> list[int]:
+    return run_to_end(engine.stream_request(prompt, request))
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 7])
+def test_every_request_equals_itself_alone(engine, max_num_seqs):
+    jobs = mixed_jobs(engine)
+    out = run_batch(engine, jobs, max_num_seqs)
+    for key, prompt, request in jobs:
+        expected = alone(engine, prompt, request)
+        assert out[key]["tokens"] == expected, f"request {key} ({request}) differs from itself alone"
+        assert out[key]["stats"].finish_reason is not None and not out[key]["cancelled"]
+    assert out[6]["tokens"] == [] and len(out[3]["tokens"]) == 30          # a run of 0 and an ignore_eos run
+    assert len({tuple(out[k]["tokens"]) for k in range(6)}) == 6          # the requests do differ
+
+
+def test_join_order_and_neighbours_do_not_matter(engine):
+    jobs = mixed_jobs(engine)
+    forward, backward = run_batch(engine, jobs, 4), run_batch(engine, jobs[::-1], 2)
+    assert {k: r["tokens"] for k, r in forward.items()} == {k: r["tokens"] for k, r in backward.items()}
+
+
+def test_cancelled_neighbours_leave_the_others_unchanged(engine):
+    jobs = mixed_jobs(engine)
+    out = run_batch(engine, jobs, 3, cancel_after={0: 2, 3: 1})
+    for key, prompt, request in jobs:
+        expected = alone(engine, prompt, request)
+        if key in (0, 3):                             # stopped mid-run: a strict prefix of its run alone
+            assert out[key]["cancelled"] and out[key]["events"] == {0: 2, 3: 1}[key]
+            assert out[key]["tokens"] == expected[: len(out[key]["tokens"])] and len(out[key]["tokens"]) < len(expected)
+        else:
+            assert out[key]["tokens"] == expected
+
+
+def test_a_sequence_joining_mid_run_changes_nothing(engine):
+    """Two sequences run 3 rounds, then a third joins, then the first is removed: every stream is itself alone."""
+    jobs = mixed_jobs(engine)[:4]
+    batch = BatchDecoder(engine, 3)
+    got = {k: [] for k, _, _ in jobs}
+    for key, prompt, request in jobs[:2]:
+        batch.add(key, prompt, request)
+    for round_ in range(40):
+        if round_ == 3:
+            batch.add(*jobs[2])
+        if round_ == 5:
+            batch.remove(0)
+            batch.add(*jobs[3])
+        for ev in batch.step():
+            assert ev.error is None
+            got[ev.key] += ev.tokens
+    assert not batch
+    for key, prompt, request in jobs:
+        expected = alone(engine, prompt, request)
+        assert got[key] == (expected[: len(got[key])] if key == 0 else expected)
+
+
+def test_logprobs_rows_stay_with_their_request(engine):
+    """on_logits per sequence: each request sees the raw logits rows of its own tokens, as when alone."""
+    jobs = mixed_jobs(engine)[:3]
+    rows_alone = {}
+    for key, prompt, request in jobs:
+        rows = []
+        run_to_end(engine.stream_request(prompt, request, None, rows.append))
+        rows_alone[key] = rows
+    batch, rows_batch = BatchDecoder(engine, 3), {k: [] for k, _, _ in jobs}
+    for key, prompt, request in jobs:
+        batch.add(key, prompt, request, on_logits=rows_batch[key].append)
+    while batch:
+        batch.step()
+    for key, rows in rows_alone.items():
+        assert len(rows_batch[key]) == len(rows)
+        for a, b in zip(rows, rows_batch[key]):
+            assert (a == b).all()
+
+
+def test_a_full_batch_and_a_bad_request_are_refused_at_add(engine):
+    batch = BatchDecoder(engine, 1)
+    batch.add("a", [1, 2, 3], GenerationRequest(max_new_tokens=2))
+    with pytest.raises(RequestError, match="--max-num-seqs"):
+        batch.add("b", [1, 2, 3], GenerationRequest(max_new_tokens=2))
+    batch.remove("a")
+    with pytest.raises(RequestError, match="budget"):
+        batch.add("c", [1, 2, 3], GenerationRequest(budget=0))
+    assert not batch
+
+
+def test_a_failing_step_is_one_event_and_the_others_go_on(engine):
+    batch = BatchDecoder(engine, 2)
+
+    def broken():
+        yield [1]
+        raise ValueError("boom")
+
+    batch.add("ok", [1, 2, 3], GenerationRequest(max_new_tokens=6, budget=4))
+    batch.seqs["bad"] = type(batch.seqs["ok"])(broken(), RunStats())
+    first, second = batch.step(), batch.step()
+    assert [e.key for e in first] == ["ok", "bad"] and first[1].tokens == [1]
+    assert second[1].key == "bad" and isinstance(second[1].error, ValueError) and "bad" not in batch.seqs
+    while batch:
+        batch.step()
+
+
+def test_gpu_executors_and_rank_processes_are_refused_by_flag():
+    cuda = SimpleNamespace(processes=None, executor=SimpleNamespace(name="cuda"))
+    with pytest.raises(RequestError, match="--max-num-seqs 4 is implemented on the CPU executors"):
+        check_batchable(cuda, 4)
+    check_batchable(cuda, 1)                                          # one at a time: today's path
+    ranks = SimpleNamespace(processes=object(), executor=SimpleNamespace(name="engine-numpy"))
+    with pytest.raises(RequestError, match="--max-num-seqs 2: the rank processes"):
+        check_batchable(ranks, 2)
+    with pytest.raises(RequestError, match="at least 1"):
+        check_batchable(cuda, 0)
+
+
+def test_engine_dir_ranks_batch_equals_alone(tmp_path_factory):
+    """The same on an engine dir's numpy ranks (tp 2, threads): EngineExecutor's caches are per request too."""
+    out_dir = tmp_path_factory.mktemp("batch") / "engine"
+    engine_dir = build_engine(*tiny_model_dirs(), 2, [], out_dir, graphs=False, kernels=False)["engine"]
+    engine = DDTreeEngine.load(engine_dir)
+    jobs = mixed_jobs(engine)[1:4]
+    out = run_batch(engine, jobs, 4)
+    for key, prompt, request in jobs:
+        assert out[key]["tokens"] == alone(engine, prompt, request)
