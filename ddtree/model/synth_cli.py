@@ -12,7 +12,7 @@ from ddtree.cli_types import FiniteFloatRange
 from ddtree.errors import ResourceError, available_memory, reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import PRESETS, PresetError
-from ddtree.model.synthetic import estimate, estimate_bytes
+from ddtree.model.synthetic import estimate
 from ddtree.model.synthetic import synth as synth_checkpoint
 
 
