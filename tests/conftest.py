@@ -24,6 +24,18 @@ def kernel_cache(tmp_path_factory):
         os.environ["DDTREE_KERNEL_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module of small tensors: its second OpenMP thread only spins against the other
+    processes of a shared 2-core CPU (a greedy continuation measured 13.4 s on 2 threads, 0.5 s on 1). Use it
+    with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.cache
 def gpu_available() -> bool:
     if importlib.util.find_spec("cuda") is None:

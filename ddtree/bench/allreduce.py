@@ -206,7 +206,7 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, t
         for g in sorted(set(ids)):          # said before any rank process starts (each would fail on its own)
             why = gpu_unavailable(g)
             if why:
-                raise DeviceUnavailableError(f"bench allreduce --gpus {gpus}: GPU {g} is not available: {why}")
+                raise DeviceUnavailableError(f"bench allreduce --gpu {gpus}: GPU {g} is not available: {why}")
     if probe:
         result = {"probe": run_ranks(probe_rank, ids, timeout_s=timeout_s)}
         if as_json:

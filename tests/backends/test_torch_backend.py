@@ -42,14 +42,7 @@ TREE_PARENTS = [-1, 0, 0, 1, 2, 3]
 TREE_IDS = [[58, 10, 32, 32, 40, 41], [97, 116, 104, 10, 105, 109]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small ops: torch's second OpenMP thread only spins against the other processes of a shared CPU (a greedy
-    continuation here measured 13.4 s on 2 threads, 0.5 s on 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,7 @@ def test_build_errors(tiny_ckpt, tmp_path, monkeypatch):
 
     def no_nvrtc():
         raise ImportError("No module named 'cuda'")
-    monkeypatch.setattr("ddtree.plugins.compile.nvrtc_version", no_nvrtc)
+    monkeypatch.setattr("ddtree.builder.output_dir.nvrtc_version", no_nvrtc)   # where require_nvrtc looks
     r = invoke(*build_args(tiny_ckpt, out))
     assert r.exit_code != 0 and "needs NVRTC from the 'cuda' extra" in r.output
     assert not out.exists() and not list(tmp_path.glob(".*building*"))

@@ -3,7 +3,8 @@ import subprocess
 import sys
 
 OPTIONAL = ["torch", "transformers", "onnx", "onnx_graphsurgeon", "tensorrt_rtx_bindings", "tensorrt_rtx_libs",
-            "cuda", "cuda.core", "cuda.bindings", "jinja2", "ml_dtypes"]
+            "cuda", "cuda.core", "cuda.bindings", "jinja2", "huggingface_hub", "fastapi", "uvicorn"]
+# ml_dtypes is a base dependency: the safetensors library reads bf16 into numpy through it (model/safetensors_io.py)
 
 
 def test_ddtree_run_on_the_embedded_model_without_optional_packages():

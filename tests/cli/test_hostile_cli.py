@@ -132,8 +132,8 @@ def test_bench_allreduce_without_a_gpu_is_one_line():
     from ddtree.runtime.cuda_executor import gpu_unavailable
     if gpu_unavailable(0) is None:
         pytest.skip("a GPU is present")
-    line = one_line_error(ddtree(["bench", "allreduce", "--gpus", "0,1"]), "DeviceUnavailableError")
-    assert "--gpus 0,1" in line
+    line = one_line_error(ddtree(["bench", "allreduce", "--gpu", "0,1"]), "DeviceUnavailableError")
+    assert "--gpu 0,1" in line
 
 
 # ---- an error after partial text ------------------------------------------------------------------------------

@@ -218,7 +218,8 @@ def test_tensors_are_read_by_the_safetensors_library(monkeypatch):
         opened.append((path, framework))
         return real(path, framework=framework, **kw)
 
-    monkeypatch.setattr(safetensors, "safe_open", spy)
+    import ddtree.model.safetensors_io as io
+    monkeypatch.setattr(io, "safe_open", spy)                 # where the reader looks it up
     path = sorted(glob.glob(str(tiny_model_dirs()[0] / "*.safetensors")))[0]
     f = SafetensorsFile(path)
     name = next(n for n in f.keys() if f.entries[n].dtype == "BF16")

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import safe_open  # noqa: E402  (torch needed)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 # Tolerances relative to the largest |value|. Measured HF-vs-reference: 3e-7 near position 0, where
 # HF's float32 norms/router/softmax dominate; 5e-4 around position 70000, where HF's float32 RoPE
@@ -93,15 +93,6 @@ def hf_model(ckpt_dir: Path):
         layer.self_attn.q_a_layernorm.variance_epsilon = cfg.rms_norm_eps
         layer.self_attn.kv_a_layernorm.variance_epsilon = cfg.rms_norm_eps
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: torch's intra-op threads only fight each other (70x slower on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

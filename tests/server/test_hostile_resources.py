@@ -139,7 +139,7 @@ def test_echoed_names_and_paths_are_cut(small):
 def endpoint_labels(url: str) -> set[str]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {line.split('endpoint="')[1].split('"')[0] for line in text.splitlines()
-            if line.startswith("ddtree_requests_total{")}
+            if line.startswith("ddtree:requests_total{")}
 
 
 def test_metric_labels_come_from_the_routes(small):
@@ -151,7 +151,7 @@ def test_metric_labels_come_from_the_routes(small):
             client.post(f"{url}/{name}", json={})
             client.post(f"{url}/v1/{name}", content=b"{" * 10)
     routes = {"/v1/models", "/v1/models/{name:path}", "/v1/completions", "/v1/chat/completions", "/health",
-              "/metrics", "other"}
+              "/metrics", "/tokenize", "/detokenize", "/version", "/ping", "other"}
     labels = endpoint_labels(url)
     assert labels <= routes and "/v1/models/{name:path}" in labels, labels
 
