@@ -27,11 +27,9 @@ from ddtree.engine_dir import is_engine_dir, read_engine_config, tokenizer_dir
 from ddtree.engine_dir.tuning import read_tuning, tuning_path
 from ddtree.model.tokenizer import load_tokenizer
 from ddtree.parallel.rank_collective import allreduce_refusal
-from ddtree.plugins.device import Gpu
 from ddtree.reference.drafter import Drafter
 from ddtree.reference.model import Target
 from ddtree.runtime.auto_budget import AutoBudget
-from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
@@ -141,6 +139,8 @@ class DDTreeEngine:
     def _load_cuda(cls, model_dir, drafter_dir, verify: bool, gpu, max_context: int | None,
                    cap_context: bool = False, kernel_plan: str = "fast", ranks: str = "threads",
                    allreduce: str = "one-shot") -> "DDTreeEngine":
+        # heavy: the GPU executor and its kernels' launchers (~150 ms of imports), for --device cuda only
+        from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
         built = None
         if model_dir is None or not is_engine_dir(model_dir):     # a checkpoint: repacked at load (interfaces 8)
             if allreduce != "one-shot":
@@ -225,6 +225,7 @@ class DDTreeEngine:
         if drafter_dir is None:
             raise RequestError(f"--device cuda repacks the checkpoint {model_dir} with its drafter into a tp 1 "
                                "engine: give the drafter dir (--drafter)")
+        from ddtree.plugins.device import Gpu  # heavy: with the GPU executor, for --device cuda only
         arch = Gpu(gpu).arch
         tmp = Path(tempfile.mkdtemp(prefix="ddtree-cuda-engine-"))
         atexit.register(shutil.rmtree, tmp, True)

@@ -50,7 +50,6 @@ from ddtree.parallel.shm_group import (
     unlink,
 )
 from ddtree.parallel.spawn_ranks import stdout_to_stderr
-from ddtree.runtime.cuda_ranks import cuda_rank_executor
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.tree.sampling import SamplingParams
@@ -136,6 +135,7 @@ def rank_executor(engine_dir, rank: int, group: SharedMemoryGroup, checked, dtyp
         return GraphExecutor(ranks, host_group=group, tokenizer_dir=tokenizer_dir(engine_dir))
     if cuda is None:
         return EngineExecutor(engine_dir, np.dtype(dtype), rank=rank, collective=group, checked=checked)
+    from ddtree.runtime.cuda_ranks import cuda_rank_executor  # heavy: the GPU executor, for --device cuda only
     return cuda_rank_executor(engine_dir, rank, group, checked, **cuda)
 
 
