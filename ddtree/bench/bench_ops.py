@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.backends.cuda_backend import CudaOps
-from ddtree.bench.projection import ALLREDUCE_CHOICES
+from ddtree.bench.projection import ALLREDUCE_CHOICES, collective_us
 from ddtree.parallel.cuda_collectives import StandinGather
 from ddtree.plugins.allreduce import gather_grid, grid_for
 from ddtree.plugins.pcie_standin import PcieStandin
@@ -55,7 +55,7 @@ class PcieCollective:
 
     def modelled_us(self, nbytes: int) -> float:
         """One collective whose message (an all-gather's: every rank's part together) is nbytes."""
-        return min(m.us(nbytes, self.tp) for m in self.models)
+        return collective_us(self.models, nbytes, self.tp)
 
     def describe(self) -> dict:
         return {"collectives": "pcie", "allreduce": self.allreduce, "tp": self.tp,

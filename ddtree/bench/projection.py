@@ -138,6 +138,16 @@ def phase_of(rec) -> str:
     return "dense"
 
 
+def collective_us(models, nbytes: float, tp: int) -> float:
+    """One collective of nbytes among tp ranks: the cheapest of the AllReduceModels."""
+    return min(m.us(nbytes, tp) for m in models)
+
+
+def message_bytes(rec, tp: int) -> int:
+    """The bytes a meter record's collective moves as one message: an all-gather's tp parts together."""
+    return rec.message_bytes * (tp if rec.collective == "all_gather" else 1)
+
+
 @dataclass(frozen=True)
 class Projection:
     """Everything the step's projected time depends on, each a field."""
@@ -149,7 +159,7 @@ class Projection:
     hidden_source: str = "none: every collective adds its whole time"   # --collectives copy,pcie)
 
     def collective_us(self, nbytes: float) -> float:
-        return min(m.us(nbytes, self.tp) for m in self.allreduce)
+        return collective_us(self.allreduce, nbytes, self.tp)
 
     def step(self, records) -> dict:
         """Meter records of one step -> {"step_us", "split_us": {phase: us}, "by_class_us", "collectives"}."""
@@ -163,8 +173,7 @@ class Projection:
                 split[phase_of(r)] += us
                 by_class[cls] += us
             if r.collective:
-                total = r.message_bytes * (self.tp if r.collective == "all_gather" else 1)   # gathered: tp parts
-                messages[(r.collective, total)] += 1
+                messages[(r.collective, message_bytes(r, self.tp))] += 1
         collectives = [{"op": op, "message_bytes": nbytes, "count": n, "us_each": self.collective_us(nbytes),
                         "us": n * self.collective_us(nbytes)} for (op, nbytes), n in sorted(messages.items())]
         split["allreduce"] = sum(c["us"] for c in collectives) * (1.0 - self.hidden)

@@ -14,6 +14,7 @@ stand-ins' own few us count as neither).
 from __future__ import annotations
 
 from ddtree.bench.bench_ops import PcieCollective, StandinCollective
+from ddtree.bench.projection import message_bytes
 
 MODES = ("copy", "pcie")
 
@@ -30,8 +31,7 @@ def modelled_us(collective, records, tp: int) -> float | None:
     """The PCIe model's time of every collective the meter counts in one step (None under copy stand-ins)."""
     if not isinstance(collective, PcieCollective):
         return None
-    return sum(collective.modelled_us(r.message_bytes * (tp if r.collective == "all_gather" else 1))
-               for r in records if r.collective)
+    return sum(collective.modelled_us(message_bytes(r, tp)) for r in records if r.collective)
 
 
 def hidden_rows(rows: list[dict]) -> list[dict]:
