@@ -40,3 +40,7 @@ bench.add_command(step_command)
 from ddtree.bench.allreduce import allreduce_command  # noqa: E402
 
 bench.add_command(allreduce_command)
+
+from ddtree.bench.chain import chain_command  # noqa: E402
+
+bench.add_command(chain_command)

@@ -1,0 +1,102 @@
+"""`ddtree bench chain`: a layer's dense GEMMs as today's launches against one persistent launch whose weight
+stream never waits (plugins/gemm_chain.py; issue 48, docs/performance.md section 5), on the same weights.
+
+The chain is rank 0 of Kimi K2.6 at tp 8, one layer's dense weights (60.7 MB): q_a and kv_a over the layer input,
+q_b over q_a's output, o_proj's 1024 inputs, the shared expert's gate_up and down (its first 256 channels: the
+SwiGLU's arithmetic is not what is timed). `launches`: one skinny-GEMM launch an op (plugins/gemm.py, the plans
+the step uses, programmatic dependent launch), in op order; `chain`: one gemm_chain launch, each op waiting only
+for its own source. Method as `ddtree bench gemm`: weight copies together >= 4x the L2, launches captured in one
+graph, median replay / launches; ideal = weight bytes / the copy ceiling measured first.
+"""
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from ddtree.bench.kernels import _say, open_gpu, time_graph
+from ddtree.cli_types import comma_list
+from ddtree.errors import reported
+from ddtree.jsonout import emit_json
+from ddtree.plugins import randfill
+from ddtree.plugins.gemm import SkinnyGemm
+from ddtree.plugins.gemm_chain import INPUT, MAX_MT, ChainGemm, GemmChain
+
+# name -> ChainGemm(N, K, src): one tp-8 rank's dense weights of a layer (bench/kernels.py GEMM_SHAPES[8])
+KIMI_TP8_LAYER = {"q_a": ChainGemm(1536, 7168, INPUT), "kv_a": ChainGemm(576, 7168, INPUT),
+                  "q_b": ChainGemm(1536, 1536, 0), "o_proj": ChainGemm(7168, 1024, 2),
+                  "shared_gate_up": ChainGemm(512, 7168, 3), "shared_down": ChainGemm(7168, 256, 4)}
+
+
+def chain_weights(gpu, ops: list[ChainGemm], copies: int, seed: int) -> list[list]:
+    """copies x per-op tiled bf16 weights (tile_bf16 shape), filled on the device."""
+    out = []
+    for c in range(copies):
+        ws = [gpu.alloc((-(-o.N // 16), o.K // 64, 4, 32, 8), np.uint16) for o in ops]
+        for i, w in enumerate(ws):
+            randfill.fill_device(gpu, w, seed + 100 * c + i, randfill.WEIGHT_BF16)
+        out.append(ws)
+    return out
+
+
+def time_launches(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> float:
+    """us a chain as one skinny-GEMM launch an op; each op reads its own [M, K] rows (the launches run in
+    stream order, so the sources add nothing to what is timed)."""
+    gemms = [SkinnyGemm(gpu, o.N, o.K, 8 * MAX_MT) for o in ops]
+    xs = [x if o.src == INPUT else gpu.zeros((8 * MAX_MT, o.K), np.uint16) for o in ops]
+    outs = [gpu.zeros((8 * MAX_MT, o.N), np.uint16) for o in ops]
+
+    def launches(s):
+        for ws in weights:
+            for g, xi, w, out in zip(gemms, xs, ws, outs):
+                g.run(xi, w, out, M, stream=s)
+    launches(None)
+    gpu.sync()
+    return time_graph(gpu, launches) * 1e3 / len(weights)
+
+
+def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> float:
+    chains = [GemmChain(gpu, ops) for _ in weights]
+    for ch, ws in zip(chains, weights):
+        ch.bind(x, ws)
+
+    def launches(s):
+        for ch in chains:
+            ch.run(M, stream=s)
+    launches(None)
+    gpu.sync()
+    us = time_graph(gpu, launches) * 1e3 / len(weights)
+    for ch in chains:
+        ch.check()
+    return us
+
+
+@click.command("chain")
+@click.option("--m", "m_list", default="1,9,17", show_default=True, help=f"token rows (1..{8 * MAX_MT})")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
+@reported()
+def chain_command(m_list, seed, as_json):
+    """A layer's dense GEMMs: one launch an op against one persistent launch (Kimi K2.6, rank 0 of tp 8)."""
+    ms = comma_list(m_list, "--m", int, 1, 8 * MAX_MT)
+    gpu, ceiling = open_gpu()
+    ops = list(KIMI_TP8_LAYER.values())
+    wbytes = sum(-(-o.N // 16) * 16 * o.K * 2 for o in ops)
+    copies = max(2, -(-4 * gpu.l2_bytes // wbytes))
+    weights = chain_weights(gpu, ops, copies, seed)
+    x = gpu.alloc((8 * MAX_MT, ops[0].K), np.uint16)
+    randfill.fill_device(gpu, x, seed + 7, randfill.ACT_BF16)
+    ideal = wbytes / ceiling["gbps"] / 1e3
+    rows = []
+    for M in ms:
+        row = {"M": M, "weight_mb": round(wbytes / 1e6, 2), "ideal_us": round(ideal, 2)}
+        for form, timer in (("launches", time_launches), ("chain", time_chain)):
+            us = timer(gpu, ops, weights, x, M)
+            row[form] = {"us": round(us, 2), "pct_of_ceiling": round(100 * ideal / us, 1)}
+        rows.append(row)
+        _say(f"M={M:2d}: launches {row['launches']['us']:7.2f} us ({row['launches']['pct_of_ceiling']:5.1f} %), "
+             f"chain {row['chain']['us']:7.2f} us ({row['chain']['pct_of_ceiling']:5.1f} %), ideal {ideal:.2f}")
+    result = {"bench": "chain", "device": gpu.name, "copy_ceiling_gbps": round(ceiling["gbps"], 1),
+              "ops": {k: {"N": o.N, "K": o.K, "src": o.src} for k, o in KIMI_TP8_LAYER.items()},
+              "weight_copies": copies, "rows": rows}
+    if as_json:
+        emit_json(result)
