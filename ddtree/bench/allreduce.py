@@ -1,4 +1,5 @@
-"""`ddtree bench allreduce`: the one-shot peer-to-peer all-reduce (plugins/allreduce.py) against NCCL
+"""`ddtree bench allreduce`: the one-shot peer-to-peer all-reduce (plugins/allreduce.py: push, pull, or the two-shot
+protocol of the same buffer) against NCCL
 (parallel/nccl_group.py) on M x hidden bf16 messages, one process per GPU (docs/interfaces.md section 9).
 
 Two timings per (impl, M):
@@ -30,7 +31,8 @@ from ddtree.plugins.device import Gpu, _driver, check, ptr
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.engine import DeviceUnavailableError
 
-IMPLS = ("one-shot", "one-shot-pull", "nccl")   # one-shot: the push protocol (plugins/allreduce.py)
+IMPLS = ("one-shot", "one-shot-pull", "two-shot", "nccl")   # one-shot: the push protocol; two-shot: the same buffer
+                                                            # (plugins/allreduce.py)
 FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and mantissa in [0.5, 1)
 
 
@@ -137,6 +139,8 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
                 ar(x, x, elems, stream=stream)
             elif impl == "one-shot-pull":
                 pull(x, x, elems, stream=stream)
+            elif impl == "two-shot":
+                ar(x, x, elems, stream=stream, protocol="two-shot")
             else:
                 nccl.all_reduce(x, x, elems, stream=stream)
 
