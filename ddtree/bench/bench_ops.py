@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.backends.cuda_backend import CudaOps
-from ddtree.bench.projection import ALLREDUCE_CHOICES, choose_protocol, collective_us
+from ddtree.bench.projection import ALLREDUCE_CHOICES, choose_protocol, collective_us, models_for
 from ddtree.parallel.cuda_collectives import StandinGather
 from ddtree.plugins.allreduce import gather_grid, grid_for, two_shot_grid
 from ddtree.plugins.pcie_standin import PcieStandin
@@ -54,9 +54,9 @@ class PcieCollective:
         self.ops, self.tp, self.models = ops, tp, ALLREDUCE_CHOICES[allreduce]
         self.allreduce, self.standin, self.gather = allreduce, PcieStandin(ops.gpu), StandinGather(tp)
 
-    def modelled_us(self, nbytes: int) -> float:
-        """One collective whose message (an all-gather's: every rank's part together) is nbytes."""
-        return collective_us(self.models, nbytes, self.tp)
+    def modelled_us(self, nbytes: int, op: str = "all_reduce") -> float:
+        """One collective `op` whose message (an all-gather's: every rank's part together) is nbytes."""
+        return collective_us(models_for(op, self.models), nbytes, self.tp)
 
     def describe(self) -> dict:
         return {"collectives": "pcie", "allreduce": self.allreduce, "tp": self.tp,
@@ -88,7 +88,7 @@ class PcieCollective:
         if nbytes % 16 or x.ptr % 16 or out.ptr % 16:
             self.gather.all_gather(gpu, x, out, stream)
             nbytes = 0
-        self.standin.run(x.ptr, out.ptr, nbytes, self.tp, self.modelled_us(size * self.tp),
+        self.standin.run(x.ptr, out.ptr, nbytes, self.tp, self.modelled_us(size * self.tp, "all_gather"),
                          gather_grid(max(size, 16))[0], stream=stream)
         self.ops.tag = ""
 

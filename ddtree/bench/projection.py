@@ -30,6 +30,7 @@ from ddtree.parallel.collective_models import (  # noqa: F401  (AllReduceModel, 
     AllReduceModel,
     choose_protocol,
     chosen_model,
+    models_for,
 )
 
 
@@ -157,8 +158,13 @@ class Projection:
     hidden: float = 0.0              # the fraction of the collectives' time the step hides (measured: bench step
     hidden_source: str = "none: every collective adds its whole time"   # --collectives copy,pcie)
 
-    def collective_us(self, nbytes: float) -> float:
-        return collective_us(self.allreduce, nbytes, self.tp)
+    def collective_us(self, nbytes: float, op: str = "all_reduce") -> float:
+        """One collective `op` whose message is nbytes (an all-gather's: every rank's part together)."""
+        return collective_us(models_for(op, self.allreduce), nbytes, self.tp)
+
+    def chosen(self, nbytes: float, op: str = "all_reduce") -> str:
+        """The implementation a rank process takes for it (parallel/rank_collective.py chooses the same way)."""
+        return choose_protocol(nbytes, self.tp, models_for(op, self.allreduce))
 
     def step(self, records) -> dict:
         """Meter records of one step -> {"step_us", "split_us": {phase: us}, "by_class_us", "collectives"}."""
@@ -173,9 +179,8 @@ class Projection:
                 by_class[cls] += us
             if r.collective:
                 messages[(r.collective, message_bytes(r, self.tp))] += 1
-        collectives = [{"op": op, "message_bytes": nbytes, "count": n,
-                        "collective": choose_protocol(nbytes, self.tp, self.allreduce),
-                        "us_each": self.collective_us(nbytes), "us": n * self.collective_us(nbytes)}
+        collectives = [{"op": op, "message_bytes": nbytes, "count": n, "collective": self.chosen(nbytes, op),
+                        "us_each": self.collective_us(nbytes, op), "us": n * self.collective_us(nbytes, op)}
                        for (op, nbytes), n in sorted(messages.items())]
         split["allreduce"] = sum(c["us"] for c in collectives) * (1.0 - self.hidden)
         by_class["collectives"] = split["allreduce"]

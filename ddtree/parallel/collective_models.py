@@ -5,6 +5,7 @@ RankCollective (parallel/rank_collective.py) picks its implementation per messag
 
     us = model.us(nbytes, tp)                       # latency_us + nbytes (tp - 1) / tp / bandwidth
     choose_protocol(nbytes, tp, (ONE_SHOT, TWO_SHOT, NCCL))   # "one-shot", "two-shot" or "nccl": the cheapest
+    choose_protocol(nbytes, tp, models_for("all_gather", models))   # an all-gather: never the two-shot
 
 choose_protocol is a pure function of the message size, tp and the models: every rank, given the same sizes,
 takes the same implementation for the same call (the one-shot buffer's device counter relies on that).
@@ -52,6 +53,18 @@ TWO_SHOT = two_shot_from(ONE_SHOT, 8)
 # --allreduce of bench project / bench step: the models a collective is priced by (the cheapest per message)
 MODEL_CHOICES = {"auto": (ONE_SHOT, TWO_SHOT, NCCL), "one-shot": (ONE_SHOT,), "two-shot": (TWO_SHOT,),
                  "nccl": (NCCL,)}
+
+
+GATHERS = ("one-shot", "nccl")      # implementations with an all-gather (the two-shot is an all-reduce protocol)
+
+
+def models_for(op: str, models) -> tuple:
+    """The models a collective `op` ("all_reduce" or "all_gather") chooses among: an all-reduce, all of them; an
+    all-gather, those of implementations that gather, or ONE_SHOT where none is (--allreduce two-shot: its
+    all-gathers go through the one-shot's)."""
+    if op != "all_gather":
+        return tuple(models)
+    return tuple(m for m in models if m.name in GATHERS) or (ONE_SHOT,)
 
 
 def chosen_model(nbytes: float, tp: int, models) -> AllReduceModel:

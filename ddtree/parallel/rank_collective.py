@@ -21,7 +21,7 @@ and describe() says so. On another machine re-measure with `ddtree bench allredu
 """
 from __future__ import annotations
 
-from ddtree.parallel.collective_models import NCCL, ONE_SHOT, TWO_SHOT, choose_protocol
+from ddtree.parallel.collective_models import NCCL, ONE_SHOT, TWO_SHOT, choose_protocol, models_for
 from ddtree.parallel.nccl_group import NcclError
 
 ALLREDUCE_CHOICES = ("one-shot", "two-shot", "nccl", "auto")
@@ -83,9 +83,7 @@ class RankCollective:
         part = nbytes // self.nranks if gather else nbytes     # what the one-shot's buffer must hold
         if self.models is None:
             return "one-shot" if self._by_one_shot(part) else "nccl"
-        models = [m for m in self.models if not gather or m.name != "two-shot"]
-        if not models:                                  # --allreduce two-shot: all-gathers by the one-shot
-            return "one-shot"
+        models = models_for("all_gather" if gather else "all_reduce", self.models)
         held = self.nccl is None or part <= self.one_shot_limit
         fits = [m for m in models if m.name == "nccl" or held]
         return choose_protocol(nbytes, self.nranks, fits or models)
