@@ -167,3 +167,9 @@ def test_a_call_names_an_unknown_protocol_before_launching():
     one.protocol, one.peers = "push", None
     with pytest.raises(ValueError, match="protocol 'ring'"):
         one(0, 0, 8, protocol="ring")
+
+
+def test_bench_allreduce_times_the_two_shot_too():
+    from ddtree.bench.allreduce import IMPLS, parse_flags
+    assert "two-shot" in IMPLS
+    assert parse_flags("1,9", 7168, "one-shot,two-shot,nccl", "0,1", 3, 122)[1] == ["one-shot", "two-shot", "nccl"]

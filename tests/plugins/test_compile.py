@@ -35,7 +35,8 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "layer_ops.cu": ["embed_rows", "rms_norm_rows", "add_rms_norm_rows", "add_rows", "rope_interleaved",
                             "rope_rotate_half", "head_rms_norm", "silu_mul", "gather_rows", "cast_f32_bf16", "positions_from", "rows_at"],
            "step_state.cu": ["step_prologue", "ctx_window", "step_commit", "step_force_accept"],
-           "allreduce.cu": ["allreduce_push", "allreduce_pingpong", "allreduce_sum_local"],
+           "allreduce.cu": ["allreduce_push", "allreduce_pull", "allreduce_two_shot", "allreduce_pingpong",
+                           "allreduce_sum_local", "allgather_push"],
            "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)],
            "prefetch.cu": ["l2_prefetch"],
            "pcie_standin.cu": ["pcie_standin"]}
