@@ -173,3 +173,12 @@ def test_bench_allreduce_times_the_two_shot_too():
     from ddtree.bench.allreduce import IMPLS, parse_flags
     assert "two-shot" in IMPLS
     assert parse_flags("1,9", 7168, "one-shot,two-shot,nccl", "0,1", 3, 122)[1] == ["one-shot", "two-shot", "nccl"]
+
+
+def test_bench_allreduce_names_where_the_two_shot_starts_to_win():
+    from ddtree.bench.allreduce import faster_from
+    rows = [{"impl": impl, "bytes": b, "mode": "in_graph", "us": us}
+            for b, one, two in ((14336, 9.0, 16.0), (129024, 40.0, 24.0), (243712, 69.0, 31.0))
+            for impl, us in (("one-shot", one), ("two-shot", two))]
+    assert faster_from(rows, "two-shot", "one-shot") == 129024
+    assert faster_from(rows, "one-shot", "two-shot") is None
