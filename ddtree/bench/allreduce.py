@@ -1,4 +1,5 @@
-"""`ddtree bench allreduce`: the one-shot peer-to-peer all-reduce (plugins/allreduce.py) against NCCL
+"""`ddtree bench allreduce`: the one-shot peer-to-peer all-reduce (plugins/allreduce.py: push, pull, or the two-shot
+protocol of the same buffer) against NCCL
 (parallel/nccl_group.py) on M x hidden bf16 messages, one process per GPU (docs/interfaces.md section 9).
 
 Two timings per (impl, M):
@@ -30,7 +31,8 @@ from ddtree.plugins.device import Gpu, _driver, check, ptr
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.engine import DeviceUnavailableError
 
-IMPLS = ("one-shot", "one-shot-pull", "nccl")   # one-shot: the push protocol (plugins/allreduce.py)
+IMPLS = ("one-shot", "one-shot-pull", "two-shot", "nccl")   # one-shot: the push protocol; two-shot: the same buffer
+                                                            # (plugins/allreduce.py)
 FILL_MASK, FILL_OR = 0x807F807F, 0x3F003F00     # bf16 pairs of random sign and mantissa in [0.5, 1)
 
 
@@ -137,6 +139,8 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
                 ar(x, x, elems, stream=stream)
             elif impl == "one-shot-pull":
                 pull(x, x, elems, stream=stream)
+            elif impl == "two-shot":
+                ar(x, x, elems, stream=stream, protocol="two-shot")
             else:
                 nccl.all_reduce(x, x, elems, stream=stream)
 
@@ -172,19 +176,24 @@ def bench_rank(link, gpu_id: int, ms: list[int], hidden: int, impls: list[str], 
     return info
 
 
-def nccl_faster_from(rows: list[dict]) -> int | None:
-    """The smallest message (bytes) from which NCCL beat the one-shot (push) inside the graph at every measured size
-    (what --allreduce auto's limit should be on this machine; parallel/rank_collective.py), None if it never did."""
+def faster_from(rows: list[dict], impl: str, than: str) -> int | None:
+    """The smallest message (bytes) from which `impl` beat `than` inside the graph at every measured size (where a
+    PCIe model's crossover should be on this machine; parallel/collective_models.py), None if it never did."""
     times = {}
     for row in rows:
         if row["mode"] == "in_graph":
             times.setdefault(row["bytes"], {})[row["impl"]] = row["us"]
-    sizes = sorted(b for b, t in times.items() if "one-shot" in t and "nccl" in t)
-    nccl_wins = [times[b]["nccl"] < times[b]["one-shot"] for b in sizes]
+    sizes = sorted(b for b, t in times.items() if than in t and impl in t)
+    wins = [times[b][impl] < times[b][than] for b in sizes]
     for i, b in enumerate(sizes):
-        if all(nccl_wins[i:]):
+        if all(wins[i:]):
             return b
     return None
+
+
+def nccl_faster_from(rows: list[dict]) -> int | None:
+    """The smallest message from which NCCL beat the one-shot (push) in the graph at every measured size."""
+    return faster_from(rows, "nccl", "one-shot")
 
 
 @click.command("allreduce")
@@ -200,7 +209,7 @@ def nccl_faster_from(rows: list[dict]) -> int | None:
               help="a rank still running after this long prints its Python stacks (stderr) and the run fails")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, timeout_s, as_json):
-    """One-shot peer-to-peer all-reduce vs NCCL, alone and inside a graph of 122."""
+    """One-shot peer-to-peer all-reduce (push, pull, two-shot) vs NCCL, alone and inside a graph of 122."""
     with reported():
         ms, names, ids = parse_flags(sizes, hidden, impls, gpus, replays, collectives)
         for g in sorted(set(ids)):          # said before any rank process starts (each would fail on its own)
@@ -217,7 +226,8 @@ def allreduce_command(sizes, hidden, impls, gpus, replays, collectives, probe, t
     infos = run_ranks(bench_rank, ids, args=(ms, hidden, names, replays, collectives), timeout_s=timeout_s)
     result = {"gpu": infos[0]["gpu"], "ranks": len(ids), "nccl_version": infos[0]["nccl_version"],
               "one_shot_errors": sorted({r for i in infos for r in i["one_shot_errors"]}), "rows": infos[0]["rows"],
-              "nccl_faster_from_bytes": nccl_faster_from(infos[0]["rows"])}
+              "nccl_faster_from_bytes": nccl_faster_from(infos[0]["rows"]),
+              "two_shot_faster_from_bytes": faster_from(infos[0]["rows"], "two-shot", "one-shot")}
     if as_json:
         emit_json(result)
         return

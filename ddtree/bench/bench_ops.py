@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.backends.cuda_backend import CudaOps
-from ddtree.bench.projection import ALLREDUCE_CHOICES, collective_us
+from ddtree.bench.projection import ALLREDUCE_CHOICES, choose_protocol, collective_us, models_for
 from ddtree.parallel.cuda_collectives import StandinGather
-from ddtree.plugins.allreduce import gather_grid, grid_for
+from ddtree.plugins.allreduce import gather_grid, grid_for, two_shot_grid
 from ddtree.plugins.pcie_standin import PcieStandin
 from ddtree.runtime.cuda_step import GpuSteps
 
@@ -46,23 +46,32 @@ class StandinCollective:
 
 class PcieCollective:
     """The collectives of rank `ops.lay.rank` of tp `tp` as the PCIe model prices them: `allreduce` names the
-    models (ALLREDUCE_CHOICES: one-shot, nccl, or auto = the cheaper of the two for each message)."""
+    models (ALLREDUCE_CHOICES: one-shot, two-shot, nccl, or auto = the cheapest of the three for each message,
+    choose_protocol's choice, which a rank process's RankCollective makes the same way)."""
     capturable = True
 
     def __init__(self, ops: CudaOps, tp: int, allreduce: str = "auto"):
         self.ops, self.tp, self.models = ops, tp, ALLREDUCE_CHOICES[allreduce]
         self.allreduce, self.standin, self.gather = allreduce, PcieStandin(ops.gpu), StandinGather(tp)
 
-    def modelled_us(self, nbytes: int) -> float:
-        """One collective whose message (an all-gather's: every rank's part together) is nbytes."""
-        return collective_us(self.models, nbytes, self.tp)
+    def modelled_us(self, nbytes: int, op: str = "all_reduce") -> float:
+        """One collective `op` whose message (an all-gather's: every rank's part together) is nbytes."""
+        return collective_us(models_for(op, self.models), nbytes, self.tp)
 
     def describe(self) -> dict:
         return {"collectives": "pcie", "allreduce": self.allreduce, "tp": self.tp,
                 "models": [{"name": m.name, "latency_us": m.latency_us, "bandwidth_gbps": m.bandwidth_gbps,
-                            "source": m.source} for m in self.models],
-                "price": "us = latency_us + bytes (tp - 1) / tp / bandwidth (the cheapest model), all-gathers on "
-                         "their gathered bytes (bench/projection.py Projection.collective_us)"}
+                            "measured": m.measured, "source": m.source} for m in self.models],
+                "price": "us = latency_us + bytes (tp - 1) / tp / bandwidth (the cheapest model: choose_protocol), "
+                         "all-gathers on their gathered bytes (bench/projection.py Projection.collective_us); the "
+                         "stand-in occupies the chosen implementation's grid"}
+
+    def blocks(self, nbytes: int) -> int:
+        """The SMs the chosen implementation of an all-reduce of nbytes would occupy (its grid)."""
+        elems = max(nbytes // 2, 8)
+        if choose_protocol(nbytes, self.tp, self.models) == "two-shot":
+            return two_shot_grid(elems - elems % 8, self.tp)[0]
+        return grid_for(elems)[0]
 
     def all_reduce(self, gpu, x, out, stream=None) -> None:
         nbytes = size = int(np.prod(x.shape)) * x.itemsize
@@ -70,8 +79,7 @@ class PcieCollective:
         if nbytes % 16:                               # the data by DMA, then the hold alone
             self.ops.copy_into(x, out)
             nbytes = 0
-        self.standin.run(x.ptr, out.ptr, nbytes, 1, self.modelled_us(size), grid_for(max(size // 2, 8))[0],
-                         stream=stream)
+        self.standin.run(x.ptr, out.ptr, nbytes, 1, self.modelled_us(size), self.blocks(size), stream=stream)
         self.ops.tag = ""
 
     def all_gather(self, gpu, x, out, stream=None) -> None:
@@ -80,7 +88,7 @@ class PcieCollective:
         if nbytes % 16 or x.ptr % 16 or out.ptr % 16:
             self.gather.all_gather(gpu, x, out, stream)
             nbytes = 0
-        self.standin.run(x.ptr, out.ptr, nbytes, self.tp, self.modelled_us(size * self.tp),
+        self.standin.run(x.ptr, out.ptr, nbytes, self.tp, self.modelled_us(size * self.tp, "all_gather"),
                          gather_grid(max(size, 16))[0], stream=stream)
         self.ops.tag = ""
 

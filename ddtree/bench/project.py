@@ -146,7 +146,8 @@ def _table(rows: list[dict], title: str) -> Table:
 @click.option("--accept", "accept_name", type=click.Choice(sorted(ACCEPT_SOURCES)), default="kimi-dflash-card",
               show_default=True, help="acceptance length source")
 @click.option("--allreduce", type=click.Choice(sorted(ALLREDUCE_CHOICES)), default="auto", show_default=True,
-              help="PCIe all-reduce model (auto: the cheaper per message)")
+              help="PCIe all-reduce model (auto: the cheapest per message of one-shot, two-shot, nccl; each row "
+                   "names its choice)")
 @click.option("--measured", type=click.Path(dir_okay=False), default=None,
               help="JSON {\"rows\": [{kernel_class, bytes, flops, us}]} measured on the H200: refits those classes")
 @click.option("--measured-step", type=click.Path(dir_okay=False, exists=True), default=None,

@@ -8,7 +8,8 @@ with (fixed_us, efficiency, flop_efficiency) of the op's kernel class, fitted on
 least squares of us - flops / rate against bytes, over measured rows) and carried to the target device
 unchanged: the fixed cost per call stays, the byte term runs at the same share of the new device's
 bandwidth. Collectives are counted from the meter records (how many, which message sizes) and each
-costs `AllReduceModel.us`: latency_us + bytes (tp - 1) / tp / bandwidth. The step's tokens per second
+costs `AllReduceModel.us` of the model choose_protocol takes for its size (parallel/collective_models.py: the
+cheapest; a row names it): latency_us + bytes (tp - 1) / tp / bandwidth. The step's tokens per second
 is accept_len / step time, accept_len from a named `AcceptSource`. Every number here is a field.
 """
 from __future__ import annotations
@@ -21,6 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.errors import InputError
+from ddtree.parallel.collective_models import (  # noqa: F401  (AllReduceModel, ONE_SHOT, TWO_SHOT, NCCL: re-exported)
+    MODEL_CHOICES,
+    NCCL,
+    ONE_SHOT,
+    TWO_SHOT,
+    AllReduceModel,
+    choose_protocol,
+    chosen_model,
+    models_for,
+)
 
 
 class MeasuredRowsError(InputError):
@@ -54,17 +65,6 @@ class KernelClass:
     def us(self, dev: Device, nbytes: float, flops: float) -> float:
         return (self.fixed_us + nbytes / (self.efficiency * dev.bandwidth_tbps * 1e6)
                 + flops / (self.flop_efficiency * dev.bf16_tflops * 1e6))
-
-
-@dataclass(frozen=True)
-class AllReduceModel:
-    name: str
-    latency_us: float
-    bandwidth_gbps: float            # bytes (tp - 1) / tp move at this rate
-    source: str
-
-    def us(self, nbytes: float, tp: int) -> float:
-        return self.latency_us + nbytes * (tp - 1) / tp / (self.bandwidth_gbps * 1e3)
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,8 @@ def phase_of(rec) -> str:
 
 
 def collective_us(models, nbytes: float, tp: int) -> float:
-    """One collective of nbytes among tp ranks: the cheapest of the AllReduceModels."""
-    return min(m.us(nbytes, tp) for m in models)
+    """One collective of nbytes among tp ranks: the cheapest of the AllReduceModels (the one choose_protocol takes)."""
+    return chosen_model(nbytes, tp, models).us(nbytes, tp)
 
 
 def message_bytes(rec, tp: int) -> int:
@@ -153,13 +153,18 @@ class Projection:
     """Everything the step's projected time depends on, each a field."""
     device: Device
     classes: dict                    # class name -> KernelClass
-    allreduce: tuple                 # AllReduceModels; a collective costs the cheapest ("auto" with two)
+    allreduce: tuple                 # AllReduceModels; a collective costs the cheapest (choose_protocol)
     tp: int
     hidden: float = 0.0              # the fraction of the collectives' time the step hides (measured: bench step
     hidden_source: str = "none: every collective adds its whole time"   # --collectives copy,pcie)
 
-    def collective_us(self, nbytes: float) -> float:
-        return collective_us(self.allreduce, nbytes, self.tp)
+    def collective_us(self, nbytes: float, op: str = "all_reduce") -> float:
+        """One collective `op` whose message is nbytes (an all-gather's: every rank's part together)."""
+        return collective_us(models_for(op, self.allreduce), nbytes, self.tp)
+
+    def chosen(self, nbytes: float, op: str = "all_reduce") -> str:
+        """The implementation a rank process takes for it (parallel/rank_collective.py chooses the same way)."""
+        return choose_protocol(nbytes, self.tp, models_for(op, self.allreduce))
 
     def step(self, records) -> dict:
         """Meter records of one step -> {"step_us", "split_us": {phase: us}, "by_class_us", "collectives"}."""
@@ -174,8 +179,9 @@ class Projection:
                 by_class[cls] += us
             if r.collective:
                 messages[(r.collective, message_bytes(r, self.tp))] += 1
-        collectives = [{"op": op, "message_bytes": nbytes, "count": n, "us_each": self.collective_us(nbytes),
-                        "us": n * self.collective_us(nbytes)} for (op, nbytes), n in sorted(messages.items())]
+        collectives = [{"op": op, "message_bytes": nbytes, "count": n, "collective": self.chosen(nbytes, op),
+                        "us_each": self.collective_us(nbytes, op), "us": n * self.collective_us(nbytes, op)}
+                       for (op, nbytes), n in sorted(messages.items())]
         split["allreduce"] = sum(c["us"] for c in collectives) * (1.0 - self.hidden)
         by_class["collectives"] = split["allreduce"]
         return {"step_us": sum(split.values()), "split_us": split, "by_class_us": dict(by_class),
@@ -218,14 +224,9 @@ HAND_SPLIT = {
                                "assumed: 2 us a call (docs/hardware-and-kernels.md section 3), 50 % of bandwidth"),
 }
 
-# All-reduce over PCIe, 8x RTX PRO 6000 (docs/hardware-and-kernels.md section 4.2), fit_line of
-# us against bytes (tp - 1) / tp over the rows named in each source.
-ONE_SHOT = AllReduceModel("one-shot", 7.96, 3.48,
-                          "fit of the custom one-shot on 8x PRO 6000 behind PCIe switches (rtx6kpro hardware/"
-                          "pcie-bandwidth): 256 B 7.5, 8 KB 9.2, 32 KB 16.5, 64 KB 25.9, 256 KB 73.6 us")
-NCCL = AllReduceModel("nccl", 30.84, 20.37, "fit of NCCL on 8x PRO 6000: rtx6kpro 256 B 24.1, 8 KB 24.6, 32 KB 24.5, "
-                      "64 KB 24.1, 256 KB 28.0 us; b12x probe 384 KB 75, 1.5 MB 123, 6 MB 294 us")
-ALLREDUCE_CHOICES = {"auto": (ONE_SHOT, NCCL), "one-shot": (ONE_SHOT,), "nccl": (NCCL,)}
+# All-reduce over PCIe, 8x RTX PRO 6000: ONE_SHOT, NCCL (fits) and TWO_SHOT (derived from the one-shot fit) live
+# in parallel/collective_models.py, where the rank processes' choice by size reads them too.
+ALLREDUCE_CHOICES = MODEL_CHOICES
 
 # Acceptance length per budget (committed tokens per step, the bonus token included).
 KIMI_DFLASH_CARD = AcceptSource(

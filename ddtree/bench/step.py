@@ -186,7 +186,8 @@ def echo_row(row: dict) -> None:
                    "PCIe model's time: bench/step_collectives.py); both: each row under each, and the fraction of "
                    "the modelled time the step hides")
 @click.option("--allreduce", type=click.Choice(sorted(ALLREDUCE_CHOICES)), default="auto", show_default=True,
-              help="--collectives pcie: the PCIe model(s) a collective is priced by (auto: the cheaper per message)")
+              help="--collectives pcie: the PCIe model(s) a collective is priced by (auto: the cheapest per message "
+                   "of one-shot, two-shot, nccl)")
 @click.option("--prefetch-next/--no-prefetch-next", default=None,
               help="the next layer's attention weights staged in L2 beside each layer's MLP all-reduce (default on: "
                    "backends/cuda_branch.py)")

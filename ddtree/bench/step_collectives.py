@@ -31,7 +31,7 @@ def modelled_us(collective, records, tp: int) -> float | None:
     """The PCIe model's time of every collective the meter counts in one step (None under copy stand-ins)."""
     if not isinstance(collective, PcieCollective):
         return None
-    return sum(collective.modelled_us(message_bytes(r, tp)) for r in records if r.collective)
+    return sum(collective.modelled_us(message_bytes(r, tp), r.collective) for r in records if r.collective)
 
 
 def hidden_rows(rows: list[dict]) -> list[dict]:

@@ -153,13 +153,15 @@ class ThreadRankMember:
 class ProcessRankMember:
     """A rank process's side, what CudaOps(collective=...) calls: the rank's connected one-shot all-reduce
     (plugins/allreduce.py OneShotAllReduce; the peers are other processes, on this GPU or others) and/or its NCCL
-    communicator, chosen per message by parallel/rank_collective.py RankCollective (--allreduce). Both collectives only
+    communicator, chosen per message by parallel/rank_collective.py RankCollective (--allreduce; `models`: the choice
+    by size, one-shot / two-shot / NCCL). Every collective only
     launch on `stream` (the op set's: a graph builder while capturing; None: gpu's own stream), no sync, no
     allocation."""
     capturable = True
 
-    def __init__(self, one_shot=None, nccl=None, one_shot_max_bytes: int | None = None):
-        self.collective = RankCollective(nccl=nccl, one_shot=one_shot, one_shot_max_bytes=one_shot_max_bytes)
+    def __init__(self, one_shot=None, nccl=None, one_shot_max_bytes: int | None = None, models=None):
+        self.collective = RankCollective(nccl=nccl, one_shot=one_shot, one_shot_max_bytes=one_shot_max_bytes,
+                                         models=models)
         self.one_shot, self.rank, self.nranks = one_shot, self.collective.rank, self.collective.nranks
 
     def _check(self, what: str, x, out, out_shape) -> None:
@@ -169,7 +171,8 @@ class ProcessRankMember:
                              "dtype")
 
     def all_reduce(self, gpu, x, out, stream=None) -> None:
-        """out = bf16(the float32 sum of every rank's x: in rank order by the one-shot, NCCL's order by NCCL); x, out
+        """out = bf16(the float32 sum of every rank's x: in rank order by the one-shot and the two-shot, NCCL's order by
+        NCCL); x, out
         bf16 of the same shape."""
         self._check("all-reduce", x, out, x.shape)
         if x.dtype != np.uint16:

@@ -5,8 +5,8 @@ and the logits slices gathered through the ranks' host group (parallel/shm_group
 walks the same tree from the same bits. Ranks may share a GPU (CUDA IPC works between processes on one device;
 NCCL refuses that): tp 2 runs on one H200 as two processes.
 
---allreduce (parallel/rank_collective.py) picks the one-shot (the default), NCCL (a GPU per rank), or both switched
-by message size (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its
+--allreduce (parallel/rank_collective.py) picks the one-shot (the default), its two-shot protocol, NCCL (a GPU per
+rank), or the cheapest per message size by the PCIe model (auto). The exchange of IPC handles (and NCCL's unique id) is a collective: every rank builds its
 executor at the same time and they meet in the host group's all-gather. The steps are captured graphs with the collectives inside (runtime/cuda_step_tp.py;
 graphs=False: the primitives of runtime/loop.py).
 """
@@ -60,15 +60,16 @@ def nccl_communicator(gpu, rank: int, group):
 
 def rank_member(gpu, rank: int, group, max_elems: int, allreduce: str = "one-shot", gpus: list[int] | None = None):
     """This rank's GPU collective for CudaOps (parallel/rank_collective.py): the connected one-shot (all-reduce and
-    all-gather), NCCL, or both with the one-shot up to the auto limit (--allreduce; NCCL only with a GPU per rank)."""
+    all-gather; its two-shot protocol too), NCCL, or the choice by size among them (--allreduce auto: the PCIe model;
+    NCCL only with a GPU per rank)."""
     gpus = list(range(group.size)) if gpus is None else gpus
     why = allreduce_refusal(allreduce, gpus)
     if why:
         raise ValueError(why)
-    use_one_shot, use_nccl, limit = collective_parts(allreduce, gpus)
+    use_one_shot, use_nccl, models = collective_parts(allreduce, gpus)
     one_shot = connect_one_shot(gpu, rank, group, max_elems) if use_one_shot else None
     nccl = nccl_communicator(gpu, rank, group) if use_nccl else None
-    return ProcessRankMember(one_shot=one_shot, nccl=nccl, one_shot_max_bytes=limit)
+    return ProcessRankMember(one_shot=one_shot, nccl=nccl, models=models)
 
 
 def cuda_rank_executor(engine_dir, rank: int, group, checked, gpus: list[int], max_context: int | None = None,

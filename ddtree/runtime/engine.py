@@ -88,7 +88,7 @@ class DDTreeEngine:
         cuda: a tp 1 engine dir on GPU `gpu` (runtime/cuda_executor.py), or checkpoint dirs repacked at load into
         one (a temporary ddtree-build), caches of max_context rows (default: the model's context, at most 4096),
         kernels under kernel_plan ("fast" or "batch-invariant": backends/cuda_backend.py KERNEL_PLANS); a tp N engine's
-        rank processes reduce through `allreduce` (parallel/rank_collective.py: one-shot, nccl or auto)."""
+        rank processes reduce through `allreduce` (parallel/rank_collective.py: one-shot, two-shot, nccl or auto)."""
         if device not in DEVICES:
             raise RequestError(f"device (--device) {device!r}: expected one of {', '.join(DEVICES)}")
         from ddtree.model.hub import resolve_model  # a local dir as is; owner/name via huggingface_hub

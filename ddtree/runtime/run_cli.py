@@ -132,10 +132,12 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
               help="--device cuda: batch-invariant fixes every kernel's split for all row counts, so DDTree commits "
                    "AR's tokens bitwise (slower).")
-@click.option("--allreduce", type=click.Choice(["one-shot", "nccl", "auto"]), default="one-shot", show_default=True,
+@click.option("--allreduce", type=click.Choice(["one-shot", "two-shot", "nccl", "auto"]), default="one-shot",
+              show_default=True,
               help="--device cuda with a tp N engine: the rank processes' all-reduce. one-shot: peer to peer over "
-                   "CUDA IPC; nccl: NCCL (one GPU per rank); auto: the one-shot up to 1 MiB, NCCL above (the "
-                   "one-shot alone where ranks share a GPU).")
+                   "CUDA IPC; two-shot: reduce-scatter + all-gather over the same buffer; nccl: NCCL (one GPU per "
+                   "rank); auto: the cheapest per message by the PCIe model (one-shot, two-shot, NCCL; no NCCL where "
+                   "ranks share a GPU).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as one user turn in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--skip-verify", is_flag=True,

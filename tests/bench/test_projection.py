@@ -42,7 +42,7 @@ def test_two_kernels_and_one_collective_by_hand():
     assert out["split_us"]["attention"] == pytest.approx(62.0)
     assert out["split_us"]["allreduce"] == pytest.approx(64.0)
     assert out["step_us"] == pytest.approx(143.0)
-    assert out["collectives"] == [{"op": "all_reduce", "message_bytes": 256_000, "count": 1,
+    assert out["collectives"] == [{"op": "all_reduce", "message_bytes": 256_000, "count": 1, "collective": "toy",
                                    "us_each": pytest.approx(64.0), "us": pytest.approx(64.0)}]
     assert 4.5 / (out["step_us"] * 1e-6) == pytest.approx(31468.53, rel=1e-6)   # tokens/s at accept 4.5
 

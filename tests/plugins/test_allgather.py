@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from ddtree.backends.cuda_tensor import Tensor
+from ddtree.parallel.collective_models import NCCL, ONE_SHOT, TWO_SHOT
 from ddtree.parallel.cuda_collectives import CollectiveOps, ProcessRankMember, ThreadRankGroup
-from ddtree.parallel.rank_collective import AUTO_ONE_SHOT_MAX_BYTES, RankCollective, allreduce_refusal, collective_parts
+from ddtree.parallel.rank_collective import RankCollective, allreduce_refusal, collective_parts
 from ddtree.plugins import allreduce as ar
 from ddtree.plugins import compile as kc
 from ddtree.plugins.device import DeviceArray
@@ -282,11 +283,12 @@ def test_rank_collective_takes_the_one_shot_up_to_its_limit_and_nccl_above():
 
 @pytest.mark.parametrize("choice, gpus, parts, refusal", [
     ("one-shot", [0, 0], (True, False, None), None),
-    ("auto", [0, 0], (True, False, None), None),           # ranks sharing a GPU have no NCCL
-    ("auto", [0, 1], (True, True, AUTO_ONE_SHOT_MAX_BYTES), None),
+    ("two-shot", [0, 0], (True, False, (TWO_SHOT,)), None),
+    ("auto", [0, 0], (True, False, (ONE_SHOT, TWO_SHOT)), None),           # ranks sharing a GPU have no NCCL
+    ("auto", [0, 1], (True, True, (ONE_SHOT, TWO_SHOT, NCCL)), None),
     ("nccl", [0, 1], (False, True, None), None),
     ("nccl", [0, 1, 1], None, "NCCL needs one GPU per rank, and --gpu 0,1,1"),
-    ("ring", [0, 1], None, "--allreduce 'ring': expected one of one-shot, nccl, auto")])
+    ("ring", [0, 1], None, "--allreduce 'ring': expected one of one-shot, two-shot, nccl, auto")])
 def test_allreduce_choice(choice, gpus, parts, refusal):
     why = allreduce_refusal(choice, gpus)
     if refusal is not None:

@@ -3,7 +3,7 @@
 //
 // Each rank owns one exchange buffer that every peer has mapped (peers[r] = rank r's buffer, as this
 // rank sees it; peers[rank] is its own):
-//   flags [2 slot][AR_MAX_RANKS src][AR_MAX_BLOCKS block] u64     (AR_FLAG_BYTES)
+//   flags [2 round][2 slot][AR_MAX_RANKS src][AR_MAX_BLOCKS block] u64     (AR_FLAG_BYTES; round 1: two-shot only)
 //   data  [2 slot][nranks src][region_bytes]                      (src's part, pushed by src)
 // Collective number seq (1, 2, ...; read from state[0] on the device, so graph replays count on) uses
 // slot seq & 1. Block b of rank s copies its chunk of x into data[slot][s] of every peer, then publishes
@@ -15,6 +15,10 @@
 // allreduce_pull is the alternative: each rank's part stays in its own buffer and every rank reads the peers'.
 // allgather_push is the same collective (one numbering, one buffer, the same flags) moving bytes: rank s's
 // chunk of x into data[slot][s] of every peer, then every part copied into out in rank order.
+// allreduce_two_shot is reduce-scatter + all-gather over the same buffer, slots and counter, with a second flag
+// round (flags[1]): rank s pushes chunk d of x into data[slot][s] of rank d, rank d sums its chunk, pushes the sum
+// into data[slot][d] of every peer (at chunk d's place, which phase 1 leaves unused), and every rank copies the
+// chunks into out. The protocol may change from one collective to the next, the same on every rank.
 #include "common.cuh"
 
 #ifndef AR_MAX_RANKS
@@ -23,7 +27,7 @@
 #ifndef AR_MAX_BLOCKS
 #define AR_MAX_BLOCKS 32
 #endif
-#define AR_FLAG_BYTES (2 * AR_MAX_RANKS * AR_MAX_BLOCKS * 8)
+#define AR_FLAG_BYTES (2 * 2 * AR_MAX_RANKS * AR_MAX_BLOCKS * 8)
 
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
@@ -56,16 +60,22 @@ __device__ __forceinline__ Collective begin_collective(const u64* state, const i
     return Collective{s_seq, (int)(s_seq & 1), s_failed};
 }
 
-// After the block pushed its chunk: thread r publishes this block's flag to peer r, then waits (bounded) for
-// peer r's flag of this block; the block's threads meet on both sides.
+// flags[round][slot][src][block] of the exchange buffer at `buffer`.
+__device__ __forceinline__ u64* flag_of(u64 buffer, int round, int slot, int src) {
+    return (u64*)buffer + ((round * 2 + slot) * AR_MAX_RANKS + src) * AR_MAX_BLOCKS + blockIdx.x;
+}
+
+// After the block pushed its chunk: thread r publishes this block's flag of `round` to peer r, then waits (bounded)
+// for peer r's flag of this block and round; the block's threads meet on both sides. Round 0: every protocol's
+// (only) exchange; round 1: the two-shot's all-gather.
 __device__ __forceinline__ void publish_and_wait(const Collective& c, const u64* peers, int rank, int nranks,
-                                                 int* error, u32 max_spins) {
+                                                 int* error, u32 max_spins, int round = 0) {
     __syncthreads();
     const int r = threadIdx.x;
     if (r < nranks && r != rank) {
-        st_release_sys((u64*)peers[r] + (c.slot * AR_MAX_RANKS + rank) * AR_MAX_BLOCKS + blockIdx.x, c.seq);
+        st_release_sys(flag_of(peers[r], round, c.slot, rank), c.seq);
         if (!c.failed) {
-            const u64* flag = (const u64*)peers[rank] + (c.slot * AR_MAX_RANKS + r) * AR_MAX_BLOCKS + blockIdx.x;
+            const u64* flag = flag_of(peers[rank], round, c.slot, r);
             u32 spins = 0;
             while (ld_acquire_sys(flag) != c.seq) {
                 if (++spins > max_spins) {
@@ -158,6 +168,58 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_pull(
         for (int s = 1; s < AR_MAX_RANKS; ++s)
             if (s < nranks) add_bf16x8(acc, parts[s]);
         out[i] = pack8(acc);
+    }
+    end_collective(c, state);
+}
+
+// Block blockIdx.x's vectors of chunk k (chunk: vectors a chunk, the last cut at n8, perhaps empty): the block's
+// share [lo, hi) of every chunk is the same, block_span's split of `chunk`.
+__device__ __forceinline__ Span chunk_span(u32 k, u32 chunk, u32 n8) {
+    const u32 per = (chunk + gridDim.x - 1) / gridDim.x, lo = min(chunk, blockIdx.x * per);
+    const u32 start = min(n8, k * chunk);
+    return Span{min(n8, start + lo), min(n8, start + min(chunk, lo + per))};
+}
+
+// Two-shot (reduce-scatter + all-gather; the same buffer, slots, counter, error word and sum as push). The n8 vectors
+// are cut into nranks chunks of `chunk` = ceil(n8 / nranks) vectors (the last shorter or empty); block b owns
+// vectors [lo, hi) of every chunk (the same split on every rank, so block b of every rank touches the same cells).
+// Phase 1 (flag round 0): push chunk d of x into data[slot][rank] of rank d, at chunk d's place; wait; sum this
+// rank's chunk over every rank's part in rank order, one rounding, into out and into data[slot][rank] of every peer,
+// at this rank's chunk's place (phase 1 writes only chunk d's place of rank d's buffer, so the two never meet).
+// Phase 2 (flag round 1): wait; copy every peer s's summed chunk from data[slot][s] into out. out may be x: the cell
+// (block b, chunk c) of x is read and of out written by block b only, reads first.
+extern "C" __global__ void __launch_bounds__(1024) allreduce_two_shot(
+        const uint4* x, uint4* out, u32 n8, const u64* __restrict__ peers, int rank, int nranks,
+        u64 region_bytes, u64* state, int* error, u32 max_spins) {
+    const Collective c = begin_collective(state, error);
+    const u32 chunk = (n8 + nranks - 1) / nranks;
+
+    for (int d = 0; d < nranks; ++d) {      // reduce-scatter: chunk d of x to rank d
+        if (d == rank) continue;
+        uint4* dst = part_of(peers[d], c.slot, rank, nranks, region_bytes);
+        const Span sp = chunk_span(d, chunk, n8);
+        for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) dst[i] = x[i];
+    }
+    publish_and_wait(c, peers, rank, nranks, error, max_spins, 0);
+
+    const Span mine = chunk_span(rank, chunk, n8);
+    for (u32 i = mine.lo + threadIdx.x; i < mine.hi; i += blockDim.x) {   // my chunk: summed, to every rank
+        float acc[8];
+        unpack8(rank == 0 ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, 0, nranks, region_bytes) + i), acc);
+        for (int s = 1; s < nranks; ++s)
+            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, s, nranks, region_bytes) + i));
+        const uint4 v = pack8(acc);
+        out[i] = v;
+        for (int d = 0; d < nranks; ++d)
+            if (d != rank) part_of(peers[d], c.slot, rank, nranks, region_bytes)[i] = v;
+    }
+    publish_and_wait(c, peers, rank, nranks, error, max_spins, 1);
+
+    for (int s = 0; s < nranks; ++s) {      // all-gather: every peer's summed chunk into out
+        if (s == rank) continue;
+        const uint4* src = part_of(peers[rank], c.slot, s, nranks, region_bytes);
+        const Span sp = chunk_span(s, chunk, n8);
+        for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) out[i] = ld_cg_u4(src + i);
     }
     end_collective(c, state);
 }
