@@ -143,3 +143,15 @@ def classify_departure(ex, prompt_ids, ar_tokens, dd_tokens, params: SamplingPar
                      "verify": {r: (bool(k[a]), bool(k[d])) for r, k in kept_ver.items()}},
             "rule": "kept set" if moved else "margin", "near_tie": bool(a_beats_d and d_beats_a),
             "delta_row": max(float(np.abs(np.asarray(v, np.float64) - dec).max()) for v in ver.values())}
+
+
+def describe(v: dict) -> str:
+    """One line for a verdict of classify_departure (ddtree-run --mode both prints it to stderr)."""
+    (a, d), (dec_a, dec_d) = v["candidates"], v["logits"]["decode"]
+    verify = ", ".join(f"{r} rows {la:.6g} / {ld:.6g}" for r, (la, ld) in v["logits"]["verify"].items())
+    kept = "" if all(v["kept"]["decode"]) and all(all(k) for k in v["kept"]["verify"].values()) else \
+        f", kept (a, d): decode {v['kept']['decode']}, verify {v['kept']['verify']}"
+    return (f"first departure at new token {v['index']}: AR {a} vs DDTree {d}, logits decode {dec_a:.6g} / {dec_d:.6g}, "
+            f"verify {verify}; margin {v['margin']:.3e}, near-tie bound {v['bound']:.3e} (deltas {v['delta'][0]:.3e}"
+            f" + {v['delta'][1]:.3e}; whole-row delta {v['delta_row']:.3e}, not the rule){kept}: "
+            f"{'a near-tie' if v['near_tie'] else 'NOT a near-tie'} ({v['rule']})")

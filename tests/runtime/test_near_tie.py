@@ -149,6 +149,29 @@ def test_a_token_no_path_keeps_is_no_near_tie():
     assert margin(row, len(PROMPT) + I, p) < 2 * v["delta_row"] / T                       # the old rule: a tie
 
 
+@pytest.mark.parametrize("budget, stats", [(3, {}), ("auto", {"budget_per_step": {"1": 4, "3": 2}})])
+def test_run_both_classifies_at_the_rows_it_verified(budget, stats, capsys):
+    """ddtree-run --mode both's check (run_cli._near_ties) calls the rule with the block and the budgets' verify
+    row counts (budget + 1; --budget auto: the budgets its steps chose) and prints the verdict."""
+    from types import SimpleNamespace
+
+    from ddtree.runtime.run_cli import _near_ties
+    row = np.full(V, -2.0)
+    row[3], row[4] = 3.0, 2.99
+    ex, calls = made_up(row, {3: -0.006, 4: +0.006}), []
+    forward = ex.target_forward
+    ex.target_forward = lambda ids, *rest, **kw: calls.append(len(ids)) or forward(ids, *rest, **kw)
+    engine = SimpleNamespace(processes=None, executor=ex, encode=lambda request: PROMPT,
+                             drafter_config=SimpleNamespace(block_size=2))
+    kw = {"block_size": None, "budget": budget, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    ar, dd = runs(3, 4)
+    assert _near_ties(engine, "a prompt", ar, list(ar), kw, stats) == 0 and not calls
+    assert _near_ties(engine, "a prompt", ar, dd, kw, stats) == 1
+    assert {2, 4} <= set(calls) <= {1, 2, 3, 4}
+    err = capsys.readouterr().err
+    assert "AR 3 vs DDTree 4" in err and "4 rows 2.994 / 2.996" in err and err.strip().endswith("a near-tie (margin)")
+
+
 def test_rows_are_checked():
     row = np.zeros(V)
     row[3] = 1.0
