@@ -14,7 +14,10 @@ could flip between the paths:
 The slack: the logits are stored in float32 and everything after (differences, l / T + g) runs in float64 on
 the host, so the formula is exact for the replay; the slack covers the one float32 rounding of each candidate's
 stored logit on each path (2 x 2) should the committed run round where the replay did not. A real bug (a wrong
-row, a token that was not the definition's) moves the margin by far more.
+row, a token that was not the definition's) moves the margin by far more. The replay assumes deterministic
+kernels (a graph replays its logits bitwise) and measures one placement per row count: the chain of r-row calls
+aligned at the prompt puts the departure's row at offset (i - 1) mod r of its call, where the step's tree puts
+it at its node's row.
 
 Sampled with top-k / top-p, the kept set is a function of the whole row (top-p's normaliser sums every kept
 logit), so no per-candidate bound exists for it: membership is taken as measured on each path. "a beats d" on a
