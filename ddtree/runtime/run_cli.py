@@ -25,7 +25,7 @@ from ddtree.jsonout import emit_json
 from ddtree.parallel.shm_group import RankError
 from ddtree.runtime.engine import DDTreeEngine
 from ddtree.runtime.loop import RunStats
-from ddtree.runtime.near_tie import classify_departure, first_difference, path_differences
+from ddtree.runtime.near_tie import classify_departure, describe, first_difference
 from ddtree.tree.build import MAX_BUDGET
 from ddtree.tree.sampling import SamplingParams
 
@@ -198,7 +198,7 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
         click.echo(_summary(ar.stats, "ar"), err=True)
         click.echo(f"identical: {result['identical']}, speedup {speedup:.2f}x", err=True)
         if engine.device == "cuda":
-            result["stats"]["near_ties"] = _near_ties(engine, request, ar.tokens, tokens, kw)
+            result["stats"]["near_ties"] = _near_ties(engine, request, ar.tokens, tokens, kw, result["stats"])
     result["stats"].update(engine.device_stats())
     if as_json:
         emit_json(result)
@@ -215,9 +215,10 @@ def _end_line(out) -> None:
         pass
 
 
-def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
+def _near_ties(engine, request, ar_tokens, dd_tokens, kw, stats) -> int:
     """GPU --mode both: 1 if the first departure of DDTree from AR is a near-tie under the derived rule
-    (runtime/near_tie.py: delta measured on this prompt's AR tokens), 0 if the runs agree; a departure that is
+    (runtime/near_tie.py: AR's and DDTree's tokens there can swap between the decode and verify paths, their
+    logits measured on this prompt at the row counts the run verified), 0 if the runs agree; a departure that is
     no near-tie is an error (losslessness broken) raised by the caller."""
     if ar_tokens == dd_tokens:
         return 0
@@ -228,11 +229,9 @@ def _near_ties(engine, request, ar_tokens, dd_tokens, kw) -> int:
             "compare against the float64 reference (tests/runtime/test_cuda_rank_processes_gpu.py)")
     ids = engine.encode(request)
     block = kw["block_size"] or engine.drafter_config.block_size
-    rows = (block, MAX_BUDGET + 1 if kw["budget"] == "auto" else kw["budget"] + 1)
-    delta = float(path_differences(engine.executor, ids, ar_tokens, rows=rows).max())
+    budgets = [int(b) for b in stats.get("budget_per_step", {})] if kw["budget"] == "auto" else [kw["budget"]]
+    rows = tuple(sorted({block, *(b + 1 for b in budgets or [MAX_BUDGET])}))
     params = SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"], seed=kw["seed"])
-    v = classify_departure(engine.executor, ids, ar_tokens, dd_tokens, params, delta)
-    click.echo(f"first departure at new token {v['index']}: top-2 margin {v['margin']:.3e}, near-tie bound "
-               f"{v['bound']:.3e} (2 x delta {delta:.3e}, measured on this prompt): "
-               f"{'a near-tie' if v['near_tie'] else 'NOT a near-tie'}", err=True)
+    v = classify_departure(engine.executor, ids, ar_tokens, dd_tokens, params, rows)
+    click.echo(describe(v), err=True)
     return int(v["near_tie"])
