@@ -19,7 +19,7 @@ from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.plugins import randfill
 from ddtree.plugins.gemm import SkinnyGemm
-from ddtree.plugins.gemm_chain import INPUT, MAX_MT, ChainGemm, GemmChain
+from ddtree.plugins.gemm_chain import INPUT, ITEM_CHUNKS, MAX_MT, ChainGemm, GemmChain
 
 # name -> ChainGemm(N, K, src): one tp-8 rank's dense weights of a layer (bench/kernels.py GEMM_SHAPES[8])
 KIMI_TP8_LAYER = {"q_a": ChainGemm(1536, 7168, INPUT), "kv_a": ChainGemm(576, 7168, INPUT),
@@ -54,8 +54,8 @@ def time_launches(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> 
     return time_graph(gpu, launches) * 1e3 / len(weights)
 
 
-def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> float:
-    chains = [GemmChain(gpu, ops) for _ in weights]
+def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int, item_chunks: float = ITEM_CHUNKS) -> float:
+    chains = [GemmChain(gpu, ops, item_chunks=item_chunks) for _ in weights]
     for ch, ws in zip(chains, weights):
         ch.bind(x, ws)
 
@@ -72,12 +72,17 @@ def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> flo
 
 @click.command("chain")
 @click.option("--m", "m_list", default="1,9,17", show_default=True, help=f"token rows (1..{8 * MAX_MT})")
+@click.option("--item-chunks", "item_chunks", default=str(ITEM_CHUNKS), show_default=True,
+              help="the plan's fixed cost of an item in chunks (plugins/gemm_chain.py item_cost), a list to sweep")
+@click.option("--independent", is_flag=True, help="also time the chain with every op reading the input (no waits): "
+              "what the kernel streams with no dependency")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def chain_command(m_list, seed, as_json):
+def chain_command(m_list, item_chunks, independent, seed, as_json):
     """A layer's dense GEMMs: one launch an op against one persistent launch (Kimi K2.6, rank 0 of tp 8)."""
     ms = comma_list(m_list, "--m", int, 1, 8 * MAX_MT)
+    costs = comma_list(item_chunks, "--item-chunks", float, 0.0, 64.0)
     gpu, ceiling = open_gpu()
     ops = list(KIMI_TP8_LAYER.values())
     wbytes = sum(-(-o.N // 16) * 16 * o.K * 2 for o in ops)
@@ -89,13 +94,21 @@ def chain_command(m_list, seed, as_json):
     rows = []
     for M in ms:
         row = {"M": M, "weight_mb": round(wbytes / 1e6, 2), "ideal_us": round(ideal, 2)}
-        for form, timer in (("launches", time_launches), ("chain", time_chain)):
-            us = timer(gpu, ops, weights, x, M)
+        forms = [("launches", lambda: time_launches(gpu, ops, weights, x, M))]
+        for c in costs:
+            name = "chain" if len(costs) == 1 else f"chain_item{c:g}"
+            forms.append((name, lambda c=c: time_chain(gpu, ops, weights, x, M, c)))
+            if independent:
+                free = [ChainGemm(o.N, o.K, INPUT) for o in ops]
+                forms.append((name + "_independent", lambda c=c, free=free: time_chain(gpu, free, weights, x, M, c)))
+        for form, timer in forms:
+            us = timer()
             row[form] = {"us": round(us, 2), "pct_of_ceiling": round(100 * ideal / us, 1)}
         rows.append(row)
-        _say(f"M={M:2d}: launches {row['launches']['us']:7.2f} us ({row['launches']['pct_of_ceiling']:5.1f} %), "
-             f"chain {row['chain']['us']:7.2f} us ({row['chain']['pct_of_ceiling']:5.1f} %), ideal {ideal:.2f}")
-    result = {"bench": "chain", "device": gpu.name, "copy_ceiling_gbps": round(ceiling["gbps"], 1),
+        said = (f"{f} {row[f]['us']:.2f} us ({row[f]['pct_of_ceiling']} %)" for f, _ in forms)
+        _say(f"M={M:2d} (ideal {ideal:.2f} us): " + ", ".join(said))
+    result = {"bench": "chain", "device": gpu.name, "item_chunks": costs,
+              "copy_ceiling_gbps": round(ceiling["gbps"], 1),
               "ops": {k: {"N": o.N, "K": o.K, "src": o.src} for k, o in KIMI_TP8_LAYER.items()},
               "weight_copies": copies, "rows": rows}
     if as_json:

@@ -50,9 +50,9 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "router.cu": {"default": {}},              # the fused MoE router (plugins/router.py)
     "prefetch.cu": {"default": {}},            # L2 prefetch of the next kernels' weights (plugins/prefetch.py)
     "pcie_standin.cu": {"default": {}},        # a PCIe collective's stand-in on one GPU (plugins/pcie_standin.py)
-    # the persistent GEMM chain (plugins/gemm_chain.py): sm_90's 227 KB take 10-stage rings (21 MB in flight on
-    # 132 SMs), sm_120's 99 KB 4 stages beside the x rows
-    "gemm_chain.cu": {"default": {"GC_WARPS": 8, "GC_STAGES": 4}, "sm_90": {"GC_WARPS": 8, "GC_STAGES": 10}},
+    # the persistent GEMM chain (plugins/gemm_chain.py): 8 warps a block of 2 KB ring stages, 12 in sm_90's 227 KB
+    # (25 MB in flight on 132 SMs), 6 in sm_120's 99 KB
+    "gemm_chain.cu": {"default": {"GC_WARPS": 8, "GC_STAGES": 6}, "sm_90": {"GC_WARPS": 8, "GC_STAGES": 12}},
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

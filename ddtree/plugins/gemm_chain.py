@@ -6,9 +6,9 @@ issue 48, docs/performance.md section 5).
     chain.check()                      # after a sync: a consumer that spun out names the op it waited for
 
 Op i reads x_i = the input x (src INPUT) or op src's output (its first K_i columns), so the chain is any DAG whose
-ops come after their source. Each op's output tiles are cut into block items (GC_WARPS tiles x a k-split); the
-plan picks the split per op that minimises the chunks on the busiest block, and rotates the first block of each op
-so the blocks idle in one op take the next op's first items. reference_chain is the numpy twin.
+ops come after their source. Each op's output is cut into warp items (a 16-row tile x a k-split); the plan picks
+the split per op that minimises the chunks on the busiest warp, and rotates the first warp of each op so the
+warps idle in one op take the next op's first items. reference_chain is the numpy twin.
 """
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ class ChainGemm:
 @dataclass(frozen=True)
 class ChainPlan:
     splits: tuple                   # S per op (K / 64 % S == 0)
-    offsets: tuple                  # first block of each op's items
-    group_offsets: tuple            # each op's arrival counters
+    offsets: tuple                  # first global warp of each op's items
+    group_offsets: tuple            # each op's split-K arrival counters (one a tile)
     groups: int                     # arrival counters in all
-    smem: int                       # dynamic shared memory at MAX_MT (rings + x rows)
+    smem: int                       # dynamic shared memory (the warps' rings)
 
 
 def kernel_constants(arch: str) -> tuple[int, int]:
@@ -70,50 +70,49 @@ def check_chain(ops: list[ChainGemm]) -> None:
             raise ValueError(f"GEMM chain op {i}: K = {o.K} exceeds op {o.src}'s N = {ops[o.src].N}")
 
 
-def _items(N: int, S: int, warps: int) -> int:
-    return -(-(-(-N // 16)) // warps) * S
+def _items(N: int, S: int) -> int:
+    return -(-N // 16) * S
 
 
 ITEM_CHUNKS = 2        # an item's fixed cost in 2 KB chunks a warp: its x rows' L2 round trip, the partials' hand-off
 REDUCE_SPLITS = 8      # partials the last block of a group sums in the time a warp streams one chunk
 
 
-def item_cost(KC: int, S: int, items: int, blocks: int) -> float:
-    """The busiest block's cost in chunks a warp: rounds x (chunks an item + its fixed cost) + the split-K sum."""
-    return -(-items // blocks) * (KC // S + ITEM_CHUNKS) + (S / REDUCE_SPLITS if S > 1 else 0.0)
+def item_cost(KC: int, S: int, items: int, units: int, item_chunks: float = ITEM_CHUNKS) -> float:
+    """The busiest warp's cost in chunks: rounds x (chunks an item + its fixed cost) + the split-K sum."""
+    return -(-items // units) * (KC // S + item_chunks) + (S / REDUCE_SPLITS if S > 1 else 0.0)
 
 
-def plan_chain(ops: list[ChainGemm], blocks: int, warps: int, stages: int, smem_limit: int) -> ChainPlan:
-    """Per op the k-split S of least item_cost, fewer splits on a tie; the x rows of one item (8 MAX_MT rows x
-    K / S columns) must fit beside the rings."""
+def plan_chain(ops: list[ChainGemm], blocks: int, warps: int, stages: int, smem_limit: int,
+               item_chunks: float = ITEM_CHUNKS) -> ChainPlan:
+    """Per op the k-split S of least item_cost over the grid's warps, fewer splits on a tie."""
     check_chain(ops)
-    ring = warps * stages * 2048
-    max_cps = ((smem_limit - ring) // (8 * MAX_MT * 2) - 32) // 64
-    if max_cps < 1:
-        raise ValueError(f"GEMM chain: {warps} warps x {stages} stages leave no room for x in {smem_limit} B")
+    smem = warps * stages * 2048
+    if smem > smem_limit:
+        raise ValueError(f"GEMM chain: {warps} warps x {stages} ring stages need {smem} B; "
+                         f"the device allows {smem_limit}")
+    units = blocks * warps
     splits, offsets, group_offsets, groups, done_items = [], [], [], 0, 0
-    for i, o in enumerate(ops):
+    for o in ops:
         KC = o.K // 64
-        cands = [s for s in range(1, KC + 1) if KC % s == 0 and KC // s <= max_cps]
-        S = min(cands, key=lambda s: (item_cost(KC, s, _items(o.N, s, warps), blocks), s))
+        cands = [s for s in range(1, KC + 1) if KC % s == 0]
+        S = min(cands, key=lambda s: (item_cost(KC, s, _items(o.N, s), units, item_chunks), s))
         splits.append(S)
-        offsets.append(done_items % blocks)
+        offsets.append(done_items % units)
         group_offsets.append(groups)
-        groups += _items(o.N, 1, warps)
-        done_items += _items(o.N, S, warps)
-    cps = max(o.K // 64 // s for o, s in zip(ops, splits))
-    smem = ring + 8 * MAX_MT * (cps * 64 + 32) * 2
+        groups += _items(o.N, 1)
+        done_items += _items(o.N, S)
     return ChainPlan(tuple(splits), tuple(offsets), tuple(group_offsets), groups, smem)
 
 
-def block_items(ops: list[ChainGemm], plan: ChainPlan, blocks: int, warps: int) -> list[list[tuple]]:
-    """Per block, its (op, group, split) items in the order the kernel runs them (the kernel's first_item /
+def warp_items(ops: list[ChainGemm], plan: ChainPlan, units: int) -> list[list[tuple]]:
+    """Per global warp, its (op, tile, split) items in the order the kernel runs them (the kernel's first_item /
     next_item, for tests and for reading a plan)."""
-    out = [[] for _ in range(blocks)]
+    out = [[] for _ in range(units)]
     for i, o in enumerate(ops):
         S = plan.splits[i]
-        for j in range(_items(o.N, S, warps)):
-            out[(j + plan.offsets[i]) % blocks].append((i, j // S, j % S))
+        for j in range(_items(o.N, S)):
+            out[(j + plan.offsets[i]) % units].append((i, j // S, j % S))
     return out
 
 
@@ -132,14 +131,15 @@ def reference_chain(x: np.ndarray, weights: list[np.ndarray], ops: list[ChainGem
 class GemmChain:
     """The chain's plan, outputs, partials, counters and op records on one GPU, for up to max_tokens rows."""
 
-    def __init__(self, gpu: Gpu, ops: list[ChainGemm], max_tokens: int = 8 * MAX_MT, max_spins: int = DEFAULT_MAX_SPINS):
+    def __init__(self, gpu: Gpu, ops: list[ChainGemm], max_tokens: int = 8 * MAX_MT, max_spins: int = DEFAULT_MAX_SPINS,
+                 item_chunks: float = ITEM_CHUNKS):
         token_tiles(max_tokens)
         self.gpu, self.ops, self.max_tokens, self.max_spins = gpu, list(ops), max_tokens, max_spins
         self.warps, self.stages = kernel_constants(gpu.arch)
         self.blocks = gpu.sm_count
-        self.plan = plan_chain(self.ops, self.blocks, self.warps, self.stages, gpu.smem_optin)
+        self.plan = plan_chain(self.ops, self.blocks, self.warps, self.stages, gpu.smem_optin, item_chunks)
         self.outs = [gpu.zeros((max_tokens, o.N), np.uint16) for o in self.ops]
-        self.partials = [gpu.alloc(max(4, -(-o.N // 16) * S * MAX_MT * 32 * 4), np.float32)
+        self.partials = [gpu.alloc(max(4, _items(o.N, S) * MAX_MT * 32 * 4), np.float32)
                          for o, S in zip(self.ops, self.plan.splits)]
         self.done = gpu.zeros(len(self.ops), np.uint32)
         self.groups = gpu.zeros(self.plan.groups, np.uint32)

@@ -1,7 +1,7 @@
 """CPU tests of the persistent GEMM chain's plan and twin (plugins/gemm_chain.py; kernels/gemm_chain.cu compiles for
-sm_90 and sm_120 in test_compile.py): every op's (tile group, k-split) items land on exactly one block, each op's
-split divides its k chunks and its x rows fit beside the rings in sm_120's 99 KB, bad chains are named, and the
-twin feeds each op its source's bf16 output."""
+sm_90 and sm_120 in test_compile.py): every op's (tile, k-split) items land on exactly one warp, in op order, each
+op's split divides its k chunks and the rings fit sm_120's 99 KB, bad chains are named, and the twin feeds each op
+its source's bf16 output."""
 import numpy as np
 import pytest
 
@@ -18,16 +18,15 @@ def test_every_item_runs_once_and_fits(arch):
     warps, stages = gc.kernel_constants(arch)
     ops = list(KIMI_TP8_LAYER.values())
     plan = gc.plan_chain(ops, blocks, warps, stages, smem)
-    assert plan.smem <= smem
-    seen = [item for items in gc.block_items(ops, plan, blocks, warps) for item in items]
-    want = [(i, grp, s) for i, o in enumerate(ops) for grp in range(-(-(-(-o.N // 16)) // warps))
-            for s in range(plan.splits[i])]
+    assert plan.smem == warps * stages * 2048 <= smem
+    per_warp = gc.warp_items(ops, plan, blocks * warps)
+    seen = [item for items in per_warp for item in items]
+    want = [(i, tile, s) for i, o in enumerate(ops) for tile in range(-(-o.N // 16)) for s in range(plan.splits[i])]
     assert sorted(seen) == sorted(want) and len(seen) == len(set(seen))
     for o, S in zip(ops, plan.splits):
         assert (o.K // 64) % S == 0
-        assert 8 * gc.MAX_MT * ((o.K // 64 // S) * 64 + 32) * 2 + warps * stages * 2048 <= smem
-    # op order on every block: a block never holds an item of op i after one of op i + 1 (the no-cycle argument)
-    for items in gc.block_items(ops, plan, blocks, warps):
+    # op order on every warp: a warp never holds an item of op i after one of op i + 1 (the no-cycle argument)
+    for items in per_warp:
         assert [i for i, _, _ in items] == sorted(i for i, _, _ in items)
 
 

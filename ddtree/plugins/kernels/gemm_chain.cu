@@ -1,18 +1,20 @@
 // A chain of skinny BF16 GEMMs in ONE persistent launch whose weight stream never waits (issue 48):
 // op i computes out_i[M, N_i] = x_i[M, K_i] @ w_i[N_i, K_i]^T (bf16 out), where x_i is an earlier op's output (or
 // an input ready before the launch). Every warp streams its weight tiles through a private cp.async ring that
-// runs ahead ACROSS op boundaries: while a block waits for the op its next x comes from (a counter, not a kernel
-// boundary), its rings are already filling with that op's weights, so HBM never idles on a dependency.
+// runs ahead ACROSS op boundaries: while a warp waits for the op its next x comes from (a counter, not a kernel
+// boundary), its ring is already filling with that op's weights, so HBM does not idle on a dependency.
 // Numpy twin: ddtree/plugins/gemm_chain.py reference_chain. Launcher and plan: ddtree/plugins/gemm_chain.py.
 //
-// Work: op i's output tiles (16 rows of w) form groups of GC_WARPS tiles (one a warp); a block item is (group,
-// k-split s of S_i): the block's warps stream their tile's CPS = K_i / 64 / S_i chunks of 64 k each and the
-// block holds x_i's rows for that k-span in shared memory. Block item j of op i runs on block (j + off_i) % grid,
-// in op order on every block, so a block's wait for op d only ever needs items every block schedules before its
-// own wait: no cycle (every block is resident: grid <= SMs, one block a SM).
-// Split-K partials go to global memory; the last block of a group (arrive_last) sums them in split order
-// (deterministic) and publishes the group's tiles on done[i] (release); a consumer's thread 0 spins on done[d]
-// with ld.acquire until all of op d's tiles are out (bounded: err = 1 + d, then it goes on with stale x).
+// Work: a warp item of op i is (16-row output tile, k-split s of S_i): CPS = K_i / 64 / S_i chunks of 64 k. Item j
+// runs on global warp (j + off_i) % (grid x GC_WARPS), every warp taking its items in op order, and nothing a warp
+// does waits for another warp of its block (no block barrier in the loop): one warp's hand-off stalls do not stop
+// the other warps' streams (the first form, block items with x rows in shared memory and block barriers, streamed
+// at 40 % of the copy ceiling against the launches' 45 %: docs/performance.md section 5). A warp's x fragments come
+// straight from L2 (__ldcg) one chunk ahead. A warp's wait for op d only needs items that every warp schedules
+// before its own wait: no cycle (every block is resident: grid <= SMs, one block a SM).
+// Split-K partials go to global memory; the warp that arrives last on a tile sums them in split order
+// (deterministic) and publishes the tile on done[i] (release); a waiting warp's lane 0 spins on done[d] with
+// ld.acquire until all of op d's tiles are out (bounded: err = 1 + d, then it goes on with stale x).
 // The block that exits last resets done[] and its own exit count, so a captured graph replays as is.
 // Weight layout: plugins/layout.py tile_bf16 ([ceil(N/16), K/64, 4, 32] uint4, the skinny GEMM's).
 #include "common.cuh"
@@ -32,60 +34,67 @@ struct ChainOp {                   // 64 bytes; plugins/gemm_chain.py OP_DTYPE i
     float4* partial;               // [NT, S, MT, 32] float4 (S > 1)
     int N, K, ldx, S;
     int wait;                      // op whose output x is, -1: ready before the launch
-    int off;                       // block item j runs on block (j + off) % gridDim.x
-    int group_off;                 // this op's groups' arrival counters start here
+    int off;                       // warp item j runs on global warp (j + off) % (gridDim.x GC_WARPS)
+    int group_off;                 // this op's tiles' split-K arrival counters start here
     int pad;
 };
 
-struct ItemPos {                   // block item j of op `op` for this block; op == n_ops: past the end
+struct ItemPos {                   // warp item j of op `op` for this warp; op == n_ops: past the end
     int op, j;
 };
 
-__device__ __forceinline__ int block_items(const ChainOp& o) {
-    return ((o.N + 15) / 16 + GC_WARPS - 1) / GC_WARPS * o.S;
-}
+__device__ __forceinline__ int warp_items(const ChainOp& o) { return (o.N + 15) / 16 * o.S; }
 
-__device__ __forceinline__ ItemPos first_item(const ChainOp* ops, int n_ops, int op) {
+__device__ __forceinline__ ItemPos first_item(const ChainOp* ops, int n_ops, int op, int gw, int GW) {
     for (; op < n_ops; ++op) {
-        const int G = gridDim.x, j = ((int)blockIdx.x - ops[op].off % G + G) % G;
-        if (j < block_items(ops[op])) return {op, j};
+        const int j = (gw - ops[op].off % GW + GW) % GW;
+        if (j < warp_items(ops[op])) return {op, j};
     }
     return {n_ops, 0};
 }
 
-__device__ __forceinline__ ItemPos next_item(const ChainOp* ops, int n_ops, ItemPos p) {
-    p.j += gridDim.x;
-    return p.j < block_items(ops[p.op]) ? p : first_item(ops, n_ops, p.op + 1);
+__device__ __forceinline__ ItemPos next_item(const ChainOp* ops, int n_ops, ItemPos p, int gw, int GW) {
+    p.j += GW;
+    return p.j < warp_items(ops[p.op]) ? p : first_item(ops, n_ops, p.op + 1, gw, GW);
+}
+
+// x fragments of one 64-k chunk for this lane: rows 8 mt + g, k 32 h + 8 t .. +8 (zero past M)
+template <int MT>
+__device__ __forceinline__ void load_x(uint4 (&xr)[MT][2], const ChainOp& o, int M, int kc, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = mt * 8 + g;
+            xr[mt][h] = row < M ? __ldcg((const uint4*)(o.x + (size_t)row * o.ldx + kc * 64 + 32 * h + 8 * t))
+                                : make_uint4(0, 0, 0, 0);
+        }
 }
 
 template <int MT>
-__device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int n_ops, int M, u32* done, u32* groups,
+__device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int n_ops, int M, u32* done, u32* tiles,
                                            u32* exits, u32* err, int max_spins) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ ChainOp ops[GC_MAX_OPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int gw = blockIdx.x * GC_WARPS + warp, GW = gridDim.x * GC_WARPS;
     for (int i = threadIdx.x; i < n_ops * (int)(sizeof(ChainOp) / 4); i += blockDim.x)
         ((u32*)ops)[i] = ((const u32*)gops)[i];
     __syncthreads();
     uint4 (*ring)[4][32] = (uint4 (*)[4][32])(smem + warp * GC_STAGES * 2048);
-    bf16_t* xs = (bf16_t*)(smem + GC_WARPS * GC_STAGES * 2048);
-    int xstride = 0;                                     // the widest k-span of the chain + 32 (conflict-free)
-    for (int i = 0; i < n_ops; ++i) xstride = max(xstride, ops[i].K / 64 / ops[i].S * 64 + 32);
 
     // the issue cursor walks the consumer's (item, chunk) sequence up to GC_STAGES - 1 stages ahead
     const u64 policy = evict_first_policy();
-    ItemPos ip = first_item(ops, n_ops, 0);
+    ItemPos ip = first_item(ops, n_ops, 0, gw, GW);
     int ic = 0, ist = 0;
     auto issue = [&]() {
         if (ip.op < n_ops) {
             const ChainOp& o = ops[ip.op];
-            const int KC = o.K >> 6, CPS = KC / o.S, tile = ip.j / o.S * GC_WARPS + warp;
-            if (tile < (o.N + 15) / 16) {
-                const uint4* wp = o.w + ((size_t)tile * KC + (ip.j % o.S) * CPS + ic) * 128 + lane;
+            const int KC = o.K >> 6, CPS = KC / o.S;
+            const uint4* wp = o.w + ((size_t)(ip.j / o.S) * KC + (ip.j % o.S) * CPS + ic) * 128 + lane;
 #pragma unroll
-                for (int q = 0; q < 4; ++q) cp_async16_stream(&ring[ist][q][lane], wp + 32 * q, policy);
-            }
-            if (++ic == CPS) { ic = 0; ip = next_item(ops, n_ops, ip); }
+            for (int q = 0; q < 4; ++q) cp_async16_stream(&ring[ist][q][lane], wp + 32 * q, policy);
+            if (++ic == CPS) { ic = 0; ip = next_item(ops, n_ops, ip, gw, GW); }
         }
         cp_async_commit();
         if (++ist == GC_STAGES) ist = 0;
@@ -94,47 +103,47 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
     for (int s = 0; s < GC_STAGES - 1; ++s) issue();
 
     int st = 0;
-    for (ItemPos p = first_item(ops, n_ops, 0); p.op < n_ops; p = next_item(ops, n_ops, p)) {
+    u32 known = 0;                                       // ops this warp has seen complete (bit i: op i)
+    for (ItemPos p = first_item(ops, n_ops, 0, gw, GW); p.op < n_ops; p = next_item(ops, n_ops, p, gw, GW)) {
         const ChainOp& o = ops[p.op];
-        const int NT = (o.N + 15) / 16, KC = o.K >> 6, CPS = KC / o.S;
-        const int group = p.j / o.S, split = p.j % o.S, tile = group * GC_WARPS + warp;
-        if (threadIdx.x == 0 && o.wait >= 0) {           // x_i comes from op `wait`: all its tiles out
-            const u32 need = (u32)((ops[o.wait].N + 15) / 16);
-            u32 v;
-            int spins = 0;
-            do {
-                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(done + o.wait) : "memory");
-            } while (v < need && ++spins < max_spins);
-            if (v < need) atomicCAS(err, 0u, (u32)(1 + o.wait));
+        const int KC = o.K >> 6, CPS = KC / o.S, tile = p.j / o.S, split = p.j % o.S;
+        if (o.wait >= 0 && !(known >> o.wait & 1u)) {     // x_i comes from op `wait`: all its tiles out
+            if (lane == 0) {
+                const u32 need = (u32)((ops[o.wait].N + 15) / 16);
+                u32 v;
+                int spins = 0;
+                do {
+                    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(done + o.wait) : "memory");
+                } while (v < need && ++spins < max_spins);
+                if (v < need) atomicCAS(err, 0u, (u32)(1 + o.wait));
+            }
+            __syncwarp();
+            known |= 1u << o.wait;
         }
-        __syncthreads();                                 // x visible; every warp done with the previous xs
-        const int k0 = split * CPS * 64, vec_per_row = CPS * 8;
-        for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
-            const int row = i / vec_per_row, v = i - row * vec_per_row;
-            *(uint4*)(xs + row * xstride + v * 8) =
-                row < M ? ld_cg_u4((const uint4*)(o.x + (size_t)row * o.ldx + k0 + v * 8)) : make_uint4(0, 0, 0, 0);
-        }
-        __syncthreads();
-
         float acc[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+        uint4 xn[MT][2];
+        load_x<MT>(xn, o, M, split * CPS, g, t);
         for (int c = 0; c < CPS; ++c) {
+            uint4 xr[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) { xr[mt][0] = xn[mt][0]; xr[mt][1] = xn[mt][1]; }
+            if (c + 1 < CPS) load_x<MT>(xn, o, M, split * CPS + c + 1, g, t);     // one chunk ahead
             cp_async_wait<GC_STAGES - 2>();              // this chunk's stage landed
             issue();
-            if (tile < NT) {
+            __syncwarp();
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const uint4 rg = ring[st][2 * h][lane], rg8 = ring[st][2 * h + 1][lane];
-                    const u32 a0[4] = {rg.x, rg8.x, rg.y, rg8.y}, a1[4] = {rg.z, rg8.z, rg.w, rg8.w};
+            for (int h = 0; h < 2; ++h) {
+                const uint4 rg = ring[st][2 * h][lane], rg8 = ring[st][2 * h + 1][lane];
+                const u32 a0[4] = {rg.x, rg8.x, rg.y, rg8.y}, a1[4] = {rg.z, rg8.z, rg.w, rg8.w};
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        const uint4 xb = *(const uint4*)(xs + (mt * 8 + g) * xstride + c * 64 + 32 * h + 8 * t);
-                        mma_bf16_16816(acc[mt], a0, xb.x, xb.y);
-                        mma_bf16_16816(acc[mt], a1, xb.z, xb.w);
-                    }
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16_16816(acc[mt], a0, xr[mt][h].x, xr[mt][h].y);
+                    mma_bf16_16816(acc[mt], a1, xr[mt][h].z, xr[mt][h].w);
                 }
             }
+            __syncwarp();                                // every lane read the stage before it is refilled
             if (++st == GC_STAGES) st = 0;
         }
 
@@ -153,33 +162,48 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
         };
         bool publish = true;
         if (o.S == 1) {
-            if (tile < NT) finish(acc);
-        } else {
-            if (tile < NT)
+            finish(acc);
+        } else {                                         // split-K: the warp that arrives last sums in split order
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    o.partial[(((size_t)tile * o.S + split) * MT + mt) * 32 + lane] =
-                        make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-            publish = arrive_last(groups + o.group_off + group, (u32)o.S);
-            if (publish && tile < NT) {
+            for (int mt = 0; mt < MT; ++mt)
+                o.partial[(((size_t)tile * o.S + split) * MT + mt) * 32 + lane] =
+                    make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+            __syncwarp();
+            u32 last = 0;
+            if (lane == 0) {
+                __threadfence();
+                last = atomicAdd(tiles + o.group_off + tile, 1u) == (u32)o.S - 1;
+                if (last) {
+                    atomicExch(tiles + o.group_off + tile, 0u);
+                    __threadfence();
+                }
+            }
+            publish = __shfl_sync(0xffffffffu, last, 0);
+            if (publish) {
                 float sum[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
-                    for (int s = 0; s < o.S; ++s) {      // split order: deterministic
-                        const float4 v = ld_cg_f4(&o.partial[(((size_t)tile * o.S + s) * MT + mt) * 32 + lane]);
-                        sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
+                    for (int s0 = 0; s0 < o.S; s0 += 8) {   // eight partials in flight, summed in split order
+                        float4 v[8];
+#pragma unroll
+                        for (int u = 0; u < 8; ++u)
+                            if (s0 + u < o.S) v[u] = __ldcg(&o.partial[(((size_t)tile * o.S + s0 + u) * MT + mt) * 32 + lane]);
+#pragma unroll
+                        for (int u = 0; u < 8; ++u)
+                            if (s0 + u < o.S) {
+                                sum[mt][0] += v[u].x; sum[mt][1] += v[u].y; sum[mt][2] += v[u].z; sum[mt][3] += v[u].w;
+                            }
                     }
                 }
                 finish(sum);
             }
         }
-        if (publish) {                                   // this group's tiles are out: count them on done[op]
-            __syncthreads();
-            if (threadIdx.x == 0) {
+        if (publish) {                                   // this tile is out: count it on done[op]
+            __syncwarp();
+            if (lane == 0) {
                 __threadfence();
-                const u32 tiles = (u32)min(GC_WARPS, NT - group * GC_WARPS);
-                asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p.op), "r"(tiles) : "memory");
+                asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(done + p.op), "r"(1u) : "memory");
             }
         }
     }
@@ -197,8 +221,8 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
 
 #define DD_DEFINE_CHAIN(NAME, MT)                                                                          \
     extern "C" __global__ void __launch_bounds__(GC_WARPS * 32, 1)                                         \
-    NAME(const ChainOp* ops, int n_ops, int M, u32* done, u32* groups, u32* exits, u32* err, int max_spins) { \
-        gemm_chain<MT>(ops, n_ops, M, done, groups, exits, err, max_spins);                                \
+    NAME(const ChainOp* ops, int n_ops, int M, u32* done, u32* tiles, u32* exits, u32* err, int max_spins) { \
+        gemm_chain<MT>(ops, n_ops, M, done, tiles, exits, err, max_spins);                                 \
     }
 DD_DEFINE_CHAIN(gemm_chain_mt1, 1)
 DD_DEFINE_CHAIN(gemm_chain_mt2, 2)
