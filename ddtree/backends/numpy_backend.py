@@ -22,6 +22,7 @@ import numpy as np
 from ddtree.backends import numpy_math as m
 from ddtree.description.opset import ACC, ACT, F32, I32, Ops, RankLayout
 from ddtree.parallel.collectives import Identity
+from ddtree.tree.prune import prune_nodes
 
 
 class NumpyOps(Ops):
@@ -115,9 +116,10 @@ class NumpyOps(Ops):
         return self._a(m.mla_absorb_out(o_lat, kv_b, spec))
 
     # MoE ------------------------------------------------------------------------------------------
-    def moe(self, x, router, bias, experts, shared, spec):
+    def moe(self, x, router, bias, experts, shared, spec, live=None, with_ids=False):
         router_logits = self.linear(x, router, out=ACC)                     # [q, E]
-        return self._a(m.moe(x, router_logits, bias, experts, m.swiglu(x, *shared), spec))
+        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live)
+        return (self._a(y), ids.astype(np.int32)) if with_ids else self._a(y)
 
     # drafter --------------------------------------------------------------------------------------
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
@@ -143,8 +145,12 @@ class NumpyOps(Ops):
     def tree_build(self, root, values, ids, row_max, row_sumexp, budget):
         return m.tree_tensors(m.tree_build(int(np.asarray(root)[0]), values, ids, row_max, row_sumexp, budget))
 
-    def accept_walk(self, tokens, parents, win_value, win_id):
-        return m.accept_walk_winners(tokens, parents, win_value, win_id)
+    def accept_walk(self, tokens, parents, win_value, win_id, live=None):
+        return m.accept_walk_winners(tokens, parents, win_value, win_id, live)
+
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+        return prune_nodes(live, parents, path_prob, routed_ids, int(np.asarray(expert_bytes).reshape(-1)[0]),
+                           float(np.asarray(rate, np.float32).reshape(-1)[0]))
 
 
 class NumpyRanks:

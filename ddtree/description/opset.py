@@ -201,7 +201,10 @@ class Ops(ABC):
     def moe(self, x, router, bias, experts: dict, shared: tuple, spec: MoESpec):
         """Normed x [q, H] -> partial [q, H]: router logits (ACC) -> noaux_tc routing -> the rank's routed
         experts (INT4 kernel layout: experts = {"gate_up.words", "gate_up.scales", "down.words",
-        "down.scales"}) + its slice of the shared expert (shared = (gate, up, down))."""
+        "down.scales"}) + its slice of the shared expert (shared = (gate, up, down)).
+        A backend that prunes (tree_prune) also takes keywords live [q] I32 and with_ids: dead rows (live 0) route
+        to no expert (their routed part is zero; the shared expert still runs), and with_ids returns
+        (partial, routed ids [q, topk] I32, global, every row's). Without them: exactly the op above."""
 
     # drafter -----------------------------------------------------------------------------------------
     @abstractmethod
@@ -253,6 +256,13 @@ class Ops(ABC):
     @abstractmethod
     def accept_walk(self, tokens, parents, win_value, win_id) -> tuple:
         """Gathered winners [tp, n] -> (target_tokens [n], accepted [n] (-1 after the path), count [1], bonus [1])."""
+
+    # pruning (issue 53; a backend that prunes overrides these, the others refuse) --------------------
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+        """live [q] I32, parents [q] I32, path_prob [q] F32, routed_ids [q, topk] I32 (global), rate [1] F32 (tokens
+        per expert byte), expert_bytes [1] I32 -> live_out [q] I32: tree/prune.py prune_nodes (the kernel
+        kernels/tree_prune.cu). An accept_walk with the keyword live [q] I32 treats dead nodes as absent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (tree_prune)")
 
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
