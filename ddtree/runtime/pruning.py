@@ -22,14 +22,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddtree.description.stack import Pruning, prune_layers
-from ddtree.errors import InputError
+from ddtree.runtime.loop import RequestError
 from ddtree.tree.prune import DEFAULT_RATE, PRUNE_EVERY, exchange_rate, node_path_probs
 
 PRUNE_MODES = ("off", "auto")
 
 
-class PruneRefused(InputError):
+class PruneRefused(RequestError):
     """--prune auto where the executor (or the way it is run) cannot prune inside its verify."""
+
+
+WHY_NOT = {"numpy": "it is the float64 reference of a checkpoint dir, which runs no op set (build an engine: "
+                    "ddtree-build, then --model ENGINE_DIR)",
+           "engine-graphs": "its ONNX graphs are fixed (no tree_prune node)",
+           "tensorrt": "its TensorRT-RTX plans are fixed (no tree_prune node)",
+           "cuda": "its captured step graphs have no tree_prune yet (the kernel exists: plugins/tree_prune.py)"}
 
 
 def check_prune(prune: str) -> str:
@@ -71,9 +78,9 @@ class Pruner:
     @classmethod
     def for_executor(cls, ex, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY) -> "Pruner":
         if ex.prune_forward is None:
-            raise PruneRefused(f"--prune auto prunes the tree inside the verify, over the op set: the {ex.name} "
-                               "executor runs fixed graphs or fused steps without tree_prune (use --device cpu with "
-                               "an engine directory, ranks as threads, or --prune off)")
+            raise PruneRefused(f"--prune auto prunes the tree inside the verify over the op set (--device cpu with an "
+                               f"engine directory); the {ex.name} executor cannot: "
+                               f"{WHY_NOT.get(ex.name, 'it has no prune_forward')}. Use --prune off")
         return cls(ex.config, ex.expert_bytes, tuning, rate, every)
 
     def rate(self, budget: int, context: int, expected_committed: float) -> float:
