@@ -50,6 +50,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "router.cu": {"default": {}},              # the fused MoE router (plugins/router.py)
     "prefetch.cu": {"default": {}},            # L2 prefetch of the next kernels' weights (plugins/prefetch.py)
     "pcie_standin.cu": {"default": {}},        # a PCIe collective's stand-in on one GPU (plugins/pcie_standin.py)
+    "tree_prune.cu": {"default": {}},          # pruning a tree inside the verify (plugins/tree_prune.py, issue 53)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)
