@@ -116,10 +116,9 @@ class NumpyOps(Ops):
         return self._a(m.mla_absorb_out(o_lat, kv_b, spec))
 
     # MoE ------------------------------------------------------------------------------------------
-    def moe(self, x, router, bias, experts, shared, spec, live=None, with_ids=False):
+    def moe(self, x, router, bias, experts, shared, spec):
         router_logits = self.linear(x, router, out=ACC)                     # [q, E]
-        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live)
-        return (self._a(y), ids.astype(np.int32)) if with_ids else self._a(y)
+        return self._a(m.moe(x, router_logits, bias, experts, m.swiglu(x, *shared), spec))
 
     # drafter --------------------------------------------------------------------------------------
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
@@ -145,7 +144,16 @@ class NumpyOps(Ops):
     def tree_build(self, root, values, ids, row_max, row_sumexp, budget):
         return m.tree_tensors(m.tree_build(int(np.asarray(root)[0]), values, ids, row_max, row_sumexp, budget))
 
-    def accept_walk(self, tokens, parents, win_value, win_id, live=None):
+    def accept_walk(self, tokens, parents, win_value, win_id):
+        return m.accept_walk_winners(tokens, parents, win_value, win_id)
+
+    # pruning a tree inside its verify -------------------------------------------------------------
+    def moe_live(self, x, router, bias, experts, shared, spec, live):
+        router_logits = self.linear(x, router, out=ACC)                     # [q, E]
+        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live)
+        return self._a(y), ids.astype(np.int32)
+
+    def accept_walk_live(self, tokens, parents, win_value, win_id, live):
         return m.accept_walk_winners(tokens, parents, win_value, win_id, live)
 
     def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):

@@ -74,7 +74,7 @@ def moe(ops: Ops, cfg, m: str, x, inter: int, live=None):
                                                            "down.scales")}
     args = (x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
             tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
-    return ops.moe(*args) if live is None else ops.moe(*args, live=live, with_ids=True)
+    return ops.moe(*args) if live is None else ops.moe_live(*args, live)
 
 
 ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
@@ -278,7 +278,7 @@ def accept(ops: Ops, pruned: bool = False) -> None:
     win_value = ops.all_gather(ops.input("win_value", ["nodes"], ACC), "win_value")    # [tp, nodes]
     win_id = ops.all_gather(ops.input("win_id", ["nodes"], I32), "win_id")
     if pruned:
-        walk = ops.accept_walk(tokens, parents, win_value, win_id, live=ops.input("live", ["nodes"], I32))
+        walk = ops.accept_walk_live(tokens, parents, win_value, win_id, ops.input("live", ["nodes"], I32))
     else:
         walk = ops.accept_walk(tokens, parents, win_value, win_id)
     target, accepted, count, bonus = walk

@@ -201,10 +201,7 @@ class Ops(ABC):
     def moe(self, x, router, bias, experts: dict, shared: tuple, spec: MoESpec):
         """Normed x [q, H] -> partial [q, H]: router logits (ACC) -> noaux_tc routing -> the rank's routed
         experts (INT4 kernel layout: experts = {"gate_up.words", "gate_up.scales", "down.words",
-        "down.scales"}) + its slice of the shared expert (shared = (gate, up, down)).
-        A backend that prunes (tree_prune) also takes keywords live [q] I32 and with_ids: dead rows (live 0) route
-        to no expert (their routed part is zero; the shared expert still runs), and with_ids returns
-        (partial, routed ids [q, topk] I32, global, every row's). Without them: exactly the op above."""
+        "down.scales"}) + its slice of the shared expert (shared = (gate, up, down))."""
 
     # drafter -----------------------------------------------------------------------------------------
     @abstractmethod
@@ -257,12 +254,21 @@ class Ops(ABC):
     def accept_walk(self, tokens, parents, win_value, win_id) -> tuple:
         """Gathered winners [tp, n] -> (target_tokens [n], accepted [n] (-1 after the path), count [1], bonus [1])."""
 
-    # pruning (issue 53; a backend that prunes overrides these, the others refuse) --------------------
+    # pruning a tree inside its verify (issue 53; a backend that prunes overrides these, the others refuse) ------
+    def moe_live(self, x, router, bias, experts: dict, shared: tuple, spec: MoESpec, live) -> tuple:
+        """moe over the live rows only (live [q] I32): a dead row routes to no expert (its routed part is zero, the
+        shared expert still runs) -> (partial [q, H], the routed ids [q, topk] I32: global, every row's)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (moe_live)")
+
     def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
         """live [q] I32, parents [q] I32, path_prob [q] F32, routed_ids [q, topk] I32 (global), rate [1] F32 (tokens
         per expert byte), expert_bytes [1] I32 -> live_out [q] I32: tree/prune.py prune_nodes (the kernel
-        kernels/tree_prune.cu). An accept_walk with the keyword live [q] I32 treats dead nodes as absent."""
+        kernels/tree_prune.cu)."""
         raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (tree_prune)")
+
+    def accept_walk_live(self, tokens, parents, win_value, win_id, live) -> tuple:
+        """accept_walk with dead nodes (live [n] I32 == 0) absent: the walk never enters them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (accept_walk_live)")
 
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))

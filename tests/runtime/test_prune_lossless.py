@@ -101,6 +101,10 @@ def layer_feeds(ex, q: int) -> dict:
             "tree_mask": np.tril(np.ones((q, q), bool)).dot(1 << np.arange(q)).astype(np.int32)[:, None]}
 
 
+def names_on(rec) -> list[str]:
+    return [n for n, _ in rec.calls]
+
+
 def test_default_path_is_todays_op_for_op(ex):
     cfg, ops = ex.config, ex.ranks.ranks[0]
     L = cfg.moe_layers[0]
@@ -116,8 +120,8 @@ def test_default_path_is_todays_op_for_op(ex):
                  "expert_bytes": np.array([1], np.int32)}
     ops.outputs = {}
     layers.decoder_layer(on, cfg, L, ex.moe_inter, "prune")
-    assert ("moe", ("live", "with_ids")) in on.calls and "tree_prune" in [n for n, _ in on.calls]
-    assert [c for c in on.calls if c[0] not in ("moe", "tree_prune", "input", "output")] == \
+    assert "moe" not in names_on(on) and names_on(on).count("moe_live") == 1 and "tree_prune" in names_on(on)
+    assert [c for c in on.calls if c[0] not in ("moe_live", "tree_prune", "input", "output")] == \
         [c for c in off.calls if c[0] not in ("moe", "input", "output")]       # the rest of the layer unchanged
     # the stack calls every decoder layer with today's arguments unless it prunes
     seen = []
@@ -144,3 +148,14 @@ def test_dead_rows_route_to_no_expert(ex):
     np.testing.assert_allclose(pruned[live == 0], shared[live == 0], rtol=1e-12, atol=1e-14)
     assert not np.allclose(full[live == 0], shared[live == 0])          # the routed part was there before
     assert ids.shape == (6, cfg.num_experts_per_tok) and ids.dtype == np.int32
+
+
+def test_the_accept_layer_treats_dead_nodes_as_absent(ex):
+    ops = ex.ranks.ranks[0]
+    feeds = {"tokens": np.array([7, 3, 4, 5], np.int32), "parents": np.array([-1, 0, 0, 1], np.int32),
+             "win_value": np.zeros(4), "win_id": np.array([3, 5, 9, 9], np.int32)}
+    full = ops.call(layers.accept, feeds=feeds)
+    assert full["accepted"].tolist() == [0, 1, 3, -1] and int(full["bonus"][0]) == 9
+    pruned = ops.call(layers.accept, True, feeds={**feeds, "live": np.array([1, 1, 1, 0], np.int32)})
+    assert pruned["accepted"].tolist() == [0, 1, -1, -1] and int(pruned["bonus"][0]) == 5
+    assert pruned["target_tokens"].tolist() == full["target_tokens"].tolist()
