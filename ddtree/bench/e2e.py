@@ -215,7 +215,8 @@ def print_table(result: dict, console: Console) -> None:
     table.add_column("identical", justify="right")
     for r in result["rows"]:
         t, dt = r["tokens_per_s"], r["decode_tokens_per_s"]
-        cells = [r["mode"] + (" prune" if r.get("prune") == "auto" else ""), _fmt(r["budget"], "d"), f"{t['mean']:.1f} ± {t['sd']:.1f}", f"{t['min']:.1f}",
+        mode = r["mode"] + (" prune" if r.get("prune") == "auto" else "")
+        cells = [mode, _fmt(r["budget"], "d"), f"{t['mean']:.1f} ± {t['sd']:.1f}", f"{t['min']:.1f}",
                  f"{t['max']:.1f}", f"{dt['mean']:.1f} ± {dt['sd']:.1f}", f"{r['mean_accept_len']:.2f}",
                  str(r["steps"])]
         if cuda:

@@ -8,7 +8,8 @@ then the subtree drop in node order. The twin is ddtree/tree/prune.py prune_node
 one float64 multiply and compare). Every tensor argument is a device address (a DeviceArray, an int, or a
 cuda-backend Tensor's .ptr): live [q] int32, parents [q] int32, path_prob [q] float32, routed_ids [q, top_k]
 int32 (global ids), rate [1] float32 (tokens per expert byte), expert_bytes [1] int32, live_out [q] int32 (it may
-be live itself: every read of live precedes the barriers before the one write). run() allocates nothing and never synchronises, so it can be captured in a CUDA graph.
+be live itself: every read of live precedes the barriers before the one write). run() allocates nothing and
+never synchronises, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
     max_num_seqs: requests generated at once (> 1: continuous batching, CPU executors); prune: every request's
     --prune ("auto": runtime/pruning.py, the FIFO scheduler)."""
     if prune == "auto" and max_num_seqs > 1:
-        raise ValueError("prune 'auto' runs with the FIFO scheduler (max_num_seqs 1): the batched verify does not prune")
+        raise ValueError("prune 'auto' runs with the FIFO scheduler (max_num_seqs 1): the batched verify does not "
+                         "prune")
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     limits = limits or Limits()
     metrics = Metrics(names[0])

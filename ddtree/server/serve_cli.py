@@ -69,9 +69,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--disable-log-requests", is_flag=True,
               help="No log line per request (default: one each: id, status, tokens, latency).")
 @limit_options
-def serve_command(model_dir, drafter_dir, device, host, port, budget, prune, max_queue, max_num_seqs, served_model_names,
-                  skip_verify, api_key, allowed_origins, max_model_len, chat_template, disable_log_requests,
-                  **limit_kw):
+def serve_command(model_dir, drafter_dir, device, host, port, budget, prune, max_queue, max_num_seqs,
+                  served_model_names, skip_verify, api_key, allowed_origins, max_model_len, chat_template,
+                  disable_log_requests, **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:

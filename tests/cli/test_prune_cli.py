@@ -44,6 +44,12 @@ def test_refused_by_name():
     refuses(["serve", "--prune", "auto", "--port", "0"], "PruneRefused", "numpy executor")
 
 
+def test_tp2_rank_processes_refuse(tmp_path):
+    tp2 = build_engine(*tiny_model_dirs(), 2, [], tmp_path / "e2", graphs=False, kernels=False)["engine"]
+    refuses(["run", "--model", str(tp2), "--prune", "auto", "hi"], "PruneRefused", "tp > 1 rank processes",
+            "--ranks threads")
+
+
 def test_serve_and_bench_refuse_what_does_not_prune(engine):
     refuses(["serve", "--model", str(engine), "--prune", "auto", "--max-num-seqs", "2", "--port", "0"],
             "--prune auto", "--max-num-seqs 2")
@@ -54,8 +60,8 @@ def test_serve_and_bench_refuse_what_does_not_prune(engine):
 def test_serve_prunes_and_commits_the_unpruned_tokens(engine):
     want = DDTreeEngine.load(str(engine)).generate("def f(x):", max_new_tokens=12, budget=16)
     with live_server("--model", str(engine), "--prune", "auto") as (url, _):
-        r = httpx.post(f"{url}/v1/completions", json={"model": Path(engine).name, "prompt": "def f(x):", "max_tokens": 12,
-                                                        "temperature": 0}, timeout=120)
+        body = {"model": Path(engine).name, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want.text
 

@@ -7,7 +7,7 @@ import pytest
 
 from ddtree.tree.budget import Calibration
 from ddtree.tree.build import Tree, build_tree, topk_logprobs
-from ddtree.tree.prune import DEFAULT_RATE, PruneError, absent_tree, node_path_probs, prune_nodes
+from ddtree.tree.prune import DEFAULT_RATE, PruneError, absent_tree, exchange_rate, node_path_probs, prune_nodes
 from ddtree.tree.walk import accept_walk
 from tests.tree.prune_cases import cases
 
@@ -115,3 +115,15 @@ def test_default_rate_is_its_stated_derivation():
     # 5 tokens per 14920 us step, 8600 us for 116 x 60 expert reads of 3,096,576 bytes each
     assert DEFAULT_RATE == pytest.approx(5.0 / 14920.0 * (8600.0 / (116 * 60)) / 3_096_576, rel=1e-12)
     assert 1e-10 < DEFAULT_RATE < 2e-10
+
+
+def test_exchange_rate_from_a_tuning_file():
+    from ddtree.engine_dir.tuning import Tuning, now_utc
+    t = Tuning("hand-made", now_utc(), (4, 16), (1024, 8192), ((100.0, 200.0), (160.0, 300.0)), (10.0, 40.0),
+               Calibration.identity())
+    # slope at context 1024: (160 - 100) us / ((40 - 10) experts x 3 layers) = 2/3 us per expert read
+    assert exchange_rate(t, 16, 1000, 4.0, 3, 500) == pytest.approx(4.0 / 160.0 * (60.0 / 90.0) / 500, rel=1e-12)
+    assert exchange_rate(t, 4, 5000, 2.0, 3, 500) == pytest.approx(2.0 / 200.0 * (100.0 / 90.0) / 500, rel=1e-12)
+    flat = Tuning("hand-made", now_utc(), (4, 16), (1024,), ((100.0,), (160.0,)), (0.0, 0.0), Calibration.identity())
+    one = Tuning("hand-made", now_utc(), (16,), (1024,), ((160.0,),), (40.0,), Calibration.identity())
+    assert exchange_rate(flat, 16, 1000, 4.0, 3, 500) is None and exchange_rate(one, 16, 1000, 4.0, 3, 500) is None
