@@ -22,6 +22,7 @@ import numpy as np
 from ddtree.backends import numpy_math as m
 from ddtree.description.opset import ACC, ACT, F32, I32, Ops, RankLayout
 from ddtree.parallel.collectives import Identity
+from ddtree.tree.prune import prune_nodes
 
 
 class NumpyOps(Ops):
@@ -145,6 +146,19 @@ class NumpyOps(Ops):
 
     def accept_walk(self, tokens, parents, win_value, win_id):
         return m.accept_walk_winners(tokens, parents, win_value, win_id)
+
+    # pruning a tree inside its verify -------------------------------------------------------------
+    def moe_live(self, x, router, bias, experts, shared, spec, live):
+        router_logits = self.linear(x, router, out=ACC)                     # [q, E]
+        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live)
+        return self._a(y), ids.astype(np.int32)
+
+    def accept_walk_live(self, tokens, parents, win_value, win_id, live):
+        return m.accept_walk_winners(tokens, parents, win_value, win_id, live)
+
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+        return prune_nodes(live, parents, path_prob, routed_ids, int(np.asarray(expert_bytes).reshape(-1)[0]),
+                           float(np.asarray(rate, np.float32).reshape(-1)[0]))
 
 
 class NumpyRanks:

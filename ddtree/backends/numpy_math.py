@@ -16,6 +16,7 @@ from ddtree.model.rope import rope_frequencies, rope_magnitude
 from ddtree.model.routing import route_logits
 from ddtree.plugins import reference as twins
 from ddtree.tree.build import Tree, build_tree, pack_visibility
+from ddtree.tree.prune import absent_tree
 from ddtree.tree.sampling import gumbel
 from ddtree.tree.walk import accept_walk
 
@@ -118,13 +119,21 @@ def mla_tree_attention(q_lat, q_rope, cache, T: int, tree_mask, spec) -> np.ndar
 
 def moe(x, router_logits, bias, experts: dict, shared_out, spec) -> np.ndarray:
     """Routing by model/routing.py, then the fused MoE kernel's twin over this rank's experts."""
+    return moe_routed(x, router_logits, bias, experts, shared_out, spec)[0]
+
+
+def moe_routed(x, router_logits, bias, experts: dict, shared_out, spec, live=None) -> tuple:
+    """moe, -> (y [q, H], the global routed ids [q, k]). live [q] (a pruned verify): rows with live 0 route to no
+    expert (their routed part is zero)."""
     ids, gates, _ = route_logits(f64(router_logits), f64(bias), spec.topk, spec.n_group, spec.topk_group,
                                  spec.routed_scaling_factor)                                   # [q, k] global
     local = ids - spec.expert_start
     local[(local < 0) | (local >= spec.experts)] = -1                  # another rank's expert (expert parallel)
+    if live is not None:
+        local[np.asarray(live).reshape(-1) == 0] = -1                  # a dead row: no expert at all
     packed = {"gate_up": experts["gate_up.words"], "gate_up_scale": experts["gate_up.scales"],
               "down": experts["down.words"], "down_scale": experts["down.scales"]}
-    return twins.moe_given_routing(f64(x), local, gates, packed, f64(shared_out))
+    return twins.moe_given_routing(f64(x), local, gates, packed, f64(shared_out)), ids
 
 
 def draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k: np.ndarray, cache_v: np.ndarray, T: int, rope,
@@ -194,13 +203,15 @@ def tree_tensors(tree: Tree) -> tuple:
     return tree.tokens, tree.parents, tree.depth, pack_visibility(tree.visible()).view(np.int32)
 
 
-def accept_walk_winners(tokens, parents, win_value, win_id) -> tuple:
+def accept_walk_winners(tokens, parents, win_value, win_id, live=None) -> tuple:
     """Merge the ranks' winners [tp, n] into the target's token at every node, then tree/walk.accept_walk
-    -> (target [n] int32, accepted [n] (-1 after the path), count [1], bonus [1])."""
+    -> (target [n] int32, accepted [n] (-1 after the path), count [1], bonus [1]). live [n] (a pruned verify):
+    dead nodes are absent (tree/prune.py absent_tree)."""
     top = win_value.max(axis=0)                                           # [n]
     target = np.where(win_value == top, win_id.astype(np.int64), NO_ID).min(axis=0)
     n = len(tokens)
-    walk = accept_walk(Tree.from_parents(parents, tokens), target)
+    tree = Tree.from_parents(parents, tokens)
+    walk = accept_walk(tree if live is None else absent_tree(tree, live), target)
     accepted = np.full(n, -1, np.int32)
     accepted[: len(walk.accepted)] = walk.accepted
     return (target.astype(np.int32), accepted, np.array([len(walk.accepted)], np.int32),

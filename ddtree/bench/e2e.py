@@ -17,6 +17,11 @@ Lossless: every DDTree output is compared with the AR output of the same prompt.
 they must be identical and a difference fails the command; on the GPU the verify and the one-token decode
 sum in different orders, so a row reports "identical" (near-ties are tests/runtime/test_cuda_step_gpu.py's).
 Per-phase step time (draft / tree / verify / walk) needs separately captured phase graphs: not measured yet.
+
+--prune auto (issue 53, runtime/pruning.py; --device cpu): each budget gets two DDTree rows, prune "off" then
+"auto". The pruned row carries pruned_nodes, pruned_per_step (mean), distinct_experts_before / _after and
+accept_len_after (its own mean acceptance length); its accept_len_before is the "off" row's, since the
+acceptance length the same run would have had unpruned is not observable inside it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from ddtree.bench.e2e_batch import print_concurrency_table, run_concurrency
 from ddtree.bench.samples import LosslessError, spread
 from ddtree.cli_types import FiniteFloatRange, comma_list
 from ddtree.data import HELDOUT_PROMPTS, tiny_model_dirs
+from ddtree.engine_dir.tuning import read_tuning, tuning_path
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.tokenizer import load_tokenizer
@@ -42,6 +48,7 @@ from ddtree.runtime.cuda_executor import CudaExecutor, gpu_unavailable
 from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps
 from ddtree.runtime.near_tie import first_difference
+from ddtree.runtime.pruning import Pruner
 from ddtree.runtime.step_profile import kernel_times, phase_times
 from ddtree.training.corpus import load_prompts
 from ddtree.tree.build import MAX_BUDGET
@@ -79,12 +86,13 @@ def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | No
     return EngineExecutor(engine_dir)
 
 
-def one_request(ex, ids: list[int], budget: int | None, n_new: int, params: SamplingParams) -> dict:
-    """One request (budget None: AR) -> its tokens, RunStats and wall times (whole, and up to the first token)."""
+def one_request(ex, ids: list[int], budget: int | None, n_new: int, params: SamplingParams, prune=None) -> dict:
+    """One request (budget None: AR) -> its tokens, RunStats and wall times (whole, and up to the first token).
+    prune: None, or a function ex -> a fresh runtime/pruning.py Pruner (--prune auto)."""
     stats = RunStats()
     t0 = time.perf_counter()
     steps = (ar_steps(ex, ids, n_new, params, (), stats) if budget is None
-             else ddtree_steps(ex, ids, n_new, params, budget, (), None, stats))
+             else ddtree_steps(ex, ids, n_new, params, budget, (), None, stats, prune and prune(ex)))
     tokens, first_s = [], None
     for chunk in steps:
         tokens += chunk
@@ -107,12 +115,12 @@ def graph_counters(ex) -> dict | None:
 
 
 def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, params: SamplingParams,
-               repeats: int) -> tuple[dict, list[list[int]]]:
+               repeats: int, prune=None) -> tuple[dict, list[list[int]]]:
     """One row (see the module docstring) and the outputs of its first timed pass, one per prompt."""
     before_warm = graph_counters(ex)
-    one_request(ex, prompt_ids[0], budget, n_new, params)                      # warm-up: modules, capture
+    one_request(ex, prompt_ids[0], budget, n_new, params, prune)                # warm-up: modules, capture
     before = graph_counters(ex)
-    runs = [one_request(ex, ids, budget, n_new, params) for _ in range(repeats) for ids in prompt_ids]
+    runs = [one_request(ex, ids, budget, n_new, params, prune) for _ in range(repeats) for ids in prompt_ids]
     after = graph_counters(ex)
     first_pass = runs[: len(prompt_ids)]
     steps = sum(r["stats"].steps for r in first_pass)
@@ -126,6 +134,8 @@ def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, 
            "new_tokens": sum(len(r["tokens"]) for r in first_pass), "samples": len(runs),
            "graph_steps": None, "eager_steps": None, "host_us_per_step": None, "host_us_per_started_step": None,
            "capture_s": None, "phases": None}
+    if budget is not None and prune is not None:
+        row.update(prune_stats([r["stats"].prune.to_dict() for r in first_pass]))
     if after is not None:
         graph_steps = after["graph_steps"] - before["graph_steps"]
         steady = after["steady_steps"] - before["steady_steps"]
@@ -143,6 +153,15 @@ def bench_mode(ex, prompt_ids: list[list[int]], budget: int | None, n_new: int, 
     return row, [r["tokens"] for r in first_pass]
 
 
+def prune_stats(per_request: list[dict]) -> dict:
+    """A pruned row's counts over its first pass (per_request: PruneStats.to_dict() of each request)."""
+    per_step = [n for d in per_request for n in d["pruned_per_step"]]
+    return {"prune": "auto", "prune_rate_source": per_request[0]["prune_rate_source"],
+            "pruned_nodes": sum(per_step), "pruned_per_step": statistics.fmean(per_step) if per_step else 0.0,
+            "distinct_experts_before": statistics.fmean(d["distinct_experts_before"] for d in per_request),
+            "distinct_experts_after": statistics.fmean(d["distinct_experts_after"] for d in per_request)}
+
+
 def check_lossless(ar_out: list[list[int]], dd_out: list[list[int]], budget: int) -> None:
     """CPU: DDTree's tokens must be AR's, prompt by prompt; else a LosslessError naming where they part."""
     for p, (ar, dd) in enumerate(zip(ar_out, dd_out)):
@@ -153,18 +172,24 @@ def check_lossless(ar_out: list[list[int]], dd_out: list[list[int]], budget: int
 
 
 def run_e2e(ex, prompt_ids, budgets, n_new: int, params: SamplingParams, repeats: int, device: str,
-            log=lambda s: None) -> list[dict]:
-    """Every row, AR first; speedups over AR; identical (DDTree vs AR outputs) per DDTree row."""
+            log=lambda s: None, prune=None) -> list[dict]:
+    """Every row, AR first; speedups over AR; identical (DDTree vs AR outputs) per DDTree row. prune (a function
+    ex -> Pruner): each budget's row unpruned, then pruned (the module docstring)."""
     ar_row, ar_out = bench_mode(ex, prompt_ids, None, n_new, params, repeats)
     ar_row.update(speedup_vs_ar=1.0, identical=None, identical_prompts=None)
     log(f"ar: {ar_row['tokens_per_s']['mean']:.1f} tok/s")
     rows = [ar_row]
-    for budget in budgets:
-        row, out = bench_mode(ex, prompt_ids, budget, n_new, params, repeats)
+    for budget, pruner in [(b, p) for b in budgets for p in ((None, prune) if prune else (None,))]:
+        row, out = bench_mode(ex, prompt_ids, budget, n_new, params, repeats, pruner)
+        if pruner is not None:                  # the unpruned row of this budget is the one before
+            row.update(accept_len_after=row["mean_accept_len"], accept_len_before=rows[-1]["mean_accept_len"])
+        elif prune is not None:
+            row["prune"] = "off"
         same = sum(a == d for a, d in zip(ar_out, out))
         row.update(speedup_vs_ar=row["tokens_per_s"]["mean"] / ar_row["tokens_per_s"]["mean"],
                    identical=same == len(prompt_ids), identical_prompts=same)
-        log(f"ddtree budget {budget}: {row['tokens_per_s']['mean']:.1f} tok/s, mean acceptance length "
+        log(f"ddtree budget {budget}{' prune auto' if pruner else ''}: {row['tokens_per_s']['mean']:.1f} tok/s, "
+            "mean acceptance length "
             f"{row['mean_accept_len']:.2f}, identical to AR {same}/{len(prompt_ids)}")
         rows.append(row)
         if device == "cpu":
@@ -190,7 +215,8 @@ def print_table(result: dict, console: Console) -> None:
     table.add_column("identical", justify="right")
     for r in result["rows"]:
         t, dt = r["tokens_per_s"], r["decode_tokens_per_s"]
-        cells = [r["mode"], _fmt(r["budget"], "d"), f"{t['mean']:.1f} ± {t['sd']:.1f}", f"{t['min']:.1f}",
+        mode = r["mode"] + (" prune" if r.get("prune") == "auto" else "")
+        cells = [mode, _fmt(r["budget"], "d"), f"{t['mean']:.1f} ± {t['sd']:.1f}", f"{t['min']:.1f}",
                  f"{t['max']:.1f}", f"{dt['mean']:.1f} ± {dt['sd']:.1f}", f"{r['mean_accept_len']:.2f}",
                  str(r["steps"])]
         if cuda:
@@ -222,6 +248,9 @@ def print_table(result: dict, console: Console) -> None:
               help="--device cuda: cache rows allocated at load (default: the model's context, at most 4096)")
 @click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
               help="--device cuda: batch-invariant fixes every kernel's split for all row counts (DDTree == AR bitwise)")
+@click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: each budget also runs with the tree pruned inside the verify (issue 53; --device cpu), "
+                   "beside its unpruned row")
 @click.option("--budget", "budgets", default="1,4,16,64", show_default=True,
               help=f"DDTree node budgets, comma-separated (1..{MAX_BUDGET})")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=None,
@@ -241,13 +270,16 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_prompts, max_new_tokens, repeats, temperature,
-                top_k, top_p, seed, concurrency, as_json):
+                top_k, top_p, seed, concurrency, as_json, prune):
     """End-to-end tokens/s of AR and of DDTree per budget (mean ± sd over prompts x repeats)."""
     budget_list = parse_budgets(budgets)
     concurrencies = list(dict.fromkeys(comma_list(concurrency, "--concurrency", int, 1))) if concurrency else None
     if concurrencies and device == "cuda":
         raise click.BadParameter("not implemented for --device cuda yet (the batched GPU step is not built); run "
                                  "it with --device cpu", param_hint="--concurrency")
+    if prune == "auto" and concurrencies:
+        raise click.BadParameter("the batched runs do not prune: leave out --concurrency or use --prune off",
+                                 param_hint="--prune")
     if device == "cpu" and kernel_plan != "fast":
         raise click.BadParameter(f"{kernel_plan} is a plan of the GPU kernels; --device cpu runs float64 numpy",
                                  param_hint="--kernel-plan")
@@ -271,11 +303,16 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
         ex = open_executor(engine, device, gpu, max_context, kernel_plan)
         tok = load_tokenizer(ex.tokenizer_dir, ex.config)
         prompt_ids = [tok.encode(t) or [ex.config.bos_token_id] for t in texts]
+        pruner = None
+        if prune == "auto":
+            tuning = read_tuning(engine) if tuning_path(engine).is_file() else None
+            Pruner.for_executor(ex, tuning)                # refused by name (--device cuda) before any run
+            pruner = lambda e: Pruner.for_executor(e, tuning)                       # noqa: E731
         t0 = time.perf_counter()
         if concurrencies:
             rows = run_concurrency(ex, tok, prompt_ids, budget_list, n_new, params, repeats, concurrencies, log)
         else:
-            rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log)
+            rows = run_e2e(ex, prompt_ids, budget_list, n_new, params, repeats, device, log, pruner)
         wall = time.perf_counter() - t0
     label = "greedy" if params.greedy else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
     result = {"bench": "e2e", "device": ex.gpu.name if device == "cuda" else "cpu",

@@ -63,16 +63,18 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
     return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
 
 
-def moe(ops: Ops, cfg, m: str, x, inter: int):
-    """Normed x [q, H] -> this rank's partial [q, H] of routed + shared experts."""
+def moe(ops: Ops, cfg, m: str, x, inter: int, live=None):
+    """Normed x [q, H] -> this rank's partial [q, H] of routed + shared experts. live [q] I32 (pruning): dead rows
+    route to no expert, and the result is (partial, routed ids [q, topk] I32)."""
     lay = ops.lay
     spec = MoESpec(cfg.hidden_size, inter, lay.expert_stop - lay.expert_start, cfg.n_routed_experts,
                    lay.expert_start, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    float(cfg.routed_scaling_factor), cfg.quant.group_size)
     experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
                                                            "down.scales")}
-    return ops.moe(x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
-                   tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
+    args = (x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
+            tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
+    return ops.moe(*args) if live is None else ops.moe_live(*args, live)
 
 
 ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
@@ -116,8 +118,13 @@ def attention_front(cfg, layer: int) -> tuple:
                                  "q_a_proj.weight"))
 
 
-def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
-    """Decoder layer `layer` (dense MLP or MoE by the config)."""
+PRUNE_MODES = (None, "route", "prune")
+
+
+def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, prune: str | None = None) -> None:
+    """Decoder layer `layer` (dense MLP or MoE by the config). prune (an MoE layer of a pruned verify, issue 53):
+    "route" reads the live mask [q] and routes live rows only (outputs routed_ids); "prune" also runs tree_prune
+    after the routing (outputs live_out, the mask later layers read). None: today's layer, op for op."""
     p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     h = ops.input("h", ["q", H], ACT)
     pos = ops.input("pos", ["q"], I32)
@@ -129,10 +136,29 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int) -> None:
                                 ahead=mlp_front(cfg, layer))
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
                                          cfg.rms_norm_eps, "attn")
-    mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter) if cfg.is_moe_layer(layer) else dense_mlp(ops, p + "mlp.", x2)
+    if prune not in PRUNE_MODES or (prune and not cfg.is_moe_layer(layer)):
+        raise ValueError(f"decoder_layer {layer}: prune {prune!r} (expected one of {PRUNE_MODES}, on an MoE layer)")
+    if prune:
+        mlp = _pruned_moe(ops, cfg, layer, x2, moe_inter, prune)
+    elif cfg.is_moe_layer(layer):
+        mlp = moe(ops, cfg, p + "mlp.", x2, moe_inter)
+    else:
+        mlp = dense_mlp(ops, p + "mlp.", x2)
     ops.prefetch(*attention_front(cfg, layer + 1), beside="collective")   # the all-reduce leaves the HBM idle
     ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
     ops.output("cache_out", cache, ["S", W], ACT)
+
+
+def _pruned_moe(ops: Ops, cfg, layer: int, x2, moe_inter: int, prune: str):
+    """The MoE of a pruned verify: live rows only; at a "prune" layer, tree_prune on this layer's routing."""
+    live = ops.input("live", ["q"], I32)
+    mlp, ids = moe(ops, cfg, layer_prefix(layer) + "mlp.", x2, moe_inter, live=live)
+    ops.output("routed_ids", ids, ["q", cfg.num_experts_per_tok], I32)
+    if prune == "prune":
+        live = ops.tree_prune(live, ops.input("parents", ["q"], I32), ops.input("path_prob", ["q"], F32), ids,
+                              ops.input("prune_rate", [1], F32), ops.input("expert_bytes", [1], I32))
+        ops.output("live_out", live, ["q"], I32)
+    return mlp
 
 
 def compact(ops: Ops, cfg) -> None:
@@ -246,11 +272,16 @@ def tree(ops: Ops, dcfg, k: int, budget: int) -> None:
         ops.output(name, x, shape, I32)
 
 
-def accept(ops: Ops) -> None:
+def accept(ops: Ops, pruned: bool = False) -> None:
+    """pruned: the verify pruned the tree; the walk reads its live mask [nodes] and treats dead nodes as absent."""
     tokens, parents = ops.input("tokens", ["nodes"], I32), ops.input("parents", ["nodes"], I32)
     win_value = ops.all_gather(ops.input("win_value", ["nodes"], ACC), "win_value")    # [tp, nodes]
     win_id = ops.all_gather(ops.input("win_id", ["nodes"], I32), "win_id")
-    target, accepted, count, bonus = ops.accept_walk(tokens, parents, win_value, win_id)
+    if pruned:
+        walk = ops.accept_walk_live(tokens, parents, win_value, win_id, ops.input("live", ["nodes"], I32))
+    else:
+        walk = ops.accept_walk(tokens, parents, win_value, win_id)
+    target, accepted, count, bonus = walk
     ops.output("target_tokens", target, ["nodes"], I32)
     ops.output("accepted", accepted, ["nodes"], I32)
     ops.output("accepted_count", count, [1], I32)

@@ -254,6 +254,22 @@ class Ops(ABC):
     def accept_walk(self, tokens, parents, win_value, win_id) -> tuple:
         """Gathered winners [tp, n] -> (target_tokens [n], accepted [n] (-1 after the path), count [1], bonus [1])."""
 
+    # pruning a tree inside its verify (issue 53; a backend that prunes overrides these, the others refuse) ------
+    def moe_live(self, x, router, bias, experts: dict, shared: tuple, spec: MoESpec, live) -> tuple:
+        """moe over the live rows only (live [q] I32): a dead row routes to no expert (its routed part is zero, the
+        shared expert still runs) -> (partial [q, H], the routed ids [q, topk] I32: global, every row's)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (moe_live)")
+
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+        """live [q] I32, parents [q] I32, path_prob [q] F32, routed_ids [q, topk] I32 (global), rate [1] F32 (tokens
+        per expert byte), expert_bytes [1] I32 -> live_out [q] I32: tree/prune.py prune_nodes (the kernel
+        kernels/tree_prune.cu)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (tree_prune)")
+
+    def accept_walk_live(self, tokens, parents, win_value, win_id, live) -> tuple:
+        """accept_walk with dead nodes (live [n] I32 == 0) absent: the walk never enters them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (accept_walk_live)")
+
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
 # patterns: Ops methods composed of the ops above, which a backend may run as one kernel instead

@@ -66,15 +66,50 @@ def draft_kinds(dcfg) -> dict[int, str]:
     return {L: kind for kind, group in layers.drafter_groups(dcfg).items() for L in group}
 
 
+@dataclass
+class Pruning:
+    """A pruned verify (issue 53, tree/prune.py): every MoE layer routes the live rows only, and the decoder layers
+    `at` (MoE layers) run tree_prune after their routing; later layers read the mask it leaves in feeds["live"]."""
+    at: frozenset                                # decoder layers that prune
+    feeds: dict                                  # live [q] I32 (root live), parents [q] I32, path_prob [q] F32,
+                                                 # prune_rate [1] F32, expert_bytes [1] I32 (the executor's values)
+    on_route: Callable | None = None             # on_route(L, routed_ids, live it routed with) after MoE layer L
+
+    def layer(self, cfg, L: int) -> tuple[str | None, dict]:
+        """Decoder layer L's prune mode (layers.decoder_layer) and the feeds it reads."""
+        if not cfg.is_moe_layer(L):
+            return None, {}
+        if L in self.at:
+            return "prune", self.feeds
+        return "route", {"live": self.feeds["live"]}
+
+    def routed(self, L: int, outs: dict) -> None:
+        if self.on_route is not None:
+            self.on_route(L, outs["routed_ids"], self.feeds["live"])
+        if "live_out" in outs:
+            self.feeds = {**self.feeds, "live": outs["live_out"]}
+
+
+def prune_layers(cfg, every: int) -> frozenset:
+    """The decoder layers that prune: MoE layers 0, every, 2 every, ... (counted among the MoE layers)."""
+    if every < 1:
+        raise ValueError(f"prune_layers: every must be >= 1, got {every}")
+    return frozenset(L for j, L in enumerate(cfg.moe_layers) if j % every == 0)
+
+
 def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
-                   head=(layers.head, ()), head_feeds: dict | None = None) -> dict:
+                   head=(layers.head, ()), head_feeds: dict | None = None, prune: Pruning | None = None) -> dict:
     """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
-    head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg)."""
+    head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg).
+    prune: a pruned verify (its final mask in prune.feeds["live"]); None runs today's layers, op for op."""
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
     step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
     for L in range(cfg.num_hidden_layers):
-        outs = run(decoder_kind(cfg, L), layers.decoder_layer, (cfg, L, moe_inter),
-                   {**step, "h": h, **caches.feeds(L)}, L)
+        mode, extra = prune.layer(cfg, L) if prune is not None else (None, {})
+        args = (cfg, L, moe_inter) if mode is None else (cfg, L, moe_inter, mode)
+        outs = run(decoder_kind(cfg, L), layers.decoder_layer, args, {**step, **extra, "h": h, **caches.feeds(L)}, L)
+        if mode is not None:
+            prune.routed(L, outs)
         caches.keep(L, outs)
         h = outs["h_out"]
         if on_tap is not None and L in taps:

@@ -53,6 +53,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     # the persistent GEMM chain (plugins/gemm_chain.py): 8 warps a block of 2 KB ring stages, 12 in sm_90's 227 KB
     # (25 MB in flight on 132 SMs), 6 in sm_120's 99 KB
     "gemm_chain.cu": {"default": {"GC_WARPS": 8, "GC_STAGES": 6}, "sm_90": {"GC_WARPS": 8, "GC_STAGES": 12}},
+    "tree_prune.cu": {"default": {}},          # pruning a tree inside the verify (plugins/tree_prune.py, issue 53)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

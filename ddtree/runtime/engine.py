@@ -34,6 +34,7 @@ from ddtree.runtime.engine_executor import EngineExecutor
 from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.loop import RequestError, RunStats, ar_steps, check_context, context_of, ddtree_steps
 from ddtree.runtime.observed import ObservedExecutor
+from ddtree.runtime.pruning import Pruner, PruneRefused, check_prune
 from ddtree.runtime.ranks import RankProcesses, Request
 from ddtree.runtime.request import GenerationRequest
 from ddtree.tree.build import MAX_BUDGET
@@ -276,6 +277,17 @@ class DDTreeEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def pruner(self, prune: str = "off"):
+        """--prune: None for "off"; for "auto" a runtime/pruning.py Pruner over this engine's executor (its tuning
+        file's calibration and costs where it has one), or a PruneRefused naming what cannot prune."""
+        if check_prune(prune) == "off":
+            return None
+        if self.processes is not None and self.processes.tp > 1:
+            raise PruneRefused("--prune auto runs tp 1 engines (or tp N ranks as threads: --ranks threads); tp > 1 "
+                               "rank processes take --prune off")
+        tuned = self.model_dir is not None and is_engine_dir(self.model_dir) and tuning_path(self.model_dir).is_file()
+        return Pruner.for_executor(self.executor, read_tuning(self.model_dir) if tuned else None)
+
     def auto_budget(self):
         """--budget auto: the chooser over the engine's tuning file (`ddtree tune ENGINE_DIR` writes it)."""
         if self.model_dir is None or not is_engine_dir(self.model_dir):
@@ -300,20 +312,20 @@ class DDTreeEngine:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
-                 mode: str = "ddtree") -> Result:
+                 mode: str = "ddtree", prune: str = "off") -> Result:
         stats = RunStats()
         tokens = [t for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, budget, seed,
-                                             block_size, mode, stats) for t in chunk]
+                                             block_size, mode, stats, prune=prune) for t in chunk]
         return Result(tokens, self.decode(tokens), stats.to_dict())
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, budget: int = 16, seed: int = 0, block_size: int | None = None,
                mode: str = "ddtree", stats: RunStats | None = None, logit_bias: dict | None = None,
-               ignore_eos: bool = False, on_logits=None) -> Iterator[list[int]]:
+               ignore_eos: bool = False, on_logits=None, prune: str = "off") -> Iterator[list[int]]:
         """Yields the token ids each step commits (DDTree: several per step); the parameters are
         GenerationRequest's (runtime/request.py), on_logits stream_request's."""
         request = GenerationRequest(max_new_tokens, temperature, top_k, top_p, budget, seed, block_size, mode,
-                                    logit_bias, ignore_eos)
+                                    logit_bias, ignore_eos, prune)
         return self.stream_request(prompt, request, stats, on_logits)
 
     def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None,
@@ -331,12 +343,13 @@ class DDTreeEngine:
             budget = self.auto_budget()
         elif mode == "ddtree" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
             raise RequestError(f"budget (--budget) {budget!r}: expected an integer in 1..{MAX_BUDGET} or 'auto'")
+        prune = self.pruner(request.prune) if mode == "ddtree" else None
         if self.processes is not None:            # every rank runs the same loop; rank 0 yields the tokens
             if logit_bias or on_logits is not None:
                 raise RequestError(f"{'logit_bias' if logit_bias else 'logprobs'} needs the executor in this "
                                    "process (--device cpu with threads ranks); rank processes sample elsewhere")
             ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget, tuple(sorted(stop_ids)),
-                                    request.block_size)
+                                    request.block_size, prune)
             return self.processes.steps(ranks_request, stats)
         ex = self.executor
         if logit_bias or on_logits is not None:
@@ -344,7 +357,8 @@ class DDTreeEngine:
         if mode == "ar":
             steps = ar_steps(ex, ids, request.max_new_tokens, params, stop_ids, stats)
         else:
-            steps = ddtree_steps(ex, ids, request.max_new_tokens, params, budget, stop_ids, request.block_size, stats)
+            steps = ddtree_steps(ex, ids, request.max_new_tokens, params, budget, stop_ids, request.block_size, stats,
+                                 prune)
         return steps if on_logits is None else _observing(steps, ex, on_logits)
 
 

@@ -133,7 +133,22 @@ class EngineExecutor(Executor):
                            self.dtype, limit)
 
     # primitives --------------------------------------------------------------------------------
-    def target_forward(self, ids, pos, visible, cache: TargetCaches, taps=()):
+    def prune_forward(self, ids, pos, visible, cache: TargetCaches, taps=(), pruning: stack.Pruning | None = None):
+        """target_forward with the verify pruned inside (pruning: description/stack.py Pruning; its feeds hold the
+        final live mask after the call, one entry per rank held here)."""
+        return self.target_forward(ids, pos, visible, cache, taps, pruning)
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's bytes on a rank (its four kernel-layout tensors, as stored): tree_prune's cost unit."""
+        L = self.config.moe_layers[0]
+        w = self.ranks.ranks[0].weights
+        names = [f"model.layers.{L}.mlp.experts.{k}" for k in ("gate_up.words", "gate_up.scales", "down.words",
+                                                               "down.scales")]
+        return sum(int(np.asarray(w[n]).nbytes) for n in names) // (self.layouts[0].expert_stop
+                                                                      - self.layouts[0].expert_start)
+
+    def target_forward(self, ids, pos, visible, cache: TargetCaches, taps=(), pruning: stack.Pruning | None = None):
         """ids [q], pos [q], visible [q, T+q] -> logits [q, V] (all-gathered), {L: h [q, H]}.
         The whole cache prefix must be visible (the kernels' contract: only the new tokens are masked)."""
         cfg = self.config
@@ -146,7 +161,7 @@ class EngineExecutor(Executor):
         head = {"sample_pos": feeds["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
         tapped = {}
         outs = stack.target_forward(self.run, cfg, self.moe_inter, feeds, cache, taps,
-                                    lambda L, h: tapped.__setitem__(L, h[0].copy()), head_feeds=head)
+                                    lambda L, h: tapped.__setitem__(L, h[0].copy()), head_feeds=head, prune=pruning)
         cache.length = T + q
         return self._gathered(outs["logits"], "head"), tapped
 

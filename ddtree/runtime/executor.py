@@ -16,6 +16,8 @@ loops (runtime/loop.py), the engine (runtime/engine.py) and the server call only
         ddtree_step(state, params, budget) -> tokens one whole DDTree step
         drafter_prefill(state)                      ingests the prompt's drafter context during the prefill
         steps                                       the GPU step graphs (their counters: steps.stats())
+        prune_forward(ids, pos, visible, cache, taps, pruning) -> like target_forward, the verify pruned inside
+                                                    (description/stack.py Pruning; --prune auto, issue 53)
     device_stats() -> dict                          the device, its memory plan, the step graphs' counters
 
 `NumpyExecutor` is the float64 reference. A GPU executor provides the same names (and may fuse a whole step
@@ -46,6 +48,7 @@ class Executor(ABC):
     ddtree_step: Callable | None = None
     drafter_prefill: Callable | None = None
     steps: object | None = None
+    prune_forward: Callable | None = None
 
     @abstractmethod
     def new_target_cache(self, capacity: int = 256, limit: int | None = None): ...

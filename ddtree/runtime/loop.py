@@ -31,6 +31,7 @@ import numpy as np
 from ddtree.errors import InputError
 from ddtree.reference.model import causal_visible
 from ddtree.tree.build import topk_logprobs
+from ddtree.tree.prune import absent_tree
 from ddtree.tree.sampling import SamplingParams
 
 CACHE_CHUNK = 256           # rows a cache starts with past the prompt; it grows (doubling) up to its limit
@@ -55,6 +56,7 @@ class RunStats:
     finish_reason: str | None = None                    # "stop" (an EOS) | "length" (max_new_tokens / context)
     budgets: list = field(default_factory=list)         # per DDTree step: the budget it verified
     auto: bool = False                                  # --budget auto chose them (to_dict reports them)
+    prune: object | None = None                         # --prune auto: runtime/pruning.py PruneStats
 
     def to_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -65,7 +67,8 @@ class RunStats:
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
                 "wall_s": self.wall_s, "finish_reason": self.finish_reason,
                 **({"budget_per_step": {str(b): self.budgets.count(b) for b in sorted(set(self.budgets))}}
-                   if self.auto else {})}
+                   if self.auto else {}),
+                **(self.prune.to_dict() if self.prune is not None else {})}
 
 
 def context_of(config) -> int:
@@ -111,6 +114,7 @@ class DecodeState:
     block: int = 0                      # the drafter block size b
     table_k: int | None = None          # --budget auto: keep each step's drafter table with this many candidates
     draft_logp: np.ndarray | None = None  # [D, table_k] that table (log-probabilities, descending per depth)
+    prune: object | None = None         # --prune auto: runtime/pruning.py Pruner (the verify prunes inside)
 
 
 def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
@@ -135,9 +139,13 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
     node_pos = tree.positions(start)                                       # [n]
     visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
     taps = tuple(ex.drafter_config.target_layer_ids)
-    logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, st.cache, taps)    # [n, V]
+    if st.prune is None:
+        logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, st.cache, taps)    # [n, V]
+    else:                                 # pruned inside the verify: dead nodes are absent for the walk
+        logits, tapped, live = st.prune.verify(ex, tree, draft_logits[:depth], node_pos, visible, st.cache, taps,
+                                               budget)
     target_tokens = ex.sample(logits, node_pos + 1, params)               # [n]
-    walk = ex.accept_walk(tree, target_tokens)
+    walk = ex.accept_walk(tree if st.prune is None else absent_tree(tree, live), target_tokens)
     ex.compact(st.cache, start, walk.accepted)
     acc = walk.accepted                                                    # [a] node indices, acc[0] = root
     st.ctx = np.concatenate([tapped[L][acc] for L in taps], axis=1)        # [a, K*H]
@@ -181,14 +189,15 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,
-                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None
+                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None, prune=None
                  ) -> Iterator[list[int]]:
     """Yields the tokens each DDTree step commits (the prefill's first token, then per step the
     accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
     a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer).
     Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
     graph), else the composition `ddtree_step` above. `budget`: an int, or a chooser called with the state
-    before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's."""
+    before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's.
+    prune: a runtime/pruning.py Pruner (--prune auto: the composition prunes inside each verify; stats.prune)."""
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
@@ -230,6 +239,8 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     if ex.drafter_prefill is not None:      # an executor that ingests the prompt's drafter context during the
         ex.drafter_prefill(st)              # prefill (the GPU step's window)
     step = ex.ddtree_step or (lambda s, p, B: ddtree_step(ex, s, p, B))
+    if prune is not None:                   # the composition prunes (Pruner.for_executor refused the others)
+        st.prune, stats.prune, step = prune, prune.stats, (lambda s, p, B: ddtree_step(ex, s, p, B))
     out, done = commit([bonus])
     stats.wall_s = time.perf_counter() - t0
     yield out

@@ -69,6 +69,7 @@ class Request:
     budget: int                        # or a per-step chooser (runtime/auto_budget.py; tp 1 only)
     eos_ids: tuple[int, ...]
     block_size: int | None = None
+    prune: object | None = None        # a runtime/pruning.py Pruner (--prune auto; tp 1 only)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def decode_steps(ex, req: Request, stats: RunStats | None = None) -> Iterator[li
     if req.mode == "ar":
         return ar_steps(ex, list(req.prompt), req.max_new_tokens, req.params, req.eos_ids, stats)
     return ddtree_steps(ex, list(req.prompt), req.max_new_tokens, req.params, req.budget, req.eos_ids,
-                        req.block_size, stats)
+                        req.block_size, stats, req.prune)
 
 
 # ----------------------------------------------------------------------------------------------

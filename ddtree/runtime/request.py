@@ -26,6 +26,7 @@ class GenerationRequest:
     logit_bias: dict | None = None        # {token id: bias} added to the target logits before sampling (the same
                                           # at every position, so DDTree still commits what AR commits)
     ignore_eos: bool = False              # no stop token ends the run (max_new_tokens or the context do)
+    prune: str = "off"                    # "off" | "auto": prune the tree inside each verify (runtime/pruning.py)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -116,6 +116,10 @@ def _summary(stats: dict, label: str) -> str:
 @click.option("--seed", type=click.IntRange(min=0, max=2**64 - 1), default=0, show_default=True)
 @click.option("--budget", type=BudgetParam(), default="16", show_default=True,
               help="Drafted tree nodes per step (root excluded).")
+@click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: drop unlikely tree nodes whose experts no other node shares, inside the verify (issue 53; "
+                   "lossless; --device cpu with an engine dir). --json stats: pruned_nodes, pruned_per_step, "
+                   "distinct_experts_before/after.")
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Drafter block size (default: the drafter's; depth = block size - 1).")
 @click.option("--mode", type=click.Choice(["ddtree", "ar", "both"]), default="ddtree", show_default=True)
@@ -147,8 +151,8 @@ def _summary(stats: dict, label: str) -> str:
                    "of this process.")
 @reported()
 def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, temperature, top_k, top_p, seed,
-                budget, block_size, mode, device, gpu, max_context, kernel_plan, allreduce, chat, as_json, skip_verify,
-                ranks):
+                budget, prune, block_size, mode, device, gpu, max_context, kernel_plan, allreduce, chat, as_json,
+                skip_verify, ranks):
     """Generate text for PROMPT with DDTree speculative decoding."""
     text = _read_prompt(prompt, prompt_file)
     cap = device == "cuda" and max_context is None
@@ -158,14 +162,16 @@ def run_command(prompt, prompt_file, model_dir, drafter_dir, max_new_tokens, tem
         with DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, ranks=ranks, gpu=gpu,
                                max_context=max_context, cap_context=cap, kernel_plan=kernel_plan,
                                allreduce=allreduce) as engine:
+            if mode != "ar":
+                engine.pruner(prune)                # --prune auto refused by name before any token
             _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
-                      as_json)
+                      as_json, prune)
     except RankError as e:                   # a rank died, froze or failed: named, every rank stopped
         raise click.ClickException(f"{type(e).__name__}: {e}") from e
 
 
 def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, budget, block_size, mode, chat,
-              as_json):
+              as_json, prune="off"):
     dmax = engine.drafter_config.block_size
     if block_size is not None and block_size > dmax:
         raise click.BadParameter(f"{block_size} is above the drafter's block_size {dmax}", param_hint="--block-size")
@@ -178,7 +184,7 @@ def _generate(engine, text, max_new_tokens, temperature, top_k, top_p, seed, bud
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tokens = []
     try:
-        for chunk in engine.stream(request, mode=first, stats=stats, **kw):
+        for chunk in engine.stream(request, mode=first, stats=stats, prune=prune, **kw):
             tokens += chunk
             shown = [t for t in chunk if t not in engine.stop_ids]
             out.write(decoder.decode(engine.tokenizer.decode_bytes(shown)))

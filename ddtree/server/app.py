@@ -56,13 +56,17 @@ DISCONNECT_POLL_S = 0.25        # while a request waits for its next step, how o
 log = logging.getLogger("ddtree.serve")
 
 
-def create_app(engine, model_names: str | list[str], budget: int | str = 16, max_queue: int = 8,
+def create_app(engine, model_names: str | list[str], budget: int | str = 16, max_queue: int = 8, prune: str = "off",
                api_key: str | None = None, allowed_origins: list[str] | None = None,
                max_model_len: int | None = None, log_requests: bool = True,
                limits: Limits | None = None, max_num_seqs: int = 1) -> FastAPI:
     """model_names: the ids clients may send (the first names the metrics); budget: per DDTree step, or
     "auto" (the engine dir's tuning file); max_model_len: the context the server allows (<= the model's);
-    max_num_seqs: requests generated at once (> 1: continuous batching, CPU executors)."""
+    max_num_seqs: requests generated at once (> 1: continuous batching, CPU executors); prune: every request's
+    --prune ("auto": runtime/pruning.py, the FIFO scheduler)."""
+    if prune == "auto" and max_num_seqs > 1:
+        raise ValueError("prune 'auto' runs with the FIFO scheduler (max_num_seqs 1): the batched verify does not "
+                         "prune")
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     limits = limits or Limits()
     metrics = Metrics(names[0])
@@ -201,7 +205,7 @@ def create_app(engine, model_names: str | list[str], budget: int | str = 16, max
         jobs = [Job(ids, GenerationRequest(max_new_tokens=min(max_tokens, room) if max_tokens is not None else room,
                                            temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                            seed=choice_seed, budget=budget, logit_bias=bias,
-                                           ignore_eos=bool(req.ignore_eos)),
+                                           ignore_eos=bool(req.ignore_eos), prune=prune),
                     loop, top_logprobs=req.top_logprobs_n()) for choice_seed in choice_seeds(seed, req.n)]
         scheduler.submit(*jobs)
         metrics.prompt_tokens.inc(len(ids))

@@ -44,6 +44,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--budget", type=BudgetParam(), default="16", show_default=True,
               help="Drafted tree nodes per DDTree step (root excluded), or 'auto' (per step, from an engine "
                    "dir's tuning file: `ddtree tune ENGINE_DIR`).")
+@click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: prune every request's trees inside the verify by expert cost (issue 53; lossless; --device "
+                   "cpu with an engine dir, --max-num-seqs 1).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=1, show_default=True,
@@ -66,9 +69,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--disable-log-requests", is_flag=True,
               help="No log line per request (default: one each: id, status, tokens, latency).")
 @limit_options
-def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue, max_num_seqs, served_model_names,
-                  skip_verify, api_key, allowed_origins, max_model_len, chat_template, disable_log_requests,
-                  **limit_kw):
+def serve_command(model_dir, drafter_dir, device, host, port, budget, prune, max_queue, max_num_seqs,
+                  served_model_names, skip_verify, api_key, allowed_origins, max_model_len, chat_template,
+                  disable_log_requests, **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
     with reported():
         try:
@@ -82,6 +85,10 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
         engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
         if budget == "auto":
             engine.auto_budget()                        # refused now (naming the tuning file), not per request
+        if prune == "auto" and max_num_seqs > 1:
+            raise InputError("--prune auto prunes inside the one-request verify; the continuous-batching scheduler "
+                             f"(--max-num-seqs {max_num_seqs}) does not: use --max-num-seqs 1 or --prune off")
+        engine.pruner(prune)                            # --prune auto refused now (naming the executor)
         context = context_of(engine.config)
         if max_model_len is not None and max_model_len > context:
             raise InputError(f"--max-model-len {max_model_len} is more than the model's context ({context} "
@@ -97,7 +104,7 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, max_queue,
             logging.getLogger("ddtree.serve").addHandler(handler)
             logging.getLogger("ddtree.serve").setLevel(logging.INFO)
         limits = Limits(**limit_kw)
-        app = create_app(engine, names, budget=budget, max_queue=max_queue, api_key=api_key,
+        app = create_app(engine, names, budget=budget, prune=prune, max_queue=max_queue, api_key=api_key,
                          allowed_origins=origins, max_model_len=max_model_len,
                          log_requests=not disable_log_requests, limits=limits, max_num_seqs=max_num_seqs)
         click.echo(f"ddtree serve: model {', '.join(repr(n) for n in names)} ({engine.model_dir}), budget {budget}, "

@@ -40,7 +40,8 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)],
            "prefetch.cu": ["l2_prefetch"],
            "pcie_standin.cu": ["pcie_standin"],
-           "gemm_chain.cu": ["gemm_chain_mt1", "gemm_chain_mt2", "gemm_chain_mt3"]}
+           "gemm_chain.cu": ["gemm_chain_mt1", "gemm_chain_mt2", "gemm_chain_mt3"],
+           "tree_prune.cu": ["tree_prune"]}
 
 
 # sha256 of Kimi's (latent 512, rope 64) cubins, by NVRTC version: the kernels the H200 numbers in

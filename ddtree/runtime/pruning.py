@@ -1,0 +1,116 @@
+"""`--prune auto` (issue 53): the decode loop's side of pruning a DDTree inside its verify.
+
+    pruner = Pruner.for_executor(ex, tuning)               # refuses an executor that cannot prune, by name
+    ddtree_steps(ex, prompt, n, params, budget, prune=pruner, stats=stats)   # stats.prune: the counts below
+
+Per step (runtime/loop.py ddtree_step): every node's path probability (tree/prune.py node_path_probs: the
+calibrated drafter confidences `--budget auto` fits, from the tuning file; without one the raw drafter
+probabilities), the step's exchange rate, then the executor's prune_forward: the verify over the op set with
+tree_prune at every `every`-th MoE layer (description/stack.py Pruning). The walk then sees dead nodes as absent
+(tree/prune.py absent_tree), so the committed tokens are the target's samples: DDTree == AR with pruning on.
+
+The rate (expected committed tokens per expert byte): with a tuning file that measures an expert's cost, the
+step's own (tree/prune.py exchange_rate: this tree's expected committed tokens over the measured step time at
+its budget and context, times the measured us per expert byte); otherwise tree/prune.py DEFAULT_RATE (derived
+there from the Kimi step we ship). `rate` given: that, every step (tests, a stated experiment). The source is
+reported with the stats (prune_rate_source).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddtree.description.stack import Pruning, prune_layers
+from ddtree.runtime.loop import RequestError
+from ddtree.tree.prune import DEFAULT_RATE, PRUNE_EVERY, exchange_rate, node_path_probs
+
+PRUNE_MODES = ("off", "auto")
+
+
+class PruneRefused(RequestError):
+    """--prune auto where the executor (or the way it is run) cannot prune inside its verify."""
+
+
+WHY_NOT = {"numpy": "it is the float64 reference of a checkpoint dir, which runs no op set (build an engine: "
+                    "ddtree-build, then --model ENGINE_DIR)",
+           "engine-graphs": "its ONNX graphs are fixed (no tree_prune node)",
+           "tensorrt": "its TensorRT-RTX plans are fixed (no tree_prune node)",
+           "cuda": "its captured step graphs have no tree_prune yet (the kernel exists: plugins/tree_prune.py)"}
+
+
+def check_prune(prune: str) -> str:
+    if prune not in PRUNE_MODES:
+        raise PruneRefused(f"prune (--prune) {prune!r}: expected one of {', '.join(PRUNE_MODES)}")
+    return prune
+
+
+@dataclass
+class PruneStats:
+    rate_source: str = ""
+    per_step: list = field(default_factory=list)         # nodes pruned in each DDTree step
+    experts_before: list = field(default_factory=list)   # per (step, MoE layer): distinct experts of every node
+    experts_after: list = field(default_factory=list)    # ... of the live nodes (the experts the verify read)
+
+    def to_dict(self) -> dict:
+        """The --json stats. distinct_experts_before counts every node's routing at each MoE layer (what an
+        unpruned verify of this tree would read there; a dead row past its pruning layer is routed from its own
+        hidden state, which then lacks its routed part: an estimate); _after the live rows' (what was read)."""
+        def mean(v):
+            return float(np.mean(v)) if v else 0.0
+        return {"prune": "auto", "prune_rate_source": self.rate_source, "pruned_nodes": int(sum(self.per_step)),
+                "pruned_per_step": list(self.per_step), "distinct_experts_before": mean(self.experts_before),
+                "distinct_experts_after": mean(self.experts_after)}
+
+
+class Pruner:
+    def __init__(self, cfg, expert_bytes: int, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY):
+        self.cfg, self.expert_bytes, self.tuning, self.fixed_rate = cfg, int(expert_bytes), tuning, rate
+        self.at = prune_layers(cfg, every)
+        self.calibration = tuning.calibration if tuning is not None else None
+        measured = tuning is not None and exchange_rate(tuning, tuning.budgets[-1], 0, 1.0, len(cfg.moe_layers),
+                                                        self.expert_bytes) is not None
+        self.stats = PruneStats(
+            "given" if rate is not None else "tuning.json" if measured else
+            "default (tree/prune.py DEFAULT_RATE: " + ("tuning.json measures no expert cost)" if tuning is not None
+                                                       else "no tuning.json)"))
+
+    @classmethod
+    def for_executor(cls, ex, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY) -> "Pruner":
+        if ex.prune_forward is None:
+            raise PruneRefused(f"--prune auto prunes the tree inside the verify over the op set (--device cpu with an "
+                               f"engine directory); the {ex.name} executor cannot: "
+                               f"{WHY_NOT.get(ex.name, 'it has no prune_forward')}. Use --prune off")
+        return cls(ex.config, ex.expert_bytes, tuning, rate, every)
+
+    def rate(self, budget: int, context: int, expected_committed: float) -> float:
+        if self.fixed_rate is not None:
+            return self.fixed_rate
+        measured = None if self.tuning is None else exchange_rate(
+            self.tuning, budget, context, expected_committed, len(self.cfg.moe_layers), self.expert_bytes)
+        return DEFAULT_RATE if measured is None else measured
+
+    def verify(self, ex, tree, draft_logits, node_pos, visible, cache, taps, budget: int) -> tuple:
+        """The step's verify with pruning -> (logits [n, V], taps {L: h}, live [n] int32)."""
+        path = node_path_probs(tree.parents, tree.depth, tree.tokens, draft_logits, self.calibration)     # [n]
+        rate = self.rate(budget, int(node_pos[0]), float(path.astype(np.float64).sum()))
+        n = tree.size
+        live0 = np.ones(n, np.int32)
+        feeds = {"live": live0, "parents": tree.parents.astype(np.int32), "path_prob": path,
+                 "prune_rate": np.array([rate], np.float32), "expert_bytes": np.array([self.expert_bytes], np.int32)}
+
+        def on_route(L, ids, live):
+            ids, live = _first(ids), np.asarray(_first(live)).reshape(-1) != 0
+            self.stats.experts_before.append(len(np.unique(ids)))
+            self.stats.experts_after.append(len(np.unique(ids[live])))
+
+        pruning = Pruning(self.at, feeds, on_route)
+        logits, tapped = ex.prune_forward(tree.tokens, node_pos, visible, cache, taps, pruning)
+        live = np.asarray(_first(pruning.feeds["live"]), np.int32).reshape(-1)
+        self.stats.per_step.append(int(n - live.sum()))
+        return logits, tapped, live
+
+
+def _first(v):
+    """One rank's value of a per-rank list (every rank holds the same: the global routing), or the value."""
+    return v[0] if isinstance(v, list) else v

@@ -1,0 +1,68 @@
+"""GPU test of the tree pruning kernel (kernels/tree_prune.cu) against its numpy twin (tree/prune.py prune_nodes):
+live_out bit for bit on random trees and routings (tests/tree/prune_cases.py) at rates that prune nothing, some
+and most, on Kimi's shapes (384 experts, top 8, up to 1024 nodes) and the kernel's limits (512 experts, top 16),
+and on the edge cases: nothing pruned, everything but the root pruned, chains, an input mask with dead subtrees,
+and live_out written over live itself. Run: python3 -m pytest -q tests/plugins/test_tree_prune_gpu.py"""
+import numpy as np
+import pytest
+
+from ddtree.plugins.tree_prune import TreePrune
+from ddtree.tree.prune import prune_nodes
+from tests.tree.prune_cases import cases, random_case
+
+pytestmark = pytest.mark.gpu
+
+
+def on_gpu(gpu, case, top_k, E, bytes_, rate, in_place=False):
+    q = len(case["live"])
+    dev = {k: gpu.upload(np.ascontiguousarray(v)) for k, v in case.items()}
+    rate_d = gpu.upload(np.array([rate], np.float32))
+    bytes_d = gpu.upload(np.array([bytes_], np.int32))
+    out = dev["live"] if in_place else gpu.zeros((q,), np.int32)
+    TreePrune(gpu, top_k, E).run(dev["live"], dev["parents"], dev["path_prob"], dev["routed_ids"], rate_d, bytes_d,
+                                 out, q)
+    return gpu.download(out)                                  # synchronises
+
+
+def twin(case, E, bytes_, rate):
+    return prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, E)
+
+
+def test_random_small_cases(gpu):
+    for case, bytes_, rate in cases(seed=7, n=30):
+        top_k = case["routed_ids"].shape[1]
+        got = on_gpu(gpu, case, top_k, 64, bytes_, rate)
+        assert got.tolist() == twin(case, 64, bytes_, rate).tolist(), (case, bytes_, rate)
+
+
+@pytest.mark.parametrize("q,top_k,E", [(17, 8, 384), (65, 8, 384), (257, 8, 384), (1024, 8, 384), (1024, 16, 512),
+                                       (1, 8, 384), (300, 1, 2)])
+@pytest.mark.parametrize("chain", [False, True])
+def test_kimi_shapes_and_limits(gpu, q, top_k, E, chain):
+    rng = np.random.default_rng(q * 31 + top_k + chain)
+    case = random_case(rng, q, top_k, E, chain=chain)
+    bytes_ = 3_096_576
+    for rate in (0.0, 1e-12, 1e-10, 1e-9, 1e-7, 1.0):
+        want = twin(case, E, bytes_, float(np.float32(rate)))
+        assert on_gpu(gpu, case, top_k, E, bytes_, float(np.float32(rate))).tolist() == want.tolist(), rate
+        assert on_gpu(gpu, case, top_k, E, bytes_, float(np.float32(rate)), in_place=True).tolist() == want.tolist()
+
+
+def test_edge_cases(gpu):
+    rng = np.random.default_rng(11)
+    q, top_k, E = 40, 2, 80
+    case = random_case(rng, q, top_k, E, dead=0.0)
+    case["routed_ids"] = np.arange(q * top_k, dtype=np.int32).reshape(q, top_k)     # every expert marginal
+    nothing = on_gpu(gpu, case, top_k, E, 1000, 0.0)
+    assert nothing.tolist() == [1] * q == twin(case, E, 1000, 0.0).tolist()
+    everything = on_gpu(gpu, case, top_k, E, 1000, 1.0)
+    assert everything.tolist() == [1] + [0] * (q - 1) == twin(case, E, 1000, 1.0).tolist()
+    chain = random_case(rng, q, top_k, E, chain=True, dead=0.0)
+    chain["routed_ids"] = case["routed_ids"]
+    chain["path_prob"] = np.float32(0.9) ** np.arange(q, dtype=np.float32)
+    rate = float(np.float32(0.5 / 2000))                  # threshold 0.5 for two marginal experts of 1000 bytes
+    got = on_gpu(gpu, chain, top_k, E, 1000, rate)
+    first = int(np.argmax(chain["path_prob"] < 0.5))
+    assert got.tolist() == [1] * first + [0] * (q - first) == twin(chain, E, 1000, rate).tolist()
+    case["routed_ids"] = np.zeros((q, top_k), np.int32) + np.arange(top_k, dtype=np.int32)   # all share: none
+    assert on_gpu(gpu, case, top_k, E, 1000, 1.0).tolist() == [1] * q
