@@ -10,6 +10,8 @@ graph, median replay / launches; ideal = weight bytes / the copy ceiling measure
 """
 from __future__ import annotations
 
+import itertools
+
 import click
 import numpy as np
 
@@ -54,8 +56,9 @@ def time_launches(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> 
     return time_graph(gpu, launches) * 1e3 / len(weights)
 
 
-def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int, item_chunks: float = ITEM_CHUNKS) -> float:
-    chains = [GemmChain(gpu, ops, item_chunks=item_chunks) for _ in weights]
+def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int, item_chunks: float = ITEM_CHUNKS,
+               stages: int | None = None, bulk: bool = False, warps: int | None = None) -> float:
+    chains = [GemmChain(gpu, ops, item_chunks=item_chunks, stages=stages, bulk=bulk, warps=warps) for _ in weights]
     for ch, ws in zip(chains, weights):
         ch.bind(x, ws)
 
@@ -74,15 +77,24 @@ def time_chain(gpu, ops: list[ChainGemm], weights: list[list], x, M: int, item_c
 @click.option("--m", "m_list", default="1,9,17", show_default=True, help=f"token rows (1..{8 * MAX_MT})")
 @click.option("--item-chunks", "item_chunks", default=str(ITEM_CHUNKS), show_default=True,
               help="the plan's fixed cost of an item in chunks (plugins/gemm_chain.py item_cost), a list to sweep")
+@click.option("--stages", "stage_list", default="", help="ring stages a warp to sweep (default: the compiled depth)")
+@click.option("--warps", "warp_list", default="", help="warps a block to sweep (default: the compiled count)")
+@click.option("--copy", "copies_", default="cp.async", show_default=True,
+              help="how a warp fills its ring: cp.async, bulk (one 2 KB bulk copy a stage), or both")
 @click.option("--independent", is_flag=True, help="also time the chain with every op reading the input (no waits): "
               "what the kernel streams with no dependency")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
-def chain_command(m_list, item_chunks, independent, seed, as_json):
+def chain_command(m_list, item_chunks, stage_list, warp_list, copies_, independent, seed, as_json):
     """A layer's dense GEMMs: one launch an op against one persistent launch (Kimi K2.6, rank 0 of tp 8)."""
     ms = comma_list(m_list, "--m", int, 1, 8 * MAX_MT)
     costs = comma_list(item_chunks, "--item-chunks", float, 0.0, 64.0)
+    stages = comma_list(stage_list, "--stages", int, 2, 64) if stage_list else [None]
+    warps = comma_list(warp_list, "--warps", int, 1, 32) if warp_list else [None]
+    fills = [c.strip() for c in copies_.split(",") if c.strip()]
+    if not fills or set(fills) - {"cp.async", "bulk"}:
+        raise click.BadParameter(f"{copies_!r}: expected cp.async, bulk or both", param_hint="--copy")
     gpu, ceiling = open_gpu()
     ops = list(KIMI_TP8_LAYER.values())
     wbytes = sum(-(-o.N // 16) * 16 * o.K * 2 for o in ops)
@@ -95,12 +107,13 @@ def chain_command(m_list, item_chunks, independent, seed, as_json):
     for M in ms:
         row = {"M": M, "weight_mb": round(wbytes / 1e6, 2), "ideal_us": round(ideal, 2)}
         forms = [("launches", lambda: time_launches(gpu, ops, weights, x, M))]
-        for c in costs:
-            name = "chain" if len(costs) == 1 else f"chain_item{c:g}"
-            forms.append((name, lambda c=c: time_chain(gpu, ops, weights, x, M, c)))
-            if independent:
-                free = [ChainGemm(o.N, o.K, INPUT) for o in ops]
-                forms.append((name + "_independent", lambda c=c, free=free: time_chain(gpu, free, weights, x, M, c)))
+        free = [ChainGemm(o.N, o.K, INPUT) for o in ops]
+        for c, st, wp, fill in itertools.product(costs, stages, warps, fills):
+            name = "chain" + (f"_item{c:g}" if len(costs) > 1 else "") + (f"_s{st}" if st else "") \
+                + (f"_w{wp}" if wp else "") + ("_bulk" if fill == "bulk" else "")
+            for suffix, chain_ops in (("", ops), ("_independent", free))[:2 if independent else 1]:
+                forms.append((name + suffix, lambda c=c, st=st, wp=wp, fill=fill, chain_ops=chain_ops: time_chain(
+                    gpu, chain_ops, weights, x, M, c, st, fill == "bulk", wp)))
         for form, timer in forms:
             us = timer()
             row[form] = {"us": round(us, 2), "pct_of_ceiling": round(100 * ideal / us, 1)}

@@ -84,10 +84,11 @@ def item_cost(KC: int, S: int, items: int, units: int, item_chunks: float = ITEM
 
 
 def plan_chain(ops: list[ChainGemm], blocks: int, warps: int, stages: int, smem_limit: int,
-               item_chunks: float = ITEM_CHUNKS) -> ChainPlan:
-    """Per op the k-split S of least item_cost over the grid's warps, fewer splits on a tie."""
+               item_chunks: float = ITEM_CHUNKS, bulk: bool = False) -> ChainPlan:
+    """Per op the k-split S of least item_cost over the grid's warps, fewer splits on a tie. bulk: each ring stage
+    also holds its 8-byte mbarrier."""
     check_chain(ops)
-    smem = warps * stages * 2048
+    smem = warps * stages * (2048 + (8 if bulk else 0))
     if smem > smem_limit:
         raise ValueError(f"GEMM chain: {warps} warps x {stages} ring stages need {smem} B; "
                          f"the device allows {smem_limit}")
@@ -132,12 +133,17 @@ class GemmChain:
     """The chain's plan, outputs, partials, counters and op records on one GPU, for up to max_tokens rows."""
 
     def __init__(self, gpu: Gpu, ops: list[ChainGemm], max_tokens: int = 8 * MAX_MT, max_spins: int = DEFAULT_MAX_SPINS,
-                 item_chunks: float = ITEM_CHUNKS):
+                 item_chunks: float = ITEM_CHUNKS, stages: int | None = None, bulk: bool = False,
+                 warps: int | None = None):
+        """stages / bulk / warps: the ring depth and warps a block (compile.SOURCES' by default) and bulk copies
+        instead of cp.async (a compiled variant each; ddtree bench chain sweeps them)."""
         token_tiles(max_tokens)
         self.gpu, self.ops, self.max_tokens, self.max_spins = gpu, list(ops), max_tokens, max_spins
         self.warps, self.stages = kernel_constants(gpu.arch)
+        self.stages, self.warps = stages or self.stages, warps or self.warps
+        self.defines = {"GC_STAGES": self.stages, "GC_BULK": int(bulk), "GC_WARPS": self.warps}
         self.blocks = gpu.sm_count
-        self.plan = plan_chain(self.ops, self.blocks, self.warps, self.stages, gpu.smem_optin, item_chunks)
+        self.plan = plan_chain(self.ops, self.blocks, self.warps, self.stages, gpu.smem_optin, item_chunks, bulk)
         self.outs = [gpu.zeros((max_tokens, o.N), np.uint16) for o in self.ops]
         self.partials = [gpu.alloc(max(4, _items(o.N, S) * MAX_MT * 32 * 4), np.float32)
                          for o, S in zip(self.ops, self.plan.splits)]
@@ -176,9 +182,10 @@ class GemmChain:
         if M > self.max_tokens:
             raise ValueError(f"GEMM chain: M = {M} exceeds max_tokens {self.max_tokens}")
         name = f"gemm_chain_mt{token_tiles(M)}"
-        self.gpu.allow_smem(SOURCE, name, self.plan.smem)
-        self.gpu.launch(self.gpu.kernel(SOURCE, name), (self.blocks, 1, 1), (self.warps * 32, 1, 1), self.plan.smem,
-                        ptr(self.records), np.int32(len(self.ops)), np.int32(M), ptr(self.done), ptr(self.groups),
+        self.gpu.allow_smem(SOURCE, name, self.plan.smem, self.defines)
+        kernel = self.gpu.kernel(SOURCE, name, self.defines)
+        self.gpu.launch(kernel, (self.blocks, 1, 1), (self.warps * 32, 1, 1), self.plan.smem, ptr(self.records),
+                        np.int32(len(self.ops)), np.int32(M), ptr(self.done), ptr(self.groups),
                         ptr(self.exits), ptr(self.err), np.int32(self.max_spins), stream=stream)
 
     def check(self) -> None:

@@ -1,7 +1,8 @@
 """GPU tests of the persistent GEMM chain (kernels/gemm_chain.cu) against its numpy twin: every op's output, given
 the kernel's own bf16 input rows, within fp32-sum rounding of the float64 product (a misplaced tile, a lost chunk
 or a stale x is O(1) off); the same bits on every graph replay (the counters reset themselves, the split-K sums
-run in a fixed order); ragged N, K < the source's N, independent ops and 1..24 rows."""
+run in a fixed order); ragged N, K < the source's N, independent ops and 1..24 rows; rings filled by cp.async and
+by bulk copies."""
 import numpy as np
 import pytest
 
@@ -20,16 +21,18 @@ CHAINS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CHAINS))
+@pytest.fixture(scope="module", params=[(name, bulk) for name in sorted(CHAINS) for bulk in (False, True)],
+                ids=lambda p: f"{p[0]}-{'bulk' if p[1] else 'cp.async'}")
 def case(gpu, request):
-    ops = CHAINS[request.param]
-    rng = np.random.default_rng(sorted(CHAINS).index(request.param))
+    name, bulk = request.param
+    ops = CHAINS[name]
+    rng = np.random.default_rng(sorted(CHAINS).index(name))
     x = f32_to_bf16(rng.standard_normal((24, ops[0].K)).astype(np.float32))
     ws = [f32_to_bf16((rng.standard_normal((o.N, o.K)) / np.sqrt(o.K)).astype(np.float32)) for o in ops]
-    chain = gc.GemmChain(gpu, ops)
+    chain = gc.GemmChain(gpu, ops, bulk=bulk)
     dx, dws = gpu.upload(x), [gpu.upload(layout.tile_bf16(w)) for w in ws]
     chain.bind(dx, dws)
-    return {"name": request.param, "ops": ops, "x": x, "ws": ws, "chain": chain, "keep": (dx, dws)}
+    return {"name": f"{name} bulk={bulk}", "ops": ops, "x": x, "ws": ws, "chain": chain, "keep": (dx, dws)}
 
 
 def op_inputs(c, outs, M):

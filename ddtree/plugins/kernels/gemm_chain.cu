@@ -25,6 +25,9 @@
 #ifndef GC_STAGES
 #define GC_STAGES 4                // ring depth a warp (2 KB a stage); plugins/compile.py sets it per arch
 #endif
+#ifndef GC_BULK
+#define GC_BULK 0                  // 1: lane 0 fills a stage with one 2 KB bulk copy on its mbarrier (the copy engine)
+#endif
 #define GC_MAX_OPS 16
 
 struct ChainOp {                   // 64 bytes; plugins/gemm_chain.py OP_DTYPE is the same record
@@ -82,6 +85,15 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
         ((u32*)ops)[i] = ((const u32*)gops)[i];
     __syncthreads();
     uint4 (*ring)[4][32] = (uint4 (*)[4][32])(smem + warp * GC_STAGES * 2048);
+#if GC_BULK
+    u64* bars = (u64*)(smem + GC_WARPS * GC_STAGES * 2048) + warp * GC_STAGES;
+    if (lane == 0) {
+        for (int s = 0; s < GC_STAGES; ++s) mbar_init(&bars[s], 1u);
+        mbar_init_fence();
+    }
+    __syncwarp();
+    u32 phases = 0;                                      // bit s: the parity stage s's next fill completes
+#endif
 
     // the issue cursor walks the consumer's (item, chunk) sequence up to GC_STAGES - 1 stages ahead
     const u64 policy = evict_first_policy();
@@ -91,12 +103,25 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
         if (ip.op < n_ops) {
             const ChainOp& o = ops[ip.op];
             const int KC = o.K >> 6, CPS = KC / o.S;
-            const uint4* wp = o.w + ((size_t)(ip.j / o.S) * KC + (ip.j % o.S) * CPS + ic) * 128 + lane;
+            const uint4* wp = o.w + ((size_t)(ip.j / o.S) * KC + (ip.j % o.S) * CPS + ic) * 128;
+#if GC_BULK
+            if (lane == 0) {
+                fence_proxy_async();                     // the lanes' reads of this stage (last round) come first
+                mbar_expect_tx(&bars[ist], 2048u);
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                             "[%0], [%1], 2048, [%2], %3;"
+                             :: "r"(smem_addr(&ring[ist][0][0])), "l"(wp), "r"(smem_addr(&bars[ist])), "l"(policy)
+                             : "memory");
+            }
+#else
 #pragma unroll
-            for (int q = 0; q < 4; ++q) cp_async16_stream(&ring[ist][q][lane], wp + 32 * q, policy);
+            for (int q = 0; q < 4; ++q) cp_async16_stream(&ring[ist][q][lane], wp + 32 * q + lane, policy);
+#endif
             if (++ic == CPS) { ic = 0; ip = next_item(ops, n_ops, ip, gw, GW); }
         }
+#if !GC_BULK
         cp_async_commit();
+#endif
         if (++ist == GC_STAGES) ist = 0;
     };
 #pragma unroll 1
@@ -130,7 +155,12 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) { xr[mt][0] = xn[mt][0]; xr[mt][1] = xn[mt][1]; }
             if (c + 1 < CPS) load_x<MT>(xn, o, M, split * CPS + c + 1, g, t);     // one chunk ahead
+#if GC_BULK
+            mbar_wait(&bars[st], phases >> st & 1u);     // this chunk's stage landed
+            phases ^= 1u << st;
+#else
             cp_async_wait<GC_STAGES - 2>();              // this chunk's stage landed
+#endif
             issue();
             __syncwarp();
 #pragma unroll
@@ -207,7 +237,9 @@ __device__ __forceinline__ void gemm_chain(const ChainOp* __restrict__ gops, int
             }
         }
     }
+#if !GC_BULK
     cp_async_wait<0>();
+#endif
     __syncthreads();
     if (threadIdx.x == 0) {                              // the last block out resets the counters for the next replay
         __threadfence();
