@@ -47,6 +47,21 @@ class LayerCaches(Protocol):
     def keep(self, layer: int, outs: dict) -> None: ...          # the layer's *_out caches (or nothing: in place)
 
 
+class RequestCaches:
+    """The union verify's caches: request i's LayerCaches fed as cache.<i> and kept from cache_out.<i>
+    (layers.decoder_layer with requests=len(caches))."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def feeds(self, layer: int) -> dict:
+        return {f"cache.{i}": c.feeds(layer)["cache"] for i, c in enumerate(self.caches)}
+
+    def keep(self, layer: int, outs: dict) -> None:
+        for i, c in enumerate(self.caches):
+            c.keep(layer, {"cache_out": outs[f"cache_out.{i}"]})
+
+
 class InPlace:
     """Caches a backend updates in place: layer L's feeds from `feeds_of(L)`, nothing to keep."""
 
@@ -67,13 +82,16 @@ def draft_kinds(dcfg) -> dict[int, str]:
 
 
 def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
-                   head=(layers.head, ()), head_feeds: dict | None = None) -> dict:
+                   head=(layers.head, ()), head_feeds: dict | None = None, requests: int = 1) -> dict:
     """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
-    head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg)."""
+    head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg).
+    requests Rq > 1: the union verify, one forward over Rq requests' rows: feeds also hold row_offsets [Rq + 1],
+    cache_len is [Rq], caches a RequestCaches (the head and the taps are row-wise: the union's rows)."""
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
-    step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
+    step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask", *(("row_offsets",) if requests > 1 else ()))}
+    layer_args = (moe_inter, requests) if requests > 1 else (moe_inter,)          # one request: today's layer call
     for L in range(cfg.num_hidden_layers):
-        outs = run(decoder_kind(cfg, L), layers.decoder_layer, (cfg, L, moe_inter),
+        outs = run(decoder_kind(cfg, L), layers.decoder_layer, (cfg, L, *layer_args),
                    {**step, "h": h, **caches.feeds(L)}, L)
         caches.keep(L, outs)
         h = outs["h_out"]

@@ -122,9 +122,23 @@ def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
     return [token]
 
 
+@dataclass
+class Verify:
+    """A step waiting for its verify (ddtree_steps(union=True)): the target_forward call's arguments (ids, pos,
+    visible, cache, taps); the driver sends back its (logits, taps), computed with other requests' calls as one
+    forward (the executor's verify_requests: runtime/batch.py)."""
+    call: tuple
+
+
 def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> list[int]:
     """One DDTree step as the composition of the primitives (docs/interfaces.md section 6): draft, build,
     verify, walk, compact, context update. -> the accepted drafts in depth order, then the new bonus."""
+    tree, call = ddtree_draft(ex, st, budget)
+    return ddtree_commit(ex, st, params, tree, call, ex.target_forward(*call))
+
+
+def ddtree_draft(ex, st: DecodeState, budget: int) -> tuple:
+    """A DDTree step up to its verify: draft and build -> (tree, the verify's target_forward arguments)."""
     b, start = st.block, st.start
     block = np.array([st.bonus] + [ex.drafter_config.mask_token_id] * (b - 1))
     draft_logits = ex.drafter_forward(block, np.arange(start, start + b), st.ctx, st.dcache)   # [b-1, V]
@@ -134,8 +148,13 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
         st.draft_logp = topk_logprobs(draft_logits[:depth], st.table_k)[0]
     node_pos = tree.positions(start)                                       # [n]
     visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
-    taps = tuple(ex.drafter_config.target_layer_ids)
-    logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, st.cache, taps)    # [n, V]
+    return tree, (tree.tokens, node_pos, visible, st.cache, tuple(ex.drafter_config.target_layer_ids))
+
+
+def ddtree_commit(ex, st: DecodeState, params: SamplingParams, tree, call: tuple, verified: tuple) -> list[int]:
+    """A DDTree step after its verify (call: ddtree_draft's; verified: its (logits [n, V], taps)): sample, walk,
+    compact, context update -> the accepted drafts in depth order, then the new bonus."""
+    b, start, (_, node_pos, _, _, taps), (logits, tapped) = st.block, st.start, call, verified
     target_tokens = ex.sample(logits, node_pos + 1, params)               # [n]
     walk = ex.accept_walk(tree, target_tokens)
     ex.compact(st.cache, start, walk.accepted)
@@ -181,14 +200,18 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,
-                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None
+                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None, union: bool = False
                  ) -> Iterator[list[int]]:
     """Yields the tokens each DDTree step commits (the prefill's first token, then per step the
     accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
     a drafter. A step's accept length counts only the tokens it committed (a cut step counts fewer).
     Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
     graph), else the composition `ddtree_step` above. `budget`: an int, or a chooser called with the state
-    before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's."""
+    before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's.
+    union: each step's verify is the caller's: before a step's tokens the generator yields a Verify and takes its
+    (logits, taps) by send() (runtime/batch.py verifies several requests' trees in one forward)."""
+    if union and ex.ddtree_step is not None:
+        raise ValueError(f"ddtree_steps: union=True composes the step, but the {ex.name} executor fuses it")
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
@@ -236,7 +259,12 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     while not done:
         step_budget = choose(st) if choose else budget
         stats.budgets.append(step_budget)
-        out, done = commit(step(st, params, step_budget))
+        if union:
+            tree, call = ddtree_draft(ex, st, step_budget)
+            tokens = ddtree_commit(ex, st, params, tree, call, (yield Verify(call)))
+        else:
+            tokens = step(st, params, step_budget)
+        out, done = commit(tokens)
         stats.steps += 1
         stats.accept_lens.append(len(out))                                # committed only: a cut step counts less
         stats.wall_s = time.perf_counter() - t0
