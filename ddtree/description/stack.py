@@ -4,6 +4,7 @@
     outs = drafter_forward(run, cfg, dcfg, feeds, caches, block=b)                        # fc, embed, layers, head
     compact(run, cfg, feeds, caches)                                                       # every layer's cache
     records = ddtree_step(run, cfg, dcfg, inter, k, budget, StepFeeds(...))                # the step, op set only
+    walks = ddtree_step_requests(run, cfg, dcfg, inter, k, budgets, RequestStepFeeds(...))   # Rq requests' step
 
 `run(kind, fn, args, feeds, layer)` is how an executor runs one layer function: the numpy ranks call
 fn(ops, *args) on every rank (runtime/engine_executor.py), the ONNX runner runs the exported graph `kind` with
@@ -152,6 +153,40 @@ def ddtree_step(run: Run, cfg, dcfg, moe_inter: int, k: int, budget: int, feeds:
                                             "win_value": win["win_value"], "win_id": win["win_id"]})
     compact(run, cfg, feeds.compact(walk), target_caches)
     return walk
+
+
+@dataclass
+class RequestStepFeeds:
+    """What a DDTree step over Rq requests reads besides the caches: each request's StepFeeds (its draft, root,
+    head and compact feeds, its verify(tree) as alone), and how the executor joins and splits the union rows."""
+    requests: list                               # [StepFeeds] one per request
+    union: Callable[[list], dict]                # the requests' verify feeds -> the union's: ids, pos, cache_len [Rq],
+                                                 # row_offsets [Rq + 1], tree_mask [q, W] (bits over own rows)
+    rows: Callable[[object, int], object]        # a union value [q, ...] -> request i's rows
+
+
+def ddtree_step_requests(run: Run, cfg, dcfg, moe_inter: int, k: int, budgets: list, feeds: RequestStepFeeds,
+                         target_caches: list, draft_caches: list, taps=(), on_tap=None) -> list:
+    """One DDTree step of Rq requests on one rank -> each request's accept outputs (ddtree_step's). Each request
+    drafts and builds its tree on its own (its own drafter call, budget and drafter cache), the target verifies
+    the Rq trees in ONE forward over the union rows (each request's rows see only its own cache: target_forward
+    with requests=Rq), then each request samples (its own temperature and seed: the head runs per request on its
+    rows, so lm_head is read Rq times), walks and compacts its own cache. on_tap(L, h) gets the union rows."""
+    trees, verifies = [], []
+    for f, B, dcache in zip(feeds.requests, budgets, draft_caches):
+        cands = drafter_forward(run, cfg, dcfg, f.draft, dcache, head=(layers.draft_head, (k,)))
+        trees.append(run(f"tree_b{B}", layers.tree, (dcfg, k, B), {"root": f.root, **{
+            n: cands[n] for n in ("topk_values", "topk_ids", "row_max", "row_sumexp")}}))
+        verifies.append(f.verify(trees[-1]))
+    h = target_forward(run, cfg, moe_inter, feeds.union(verifies), RequestCaches(target_caches), taps, on_tap,
+                       head=None, requests=len(target_caches))["h"]
+    walks = []
+    for i, (f, tree, verify, cache) in enumerate(zip(feeds.requests, trees, verifies, target_caches)):
+        win = run("head", layers.head, (cfg,), {"h": feeds.rows(h, i), **f.head(verify)})
+        walks.append(run("accept", layers.accept, (), {"tokens": tree["tokens"], "parents": tree["parents"],
+                                                       "win_value": win["win_value"], "win_id": win["win_id"]}))
+        compact(run, cfg, f.compact(walks[-1]), cache)
+    return walks
 
 
 def ar_step(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, head_feeds: dict) -> dict:
