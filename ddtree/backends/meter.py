@@ -219,14 +219,14 @@ class MeterOps(Ops):
                       [Meta((q, cache.shape[1]), cache.nbytes_each)], detail={"request": i})
         return caches
 
-    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_mask, spec):
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_masks, spec):
         """One record per request: its rows read its own cache prefix and new rows, nothing of the others'."""
         N, R = spec.heads, spec.kv_lora_rank
-        for i, (cache, (T, q)) in enumerate(zip(caches, self._requests(q_lat.shape[0]))):
+        for i, (cache, mask, (T, q)) in enumerate(zip(caches, tree_masks, self._requests(q_lat.shape[0]))):
             rows = Meta((T + q, cache.shape[1]), cache.nbytes_each)
             self._rec("mla_tree_attention_requests",
                       [Meta((q, N, R), q_lat.nbytes_each), Meta((q, N, spec.rope_dim), q_rope.nbytes_each), rows,
-                       Meta((1,), 4), Meta((q, tree_mask.shape[1]), tree_mask.nbytes_each)],
+                       Meta((1,), 4), Meta((q, -(-q // 32)), mask.nbytes_each)],
                       [Meta((q, N, R), self.sizes[ACT])], 2 * q * N * (T + q) * (cache.shape[1] + R),
                       detail={"request": i})
         return Meta((q_lat.shape[0], N, R), self.sizes[ACT])
@@ -351,6 +351,15 @@ def meter_step(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, context: int =
     return ops.records
 
 
+def request_dims(requests) -> dict:
+    """The dims of a union verify over requests [(cache length T_i, rows q_i)]: "requests", and each request's
+    tree mask's "q.<i>" / "W.<i>" (description/layers.py decoder_layer(requests=Rq))."""
+    dims = {"requests": [(int(T), int(q)) for T, q in requests]}
+    for i, (_, q) in enumerate(requests):
+        dims.update({f"q.{i}": q, f"W.{i}": -(-q // 32)})
+    return dims
+
+
 class MeterRequestsRun(MeterRun):
     """MeterRun for description/stack.py ddtree_step_requests: `requests` [(context T_i, budget B_i)]; the request
     a per-request call belongs to comes in its feeds (meter_step_requests feeds the request's index as the
@@ -381,14 +390,13 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     b, n = dcfg.block_size, dcfg.block_size if new_context is None else new_context
     k = layers.draft_topk([B for _, B in requests], lay.vocab_stop - lay.vocab_start)
     dims = {"q": b, "n": n, "S": max(T + B + 1 for T, B in requests), "W": max(-(-(B + 1) // 32) for _, B in requests),
-            "accepted": n, "requests": [(T, B + 1) for T, B in requests]}
+            "accepted": n, **request_dims([(T, B + 1) for T, B in requests])}
     ops = MeterOps(lay, specs, dims, **kw)
     per = [stack.StepFeeds({"ctx_taps": i, "ids": None, "pos": None, "cache_len": None}, None,
                            verify=lambda tree: {}, head=lambda verify: {}, compact=lambda walk: {})
            for i in range(len(requests))]
-    feeds = stack.RequestStepFeeds(per, union=lambda verifies: {k: None for k in ("ids", "pos", "cache_len",
-                                                                                 "row_offsets", "tree_mask")},
-                                   rows=lambda h, i: i)
+    union = ("ids", "pos", "cache_len", "row_offsets", *(f"tree_mask.{i}" for i in range(len(requests))))
+    feeds = stack.RequestStepFeeds(per, union=lambda verifies: dict.fromkeys(union), rows=lambda h, i: i)
     run = MeterRequestsRun(ops, b, list(requests))
     stack.ddtree_step_requests(run, cfg, dcfg, plan["per_rank"]["moe_intermediate"], k, [B for _, B in requests],
                                feeds, [stack.InPlace(lambda L: {"cache": None})] * len(requests),

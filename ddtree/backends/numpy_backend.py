@@ -118,10 +118,10 @@ class NumpyOps(Ops):
         spans = m.request_spans(row_offsets, cache_len, len(caches), len(c_kv))
         return tuple(m.kv_append(c, T, c_kv[a:b], k_pe[a:b]) for c, (T, a, b) in zip(caches, spans))
 
-    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_mask, spec):
-        spans = m.request_spans(row_offsets, cache_len, len(caches), len(q_lat))
-        return self._a(np.concatenate([m.mla_tree_attention(q_lat[a:b], q_rope[a:b], c, T, m.own_mask(tree_mask, a, b),
-                                                            spec) for c, (T, a, b) in zip(caches, spans)]))
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_masks, spec):
+        spans = m.request_spans(row_offsets, cache_len, len(caches), len(q_lat), tree_masks)
+        return self._a(np.concatenate([m.mla_tree_attention(q_lat[a:b], q_rope[a:b], c, T, mask, spec)
+                                       for c, mask, (T, a, b) in zip(caches, tree_masks, spans)]))
 
     # MoE ------------------------------------------------------------------------------------------
     def moe(self, x, router, bias, experts, shared, spec):

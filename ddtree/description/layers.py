@@ -15,8 +15,9 @@ one more, training/drafter_model.py, for its many-blocks-per-sequence objective 
                  o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
                  h1, x2 = h + attn, RMSNorm_post(h + attn)
                  h_out = h1 + all-reduce(dense SwiGLU slice(x2) | MoE(x2))
-                 requests=Rq: the union verify, Rq requests' rows with caches cache.<i>, cache_len [Rq],
-                 row_offsets [Rq + 1]: the append and the attention per request, all else on the union rows
+                 requests=Rq: the union verify, Rq requests' rows with caches cache.<i>, tree masks tree_mask.<i>,
+                 cache_len [Rq], row_offsets [Rq + 1]: the append and the attention per request, all else on the
+                 union rows
     head         h -> RMSNorm -> logits [q, V_r] (ACC) -> this rank's sampling winner per row
     draft_fc     ctx_taps [n, K H] -> this rank's fc input columns -> all-reduce -> hidden_norm -> ctx
     draft_layer  h [b, H], ctx [n, H]: q/k/v of the block and k/v of the new context (per-head norms),
@@ -47,8 +48,9 @@ def embed(ops: Ops, cfg) -> None:
 def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=(), row_offsets=None) -> tuple:
     """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows). ahead: the
     names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention.
-    row_offsets [Rq + 1]: the rows are Rq requests' (the union verify): cache is then a tuple of their caches,
-    cache_len [Rq], and only the append and the attention run per request (opset.py REQUEST_OPS)."""
+    row_offsets [Rq + 1]: the rows are Rq requests' (the union verify): cache and tree_mask are then tuples of
+    their caches and masks, cache_len [Rq], and only the append and the attention run per request (opset.py
+    REQUEST_OPS)."""
     R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
     spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
@@ -130,9 +132,9 @@ def attention_front(cfg, layer: int) -> tuple:
 
 def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1) -> None:
     """Decoder layer `layer` (dense MLP or MoE by the config). requests Rq > 1: the union verify, the rows of Rq
-    requests at once (row_offsets [Rq + 1]), each with its own cache (cache.<i> in, cache_out.<i> out) and
-    cache_len [Rq]; tree_mask's rows hold bits over their own request's new rows. Everything but the append and
-    the attention runs on the union rows (row-wise ops: each row is what it is alone)."""
+    requests at once (row_offsets [Rq + 1]), each with its own cache (cache.<i> in, cache_out.<i> out), tree mask
+    (tree_mask.<i> [q_i, ceil(q_i / 32)]) and cache_len [Rq]. Everything but the append and the attention runs on
+    the union rows (row-wise ops: each row is what it is alone)."""
     p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     h = ops.input("h", ["q", H], ACT)
     pos = ops.input("pos", ["q"], I32)
@@ -143,7 +145,10 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1) 
         cache = tuple(ops.input(f"cache.{i}", ["S", W], ACT) for i in range(requests))
         cache_len = ops.input("cache_len", [requests], I32)
         row_offsets = ops.input("row_offsets", [requests + 1], I32)
-    tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    if requests == 1:
+        tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    else:
+        tree_mask = tuple(ops.input(f"tree_mask.{i}", [f"q.{i}", f"W.{i}"], I32) for i in range(requests))
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
                                 ahead=mlp_front(cfg, layer), row_offsets=row_offsets)

@@ -202,11 +202,11 @@ class Ops(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no kv_append_requests (several requests in one call "
                                   "run on the numpy, meter and cuda backends)")
 
-    def mla_tree_attention_requests(self, q_lat, q_rope, caches: tuple, cache_len, row_offsets, tree_mask,
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches: tuple, cache_len, row_offsets, tree_masks: tuple,
                                     spec: MlaSpec):
-        """mla_tree_attention per request: request i's rows see caches[i]'s rows [0, cache_len[i]) and, by their
-        rows of tree_mask [q, W] (bits over request i's own new rows, W = the widest request's words), its new
-        rows -> o_lat [q, N_r, R]. Each request's rows are exactly its own mla_tree_attention."""
+        """mla_tree_attention per request: request i's rows see caches[i]'s rows [0, cache_len[i]) and, by its own
+        tree mask tree_masks[i] [q_i, ceil(q_i / 32)], its new rows -> o_lat [q, N_r, R]. Each request's rows are
+        exactly its own mla_tree_attention (a backend may launch the one-request kernel per request)."""
         raise NotImplementedError(f"{type(self).__name__} has no mla_tree_attention_requests (several requests in "
                                   "one call run on the numpy, meter and cuda backends)")
 

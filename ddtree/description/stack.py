@@ -86,10 +86,12 @@ def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCach
                    head=(layers.head, ()), head_feeds: dict | None = None, requests: int = 1) -> dict:
     """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
     head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg).
-    requests Rq > 1: the union verify, one forward over Rq requests' rows: feeds also hold row_offsets [Rq + 1],
-    cache_len is [Rq], caches a RequestCaches (the head and the taps are row-wise: the union's rows)."""
+    requests Rq > 1: the union verify, one forward over Rq requests' rows: feeds hold row_offsets [Rq + 1] and
+    each request's tree_mask.<i> [q_i, W_i] instead of tree_mask, cache_len is [Rq], caches a RequestCaches (the
+    head and the taps are row-wise: the union's rows)."""
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
-    step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask", *(("row_offsets",) if requests > 1 else ()))}
+    masks = ("tree_mask",) if requests == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(requests)))
+    step = {k: feeds[k] for k in ("pos", "cache_len", *masks)}
     layer_args = (moe_inter, requests) if requests > 1 else (moe_inter,)          # one request: today's layer call
     for L in range(cfg.num_hidden_layers):
         outs = run(decoder_kind(cfg, L), layers.decoder_layer, (cfg, L, *layer_args),
@@ -161,7 +163,7 @@ class RequestStepFeeds:
     head and compact feeds, its verify(tree) as alone), and how the executor joins and splits the union rows."""
     requests: list                               # [StepFeeds] one per request
     union: Callable[[list], dict]                # the requests' verify feeds -> the union's: ids, pos, cache_len [Rq],
-                                                 # row_offsets [Rq + 1], tree_mask [q, W] (bits over own rows)
+                                                 # row_offsets [Rq + 1], tree_mask.<i> (request i's tree_mask)
     rows: Callable[[object, int], object]        # a union value [q, ...] -> request i's rows
 
 

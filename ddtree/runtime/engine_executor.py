@@ -165,12 +165,11 @@ class EngineExecutor(Executor):
             cache.reserve(cache.length + len(checked[-1][0]))
         rows = [len(ids) for ids, _, _ in checked]
         offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)            # [Rq + 1]
-        words = max(-(-q // 32) for q in rows)                                        # the widest request's mask
-        masks = [pack_visibility(visible[:, T:]) for (_, _, visible), T in zip(checked, lens)]
-        mask = np.concatenate([np.pad(m, ((0, 0), (0, words - m.shape[1]))) for m in masks])   # [q, W] own bits
+        masks = {f"tree_mask.{i}": pack_visibility(visible[:, T:]).view(np.int32)     # [q_i, W_i] each its own
+                 for i, ((_, _, visible), T) in enumerate(zip(checked, lens))}
         pos = np.concatenate([p for _, p, _ in checked]).astype(np.int32)
         feeds = {"ids": np.concatenate([i for i, _, _ in checked]).astype(np.int32), "pos": pos,
-                 "cache_len": np.array(lens, np.int32), "row_offsets": offsets, "tree_mask": mask.view(np.int32)}
+                 "cache_len": np.array(lens, np.int32), "row_offsets": offsets, **masks}
         head = {"sample_pos": pos + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
         taps = sorted({L for *_, t in calls for L in t})
         tapped = {}

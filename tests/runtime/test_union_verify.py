@@ -10,7 +10,7 @@ own op (test_request_ops_are_each_requests_own_op)."""
 import numpy as np
 import pytest
 
-from ddtree.backends.meter import MeterOps, meter_call
+from ddtree.backends.meter import MeterOps, meter_call, request_dims
 from ddtree.backends.numpy_backend import NumpyOps
 from ddtree.backends.onnx_backend import OnnxOps
 from ddtree.builder.build import build_engine
@@ -93,8 +93,8 @@ def test_a_request_sees_only_its_own_cache(executor):
 
 
 def test_request_ops_are_each_requests_own_op():
-    """NumpyOps' request ops == the one-request ops on each request's span, bitwise; bad spans and masks that name
-    another request's rows are refused."""
+    """NumpyOps' request ops == the one-request ops on each request's span, bitwise; bad spans and a mask of the
+    wrong request's shape are refused."""
     rng = np.random.default_rng(5)
     ops = NumpyOps({}, RankLayout(0, 1, 0, 64, 0, 4, 0, 32))
     spec, R, Dr = MlaSpec(3, 16, 8, 4, 8, 0.3), 16, 4
@@ -108,18 +108,15 @@ def test_request_ops_are_each_requests_own_op():
     for c, o, T, a, b in zip(out, own, lens, off[:-1], off[1:]):
         assert (c == ops.kv_append(o, np.array([T]), c_kv[a:b], k_pe[a:b])).all()
     q_lat, q_rope = rng.standard_normal((q, 3, R)), rng.standard_normal((q, 3, Dr))
-    masks = [pack_visibility(tree_visible(rng, n)) for n in rows]
-    mask = np.concatenate([np.pad(m, ((0, 0), (0, 2 - m.shape[1]))) for m in masks]).view(np.int32)
-    got = ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off, mask, spec)
-    want = np.concatenate([ops.mla_tree_attention(q_lat[a:b], q_rope[a:b], c, np.array([T]), m.view(np.int32), spec)
+    masks = tuple(pack_visibility(tree_visible(rng, n)).view(np.int32) for n in rows)     # 1, 2 and 1 words
+    got = ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off, masks, spec)
+    want = np.concatenate([ops.mla_tree_attention(q_lat[a:b], q_rope[a:b], c, np.array([T]), m, spec)
                            for c, T, a, b, m in zip(out, lens, off[:-1], off[1:], masks)])
     assert got.shape == (q, 3, R) and (got == want).all()
     with pytest.raises(ValueError, match="row_offsets"):
-        ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off[::-1], mask, spec)
-    bad = mask.copy()
-    bad[0, 1] = 1                                        # request 0 (5 rows, one word) naming a row of another
-    with pytest.raises(ValueError, match="bits past their request"):
-        ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off, bad, spec)
+        ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off[::-1], masks, spec)
+    with pytest.raises(ValueError, match=r"tree_mask.0 must be \[5, 1\]"):                # another request's mask
+        ops.mla_tree_attention_requests(q_lat, q_rope, out, np.array(lens, np.int32), off, masks[::-1], spec)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +132,7 @@ def test_the_meter_reads_each_requests_own_cache_prefix(kimi_tp8):
     cfg, plan, specs = kimi_tp8
     lay = RankLayout.from_plan(plan.to_dict(), 0)
     reqs = [(4096, 9), (100, 17)]
-    union = MeterOps(lay, specs, {"q": 26, "S": 4200, "W": 1, "requests": reqs})
+    union = MeterOps(lay, specs, {"q": 26, "S": 4200, **request_dims(reqs)})
     recs = meter_call(union, "moe_layer", layers.decoder_layer, cfg, 1, plan.moe_inter, 2)
     attn = [r for r in recs if r.op == "mla_tree_attention_requests"]
     assert [r.detail["request"] for r in attn] == [0, 1]
@@ -150,7 +147,7 @@ def test_the_meter_reads_each_requests_own_cache_prefix(kimi_tp8):
     router = [r for r in recs if r.op == "moe.router"]                  # row-wise: once, over the union's 26 rows
     assert len(router) == 1 and router[0].flops == 2 * 26 * 384 * 7168
     with pytest.raises(ValueError, match="requests"):
-        meter_call(MeterOps(lay, specs, {"q": 25, "S": 4200, "W": 1, "requests": reqs}), "moe_layer",
+        meter_call(MeterOps(lay, specs, {"q": 25, "S": 4200, **request_dims(reqs)}), "moe_layer",
                    layers.decoder_layer, cfg, 1, plan.moe_inter, 2)
 
 
