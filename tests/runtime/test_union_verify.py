@@ -174,3 +174,24 @@ def test_a_backend_without_request_ops_refuses_them_by_name():
         ops.mla_tree_attention_requests(None, None, (), None, None, None, None)
     with pytest.raises(NotImplementedError, match="OnnxOps has no kv_append_requests"):
         ops.kv_append_requests((), None, None, None, None)
+
+
+def test_the_cuda_request_spans_on_the_host():
+    """CPU part of the cuda backend's request ops: request i's length is a [1] view 4 i bytes into cache_len with its
+    host copy; row offsets known only on the device (no host copy) are refused, as is a mask of the wrong shape."""
+    from ddtree.backends.cuda_backend import CudaOps
+    from ddtree.backends.cuda_tensor import Tensor
+    ops = object.__new__(CudaOps)
+    ops.where = "test"
+    lens = np.array([9, 0, 33], np.int32)
+    cache_len = Tensor(4096, (3,), np.dtype(np.int32), (1,), host=lens)
+    off = np.array([0, 5, 45, 47], np.int32)
+    row_offsets = Tensor(8192, (4,), np.dtype(np.int32), (1,), host=off)
+    masks = [Tensor(0, (n, -(-n // 32)), np.dtype(np.int32), (-(-n // 32), 1)) for n in (5, 40, 2)]
+    spans = ops.request_spans([None] * 3, cache_len, row_offsets, 47, masks)
+    assert [(s.ptr, s.shape, s.host.tolist(), a, b) for s, a, b in spans] == \
+        [(4096, (1,), [9], 0, 5), (4100, (1,), [0], 5, 45), (4104, (1,), [33], 45, 47)]
+    with pytest.raises(ValueError, match="host-fed"):
+        ops.request_spans([None] * 3, cache_len, Tensor(8192, (4,), np.dtype(np.int32), (1,)), 47)
+    with pytest.raises(ValueError, match=r"tree_mask.1 must be \[40, 2\]"):
+        ops.request_spans([None] * 3, cache_len, row_offsets, 47, [masks[0], masks[0], masks[2]])
