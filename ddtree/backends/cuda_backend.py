@@ -29,6 +29,7 @@ import numpy as np
 from ddtree.backends.cuda_branch import BranchOps
 from ddtree.backends.cuda_cache import CacheOps
 from ddtree.backends.cuda_moe import MoeOps
+from ddtree.backends.cuda_requests import RequestOps
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
 from ddtree.backends.cuda_vocab import VocabOps
 from ddtree.description.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, REQUEST_OPS, Ops, RankLayout
@@ -77,11 +78,10 @@ LAUNCHERS = {
     "mla_absorb_q_rope": "plugins/mla_absorb.py MlaAbsorb.q_rope: absorb_q and the rope of q_pe in one launch (the "
                          "bits of mla_absorb_q + rope)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
-    "kv_append_requests": "backends/cuda_cache.py: one kv_append launch per request (its rows, cache and length; the "
-                          "row offsets from their host copy)",
-    "mla_tree_attention_requests": "one mla_tree_attention launch per request, in order on the stream (the launcher's "
-                                   "split workspace is shared), each on its rows, cache, length and own tree mask, "
-                                   "into its rows of one output",
+    "kv_append_requests": "backends/cuda_requests.py: one kv_append launch per request (its rows, cache and length; "
+                          "the row offsets from their host copy)",
+    "mla_tree_attention_requests": "backends/cuda_requests.py: one tree attention launch per request, in order on the "
+                                   "stream, each on its rows, cache, length and own mask, into its rows of one output",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
     "moe": "backends/cuda_moe.py: plugins/moe.py FusedMoE route + experts (router tiled at load; the shared expert by "
            "swiglu_mlp on a parallel branch beside the router, added in down; with a given routing: the router "
@@ -107,7 +107,7 @@ if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS):
                       "differ from the op set, its patterns and its request ops")
 
 
-class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
+class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, RequestOps, VocabOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, collective=None,
@@ -368,16 +368,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         q = self._rows(q_lat, "mla_tree_attention")
         out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
         self._attend(q_lat, q_rope, cache, cache_len, tree_mask, spec, out.ptr)
-        return out
-
-    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_masks, spec):
-        q = self._rows(q_lat, "mla_tree_attention_requests")
-        out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
-        row = spec.heads * spec.kv_lora_rank * out.itemsize                                 # bytes of one out row
-        for cache, mask, (length, a, b) in zip(caches, tree_masks,
-                                               self.request_spans(caches, cache_len, row_offsets, q, tree_masks)):
-            self._attend(self.slice(q_lat, 0, a, b), self.slice(q_rope, 0, a, b), cache, length, mask, spec,
-                         out.ptr + a * row)
         return out
 
     def _attend(self, q_lat, q_rope, cache, cache_len, tree_mask, spec, out_ptr) -> None:

@@ -1,15 +1,11 @@
 """The op set's latent-cache ops in the cuda backend (CacheOps, mixed into CudaOps: backends/cuda_backend.py): the
 kernels of kernels/kv_cache.cu on the op's cache [S, R + Dr] and its device length (cache_len), so a captured step
 appends and compacts wherever the cache ends. kv_append_normed is the op set's pattern (description/opset.py) run as one
-kernel: the bits of rms_norm + rope + kv_append. kv_append_requests (the union verify, opset.py REQUEST_OPS) is one
-kv_append launch per request, on its rows, cache and length."""
+kernel: the bits of rms_norm + rope + kv_append."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 
-from ddtree.backends.numpy_math import request_spans
 from ddtree.plugins.compile import latent_defines
 from ddtree.plugins.device import ptr
 from ddtree.plugins.kv_cache import MAX_COMPACT, SOURCE, append_threads, normed_append_threads
@@ -25,28 +21,6 @@ class CacheOps:
                  ptr(cache.ptr), ptr(cache_len.ptr), ptr(c_kv.ptr), np.int32(c_kv.row_stride("kv_append c_kv")),
                  ptr(k_pe.ptr), np.int32(k_pe.row_stride("kv_append k_pe")), stream=self.stream, pdl=self.k.pdl)
         return cache
-
-    def request_spans(self, caches, cache_len, row_offsets, rows: int, tree_masks=None) -> list[tuple]:
-        """The union verify's requests [(request i's cache_len [1] view, first row, end row)]: the row offsets must
-        be known on the host (each request is a launch of its own; a captured batched step would fix them per
-        graph), the lengths may live on the device only."""
-        if row_offsets.host is None:
-            raise ValueError(f"{self.where}: the requests' row_offsets must be a host-fed array (one launch per "
-                             "request needs its rows on the host)")
-        lens = cache_len.host if cache_len.host is not None else np.zeros(len(caches), np.int32)   # checked below
-        shapes = None if tree_masks is None else [np.empty(m.shape, np.int8) for m in tree_masks]
-        spans = request_spans(row_offsets.host, lens, len(caches), rows, shapes)
-        return [(self.length_of(cache_len, i), a, b) for i, (_, a, b) in enumerate(spans)]
-
-    def length_of(self, cache_len, i: int):
-        """Request i's length: a [1] view of cache_len [Rq] (its host copy too, where cache_len has one)."""
-        view = self.slice(cache_len, 0, i, i + 1)
-        return view if cache_len.host is None else replace(view, host=cache_len.host[i: i + 1])
-
-    def kv_append_requests(self, caches, cache_len, row_offsets, c_kv, k_pe):
-        for cache, (length, a, b) in zip(caches, self.request_spans(caches, cache_len, row_offsets, c_kv.shape[0])):
-            self.kv_append(cache, length, self.slice(c_kv, 0, a, b), self.slice(k_pe, 0, a, b))
-        return caches
 
     def kv_append_normed(self, cache, cache_len, latent, norm_w, eps, pos, rope):
         q, R = self._rows(latent, "kv_append_normed"), norm_w.shape[0]

@@ -6,7 +6,8 @@ union's row-wise products sum in BLAS's order for the union's row count: tests/r
 import numpy as np
 import pytest
 
-from ddtree.backends.meter import meter_step, meter_step_requests
+from ddtree.backends.meter import meter_step
+from ddtree.backends.meter_requests import meter_step_requests
 from ddtree.builder.build import build_engine
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs

@@ -10,7 +10,8 @@ own op (test_request_ops_are_each_requests_own_op)."""
 import numpy as np
 import pytest
 
-from ddtree.backends.meter import MeterOps, meter_call, request_dims
+from ddtree.backends.meter import MeterOps, meter_call
+from ddtree.backends.meter_requests import request_dims
 from ddtree.backends.numpy_backend import NumpyOps
 from ddtree.backends.onnx_backend import OnnxOps
 from ddtree.builder.build import build_engine
