@@ -13,16 +13,16 @@ budget, stop rules and RunStats. A round advances each once, so a sequence's tok
 request run alone, whatever its neighbours do (join, finish, be cancelled): tests/runtime/test_batch.py checks this
 token for token.
 
-The union verify: where the executor declares verify_requests (runtime/executor.py; EngineExecutor), a DDTree
-sequence stops at its verify (loop.ddtree_steps(union=True) yields a loop.Verify after its draft and tree), and the
-round verifies every waiting sequence's tree in ONE target forward (rows = the sum of the trees' nodes, each
-request's rows seeing only its own cache and ancestors: description/layers.py decoder_layer(requests=Rq)), then
-each sequence samples, walks and compacts on its own. The drafter runs per request (its own call: on the CPU a
-second request's rows cost as much as the first's, so one drafter call over R blocks would gain nothing here; the
-GPU batched step is where it would). Sequences the union cannot take (AR mode, logit_bias / logprobs, the
-prefill's first token) take their turn as before, in the same round. Without verify_requests (the float64
-reference NumpyExecutor, which runs the oracle, not the op set) every sequence takes turns. An error in the union
-forward is the error of every sequence in it.
+The union verify: where the executor declares verify_requests (runtime/executor.py; EngineExecutor), a sequence
+stops at its verify (loop.ddtree_steps(union=True) yields a loop.Verify after its draft and tree; an AR sequence's
+is its one token, loop.ar_steps(union=True)), and the round verifies every waiting sequence in ONE target forward
+(rows = the sum of the trees' nodes, each request's rows seeing only its own cache and ancestors:
+description/layers.py decoder_layer(requests=Rq)), then each sequence samples, walks and compacts on its own.
+The drafter runs per request (its own call: on the CPU a second request's rows cost as much as the first's, so one
+drafter call over R blocks would gain nothing here; the GPU batched step is where it would). Sequences the union
+cannot take (logit_bias / logprobs, the prefill's first token) take their turn as before, in the same round.
+Without verify_requests (the float64 reference NumpyExecutor, which runs the oracle, not the op set) every
+sequence takes turns. An error in the union forward is the error of every sequence in it.
 A GPU executor keeps one request's state on the device (one cache, captured graphs), and rank processes
 run one request loop in lock step: both are refused with more than one sequence (RequestError naming
 --max-num-seqs).
@@ -77,7 +77,7 @@ class Sequence:
 
 class BatchDecoder:
     def __init__(self, engine, max_num_seqs: int, union: bool = True):
-        """union: verify the DDTree sequences' trees in one forward where the executor can (verify_requests);
+        """union: verify the sequences' steps in one forward where the executor can (verify_requests);
         False: every sequence takes its turn."""
         check_batchable(engine, max_num_seqs)
         self.engine, self.max_num_seqs = engine, max_num_seqs

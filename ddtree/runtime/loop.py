@@ -115,8 +115,16 @@ class DecodeState:
 
 def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
     """One autoregressive step: feed the bonus token, sample the next (the composition of the primitives)."""
-    logits, _ = ex.target_forward(np.array([st.bonus]), np.array([st.start]), causal_visible(st.cache.length, 1),
-                                  st.cache)
+    return ar_commit(ex, st, params, ex.target_forward(*ar_call(st))[0])
+
+
+def ar_call(st: DecodeState) -> tuple:
+    """An AR step's target_forward arguments: the bonus token after the cache."""
+    return np.array([st.bonus]), np.array([st.start]), causal_visible(st.cache.length, 1), st.cache, ()
+
+
+def ar_commit(ex, st: DecodeState, params: SamplingParams, logits) -> list[int]:
+    """An AR step after its forward (logits [1, V]): sample the next token."""
     token = int(ex.sample(logits[-1:], np.array([st.start + 1]), params)[0])
     st.start, st.bonus = st.start + 1, token
     return [token]
@@ -124,9 +132,9 @@ def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
 
 @dataclass
 class Verify:
-    """A step waiting for its verify (ddtree_steps(union=True)): the target_forward call's arguments (ids, pos,
-    visible, cache, taps); the driver sends back its (logits, taps), computed with other requests' calls as one
-    forward (the executor's verify_requests: runtime/batch.py)."""
+    """A step waiting for its verify (ddtree_steps / ar_steps(union=True)): the target_forward call's arguments
+    (ids, pos, visible, cache, taps); the driver sends back its (logits, taps), computed with other requests' calls
+    as one forward (the executor's verify_requests: runtime/batch.py)."""
     call: tuple
 
 
@@ -166,10 +174,12 @@ def ddtree_commit(ex, st: DecodeState, params: SamplingParams, tree, call: tuple
 
 
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
-             stats: RunStats | None = None) -> Iterator[list[int]]:
+             stats: RunStats | None = None, union: bool = False) -> Iterator[list[int]]:
     """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context.
     Each step is `ex.ar_step(state, params)` where the executor has that ability (runtime/executor.py) (a captured GPU graph), else the
-    composition `ar_step` above."""
+    composition `ar_step` above. union: as ddtree_steps' (the step's one-row forward is the caller's)."""
+    if union and ex.ar_step is not None:
+        raise ValueError(f"ar_steps: union=True composes the step, but the {ex.name} executor fuses it")
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
     eos = {int(e) for e in eos_ids}
@@ -196,7 +206,7 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
         yield [token]
         if stats.finish_reason is not None:
             return
-        tokens = step(st, params)
+        tokens = ar_commit(ex, st, params, (yield Verify(ar_call(st)))[0]) if union else step(st, params)
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,

@@ -77,7 +77,7 @@ def test_every_request_equals_itself_alone(engine, max_num_seqs):
     sizes = union_sizes(engine)
     if engine.executor.verify_requests is not None:      # the union verify took several DDTree requests' trees at once
         assert (max(sizes) >= 2 if max_num_seqs > 1 else set(sizes) == {1})
-        assert max_num_seqs != 7 or max(sizes) == 4                    # all four plain DDTree requests at once
+        assert max_num_seqs != 7 or max(sizes) == 5                    # every request but logit_bias and the empty
     for key, prompt, request in jobs:
         expected = alone(engine, prompt, request)
         assert out[key]["tokens"] == expected, f"request {key} ({request}) differs from itself alone"
@@ -191,30 +191,30 @@ def test_engine_dir_ranks_batch_equals_alone(tmp_path_factory):
     spy = engine.executor.verify_requests = UnionSpy(engine.executor.verify_requests)
     jobs = mixed_jobs(engine)[:4]
     out = run_batch(engine, jobs, 4)
-    assert max(spy.sizes) == 3                                   # three DDTree requests, one AR
+    assert max(spy.sizes) == 4                                   # three DDTree requests and an AR one
     turns = run_batch(engine, jobs, 4, union=False)
     for key, prompt, request in jobs:
         assert out[key]["tokens"] == turns[key]["tokens"] == alone(engine, prompt, request)
 
 
 def test_a_failing_union_verify_fails_its_requests_only(tmp_path_factory):
-    """An error in the union forward is each of its sequences' error event; the sequences outside it (the AR one)
-    go on to their end."""
+    """An error in the union forward is each of its sequences' error event; the sequence outside it (logit_bias:
+    the observed executor takes turns) goes on to its end."""
     engine = engine_dir_engine(tmp_path_factory, 1)
     spy = engine.executor.verify_requests = UnionSpy(engine.executor.verify_requests)
-    jobs = mixed_jobs(engine)[:4]
+    jobs = [mixed_jobs(engine)[i] for i in (0, 1, 2, 5)]
     batch = BatchDecoder(engine, 4)
     for job in jobs:
         batch.add(*job)
     assert all(ev.error is None for ev in batch.step())          # the prefills: no verify yet
     spy.fail = ValueError("union boom")
     events = {ev.key: ev for ev in batch.step()}
-    assert spy.sizes == [3] and list(events) == [0, 1, 2, 3]
-    for key in (0, 1, 3):
+    assert spy.sizes == [3] and list(events) == [0, 1, 2, 5]
+    for key in (0, 1, 2):
         assert isinstance(events[key].error, ValueError) and events[key].finished and key not in batch.seqs
-    assert events[2].error is None and events[2].tokens
-    got = events[2].tokens
+    assert events[5].error is None and events[5].tokens
+    got = events[5].tokens
     while batch:
         got += [t for ev in batch.step() for t in ev.tokens]
     assert spy.sizes == [3]
-    assert alone(engine, jobs[2][1], jobs[2][2])[1:] == got     # the AR request, its prefill token aside
+    assert alone(engine, jobs[3][1], jobs[3][2])[1:] == got     # the logit_bias request, its prefill token aside

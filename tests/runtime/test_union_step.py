@@ -62,9 +62,8 @@ def union_feeds(requests: list) -> stack.RequestStepFeeds:
         rows = [len(v["ids"]) for v in verifies]
         off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
         spans[:] = list(zip(off[:-1], off[1:]))
-        return {"ids": np.concatenate([v["ids"] for v in verifies]), "pos": np.concatenate([v["pos"] for v in verifies]),
-                "cache_len": np.concatenate([v["cache_len"] for v in verifies]), "row_offsets": off,
-                **{f"tree_mask.{i}": v["tree_mask"] for i, v in enumerate(verifies)}}
+        joined = {k: np.concatenate([v[k] for v in verifies]) for k in ("ids", "pos", "cache_len")}
+        return {**joined, "row_offsets": off, **{f"tree_mask.{i}": v["tree_mask"] for i, v in enumerate(verifies)}}
 
     return stack.RequestStepFeeds(requests, union, lambda h, i: PerRank(x[spans[i][0]: spans[i][1]] for x in h))
 
