@@ -141,13 +141,11 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1) 
     if requests == 1:
         cache = ops.input("cache", ["S", W], ACT)
         cache_len, row_offsets = ops.input("cache_len", [1], I32), None
-    else:
+        tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    else:                                                                  # the union verify: per-request tuples
         cache = tuple(ops.input(f"cache.{i}", ["S", W], ACT) for i in range(requests))
         cache_len = ops.input("cache_len", [requests], I32)
         row_offsets = ops.input("row_offsets", [requests + 1], I32)
-    if requests == 1:
-        tree_mask = ops.input("tree_mask", ["q", "W"], I32)
-    else:
         tree_mask = tuple(ops.input(f"tree_mask.{i}", [f"q.{i}", f"W.{i}"], I32) for i in range(requests))
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
