@@ -29,9 +29,10 @@ import numpy as np
 from ddtree.backends.cuda_branch import BranchOps
 from ddtree.backends.cuda_cache import CacheOps
 from ddtree.backends.cuda_moe import MoeOps
+from ddtree.backends.cuda_requests import RequestOps
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
 from ddtree.backends.cuda_vocab import VocabOps
-from ddtree.description.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, Ops, RankLayout
+from ddtree.description.opset import ACC, ACT, F32, I32, OP_NAMES, PATTERNS, REQUEST_OPS, Ops, RankLayout
 from ddtree.parallel.cuda_collectives import CollectiveOps
 from ddtree.plugins.device import DeviceArray
 from ddtree.plugins.draft_attention import DraftAttention
@@ -77,6 +78,10 @@ LAUNCHERS = {
     "mla_absorb_q_rope": "plugins/mla_absorb.py MlaAbsorb.q_rope: absorb_q and the rope of q_pe in one launch (the "
                          "bits of mla_absorb_q + rope)",
     "mla_tree_attention": "plugins/mla_attention.py MlaTreeAttention.run",
+    "kv_append_requests": "backends/cuda_requests.py: one kv_append launch per request (its rows, cache and length; "
+                          "the row offsets from their host copy)",
+    "mla_tree_attention_requests": "backends/cuda_requests.py: one tree attention launch per request, in order on the "
+                                   "stream, each on its rows, cache, length and own mask, into its rows of one output",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
     "moe": "backends/cuda_moe.py: plugins/moe.py FusedMoE route + experts (router tiled at load; the shared expert by "
            "swiglu_mlp on a parallel branch beside the router, added in down; with a given routing: the router "
@@ -96,12 +101,13 @@ LAUNCHERS = {
     "accept_walk": "plugins/vocab_nodes.py AcceptWalk (kernels/sample.cu node_accept_walk: the ranks' winners "
                    "merged, then the walk)",
 }
-if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS):
-    raise ImportError(f"backends/cuda_backend.py: LAUNCHERS {sorted(set(LAUNCHERS) ^ (set(OP_NAMES) | set(PATTERNS)))} "
-                      "differ from the op set and its patterns")
+if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS):
+    raise ImportError(f"backends/cuda_backend.py: LAUNCHERS "
+                      f"{sorted(set(LAUNCHERS) ^ (set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS)))} "
+                      "differ from the op set, its patterns and its request ops")
 
 
-class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
+class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, RequestOps, VocabOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, collective=None,
@@ -359,15 +365,20 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, VocabOps, Ops):
         return q_lat, q_rope
 
     def mla_tree_attention(self, q_lat, q_rope, cache, cache_len, tree_mask, spec):
-        q, S = self._rows(q_lat, "mla_tree_attention"), cache.shape[0]
+        q = self._rows(q_lat, "mla_tree_attention")
+        out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
+        self._attend(q_lat, q_rope, cache, cache_len, tree_mask, spec, out.ptr)
+        return out
+
+    def _attend(self, q_lat, q_rope, cache, cache_len, tree_mask, spec, out_ptr) -> None:
+        """One tree attention launch (the plan's split + combine) into out_ptr [q, N_r, R] bf16."""
+        q, S = q_lat.shape[0], cache.shape[0]
         form = MlaInvariantAttention if self.invariant else MlaTreeAttention
         attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: form(
             self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
             max_q=self.max_tokens, max_context=S))
-        out = self.new((q, spec.heads, spec.kv_lora_rank), np.uint16)
-        attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out.ptr,
+        attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out_ptr,
                  context_hint=self.attention_keys(S, q, cache_len), stream=self.stream)
-        return out
 
     def attention_keys(self, S: int, q: int, cache_len) -> int | None:
         """The keys the attention plans its split for: the cache's rows + q when the host knows them, None (the

@@ -31,6 +31,7 @@ STORED_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 KERNELS = {"add": 1, "rms_norm": 1, "all_reduce_add_rms_norm": 1, "linear": 1, "swiglu_mlp": 2, "embed": 1, "cast": 1,
            "rope": 1, "kv_append": 1, "kv_append_normed": 1, "kv_compact": 1, "mla_absorb_q": 1,
            "mla_absorb_q_rope": 1, "mla_tree_attention": 2, "mla_absorb_out": 1,
+           "kv_append_requests": 1, "mla_tree_attention_requests": 2,                    # per request (R launches)
            "moe.router": 1, "moe.experts": 2, "moe.shared": 2, "draft_attention": 1, "all_reduce": 1, "all_gather": 1,
            "vocab_winner": 1, "vocab_topk": 2, "tree_build": 1, "accept_walk": 1}
 
@@ -202,6 +203,33 @@ class MeterOps(Ops):
         flops = 2 * q * spec.heads * t * (cache.shape[1] + spec.kv_lora_rank)     # scores + P V
         self._rec("mla_tree_attention", [q_lat, q_rope, rows, cache_len, tree_mask], [out], flops)
         return out
+
+    def _requests(self, rows: int) -> list[tuple[int, int]]:
+        """The union verify's requests from dims["requests"]: [(cache length T_i, rows q_i)], rows summing to the
+        call's."""
+        reqs = [(int(T), int(q)) for T, q in self.dims["requests"]]
+        if sum(q for _, q in reqs) != rows:
+            raise ValueError(f"meter: dims['requests'] {reqs} hold {sum(q for _, q in reqs)} rows, the call {rows}")
+        return reqs
+
+    def kv_append_requests(self, caches, cache_len, row_offsets, c_kv, k_pe):
+        for i, (cache, (_, q)) in enumerate(zip(caches, self._requests(c_kv.shape[0]))):   # one append each
+            self._rec("kv_append_requests", [Meta((q, c_kv.shape[1]), c_kv.nbytes_each),
+                                             Meta((q, k_pe.shape[1]), k_pe.nbytes_each), Meta((1,), 4)],
+                      [Meta((q, cache.shape[1]), cache.nbytes_each)], detail={"request": i})
+        return caches
+
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_masks, spec):
+        """One record per request: its rows read its own cache prefix and new rows, nothing of the others'."""
+        N, R = spec.heads, spec.kv_lora_rank
+        for i, (cache, mask, (T, q)) in enumerate(zip(caches, tree_masks, self._requests(q_lat.shape[0]))):
+            rows = Meta((T + q, cache.shape[1]), cache.nbytes_each)
+            self._rec("mla_tree_attention_requests",
+                      [Meta((q, N, R), q_lat.nbytes_each), Meta((q, N, spec.rope_dim), q_rope.nbytes_each), rows,
+                       Meta((1,), 4), Meta((q, -(-q // 32)), mask.nbytes_each)],
+                      [Meta((q, N, R), self.sizes[ACT])], 2 * q * N * (T + q) * (cache.shape[1] + R),
+                      detail={"request": i})
+        return Meta((q_lat.shape[0], N, R), self.sizes[ACT])
 
     def mla_absorb_out(self, o_lat, kv_b, spec):
         q = o_lat.shape[0]

@@ -115,6 +115,15 @@ class NumpyOps(Ops):
     def mla_absorb_out(self, o_lat, kv_b, spec):
         return self._a(m.mla_absorb_out(o_lat, kv_b, spec))
 
+    def kv_append_requests(self, caches, cache_len, row_offsets, c_kv, k_pe):
+        spans = m.request_spans(row_offsets, cache_len, len(caches), len(c_kv))
+        return tuple(m.kv_append(c, T, c_kv[a:b], k_pe[a:b]) for c, (T, a, b) in zip(caches, spans))
+
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches, cache_len, row_offsets, tree_masks, spec):
+        spans = m.request_spans(row_offsets, cache_len, len(caches), len(q_lat), tree_masks)
+        return self._a(np.concatenate([m.mla_tree_attention(q_lat[a:b], q_rope[a:b], c, T, mask, spec)
+                                       for c, mask, (T, a, b) in zip(caches, tree_masks, spans)]))
+
     # MoE ------------------------------------------------------------------------------------------
     def moe(self, x, router, bias, experts, shared, spec):
         router_logits = self.linear(x, router, out=ACC)                     # [q, E]

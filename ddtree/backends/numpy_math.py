@@ -117,6 +117,23 @@ def mla_tree_attention(q_lat, q_rope, cache, T: int, tree_mask, spec) -> np.ndar
     return out                                                                                  # [q, N_r, R]
 
 
+def request_spans(row_offsets, cache_len, requests: int, rows: int, tree_masks=None) -> list[tuple[int, int, int]]:
+    """The union verify's requests (description/opset.py REQUEST_OPS): [(cache_len T_i, first row, end row)],
+    checked: offsets from 0 to the call's rows, increasing, one cache length per request, and (tree_masks given)
+    one mask [q_i, ceil(q_i / 32)] per request."""
+    off = np.asarray(row_offsets, dtype=np.int64).reshape(-1)
+    lens = np.asarray(cache_len, dtype=np.int64).reshape(-1)
+    if len(off) != requests + 1 or len(lens) != requests or off[0] != 0 or off[-1] != rows or np.any(np.diff(off) <= 0):
+        raise ValueError(f"requests: row_offsets {off.tolist()} must rise from 0 to the call's {rows} rows with one "
+                         f"span per cache ({requests}), and cache_len {lens.tolist()} hold one length per cache")
+    spans = [(int(T), int(a), int(b)) for T, a, b in zip(lens, off[:-1], off[1:])]
+    for i, (mask, (_, a, b)) in enumerate(zip(tree_masks if tree_masks is not None else (), spans)):
+        if len(tree_masks) != requests or np.shape(mask) != (b - a, -(-(b - a) // 32)):
+            raise ValueError(f"requests: tree_mask.{i} must be [{b - a}, {-(-(b - a) // 32)}] (request {i}'s rows), "
+                             f"got {list(np.shape(mask))} of {len(tree_masks)} masks")
+    return spans
+
+
 def moe(x, router_logits, bias, experts: dict, shared_out, spec) -> np.ndarray:
     """Routing by model/routing.py, then the fused MoE kernel's twin over this rank's experts."""
     return moe_routed(x, router_logits, bias, experts, shared_out, spec)[0]

@@ -15,6 +15,9 @@ one more, training/drafter_model.py, for its many-blocks-per-sequence objective 
                  o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
                  h1, x2 = h + attn, RMSNorm_post(h + attn)
                  h_out = h1 + all-reduce(dense SwiGLU slice(x2) | MoE(x2))
+                 requests=Rq: the union verify, Rq requests' rows with caches cache.<i>, tree masks tree_mask.<i>,
+                 cache_len [Rq], row_offsets [Rq + 1]: the append and the attention per request, all else on the
+                 union rows
     head         h -> RMSNorm -> logits [q, V_r] (ACC) -> this rank's sampling winner per row
     draft_fc     ctx_taps [n, K H] -> this rank's fc input columns -> all-reduce -> hidden_norm -> ctx
     draft_layer  h [b, H], ctx [n, H]: q/k/v of the block and k/v of the new context (per-head norms),
@@ -42,23 +45,34 @@ def embed(ops: Ops, cfg) -> None:
     ops.output("h", h, ["q", cfg.hidden_size], ACT)
 
 
-def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=()) -> tuple:
+def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=(), row_offsets=None) -> tuple:
     """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows). ahead: the
-    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention."""
+    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention.
+    row_offsets [Rq + 1]: the rows are Rq requests' (the union verify): cache and tree_mask are then tuples of
+    their caches and masks, cache_len [Rq], and only the append and the attention run per request (opset.py
+    REQUEST_OPS)."""
     R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
     spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
     with ops.branch() as kv_path:                # the cache rows need only x: beside the query path until attention
         latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))             # [q, R + Dr] replicated
-        cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
-                                     cfg.rope)                                   # (c_kv normed | k_pe roped)
+        if row_offsets is None:
+            cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
+                                         cfg.rope)                               # (c_kv normed | k_pe roped)
+        else:                                                                    # the same ops, appended per request
+            c_kv = ops.rms_norm(ops.slice(latent, 1, 0, R), ops.weight(a + "kv_a_layernorm.weight"), eps)
+            k_pe = ops.rope(ops.reshape(ops.slice(latent, 1, R, R + Dr), [0, 1, Dr]), pos, cfg.rope)
+            cache = ops.kv_append_requests(cache, cache_len, row_offsets, c_kv, ops.reshape(k_pe, [0, Dr]))
     c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
     q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
     q_lat, q_rope = ops.mla_absorb_q_rope(q_all, kv_b, pos, cfg.rope, spec)             # [q, N_r, R], [q, N_r, Dr]
     ops.join(kv_path)
     ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
-    o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
+    if row_offsets is None:
+        o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
+    else:
+        o_lat = ops.mla_tree_attention_requests(q_lat, q_rope, cache, cache_len, row_offsets, tree_mask, spec)
     o = ops.mla_absorb_out(o_lat, kv_b, spec)                                           # [q, N_r Dv]
     return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
 
@@ -121,19 +135,28 @@ def attention_front(cfg, layer: int) -> tuple:
 PRUNE_MODES = (None, "route", "prune")
 
 
-def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, prune: str | None = None) -> None:
-    """Decoder layer `layer` (dense MLP or MoE by the config). prune (an MoE layer of a pruned verify, issue 53):
+def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, prune: str | None = None) -> None:
+    """Decoder layer `layer` (dense MLP or MoE by the config). requests Rq > 1: the union verify, the rows of Rq
+    requests at once (row_offsets [Rq + 1]), each with its own cache (cache.<i> in, cache_out.<i> out), tree mask
+    (tree_mask.<i> [q_i, ceil(q_i / 32)]) and cache_len [Rq]. Everything but the append and the attention runs on
+    the union rows (row-wise ops: each row is what it is alone). prune (an MoE layer of a pruned verify, issue 53):
     "route" reads the live mask [q] and routes live rows only (outputs routed_ids); "prune" also runs tree_prune
-    after the routing (outputs live_out, the mask later layers read). None: today's layer, op for op."""
+    after the routing (outputs live_out, the mask later layers read). Rq 1 and prune None: today's layer, op for op."""
     p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     h = ops.input("h", ["q", H], ACT)
     pos = ops.input("pos", ["q"], I32)
-    cache = ops.input("cache", ["S", W], ACT)
-    cache_len = ops.input("cache_len", [1], I32)
-    tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    if requests == 1:
+        cache = ops.input("cache", ["S", W], ACT)
+        cache_len, row_offsets = ops.input("cache_len", [1], I32), None
+        tree_mask = ops.input("tree_mask", ["q", "W"], I32)
+    else:                                                                  # the union verify: per-request tuples
+        cache = tuple(ops.input(f"cache.{i}", ["S", W], ACT) for i in range(requests))
+        cache_len = ops.input("cache_len", [requests], I32)
+        row_offsets = ops.input("row_offsets", [requests + 1], I32)
+        tree_mask = tuple(ops.input(f"tree_mask.{i}", [f"q.{i}", f"W.{i}"], I32) for i in range(requests))
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
-                                ahead=mlp_front(cfg, layer))
+                                ahead=mlp_front(cfg, layer), row_offsets=row_offsets)
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
                                          cfg.rms_norm_eps, "attn")
     if prune not in PRUNE_MODES or (prune and not cfg.is_moe_layer(layer)):
@@ -146,7 +169,11 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, prune: str | None =
         mlp = dense_mlp(ops, p + "mlp.", x2)
     ops.prefetch(*attention_front(cfg, layer + 1), beside="collective")   # the all-reduce leaves the HBM idle
     ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
-    ops.output("cache_out", cache, ["S", W], ACT)
+    if requests == 1:
+        ops.output("cache_out", cache, ["S", W], ACT)
+    else:
+        for i, c in enumerate(cache):
+            ops.output(f"cache_out.{i}", c, ["S", W], ACT)
 
 
 def _pruned_moe(ops: Ops, cfg, layer: int, x2, moe_inter: int, prune: str):

@@ -25,7 +25,7 @@ n new drafter context tokens, nodes tree nodes.
 
 Letters: H hidden, N_r heads on this rank, R kv_lora_rank, Dn/Dr/Dv nope/rope/value head dims,
 E router experts, V_r this rank's vocab ids, b drafter block, D = b - 1 draft depths, k candidates
-per rank, B tree budget, tp ranks.
+per rank, B tree budget, tp ranks, Rq requests in one call (the union verify).
 """
 from __future__ import annotations
 
@@ -192,6 +192,24 @@ class Ops(ABC):
         """Absorbed MLA over cache rows [0, T + q) (T = cache_len, the q new rows already appended): the
         prefix all visible, the new rows by tree_mask [q, W] bits -> o_lat [q, N_r, R] (before W_UV)."""
 
+    # several requests in one call (the union verify) --------------------------------------------------
+    # Rows [offsets[i], offsets[i + 1]) of the call are request i's; request i has its own cache (caches[i], a
+    # tuple of Rq tensors) and length cache_len[i]. Not abstract: a backend without them (onnx, torch) refuses
+    # them by name (REQUEST_OPS); a layer over one request never calls them, so its graphs are unchanged.
+    def kv_append_requests(self, caches: tuple, cache_len, row_offsets, c_kv, k_pe) -> tuple:
+        """caches[i] [S_i, R + Dr] <- rows cache_len[i].. = request i's rows of (c_kv [q, R] | k_pe [q, Dr]);
+        cache_len [Rq], row_offsets [Rq + 1] int32. Returns the caches (in place)."""
+        raise NotImplementedError(f"{type(self).__name__} has no kv_append_requests (several requests in one call "
+                                  "run on the numpy, meter and cuda backends)")
+
+    def mla_tree_attention_requests(self, q_lat, q_rope, caches: tuple, cache_len, row_offsets, tree_masks: tuple,
+                                    spec: MlaSpec):
+        """mla_tree_attention per request: request i's rows see caches[i]'s rows [0, cache_len[i]) and, by its own
+        tree mask tree_masks[i] [q_i, ceil(q_i / 32)], its new rows -> o_lat [q, N_r, R]. Each request's rows are
+        exactly its own mla_tree_attention (a backend may launch the one-request kernel per request)."""
+        raise NotImplementedError(f"{type(self).__name__} has no mla_tree_attention_requests (several requests in "
+                                  "one call run on the numpy, meter and cuda backends)")
+
     @abstractmethod
     def mla_absorb_out(self, o_lat, kv_b, spec: MlaSpec):
         """o_lat [q, N_r, R] -> [q, N_r Dv] = per head o_lat W_UV^T (W_UV = kv_b's last Dv rows per head)."""
@@ -274,3 +292,6 @@ class Ops(ABC):
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
 # patterns: Ops methods composed of the ops above, which a backend may run as one kernel instead
 PATTERNS = ("kv_append_normed", "mla_absorb_q_rope")
+# ops over several requests' caches at once (the union verify, description/layers.py decoder_layer(requests=R)):
+# a backend implements them or refuses them by name (the onnx graphs and torch run one request a call)
+REQUEST_OPS = ("kv_append_requests", "mla_tree_attention_requests")

@@ -4,6 +4,7 @@
     outs = drafter_forward(run, cfg, dcfg, feeds, caches, block=b)                        # fc, embed, layers, head
     compact(run, cfg, feeds, caches)                                                       # every layer's cache
     records = ddtree_step(run, cfg, dcfg, inter, k, budget, StepFeeds(...))                # the step, op set only
+    walks = ddtree_step_requests(run, cfg, dcfg, inter, k, budgets, RequestStepFeeds(...))   # Rq requests' step
 
 `run(kind, fn, args, feeds, layer)` is how an executor runs one layer function: the numpy ranks call
 fn(ops, *args) on every rank (runtime/engine_executor.py), the ONNX runner runs the exported graph `kind` with
@@ -45,6 +46,21 @@ class Run(Protocol):
 class LayerCaches(Protocol):
     def feeds(self, layer: int) -> dict: ...                     # {"cache": c} or {"cache_k": k, "cache_v": v}
     def keep(self, layer: int, outs: dict) -> None: ...          # the layer's *_out caches (or nothing: in place)
+
+
+class RequestCaches:
+    """The union verify's caches: request i's LayerCaches fed as cache.<i> and kept from cache_out.<i>
+    (layers.decoder_layer with requests=len(caches))."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def feeds(self, layer: int) -> dict:
+        return {f"cache.{i}": c.feeds(layer)["cache"] for i, c in enumerate(self.caches)}
+
+    def keep(self, layer: int, outs: dict) -> None:
+        for i, c in enumerate(self.caches):
+            c.keep(layer, {"cache_out": outs[f"cache_out.{i}"]})
 
 
 class InPlace:
@@ -98,15 +114,23 @@ def prune_layers(cfg, every: int) -> frozenset:
 
 
 def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
-                   head=(layers.head, ()), head_feeds: dict | None = None, prune: Pruning | None = None) -> dict:
+                   head=(layers.head, ()), head_feeds: dict | None = None, requests: int = 1,
+                   prune: Pruning | None = None) -> dict:
     """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
     head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg).
-    prune: a pruned verify (its final mask in prune.feeds["live"]); None runs today's layers, op for op."""
+    requests Rq > 1: the union verify, one forward over Rq requests' rows: feeds hold row_offsets [Rq + 1] and
+    each request's tree_mask.<i> [q_i, W_i] instead of tree_mask, cache_len is [Rq], caches a RequestCaches (the
+    head and the taps are row-wise: the union's rows). prune: a pruned verify of one request (its final mask in
+    prune.feeds["live"]); None runs today's layers, op for op."""
+    if prune is not None and requests > 1:
+        raise ValueError("target_forward: a pruned verify is one request's (requests = 1)")
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
-    step = {k: feeds[k] for k in ("pos", "cache_len", "tree_mask")}
+    masks = ("tree_mask",) if requests == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(requests)))
+    step = {k: feeds[k] for k in ("pos", "cache_len", *masks)}
+    layer_args = (moe_inter, requests) if requests > 1 else (moe_inter,)          # one request: today's layer call
     for L in range(cfg.num_hidden_layers):
         mode, extra = prune.layer(cfg, L) if prune is not None else (None, {})
-        args = (cfg, L, moe_inter) if mode is None else (cfg, L, moe_inter, mode)
+        args = (cfg, L, *layer_args) if mode is None else (cfg, L, moe_inter, 1, mode)
         outs = run(decoder_kind(cfg, L), layers.decoder_layer, args, {**step, **extra, "h": h, **caches.feeds(L)}, L)
         if mode is not None:
             prune.routed(L, outs)
@@ -169,6 +193,40 @@ def ddtree_step(run: Run, cfg, dcfg, moe_inter: int, k: int, budget: int, feeds:
                                             "win_value": win["win_value"], "win_id": win["win_id"]})
     compact(run, cfg, feeds.compact(walk), target_caches)
     return walk
+
+
+@dataclass
+class RequestStepFeeds:
+    """What a DDTree step over Rq requests reads besides the caches: each request's StepFeeds (its draft, root,
+    head and compact feeds, its verify(tree) as alone), and how the executor joins and splits the union rows."""
+    requests: list                               # [StepFeeds] one per request
+    union: Callable[[list], dict]                # the requests' verify feeds -> the union's: ids, pos, cache_len [Rq],
+                                                 # row_offsets [Rq + 1], tree_mask.<i> (request i's tree_mask)
+    rows: Callable[[object, int], object]        # a union value [q, ...] -> request i's rows
+
+
+def ddtree_step_requests(run: Run, cfg, dcfg, moe_inter: int, k: int, budgets: list, feeds: RequestStepFeeds,
+                         target_caches: list, draft_caches: list, taps=(), on_tap=None) -> list:
+    """One DDTree step of Rq requests on one rank -> each request's accept outputs (ddtree_step's). Each request
+    drafts and builds its tree on its own (its own drafter call, budget and drafter cache), the target verifies
+    the Rq trees in ONE forward over the union rows (each request's rows see only its own cache: target_forward
+    with requests=Rq), then each request samples (its own temperature and seed: the head runs per request on its
+    rows, so lm_head is read Rq times), walks and compacts its own cache. on_tap(L, h) gets the union rows."""
+    trees, verifies = [], []
+    for f, B, dcache in zip(feeds.requests, budgets, draft_caches):
+        cands = drafter_forward(run, cfg, dcfg, f.draft, dcache, head=(layers.draft_head, (k,)))
+        trees.append(run(f"tree_b{B}", layers.tree, (dcfg, k, B), {"root": f.root, **{
+            n: cands[n] for n in ("topk_values", "topk_ids", "row_max", "row_sumexp")}}))
+        verifies.append(f.verify(trees[-1]))
+    h = target_forward(run, cfg, moe_inter, feeds.union(verifies), RequestCaches(target_caches), taps, on_tap,
+                       head=None, requests=len(target_caches))["h"]
+    walks = []
+    for i, (f, tree, verify, cache) in enumerate(zip(feeds.requests, trees, verifies, target_caches)):
+        win = run("head", layers.head, (cfg,), {"h": feeds.rows(h, i), **f.head(verify)})
+        walks.append(run("accept", layers.accept, (), {"tokens": tree["tokens"], "parents": tree["parents"],
+                                                       "win_value": win["win_value"], "win_id": win["win_id"]}))
+        compact(run, cfg, f.compact(walks[-1]), cache)
+    return walks
 
 
 def ar_step(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, head_feeds: dict) -> dict:

@@ -9,16 +9,20 @@
 
 Each sequence is the engine's own decode loop for that request (runtime/loop.py's generator from
 DDTreeEngine.stream_request): its own target / drafter caches, context window, seed, sampling parameters,
-budget, stop rules and RunStats. A round calls next() on each, so the sequences share nothing but the
-executor's weights and a sequence's tokens are exactly those of the same request run alone, whatever its
-neighbours do (join, finish, be cancelled): tests/runtime/test_batch.py checks this token for token.
+budget, stop rules and RunStats. A round advances each once, so a sequence's tokens are exactly those of the same
+request run alone, whatever its neighbours do (join, finish, be cancelled): tests/runtime/test_batch.py checks this
+token for token.
 
-Why interleaving and not one fused forward here: the CPU executors compute in float64 numpy, where the
-rows of a second request are not free (the cost is per row, not per weight read), so fusing the R verifies
-gains nothing on the CPU. The union verify as ONE target forward (rows = the R trees' nodes, each seeing its own
-request's cache and ancestors) is not written yet: the op set's MLA attention reads one cache whose whole prefix
-every row sees (description/layers.py mla_attention), so it needs an attention op over R caches first; that
-is the GPU batched step's work.
+The union verify: where the executor declares verify_requests (runtime/executor.py; EngineExecutor), a sequence
+stops at its verify (loop.ddtree_steps(union=True) yields a loop.Verify after its draft and tree; an AR sequence's
+is its one token, loop.ar_steps(union=True)), and the round verifies every waiting sequence in ONE target forward
+(rows = the sum of the trees' nodes, each request's rows seeing only its own cache and ancestors:
+description/layers.py decoder_layer(requests=Rq)), then each sequence samples, walks and compacts on its own.
+The drafter runs per request (its own call: on the CPU a second request's rows cost as much as the first's, so one
+drafter call over R blocks would gain nothing here; the GPU batched step is where it would). Sequences the union
+cannot take (logit_bias / logprobs, the prefill's first token) take their turn as before, in the same round.
+Without verify_requests (the float64 reference NumpyExecutor, which runs the oracle, not the op set) every
+sequence takes turns. An error in the union forward is the error of every sequence in it.
 A GPU executor keeps one request's state on the device (one cache, captured graphs), and rank processes
 run one request loop in lock step: both are refused with more than one sequence (RequestError naming
 --max-num-seqs).
@@ -33,7 +37,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ddtree.runtime.loop import RequestError, RunStats
+from ddtree.runtime.loop import RequestError, RunStats, Verify
 from ddtree.runtime.request import GenerationRequest
 
 BATCHING_EXECUTORS = ("numpy", "engine-numpy")     # the CPU executors: every request's state lives on the host
@@ -72,10 +76,13 @@ class Sequence:
 
 
 class BatchDecoder:
-    def __init__(self, engine, max_num_seqs: int):
+    def __init__(self, engine, max_num_seqs: int, union: bool = True):
+        """union: verify the sequences' steps in one forward where the executor can (verify_requests);
+        False: every sequence takes its turn."""
         check_batchable(engine, max_num_seqs)
         self.engine, self.max_num_seqs = engine, max_num_seqs
-        self.seqs: dict[object, Sequence] = {}        # insertion order = join order = step order in a round
+        self.verify_requests = engine.executor.verify_requests if union and engine.processes is None else None
+        self.seqs: dict[object, Sequence] = {}        # insertion order = join order = event order in a round
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -94,7 +101,8 @@ class BatchDecoder:
         if self.full:
             raise RequestError(f"the batch is full ({self.max_num_seqs} sequences, --max-num-seqs)")
         stats = stats if stats is not None else RunStats()
-        self.seqs[key] = Sequence(self.engine.stream_request(prompt, request, stats, on_logits), stats)
+        steps = self.engine.stream_request(prompt, request, stats, on_logits, union=self.verify_requests is not None)
+        self.seqs[key] = Sequence(steps, stats)
 
     def remove(self, key) -> None:
         """Leave now (cancelled): the sequence's generator is closed; unknown keys are ignored."""
@@ -103,37 +111,60 @@ class BatchDecoder:
             seq.steps.close()
 
     def step(self) -> list[Event]:
-        """One step of every sequence, in join order -> one event each."""
-        events = []
+        """One step of every sequence -> one event each, in join order. The sequences waiting for their verify
+        get it from one verify_requests call over all of them."""
+        order, events, waiting = list(self.seqs), {}, {}
         for key, seq in list(self.seqs.items()):
+            pending = self._advance(key, seq, events, seq.steps.__next__)
+            if pending is not None:
+                waiting[key] = pending
+        if waiting:
             t0 = time.perf_counter()
             try:
-                tokens = next(seq.steps)
-            except StopIteration:                     # a run of 0 new tokens: nothing to commit
-                self.seqs.pop(key)
-                now = time.perf_counter()
-                events.append(Event(key, [], True, None, now - t0, now))
-                continue
-            except Exception as e:                    # this request failed; the batch goes on
-                self.remove(key)
-                now = time.perf_counter()
-                events.append(Event(key, [], True, e, now - t0, now))
-                continue
+                results = self.verify_requests([verify.call for verify, _ in waiting.values()])
+            except Exception as e:                    # the union's error is each of its sequences'
+                results = [e] * len(waiting)
+            union_s = time.perf_counter() - t0
+            for (key, (_, spent)), result in zip(waiting.items(), results):
+                steps = self.seqs[key].steps
+                failed = isinstance(result, Exception)
+                resume = (lambda: steps.throw(result)) if failed else (lambda: steps.send(result))
+                self._advance(key, self.seqs[key], events, resume, spent + union_s)
+        return [events[key] for key in order if key in events]
+
+    def _advance(self, key, seq: Sequence, events: dict, resume, spent: float = 0.0) -> tuple | None:
+        """Run the sequence to its next yield: its tokens (events[key]), or (its Verify, seconds so far)."""
+        t0 = time.perf_counter()
+        try:
+            item = resume()
+        except StopIteration:                         # a run of 0 new tokens: nothing to commit
+            self.seqs.pop(key)
             now = time.perf_counter()
-            finished = seq.stats.finish_reason is not None
-            if finished:
-                self.remove(key)
-            events.append(Event(key, list(tokens), finished, None, now - t0, now))
-        return events
+            events[key] = Event(key, [], True, None, spent + now - t0, now)
+            return None
+        except Exception as e:                        # this request failed; the batch goes on
+            self.remove(key)
+            now = time.perf_counter()
+            events[key] = Event(key, [], True, e, spent + now - t0, now)
+            return None
+        now = time.perf_counter()
+        if isinstance(item, Verify):
+            return item, spent + now - t0
+        finished = seq.stats.finish_reason is not None
+        if finished:
+            self.remove(key)
+        events[key] = Event(key, list(item), finished, None, spent + now - t0, now)
+        return None
 
 
-def run_batch(engine, jobs: list[tuple], max_num_seqs: int, cancel_after: dict | None = None) -> dict:
+def run_batch(engine, jobs: list[tuple], max_num_seqs: int, cancel_after: dict | None = None,
+              union: bool = True) -> dict:
     """Run jobs [(key, prompt, request)] through one BatchDecoder: FIFO, each joining as a slot frees (at the
     start of a round); cancel_after {key: n}: the sequence is removed after its n-th event. -> {key: {"tokens",
     "stats", "joined_s", "first_s", "end_s" (when its first / last step ended; seconds from the
     call), "cancelled", "events"}}."""
     cancel_after = cancel_after or {}
-    batch, waiting, out = BatchDecoder(engine, max_num_seqs), list(jobs), {}
+    batch, waiting, out = BatchDecoder(engine, max_num_seqs, union), list(jobs), {}
     t0 = time.perf_counter()
     while waiting or batch:
         while waiting and not batch.full:

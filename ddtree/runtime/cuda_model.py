@@ -1,6 +1,7 @@
 """The model (description/stack.py) on the cuda backend: the device caches and the stack's feeds of them.
 
     cache = GpuTargetCache(DeviceLatentCache(...));  h = target_layers(ex, feeds, cache, tap, taps)
+    h = union_layers(ex, feeds, [cache_0, cache_1, ...])             # Rq requests' rows in one forward
 
 Shared by the executor's primitives (cuda_executor.py) and the step graphs (cuda_step.py, cuda_step_tp.py), which
 run the same functions with device buffers as feeds.
@@ -55,6 +56,16 @@ def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=()) -> 
     each layer L in taps (the primitives download taps, the step graph copies them on the device)."""
     return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds, target_feeds(cache), taps, tap,
                                 head=None)["h"]
+
+
+def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:
+    """target_layers over Rq requests' rows at once, the union verify (description/stack.py target_forward with
+    requests=Rq; feeds: ids, pos, cache_len [Rq], row_offsets [Rq + 1], tree_mask.<i>): each request's append and
+    attention on its own GpuTargetCache, every other op over the union rows -> h [q, H]. Uncaptured: the row
+    offsets are host arrays (the batched step graph per R bucket is not built)."""
+    return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds,
+                                stack.RequestCaches([target_feeds(c) for c in caches]), taps, tap, head=None,
+                                requests=len(caches))["h"]
 
 
 def target_feeds(cache: GpuTargetCache) -> stack.InPlace:

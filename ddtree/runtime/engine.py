@@ -329,10 +329,12 @@ class DDTreeEngine:
         return self.stream_request(prompt, request, stats, on_logits)
 
     def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None,
-                       on_logits=None) -> Iterator[list[int]]:
+                       on_logits=None, union: bool = False) -> Iterator[list[int]]:
         """stream() with its parameters as one typed object: what the server queues. on_logits(rows [len(chunk),
         V] float64) is called before each chunk is yielded with the raw target logits its tokens were sampled from
-        (runtime/observed.py; logprobs). logit_bias, ignore_eos and on_logits need a CPU executor."""
+        (runtime/observed.py; logprobs). logit_bias, ignore_eos and on_logits need a CPU executor. union: a request
+        on an executor with verify_requests, without logit_bias / logprobs, yields a loop.Verify before each step's
+        tokens and takes the verify's result by send() (runtime/batch.py); others ignore it."""
         params, budget, mode, logit_bias = request.sampling, request.budget, request.mode, request.logit_bias
         stop_ids = frozenset() if request.ignore_eos else self.stop_ids
         ids = self.encode(prompt)
@@ -354,11 +356,12 @@ class DDTreeEngine:
         ex = self.executor
         if logit_bias or on_logits is not None:
             ex = self._observed(logit_bias, "logit_bias" if logit_bias else "logprobs")
+        union = union and ex is self.executor and ex.verify_requests is not None          # not observed
         if mode == "ar":
-            steps = ar_steps(ex, ids, request.max_new_tokens, params, stop_ids, stats)
+            steps = ar_steps(ex, ids, request.max_new_tokens, params, stop_ids, stats, union)
         else:
             steps = ddtree_steps(ex, ids, request.max_new_tokens, params, budget, stop_ids, request.block_size, stats,
-                                 prune)
+                                 prune, union)
         return steps if on_logits is None else _observing(steps, ex, on_logits)
 
 

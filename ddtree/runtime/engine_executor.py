@@ -165,6 +165,40 @@ class EngineExecutor(Executor):
         cache.length = T + q
         return self._gathered(outs["logits"], "head"), tapped
 
+    def verify_requests(self, calls: list[tuple]) -> list[tuple]:
+        """The union verify (the Executor ability): calls [(ids, pos, visible, cache, taps)] of Rq requests, each
+        a target_forward call on its own cache -> [(logits [q_i, V], {L: h [q_i, H]})], as ONE forward over the
+        union rows (description/stack.py target_forward with requests=Rq): row-wise ops over all rows, the
+        append and the attention per request (numpy: the union's rows equal each call's alone up to BLAS summation
+        order, ~1e-15 relative; tests/runtime/test_union_verify.py)."""
+        if len(calls) == 1:
+            return [self.target_forward(*calls[0])]
+        cfg, checked, lens = self.config, [], []
+        for ids, pos, visible, cache, _ in calls:
+            lens.append(cache.length)
+            checked.append(checked_forward_inputs(ids, pos, visible, cache.length, cfg.vocab_size))
+            cache.reserve(cache.length + len(checked[-1][0]))
+        rows = [len(ids) for ids, _, _ in checked]
+        offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)            # [Rq + 1]
+        masks = {f"tree_mask.{i}": pack_visibility(visible[:, T:]).view(np.int32)     # [q_i, W_i] each its own
+                 for i, ((_, _, visible), T) in enumerate(zip(checked, lens))}
+        pos = np.concatenate([p for _, p, _ in checked]).astype(np.int32)
+        feeds = {"ids": np.concatenate([i for i, _, _ in checked]).astype(np.int32), "pos": pos,
+                 "cache_len": np.array(lens, np.int32), "row_offsets": offsets, **masks}
+        head = {"sample_pos": pos + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
+        taps = sorted({L for *_, t in calls for L in t})
+        tapped = {}
+        caches = stack.RequestCaches([cache for *_, cache, _ in calls])
+        outs = stack.target_forward(self.run, cfg, self.moe_inter, feeds, caches, taps,
+                                    lambda L, h: tapped.__setitem__(L, h[0].copy()), head_feeds=head,
+                                    requests=len(calls))
+        logits = self._gathered(outs["logits"], "head")                               # [q, V]
+        results = []
+        for (*_, cache, call_taps), T, a, b in zip(calls, lens, offsets[:-1], offsets[1:]):
+            cache.length = T + b - a
+            results.append((logits[a:b], {L: tapped[L][a:b] for L in call_taps}))
+        return results
+
     def drafter_forward(self, block_ids, pos, ctx_taps, cache: DraftCaches) -> np.ndarray:
         """block_ids [b], pos [b], ctx_taps [n, K H] -> draft logits [b-1, V] (all-gathered)."""
         d = self.drafter_config

@@ -15,6 +15,9 @@ loops (runtime/loop.py), the engine (runtime/engine.py) and the server call only
         ar_step(state, params) -> tokens            one whole AR step (a captured GPU graph)
         ddtree_step(state, params, budget) -> tokens one whole DDTree step
         drafter_prefill(state)                      ingests the prompt's drafter context during the prefill
+        verify_requests(calls) -> [(logits, taps)]  Rq target_forward calls [(ids, pos, visible, cache, taps)] as
+                                                    ONE forward over their union rows (the batched step's verify;
+                                                    runtime/batch.py uses it, else the requests take turns)
         steps                                       the GPU step graphs (their counters: steps.stats())
         prune_forward(ids, pos, visible, cache, taps, pruning) -> like target_forward, the verify pruned inside
                                                     (description/stack.py Pruning; --prune auto, issue 53)
@@ -47,6 +50,7 @@ class Executor(ABC):
     ar_step: Callable | None = None
     ddtree_step: Callable | None = None
     drafter_prefill: Callable | None = None
+    verify_requests: Callable | None = None
     steps: object | None = None
     prune_forward: Callable | None = None
 

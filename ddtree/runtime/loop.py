@@ -115,20 +115,47 @@ class DecodeState:
     table_k: int | None = None          # --budget auto: keep each step's drafter table with this many candidates
     draft_logp: np.ndarray | None = None  # [D, table_k] that table (log-probabilities, descending per depth)
     prune: object | None = None         # --prune auto: runtime/pruning.py Pruner (the verify prunes inside)
+    draft_logits: np.ndarray | None = None  # --prune auto: this step's drafter logits [depth, V] (path probabilities)
 
 
 def ar_step(ex, st: DecodeState, params: SamplingParams) -> list[int]:
     """One autoregressive step: feed the bonus token, sample the next (the composition of the primitives)."""
-    logits, _ = ex.target_forward(np.array([st.bonus]), np.array([st.start]), causal_visible(st.cache.length, 1),
-                                  st.cache)
+    return ar_commit(ex, st, params, ex.target_forward(*ar_call(st))[0])
+
+
+def ar_call(st: DecodeState) -> tuple:
+    """An AR step's target_forward arguments: the bonus token after the cache."""
+    return np.array([st.bonus]), np.array([st.start]), causal_visible(st.cache.length, 1), st.cache, ()
+
+
+def ar_commit(ex, st: DecodeState, params: SamplingParams, logits) -> list[int]:
+    """An AR step after its forward (logits [1, V]): sample the next token."""
     token = int(ex.sample(logits[-1:], np.array([st.start + 1]), params)[0])
     st.start, st.bonus = st.start + 1, token
     return [token]
 
 
+@dataclass
+class Verify:
+    """A step waiting for its verify (ddtree_steps / ar_steps(union=True)): the target_forward call's arguments
+    (ids, pos, visible, cache, taps); the driver sends back its (logits, taps), computed with other requests' calls
+    as one forward (the executor's verify_requests: runtime/batch.py)."""
+    call: tuple
+
+
 def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> list[int]:
     """One DDTree step as the composition of the primitives (docs/interfaces.md section 6): draft, build,
     verify, walk, compact, context update. -> the accepted drafts in depth order, then the new bonus."""
+    tree, call = ddtree_draft(ex, st, budget)
+    if st.prune is None:
+        return ddtree_commit(ex, st, params, tree, call, ex.target_forward(*call))
+    tokens, node_pos, visible, cache, taps = call          # pruned inside the verify: dead nodes absent for the walk
+    logits, tapped, live = st.prune.verify(ex, tree, st.draft_logits, node_pos, visible, cache, taps, budget)
+    return ddtree_commit(ex, st, params, tree, call, (logits, tapped), live)
+
+
+def ddtree_draft(ex, st: DecodeState, budget: int) -> tuple:
+    """A DDTree step up to its verify: draft and build -> (tree, the verify's target_forward arguments)."""
     b, start = st.block, st.start
     block = np.array([st.bonus] + [ex.drafter_config.mask_token_id] * (b - 1))
     draft_logits = ex.drafter_forward(block, np.arange(start, start + b), st.ctx, st.dcache)   # [b-1, V]
@@ -138,14 +165,19 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
         st.draft_logp = topk_logprobs(draft_logits[:depth], st.table_k)[0]
     node_pos = tree.positions(start)                                       # [n]
     visible = np.concatenate([np.ones((tree.size, start), bool), tree.visible()], axis=1)
-    taps = tuple(ex.drafter_config.target_layer_ids)
-    if st.prune is None:
-        logits, tapped = ex.target_forward(tree.tokens, node_pos, visible, st.cache, taps)    # [n, V]
-    else:                                 # pruned inside the verify: dead nodes are absent for the walk
-        logits, tapped, live = st.prune.verify(ex, tree, draft_logits[:depth], node_pos, visible, st.cache, taps,
-                                               budget)
+    if st.prune is not None:                                               # the pruned verify's path probabilities
+        st.draft_logits = draft_logits[:depth]
+    return tree, (tree.tokens, node_pos, visible, st.cache, tuple(ex.drafter_config.target_layer_ids))
+
+
+def ddtree_commit(ex, st: DecodeState, params: SamplingParams, tree, call: tuple, verified: tuple,
+                  live: np.ndarray | None = None) -> list[int]:
+    """A DDTree step after its verify (call: ddtree_draft's; verified: its (logits [n, V], taps); live: the pruned
+    verify's mask, dead nodes absent for the walk): sample, walk, compact, context update -> the accepted drafts in
+    depth order, then the new bonus."""
+    b, start, (_, node_pos, _, _, taps), (logits, tapped) = st.block, st.start, call, verified
     target_tokens = ex.sample(logits, node_pos + 1, params)               # [n]
-    walk = ex.accept_walk(tree if st.prune is None else absent_tree(tree, live), target_tokens)
+    walk = ex.accept_walk(tree if live is None else absent_tree(tree, live), target_tokens)
     ex.compact(st.cache, start, walk.accepted)
     acc = walk.accepted                                                    # [a] node indices, acc[0] = root
     st.ctx = np.concatenate([tapped[L][acc] for L in taps], axis=1)        # [a, K*H]
@@ -155,10 +187,12 @@ def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> lis
 
 
 def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_ids=(),
-             stats: RunStats | None = None) -> Iterator[list[int]]:
+             stats: RunStats | None = None, union: bool = False) -> Iterator[list[int]]:
     """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context.
     Each step is `ex.ar_step(state, params)` where the executor has that ability (runtime/executor.py) (a captured GPU graph), else the
-    composition `ar_step` above."""
+    composition `ar_step` above. union: as ddtree_steps' (the step's one-row forward is the caller's)."""
+    if union and ex.ar_step is not None:
+        raise ValueError(f"ar_steps: union=True composes the step, but the {ex.name} executor fuses it")
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
     eos = {int(e) for e in eos_ids}
@@ -185,11 +219,12 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
         yield [token]
         if stats.finish_reason is not None:
             return
-        tokens = step(st, params)
+        tokens = ar_commit(ex, st, params, (yield Verify(ar_call(st)))[0]) if union else step(st, params)
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,
-                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None, prune=None
+                 eos_ids=(), block_size: int | None = None, stats: RunStats | None = None, prune=None,
+                 union: bool = False
                  ) -> Iterator[list[int]]:
     """Yields the tokens each DDTree step commits (the prefill's first token, then per step the
     accepted drafts + the new bonus), cut at EOS / max_new_tokens / the context. Needs an executor with
@@ -197,7 +232,14 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
     graph), else the composition `ddtree_step` above. `budget`: an int, or a chooser called with the state
     before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's.
-    prune: a runtime/pruning.py Pruner (--prune auto: the composition prunes inside each verify; stats.prune)."""
+    prune: a runtime/pruning.py Pruner (--prune auto: the composition prunes inside each verify; stats.prune).
+    union: each step's verify is the caller's: before a step's tokens the generator yields a Verify and takes its
+    (logits, taps) by send() (runtime/batch.py verifies several requests' trees in one forward)."""
+    if union and ex.ddtree_step is not None:
+        raise ValueError(f"ddtree_steps: union=True composes the step, but the {ex.name} executor fuses it")
+    if union and prune is not None:
+        raise ValueError("ddtree_steps: a pruned verify is its own forward; union=True shares one with other "
+                         "requests (--prune auto is refused with batching)")
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     dcfg = ex.drafter_config
     b = dcfg.block_size if block_size is None else block_size
@@ -247,7 +289,12 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     while not done:
         step_budget = choose(st) if choose else budget
         stats.budgets.append(step_budget)
-        out, done = commit(step(st, params, step_budget))
+        if union:
+            tree, call = ddtree_draft(ex, st, step_budget)
+            tokens = ddtree_commit(ex, st, params, tree, call, (yield Verify(call)))
+        else:
+            tokens = step(st, params, step_budget)
+        out, done = commit(tokens)
         stats.steps += 1
         stats.accept_lens.append(len(out))                                # committed only: a cut step counts less
         stats.wall_s = time.perf_counter() - t0

@@ -26,7 +26,7 @@ import numpy as np
 
 
 class ObservedExecutor:
-    ar_step = ddtree_step = drafter_prefill = None      # the loops compose the primitives below
+    ar_step = ddtree_step = drafter_prefill = verify_requests = None     # the loops compose the primitives below
 
     def __init__(self, inner, logit_bias: dict[int, float] | None = None):
         self.inner = inner

@@ -7,7 +7,7 @@ from ddtree.backends.cuda_backend import LAUNCHERS, CudaOps
 from ddtree.backends.meter import MeterOps
 from ddtree.backends.numpy_backend import NumpyOps
 from ddtree.backends.onnx_backend import OnnxOps
-from ddtree.description.opset import OP_NAMES, PATTERNS, Ops, RankLayout
+from ddtree.description.opset import OP_NAMES, PATTERNS, REQUEST_OPS, Ops, RankLayout
 
 LAY = RankLayout(0, 1, 0, 256, 0, 8, 0, 64)
 
@@ -47,4 +47,4 @@ def test_cuda_ops_views_and_the_missing_collectives():
     ops.lay = RankLayout(0, 2, 0, 128, 0, 8, 0, 32)
     with pytest.raises(NotImplementedError, match="collective="):
         ops.all_reduce(latent, "mlp")
-    assert set(LAUNCHERS) == set(OP_NAMES) | set(PATTERNS)
+    assert set(LAUNCHERS) == set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS)

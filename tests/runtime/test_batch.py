@@ -1,6 +1,7 @@
 """Several requests at once (runtime/batch.py): every request's tokens equal the same request run alone, token for
-token, whatever its neighbours do (join late, finish early, get cancelled), on the numpy reference and on an
-engine dir's numpy ranks; the GPU executors and rank processes are refused with a message naming the flag."""
+token, whatever its neighbours do (join late, finish early, get cancelled), on the numpy reference (the requests take
+turns) and on an engine dir's numpy ranks (the DDTree requests' trees verified in ONE forward: the union verify,
+EngineExecutor.verify_requests); the GPU executors and rank processes are refused with a message naming the flag."""
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +16,41 @@ from ddtree.runtime.request import GenerationRequest
 PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n    def push(self, x):", "# sort a list\n"]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return DDTreeEngine.load()
+class UnionSpy:
+    """An executor's verify_requests, recording how many requests each union verify took (or raising `fail`)."""
+
+    def __init__(self, verify_requests):
+        self.inner, self.sizes, self.fail = verify_requests, [], None
+
+    def __call__(self, calls):
+        self.sizes.append(len(calls))
+        if self.fail is not None:
+            raise self.fail
+        return self.inner(calls)
+
+
+def engine_dir_engine(tmp_path_factory, tp: int):
+    out_dir = tmp_path_factory.mktemp("batch") / "engine"
+    return DDTreeEngine.load(build_engine(*tiny_model_dirs(), tp, [], out_dir, graphs=False, kernels=False)["engine"])
+
+
+@pytest.fixture(scope="module", params=["reference", "union"])
+def engine(request, tmp_path_factory):
+    """The float64 reference (no verify_requests: turns), or a tp 1 engine dir whose union verify is spied on."""
+    if request.param == "reference":
+        return DDTreeEngine.load()
+    engine = engine_dir_engine(tmp_path_factory, 1)
+    engine.executor.verify_requests = UnionSpy(engine.executor.verify_requests)
+    return engine
+
+
+def union_sizes(engine) -> list[int]:
+    """The requests of each union verify since the last call (none on the reference), and forgets them."""
+    spy = engine.executor.verify_requests
+    if spy is None:
+        return []
+    sizes, spy.sizes = spy.sizes, []
+    return sizes
 
 
 def mixed_jobs(engine) -> list[tuple]:
@@ -39,7 +72,12 @@ def alone(engine, prompt, request) -> list[int]:
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 7])
 def test_every_request_equals_itself_alone(engine, max_num_seqs):
     jobs = mixed_jobs(engine)
+    union_sizes(engine)
     out = run_batch(engine, jobs, max_num_seqs)
+    sizes = union_sizes(engine)
+    if engine.executor.verify_requests is not None:      # the union verify took several DDTree requests' trees at once
+        assert (max(sizes) >= 2 if max_num_seqs > 1 else set(sizes) == {1})
+        assert max_num_seqs != 7 or max(sizes) == 5                    # every request but logit_bias and the empty
     for key, prompt, request in jobs:
         expected = alone(engine, prompt, request)
         assert out[key]["tokens"] == expected, f"request {key} ({request}) differs from itself alone"
@@ -147,11 +185,36 @@ def test_gpu_executors_and_rank_processes_are_refused_by_flag():
 
 
 def test_engine_dir_ranks_batch_equals_alone(tmp_path_factory):
-    """The same on an engine dir's numpy ranks (tp 2, threads): EngineExecutor's caches are per request too."""
-    out_dir = tmp_path_factory.mktemp("batch") / "engine"
-    engine_dir = build_engine(*tiny_model_dirs(), 2, [], out_dir, graphs=False, kernels=False)["engine"]
-    engine = DDTreeEngine.load(engine_dir)
-    jobs = mixed_jobs(engine)[1:4]
+    """The same on an engine dir's numpy ranks (tp 2, threads; the union verify's all-reduces over the union rows):
+    EngineExecutor's caches are per request too, and turns (union=False) give the same tokens."""
+    engine = engine_dir_engine(tmp_path_factory, 2)
+    spy = engine.executor.verify_requests = UnionSpy(engine.executor.verify_requests)
+    jobs = mixed_jobs(engine)[:4]
     out = run_batch(engine, jobs, 4)
+    assert max(spy.sizes) == 4                                   # three DDTree requests and an AR one
+    turns = run_batch(engine, jobs, 4, union=False)
     for key, prompt, request in jobs:
-        assert out[key]["tokens"] == alone(engine, prompt, request)
+        assert out[key]["tokens"] == turns[key]["tokens"] == alone(engine, prompt, request)
+
+
+def test_a_failing_union_verify_fails_its_requests_only(tmp_path_factory):
+    """An error in the union forward is each of its sequences' error event; the sequence outside it (logit_bias:
+    the observed executor takes turns) goes on to its end."""
+    engine = engine_dir_engine(tmp_path_factory, 1)
+    spy = engine.executor.verify_requests = UnionSpy(engine.executor.verify_requests)
+    jobs = [mixed_jobs(engine)[i] for i in (0, 1, 2, 5)]
+    batch = BatchDecoder(engine, 4)
+    for job in jobs:
+        batch.add(*job)
+    assert all(ev.error is None for ev in batch.step())          # the prefills: no verify yet
+    spy.fail = ValueError("union boom")
+    events = {ev.key: ev for ev in batch.step()}
+    assert spy.sizes == [3] and list(events) == [0, 1, 2, 5]
+    for key in (0, 1, 2):
+        assert isinstance(events[key].error, ValueError) and events[key].finished and key not in batch.seqs
+    assert events[5].error is None and events[5].tokens
+    got = events[5].tokens
+    while batch:
+        got += [t for ev in batch.step() for t in ev.tokens]
+    assert spy.sizes == [3]
+    assert alone(engine, jobs[3][1], jobs[3][2])[1:] == got     # the logit_bias request, its prefill token aside

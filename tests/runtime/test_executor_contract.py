@@ -17,7 +17,7 @@ from ddtree.runtime.loop import run_to_end
 from ddtree.tree.sampling import SamplingParams
 
 EXECUTORS = [NumpyExecutor, EngineExecutor, GraphExecutor, CudaExecutor]
-ABILITIES = ("ar_step", "ddtree_step", "drafter_prefill", "steps")
+ABILITIES = ("ar_step", "ddtree_step", "drafter_prefill", "steps", "verify_requests")
 
 
 @pytest.mark.parametrize("cls", EXECUTORS, ids=lambda c: c.__name__)
@@ -41,6 +41,7 @@ def test_abilities_are_declared_and_the_cpu_executors_have_none():
     ex = DDTreeEngine.load().executor
     assert isinstance(ex, NumpyExecutor) and all(getattr(ex, n) is None for n in ABILITIES)
     assert callable(CudaExecutor.ar_step) and callable(CudaExecutor.ddtree_step)
+    assert callable(EngineExecutor.verify_requests) and NumpyExecutor.verify_requests is None   # the union verify
 
 
 def test_the_loop_and_the_engine_do_not_probe():

@@ -119,7 +119,7 @@ def test_default_path_is_todays_op_for_op(ex):
                  "path_prob": np.ones(q, np.float32), "prune_rate": np.zeros(1, np.float32),
                  "expert_bytes": np.array([1], np.int32)}
     ops.outputs = {}
-    layers.decoder_layer(on, cfg, L, ex.moe_inter, "prune")
+    layers.decoder_layer(on, cfg, L, ex.moe_inter, prune="prune")
     assert "moe" not in names_on(on) and names_on(on).count("moe_live") == 1 and "tree_prune" in names_on(on)
     assert [c for c in on.calls if c[0] not in ("moe_live", "tree_prune", "input", "output")] == \
         [c for c in off.calls if c[0] not in ("moe", "input", "output")]       # the rest of the layer unchanged
