@@ -5,44 +5,43 @@ Every command reports bad input as one `Error: <Type>: <message>` line and exit 
 reported), refuses nan/inf in float flags at parse time (exit 2), and ends quietly with exit 141 when its
 reader goes away (`| head`; ddtree/cli_types.py QuietGroup / QuietCommand, the class of the three entry
 points `ddtree`, `ddtree-run`, `ddtree-build`), and prints the package version with --version (every group and
-subcommand: `with_version` below).
+subcommand: ddtree/lazy_group.py with_version).
+
+The commands are imported when they run (ddtree/lazy_group.py): `import ddtree.cli` loads no numpy, kernels
+or server, and `ddtree run` loads only the run command.
 """
 from __future__ import annotations
 
 import click
 
-from ddtree.bench.cli import bench
-from ddtree.bench.tune import tune_command
-from ddtree.builder.build_cli import build_command
-from ddtree.builder.inspect_cli import inspect_command
-from ddtree.cli_types import QuietGroup
-from ddtree.model.synth_cli import synth
-from ddtree.runtime.run_cli import run_command
-from ddtree.server.serve_cli import serve_command
-from ddtree.version import __version__
+from ddtree.lazy_group import QuietLazyGroup, with_version
+
+# name -> "module:attribute" of each `ddtree` command, imported on first use (`ddtree --help` loads them all)
+COMMANDS = {
+    "bench": "ddtree.bench.cli:bench",
+    "build": "ddtree.builder.build_cli:build_command",
+    "inspect": "ddtree.builder.inspect_cli:inspect_command",
+    "run": "ddtree.runtime.run_cli:run_command",
+    "serve": "ddtree.server.serve_cli:serve_command",
+    "synth": "ddtree.model.synth_cli:synth",
+    "tune": "ddtree.bench.tune:tune_command",
+}
+
+# pyproject.toml's console scripts other than `ddtree`: ddtree-run = "ddtree.cli:run_command", and build
+SCRIPTS = {"run_command": "run", "build_command": "build"}
 
 
-@click.group(cls=QuietGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=QuietLazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """ddtree: Kimi K2.x inference with DDTree tree speculative decoding."""
 
 
-main.add_command(synth)
-main.add_command(bench)
-main.add_command(build_command, "build")
-main.add_command(inspect_command, "inspect")
-main.add_command(run_command, "run")
-main.add_command(serve_command, "serve")
-main.add_command(tune_command, "tune")
+with_version(main)
 
 
-def with_version(command: click.Command) -> None:
-    """Give `command` and every command under it a --version flag (`ddtree, version X`), unless it has one.
-    Done here, once, so a command added to any group gets it without a decorator of its own."""
-    if not any("--version" in p.opts for p in command.params):
-        click.version_option(__version__, prog_name="ddtree")(command)        # appends the option to command.params
-    for sub in getattr(command, "commands", {}).values():
-        with_version(sub)
-
-
-with_version(main)            # ddtree-run and ddtree-build are run_command and build_command: covered here too
+def __getattr__(name: str) -> click.Command:
+    # `from ddtree.cli import run_command` (the ddtree-run script): the command as `ddtree run` loads it, --version
+    # included, imported only now
+    if name in SCRIPTS:
+        return main.get_command(None, SCRIPTS[name])
+    raise AttributeError(f"module 'ddtree.cli' has no attribute '{name}'")

@@ -1,46 +1,26 @@
-"""`ddtree bench <what>`: kernel and end-to-end benchmarks, JSON output (docs/interfaces.md sections 1, 7)."""
+"""`ddtree bench <what>`: kernel and end-to-end benchmarks, JSON output (docs/interfaces.md sections 1, 7).
+
+Each bench is imported when it runs (ddtree/lazy_group.py): `ddtree bench gemm` loads the kernel benches, not
+the end-to-end engine or the step bench's numpy model."""
 import click
 
+from ddtree.lazy_group import LazyGroup
 
-@click.group("bench")
+# name -> "module:attribute", imported on first use (`ddtree bench --help` loads them all)
+COMMANDS = {
+    "accept": "ddtree.bench.accept:accept",
+    "allreduce": "ddtree.bench.allreduce:allreduce_command",
+    "attention": "ddtree.bench.attention:attention_command",
+    "chain": "ddtree.bench.chain:chain_command",
+    "e2e": "ddtree.bench.e2e:e2e_command",
+    "gemm": "ddtree.bench.kernels:gemm_command",
+    "moe": "ddtree.bench.kernels:moe_command",
+    "project": "ddtree.bench.project:project_command",
+    "step": "ddtree.bench.step:step_command",
+    "tree": "ddtree.bench.tree:tree_command",
+}
+
+
+@click.group("bench", cls=LazyGroup, lazy_commands=COMMANDS)
 def bench():
     """Benchmarks against the bandwidth roofline (`--json` for machine output)."""
-
-
-from ddtree.bench.kernels import gemm_command, moe_command  # noqa: E402
-
-bench.add_command(moe_command)
-bench.add_command(gemm_command)
-
-from ddtree.bench.attention import attention_command  # noqa: E402
-
-bench.add_command(attention_command)
-
-from ddtree.bench.tree import tree_command  # noqa: E402
-
-bench.add_command(tree_command)
-
-
-from ddtree.bench.accept import accept  # noqa: E402  (imports after the group, no cycle)
-
-bench.add_command(accept)
-
-from ddtree.bench.project import project_command  # noqa: E402
-
-bench.add_command(project_command)
-
-from ddtree.bench.e2e import e2e_command  # noqa: E402
-
-bench.add_command(e2e_command)
-
-from ddtree.bench.step import step_command  # noqa: E402
-
-bench.add_command(step_command)
-
-from ddtree.bench.allreduce import allreduce_command  # noqa: E402
-
-bench.add_command(allreduce_command)
-
-from ddtree.bench.chain import chain_command  # noqa: E402
-
-bench.add_command(chain_command)

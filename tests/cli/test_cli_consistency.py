@@ -20,6 +20,7 @@ from click.testing import CliRunner
 import ddtree
 from ddtree.cli import main
 from ddtree.cli_types import SAMPLING_DEFAULTS
+from tests.cli import command_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
@@ -36,16 +37,8 @@ def entry_points() -> dict[str, click.Command]:
 
 
 def every_command() -> list[tuple[str, click.Command]]:
-    """(path, command) for each entry point and every group and subcommand under it."""
-    found = []
-
-    def walk(path, cmd):
-        found.append((path, cmd))
-        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
-            walk(f"{path} {name}", sub)
-    for name, cmd in entry_points().items():
-        walk(name, cmd)
-    return found
+    """(path, command) for each entry point and every group and subcommand under it, the lazy ones loaded."""
+    return [found for name, cmd in entry_points().items() for found in command_tree.every_command(cmd, name)]
 
 
 def flags(cmd: click.Command) -> set[str]:

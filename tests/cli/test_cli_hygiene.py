@@ -19,6 +19,7 @@ from ddtree.data import tiny_model_dirs
 from ddtree.errors import InputError, reported
 from ddtree.runtime.run_cli import _read_prompt
 from tests.cli.bad_input import refuses
+from tests.cli.command_tree import leaves
 
 RUN = ["run", "--max-new-tokens", "4"]                       # the embedded tiny model, a few tokens
 
@@ -49,14 +50,8 @@ def test_other_float_flags_refuse_non_finite(args, flag, tmp_path):
 
 def test_every_float_flag_of_every_command_is_finite():
     """No command declares a float flag that would take nan (click.FLOAT / FloatRange / type=float)."""
-    def commands(cmd, path):
-        if isinstance(cmd, click.Group):
-            for name, sub in cmd.commands.items():
-                yield from commands(sub, f"{path} {name}")
-        else:
-            yield path, cmd
     floats = []
-    for path, cmd in commands(main, "ddtree"):
+    for path, cmd in leaves(main, "ddtree"):
         for p in cmd.params:
             if isinstance(p.type, (click.types.FloatParamType, click.FloatRange)):
                 floats.append(f"{path} {p.opts[0]}")
@@ -192,14 +187,8 @@ def test_build_reports_its_input_errors_by_type(tmp_path):
 def test_every_command_wraps_its_body_in_reported():
     """Each leaf command's callback is the `reported()` wrapper (`@reported()` under its options), or its
     body runs `with reported():`: an InputError it raises is reported, not a traceback."""
-    def leaves(cmd):
-        if isinstance(cmd, click.Group):
-            for sub in cmd.commands.values():
-                yield from leaves(sub)
-        else:
-            yield cmd
     reported_func = reported.__wrapped__                      # the generator behind @contextmanager
-    for cmd in leaves(main):
+    for _, cmd in leaves(main, "ddtree"):
         cells = [c.cell_contents for c in (cmd.callback.__closure__ or ())]
         decorated = any(getattr(c, "func", None) is reported_func for c in cells)
         assert decorated or "with reported():" in inspect.getsource(cmd.callback), f"{cmd.name}: not in reported()"
