@@ -1,8 +1,9 @@
 """A chain of skinny BF16 GEMMs as one persistent launch whose weight stream never waits (kernels/gemm_chain.cu;
-issue 48, docs/performance.md section 5).
+issue 48). An experiment, measured against the step's launches and not adopted: docs/performance.md section 4.2.
 
     chain = GemmChain(gpu, [ChainGemm(1536, 7168, INPUT), ChainGemm(1536, 1536, 0)], max_tokens=17)
-    chain.run(x, [w0, w1], M)          # launches only: capturable; chain.outs[i] [M, N_i] bf16 after it
+    chain.bind(x, [w0, w1])            # the op records for these buffers (tiled weights: layout.tile_bf16)
+    chain.run(M)                       # launches only: capturable; chain.outs[i] [M, N_i] bf16 after it
     chain.check()                      # after a sync: a consumer that spun out names the op it waited for
 
 Op i reads x_i = the input x (src INPUT) or op src's output (its first K_i columns), so the chain is any DAG whose
