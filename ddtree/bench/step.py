@@ -199,8 +199,8 @@ def echo_row(row: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, requests_text,
-                 as_json):
+                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next,
+                 requests_text, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     cases = parse_routing(routings, reuses)

@@ -255,8 +255,9 @@ def run_requests(rank, caches: list, requests: list[int], contexts: list[int], b
     return with_ratios(rows)
 
 
-def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: list[int], contexts: list[int], budgets: list[int],
-                   cases: list, repeats: int, ceiling_gbps: float, weights: int, ops_options) -> dict:
+def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: list[int], contexts: list[int],
+                   budgets: list[int], cases: list, repeats: int, ceiling_gbps: float, weights: int,
+                   ops_options) -> dict:
     """The --requests run: the memory plan checked against the GPU's free bytes before anything is allocated, the
     rank and max(requests) caches, every row; -> the JSON object. ops_options(ops): bench step's backend flags."""
     rows = cache_rows(contexts, budgets)
