@@ -39,10 +39,9 @@ from ddtree.description import layers
 from ddtree.plugins import randfill as rf
 from ddtree.plugins.device import DeviceArray, _driver, check
 from ddtree.plugins.kv_cache import DeviceLatentCache
+from ddtree.runtime.cuda_executor import WORKSPACE_BYTES
 from ddtree.runtime.cuda_model import GpuTargetCache, target_layers, union_layers
 from ddtree.tree.build import Tree, pack_visibility
-
-WORKSPACE_BYTES = 256 << 20      # activations, arenas, kernel workspaces: runtime/cuda_executor.py's allowance
 
 
 def parse_requests(text: str) -> list[int]:
