@@ -1,8 +1,8 @@
 """The op set's request ops in the cuda backend (RequestOps, mixed into CudaOps: backends/cuda_backend.py): the union
 verify's append and tree attention (description/opset.py REQUEST_OPS) as one launch of the one-request kernels per
 request, on its rows, its cache, its length (a [1] view of cache_len [Rq]) and its own tree mask. The row offsets
-come from their host copy: each launch needs its rows on the host (a captured batched step would fix them per
-graph; not built). The attention launches run in order on the stream: the launcher's split workspace is shared."""
+come from their host copy: each launch needs its rows on the host (a captured union verify fixes them per graph:
+bench/step_requests.py feeds a device buffer that carries its host copy). The attention launches run in order on the stream: the launcher's split workspace is shared."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -18,8 +18,8 @@ class RequestOps:
         be known on the host (each request is a launch of its own; a captured batched step would fix them per
         graph), the lengths may live on the device only."""
         if row_offsets.host is None:
-            raise ValueError(f"{self.where}: the requests' row_offsets must be a host-fed array (one launch per "
-                             "request needs its rows on the host)")
+            raise ValueError(f"{self.where}: the requests' row_offsets must be a host-fed array or a device buffer "
+                             "carrying its host copy (one launch per request needs its rows on the host)")
         lens = cache_len.host if cache_len.host is not None else np.zeros(len(caches), np.int32)   # checked below
         shapes = None if tree_masks is None else [np.empty(m.shape, np.int8) for m in tree_masks]
         spans = request_spans(row_offsets.host, lens, len(caches), rows, shapes)

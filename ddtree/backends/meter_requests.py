@@ -2,6 +2,7 @@
 requests (description/stack.py ddtree_step_requests).
 
     recs = meter_step_requests(cfg, dcfg, plan, specs, rank=0, requests=[(4096, 8), (1024, 16)])   # (T_i, B_i)
+    recs = meter_union_verify(cfg, plan, specs, rank=0, requests=[(4096, 9), (4096, 9)])          # (T_i, nodes q_i)
 """
 from __future__ import annotations
 
@@ -60,4 +61,22 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     stack.ddtree_step_requests(run, cfg, dcfg, plan["per_rank"]["moe_intermediate"], k, [B for _, B in requests],
                                feeds, [stack.InPlace(lambda L: {"cache": None})] * len(requests),
                                [NO_CACHES] * len(requests))
+    return ops.records
+
+
+def meter_union_verify(cfg, plan: dict, specs: dict, rank: int = 0, requests=((4096, 9),), **kw) -> list[Record]:
+    """The target verify of len(requests) requests' trees in one forward on rank `rank`, with the logits over the
+    union rows (description/stack.py target_forward(requests=Rq), head layers.head_logits: lm_head read once):
+    requests [(cache length T_i, tree nodes q_i)]. One request: today's verify (target_forward's one-request
+    layers). kw: MeterOps' (routing="given", distinct=[...] per MoE layer over the union rows)."""
+    lay, Rq = RankLayout.from_plan(plan, rank), len(requests)
+    q = sum(n for _, n in requests)
+    dims = {"q": q, "nodes": q, "T": max(T for T, _ in requests), "S": max(T + n for T, n in requests),
+            "W": max(-(-n // 32) for _, n in requests), **(request_dims(requests) if Rq > 1 else {})}
+    ops = MeterOps(lay, specs, dims, **kw)
+    masks = ("tree_mask",) if Rq == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(Rq)))
+    caches = NO_CACHES if Rq == 1 else stack.RequestCaches([stack.InPlace(lambda L: {"cache": None})] * Rq)
+    stack.target_forward(MeterRun(ops, q, q), cfg, plan["per_rank"]["moe_intermediate"],
+                         dict.fromkeys(("ids", "pos", "cache_len", *masks)), caches,
+                         head=(layers.head_logits, ()), requests=Rq)
     return ops.records

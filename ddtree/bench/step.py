@@ -41,6 +41,7 @@ from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
 from ddtree.bench.step_ranks import run_all_ranks
+from ddtree.bench.step_requests import bench_requests, check_requests, parse_requests
 from ddtree.bench.step_rows import prepare_row, row_cases, stated_depths, synthetic_steps
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
@@ -191,10 +192,15 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-next/--no-prefetch-next", default=None,
               help="the next layer's attention weights staged in L2 beside each layer's MLP all-reduce (default on: "
                    "backends/cuda_branch.py)")
+@click.option("--requests", "requests_text", default=None,
+              help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
+                   "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
+                   "(bench/step_requests.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, as_json):
+                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next,
+                 requests_text, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     cases = parse_routing(routings, reuses)
@@ -209,6 +215,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                  param_hint="--collectives")
     if modes != ["copy"] and tp == 1:
         raise click.BadParameter("a tp 1 rank has no collectives to stand in for", param_hint="--collectives")
+    requests = None if requests_text is None else parse_requests(requests_text)
+    if requests is not None:
+        check_requests(requests, contexts, budgets, cfg, with_ar, ranks, modes)
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
@@ -238,15 +247,30 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
-    rank, steps, max_context = synthetic_steps(gpu, cfg, dcfg, plan, rank_id, contexts, budgets, repeats, accept)
-    rank.ops.branches = not no_branches
-    if prefetch_mb is not None:
-        rank.ops.prefetch_bytes = int(prefetch_mb * 2**20)
-    if shared_join is not None:
-        rank.ops.shared_join = shared_join
-    if prefetch_next is not None:
-        rank.ops.prefetch_next = prefetch_next
+    def ops_options(ops):
+        ops.branches = not no_branches
+        if prefetch_mb is not None:
+            ops.prefetch_bytes = int(prefetch_mb * 2**20)
+        if shared_join is not None:
+            ops.shared_join = shared_join
+        if prefetch_next is not None:
+            ops.prefetch_next = prefetch_next
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
+    if requests is not None:
+        result = bench_requests(gpu, preset, cfg, dcfg, plan, rank_id, requests, contexts, budgets, cases, repeats,
+                                ceiling["gbps"], weights, ops_options)
+        if as_json:
+            emit_json(result)
+        else:
+            for r in result["rows"]:
+                ratio = "" if r["ratio_to_1"] is None else f", {r['ratio_to_1']:.2f}x R = 1"
+                experts = "" if r["distinct_experts"] is None else f", {r['distinct_experts']['mean']:.0f} experts"
+                click.echo(f"context {r['context']}, budget {r['budget']}, {r['routing']}, R {r['requests']} "
+                           f"({r['rows']} rows): verify {r['verify_us']:.0f} us{experts}, {r['pct_roofline']:.0f} % "
+                           f"of the copy roofline{ratio}")
+        return
+    rank, steps, max_context = synthetic_steps(gpu, cfg, dcfg, plan, rank_id, contexts, budgets, repeats, accept)
+    ops_options(rank.ops)
     click.echo(f"{gpu.name}: copy ceiling {ceiling['gbps']:.0f} GB/s; rank {rank_id} of tp {tp} {preset} "
                f"({cfg.num_hidden_layers} layers): weights {weights / 2**30:.1f} GiB, caches for {max_context} rows",
                err=True)

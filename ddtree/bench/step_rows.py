@@ -23,21 +23,32 @@ def given_routing(rank, budget: int, routing: str, reuse: float | None, seed: in
     if routing == "router":
         rank.ops.routing = None
         return None
-    cfg, gpu = rank.config, rank.gpu
+    cfg = rank.config
     k, layers = cfg.num_experts_per_tok, cfg.moe_layers
     tree = DraftProfile().tree(budget, rank.drafter_config.block_size - 1)
     ids = routing_ids(routing, tree.parents, cfg.n_routed_experts, k, reuse or 0.0, len(layers), seed)   # [L, n, k]
+    d = write_routing(rank, ids)
+    return {"mean": float(d.mean()), "min": int(d.min()), "max": int(d.max()),
+            "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}
+
+
+def write_routing(rank, ids: np.ndarray) -> np.ndarray:
+    """ids [L MoE layers, n rows, k] -> the rank's routing buffers (one per MoE layer, rows past n unused), weights
+    routed_scaling_factor / k, used by CudaOps.moe after its router ran; -> the distinct experts per layer [L]."""
+    cfg, gpu = rank.config, rank.gpu
+    k, layers = cfg.num_experts_per_tok, cfg.moe_layers
+    if ids.shape[0] != len(layers) or ids.shape[1] > rank.ops.max_tokens or ids.shape[2] != k:
+        raise ValueError(f"given routing: ids {ids.shape} for {len(layers)} MoE layers of at most "
+                         f"{rank.ops.max_tokens} rows of top-{k}")
     if rank.routing_buffers is None:
         rows = rank.ops.max_tokens
         rank.routing_buffers = {L: (gpu.zeros((rows, k), np.int32), gpu.alloc((rows, k), np.float32)) for L in layers}
-    weight = np.full((len(tree.parents), k), cfg.routed_scaling_factor / k, np.float32)
+    weight = np.full((ids.shape[1], k), cfg.routed_scaling_factor / k, np.float32)
     for i, L in enumerate(layers):
         gpu.copy_in(rank.routing_buffers[L][0], ids[i].astype(np.int32))
         gpu.copy_in(rank.routing_buffers[L][1], weight)
     rank.ops.routing = {router_weight(L): rank.routing_buffers[L] for L in layers}
-    d = distinct_per_layer(ids)
-    return {"mean": float(d.mean()), "min": int(d.min()), "max": int(d.max()),
-            "source": f"{routing} ids for the stated tree (depths {depth_histogram(tree)}), reuse {reuse}, seed {seed}"}
+    return distinct_per_layer(ids)
 
 
 def stated_draft_logits(budget: int, depths: int, vocab: int) -> np.ndarray:

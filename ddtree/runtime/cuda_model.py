@@ -61,8 +61,9 @@ def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=()) -> 
 def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:
     """target_layers over Rq requests' rows at once, the union verify (description/stack.py target_forward with
     requests=Rq; feeds: ids, pos, cache_len [Rq], row_offsets [Rq + 1], tree_mask.<i>): each request's append and
-    attention on its own GpuTargetCache, every other op over the union rows -> h [q, H]. Uncaptured: the row
-    offsets are host arrays (the batched step graph per R bucket is not built)."""
+    attention on its own GpuTargetCache, every other op over the union rows -> h [q, H]. The row offsets must be
+    known on the host: a numpy array, or (to capture it: fixed per graph) a device buffer carrying its host copy
+    (Tensor.of(buf, host=offsets), as bench/step_requests.py does)."""
     return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds,
                                 stack.RequestCaches([target_feeds(c) for c in caches]), taps, tap, head=None,
                                 requests=len(caches))["h"]
