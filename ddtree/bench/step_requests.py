@@ -166,6 +166,25 @@ class UnionVerify:
         return DeviceArray(self.rank.gpu, t.ptr, t.shape, t.dtype).numpy()
 
 
+UNION_MARGIN = 512 << 20       # what the union's larger row counts may add to the workspaces the first forward took
+
+
+def check_extra_caches(rank, context: int, budget: int, requests: int, cache_bytes: int) -> None:
+    """The launchers allocate their workspaces at their first call (one set per layer: more than memory_plan's
+    stated allowance; an H100 ran out at 4 requests with the plan's 5.5 GiB to spare): run one request's verify
+    eagerly first, then refuse, before allocating them, the other requests' caches if they do not fit what is free."""
+    rank.fill_caches(context)
+    rank.ops.attention_context = context
+    UnionVerify(rank, [rank.target_cache], context, budget).eager()
+    free, _ = check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+    need = (requests - 1) * cache_bytes + UNION_MARGIN
+    if need > free:
+        raise click.ClickException(f"--requests {requests}: after the rank and its workspaces {rank.gpu.name} has "
+                                   f"{free / 2**30:.2f} GiB free; {requests - 1} more target caches of "
+                                   f"{cache_bytes / 2**30:.2f} GiB and {UNION_MARGIN >> 20} MiB for the union's rows "
+                                   f"need {need / 2**30:.2f} GiB: ask for fewer requests or a shorter context")
+
+
 def request_caches(rank, requests: int, seed: int = 1) -> list:
     """The rank's target cache and requests - 1 more of its capacity, each filled with its own random rows."""
     cfg, gpu = rank.config, rank.gpu
@@ -265,6 +284,7 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
     check_memory(mem, int(free), gpu.name, max(requests), rows)
     rank = SyntheticRank(gpu, cfg, dcfg, plan, rank_id, rows)
     ops_options(rank.ops)
+    check_extra_caches(rank, contexts[0], budgets[0], max(requests), mem["target caches"] // max(requests))
     caches = request_caches(rank, max(requests))
     out = run_requests(rank, caches, requests, contexts, budgets, cases, repeats, ceiling_gbps)
     return {"bench": "step_requests", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers,
