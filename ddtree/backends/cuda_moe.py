@@ -54,8 +54,10 @@ class MoeOps:
         if live is not None:
             if live.shape != (M,) or live.dtype != np.int32:
                 raise ValueError(f"{self.where}: moe_live's live must be [{M}] int32, got {live.shape} {live.dtype}")
-            routed = self.new((M, spec.topk), np.int32)
-            self.prune_kernels().route_live(ids, weights, live.ptr, routed.ptr, M, spec.topk, stream=self.stream)
+            routed = self.new((M, spec.topk), np.int32)          # into the router's own buffers (a given routing's
+            self.prune_kernels().route_live(ids, weights, live.ptr, routed.ptr, fused.topk_ids, fused.topk_w, M,
+                                            spec.topk, stream=self.stream)     # stays as given: bench step's)
+            ids, weights = fused.topk_ids, fused.topk_w
             fused.launch_route(None, M, ids, weights, self.stream)                # the tile lists of the live rows
         if self.shared_join not in ("experts", "down"):
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")

@@ -1,7 +1,7 @@
 """Launchers of the pruned verify's small kernels (kernels/prune_ops.cu; issue 53) and their numpy twins.
 
     k = PruneOps(gpu)
-    k.route_live(ids, weights, live, routed_ids, q, topk, stream)      # dead rows' pairs onto the root's experts
+    k.route_live(ids, weights, live, routed_ids, ids_out, w_out, q, topk, stream)   # dead rows: the root's experts
     k.mask_dead(tokens, live, tokens_out, n, stream)                   # the tree as a pruned walk sees it
     table = CalibrationTable.of(calibration, depths)                   # the calibration maps, packed for the device
     k.path_probs(scores, parents, depth, n, table_dev, rate_terms, path_prob, rate, stream)
@@ -106,10 +106,11 @@ class PruneOps:
     def _launch(self, name: str, *args, stream=None) -> None:
         self.gpu.launch(self.gpu.kernel(SOURCE, name), 1, THREADS, 0, *args, stream=stream)
 
-    def route_live(self, ids, weights, live, routed_ids, q: int, topk: int, stream=None) -> None:
-        """ids [q, k] int32 and weights [q, k] float32 rewritten in place (route_live_twin), routed_ids [q, k] out."""
-        self._launch("route_live", ptr(ids), ptr(weights), ptr(live), ptr(routed_ids), np.int32(q), np.int32(topk),
-                     stream=stream)
+    def route_live(self, ids, weights, live, routed_ids, ids_out, w_out, q: int, topk: int, stream=None) -> None:
+        """ids [q, k] int32, weights [q, k] float32 (the routing) -> routed_ids [q, k] (= ids), ids_out and w_out
+        [q, k] (route_live_twin; they may be ids and weights themselves)."""
+        self._launch("route_live", ptr(ids), ptr(weights), ptr(live), ptr(routed_ids), ptr(ids_out), ptr(w_out),
+                     np.int32(q), np.int32(topk), stream=stream)
 
     def mask_dead(self, tokens, live, tokens_out, n: int, stream=None) -> None:
         self._launch("mask_dead", ptr(tokens), ptr(live), ptr(tokens_out), np.int32(n), stream=stream)

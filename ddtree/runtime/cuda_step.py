@@ -269,9 +269,7 @@ class GpuSteps:
             W = t.vis.shape[1]
             feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
                      "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-            pruning = None
-            if prune:
-                pruning = self.pruning.verify_feeds(t, n, S)
+            pruning = self.pruning.verify_feeds(t, n, S) if prune else None     # path probs, rate: on the device
             h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps, prune=pruning)
             v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
             if prune:
@@ -349,8 +347,7 @@ class GpuSteps:
         key = ("ddtree", budget, b, self.set_params(params).mode) + ((k,) if k else ())
         if prune is not None:                           # its own graphs: the pruned verify at the pruner's layers
             key += ("prune", prune.at)
-            if self.pruning is None:
-                self.pruning = StepPruning(self, prune)
+            self.pruning = self.pruning or StepPruning(self, prune)
         nxt = copy.copy(s)
         nxt.start += b                                  # the furthest step k + 1 can start
         # auto: the next budget waits; pruned: the stats' buffers and the rate's context are this step's
@@ -361,11 +358,8 @@ class GpuSteps:
             self._sync_state(s.start, s.bonus)
             if prune is not None:
                 self.pruning.prepare(prune, budget, s.start)
-        if prune is None:                               # (TpSteps' body has no pruned verify: tp > 1 refuses it)
-            body = lambda: self._ddtree_body(budget, b, k=k)                 # noqa: E731
-        else:
-            body = lambda: self._ddtree_body(budget, b, k=k, prune=True)     # noqa: E731
-        rec = self._step(key, body, prepare, ahead)
+        pruned = {"prune": True} if prune is not None else {}     # (TpSteps' body has none: tp > 1 refuses it)
+        rec = self._step(key, lambda: self._ddtree_body(budget, b, k=k, **pruned), prepare, ahead)
         self._check_follows(rec, s.start)
         if prune is not None:
             self.pruning.record(budget + 1)

@@ -19,12 +19,16 @@ def test_route_live_is_its_twin(gpu, q, k):
         ids = rng.integers(0, 384, (q, k)).astype(np.int32)
         weights = rng.uniform(0, 1, (q, k)).astype(np.float32)
         live = (rng.random(q) >= dead).astype(np.int32)
-        d_ids, d_w, d_live = gpu.upload(ids), gpu.upload(weights), gpu.upload(live)
-        routed = gpu.zeros((q, k), np.int32)
-        PruneOps(gpu).route_live(d_ids, d_w, d_live, routed, q, k)
         want_ids, want_w, want_routed = route_live_twin(ids, weights, live)
-        assert np.array_equal(gpu.download(d_ids), want_ids) and np.array_equal(gpu.download(routed), want_routed)
-        assert np.array_equal(gpu.download(d_w), want_w)
+        for in_place in (False, True):              # into the router's own buffers, or into others (bench step's)
+            d_ids, d_w, d_live = gpu.upload(ids), gpu.upload(weights), gpu.upload(live)
+            routed = gpu.zeros((q, k), np.int32)
+            out_ids, out_w = (d_ids, d_w) if in_place else (gpu.zeros((q, k), np.int32), gpu.zeros((q, k), np.float32))
+            PruneOps(gpu).route_live(d_ids, d_w, d_live, routed, out_ids, out_w, q, k)
+            assert np.array_equal(gpu.download(out_ids), want_ids) and np.array_equal(gpu.download(out_w), want_w)
+            assert np.array_equal(gpu.download(routed), want_routed)
+            if not in_place:                        # the given routing is left as it was
+                assert np.array_equal(gpu.download(d_ids), ids) and np.array_equal(gpu.download(d_w), weights)
 
 
 def test_mask_dead_is_its_twin(gpu):
