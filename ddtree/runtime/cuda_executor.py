@@ -44,6 +44,7 @@ from ddtree.runtime.cuda_weights import CudaWeights
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.executor import Executor
 from ddtree.runtime.loop import RequestError
+from ddtree.runtime.pruning import expert_bytes
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -246,10 +247,8 @@ class CudaExecutor(Executor):
     @property
     def expert_bytes(self) -> int:
         """One routed expert's bytes on this rank (its four kernel-layout tensors): tree_prune's cost unit."""
-        L = self.config.moe_layers[0]
-        names = [f"model.layers.{L}.mlp.experts.{k}" for k in ("gate_up.words", "gate_up.scales", "down.words",
-                                                               "down.scales")]
-        return sum(self.store.device(n).nbytes for n in names) // (self.lay.expert_stop - self.lay.expert_start)
+        return expert_bytes(lambda name: self.store.device(name).nbytes, self.config,
+                            self.lay.expert_stop - self.lay.expert_start)
 
     def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=(), pruning: stack.Pruning | None = None):
         """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32 (a rank of tp N: its vocab slice [q, V/N]),

@@ -40,6 +40,16 @@ WHY_NOT = {"numpy": "it is the float64 reference of a checkpoint dir, which runs
            "cuda": "its tp > 1 step graphs (runtime/cuda_step_tp.py) have no tree_prune yet (tp 1 prunes)"}
 
 
+EXPERT_TENSORS = ("gate_up.words", "gate_up.scales", "down.words", "down.scales")   # a routed expert's, stacked
+
+
+def expert_bytes(nbytes_of, cfg, experts: int) -> int:
+    """One routed expert's bytes on a rank (tree_prune's cost unit): its stacked kernel-layout tensors at the first
+    MoE layer (nbytes_of(name) -> bytes) over the rank's `experts`."""
+    L = cfg.moe_layers[0]
+    return sum(int(nbytes_of(f"model.layers.{L}.mlp.experts.{k}")) for k in EXPERT_TENSORS) // experts
+
+
 def check_prune(prune: str) -> str:
     if prune not in PRUNE_MODES:
         raise PruneRefused(f"prune (--prune) {prune!r}: expected one of {', '.join(PRUNE_MODES)}")
