@@ -18,7 +18,8 @@ bytes once on this GPU without summing anything, and without either they raise n
 plugins/vocab_nodes.py at any tp (per-rank winners / top-k, then the gathered merge, on the device, no host
 round trip; the TensorRT plugins launch the same): at tp 1 the GPU step (runtime/cuda_step.py) runs the heads
 without them (layers.head_logits, draft_logits) and fuses vocab_topk + tree_build (plugins/tree_build.py) and
-vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels.
+vocab_winner + accept_walk (plugins/tree_sample.py) in their kernels. The pruning ops (moe_live, tree_prune,
+accept_walk_live; issue 53): backends/cuda_prune.py PRUNE_LAUNCHERS.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 from ddtree.backends.cuda_branch import BranchOps
 from ddtree.backends.cuda_cache import CacheOps
 from ddtree.backends.cuda_moe import MoeOps
+from ddtree.backends.cuda_prune import PruneOps
 from ddtree.backends.cuda_requests import RequestOps
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
 from ddtree.backends.cuda_vocab import VocabOps
@@ -107,7 +109,7 @@ if set(LAUNCHERS) != set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS):
                       "differ from the op set, its patterns and its request ops")
 
 
-class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, RequestOps, VocabOps, Ops):
+class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, VocabOps, Ops):
     """One rank's ops on one GPU (tp 1). `store`: CudaWeights of the rank (runtime/cuda_executor.py)."""
 
     def __init__(self, gpu, lay: RankLayout, store, max_tokens: int = MAX_TOKENS, collective=None,

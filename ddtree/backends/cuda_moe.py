@@ -6,7 +6,10 @@ routing phase runs on one block while the rest of the GPU idles: it runs on a pa
 (backends/cuda_branch.py), joined before the experts' launch, or with `ops.shared_join = "down"` before the down
 launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`). `ops.branches =
 False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
-same kernels on the same inputs)."""
+same kernels on the same inputs).
+
+moe_live (a pruned verify, issue 53): the same launches with plugins/prune_ops.py route_live and the route kernel's
+alignment between the router and the experts (dead rows read no expert of their own)."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +24,18 @@ class MoeOps:
         return fused.topk_ids, fused.topk_w
 
     def moe(self, x, router, bias, experts, shared, spec):
+        return self._moe(x, router, bias, experts, shared, spec)[0]
+
+    def moe_live(self, x, router, bias, experts, shared, spec, live):
+        """The pruned verify's MoE (issue 53): the router as in moe, then plugins/prune_ops.py route_live moves each
+        dead row's pairs onto the root's experts with weight 0 (rather than an id outside the expert range, which
+        the route kernel's alignment cannot take, or a zero weight on the row's own experts, which would still read
+        them), and the route kernel aligns the tile lists again: a dead row makes the MoE read no expert that a
+        live row does not (the experts-touched count stays honest), and its routed part is 0. Row 0 is the tree's
+        root, always live. -> (partial [q, H], routed ids [q, topk] I32: the routing of every row, global)."""
+        return self._moe(x, router, bias, experts, shared, spec, live)
+
+    def _moe(self, x, router, bias, experts, shared, spec, live=None) -> tuple:
         if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
             raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
                                       "kernel's expert offset; tp 1 holds them all")
@@ -35,13 +50,22 @@ class MoeOps:
             router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
         ids, weights = self.route(fused, x, M, router.name)
+        routed = None
+        if live is not None:
+            if live.shape != (M,) or live.dtype != np.int32:
+                raise ValueError(f"{self.where}: moe_live's live must be [{M}] int32, got {live.shape} {live.dtype}")
+            routed = self.new((M, spec.topk), np.int32)          # into the router's own buffers (a given routing's
+            self.prune_kernels().route_live(ids, weights, live.ptr, routed.ptr, fused.topk_ids, fused.topk_w, M,
+                                            spec.topk, stream=self.stream)     # stays as given: bench step's)
+            ids, weights = fused.topk_ids, fused.topk_w
+            fused.launch_route(None, M, ids, weights, self.stream)                # the tile lists of the live rows
         if self.shared_join not in ("experts", "down"):
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
         if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
             fused.gate_up(x.ptr, M, self.stream)
             self.join(shared_path)
             fused.down(out.ptr, M, weights, shared_out.ptr, self.stream)
-            return out
+            return out, routed
         self.join(shared_path)
         fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)
-        return out
+        return out, routed

@@ -18,7 +18,7 @@ they must be identical and a difference fails the command; on the GPU the verify
 sum in different orders, so a row reports "identical" (near-ties are tests/runtime/test_cuda_step_gpu.py's).
 Per-phase step time (draft / tree / verify / walk) needs separately captured phase graphs: not measured yet.
 
---prune auto (issue 53, runtime/pruning.py; --device cpu): each budget gets two DDTree rows, prune "off" then
+--prune auto (issue 53, runtime/pruning.py; --device cpu, or cuda at tp 1): each budget gets two DDTree rows, prune "off" then
 "auto". The pruned row carries pruned_nodes, pruned_per_step (mean), distinct_experts_before / _after and
 accept_len_after (its own mean acceptance length); its accept_len_before is the "off" row's, since the
 acceptance length the same run would have had unpruned is not observable inside it.

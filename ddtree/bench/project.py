@@ -152,7 +152,8 @@ def _table(rows: list[dict], title: str) -> Table:
               help="JSON {\"rows\": [{kernel_class, bytes, flops, us}]} measured on the H200: refits those classes")
 @click.option("--measured-step", type=click.Path(dir_okay=False, exists=True), default=None,
               help="a `ddtree bench step --json` file from the H200: each matching row also gets the projection "
-                   "corrected by the measured / modelled factor (bench/step_correction.py)")
+                   "corrected by the measured / modelled factor (bench/step_correction.py), and with --prune rows "
+                   "the pruned step at the measured speedup")
 @click.option("--hidden-collectives", type=click.Path(dir_okay=False, exists=True), default=None,
               help="bench step JSON measured with --collectives copy,pcie: the collectives cost (1 - its hidden "
                    "fraction) of their modelled time instead of all of it")

@@ -42,7 +42,7 @@ from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collecti
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
 from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_requests import bench_requests, check_requests, parse_requests
-from ddtree.bench.step_rows import prepare_row, row_cases, stated_depths, synthetic_steps
+from ddtree.bench.step_rows import bench_pruner, prepare_row, row_cases, stated_depths, synthetic_steps
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
@@ -94,12 +94,13 @@ def parse_contexts(text: str) -> list[int]:
 
 
 def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: float, repeats: int,
-                routing: str = "router", reuse: float | None = None, accept: int = 1) -> dict:
+                routing: str = "router", reuse: float | None = None, accept: int = 1, pruner=None) -> dict:
     """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
-    has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept)."""
+    has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept).
+    pruner: that step with the verify pruned inside (--prune; the row's `prune` fields)."""
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
-    key, body, distinct = prepare_row(rank, steps, context, budget, repeats, routing, reuse, accept)
+    key, body, distinct = prepare_row(rank, steps, context, budget, repeats, routing, reuse, accept, pruner)
     accepted = depths = None
     if budget:
         logits = steps.last["logits"].numpy()
@@ -110,6 +111,14 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
         depths = depth_histogram(Tree.from_parents(steps.last["tree"].parents.numpy()))
     steps.state.set(start=context, bonus=1)
     step_ms = statistics.median(gpu.timed_ms(lambda: steps._replay(key), repeats))
+    pruned = None
+    if pruner is not None:                      # the last replay's tree, routing and live masks (host-mapped)
+        gpu.sync()
+        steps.pruning.record(budget + 1)
+        d = pruner.stats.to_dict()
+        pruned = {"rate": pruner.rate_terms(budget, context)[0], "rate_source": d["prune_rate_source"],
+                  "pruned_nodes": d["pruned_nodes"], "distinct_experts_before": d["distinct_experts_before"],
+                  "distinct_experts_after": d["distinct_experts_after"]}
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
     steps.forced_accept = steps.stated_draft = None
@@ -136,7 +145,9 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             "top_kernels": top_kernels(launches, times, rank.lay.vocab_stop - rank.lay.vocab_start,
                                        cfg.n_routed_experts),
             "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None,
-            "collectives_modelled_us": modelled_us(rank.ops.collective, recs, rank.lay.tp)}
+            "collectives_modelled_us": modelled_us(rank.ops.collective, recs, rank.lay.tp),
+            **({} if budget is None else {"prune": "off" if pruned is None else "auto"}),
+            **({} if pruned is None else {"pruned": pruned})}
 
 
 def echo_row(row: dict) -> None:
@@ -146,7 +157,10 @@ def echo_row(row: dict) -> None:
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
     else:
         reuse = "" if row["reuse"] is None else f" {row['reuse']}"
-        click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}: step {row['step_us']:.0f} us, "
+        p = row.get("pruned")
+        pruned = "" if p is None else (f", pruned ({p['pruned_nodes']} nodes, experts {p['distinct_experts_before']:.1f}"
+                                       f" -> {p['distinct_experts_after']:.1f} a layer)")
+        click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}{pruned}: step {row['step_us']:.0f} us, "
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
 
 
@@ -192,6 +206,11 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-next/--no-prefetch-next", default=None,
               help="the next layer's attention weights staged in L2 beside each layer's MLP all-reduce (default on: "
                    "backends/cuda_branch.py)")
+@click.option("--prune", "with_prune", is_flag=True,
+              help="each DDTree row again with the verify pruned inside (--prune auto's step, issue 53): distinct "
+                   "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
+@click.option("--prune-rate", type=FiniteFloatRange(min=0), default=None,
+              help="--prune: tokens per expert byte (default tree/prune.py DEFAULT_RATE, the Kimi step's)")
 @click.option("--requests", "requests_text", default=None,
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
@@ -199,8 +218,8 @@ def echo_row(row: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next,
-                 requests_text, as_json):
+                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, with_prune,
+                 prune_rate, requests_text, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     cases = parse_routing(routings, reuses)
@@ -218,10 +237,12 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     requests = None if requests_text is None else parse_requests(requests_text)
     if requests is not None:
         check_requests(requests, contexts, budgets, cfg, with_ar, ranks, modes)
+        if with_prune:
+            raise click.BadParameter("applies to the step's rows, not --requests' union verify", param_hint="--prune")
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
-                            ("--prefetch-next", prefetch_next is not None)):
+                            ("--prefetch-next", prefetch_next is not None), ("--prune", with_prune)):
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
@@ -286,6 +307,12 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                    "collectives": mode}
             rows.append(row)
             echo_row(row)
+            if with_prune and budget is not None:        # the same row pruned (a fresh Pruner: the row's own stats)
+                pruned = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse,
+                                        accept, bench_pruner(rank, prune_rate)), "collectives": mode}
+                pruned["pruned"]["speedup"] = row["step_us"] / pruned["step_us"]
+                rows.append(pruned)
+                echo_row(pruned)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
@@ -297,6 +324,11 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                         "hidden": "per row under both: hidden_fraction = 1 - (step pcie - step copy) / modelled_us",
                         "accept": "each DDTree step commits accepted_per_step tokens: the walk's path replaced by "
                                   "the tree's first-child chain (random weights accept ~1 on their own)",
+                        "prune": "--prune: each DDTree row again with the verify pruned inside (prune auto; its "
+                                 "pruned fields: the last replay's pruned nodes and distinct experts a MoE layer "
+                                 "before / after, speedup = the unpruned row's step / this one's); its accepted "
+                                 "length is still the forced --accept (the pruned tree's real acceptance is not "
+                                 "measured here) and its bytes are the meter's unpruned ones",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "
                                    "used after the router ran (bench/routing.py on the stated tree)",
                         "split": "each launch timed alone in a graph of 10 back-to-back copies, one per kernel shape; "

@@ -37,7 +37,7 @@ def modelled_us(collective, records, tp: int) -> float | None:
 def hidden_rows(rows: list[dict]) -> list[dict]:
     """For every row measured under both copy and pcie: the steps, the modelled time and the fraction hidden."""
     def key(r):
-        return r["context"], r["budget"], r["routing"], r["reuse"]
+        return r["context"], r["budget"], r["routing"], r["reuse"], r.get("prune")
     copy = {key(r): r for r in rows if r["collectives"] == "copy"}
     out = []
     for r in rows:
@@ -46,6 +46,7 @@ def hidden_rows(rows: list[dict]) -> list[dict]:
             continue
         grown, modelled = r["step_us"] - c["step_us"], r["collectives_modelled_us"]
         out.append({"context": r["context"], "budget": r["budget"], "routing": r["routing"], "reuse": r["reuse"],
+                    **({"prune": r["prune"]} if "prune" in r else {}),
                     "step_copy_us": c["step_us"], "step_pcie_us": r["step_us"], "modelled_us": modelled,
                     "grown_us": grown, "hidden_fraction": 1.0 - grown / modelled})
     return out

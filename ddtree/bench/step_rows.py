@@ -12,6 +12,8 @@ from ddtree.bench.routing import distinct_per_layer, routing_ids
 from ddtree.bench.synthetic_rank import SyntheticRank
 from ddtree.description.layers import router_weight
 from ddtree.plugins import randfill as rf
+from ddtree.runtime.cuda_step_prune import StepPruning
+from ddtree.runtime.pruning import Pruner, expert_bytes
 from ddtree.tree.sampling import SamplingParams
 
 
@@ -93,10 +95,18 @@ def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repea
     return rank, steps, max_context
 
 
+def bench_pruner(rank, rate: float | None) -> Pruner:
+    """--prune's runtime/pruning.py Pruner for the synthetic rank: its expert bytes from the rank's tensor specs, no
+    tuning file (the stated drafter table's own probabilities, uncalibrated), the rate given or DEFAULT_RATE."""
+    return Pruner(rank.config, expert_bytes(lambda name: rank.specs[name].nbytes, rank.config,
+                                            rank.lay.expert_stop - rank.lay.expert_start), rate=rate)
+
+
 def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",
-                reuse: float | None = None, accept: int = 1):
+                reuse: float | None = None, accept: int = 1, pruner: Pruner | None = None):
     """Set the rank up for one row and run its step once eagerly, then once more into its graph: -> (graph key, the
-    step's body, the distinct experts per layer or None). budget None: the AR step."""
+    step's body, the distinct experts per layer or None). budget None: the AR step. pruner: the DDTree step with
+    the verify pruned inside (--prune: runtime/cuda_step_prune.py, the rate's terms written for this row)."""
     gpu, b = rank.gpu, rank.drafter_config.block_size
     if budget:
         distinct = given_routing(rank, budget, routing, reuse)
@@ -108,8 +118,12 @@ def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, rou
         key, body = ("ar", steps.plan.mode, context), steps._ar_body
     else:
         rf.fill_device(gpu, steps.window, 7, rf.ACT_BF16)
-        key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router", accept)
+        key = ("ddtree", budget, b, steps.plan.mode, context, routing != "router", accept, pruner is not None)
         body = lambda: steps._ddtree_body(budget, b)         # noqa: E731
+        if pruner is not None:
+            steps.pruning = steps.pruning or StepPruning(steps, pruner)
+            steps.pruning.prepare(pruner, budget, context)
+            body = lambda: steps._ddtree_body(budget, b, prune=True)     # noqa: E731
         vocab = rank.lay.vocab_stop - rank.lay.vocab_start
         steps.stated_draft = gpu.upload(stated_draft_logits(budget, b - 1, vocab))
     steps.forced_accept = accept if budget else None

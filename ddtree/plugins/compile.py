@@ -54,6 +54,7 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     # (25 MB in flight on 132 SMs), 6 in sm_120's 99 KB
     "gemm_chain.cu": {"default": {"GC_WARPS": 8, "GC_STAGES": 6}, "sm_90": {"GC_WARPS": 8, "GC_STAGES": 12}},
     "tree_prune.cu": {"default": {}},          # pruning a tree inside the verify (plugins/tree_prune.py, issue 53)
+    "prune_ops.cu": {"default": {}},           # the pruned verify's routing, walk mask, path probs (plugins/prune_ops.py)
 }
 CXX_STD = "c++17"
 # Sources whose cubins depend on the model's latent geometry (compiled with latent_defines)

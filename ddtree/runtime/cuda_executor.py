@@ -44,6 +44,7 @@ from ddtree.runtime.cuda_weights import CudaWeights
 from ddtree.runtime.engine_executor import checked_drafter_inputs, checked_forward_inputs
 from ddtree.runtime.executor import Executor
 from ddtree.runtime.loop import RequestError
+from ddtree.runtime.pruning import expert_bytes
 from ddtree.tree.build import Tree, build_tree, pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -91,6 +92,7 @@ def gpu_unavailable(gpu: int = 0) -> str | None:
 
 class CudaExecutor(Executor):
     name = "cuda"
+    prunes_in_step = True         # --prune auto: its DDTree step graph prunes inside (tp 1; tp > 1 cannot prune)
 
     def __init__(self, engine_dir, gpu: int = 0, max_context: int | None = None, verify: bool = True,
                  graphs: bool = True, cap_context: bool = False, kernel_plan: str = "fast", rank: int = 0,
@@ -171,6 +173,8 @@ class CudaExecutor(Executor):
         # tp > 1: graphs only over a collective that launches without host syncs (not the ranks-as-threads one)
         self.graphs = graphs and (self.lay.tp == 1 or getattr(collective, "capturable", False))
         self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
+        if self.lay.tp != 1:                            # TpSteps have no pruned verify: Pruner.for_executor refuses
+            self.prune_forward = None
 
     def device_stats(self) -> dict:
         """The GPU, the memory plan (bytes), which collective carries a tp N rank's all-reduces, and the step
@@ -226,9 +230,29 @@ class CudaExecutor(Executor):
         return self.draft_cache
 
     # primitives --------------------------------------------------------------------------------
-    def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=()):
+    def prune_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=(), pruning: stack.Pruning | None = None):
+        """target_forward with the verify pruned inside (the composition's steps: runtime/pruning.py Pruner.verify,
+        whose feeds are host arrays, uploaded once here): on_route and the final live mask get host arrays."""
+        ops = self.ops
+        feeds = {k: ops.bind(f"prune_{k}", np.asarray(v)) for k, v in pruning.feeds.items()}
+
+        def on_route(L: int, routed, live) -> None:
+            if pruning.on_route is not None:
+                pruning.on_route(L, ops.host(routed).copy(), ops.host(live).copy())
+        dev = stack.Pruning(pruning.at, feeds, on_route)
+        out = self.target_forward(ids, pos, visible, cache, taps, dev)
+        pruning.feeds = {**pruning.feeds, "live": ops.host(dev.feeds["live"]).copy()}
+        return out
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's bytes on this rank (its four kernel-layout tensors): tree_prune's cost unit."""
+        return expert_bytes(lambda name: self.store.device(name).nbytes, self.config,
+                            self.lay.expert_stop - self.lay.expert_start)
+
+    def target_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=(), pruning: stack.Pruning | None = None):
         """ids [q], pos [q], visible [q, T+q] -> logits [q, V] float32 (a rank of tp N: its vocab slice [q, V/N]),
-        {L: h [q, H] float32}."""
+        {L: h [q, H] float32}. pruning: a pruned verify over device feeds (prune_forward)."""
         cfg, ops = self.config, self.ops
         T = cache.length
         ids, pos, visible = checked_forward_inputs(ids, pos, visible, T, cfg.vocab_size, CudaRequestError)
@@ -238,6 +262,9 @@ class CudaExecutor(Executor):
                                    f"{self.max_context - 1} (--max-context {self.max_context})")
         cache.reserve(T + q)
         if q > self.ops.max_tokens:
+            if pruning is not None:
+                raise CudaRequestError(f"target_forward: a pruned verify of {q} rows (one call takes "
+                                       f"{self.ops.max_tokens})")
             return self._chunked(ids, pos, visible, cache, taps)
         cache.dev.set_length(T)
         step = {"ids": ops.bind("ids", ids.astype(np.int32)), "pos": ops.bind("pos", pos.astype(np.int32)),
@@ -247,7 +274,7 @@ class CudaExecutor(Executor):
 
         def tap(L: int, h: Tensor) -> None:
             tapped[L] = as_float(ops.host(h), np.float32)
-        h = target_layers(self, step, cache, tap, taps)
+        h = target_layers(self, step, cache, tap, taps, prune=pruning)
         cache.length = T + q
         return self._logits(ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]), tapped
 

@@ -50,12 +50,14 @@ class GpuDraftCache:
                                "(--max-context)")
 
 
-def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=()) -> Tensor:
+def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=(), prune: stack.Pruning | None = None
+                  ) -> Tensor:
     """The embedding and every decoder layer of ex (an executor, or bench step's SyntheticRank: ops, config,
     moe_inter) through description/stack.py (feeds: ids, pos, cache_len, tree_mask) -> h [q, H]; tap(L, h) after
-    each layer L in taps (the primitives download taps, the step graph copies them on the device)."""
+    each layer L in taps (the primitives download taps, the step graph copies them on the device). prune: a pruned
+    verify (--prune auto; its final live mask in prune.feeds["live"])."""
     return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds, target_feeds(cache), taps, tap,
-                                head=None)["h"]
+                                head=None, prune=prune)["h"]
 
 
 def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:

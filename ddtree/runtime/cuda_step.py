@@ -15,6 +15,8 @@ A DDTree step graph (one per (budget, block size, sampling mode)) runs, with no 
     compact      every layer's cache: accepted rows -> start + i (count read on the device)
     window       the context window shifted by the accepted count, the accepted nodes' taps appended
     commit       accepted drafts + new bonus into the host-mapped record ring; state advanced
+With --prune auto (a loop.DecodeState's prune: runtime/pruning.py Pruner) the verify is the pruned one and the walk
+sees dead nodes as absent, all inside the same graph (runtime/cuda_step_prune.py; its graphs are keyed apart).
 The AR step graph is prologue, embed + layers + head_logits over one token, the sampler, commit. A rank of a
 tp > 1 engine: runtime/cuda_step_tp.py (the node kernels and the collectives in the graphs; this class's rest).
 
@@ -43,6 +45,7 @@ from ddtree.plugins.tree_build import DraftTreeBuilder
 from ddtree.plugins.tree_sample import TreeSampler
 from ddtree.runtime import loop
 from ddtree.runtime.cuda_model import draft_feeds, target_feeds, target_layers
+from ddtree.runtime.cuda_step_prune import StepPruning
 from ddtree.tree.build import pack_visibility
 from ddtree.tree.sampling import SamplingParams
 
@@ -83,6 +86,7 @@ class GpuSteps:
         self.table_host = None                # (host view, device address) of --budget auto's table buffer
         self.inflight: tuple | None = None    # (key, event) of a step enqueued ahead of the host
         self.pipeline = True                  # False: one step at a time (last_verify reads the step just read)
+        self.pruning: StepPruning | None = None   # --prune auto's device buffers (made on the first pruned step)
 
     def _make_sampler(self):         # the fused sampler + walk over full logits (tp 1's; cuda_step_tp.py has none)
         return TreeSampler(self.gpu, vocab=self.V, max_rows=self.ops.max_tokens)
@@ -242,10 +246,11 @@ class GpuSteps:
 
     PHASES = stack.PHASES
 
-    def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None):
+    def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None, prune: bool = False):
         """The step's launches, phase by phase (PHASES); `only`: just those phases, on the buffers of the last
         full run (phase_times captures each alone to time it). k: --budget auto's table width (the table is
-        copied to the host-mapped buffer table_host with the record)."""
+        copied to the host-mapped buffer table_host with the record). prune: the verify pruned inside
+        (self.pruning, runtime/cuda_step_prune.py)."""
         ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
         S, n = ops.stream, budget + 1
         lengths = ex.target_cache.dev.lengths
@@ -264,12 +269,16 @@ class GpuSteps:
             W = t.vis.shape[1]
             feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
                      "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps)
+            pruning = self.pruning.verify_feeds(t, n, S) if prune else None     # path probs, rate: on the device
+            h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps, prune=pruning)
             v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
+            if prune:
+                v["live"] = pruning.feeds["live"]                                          # [n] int32 Tensor
 
         def sample_walk():
             t = v["tree"]
-            v["out"] = self.walked(self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=t,
+            walk = self.pruning.walk_tree(t, v["live"], n, S) if prune else t          # dead nodes absent
+            v["out"] = self.walked(self.sampler.launch(self.plan, _array(g, v["logits"]), t.positions, n, tree=walk,
                                                        stream=S), t.parents, n)
             self.last = {"logits": _array(g, v["logits"]), "tree": t, "sampled": v["out"]}
 
@@ -277,6 +286,8 @@ class GpuSteps:
             out = v["out"]
             if k:
                 g.copy_d2d(self._table(b - 1, k)[1], v["tree"].table_logp.ptr, (b - 1) * k * 4, stream=S)
+            if prune:
+                self.pruning.finish(n, S)
             self._update(b, v["tree"].tokens, Tensor.of(out.accepted), Tensor.of(out.count), out.bonus,
                          (self.sampler.status, builder.status))
 
@@ -332,17 +343,26 @@ class GpuSteps:
             self.drain()
             self._leave_window(s)
             return loop.ddtree_step(ex, s, params, budget)
-        k = s.table_k
+        k, prune = s.table_k, s.prune
         key = ("ddtree", budget, b, self.set_params(params).mode) + ((k,) if k else ())
+        if prune is not None:                           # its own graphs: the pruned verify at the pruner's layers
+            key += ("prune", prune.at)
+            self.pruning = self.pruning or StepPruning(self, prune)
         nxt = copy.copy(s)
         nxt.start += b                                  # the furthest step k + 1 can start
-        ahead = nxt.start < s.end and self.graph_ready(nxt, budget) and not k   # auto: the next budget waits
+        # auto: the next budget waits; pruned: the stats' buffers and the rate's context are this step's
+        ahead = nxt.start < s.end and self.graph_ready(nxt, budget) and not k and prune is None
 
         def prepare():
             self._enter_window(s)
             self._sync_state(s.start, s.bonus)
-        rec = self._step(key, lambda: self._ddtree_body(budget, b, k=k), prepare, ahead)
+            if prune is not None:
+                self.pruning.prepare(prune, budget, s.start)
+        pruned = {"prune": True} if prune is not None else {}     # (TpSteps' body has none: tp > 1 refuses it)
+        rec = self._step(key, lambda: self._ddtree_body(budget, b, k=k, **pruned), prepare, ahead)
         self._check_follows(rec, s.start)
+        if prune is not None:
+            self.pruning.record(budget + 1)
         if k:
             s.draft_logp = self.table_host[0][: (b - 1) * k].reshape(b - 1, k).copy()
         old = s.start

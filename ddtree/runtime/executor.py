@@ -21,6 +21,8 @@ loops (runtime/loop.py), the engine (runtime/engine.py) and the server call only
         steps                                       the GPU step graphs (their counters: steps.stats())
         prune_forward(ids, pos, visible, cache, taps, pruning) -> like target_forward, the verify pruned inside
                                                     (description/stack.py Pruning; --prune auto, issue 53)
+        prunes_in_step                              True where ddtree_step prunes when the state asks (its
+                                                    prune: a Pruner); else the loop composes the pruned steps
     device_stats() -> dict                          the device, its memory plan, the step graphs' counters
 
 `NumpyExecutor` is the float64 reference. A GPU executor provides the same names (and may fuse a whole step
@@ -53,6 +55,7 @@ class Executor(ABC):
     verify_requests: Callable | None = None
     steps: object | None = None
     prune_forward: Callable | None = None
+    prunes_in_step: bool = False
 
     @abstractmethod
     def new_target_cache(self, capacity: int = 256, limit: int | None = None): ...

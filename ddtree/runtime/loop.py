@@ -232,7 +232,8 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     Each step is `ex.ddtree_step(state, params, budget)` where the executor has one (one captured GPU
     graph), else the composition `ddtree_step` above. `budget`: an int, or a chooser called with the state
     before each step (runtime/auto_budget.py AutoBudget: --budget auto); stats.budgets lists each step's.
-    prune: a runtime/pruning.py Pruner (--prune auto: the composition prunes inside each verify; stats.prune).
+    prune: a runtime/pruning.py Pruner (--prune auto: the executor's ddtree_step prunes inside each verify where it
+    says so, prunes_in_step, else the composition; stats.prune).
     union: each step's verify is the caller's: before a step's tokens the generator yields a Verify and takes its
     (logits, taps) by send() (runtime/batch.py verifies several requests' trees in one forward)."""
     if union and ex.ddtree_step is not None:
@@ -281,8 +282,10 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     if ex.drafter_prefill is not None:      # an executor that ingests the prompt's drafter context during the
         ex.drafter_prefill(st)              # prefill (the GPU step's window)
     step = ex.ddtree_step or (lambda s, p, B: ddtree_step(ex, s, p, B))
-    if prune is not None:                   # the composition prunes (Pruner.for_executor refused the others)
-        st.prune, stats.prune, step = prune, prune.stats, (lambda s, p, B: ddtree_step(ex, s, p, B))
+    if prune is not None:                   # the step prunes (Pruner.for_executor refused the others)
+        st.prune, stats.prune = prune, prune.stats
+        if not ex.prunes_in_step:           # the composition prunes inside its verify
+            step = lambda s, p, B: ddtree_step(ex, s, p, B)     # noqa: E731
     out, done = commit([bonus])
     stats.wall_s = time.perf_counter() - t0
     yield out

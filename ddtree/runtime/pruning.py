@@ -3,7 +3,8 @@
     pruner = Pruner.for_executor(ex, tuning)               # refuses an executor that cannot prune, by name
     ddtree_steps(ex, prompt, n, params, budget, prune=pruner, stats=stats)   # stats.prune: the counts below
 
-Per step (runtime/loop.py ddtree_step): every node's path probability (tree/prune.py node_path_probs: the
+Per step (runtime/loop.py ddtree_step; the GPU step graph does the same on the device: runtime/cuda_step_prune.py):
+every node's path probability (tree/prune.py node_path_probs: the
 calibrated drafter confidences `--budget auto` fits, from the tuning file; without one the raw drafter
 probabilities), the step's exchange rate, then the executor's prune_forward: the verify over the op set with
 tree_prune at every `every`-th MoE layer (description/stack.py Pruning). The walk then sees dead nodes as absent
@@ -36,7 +37,17 @@ WHY_NOT = {"numpy": "it is the float64 reference of a checkpoint dir, which runs
                     "ddtree-build, then --model ENGINE_DIR)",
            "engine-graphs": "its ONNX graphs are fixed (no tree_prune node)",
            "tensorrt": "its TensorRT-RTX plans are fixed (no tree_prune node)",
-           "cuda": "its captured step graphs have no tree_prune yet (the kernel exists: plugins/tree_prune.py)"}
+           "cuda": "its tp > 1 step graphs (runtime/cuda_step_tp.py) have no tree_prune yet (tp 1 prunes)"}
+
+
+EXPERT_TENSORS = ("gate_up.words", "gate_up.scales", "down.words", "down.scales")   # a routed expert's, stacked
+
+
+def expert_bytes(nbytes_of, cfg, experts: int) -> int:
+    """One routed expert's bytes on a rank (tree_prune's cost unit): its stacked kernel-layout tensors at the first
+    MoE layer (nbytes_of(name) -> bytes) over the rank's `experts`."""
+    L = cfg.moe_layers[0]
+    return sum(int(nbytes_of(f"model.layers.{L}.mlp.experts.{k}")) for k in EXPERT_TENSORS) // experts
 
 
 def check_prune(prune: str) -> str:
@@ -78,17 +89,24 @@ class Pruner:
     @classmethod
     def for_executor(cls, ex, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY) -> "Pruner":
         if ex.prune_forward is None:
-            raise PruneRefused(f"--prune auto prunes the tree inside the verify over the op set (--device cpu with an "
-                               f"engine directory); the {ex.name} executor cannot: "
+            raise PruneRefused(f"--prune auto prunes the tree inside the verify over the op set (an engine directory on "
+                               f"--device cpu, or --device cuda at tp 1); the {ex.name} executor cannot: "
                                f"{WHY_NOT.get(ex.name, 'it has no prune_forward')}. Use --prune off")
         return cls(ex.config, ex.expert_bytes, tuning, rate, every)
 
     def rate(self, budget: int, context: int, expected_committed: float) -> float:
+        base, per_token = self.rate_terms(budget, context)
+        return base + per_token * expected_committed
+
+    def rate_terms(self, budget: int, context: int) -> tuple[float, float]:
+        """The rate as base + per_token x the tree's expected committed tokens (the GPU step computes that sum on
+        the device, runtime/cuda_step_prune.py): (given or DEFAULT_RATE, 0), or (0, the tuning file's rate per
+        expected token: exchange_rate is linear in it)."""
         if self.fixed_rate is not None:
-            return self.fixed_rate
+            return float(self.fixed_rate), 0.0
         measured = None if self.tuning is None else exchange_rate(
-            self.tuning, budget, context, expected_committed, len(self.cfg.moe_layers), self.expert_bytes)
-        return DEFAULT_RATE if measured is None else measured
+            self.tuning, budget, context, 1.0, len(self.cfg.moe_layers), self.expert_bytes)
+        return (DEFAULT_RATE, 0.0) if measured is None else (0.0, measured)
 
     def verify(self, ex, tree, draft_logits, node_pos, visible, cache, taps, budget: int) -> tuple:
         """The step's verify with pruning -> (logits [n, V], taps {L: h}, live [n] int32)."""

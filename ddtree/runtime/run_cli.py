@@ -118,7 +118,7 @@ def _summary(stats: dict, label: str) -> str:
               help="Drafted tree nodes per step (root excluded).")
 @click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: drop unlikely tree nodes whose experts no other node shares, inside the verify (issue 53; "
-                   "lossless; --device cpu with an engine dir). --json stats: pruned_nodes, pruned_per_step, "
+                   "lossless; --device cpu with an engine dir, or --device cuda at tp 1). --json stats: pruned_nodes, pruned_per_step, "
                    "distinct_experts_before/after.")
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Drafter block size (default: the drafter's; depth = block size - 1).")

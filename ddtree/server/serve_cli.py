@@ -46,7 +46,7 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
                    "dir's tuning file: `ddtree tune ENGINE_DIR`).")
 @click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: prune every request's trees inside the verify by expert cost (issue 53; lossless; --device "
-                   "cpu with an engine dir, --max-num-seqs 1).")
+                   "cpu with an engine dir or --device cuda at tp 1, --max-num-seqs 1).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=1, show_default=True,

@@ -192,3 +192,24 @@ def test_row_cases_are_per_context_the_ar_step_then_every_budget_and_routing():
         (32768, None, "router", None), (32768, 16, "uniform", None), (32768, 16, "tree", 0.5),
         (32768, 64, "uniform", None), (32768, 64, "tree", 0.5)]
     assert row_cases([4096], [16], cases[:1], False) == [(4096, 16, "uniform", None)]
+
+
+def test_prune_flags_and_the_bench_pruner():
+    """--prune runs on --ranks one (refused by name on all); the bench's Pruner prices an expert at the rank's own
+    bytes: Kimi's tp 8 expert slice is the 3,096,576 bytes tree/prune.py's DEFAULT_RATE assumes."""
+    from types import SimpleNamespace
+
+    from ddtree.bench.step_rows import bench_pruner
+    from ddtree.builder.plan import make_plan
+    from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.description.opset import RankLayout
+    from ddtree.model.presets import get_preset
+    from ddtree.tree.prune import DEFAULT_RATE, KIMI_EXPERT_BYTES
+    refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--prune"], "--prune", "--ranks one", code=2)
+    refuses(["bench", "step", "--prune", "--prune-rate", "-1"], "--prune-rate", code=2)
+    cfg, dcfg = get_preset("kimi-k2.6", 3)
+    plan = make_plan(cfg, dcfg, 8)
+    rank = SimpleNamespace(config=cfg, specs=rank_tensor_specs(plan), lay=RankLayout.from_plan(plan.to_dict(), 0))
+    pruner = bench_pruner(rank, None)
+    assert pruner.expert_bytes == KIMI_EXPERT_BYTES and pruner.rate_terms(16, 4096) == (DEFAULT_RATE, 0.0)
+    assert bench_pruner(rank, 1e-9).rate_terms(16, 4096) == (1e-9, 0.0)

@@ -93,3 +93,13 @@ def test_each_layer_prefetches_the_next_attention_beside_its_mlp_all_reduce(kimi
         assert beside["collective"] == want
         assert all(n in specs for n in want)                          # real tensors of the rank
         assert "attention" in beside                                  # the attention-side prefetch stays
+
+
+def test_hidden_rows_keep_pruned_rows_apart():
+    rows = [{"context": 4096, "budget": 16, "routing": "uniform", "reuse": None, "prune": p, "collectives": c,
+             "step_us": us, "collectives_modelled_us": 100.0}
+            for p, c, us in (("off", "copy", 1000.0), ("auto", "copy", 800.0), ("off", "pcie", 1050.0),
+                             ("auto", "pcie", 880.0))]
+    got = {r["prune"]: r for r in hidden_rows(rows)}
+    assert got["off"]["grown_us"] == 50.0 and got["auto"]["grown_us"] == 80.0
+    assert got["off"]["hidden_fraction"] == 0.5 and abs(got["auto"]["hidden_fraction"] - 0.2) < 1e-12

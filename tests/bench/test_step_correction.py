@@ -43,3 +43,26 @@ def test_not_a_step_file_is_refused(tmp_path):
     f = tmp_path / "x.json"
     f.write_text("{}")
     refuses(["bench", "project", "--measured-step", str(f)], "--measured-step", "ddtree bench step --json", code=2)
+
+
+def test_a_pruned_row_gives_its_unpruned_row_a_pruned_projection(tmp_path):
+    """bench step --prune files: the pruned row does not replace the unpruned one (whose correction is as without it);
+    the corrected row gets the pruned step = the corrected step / the measured speedup, at the same accepted length."""
+    model = modelled_h200_us(4096, 16)
+    unpruned = {"context": 4096, "budget": 16, "routing": "uniform", "reuse": None, "prune": "off",
+                "step_us": 2 * model + 300.0, "split_us": {"allreduce_standin": 300.0}}
+    stats = {"speedup": 1.25, "pruned_nodes": 5, "distinct_experts_before": 116.0, "distinct_experts_after": 90.0,
+             "rate": 1.3e-10}
+    pruned = {**unpruned, "prune": "auto", "step_us": (2 * model + 300.0) / 1.25, "pruned": stats}
+    f = tmp_path / "step.json"
+    f.write_text(json.dumps({"device": "test", "rows": [unpruned, pruned]}))
+    r = ddtree(["bench", "project", "--routing", "uniform", "--budget", "16", "--context", "4096", "--json",
+                "--measured-step", str(f)])
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["rows"][0]["projection"]
+    c = p["measured_correction"]
+    assert c["factor"] == pytest.approx(2.0, rel=1e-9)                   # the unpruned row's, not the pruned one's
+    q = c["pruned"]
+    assert q["step_ms"] == pytest.approx(c["step_ms"] / 1.25, rel=1e-9) and q["accept_len"] == p["accept_len"]
+    assert q["tokens_per_s"] == pytest.approx(1.25 * c["tokens_per_s"], rel=1e-9)
+    assert {k: q[k] for k in stats} == stats and "accepted length" in q["assumption"]

@@ -66,11 +66,14 @@ def test_pruned_ranks_as_threads_agree(engines):
 
 
 def test_executors_that_cannot_prune_refuse_by_name(ex):
-    assert ex.prune_forward is not None
+    assert ex.prune_forward is not None and not ex.prunes_in_step
+    assert CudaExecutor.prunes_in_step and callable(CudaExecutor.prune_forward)     # tp 1 prunes in its step graph
     for cls, name, why in [(GraphExecutor, "engine-graphs", "ONNX"), (GraphExecutor, "tensorrt", "TensorRT"),
-                           (CudaExecutor, "cuda", "tree_prune"), (NumpyExecutor, "numpy", "reference")]:
+                           (CudaExecutor, "cuda", "tp > 1"), (NumpyExecutor, "numpy", "reference")]:
         other = object.__new__(cls)
         other.name = name
+        if cls is CudaExecutor:
+            other.prune_forward = None          # what _setup leaves at tp > 1 (TpSteps have no pruned verify)
         assert other.prune_forward is None
         with pytest.raises(PruneRefused, match=f"--prune auto.*the {name} executor cannot.*{why}"):
             Pruner.for_executor(other)
