@@ -33,7 +33,13 @@ from tests.cli.bad_input import refuses
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kimi"
 TINY_TARGET, TINY_DRAFTER = (Path(p) for p in tiny_model_dirs())
 NAN, INF = float("nan"), float("inf")
-DELETE = object()
+class _Delete:
+    """The case that deletes the field; its repr is stable so test ids match across pytest-xdist workers."""
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 W = "text_config.quantization_config.config_groups.group_0.weights"
 
 
