@@ -15,13 +15,13 @@ import itertools
 import click
 import numpy as np
 
-from ddtree.bench.kernels import _say, open_gpu, time_graph
+from ddtree.bench.kernels import _say, device_bf16_weight, open_gpu, time_graph
 from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.plugins import randfill
 from ddtree.plugins.gemm import SkinnyGemm
-from ddtree.plugins.gemm_chain import INPUT, ITEM_CHUNKS, MAX_MT, ChainGemm, GemmChain
+from ddtree.plugins.gemm_chain import INPUT, ITEM_CHUNKS, MAX_MT, ChainGemm, GemmChain, weight_bytes
 
 # name -> ChainGemm(N, K, src): one tp-8 rank's dense weights of a layer (bench/kernels.py GEMM_SHAPES[8])
 KIMI_TP8_LAYER = {"q_a": ChainGemm(1536, 7168, INPUT), "kv_a": ChainGemm(576, 7168, INPUT),
@@ -31,13 +31,7 @@ KIMI_TP8_LAYER = {"q_a": ChainGemm(1536, 7168, INPUT), "kv_a": ChainGemm(576, 71
 
 def chain_weights(gpu, ops: list[ChainGemm], copies: int, seed: int) -> list[list]:
     """copies x per-op tiled bf16 weights (tile_bf16 shape), filled on the device."""
-    out = []
-    for c in range(copies):
-        ws = [gpu.alloc((-(-o.N // 16), o.K // 64, 4, 32, 8), np.uint16) for o in ops]
-        for i, w in enumerate(ws):
-            randfill.fill_device(gpu, w, seed + 100 * c + i, randfill.WEIGHT_BF16)
-        out.append(ws)
-    return out
+    return [[device_bf16_weight(gpu, o.N, o.K, seed + 100 * c + i) for i, o in enumerate(ops)] for c in range(copies)]
 
 
 def time_launches(gpu, ops: list[ChainGemm], weights: list[list], x, M: int) -> float:
@@ -97,7 +91,7 @@ def chain_command(m_list, item_chunks, stage_list, warp_list, copies_, independe
         raise click.BadParameter(f"{copies_!r}: expected cp.async, bulk or both", param_hint="--copy")
     gpu, ceiling = open_gpu()
     ops = list(KIMI_TP8_LAYER.values())
-    wbytes = sum(-(-o.N // 16) * 16 * o.K * 2 for o in ops)
+    wbytes = weight_bytes(ops)
     copies = max(2, -(-4 * gpu.l2_bytes // wbytes))
     weights = chain_weights(gpu, ops, copies, seed)
     x = gpu.alloc((8 * MAX_MT, ops[0].K), np.uint16)

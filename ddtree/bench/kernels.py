@@ -265,14 +265,19 @@ def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceilin
     return rows
 
 
+def device_bf16_weight(gpu, N: int, K: int, seed: int):
+    """A random [N, K] bf16 weight in the skinny GEMM's tiled layout (layout.tile_bf16's shape), filled on the GPU."""
+    w = gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16)
+    randfill.fill_device(gpu, w, seed, randfill.WEIGHT_BF16)
+    return w
+
+
 def gemm_operands(gpu, N: int, K: int, max_m: int, seed: int, x_seed: int) -> tuple:
     """(ws, x, out, launches) for timing an [N, K] skinny GEMM: random weight copies in the tile_bf16 layout that
     together exceed 4x the L2 (weights seed + i), x [max_m, K] random (x_seed), out [max_m, N] zeros, and the
     launches a timing graph takes (a multiple of the copies, at least 8)."""
     copies = max(1, -(-4 * gpu.l2_bytes // (N * K * 2)))
-    ws = [gpu.alloc((-(-N // 16), K // 64, 4, 32, 8), np.uint16) for _ in range(copies)]
-    for i, w in enumerate(ws):
-        randfill.fill_device(gpu, w, seed + i, randfill.WEIGHT_BF16)
+    ws = [device_bf16_weight(gpu, N, K, seed + i) for i in range(copies)]
     x = gpu.alloc((max_m, K), np.uint16)
     randfill.fill_device(gpu, x, x_seed, randfill.ACT_BF16)
     return ws, x, gpu.zeros((max_m, N), np.uint16), copies * max(1, -(-8 // copies))

@@ -71,6 +71,11 @@ def check_chain(ops: list[ChainGemm]) -> None:
             raise ValueError(f"GEMM chain op {i}: K = {o.K} exceeds op {o.src}'s N = {ops[o.src].N}")
 
 
+def weight_bytes(ops: list[ChainGemm]) -> int:
+    """The bytes the chain streams: every op's tiled weight (rows padded to 16), bf16."""
+    return sum(-(-o.N // 16) * 16 * o.K * 2 for o in ops)
+
+
 def _items(N: int, S: int) -> int:
     return -(-N // 16) * S
 
@@ -154,9 +159,6 @@ class GemmChain:
         self.err = gpu.zeros(1, np.uint32)
         self.records = gpu.alloc(len(self.ops) * OP_DTYPE.itemsize, np.uint8)
         self._bound: tuple | None = None
-
-    def bytes_streamed(self) -> int:
-        return sum(-(-o.N // 16) * 16 * o.K * 2 for o in self.ops)
 
     def _records(self, x, weights) -> np.ndarray:
         rec = np.zeros(len(self.ops), OP_DTYPE)
