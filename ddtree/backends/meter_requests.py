@@ -55,7 +55,7 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     per = [stack.StepFeeds({"ctx_taps": i, "ids": None, "pos": None, "cache_len": None}, None,
                            verify=lambda tree: {}, head=lambda verify: {}, compact=lambda walk: {})
            for i in range(len(requests))]
-    union = ("ids", "pos", "cache_len", "row_offsets", *(f"tree_mask.{i}" for i in range(len(requests))))
+    union = ("ids", "pos", "cache_len", *stack.mask_feeds(len(requests)))
     feeds = stack.RequestStepFeeds(per, union=lambda verifies: dict.fromkeys(union), rows=lambda h, i: i)
     run = MeterRequestsRun(ops, b, list(requests))
     stack.ddtree_step_requests(run, cfg, dcfg, plan["per_rank"]["moe_intermediate"], k, [B for _, B in requests],
@@ -74,9 +74,8 @@ def meter_union_verify(cfg, plan: dict, specs: dict, rank: int = 0, requests=((4
     dims = {"q": q, "nodes": q, "T": max(T for T, _ in requests), "S": max(T + n for T, n in requests),
             "W": max(-(-n // 32) for _, n in requests), **(request_dims(requests) if Rq > 1 else {})}
     ops = MeterOps(lay, specs, dims, **kw)
-    masks = ("tree_mask",) if Rq == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(Rq)))
     caches = NO_CACHES if Rq == 1 else stack.RequestCaches([stack.InPlace(lambda L: {"cache": None})] * Rq)
     stack.target_forward(MeterRun(ops, q, q), cfg, plan["per_rank"]["moe_intermediate"],
-                         dict.fromkeys(("ids", "pos", "cache_len", *masks)), caches,
+                         dict.fromkeys(("ids", "pos", "cache_len", *stack.mask_feeds(Rq))), caches,
                          head=(layers.head_logits, ()), requests=Rq)
     return ops.records

@@ -113,6 +113,12 @@ def prune_layers(cfg, every: int) -> frozenset:
     return frozenset(L for j, L in enumerate(cfg.moe_layers) if j % every == 0)
 
 
+def mask_feeds(requests: int = 1) -> tuple:
+    """The feeds that say which rows a verify row sees: tree_mask for one request; for Rq > 1 the union's
+    row_offsets [Rq + 1] and each request's tree_mask.<i> (layers.decoder_layer's inputs)."""
+    return ("tree_mask",) if requests == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(requests)))
+
+
 def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
                    head=(layers.head, ()), head_feeds: dict | None = None, requests: int = 1,
                    prune: Pruning | None = None) -> dict:
@@ -125,8 +131,7 @@ def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCach
     if prune is not None and requests > 1:
         raise ValueError("target_forward: a pruned verify is one request's (requests = 1)")
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
-    masks = ("tree_mask",) if requests == 1 else ("row_offsets", *(f"tree_mask.{i}" for i in range(requests)))
-    step = {k: feeds[k] for k in ("pos", "cache_len", *masks)}
+    step = {k: feeds[k] for k in ("pos", "cache_len", *mask_feeds(requests))}
     layer_args = (moe_inter, requests) if requests > 1 else (moe_inter,)          # one request: today's layer call
     for L in range(cfg.num_hidden_layers):
         mode, extra = prune.layer(cfg, L) if prune is not None else (None, {})
