@@ -115,6 +115,18 @@ __device__ __forceinline__ void end_collective(const Collective& c, u64* state) 
     }
 }
 
+// Vector i of the all-reduce: every rank's part summed in rank order 0..nranks-1 in float32 with one rounding to
+// bf16 (plugins/allreduce.py reference_sum), the parts pushed into this rank's own buffer `own` and this rank's
+// from x. Push and the two-shot's reduce-scatter both take it, so they give the same bits by construction.
+__device__ __forceinline__ uint4 rank_sum(const uint4* x, u64 own, int slot, int rank, int nranks, u64 region_bytes,
+                                          u32 i) {
+    float acc[8];
+    unpack8(rank == 0 ? x[i] : ld_cg_u4(part_of(own, slot, 0, nranks, region_bytes) + i), acc);
+    for (int s = 1; s < nranks; ++s)
+        add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4(part_of(own, slot, s, nranks, region_bytes) + i));
+    return pack8(acc);
+}
+
 // x, out: [n8] 16-byte vectors (8 bf16 each); out may be x. grid <= AR_MAX_BLOCKS, the same on every rank.
 // state: [0] the last collective's seq, [1] blocks done (reset by the last block). error: bit r = peer r late.
 extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
@@ -131,14 +143,8 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_push(
     }
     publish_and_wait(c, peers, rank, nranks, error, max_spins);
 
-    // sum in rank order 0..nranks-1 in float32, one rounding
-    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) {
-        float acc[8];
-        unpack8(rank == 0 ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, 0, nranks, region_bytes) + i), acc);
-        for (int s = 1; s < nranks; ++s)
-            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, s, nranks, region_bytes) + i));
-        out[i] = pack8(acc);
-    }
+    for (u32 i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x)
+        out[i] = rank_sum(x, peers[rank], c.slot, rank, nranks, region_bytes, i);
     end_collective(c, state);
 }
 
@@ -204,11 +210,7 @@ extern "C" __global__ void __launch_bounds__(1024) allreduce_two_shot(
 
     const Span mine = chunk_span(rank, chunk, n8);
     for (u32 i = mine.lo + threadIdx.x; i < mine.hi; i += blockDim.x) {   // my chunk: summed, to every rank
-        float acc[8];
-        unpack8(rank == 0 ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, 0, nranks, region_bytes) + i), acc);
-        for (int s = 1; s < nranks; ++s)
-            add_bf16x8(acc, s == rank ? x[i] : ld_cg_u4(part_of(peers[rank], c.slot, s, nranks, region_bytes) + i));
-        const uint4 v = pack8(acc);
+        const uint4 v = rank_sum(x, peers[rank], c.slot, rank, nranks, region_bytes, i);
         out[i] = v;
         for (int d = 0; d < nranks; ++d)
             if (d != rank) part_of(peers[d], c.slot, rank, nranks, region_bytes)[i] = v;
