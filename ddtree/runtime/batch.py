@@ -23,9 +23,12 @@ drafter call over R blocks would gain nothing here; the GPU batched step is wher
 cannot take (logit_bias / logprobs, the prefill's first token) take their turn as before, in the same round.
 Without verify_requests (the float64 reference NumpyExecutor, which runs the oracle, not the op set) every
 sequence takes turns. An error in the union forward is the error of every sequence in it.
-A GPU executor keeps one request's state on the device (one cache, captured graphs), and rank processes
-run one request loop in lock step: both are refused with more than one sequence (RequestError naming
---max-num-seqs).
+The GPU (a tp 1 CudaExecutor with step graphs): every sequence takes a request lane of the executor's LanePool
+(runtime/cuda_lanes.py: its own caches and device state), its DDTree steps yield a loop.Fused, and the round runs
+the waiting lanes' steps as one batched graph (runtime/cuda_step_batch.py: drafts and walks in parallel branches,
+the trees verified in one forward); an AR sequence steps alone on its lane (its own AR graph). Rank processes run
+one request loop in lock step, and other GPU executors keep one request's state: both are refused with more than
+one sequence (RequestError naming --max-num-seqs).
 
 A sequence finishes in the round that yields its last tokens (its RunStats has a finish_reason): the event
 carries those tokens and finished=True, and its generator is closed. A request whose step raises yields one
@@ -37,7 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ddtree.runtime.loop import RequestError, RunStats, Verify
+from ddtree.runtime.loop import Fused, RequestError, RunStats, Verify
 from ddtree.runtime.request import GenerationRequest
 
 BATCHING_EXECUTORS = ("numpy", "engine-numpy")     # the CPU executors: every request's state lives on the host
@@ -52,9 +55,13 @@ def check_batchable(engine, max_num_seqs: int) -> None:
     if engine.processes is not None:
         raise RequestError(f"--max-num-seqs {max_num_seqs}: the rank processes run one request at a time "
                            "(--ranks processes); use --ranks threads or --max-num-seqs 1")
-    if engine.executor.name not in BATCHING_EXECUTORS:
-        raise RequestError(f"--max-num-seqs {max_num_seqs} is implemented on the CPU executors (--device cpu); "
-                           f"the {engine.executor.name} executor keeps one request's state on the device "
+    ex = engine.executor
+    if ex.name == "cuda" and getattr(ex, "lane_pool", None) is not None:
+        ex.lane_pool(max_num_seqs)                   # the GPU's request lanes: refused here (tp, graphs, memory)
+        return
+    if ex.name not in BATCHING_EXECUTORS:
+        raise RequestError(f"--max-num-seqs {max_num_seqs} is implemented on the CPU executors (--device cpu) and "
+                           f"the GPU's tp 1 executor; the {ex.name} executor keeps one request's state on the device "
                            "(--max-num-seqs 1 there)")
 
 
@@ -73,6 +80,7 @@ class Sequence:
     steps: Iterator[list[int]]
     stats: RunStats
     joined: float = field(default_factory=time.perf_counter)
+    lane: object = None                 # the GPU's request lane it holds (runtime/cuda_lanes.py), or None
 
 
 class BatchDecoder:
@@ -81,7 +89,9 @@ class BatchDecoder:
         False: every sequence takes its turn."""
         check_batchable(engine, max_num_seqs)
         self.engine, self.max_num_seqs = engine, max_num_seqs
-        self.verify_requests = engine.executor.verify_requests if union and engine.processes is None else None
+        ex = engine.executor
+        self.lanes = ex.lanes if ex.name == "cuda" and max_num_seqs > 1 else None     # made by check_batchable
+        self.verify_requests = ex.verify_requests if union and engine.processes is None else None
         self.seqs: dict[object, Sequence] = {}        # insertion order = join order = event order in a round
 
     def __len__(self) -> int:
@@ -101,18 +111,31 @@ class BatchDecoder:
         if self.full:
             raise RequestError(f"the batch is full ({self.max_num_seqs} sequences, --max-num-seqs)")
         stats = stats if stats is not None else RunStats()
-        steps = self.engine.stream_request(prompt, request, stats, on_logits, union=self.verify_requests is not None)
-        self.seqs[key] = Sequence(steps, stats)
+        if self.lanes is None:
+            steps = self.engine.stream_request(prompt, request, stats, on_logits,
+                                               union=self.verify_requests is not None)
+            self.seqs[key] = Sequence(steps, stats)
+            return
+        lane = self.lanes.acquire()
+        try:
+            steps = self.engine.stream_request(prompt, request, stats, on_logits, union=True, lane=lane)
+        except BaseException:
+            self.lanes.release(lane)
+            raise
+        self.seqs[key] = Sequence(steps, stats, lane=lane)
 
     def remove(self, key) -> None:
         """Leave now (cancelled): the sequence's generator is closed; unknown keys are ignored."""
         seq = self.seqs.pop(key, None)
         if seq is not None:
             seq.steps.close()
+            if seq.lane is not None:
+                self.lanes.release(seq.lane)
 
     def step(self) -> list[Event]:
         """One step of every sequence -> one event each, in join order. The sequences waiting for their verify
-        get it from one verify_requests call over all of them."""
+        get it from one verify_requests call over all of them; those waiting for a fused step (GPU lanes), from
+        one LanePool.steps call (the batched graph)."""
         order, events, waiting = list(self.seqs), {}, {}
         for key, seq in list(self.seqs.items()):
             pending = self._advance(key, seq, events, seq.steps.__next__)
@@ -120,8 +143,12 @@ class BatchDecoder:
                 waiting[key] = pending
         if waiting:
             t0 = time.perf_counter()
+            items = [item for item, _ in waiting.values()]
             try:
-                results = self.verify_requests([verify.call for verify, _ in waiting.values()])
+                if all(isinstance(item, Fused) for item in items):
+                    results = self.lanes.steps(items)
+                else:
+                    results = self.verify_requests([verify.call for verify in items])
             except Exception as e:                    # the union's error is each of its sequences'
                 results = [e] * len(waiting)
             union_s = time.perf_counter() - t0
@@ -138,7 +165,7 @@ class BatchDecoder:
         try:
             item = resume()
         except StopIteration:                         # a run of 0 new tokens: nothing to commit
-            self.seqs.pop(key)
+            self.remove(key)
             now = time.perf_counter()
             events[key] = Event(key, [], True, None, spent + now - t0, now)
             return None
@@ -148,7 +175,7 @@ class BatchDecoder:
             events[key] = Event(key, [], True, e, spent + now - t0, now)
             return None
         now = time.perf_counter()
-        if isinstance(item, Verify):
+        if isinstance(item, (Verify, Fused)):
             return item, spent + now - t0
         finished = seq.stats.finish_reason is not None
         if finished:

@@ -37,6 +37,7 @@ from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.plugins.device import Gpu, _driver, check
 from ddtree.plugins.kv_cache import DeviceLatentCache
 from ddtree.runtime import loop, vocab_parallel
+from ddtree.runtime.cuda_lanes import LanePool
 from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache, draft_feeds, target_feeds, target_layers
 from ddtree.runtime.cuda_step import GpuSteps
 from ddtree.runtime.cuda_step_tp import TpSteps
@@ -173,6 +174,7 @@ class CudaExecutor(Executor):
         # tp > 1: graphs only over a collective that launches without host syncs (not the ranks-as-threads one)
         self.graphs = graphs and (self.lay.tp == 1 or getattr(collective, "capturable", False))
         self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
+        self.lanes = None                               # --max-num-seqs > 1: request lanes (lane_pool)
         if self.lay.tp != 1:                            # TpSteps have no pruned verify: Pruner.for_executor refuses
             self.prune_forward = None
 
@@ -185,6 +187,8 @@ class CudaExecutor(Executor):
             out["allreduce"] = collective.describe()
         if self.steps is not None:
             out.update(self.steps.stats())
+        if self.lanes is not None:
+            out.update(lanes=len(self.lanes.lanes), **self.lanes.batch.stats())
         return out
 
     def ar_step(self, state, params: SamplingParams) -> list[int]:
@@ -213,6 +217,13 @@ class CudaExecutor(Executor):
         if self.host_group is None:
             return [np.asarray(logits)], [0]
         return vocab_parallel.split_logits(logits, self.layouts)
+
+    def lane_pool(self, lanes: int):
+        """--max-num-seqs: the executor's request lanes (runtime/cuda_lanes.py LanePool), grown to `lanes`
+        (a RequestError naming the flag where tp > 1, graphs off, or the lanes do not fit)."""
+        if self.lanes is None:
+            self.lanes = LanePool(self)
+        return self.lanes.grow(lanes)
 
     # caches ------------------------------------------------------------------------------------
     def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:

@@ -329,12 +329,13 @@ class DDTreeEngine:
         return self.stream_request(prompt, request, stats, on_logits)
 
     def stream_request(self, prompt, request: GenerationRequest, stats: RunStats | None = None,
-                       on_logits=None, union: bool = False) -> Iterator[list[int]]:
+                       on_logits=None, union: bool = False, lane=None) -> Iterator[list[int]]:
         """stream() with its parameters as one typed object: what the server queues. on_logits(rows [len(chunk),
         V] float64) is called before each chunk is yielded with the raw target logits its tokens were sampled from
         (runtime/observed.py; logprobs). logit_bias, ignore_eos and on_logits need a CPU executor. union: a request
         on an executor with verify_requests, without logit_bias / logprobs, yields a loop.Verify before each step's
-        tokens and takes the verify's result by send() (runtime/batch.py); others ignore it."""
+        tokens and takes the verify's result by send() (runtime/batch.py); others ignore it. lane: a GPU request
+        lane (runtime/cuda_lanes.py LaneView) the request runs on; with union its DDTree steps yield loop.Fused."""
         params, budget, mode, logit_bias = request.sampling, request.budget, request.mode, request.logit_bias
         stop_ids = frozenset() if request.ignore_eos else self.stop_ids
         ids = self.encode(prompt)
@@ -353,10 +354,16 @@ class DDTreeEngine:
             ranks_request = Request(mode, tuple(ids), request.max_new_tokens, params, budget, tuple(sorted(stop_ids)),
                                     request.block_size, prune)
             return self.processes.steps(ranks_request, stats)
-        ex = self.executor
+        ex = self.executor if lane is None else lane
         if logit_bias or on_logits is not None:
+            if lane is not None:
+                raise RequestError(f"{'logit_bias' if logit_bias else 'logprobs'} needs a CPU executor; the GPU's "
+                                   "batched requests (--max-num-seqs > 1) sample on the device")
             ex = self._observed(logit_bias, "logit_bias" if logit_bias else "logprobs")
-        union = union and ex is self.executor and ex.verify_requests is not None          # not observed
+        if lane is not None:                # the lane's DDTree steps are batched (loop.Fused); AR steps alone
+            union = union and mode == "ddtree" and prune is None
+        else:
+            union = union and ex is self.executor and ex.verify_requests is not None      # not observed
         if mode == "ar":
             steps = ar_steps(ex, ids, request.max_new_tokens, params, stop_ids, stats, union)
         else:

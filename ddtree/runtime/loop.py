@@ -143,6 +143,17 @@ class Verify:
     call: tuple
 
 
+@dataclass
+class Fused:
+    """A step waiting for its turn (ddtree_steps(union=True) on an executor whose step is fused, the GPU's lanes):
+    the driver runs it with other requests' steps (runtime/cuda_lanes.py LanePool.steps: one batched graph) and
+    sends back its committed tokens, as ex.ddtree_step(state, params, budget) would return them."""
+    ex: object
+    state: DecodeState
+    params: SamplingParams
+    budget: int
+
+
 def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> list[int]:
     """One DDTree step as the composition of the primitives (docs/interfaces.md section 6): draft, build,
     verify, walk, compact, context update. -> the accepted drafts in depth order, then the new bonus."""
@@ -235,9 +246,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     prune: a runtime/pruning.py Pruner (--prune auto: the executor's ddtree_step prunes inside each verify where it
     says so, prunes_in_step, else the composition; stats.prune).
     union: each step's verify is the caller's: before a step's tokens the generator yields a Verify and takes its
-    (logits, taps) by send() (runtime/batch.py verifies several requests' trees in one forward)."""
-    if union and ex.ddtree_step is not None:
-        raise ValueError(f"ddtree_steps: union=True composes the step, but the {ex.name} executor fuses it")
+    (logits, taps) by send() (runtime/batch.py verifies several requests' trees in one forward); on an executor
+    whose step is fused (a GPU lane, runtime/cuda_lanes.py) it yields a Fused and takes the step's tokens."""
+    fused = union and ex.ddtree_step is not None
     if union and prune is not None:
         raise ValueError("ddtree_steps: a pruned verify is its own forward; union=True shares one with other "
                          "requests (--prune auto is refused with batching)")
@@ -292,7 +303,9 @@ def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, bu
     while not done:
         step_budget = choose(st) if choose else budget
         stats.budgets.append(step_budget)
-        if union:
+        if fused:
+            tokens = yield Fused(ex, st, params, step_budget)
+        elif union:
             tree, call = ddtree_draft(ex, st, step_budget)
             tokens = ddtree_commit(ex, st, params, tree, call, (yield Verify(call)))
         else:

@@ -51,7 +51,8 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
               help="Requests that may wait for the engine; one more is answered 429 with Retry-After.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests generated at once (continuous batching: a request joins the running batch at the next "
-                   "step and leaves when done); more than 1 needs --device cpu.")
+                   "step and leaves when done); on --device cuda each request holds a lane (its own caches) and "
+                   "the lanes' DDTree steps run as one batched graph.")
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help=f"A model id clients may send; repeat it for several (the first names the metrics). Default: "
                    f"{DEFAULT_MODEL_NAME} for the embedded model, else the --model folder's name.")

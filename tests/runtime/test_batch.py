@@ -173,15 +173,19 @@ def test_a_failing_step_is_one_event_and_the_others_go_on(engine):
 
 
 def test_gpu_executors_and_rank_processes_are_refused_by_flag():
-    cuda = SimpleNamespace(processes=None, executor=SimpleNamespace(name="cuda"))
+    tensorrt = SimpleNamespace(processes=None, executor=SimpleNamespace(name="tensorrt"))
     with pytest.raises(RequestError, match="--max-num-seqs 4 is implemented on the CPU executors"):
-        check_batchable(cuda, 4)
-    check_batchable(cuda, 1)                                          # one at a time: today's path
+        check_batchable(tensorrt, 4)
+    check_batchable(tensorrt, 1)                                      # one at a time: today's path
+    asked = []                                                        # the GPU executor: its request lanes decide
+    cuda = SimpleNamespace(processes=None, executor=SimpleNamespace(name="cuda", lane_pool=asked.append))
+    check_batchable(cuda, 3)
+    assert asked == [3]
     ranks = SimpleNamespace(processes=object(), executor=SimpleNamespace(name="engine-numpy"))
     with pytest.raises(RequestError, match="--max-num-seqs 2: the rank processes"):
         check_batchable(ranks, 2)
     with pytest.raises(RequestError, match="at least 1"):
-        check_batchable(cuda, 0)
+        check_batchable(tensorrt, 0)
 
 
 def test_engine_dir_ranks_batch_equals_alone(tmp_path_factory):
