@@ -1,6 +1,7 @@
 """The op set's pruning ops in the cuda backend (PruneOps, mixed into CudaOps: backends/cuda_backend.py; issue 53).
 
-    tree_prune        plugins/tree_prune.py TreePrune (kernels/tree_prune.cu), one block, live_out in the arena
+    tree_prune        plugins/tree_prune.py TreePrune (kernels/tree_prune.cu), one block, live_out in the arena;
+                      its horizon (a python int) a scalar launch argument
     accept_walk_live  plugins/prune_ops.py mask_dead (dead nodes' tokens -1: no target token equals them, so the walk
                       never enters a dead node; tree/prune.py absent_tree), then the accept_walk op on those tokens
     moe_live          backends/cuda_moe.py (the router's ids rewritten for dead rows between the routing and the
@@ -26,7 +27,7 @@ class PruneOps:
     def prune_kernels(self) -> PruneKernels:
         return self.launcher(("prune_ops",), lambda: PruneKernels(self.gpu))
 
-    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes, horizon):
         q, k = routed_ids.shape
         self._dense("tree_prune", (live, np.int32), (parents, np.int32), (path_prob, np.float32),
                     (routed_ids, np.int32), (rate, np.float32), (expert_bytes, np.int32))
@@ -37,7 +38,7 @@ class PruneOps:
         prune = self.launcher(("tree_prune", k), lambda: TreePrune(self.gpu, k, MAX_EXPERTS))
         out = self.new((q,), np.int32)
         prune.run(live.ptr, parents.ptr, path_prob.ptr, routed_ids.ptr, rate.ptr, expert_bytes.ptr, out.ptr, q,
-                  stream=self.stream)
+                  horizon, stream=self.stream)            # horizon: a scalar argument, kept by a captured graph
         return out
 
     def masked_tokens(self, tokens, live):

@@ -165,9 +165,9 @@ class NumpyOps(Ops):
     def accept_walk_live(self, tokens, parents, win_value, win_id, live):
         return m.accept_walk_winners(tokens, parents, win_value, win_id, live)
 
-    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes):
+    def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes, horizon):
         return prune_nodes(live, parents, path_prob, routed_ids, int(np.asarray(expert_bytes).reshape(-1)[0]),
-                           float(np.asarray(rate, np.float32).reshape(-1)[0]))
+                           float(np.asarray(rate, np.float32).reshape(-1)[0]), horizon=horizon)
 
 
 class NumpyRanks:

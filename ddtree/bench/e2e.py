@@ -19,9 +19,18 @@ sum in different orders, so a row reports "identical" (near-ties are tests/runti
 Per-phase step time (draft / tree / verify / walk) needs separately captured phase graphs: not measured yet.
 
 --prune auto (issue 53, runtime/pruning.py; --device cpu, or cuda at tp 1): each budget gets two DDTree rows, prune "off" then
-"auto". The pruned row carries pruned_nodes, pruned_per_step (mean), distinct_experts_before / _after and
-accept_len_after (its own mean acceptance length); its accept_len_before is the "off" row's, since the
-acceptance length the same run would have had unpruned is not observable inside it.
+"auto" (--prune-rate R: R tokens per expert byte every step, as `bench step --prune-rate`; default: the Pruner's own
+rate, prune_rate_source says which). The pruned row carries pruned_nodes, pruned_per_step (mean),
+distinct_experts_before / _after (mean a step and MoE layer) and accept_len_after (its own mean acceptance length);
+its accept_len_before is the "off" row's, since the acceptance length the same run would have had unpruned is not
+observable inside it. Issue 53's target metric, committed tokens per distinct expert read, on the pruned row:
+    tokens_per_expert_before = accept_len_before / distinct_experts_before
+    tokens_per_expert_after  = accept_len_after / distinct_experts_after
+    tokens_per_expert_gain   = after / before - 1
+    accept_len_change        = accept_len_after / accept_len_before - 1
+"before" pairs the "off" row's acceptance length with the pruned run's unpruned routing estimate of the experts
+(distinct_experts_before: every node's routing at every MoE layer, a dead row's from its own hidden state; what
+the pruned run's trees would have read unpruned), not the "off" row's own expert counts, which are not measured.
 """
 from __future__ import annotations
 
@@ -162,6 +171,20 @@ def prune_stats(per_request: list[dict]) -> dict:
             "distinct_experts_after": statistics.fmean(d["distinct_experts_after"] for d in per_request)}
 
 
+def tokens_per_expert(row: dict) -> dict:
+    """Issue 53's target metric of a pruned row (the module docstring): committed tokens per distinct expert read,
+    before and after, and the relative changes. None where a denominator is 0."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    before = ratio(row["accept_len_before"], row["distinct_experts_before"])
+    after = ratio(row["accept_len_after"], row["distinct_experts_after"])
+    gain = ratio(after, before)
+    change = ratio(row["accept_len_after"], row["accept_len_before"])
+    return {"tokens_per_expert_before": before, "tokens_per_expert_after": after,
+            "tokens_per_expert_gain": None if gain is None else gain - 1,
+            "accept_len_change": None if change is None else change - 1}
+
+
 def check_lossless(ar_out: list[list[int]], dd_out: list[list[int]], budget: int) -> None:
     """CPU: DDTree's tokens must be AR's, prompt by prompt; else a LosslessError naming where they part."""
     for p, (ar, dd) in enumerate(zip(ar_out, dd_out)):
@@ -183,6 +206,7 @@ def run_e2e(ex, prompt_ids, budgets, n_new: int, params: SamplingParams, repeats
         row, out = bench_mode(ex, prompt_ids, budget, n_new, params, repeats, pruner)
         if pruner is not None:                  # the unpruned row of this budget is the one before
             row.update(accept_len_after=row["mean_accept_len"], accept_len_before=rows[-1]["mean_accept_len"])
+            row.update(tokens_per_expert(row))
         elif prune is not None:
             row["prune"] = "off"
         same = sum(a == d for a, d in zip(ar_out, out))
@@ -201,6 +225,17 @@ def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def prune_cells(r: dict) -> list[str]:
+    """A row's pruning columns: pruned nodes a step, distinct experts a MoE layer before / after, the relative
+    changes of tokens per expert and of the acceptance length (percent); "-" on an unpruned row."""
+    def pct(x):
+        return "-" if x is None else f"{100 * x:+.1f} %"
+    if r.get("prune") != "auto":
+        return ["-"] * 4
+    return [f"{r['pruned_per_step']:.2f}", f"{r['distinct_experts_before']:.2f} / {r['distinct_experts_after']:.2f}",
+            pct(r["tokens_per_expert_gain"]), pct(r["accept_len_change"])]
+
+
 def print_table(result: dict, console: Console) -> None:
     cuda = result["device"] != "cpu"
     table = Table(title=f"ddtree bench e2e: {result['device']}, {result['prompts']} prompts x "
@@ -210,6 +245,10 @@ def print_table(result: dict, console: Console) -> None:
         table.add_column(name, justify="right")
     if cuda:
         for name in ("graph/eager", "host us/step", "capture s"):
+            table.add_column(name, justify="right")
+    pruned = any(r.get("prune") == "auto" for r in result["rows"])
+    if pruned:
+        for name in ("pruned a step", "experts before / after", "tok/expert gain", "accept len change"):
             table.add_column(name, justify="right")
     table.add_column("speedup", justify="right")
     table.add_column("identical", justify="right")
@@ -222,6 +261,8 @@ def print_table(result: dict, console: Console) -> None:
         if cuda:
             cells += [f"{r['graph_steps']}/{r['eager_steps']}", _fmt(r["host_us_per_step"], ".1f"),
                       _fmt(r["capture_s"], ".3f")]
+        if pruned:
+            cells += prune_cells(r)
         cells += [f"{r['speedup_vs_ar']:.2f}x", "-" if r["identical"] is None else str(r["identical"])]
         table.add_row(*cells)
     console.print(table)
@@ -251,6 +292,9 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: each budget also runs with the tree pruned inside the verify (issue 53; --device cpu), "
                    "beside its unpruned row")
+@click.option("--prune-rate", type=FiniteFloatRange(min=0), default=None,
+              help="--prune auto: tokens per expert byte, every step (default: the Pruner's own rate, the tuning "
+                   "file's or tree/prune.py DEFAULT_RATE)")
 @click.option("--budget", "budgets", default="1,4,16,64", show_default=True,
               help=f"DDTree node budgets, comma-separated (1..{MAX_BUDGET})")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=None,
@@ -271,10 +315,13 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_prompts, max_new_tokens, repeats, temperature,
-                top_k, top_p, seed, concurrency, as_json, prune):
+                top_k, top_p, seed, concurrency, as_json, prune, prune_rate):
     """End-to-end tokens/s of AR and of DDTree per budget (mean ± sd over prompts x repeats)."""
     budget_list = parse_budgets(budgets)
     concurrencies = list(dict.fromkeys(comma_list(concurrency, "--concurrency", int, 1))) if concurrency else None
+    if prune_rate is not None and prune != "auto":
+        raise click.BadParameter("is the rate of --prune auto; add --prune auto or leave it out",
+                                 param_hint="--prune-rate")
     if prune == "auto" and concurrencies:
         raise click.BadParameter("the batched runs do not prune: leave out --concurrency or use --prune off",
                                  param_hint="--prune")
@@ -304,8 +351,8 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
         pruner = None
         if prune == "auto":
             tuning = read_tuning(engine) if tuning_path(engine).is_file() else None
-            Pruner.for_executor(ex, tuning)                # refused by name (--device cuda) before any run
-            pruner = lambda e: Pruner.for_executor(e, tuning)                       # noqa: E731
+            Pruner.for_executor(ex, tuning, prune_rate)    # refused by name (--device cuda) before any run
+            pruner = lambda e: Pruner.for_executor(e, tuning, prune_rate)           # noqa: E731
         t0 = time.perf_counter()
         if concurrencies:
             rows = run_concurrency(ex, tok, prompt_ids, budget_list, n_new, params, repeats, concurrencies, log,
@@ -321,6 +368,7 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
               "block_size": ex.drafter_config.block_size,
               "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "label": label},
               "memory": dict(ex.memory_plan) if device == "cuda" else None, "concurrency": concurrencies,
+              "prune_rate": prune_rate,
               "rows": rows, "ceiling": {"max_accept_len": ex.drafter_config.block_size},
               "notes": {"phases": PHASES_NOTE,
                         "tokens_per_s": "new tokens / the request's wall time, prefill included; decode_tokens_per_s"

@@ -11,16 +11,28 @@ The rule (prune_nodes; the numpy twin of kernels/tree_prune.cu, bit for bit), at
     use[e]   = the number of (live node, top-k slot) pairs routed to expert e (the GLOBAL expert ids, identical
                on every rank, so every rank prunes the same nodes)
     marginal[i] = the slots s of node i with use[ids[i, s]] == 1: the experts no other live node uses
+    horizon  = the MoE layers from this one to the last, this one included (description/layers.py moe_horizon; a
+               python int fixed when the layer's description is written: the kernel's scalar argument, not a feed)
     drop i   if i is live, not the root, marginal[i] > 0 and
-                 path_prob[i] < rate * (marginal[i] * expert_bytes)          (in float64)
-             i.e. its expected committed tokens per marginal expert byte fall below the exchange rate
+                 path_prob[i] < rate * (marginal[i] * expert_bytes * horizon)
+             (the product exact in int64, then one float64 multiply) i.e. its expected committed tokens per
+             expert byte it would still cost fall below the exchange rate
     live_out[i] = live[i] and not drop[i] and live_out[parents[i]]            (index order: parents first)
+Why horizon: a node dropped at this layer routes to no expert in every later MoE layer, so dropping it saves its
+experts there too, not at one layer. What it would keep costing is estimated by assuming its marginal experts at
+this layer stay marginal in every later layer (the routing of later layers is not known yet). Without the factor
+the rule undervalued the saving by ~the number of remaining MoE layers (on Kimi the threshold was ~4e-4 x
+marginal at the default rate and nothing was ever pruned). This layer is counted too, as issue 53 states the rule,
+although its experts are already read when the rule runs (its MoE ran with the input mask): the layers actually
+saved are horizon - 1, so at the last MoE layer the rule still drops nodes (a candidate less for the walk) while
+saving no expert read.
 Every node is judged against the same live set (the decisions do not depend on one another), then the subtrees
 close in node order, so the result is a function of the inputs only. A node with no marginal expert costs
 nothing extra and is never dropped. path_prob is the product of calibrated drafter confidences along the path
 (root 1; node_path_probs): the expected tokens the node adds (tree/budget.py, the module docstring).
 
-The rate: expected committed tokens per expert byte the step earns. `--prune auto` takes it from the engine's
+The rate: expected committed tokens per expert byte the step earns (the bytes of one expert at one layer; the
+horizon above multiplies the bytes, not the rate). `--prune auto` takes it from the engine's
 tuning file where that measures an expert's cost (exchange_rate), else DEFAULT_RATE below.
 """
 from __future__ import annotations
@@ -47,6 +59,7 @@ ASSUMED_COMMITTED = 5.0         # committed tokens per step at budget 16 (an ass
 DEFAULT_RATE = ASSUMED_COMMITTED / KIMI_STEP_US * (KIMI_ROUTED_US / KIMI_EXPERTS_READ) / KIMI_EXPERT_BYTES
 
 MAX_NODES, MAX_TOPK, MAX_EXPERTS = 1024, 16, 512      # the kernel's limits (one block, shared-memory counts)
+MAX_HORIZON = 1024              # MoE layers left (Kimi has 60); keeps marginal x bytes x horizon < 2^63 for int32 bytes
 
 
 class PruneError(InputError):
@@ -54,11 +67,13 @@ class PruneError(InputError):
 
 
 def prune_nodes(live, parents, path_prob, routed_ids, expert_bytes: int, rate: float,
-                n_experts: int = MAX_EXPERTS) -> np.ndarray:
+                n_experts: int = MAX_EXPERTS, horizon: int = 1) -> np.ndarray:
     """The rule of the module docstring -> live_out [q] int32 (1 live, 0 dead). live [q] (nonzero = live),
     parents [q] (parents[i] < i, root -1), path_prob [q] float32, routed_ids [q, top_k] global expert ids in
     0..n_experts-1 (rows of dead nodes are not read), expert_bytes one expert's bytes, rate tokens per byte
-    (float32, as the kernel takes it)."""
+    (float32, as the kernel takes it), horizon the MoE layers from this one to the last (>= 1)."""
+    if not (isinstance(horizon, (int, np.integer)) and 1 <= horizon <= MAX_HORIZON):
+        raise PruneError(f"prune_nodes: horizon {horizon!r} must be an int in 1..{MAX_HORIZON} (MoE layers left)")
     live = np.asarray(live).reshape(-1) != 0
     parents = np.asarray(parents, np.int64).reshape(-1)
     prob = np.asarray(path_prob, np.float32).reshape(-1).astype(np.float64)
@@ -74,7 +89,8 @@ def prune_nodes(live, parents, path_prob, routed_ids, expert_bytes: int, rate: f
     live[0] = True                                                       # the root is always live
     use = np.bincount(ids[live].reshape(-1), minlength=n_experts)        # [E] (live node, slot) pairs per expert
     marginal = (use[ids] == 1).sum(axis=1)                               # [q] (meaningful on live rows)
-    cost = float(np.float32(rate)) * (marginal.astype(np.int64) * int(expert_bytes)).astype(np.float64)
+    bytes_left = marginal.astype(np.int64) * int(expert_bytes) * int(horizon)          # [q] exact in int64
+    cost = float(np.float32(rate)) * bytes_left.astype(np.float64)
     drop = live & (marginal > 0) & (prob < cost)
     drop[0] = False
     out = live & ~drop

@@ -1,8 +1,9 @@
 """GPU test of the tree pruning kernel (kernels/tree_prune.cu) against its numpy twin (tree/prune.py prune_nodes):
 live_out bit for bit on random trees and routings (tests/tree/prune_cases.py) at rates that prune nothing, some
-and most, on Kimi's shapes (384 experts, top 8, up to 1024 nodes) and the kernel's limits (512 experts, top 16),
-and on the edge cases: nothing pruned, everything but the root pruned, chains, an input mask with dead subtrees,
-and live_out written over live itself. Run: python3 -m pytest -q tests/plugins/test_tree_prune_gpu.py"""
+and most and horizons 1 (the last MoE layer), 3, 60 (Kimi's first MoE layer) and 1024 (the limit), on Kimi's
+shapes (384 experts, top 8, up to 1024 nodes) and the kernel's limits (512 experts, top 16, int32 expert bytes),
+and on the edge cases: nothing pruned, everything but the root pruned, chains, a threshold that only the horizon
+crosses, an input mask with dead subtrees, and live_out written over live itself. Run: python3 -m pytest -q tests/plugins/test_tree_prune_gpu.py"""
 import numpy as np
 import pytest
 
@@ -13,26 +14,27 @@ from tests.tree.prune_cases import cases, random_case
 pytestmark = pytest.mark.gpu
 
 
-def on_gpu(gpu, case, top_k, E, bytes_, rate, in_place=False):
+def on_gpu(gpu, case, top_k, E, bytes_, rate, horizon=1, in_place=False):
     q = len(case["live"])
     dev = {k: gpu.upload(np.ascontiguousarray(v)) for k, v in case.items()}
     rate_d = gpu.upload(np.array([rate], np.float32))
     bytes_d = gpu.upload(np.array([bytes_], np.int32))
     out = dev["live"] if in_place else gpu.zeros((q,), np.int32)
     TreePrune(gpu, top_k, E).run(dev["live"], dev["parents"], dev["path_prob"], dev["routed_ids"], rate_d, bytes_d,
-                                 out, q)
+                                 out, q, horizon)
     return gpu.download(out)                                  # synchronises
 
 
-def twin(case, E, bytes_, rate):
-    return prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, E)
+def twin(case, E, bytes_, rate, horizon=1):
+    return prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, E,
+                       horizon=horizon)
 
 
 def test_random_small_cases(gpu):
-    for case, bytes_, rate in cases(seed=7, n=30):
+    for case, bytes_, rate, horizon in cases(seed=7, n=30):
         top_k = case["routed_ids"].shape[1]
-        got = on_gpu(gpu, case, top_k, 64, bytes_, rate)
-        assert got.tolist() == twin(case, 64, bytes_, rate).tolist(), (case, bytes_, rate)
+        got = on_gpu(gpu, case, top_k, 64, bytes_, rate, horizon)
+        assert got.tolist() == twin(case, 64, bytes_, rate, horizon).tolist(), (case, bytes_, rate, horizon)
 
 
 @pytest.mark.parametrize("q,top_k,E", [(17, 8, 384), (65, 8, 384), (257, 8, 384), (1024, 8, 384), (1024, 16, 512),
@@ -41,11 +43,12 @@ def test_random_small_cases(gpu):
 def test_kimi_shapes_and_limits(gpu, q, top_k, E, chain):
     rng = np.random.default_rng(q * 31 + top_k + chain)
     case = random_case(rng, q, top_k, E, chain=chain)
-    bytes_ = 3_096_576
-    for rate in (0.0, 1e-12, 1e-10, 1e-9, 1e-7, 1.0):
-        want = twin(case, E, bytes_, float(np.float32(rate)))
-        assert on_gpu(gpu, case, top_k, E, bytes_, float(np.float32(rate))).tolist() == want.tolist(), rate
-        assert on_gpu(gpu, case, top_k, E, bytes_, float(np.float32(rate)), in_place=True).tolist() == want.tolist()
+    for bytes_, horizon in ((3_096_576, 1), (3_096_576, 60), (2**31 - 1, 1024)):
+        for rate in (0.0, 1e-12, 1e-10, 1e-9, 1e-7, 1.0):
+            r = float(np.float32(rate))
+            want = twin(case, E, bytes_, r, horizon)
+            assert on_gpu(gpu, case, top_k, E, bytes_, r, horizon).tolist() == want.tolist(), (rate, horizon)
+            assert on_gpu(gpu, case, top_k, E, bytes_, r, horizon, in_place=True).tolist() == want.tolist()
 
 
 def test_edge_cases(gpu):
@@ -64,5 +67,12 @@ def test_edge_cases(gpu):
     got = on_gpu(gpu, chain, top_k, E, 1000, rate)
     first = int(np.argmax(chain["path_prob"] < 0.5))
     assert got.tolist() == [1] * first + [0] * (q - first) == twin(chain, E, 1000, rate).tolist()
+    # the same rate over 3 layers left: threshold 1.5, every node past the root goes (path probs <= 0.9)
+    assert on_gpu(gpu, chain, top_k, E, 1000, rate, 3).tolist() == [1] + [0] * (q - 1) == \
+        twin(chain, E, 1000, rate, 3).tolist()
+    half = float(np.float32(0.25 / 2000))                 # threshold 0.25 for one layer left, 0.5 for two
+    one, two = on_gpu(gpu, chain, top_k, E, 1000, half), on_gpu(gpu, chain, top_k, E, 1000, half, 2)
+    assert one.tolist() == twin(chain, E, 1000, half).tolist() and two.tolist() == twin(chain, E, 1000, half, 2).tolist()
+    assert int(two.sum()) == first < int(one.sum())
     case["routed_ids"] = np.zeros((q, top_k), np.int32) + np.arange(top_k, dtype=np.int32)   # all share: none
     assert on_gpu(gpu, case, top_k, E, 1000, 1.0).tolist() == [1] * q

@@ -5,7 +5,7 @@ accept_walk_live; issue 53) against the numpy backend's, on the tiny model's tp 
                 moe_live to bf16 tolerance on those rows, a dead row's output is the shared expert's bit for bit (its
                 routed part is 0), a live row's is the unpruned moe's (bit for bit under the batch-invariant plan),
                 and the experts the MoE's tile lists read are exactly the live rows' (the experts-touched count);
-  tree_prune    tree/prune.py prune_nodes bit for bit (the op on the device's routing);
+  tree_prune    tree/prune.py prune_nodes bit for bit (the op on the device's routing), at horizons 1 and 3;
   accept_walk_live  numpy's accept layer with the live mask, exactly (target tokens, accepted, count, bonus).
 Run: python3 -m pytest -q tests/runtime/test_cuda_prune_ops_gpu.py"""
 import numpy as np
@@ -51,10 +51,10 @@ def moe_layer(ops, cfg, L: int, inter: int, pruned: bool) -> None:
     ops.output("out", out, ["q", H], ACT)
 
 
-def prune_layer(ops) -> None:
+def prune_layer(ops, horizon: int) -> None:
     live = ops.tree_prune(ops.input("live", ["q"], I32), ops.input("parents", ["q"], I32),
                           ops.input("path_prob", ["q"], F32), ops.input("routed_ids", ["q", "k"], I32),
-                          ops.input("prune_rate", [1], F32), ops.input("expert_bytes", [1], I32))
+                          ops.input("prune_rate", [1], F32), ops.input("expert_bytes", [1], I32), horizon)
     ops.output("live_out", live, ["q"], I32)
 
 
@@ -109,11 +109,13 @@ def test_tree_prune_op_is_prune_nodes(pair):
         ids = rng.integers(0, cfg.n_routed_experts, (q, cfg.num_experts_per_tok)).astype(np.int32)
         live = (rng.random(q) < 0.8).astype(np.int32)
         path = rng.uniform(0, 1, q).astype(np.float32)
-        for rate in (0.0, 1e-7, 1e-5, 1.0):
+        for rate in (0.0, 1e-7, 3e-6, 1e-5, 1.0):
             feeds = {"live": live, "parents": parents, "path_prob": path, "routed_ids": ids,
                      "prune_rate": np.array([rate], np.float32), "expert_bytes": np.array([110_000], np.int32)}
-            got = ops.host(ops.call(prune_layer, feeds=feeds)["live_out"])
-            assert got.tolist() == prune_nodes(live, parents, path, ids, 110_000, float(np.float32(rate))).tolist()
+            for horizon in (1, 3):
+                got = ops.host(ops.call(prune_layer, horizon, feeds=feeds)["live_out"])
+                want = prune_nodes(live, parents, path, ids, 110_000, float(np.float32(rate)), horizon=horizon)
+                assert got.tolist() == want.tolist(), (q, rate, horizon)
 
 
 def test_accept_walk_live_is_numpy_accept(pair):

@@ -1,9 +1,12 @@
 """--prune auto on the CPU (issue 53): DDTree with trees pruned inside the verify commits exactly AR's tokens on the
 tiny model's engine (numpy executor over the op set), greedy and sampled (T 0.8), budgets 4 and 16, at the default
-rate and at a rate so high that most nodes go (pruned_nodes > 0 proves the pruned path ran), tp 1 and tp 2 ranks as
-threads; the stats are the run's; executors that cannot prune refuse by name; the description's default path is
-today's, op for op (no tree_prune, no keyword to the MoE, decoder layers called with today's arguments); dead rows
-route to no expert and the live rows' MoE output is the unpruned one."""
+rate, at a moderate rate that prunes some nodes at budget 16 (MID: a node charged for its marginal experts over the
+3 MoE layers left; charged for one layer, the sampled run prunes none) and at a rate so high that most nodes go
+(pruned_nodes > 0 proves the pruned path ran), tp 1 and tp 2 ranks as threads; the stats are the run's; each prune
+layer's tree_prune gets the MoE layers left as its horizon and its mask is prune_nodes' with it; executors that cannot
+prune refuse by name; the description's default path is today's, op for op (no tree_prune, no keyword to the MoE,
+decoder layers called with today's arguments); dead rows route to no expert and the live rows' MoE output is the
+unpruned one."""
 import numpy as np
 import pytest
 
@@ -16,12 +19,13 @@ from ddtree.runtime.executor import NumpyExecutor
 from ddtree.runtime.graph_executor import GraphExecutor
 from ddtree.runtime.loop import RunStats, ar_steps, ddtree_steps, run_to_end
 from ddtree.runtime.pruning import Pruner, PruneRefused
-from ddtree.tree.prune import PRUNE_EVERY
+from ddtree.tree.prune import PRUNE_EVERY, prune_nodes
 from ddtree.tree.sampling import SamplingParams
 
 PROMPT = [256] + list(b"def fibonacci(n):\n    if n < 2:\n        return n\n")
 N = 40
 HIGH = 1e-4          # tokens per byte: with the tiny model's ~110 KB experts, any node with a marginal expert goes
+MID = 1e-7           # a node with one marginal expert goes below path prob 1e-7 x 110592 x 3 layers ~ 0.033
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +42,8 @@ def ex(engines):
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "t0.8"])
 @pytest.mark.parametrize("budget", [4, 16])
-@pytest.mark.parametrize("rate,every", [(None, PRUNE_EVERY), (HIGH, 1), (HIGH, PRUNE_EVERY)],
-                         ids=["default", "high-every-layer", "high-every-4"])
+@pytest.mark.parametrize("rate,every", [(None, PRUNE_EVERY), (MID, PRUNE_EVERY), (HIGH, 1), (HIGH, PRUNE_EVERY)],
+                         ids=["default", "moderate", "high-every-layer", "high-every-4"])
 def test_pruned_ddtree_equals_ar(ex, params, budget, rate, every):
     want = run_to_end(ar_steps(ex, PROMPT, N, params))
     stats = RunStats()
@@ -52,6 +56,8 @@ def test_pruned_ddtree_equals_ar(ex, params, budget, rate, every):
     assert d["prune_rate_source"] == ("given" if rate else "default (tree/prune.py DEFAULT_RATE: no tuning.json)")
     if rate == HIGH:
         assert d["pruned_nodes"] > 0 and d["distinct_experts_after"] < d["distinct_experts_before"]
+    elif rate == MID and budget == 16:            # (a dropped node's later experts may be shared: no fewer read)
+        assert d["pruned_nodes"] > 0 and d["distinct_experts_after"] <= d["distinct_experts_before"]
     else:
         assert d["distinct_experts_after"] <= d["distinct_experts_before"]
 
@@ -94,6 +100,44 @@ class Recorder:
             self.calls.append((name, tuple(sorted(kw))))
             return fn(*args, **kw)
         return op
+
+
+def test_each_prune_layer_charges_the_moe_layers_left(ex):
+    cfg, ops = ex.config, ex.ranks.ranks[0]
+    assert [layers.moe_horizon(cfg, L) for L in cfg.moe_layers] == list(range(len(cfg.moe_layers), 0, -1))
+    with pytest.raises(ValueError, match="not an MoE layer"):
+        layers.moe_horizon(cfg, 0)                               # the tiny model's layer 0 is dense
+    q = 17
+    seen = []
+
+    class Spy(Recorder):
+        def __getattr__(self, name):
+            fn = super().__getattr__(name)
+            if name != "tree_prune":
+                return fn
+
+            def tree_prune(*args):
+                live = fn(*args)
+                seen.append((args, live))
+                return live
+            return tree_prune
+
+    rng = np.random.default_rng(4)
+    decided_by_horizon = 0
+    for j, L in enumerate(cfg.moe_layers):
+        live0 = (rng.random(q) < 0.3).astype(np.int32)            # few live leaves of a star: marginal experts
+        live0[0] = 1
+        ops.feeds = {**layer_feeds(ex, q), "live": live0, "parents": np.array([-1] + [0] * (q - 1), np.int32),
+                     "path_prob": rng.uniform(0, 0.1, q).astype(np.float32), "prune_rate": np.array([MID], np.float32),
+                     "expert_bytes": np.array([ex.expert_bytes], np.int32)}
+        ops.outputs = {}
+        layers.decoder_layer(Spy(ops), cfg, L, ex.moe_inter, prune="prune")
+        (live, parents, path, ids, rate, bytes_, horizon), out = seen[-1]
+        assert horizon == len(cfg.moe_layers) - j and type(horizon) is int          # an attribute, not a feed
+        want = prune_nodes(live, parents, path, ids, ex.expert_bytes, MID, horizon=horizon)
+        assert np.asarray(out).tolist() == want.tolist() == np.asarray(ops.outputs["live_out"]).tolist()
+        decided_by_horizon += want.tolist() != prune_nodes(live, parents, path, ids, ex.expert_bytes, MID).tolist()
+    assert decided_by_horizon > 0                   # the inputs tell a horizon from one layer
 
 
 def layer_feeds(ex, q: int) -> dict:

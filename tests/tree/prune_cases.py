@@ -18,15 +18,19 @@ def random_case(rng, q: int, top_k: int, n_experts: int, chain: bool = False, de
     return {"live": live, "parents": parents, "path_prob": prob.astype(np.float32), "routed_ids": ids}
 
 
-def cases(seed: int = 0, n: int = 40, max_q: int = 40, max_experts: int = 24) -> list[tuple[dict, int, float]]:
-    """(inputs, expert_bytes, rate): random trees and routings over rates that prune nothing, some, or most."""
+HORIZONS = (1, 3, 60, 1024)      # MoE layers left: the last layer, the tiny model's first, Kimi's first, the limit
+
+
+def cases(seed: int = 0, n: int = 40, max_q: int = 40, max_experts: int = 24) -> list[tuple[dict, int, float, int]]:
+    """(inputs, expert_bytes, rate, horizon): random trees and routings over rates and horizons that prune nothing,
+    some, or most."""
     rng = np.random.default_rng(seed)
     out = []
     for c in range(n):
         q, top_k = int(rng.integers(1, max_q + 1)), int(rng.integers(1, 5))
         E = int(rng.integers(top_k, max_experts + 1))
         case = random_case(rng, q, top_k, E, chain=c % 5 == 0)
-        bytes_ = int(rng.integers(1, 1 << 20))
-        for rate in (0.0, 1e-9, 1e-7, 1e-6, 1e-3):
-            out.append((case, bytes_, float(np.float32(rate))))
+        bytes_ = int(rng.integers(1, 1 << 31))
+        for rate in (0.0, 1e-12, 1e-10, 1e-9, 1e-7, 1e-3):
+            out.append((case, bytes_, float(np.float32(rate)), HORIZONS[c % len(HORIZONS)]))
     return out

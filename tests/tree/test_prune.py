@@ -12,8 +12,9 @@ from ddtree.tree.walk import accept_walk
 from tests.tree.prune_cases import cases
 
 
-def brute_force(live, parents, prob, ids, expert_bytes, rate) -> np.ndarray:
-    """Sets instead of counts, an ancestor walk instead of the forward pass, in float64 as the rule states."""
+def brute_force(live, parents, prob, ids, expert_bytes, rate, horizon) -> np.ndarray:
+    """Sets instead of counts, an ancestor walk instead of the forward pass, in float64 as the rule states (the
+    bytes a node would still cost: python's exact integer product over the MoE layers left)."""
     q = len(live)
     alive = [i == 0 or bool(live[i]) for i in range(q)]
     experts = [set(int(e) for e in ids[i]) for i in range(q)]
@@ -23,7 +24,7 @@ def brute_force(live, parents, prob, ids, expert_bytes, rate) -> np.ndarray:
             continue
         others = set().union(*(experts[j] for j in range(q) if alive[j] and j != i))
         marginal = len(experts[i] - others)
-        if marginal and float(prob[i]) < float(np.float32(rate)) * float(marginal * expert_bytes):
+        if marginal and float(prob[i]) < float(np.float32(rate)) * float(marginal * expert_bytes * horizon):
             dropped.add(i)
     out = np.zeros(q, np.int32)
     for i in range(q):
@@ -37,13 +38,18 @@ def brute_force(live, parents, prob, ids, expert_bytes, rate) -> np.ndarray:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_rule_equals_brute_force(seed):
-    some = 0
-    for case, bytes_, rate in cases(seed):
-        got = prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, 64)
-        want = brute_force(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate)
-        assert got.tolist() == want.tolist(), (case, bytes_, rate)
+    some, by_horizon = 0, 0
+    for case, bytes_, rate, horizon in cases(seed):
+        got = prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, 64,
+                          horizon=horizon)
+        want = brute_force(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, horizon)
+        assert got.tolist() == want.tolist(), (case, bytes_, rate, horizon)
         some += 0 < int((case["live"] != got).sum()) < int(case["live"].sum()) - 1
+        one = prune_nodes(case["live"], case["parents"], case["path_prob"], case["routed_ids"], bytes_, rate, 64)
+        by_horizon += horizon > 1 and one.tolist() != got.tolist()
+        assert np.all(got <= one)                 # a longer horizon only ever drops more
     assert some > 10                              # the cases prune some nodes, not only none or all
+    assert by_horizon > 5                         # and the horizon decides some of them
 
 
 def test_edge_cases_by_hand():
@@ -57,6 +63,10 @@ def test_edge_cases_by_hand():
     assert prune_nodes(live, parents, prob, ids, 100, 1e-3).tolist() == [1, 1, 1, 1, 0]
     # 0.5 x 2 x 100 ... rate 2e-3 -> threshold .4: node 3 drops and takes node 4 with it
     assert prune_nodes(live, parents, prob, ids, 100, 2e-3).tolist() == [1, 1, 1, 0, 0]
+    # the horizon multiplies the bytes: node 3 (.3) stays at threshold .2 for one layer, goes at .4 for two, .6 three
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=2).tolist() == [1, 1, 1, 0, 0]
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=3).tolist() == [1, 1, 0, 0, 0]   # .5 < .6
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=5).tolist() == [1, 0, 0, 0, 0]   # .9 < 1.0
     shared = ids.copy()
     shared[3] = [0, 1]                                     # node 3 uses the root's experts: no marginal, kept
     assert prune_nodes(live, parents, prob, shared, 100, 1.0).tolist() == [1, 0, 0, 0, 0]    # its parent went
@@ -77,6 +87,9 @@ def test_bad_input_is_named():
         prune_nodes(ok["live"], ok["parents"], ok["path_prob"], [[0], [9]], 1, 1.0, n_experts=8)
     with pytest.raises(PruneError, match=r"\[q\]"):
         prune_nodes(ok["live"], ok["parents"], [1.0], ok["routed_ids"], 1, 1.0)
+    for bad in (0, -1, 1025, 2.0, None):
+        with pytest.raises(PruneError, match="horizon"):
+            prune_nodes(ok["live"], ok["parents"], ok["path_prob"], ok["routed_ids"], 1, 1.0, horizon=bad)
 
 
 def test_path_probs_are_the_calibrated_products_along_each_path():
