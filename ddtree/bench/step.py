@@ -116,9 +116,14 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
         gpu.sync()
         steps.pruning.record(budget + 1)
         d = pruner.stats.to_dict()
+        n = budget + 1                          # the stated drafter's path probabilities: its expected acceptance
+        path = steps.pruning.path_prob.numpy()[:n].astype(np.float64)
+        live = steps.pruning.final_host[:n] != 0
         pruned = {"rate": pruner.rate_terms(budget, context)[0], "rate_source": d["prune_rate_source"],
                   "pruned_nodes": d["pruned_nodes"], "distinct_experts_before": d["distinct_experts_before"],
-                  "distinct_experts_after": d["distinct_experts_after"]}
+                  "distinct_experts_after": d["distinct_experts_after"],
+                  "expected_accept_before": 1.0 + float(path[1:].sum()),
+                  "expected_accept_after": 1.0 + float(path[1:][live[1:]].sum())}
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
     steps.forced_accept = steps.stated_draft = None
@@ -159,7 +164,8 @@ def echo_row(row: dict) -> None:
         reuse = "" if row["reuse"] is None else f" {row['reuse']}"
         p = row.get("pruned")
         pruned = "" if p is None else (f", pruned ({p['pruned_nodes']} nodes, experts {p['distinct_experts_before']:.1f}"
-                                       f" -> {p['distinct_experts_after']:.1f} a layer)")
+                                       f" -> {p['distinct_experts_after']:.1f} a layer, expected acceptance "
+                                       f"{p['expected_accept_before']:.2f} -> {p['expected_accept_after']:.2f})")
         click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}{pruned}: step {row['step_us']:.0f} us, "
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
 
@@ -326,7 +332,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                   "the tree's first-child chain (random weights accept ~1 on their own)",
                         "prune": "--prune: each DDTree row again with the verify pruned inside (prune auto; its "
                                  "pruned fields: the last replay's pruned nodes and distinct experts a MoE layer "
-                                 "before / after, speedup = the unpruned row's step / this one's); its accepted "
+                                 "before / after, speedup = the unpruned row's step / this one's, "
+                                 "expected_accept_before / _after = 1 + the stated drafter's path probabilities "
+                                 "of every node / of the live ones: the acceptance the profile predicts); its accepted "
                                  "length is still the forced --accept (the pruned tree's real acceptance is not "
                                  "measured here) and its bytes are the meter's unpruned ones",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "

@@ -177,17 +177,17 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, 
 
 
 def moe_horizon(cfg, layer: int) -> int:
-    """tree_prune's horizon at MoE layer `layer`: the MoE layers from this one to the last, this one included (what
-    a node dropped here is charged for: its marginal experts in every layer left; tree/prune.py, the rule)."""
+    """tree_prune's horizon at MoE layer `layer`: the MoE layers after this one (what a node dropped here is charged
+    for: its marginal experts in every layer left; this layer's are read already; tree/prune.py, the rule)."""
     moe_layers = cfg.moe_layers
     if layer not in moe_layers:
         raise ValueError(f"moe_horizon: layer {layer} is not an MoE layer (the MoE layers are {moe_layers})")
-    return len(moe_layers) - moe_layers.index(layer)
+    return len(moe_layers) - moe_layers.index(layer) - 1
 
 
 def _pruned_moe(ops: Ops, cfg, layer: int, x2, moe_inter: int, prune: str):
     """The MoE of a pruned verify: live rows only; at a "prune" layer, tree_prune on this layer's routing, its
-    horizon (moe_horizon) the MoE layers from this one to the last."""
+    horizon (moe_horizon) the MoE layers after this one."""
     live = ops.input("live", ["q"], I32)
     mlp, ids = moe(ops, cfg, layer_prefix(layer) + "mlp.", x2, moe_inter, live=live)
     ops.output("routed_ids", ids, ["q", cfg.num_experts_per_tok], I32)

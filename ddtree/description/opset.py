@@ -280,8 +280,8 @@ class Ops(ABC):
 
     def tree_prune(self, live, parents, path_prob, routed_ids, rate, expert_bytes, horizon: int):
         """live [q] I32, parents [q] I32, path_prob [q] F32, routed_ids [q, topk] I32 (global), rate [1] F32 (tokens
-        per expert byte), expert_bytes [1] I32, horizon a python int (an attribute, not a feed: the MoE layers from
-        this one to the last, tree/prune.py moe_horizon) -> live_out [q] I32: tree/prune.py prune_nodes (the kernel
+        per expert byte), expert_bytes [1] I32, horizon a python int (an attribute, not a feed: the MoE layers after
+        this one, description/layers.py moe_horizon) -> live_out [q] I32: tree/prune.py prune_nodes (the kernel
         kernels/tree_prune.cu)."""
         raise NotImplementedError(f"{type(self).__name__} cannot prune a tree inside its verify (tree_prune)")
 

@@ -9,7 +9,7 @@ one float64 multiply and compare). Every tensor argument is a device address (a 
 cuda-backend Tensor's .ptr): live [q] int32, parents [q] int32, path_prob [q] float32, routed_ids [q, top_k]
 int32 (global ids), rate [1] float32 (tokens per expert byte), expert_bytes [1] int32, live_out [q] int32 (it may
 be live itself: every read of live precedes the barriers before the one write). horizon (an int, the MoE layers
-from this one to the last) is a scalar launch argument: a captured graph keeps the layer's. run() allocates nothing
+after this one) is a scalar launch argument: a captured graph keeps the layer's. run() allocates nothing
 and never synchronises, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ class TreePrune:
             stream=None) -> None:
         if not 1 <= q <= MAX_NODES:
             raise PruneError(f"TreePrune: {q} nodes; the kernel's one block takes 1..{MAX_NODES}")
-        if not (isinstance(horizon, (int, np.integer)) and 1 <= horizon <= MAX_HORIZON):
-            raise PruneError(f"TreePrune: horizon {horizon!r} must be an int in 1..{MAX_HORIZON} (MoE layers left)")
+        if not (isinstance(horizon, (int, np.integer)) and 0 <= horizon <= MAX_HORIZON):
+            raise PruneError(f"TreePrune: horizon {horizon!r} must be an int in 0..{MAX_HORIZON} (MoE layers left)")
         self.gpu.launch(self.kernel, 1, THREADS, 0, ptr(live), ptr(parents), ptr(path_prob), ptr(routed_ids),
                         ptr(rate), ptr(expert_bytes), ptr(live_out), np.int32(q), np.int32(self.top_k),
                         np.int32(self.n_experts), np.int32(horizon), stream=stream)

@@ -11,8 +11,8 @@ The rule (prune_nodes; the numpy twin of kernels/tree_prune.cu, bit for bit), at
     use[e]   = the number of (live node, top-k slot) pairs routed to expert e (the GLOBAL expert ids, identical
                on every rank, so every rank prunes the same nodes)
     marginal[i] = the slots s of node i with use[ids[i, s]] == 1: the experts no other live node uses
-    horizon  = the MoE layers from this one to the last, this one included (description/layers.py moe_horizon; a
-               python int fixed when the layer's description is written: the kernel's scalar argument, not a feed)
+    horizon  = the MoE layers after this one (description/layers.py moe_horizon; a python int fixed when the
+               layer's description is written: the kernel's scalar argument, not a feed)
     drop i   if i is live, not the root, marginal[i] > 0 and
                  path_prob[i] < rate * (marginal[i] * expert_bytes * horizon)
              (the product exact in int64, then one float64 multiply) i.e. its expected committed tokens per
@@ -22,10 +22,9 @@ Why horizon: a node dropped at this layer routes to no expert in every later MoE
 experts there too, not at one layer. What it would keep costing is estimated by assuming its marginal experts at
 this layer stay marginal in every later layer (the routing of later layers is not known yet). Without the factor
 the rule undervalued the saving by ~the number of remaining MoE layers (on Kimi the threshold was ~4e-4 x
-marginal at the default rate and nothing was ever pruned). This layer is counted too, as issue 53 states the rule,
-although its experts are already read when the rule runs (its MoE ran with the input mask): the layers actually
-saved are horizon - 1, so at the last MoE layer the rule still drops nodes (a candidate less for the walk) while
-saving no expert read.
+marginal at the default rate and nothing was ever pruned). This layer is not counted: its experts are already read
+when the rule runs (its MoE ran with the input mask), so at the last MoE layer (horizon 0) nothing is dropped:
+there is nothing left to save, and a dropped node would only be a candidate less for the walk.
 Every node is judged against the same live set (the decisions do not depend on one another), then the subtrees
 close in node order, so the result is a function of the inputs only. A node with no marginal expert costs
 nothing extra and is never dropped. path_prob is the product of calibrated drafter confidences along the path
@@ -71,9 +70,9 @@ def prune_nodes(live, parents, path_prob, routed_ids, expert_bytes: int, rate: f
     """The rule of the module docstring -> live_out [q] int32 (1 live, 0 dead). live [q] (nonzero = live),
     parents [q] (parents[i] < i, root -1), path_prob [q] float32, routed_ids [q, top_k] global expert ids in
     0..n_experts-1 (rows of dead nodes are not read), expert_bytes one expert's bytes, rate tokens per byte
-    (float32, as the kernel takes it), horizon the MoE layers from this one to the last (>= 1)."""
-    if not (isinstance(horizon, (int, np.integer)) and 1 <= horizon <= MAX_HORIZON):
-        raise PruneError(f"prune_nodes: horizon {horizon!r} must be an int in 1..{MAX_HORIZON} (MoE layers left)")
+    (float32, as the kernel takes it), horizon the MoE layers after this one (>= 0)."""
+    if not (isinstance(horizon, (int, np.integer)) and 0 <= horizon <= MAX_HORIZON):
+        raise PruneError(f"prune_nodes: horizon {horizon!r} must be an int in 0..{MAX_HORIZON} (MoE layers left)")
     live = np.asarray(live).reshape(-1) != 0
     parents = np.asarray(parents, np.int64).reshape(-1)
     prob = np.asarray(path_prob, np.float32).reshape(-1).astype(np.float64)

@@ -28,4 +28,5 @@ def test_pruned_rows_beside_the_unpruned():
     assert p["distinct_experts_after"] < p["distinct_experts_before"]
     assert p["distinct_experts_before"] == pytest.approx(off["distinct_experts"]["mean"])   # the same given routing
     assert math.isfinite(p["speedup"]) and p["speedup"] > 0 and on["step_us"] > 0
+    assert 1.0 <= p["expected_accept_after"] < p["expected_accept_before"] <= 5.0     # nodes gone: acceptance lost
     print(json.dumps(p, indent=1), off["step_us"], on["step_us"])

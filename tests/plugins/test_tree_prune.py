@@ -29,7 +29,7 @@ def test_limits_match_the_twin_and_the_launcher():
     with pytest.raises(prune.PruneError, match="top_k"):
         tp.TreePrune(None, top_k=prune.MAX_TOPK + 1, n_experts=8)
     launcher = object.__new__(tp.TreePrune)                      # no GPU: run() checks before it launches
-    for bad in (0, prune.MAX_HORIZON + 1, 2.0):
+    for bad in (-1, prune.MAX_HORIZON + 1, 2.0):
         with pytest.raises(prune.PruneError, match="horizon"):
             launcher.run(0, 0, 0, 0, 0, 0, 0, 5, bad)
 
@@ -39,4 +39,4 @@ def test_kernel_takes_the_horizon_as_a_scalar_argument():
     signature = re.search(r"tree_prune\((.*?)\)\s*\{", src, re.S).group(1)
     assert [a.split()[-1] for a in signature.split(",")][-4:] == ["q", "top_k", "n_experts", "horizon"]
     assert "(long long)expert_bytes[0] * (long long)horizon" in src          # the int64 product, as the twin's
-    assert f"1 <= horizon <= {prune.MAX_HORIZON}" in src
+    assert f"0 <= horizon <= {prune.MAX_HORIZON}" in src

@@ -104,7 +104,7 @@ class Recorder:
 
 def test_each_prune_layer_charges_the_moe_layers_left(ex):
     cfg, ops = ex.config, ex.ranks.ranks[0]
-    assert [layers.moe_horizon(cfg, L) for L in cfg.moe_layers] == list(range(len(cfg.moe_layers), 0, -1))
+    assert [layers.moe_horizon(cfg, L) for L in cfg.moe_layers] == list(range(len(cfg.moe_layers) - 1, -1, -1))
     with pytest.raises(ValueError, match="not an MoE layer"):
         layers.moe_horizon(cfg, 0)                               # the tiny model's layer 0 is dense
     q = 17
@@ -133,11 +133,12 @@ def test_each_prune_layer_charges_the_moe_layers_left(ex):
         ops.outputs = {}
         layers.decoder_layer(Spy(ops), cfg, L, ex.moe_inter, prune="prune")
         (live, parents, path, ids, rate, bytes_, horizon), out = seen[-1]
-        assert horizon == len(cfg.moe_layers) - j and type(horizon) is int          # an attribute, not a feed
+        assert horizon == len(cfg.moe_layers) - j - 1 and type(horizon) is int          # an attribute, not a feed
         want = prune_nodes(live, parents, path, ids, ex.expert_bytes, MID, horizon=horizon)
         assert np.asarray(out).tolist() == want.tolist() == np.asarray(ops.outputs["live_out"]).tolist()
-        decided_by_horizon += want.tolist() != prune_nodes(live, parents, path, ids, ex.expert_bytes, MID).tolist()
-    assert decided_by_horizon > 0                   # the inputs tell a horizon from one layer
+        one_more = prune_nodes(live, parents, path, ids, ex.expert_bytes, MID, horizon=horizon + 1)
+        decided_by_horizon += want.tolist() != one_more.tolist()
+    assert decided_by_horizon > 0                   # the inputs tell a layer's horizon from one more layer
 
 
 def layer_feeds(ex, q: int) -> dict:

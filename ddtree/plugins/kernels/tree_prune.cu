@@ -4,11 +4,11 @@
 //   marginal[i] = slots of node i whose expert has use == 1               (experts no other live node uses)
 //   drop i      = i > 0, live, marginal > 0,
 //                 (double)path_prob[i] < (double)rate * (double)(marginal * bytes * horizon)   (int64 product)
-//   horizon     = the MoE layers from this one to the last, this one included: the bytes a dropped node would
+//   horizon     = the MoE layers after this one (0 at the last: nothing dropped): the bytes a dropped node would
 //                 still cost (its marginal experts assumed marginal in every later layer; the rule's rationale)
 //   live_out[i] = live[i] && !drop[i] && live_out[parents[i]]             (node order: parents precede children)
 // Limits (the launcher checks them): q <= TP_MAX_NODES nodes, top_k <= 16, n_experts <= TP_MAX_EXPERTS; routed
-// ids of live rows in 0..n_experts-1 (an id outside is not counted), 1 <= horizon <= 1024. Every value that changes
+// ids of live rows in 0..n_experts-1 (an id outside is not counted), 0 <= horizon <= 1024. Every value that changes
 // from step to step is read on the device (rate, expert_bytes, the tree), so a captured graph serves every step;
 // horizon is a scalar launch argument (the layer's, fixed when the description is written: the graph keeps it).
 #include "common.cuh"
