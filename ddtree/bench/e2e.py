@@ -290,11 +290,11 @@ def print_table(result: dict, console: Console) -> None:
 @click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
               help="--device cuda: batch-invariant fixes every kernel's split for all row counts (DDTree == AR bitwise)")
 @click.option("--prune", type=click.Choice(["off", "auto"]), default="off", show_default=True,
-              help="auto: each budget also runs with the tree pruned inside the verify (issue 53; --device cpu), "
+              help="auto: each budget also runs with the tree pruned inside the verify (issue 53), "
                    "beside its unpruned row")
 @click.option("--prune-rate", type=FiniteFloatRange(min=0), default=None,
               help="--prune auto: tokens per expert byte, every step (default: the Pruner's own rate, the tuning "
-                   "file's or tree/prune.py DEFAULT_RATE)")
+                   "file's or tree/prune.py DEFAULT_RATE_PER_TOKEN x the tree's expected tokens)")
 @click.option("--budget", "budgets", default="1,4,16,64", show_default=True,
               help=f"DDTree node budgets, comma-separated (1..{MAX_BUDGET})")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=None,

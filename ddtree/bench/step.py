@@ -112,7 +112,13 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     steps.state.set(start=context, bonus=1)
     step_ms = statistics.median(gpu.timed_ms(lambda: steps._replay(key), repeats))
     pruned = None
-    if pruner is not None:                      # the last replay's tree, routing and live masks (host-mapped)
+    if pruner is not None:                      # one stats step, eagerly: its routing and live masks (host-mapped)
+        steps.state.set(start=context, bonus=1)
+        steps.ops.graph_plans = True
+        try:
+            steps._ddtree_body(budget, b, prune=True, stats=True)
+        finally:
+            steps.ops.graph_plans = False
         gpu.sync()
         steps.pruning.record(budget + 1)
         d = pruner.stats.to_dict()
@@ -216,7 +222,8 @@ def echo_row(row: dict) -> None:
               help="each DDTree row again with the verify pruned inside (--prune auto's step, issue 53): distinct "
                    "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
 @click.option("--prune-rate", type=FiniteFloatRange(min=0), default=None,
-              help="--prune: tokens per expert byte (default tree/prune.py DEFAULT_RATE, the Kimi step's)")
+              help="--prune: tokens per expert byte (default: tree/prune.py DEFAULT_RATE_PER_TOKEN x the tree's "
+                   "expected committed tokens, the Kimi step's)")
 @click.option("--requests", "requests_text", default=None,
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "

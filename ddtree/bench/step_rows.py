@@ -123,7 +123,7 @@ def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, rou
         if pruner is not None:
             steps.pruning = steps.pruning or StepPruning(steps, pruner)
             steps.pruning.prepare(pruner, budget, context)
-            body = lambda: steps._ddtree_body(budget, b, prune=True)     # noqa: E731
+            body = lambda: steps._ddtree_body(budget, b, prune=True, stats=False)    # noqa: E731 (timed: no copies)
         vocab = rank.lay.vocab_stop - rank.lay.vocab_start
         steps.stated_draft = gpu.upload(stated_draft_logits(budget, b - 1, vocab))
     steps.forced_accept = accept if budget else None

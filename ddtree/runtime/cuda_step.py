@@ -246,11 +246,12 @@ class GpuSteps:
 
     PHASES = stack.PHASES
 
-    def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None, prune: bool = False):
+    def _ddtree_body(self, budget: int, b: int, only=None, k: int | None = None, prune: bool = False,
+                     stats: bool = True):
         """The step's launches, phase by phase (PHASES); `only`: just those phases, on the buffers of the last
         full run (phase_times captures each alone to time it). k: --budget auto's table width (the table is
         copied to the host-mapped buffer table_host with the record). prune: the verify pruned inside
-        (self.pruning, runtime/cuda_step_prune.py)."""
+        (self.pruning, runtime/cuda_step_prune.py; stats: a stats step's copies)."""
         ex, ops, cfg, d, st, g = self.ex, self.ops, self.ex.config, self.ex.drafter_config, self.state, self.gpu
         S, n = ops.stream, budget + 1
         lengths = ex.target_cache.dev.lengths
@@ -269,7 +270,7 @@ class GpuSteps:
             W = t.vis.shape[1]
             feeds = {"ids": Tensor.of(t.tokens), "pos": Tensor.of(t.positions), "cache_len": Tensor.of(lengths),
                      "tree_mask": Tensor(t.vis.ptr, (n, W), np.dtype(np.int32), dense_strides((n, W)))}
-            pruning = self.pruning.verify_feeds(t, n, S) if prune else None     # path probs, rate: on the device
+            pruning = self.pruning.verify_feeds(t, n, S, stats) if prune else None   # path probs, rate: device
             h = target_layers(ex, feeds, ex.target_cache, self._copy_tap, self.taps, prune=pruning)
             v["logits"] = ops.call(layers.head_logits, cfg, feeds={"h": h})["logits"]      # [n, V] float32
             if prune:
@@ -345,9 +346,11 @@ class GpuSteps:
             return loop.ddtree_step(ex, s, params, budget)
         k, prune = s.table_k, s.prune
         key = ("ddtree", budget, b, self.set_params(params).mode) + ((k,) if k else ())
+        stats = False
         if prune is not None:                           # its own graphs: the pruned verify at the pruner's layers
-            key += ("prune", prune.at)
             self.pruning = self.pruning or StepPruning(self, prune)
+            stats = self.pruning.stats_due(first=not prune.stats.per_step)
+            key += ("prune", prune.at, stats)
         nxt = copy.copy(s)
         nxt.start += b                                  # the furthest step k + 1 can start
         # auto: the next budget waits; pruned: the stats' buffers and the rate's context are this step's
@@ -358,11 +361,11 @@ class GpuSteps:
             self._sync_state(s.start, s.bonus)
             if prune is not None:
                 self.pruning.prepare(prune, budget, s.start)
-        pruned = {"prune": True} if prune is not None else {}     # (TpSteps' body has none: tp > 1 refuses it)
+        pruned = {"prune": True, "stats": stats} if prune is not None else {}     # (TpSteps' body: tp > 1 refuses)
         rec = self._step(key, lambda: self._ddtree_body(budget, b, k=k, **pruned), prepare, ahead)
         self._check_follows(rec, s.start)
         if prune is not None:
-            self.pruning.record(budget + 1)
+            self.pruning.record(budget + 1, stats)
         if k:
             s.draft_logp = self.table_host[0][: (b - 1) * k].reshape(b - 1, k).copy()
         old = s.start

@@ -2,20 +2,22 @@
 
     sp = StepPruning(steps, pruner)          # device buffers, made once per GpuSteps
     sp.prepare(pruner, budget, start)        # host, before a step: the rate's terms at this budget and context
-    pruning = sp.verify_feeds(tree, n, stream)         # inside the graph: path probs + rate on the device
+    pruning = sp.verify_feeds(tree, n, stream, stats)  # inside the graph: path probs + rate on the device
     h = target_layers(ex, feeds, cache, tap, taps, prune=pruning)      # the pruned verify (description/stack.py)
     tree_for_walk = sp.walk_tree(tree, pruning.feeds["live"], n, stream)   # dead nodes' tokens -1
     sp.finish(n, stream)                                 # the final live mask into host-mapped memory
-    sp.record(n)                                         # host, after the step's record: the pruner's PruneStats
+    sp.record(n, stats)                                  # host, after the step's record: the pruner's PruneStats
 
 The step is what runtime/loop.py ddtree_step does on the host with runtime/pruning.py Pruner.verify, without a host
 round trip: path probabilities from the tree build's fp32 path log-probabilities through the tuning file's
 calibration (plugins/prune_ops.py prune_path_probs), the rate base + per_token x their sum (Pruner.rate_terms, the
 terms written by the host before each step), tree_prune at the pruner's layers, moe_live at every MoE layer, the
-walk over the masked tokens. The stats (pruned nodes, distinct experts before / after at every MoE layer) are
-copied into host-mapped buffers inside the graph and read once the step's record is (a pruned step is never
-enqueued ahead of the host: the next step would overwrite them while they are read, and its rate's context is the
-host's). Letters: n tree nodes (<= N = the ops' max rows), m MoE layers, k = topk.
+walk over the masked tokens. The stats are copied into host-mapped buffers inside
+the graph and read once the step's record is (a pruned step is never enqueued ahead of the host: the next step
+would overwrite them while they are read, and its rate's context is the host's): the pruned nodes every step (one
+copy of the final mask), the distinct experts before / after at every MoE layer only on a stats step (two copies
+a MoE layer: 120 copy nodes on Kimi, enough to eat the experts a pruned step saves), the first pruned step of a
+request and every STATS_EVERY-th after it (its own graph; runtime/pruning.py PruneStats averages what it saw). Letters: n tree nodes (<= N = the ops' max rows), m MoE layers, k = topk.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ddtree.plugins.prune_ops import CalibrationTable
 from ddtree.tree.budget import CALIBRATION_BINS
 
 TABLE_POINTS = CALIBRATION_BINS + 2         # the device calibration table's points a depth (a fitted map's at most)
+STATS_EVERY = 8                             # pruned steps per stats step (the distinct experts' copies)
 
 
 class StepPruning:
@@ -50,6 +53,7 @@ class StepPruning:
         self.lives_host, self.lives_dev = g.mapped((len(self.moe), N), np.int32)          # [m, N] live it routed with
         self.final_host, self.final_dev = g.mapped((N,), np.int32)                        # [N] after the verify
         self.live = None                                            # the verify's final mask (a Tensor)
+        self.pruned_steps = 0                                       # of this request (stats_due)
 
     def _table(self, pruner) -> CalibrationTable:
         return CalibrationTable.of(pruner.calibration, self.depths, TABLE_POINTS)
@@ -66,8 +70,14 @@ class StepPruning:
             self.pruner = pruner
         self.gpu.copy_in(self.rate_terms, np.array(pruner.rate_terms(budget, start), np.float32))
 
-    def verify_feeds(self, tree, n: int, stream) -> stack.Pruning:
-        """Inside the graph: path_prob [n] and the rate on the device -> the stack's Pruning over device feeds."""
+    def stats_due(self, first: bool) -> bool:
+        """Whether this pruned step (the first of a request: `first`) copies the distinct experts (a stats step)."""
+        self.pruned_steps = 0 if first else self.pruned_steps + 1
+        return self.pruned_steps % STATS_EVERY == 0
+
+    def verify_feeds(self, tree, n: int, stream, stats: bool = True) -> stack.Pruning:
+        """Inside the graph: path_prob [n] and the rate on the device -> the stack's Pruning over device feeds.
+        stats: every MoE layer's routing and live mask copied for record (a stats step)."""
         self.ops.prune_kernels().path_probs(tree.scores, tree.parents, tree.depth, n, self.table, self.rate_terms,
                                             self.path_prob, self.rate, stream=stream)
         feeds = {"live": Tensor.of(self.ones.view(0, (n,))), "parents": Tensor.of(tree.parents),
@@ -79,7 +89,7 @@ class StepPruning:
             j = self.moe[L]
             g.copy_d2d(self.routed_dev + j * N * k * 4, ids.ptr, n * k * 4, stream=stream)
             g.copy_d2d(self.lives_dev + j * N * 4, live.ptr, n * 4, stream=stream)
-        return stack.Pruning(self.pruner.at, feeds, on_route)
+        return stack.Pruning(self.pruner.at, feeds, on_route if stats else None)
 
     def walk_tree(self, tree, live: Tensor, n: int, stream):
         """The tree the sampler's walk reads: dead nodes' tokens -1 (the committed tokens still come from tree)."""
@@ -90,10 +100,11 @@ class StepPruning:
     def finish(self, n: int, stream) -> None:
         self.gpu.copy_d2d(self.final_dev, self.live.ptr, n * 4, stream=stream)
 
-    def record(self, n: int) -> None:
-        """Host, after the step finished: the pruner's stats as runtime/pruning.py Pruner.verify keeps them."""
+    def record(self, n: int, experts: bool = True) -> None:
+        """Host, after the step finished: the pruner's stats as runtime/pruning.py Pruner.verify keeps them (the
+        distinct experts only after a stats step: `experts`)."""
         stats = self.pruner.stats
-        for j in range(len(self.moe)):
+        for j in range(len(self.moe) if experts else 0):
             ids, live = self.routed_host[j, :n], self.lives_host[j, :n] != 0
             stats.experts_before.append(len(np.unique(ids)))
             stats.experts_after.append(len(np.unique(ids[live])))

@@ -12,8 +12,8 @@ tree_prune at every `every`-th MoE layer (description/stack.py Pruning). The wal
 
 The rate (expected committed tokens per expert byte): with a tuning file that measures an expert's cost, the
 step's own (tree/prune.py exchange_rate: this tree's expected committed tokens over the measured step time at
-its budget and context, times the measured us per expert byte); otherwise tree/prune.py DEFAULT_RATE (derived
-there from the Kimi step we ship). `rate` given: that, every step (tests, a stated experiment). The source is
+its budget and context, times the measured us per expert byte); otherwise the same with the Kimi step we ship
+standing in for the measurement (tree/prune.py DEFAULT_RATE_PER_TOKEN x this tree's expected committed tokens). `rate` given: that, every step (tests, a stated experiment). The source is
 reported with the stats (prune_rate_source).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from ddtree.description.stack import Pruning, prune_layers
 from ddtree.runtime.loop import RequestError
-from ddtree.tree.prune import DEFAULT_RATE, PRUNE_EVERY, exchange_rate, node_path_probs
+from ddtree.tree.prune import DEFAULT_RATE_PER_TOKEN, PRUNE_EVERY, exchange_rate, node_path_probs
 
 PRUNE_MODES = ("off", "auto")
 
@@ -66,7 +66,9 @@ class PruneStats:
     def to_dict(self) -> dict:
         """The --json stats. distinct_experts_before counts every node's routing at each MoE layer (what an
         unpruned verify of this tree would read there; a dead row past its pruning layer is routed from its own
-        hidden state, which then lacks its routed part: an estimate); _after the live rows' (what was read)."""
+        hidden state, which then lacks its routed part: an estimate); _after the live rows' (what was read). The
+        GPU step graph counts them on its stats steps only (runtime/cuda_step_prune.py STATS_EVERY), the host's
+        composition on every step; pruned_per_step is every step's."""
         def mean(v):
             return float(np.mean(v)) if v else 0.0
         return {"prune": "auto", "prune_rate_source": self.rate_source, "pruned_nodes": int(sum(self.per_step)),
@@ -81,10 +83,9 @@ class Pruner:
         self.calibration = tuning.calibration if tuning is not None else None
         measured = tuning is not None and exchange_rate(tuning, tuning.budgets[-1], 0, 1.0, len(cfg.moe_layers),
                                                         self.expert_bytes) is not None
-        self.stats = PruneStats(
-            "given" if rate is not None else "tuning.json" if measured else
-            "default (tree/prune.py DEFAULT_RATE: " + ("tuning.json measures no expert cost)" if tuning is not None
-                                                       else "no tuning.json)"))
+        why = "tuning.json measures no expert cost" if tuning is not None else "no tuning.json"
+        self.stats = PruneStats("given" if rate is not None else "tuning.json" if measured else
+                                f"default (tree/prune.py DEFAULT_RATE_PER_TOKEN: {why})")
 
     @classmethod
     def for_executor(cls, ex, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY) -> "Pruner":
@@ -100,13 +101,13 @@ class Pruner:
 
     def rate_terms(self, budget: int, context: int) -> tuple[float, float]:
         """The rate as base + per_token x the tree's expected committed tokens (the GPU step computes that sum on
-        the device, runtime/cuda_step_prune.py): (given or DEFAULT_RATE, 0), or (0, the tuning file's rate per
-        expected token: exchange_rate is linear in it)."""
+        the device, runtime/cuda_step_prune.py): (given, 0), or (0, the tuning file's rate per expected token:
+        exchange_rate is linear in it), or without one (0, DEFAULT_RATE_PER_TOKEN)."""
         if self.fixed_rate is not None:
             return float(self.fixed_rate), 0.0
         measured = None if self.tuning is None else exchange_rate(
             self.tuning, budget, context, 1.0, len(self.cfg.moe_layers), self.expert_bytes)
-        return (DEFAULT_RATE, 0.0) if measured is None else (0.0, measured)
+        return (0.0, DEFAULT_RATE_PER_TOKEN if measured is None else measured)
 
     def verify(self, ex, tree, draft_logits, node_pos, visible, cache, taps, budget: int) -> tuple:
         """The step's verify with pruning -> (logits [n, V], taps {L: h}, live [n] int32)."""

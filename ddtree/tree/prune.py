@@ -32,7 +32,8 @@ nothing extra and is never dropped. path_prob is the product of calibrated draft
 
 The rate: expected committed tokens per expert byte the step earns (the bytes of one expert at one layer; the
 horizon above multiplies the bytes, not the rate). `--prune auto` takes it from the engine's
-tuning file where that measures an expert's cost (exchange_rate), else DEFAULT_RATE below.
+tuning file where that measures an expert's cost (exchange_rate), else DEFAULT_RATE_PER_TOKEN below times the
+tree's own expected committed tokens (both scale with what this tree is expected to earn).
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ ASSUMED_COMMITTED = 5.0         # committed tokens per step at budget 16 (an ass
                                 # 5.3 at GSM8K, rounded down for a tree whose later nodes are rarely taken)
 # tokens the step earns per us x the us one expert byte costs: ~1.34e-10 tokens per byte (an expert slice ~4.1e-4)
 DEFAULT_RATE = ASSUMED_COMMITTED / KIMI_STEP_US * (KIMI_ROUTED_US / KIMI_EXPERTS_READ) / KIMI_EXPERT_BYTES
+# the same per expected committed token: --prune auto without a measured rate multiplies it by the tree's own
+# expected committed tokens (the sum of its path probabilities), as the tuning file's measured rate is
+DEFAULT_RATE_PER_TOKEN = DEFAULT_RATE / ASSUMED_COMMITTED
 
 MAX_NODES, MAX_TOPK, MAX_EXPERTS = 1024, 16, 512      # the kernel's limits (one block, shared-memory counts)
 MAX_HORIZON = 1024              # MoE layers left (Kimi has 60); keeps marginal x bytes x horizon < 2^63 for int32 bytes

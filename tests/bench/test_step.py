@@ -204,12 +204,12 @@ def test_prune_flags_and_the_bench_pruner():
     from ddtree.builder.weights import rank_tensor_specs
     from ddtree.description.opset import RankLayout
     from ddtree.model.presets import get_preset
-    from ddtree.tree.prune import DEFAULT_RATE, KIMI_EXPERT_BYTES
+    from ddtree.tree.prune import DEFAULT_RATE_PER_TOKEN, KIMI_EXPERT_BYTES
     refuses(["bench", "step", "--tp", "2", "--ranks", "all", "--prune"], "--prune", "--ranks one", code=2)
     refuses(["bench", "step", "--prune", "--prune-rate", "-1"], "--prune-rate", code=2)
     cfg, dcfg = get_preset("kimi-k2.6", 3)
     plan = make_plan(cfg, dcfg, 8)
     rank = SimpleNamespace(config=cfg, specs=rank_tensor_specs(plan), lay=RankLayout.from_plan(plan.to_dict(), 0))
     pruner = bench_pruner(rank, None)
-    assert pruner.expert_bytes == KIMI_EXPERT_BYTES and pruner.rate_terms(16, 4096) == (DEFAULT_RATE, 0.0)
+    assert pruner.expert_bytes == KIMI_EXPERT_BYTES and pruner.rate_terms(16, 4096) == (0.0, DEFAULT_RATE_PER_TOKEN)
     assert bench_pruner(rank, 1e-9).rate_terms(16, 4096) == (1e-9, 0.0)

@@ -119,10 +119,10 @@ def test_the_table_is_the_calibration():
 
 def test_rate_terms_are_the_rate():
     from ddtree.runtime.pruning import Pruner
-    from ddtree.tree.prune import DEFAULT_RATE
+    from ddtree.tree.prune import DEFAULT_RATE, DEFAULT_RATE_PER_TOKEN
 
     class Cfg:
         moe_layers = (1, 2, 3)
     assert Pruner(Cfg(), 1000, rate=3e-9).rate_terms(16, 100) == (3e-9, 0.0)
-    assert Pruner(Cfg(), 1000).rate_terms(16, 100) == (DEFAULT_RATE, 0.0)
-    assert Pruner(Cfg(), 1000).rate(16, 100, 4.5) == DEFAULT_RATE
+    assert Pruner(Cfg(), 1000).rate_terms(16, 100) == (0.0, DEFAULT_RATE_PER_TOKEN)
+    assert Pruner(Cfg(), 1000).rate(16, 100, 5.0) == pytest.approx(DEFAULT_RATE, rel=1e-12)    # at its 5 tokens

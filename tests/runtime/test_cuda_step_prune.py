@@ -59,6 +59,16 @@ def test_record_is_the_cpu_pruners_stats():
     want_after = [len(np.unique(ids[j][lives[j] != 0])) for j in range(3)]
     assert pruner.stats.experts_before == want_before and pruner.stats.experts_after == want_after
     assert d["pruned_per_step"] == [4] and d["pruned_nodes"] == 4
+    sp.record(n, experts=False)                        # a step without the experts' copies: its pruned count only
+    assert pruner.stats.per_step == [4, 4] and len(pruner.stats.experts_before) == 3
+
+
+def test_stats_steps_are_a_requests_first_and_every_stats_every_th():
+    from ddtree.runtime.cuda_step_prune import STATS_EVERY
+    cfg = SimpleNamespace(moe_layers=(1, 2, 3), num_experts_per_tok=2)
+    sp = StepPruning(steps(cfg), Pruner(cfg, 1000, rate=1e-4))
+    due = [sp.stats_due(first=i in (0, 11)) for i in range(3 * STATS_EVERY)]
+    assert [i for i, d in enumerate(due) if d] == [0, STATS_EVERY, 11, 11 + STATS_EVERY]
 
 
 def test_prepare_writes_the_rate_terms_and_another_pruners_constants():
