@@ -39,6 +39,9 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--drafter", "drafter_dir", default=None,
               help="DFlash drafter dir or Hub id (default: the embedded tiny drafter; none with an engine dir).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--kernel-plan", type=click.Choice(["fast", "batch-invariant"]), default="fast", show_default=True,
+              help="--device cuda: batch-invariant fixes every kernel's split for all row counts, so an answer is "
+                   "bitwise the same whatever runs beside it (slower).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--budget", type=BudgetParam(), default="16", show_default=True,
@@ -70,7 +73,7 @@ DEFAULT_MODEL_NAME = "ddtree-tiny"
 @click.option("--disable-log-requests", is_flag=True,
               help="No log line per request (default: one each: id, status, tokens, latency).")
 @limit_options
-def serve_command(model_dir, drafter_dir, device, host, port, budget, prune, max_queue, max_num_seqs,
+def serve_command(model_dir, drafter_dir, device, kernel_plan, host, port, budget, prune, max_queue, max_num_seqs,
                   served_model_names, skip_verify, api_key, allowed_origins, max_model_len, chat_template,
                   disable_log_requests, **limit_kw):
     """Serve the model over the OpenAI HTTP API (completions, chat, streaming)."""
@@ -83,7 +86,7 @@ def serve_command(model_dir, drafter_dir, device, host, port, budget, prune, max
             raise click.ClickException(f"ddtree serve needs the 'serve' extra ({e.name} is missing): "
                                        "pip install -e '.[serve]'") from e
 
-        engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify)
+        engine = DDTreeEngine.load(model_dir, drafter_dir, device, verify=not skip_verify, kernel_plan=kernel_plan)
         if budget == "auto":
             engine.auto_budget()                        # refused now (naming the tuning file), not per request
         if prune == "auto" and max_num_seqs > 1:
