@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import httpx
 import pytest
 
-from tests.server.conftest import live_server, metric, wait_idle
-from tests.server.test_batching import N_CLIENTS, alone, one_client, request_of, watch_running
+pytest.importorskip("fastapi", reason="the serve extra")
+import httpx  # noqa: E402
+
+from tests.server.conftest import live_server, metric, wait_idle  # noqa: E402
+from tests.server.test_batching import N_CLIENTS, alone, one_client, request_of, watch_running  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
