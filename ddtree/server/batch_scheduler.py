@@ -48,6 +48,7 @@ class BatchScheduler(Scheduler):
 
     # --- the worker thread ----------------------------------------------------------------------
     def _worker(self) -> None:
+        self.engine.bind_thread()
         decoder = BatchDecoder(self.engine, self.max_num_seqs)
         try:
             while True:

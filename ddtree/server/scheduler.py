@@ -121,6 +121,7 @@ class Scheduler:
     def _worker(self) -> None:
         job = None
         try:
+            self.engine.bind_thread()
             while True:
                 with self.cond:
                     while not self.waiting and not self.draining:
