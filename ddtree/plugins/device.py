@@ -209,6 +209,13 @@ class Gpu:
         self._allocs.clear()
         self._host_allocs.clear()
 
+    def bind_thread(self) -> None:
+        """This GPU's context current on the calling thread. cuda.core's Device objects are per thread: the one
+        made at load is initialised on the loading thread only, and a graph builder's split on another thread asks
+        that thread's own Device, which must be set current there too."""
+        from cuda.core import Device  # cuda: the cuda extra
+        Device(self.dev.device_id).set_current()
+
     # ---- sync, timing, graphs -------------------------------------------------------------
     def sync(self) -> None:
         self.stream.sync()
