@@ -125,7 +125,9 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
         n = budget + 1                          # the stated drafter's path probabilities: its expected acceptance
         path = steps.pruning.path_prob.numpy()[:n].astype(np.float64)
         live = steps.pruning.final_host[:n] != 0
-        pruned = {"rate": pruner.rate_terms(budget, context)[0], "rate_source": d["prune_rate_source"],
+        base, per_token = pruner.rate_terms(budget, context)      # the step's rate: base + per_token x E[tokens]
+        pruned = {"rate": base + per_token * (1.0 + float(path[1:].sum())), "rate_per_token": per_token,
+                  "rate_source": d["prune_rate_source"],
                   "pruned_nodes": d["pruned_nodes"], "distinct_experts_before": d["distinct_experts_before"],
                   "distinct_experts_after": d["distinct_experts_after"],
                   "expected_accept_before": 1.0 + float(path[1:].sum()),
@@ -171,7 +173,8 @@ def echo_row(row: dict) -> None:
         p = row.get("pruned")
         pruned = "" if p is None else (f", pruned ({p['pruned_nodes']} nodes, experts {p['distinct_experts_before']:.1f}"
                                        f" -> {p['distinct_experts_after']:.1f} a layer, expected acceptance "
-                                       f"{p['expected_accept_before']:.2f} -> {p['expected_accept_after']:.2f})")
+                                       f"{p['expected_accept_before']:.2f} -> {p['expected_accept_after']:.2f}"
+                                       f", tokens/s x{p['tokens_per_s_ratio']:.3f})")
         click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}{pruned}: step {row['step_us']:.0f} us, "
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
 
@@ -323,7 +326,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             if with_prune and budget is not None:        # the same row pruned (a fresh Pruner: the row's own stats)
                 pruned = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse,
                                         accept, bench_pruner(rank, prune_rate)), "collectives": mode}
-                pruned["pruned"]["speedup"] = row["step_us"] / pruned["step_us"]
+                p = pruned["pruned"]
+                p["speedup"] = row["step_us"] / pruned["step_us"]
+                # what the step earns: the profile's expected tokens a step over its time, pruned vs unpruned
+                p["tokens_per_s_ratio"] = p["speedup"] * p["expected_accept_after"] / p["expected_accept_before"]
                 rows.append(pruned)
                 echo_row(pruned)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
@@ -341,7 +347,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                  "pruned fields: the last replay's pruned nodes and distinct experts a MoE layer "
                                  "before / after, speedup = the unpruned row's step / this one's, "
                                  "expected_accept_before / _after = 1 + the stated drafter's path probabilities "
-                                 "of every node / of the live ones: the acceptance the profile predicts); its accepted "
+                                 "of every node / of the live ones: the acceptance the profile predicts; "
+                                 "tokens_per_s_ratio = speedup x expected_accept_after / _before, what pruning "
+                                 "earns at that acceptance); its accepted "
                                  "length is still the forced --accept (the pruned tree's real acceptance is not "
                                  "measured here) and its bytes are the meter's unpruned ones",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "

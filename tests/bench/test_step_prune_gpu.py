@@ -29,4 +29,6 @@ def test_pruned_rows_beside_the_unpruned():
     assert p["distinct_experts_before"] == pytest.approx(off["distinct_experts"]["mean"])   # the same given routing
     assert math.isfinite(p["speedup"]) and p["speedup"] > 0 and on["step_us"] > 0
     assert 1.0 <= p["expected_accept_after"] < p["expected_accept_before"] <= 5.0     # nodes gone: acceptance lost
+    assert p["tokens_per_s_ratio"] == pytest.approx(
+        off["step_us"] / on["step_us"] * p["expected_accept_after"] / p["expected_accept_before"], rel=1e-12)
     print(json.dumps(p, indent=1), off["step_us"], on["step_us"])
