@@ -26,7 +26,7 @@ sequence takes turns. An error in the union forward is the error of every sequen
 The GPU (a tp 1 CudaExecutor with step graphs): every sequence takes a request lane of the executor's LanePool
 (runtime/cuda_lanes.py: its own caches and device state), its DDTree steps yield a loop.Fused, and the round runs
 the waiting lanes' steps as one batched graph (runtime/cuda_step_batch.py: drafts and walks in parallel branches,
-the trees verified in one forward); an AR sequence steps alone on its lane (its own AR graph). Rank processes run
+the trees verified in one forward; the AR sequences' tokens in one forward of their own). Rank processes run
 one request loop in lock step, and other GPU executors keep one request's state: both are refused with more than
 one sequence (RequestError naming --max-num-seqs).
 

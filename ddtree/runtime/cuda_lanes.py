@@ -114,9 +114,10 @@ class LanePool:
             self.free.sort(key=lambda v: v.index)
 
     def steps(self, fused: list) -> list:
-        """The steps of loop.Fused items (each on its own lane) -> each one's committed tokens, or the exception
-        its step raised. Those the batched graph can take (a DDTree step its lane's graph could take, without
-        --budget auto's table or pruning) run as one graph per (budget, block size); the others alone, in order.
+        """The steps of loop.Fused items (each on its own lane; budget None: an AR step) -> each one's committed
+        tokens, or the exception its step raised. Those the batched graph can take (a step its lane's graph could
+        take, without --budget auto's table or pruning) run as one graph per (budget, block size), the AR steps as
+        one AR graph; the others alone, in order.
         A round of one graph whose every lane surely steps again (the furthest its step can reach leaves room for
         another) enqueues the next round's step before reading this one's records (BatchSteps.step ahead); a
         round that differs from it takes the step in flight for the lanes it has (BatchSteps.settle)."""
@@ -141,7 +142,8 @@ class LanePool:
             if batch.can_take(f.ex, f.state, f.budget):
                 groups.setdefault((f.budget, f.state.block), []).append(i)
             else:
-                out[i] = _guarded(lambda f=f: f.ex.ddtree_step(f.state, f.params, f.budget))
+                out[i] = _guarded(lambda f=f: f.ex.ar_step(f.state, f.params) if f.budget is None
+                                  else f.ex.ddtree_step(f.state, f.params, f.budget))
         alone = any(r is not None for r in out)
         for (budget, _), idx in groups.items():
             ahead = len(groups) == 1 and not alone and all(_steps_again(fused[i], budget) for i in idx)
@@ -155,9 +157,11 @@ class LanePool:
         return out
 
 
-def _steps_again(f, budget: int) -> bool:
-    """Whether f's lane surely takes another batched step after this one (GpuSteps.ddtree_step's test for its
-    step enqueued ahead: even the longest acceptance leaves tokens to make, and that step fits the graph)."""
+def _steps_again(f, budget: int | None) -> bool:
+    """Whether f's lane surely takes another batched step after this one (GpuSteps.ddtree_step's / ar_step's test
+    for a step enqueued ahead: even the longest acceptance leaves tokens to make, and that step fits the graph)."""
+    if budget is None:
+        return f.state.start + 2 < min(f.state.end, f.ex.max_context)
     nxt = copy.copy(f.state)
     nxt.start += nxt.block
     return nxt.start < nxt.end and f.ex.steps.graph_ready(nxt, budget)

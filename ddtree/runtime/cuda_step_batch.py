@@ -22,7 +22,9 @@ Every lane's launches are the ones its GpuSteps would make alone; the verify's r
 (row-wise ops; under --kernel-plan batch-invariant bitwise so: tests/runtime/test_cuda_batch_gpu.py). The first
 step of a key runs eagerly (the lanes one after another on the GPU's stream), then the same launches are captured.
 A lane whose step the graph cannot take (the first steps after a short prompt, the last near the caches' end,
---budget auto, --prune auto) takes its step alone (cuda_lanes.py LanePool.steps).
+--budget auto, --prune auto) takes its step alone (cuda_lanes.py LanePool.steps). AR steps (budget None) batch the
+same way, one graph a lane set: each lane's prologue, the R tokens in one union forward, head logits [R, V], each
+lane's sampler and commit (_ar_body).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from ddtree.backends.cuda_tensor import Tensor, dense_strides
 from ddtree.description import layers
+from ddtree.plugins.device import DeviceArray
 from ddtree.runtime.cuda_model import target_layers, union_layers
 
 DRAFT, FINISH = ("draft", "tree"), ("sample_walk", "update")
@@ -46,11 +49,15 @@ class BatchSteps:
         self.inflight: tuple | None = None          # (lanes, budget, graph key, event) of a step enqueued ahead
         self.ahead_steps = 0
 
-    def can_take(self, lane, s, budget: int) -> bool:
-        """Whether lane's step joins the batched graph: its own graph could take it (GpuSteps.graph_ready), and
-        it has no --budget auto table or pruned verify."""
-        return (getattr(lane, "steps", None) is not None and s.table_k is None and s.prune is None
-                and budget + 1 <= self.ops.max_tokens and lane.steps.graph_ready(s, budget))
+    def can_take(self, lane, s, budget: int | None) -> bool:
+        """Whether lane's step joins the batched graph: its own graph could take it (GpuSteps.graph_ready; AR,
+        budget None: its token inside the caches), and it has no --budget auto table or pruned verify."""
+        if getattr(lane, "steps", None) is None or s.cache is not lane.target_cache:
+            return False
+        if budget is None:
+            return s.start + 1 <= self.ex.max_context
+        return (s.table_k is None and s.prune is None and budget + 1 <= self.ops.max_tokens
+                and lane.steps.graph_ready(s, budget))
 
     # ---- the graph body ------------------------------------------------------------------------------
     def _union_feeds(self, R: int, budget: int) -> dict:
@@ -111,6 +118,33 @@ class BatchSteps:
             lane.steps._ddtree_body(budget, b, only=FINISH)
         self._join(branches)
 
+    def _ar_body(self, lanes: list) -> None:
+        """R AR steps: each lane's prologue (its bonus token at its start), the R tokens in one union forward (a
+        request's row sees its own cache and itself), head logits [R, V], each lane's sampler and commit."""
+        if len(lanes) == 1:
+            lanes[0].ops.stream = self.ops.stream
+            lanes[0].steps._ar_body()
+            return
+        ex, ops, g = self.ex, self.ops, self.gpu
+        S, u = ops.stream, self._union_feeds(len(lanes), 0)              # one row a request
+        for i, lane in enumerate(lanes):
+            st, lengths = lane.steps, lane.target_cache.dev.lengths
+            st.state.prologue(1, 0, 0, st.block_ids, st.block_pos, None, lengths, stream=S)
+            g.copy_d2d(u["ids"].ptr + 4 * i, st.block_ids.ptr, 4, stream=S)
+            g.copy_d2d(u["pos"].ptr + 4 * i, st.block_pos.ptr, 4, stream=S)
+            g.copy_d2d(u["cache_len"].ptr + 4 * i, lengths.ptr, 4, stream=S)
+        feeds = {"ids": Tensor.of(u["ids"]), "pos": Tensor.of(u["pos"]), "cache_len": Tensor.of(u["cache_len"]),
+                 "row_offsets": u["row_offsets"],
+                 **{f"tree_mask.{i}": Tensor.of(lane.steps.ar_mask) for i, lane in enumerate(lanes)}}
+        h = union_layers(ex, feeds, [lane.target_cache for lane in lanes])
+        logits = ops.call(layers.head_logits, ex.config, feeds={"h": h})["logits"]           # [R, V] float32
+        V = logits.shape[1]
+        for i, lane in enumerate(lanes):
+            st = lane.steps
+            row = logits.at(i * V, (1, V))
+            out = st.sampler.launch(st.plan, DeviceArray(g, row.ptr, row.shape, row.dtype), st.block_pos, 1, stream=S)
+            st.state.commit(None, None, None, out.target, status=(st.sampler.status, None), stream=S)
+
     def _fork(self, R: int) -> list:
         """R streams for the lanes: parallel graph builders while capturing (the first is the ops' own), the
         GPU's stream (None: in order) when eager."""
@@ -133,34 +167,35 @@ class BatchSteps:
     def _all_ops(self, lanes) -> list:
         return [self.ops] + [lane.ops for lane in lanes]
 
-    def _eager(self, lanes, budget: int, b: int) -> None:
+    def _eager(self, lanes, budget: int | None, b: int) -> None:
         every = self._all_ops(lanes)
         for o in every:
             o.graph_plans = True
         try:
-            self._body(lanes, budget, b)
+            self._ar_body(lanes) if budget is None else self._body(lanes, budget, b)
             self.gpu.sync()
         finally:
             for o in every:
                 o.graph_plans, o.stream = False, None
 
-    def _capture(self, lanes, budget: int, b: int):
+    def _capture(self, lanes, budget: int | None, b: int):
         every = self._all_ops(lanes)
 
         def record(builder):
             for o in every:
                 o.capturing, o.graph_plans, o.stream = True, True, None
             self.ops.stream = builder
-            self._body(lanes, budget, b)
+            self._ar_body(lanes) if budget is None else self._body(lanes, budget, b)
         try:
             return self.gpu.capture(record)
         finally:
             for o in every:
                 o.capturing, o.graph_plans, o.stream = False, False, None
 
-    def step(self, items: list, budget: int, ahead: bool = False) -> list:
+    def step(self, items: list, budget: int | None, ahead: bool = False) -> list:
         """items [(lane, DecodeState, SamplingParams)] (distinct lanes, one block size, each can_take) -> each
-        lane's committed tokens (accepted drafts in depth order, then the new bonus), in the order given.
+        lane's committed tokens (accepted drafts in depth order, then the new bonus; budget None: AR steps, the
+        next token), in the order given.
         ahead: enqueue the same lanes' next step before this one's records are read (the caller knows every lane
         takes it: LanePool.steps); the next call with the same lanes and budget takes it (settle, otherwise)."""
         given = items
@@ -186,16 +221,17 @@ class BatchSteps:
         event.sync()
         self.batched_steps += 1
         self.lane_steps += len(items)
-        tokens = {lane.index: self._finish(lane, s) for lane, s, _ in items}
+        tokens = {lane.index: self._finish(lane, s, budget is None) for lane, s, _ in items}
         return [tokens[lane.index] for lane, _, _ in given]
 
-    def _launch(self, items: list, budget: int, b: int) -> tuple:
+    def _launch(self, items: list, budget: int | None, b: int) -> tuple:
         """The lanes' device state readied and their graph launched (run eagerly and captured the first time)."""
         lanes, modes = [lane for lane, _, _ in items], []
         for lane, s, params in items:
             st = lane.steps
             st.drain()
-            st._enter_window(s)
+            if budget is not None:
+                st._enter_window(s)
             st._sync_state(s.start, s.bonus)
             modes.append(st.set_params(params).mode)
         key = (tuple(lane.index for lane in lanes), budget, b, tuple(modes))
@@ -214,13 +250,13 @@ class BatchSteps:
         (that step is theirs); its others (finished, cancelled) are forgotten."""
         if self.inflight is None:
             return {}
-        lanes, _, _, event = self.inflight
+        lanes, budget, _, event = self.inflight
         self.inflight = None
         event.sync()
         out = {}
         for lane in lanes:
             if lane.index in present:
-                out[lane.index] = self._finish(lane, present[lane.index][1])
+                out[lane.index] = self._finish(lane, present[lane.index][1], budget is None)
             else:
                 self._drop(lane)
         return out
@@ -240,8 +276,9 @@ class BatchSteps:
         st.synced, st.in_window = None, 0
 
     @staticmethod
-    def _finish(lane, s) -> list[int]:
-        """Lane's record of the step just run -> its tokens; the host's DecodeState advanced (GpuSteps.ddtree_step)."""
+    def _finish(lane, s, ar: bool = False) -> list[int]:
+        """Lane's record of the step just run -> its tokens; the host's DecodeState advanced (GpuSteps.ddtree_step,
+        ar_step)."""
         st = lane.steps
         step = st.state.steps + 1
         rec = st.state.record(step)
@@ -255,7 +292,11 @@ class BatchSteps:
         st._check_follows(rec, s.start)
         old = s.start
         s.start, s.bonus = rec["start"], rec["tokens"][-1]
-        s.cache.length, s.dcache.length = s.start, old
+        s.cache.length = s.start
+        if ar:
+            st.synced = (s.start, s.bonus)
+            return rec["tokens"]
+        s.dcache.length = old
         st.synced, st.in_window = (s.start, s.bonus), rec["count"]
         return rec["tokens"]
 

@@ -368,8 +368,8 @@ class DDTreeEngine:
                 raise RequestError(f"{'logit_bias' if logit_bias else 'logprobs'} needs a CPU executor; the GPU's "
                                    "batched requests (--max-num-seqs > 1) sample on the device")
             ex = self._observed(logit_bias, "logit_bias" if logit_bias else "logprobs")
-        if lane is not None:                # the lane's DDTree steps are batched (loop.Fused); AR steps alone
-            union = union and mode == "ddtree" and prune is None
+        if lane is not None:                # the lane's steps are batched (loop.Fused), a pruned verify alone
+            union = union and prune is None
         else:
             union = union and ex is self.executor and ex.verify_requests is not None      # not observed
         if mode == "ar":

@@ -147,11 +147,12 @@ class Verify:
 class Fused:
     """A step waiting for its turn (ddtree_steps(union=True) on an executor whose step is fused, the GPU's lanes):
     the driver runs it with other requests' steps (runtime/cuda_lanes.py LanePool.steps: one batched graph) and
-    sends back its committed tokens, as ex.ddtree_step(state, params, budget) would return them."""
+    sends back its committed tokens, as ex.ddtree_step(state, params, budget) would return them (budget None:
+    an AR step, ex.ar_step's)."""
     ex: object
     state: DecodeState
     params: SamplingParams
-    budget: int
+    budget: int | None
 
 
 def ddtree_step(ex, st: DecodeState, params: SamplingParams, budget: int) -> list[int]:
@@ -201,9 +202,9 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
              stats: RunStats | None = None, union: bool = False) -> Iterator[list[int]]:
     """Yields the committed tokens of each step (one per step) until EOS, max_new_tokens or the context.
     Each step is `ex.ar_step(state, params)` where the executor has that ability (runtime/executor.py) (a captured GPU graph), else the
-    composition `ar_step` above. union: as ddtree_steps' (the step's one-row forward is the caller's)."""
-    if union and ex.ar_step is not None:
-        raise ValueError(f"ar_steps: union=True composes the step, but the {ex.name} executor fuses it")
+    composition `ar_step` above. union: as ddtree_steps' (the step's one-row forward is the caller's; on an
+    executor whose step is fused, a GPU lane, it yields a loop.Fused with budget None and takes the token)."""
+    fused = union and ex.ar_step is not None
     prompt, n_new = _check(prompt_ids, max_new_tokens, context_of(ex.config))
     stats = stats if stats is not None else RunStats()
     eos = {int(e) for e in eos_ids}
@@ -230,7 +231,10 @@ def ar_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, eos_id
         yield [token]
         if stats.finish_reason is not None:
             return
-        tokens = ar_commit(ex, st, params, (yield Verify(ar_call(st)))[0]) if union else step(st, params)
+        if fused:
+            tokens = yield Fused(ex, st, params, None)
+        else:
+            tokens = ar_commit(ex, st, params, (yield Verify(ar_call(st)))[0]) if union else step(st, params)
 
 
 def ddtree_steps(ex, prompt_ids, max_new_tokens: int, params: SamplingParams, budget: int,

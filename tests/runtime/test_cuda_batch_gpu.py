@@ -65,13 +65,18 @@ def test_cancelled_neighbour_does_not_change_the_others(engine):
     assert len(eng.executor.lanes.free) == len(eng.executor.lanes.lanes)      # every lane given back
 
 
-def test_ar_requests_and_lane_limits(engine):
+def test_ar_requests_batch_too_and_lane_limits(engine):
+    """AR requests' tokens go through one union forward a round (their own AR graph), beside a DDTree one."""
     eng, prompts = engine
-    ar = GenerationRequest(max_new_tokens=16, mode="ar", temperature=0.9, seed=2, ignore_eos=True)
+    ars = [GenerationRequest(max_new_tokens=24, mode="ar", temperature=0.9, seed=2, ignore_eos=True),
+           GenerationRequest(max_new_tokens=20, mode="ar", ignore_eos=True),
+           GenerationRequest(max_new_tokens=24, mode="ar", temperature=0.7, top_k=10, seed=9, ignore_eos=True)]
     dd = GenerationRequest(max_new_tokens=16, budget=8, ignore_eos=True)
-    jobs = [("ar", prompts[0], ar), ("dd", prompts[1], dd)]
-    out = run_batch(eng, jobs, 2)
-    assert out["ar"]["tokens"] == alone(eng, prompts[0], ar) and out["dd"]["tokens"] == alone(eng, prompts[1], dd)
+    jobs = [(f"ar{i}", prompts[i], r) for i, r in enumerate(ars)] + [("dd", prompts[3], dd)]
+    out = run_batch(eng, jobs, 4)
+    for key, prompt, r in jobs:
+        assert out[key]["tokens"] == alone(eng, prompt, r), key
+    assert any(k[1] is None and len(k[0]) >= 2 for k in eng.executor.lanes.batch.graphs)   # an AR union graph
     decoder = BatchDecoder(eng, 2)
     decoder.add("a", prompts[0], dd)
     decoder.add("b", prompts[1], dd)
