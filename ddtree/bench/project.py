@@ -143,8 +143,9 @@ def _table(rows: list[dict], title: str) -> Table:
 @click.option("--seed", type=int, default=0, show_default=True, help="routing generator seed")
 @click.option("--requests", "requests", default=None,
               help="R requests in ONE step, comma-separated (e.g. 1,2,4): rows per R with per-request and aggregate "
-                   "tokens/s (bench/project_requests.py). Named as `bench step --requests`, which measures this "
-                   "step's union verify; `bench e2e --concurrency` is requests at once through the scheduler")
+                   "tokens/s (bench/project_requests.py). Spelled as `bench step --requests`, which measures this "
+                   "step's union verify, not as `bench e2e --concurrency` (requests in flight in the scheduler, "
+                   "not one step)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured,
