@@ -49,7 +49,7 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     lay = RankLayout.from_plan(plan, rank)
     b, n = dcfg.block_size, dcfg.block_size if new_context is None else new_context
     k = layers.draft_topk([B for _, B in requests], lay.vocab_stop - lay.vocab_start)
-    dims = {"q": b, "n": n, "S": max(T + B + 1 for T, B in requests), "W": max(-(-(B + 1) // 32) for _, B in requests),
+    dims = {"q": b, "n": n, "T": max(T for T, _ in requests), "S": max(T + B + 1 for T, B in requests), "W": max(-(-(B + 1) // 32) for _, B in requests),
             "accepted": n, **request_dims([(T, B + 1) for T, B in requests])}
     ops = MeterOps(lay, specs, dims, **kw)
     per = [stack.StepFeeds({"ctx_taps": i, "ids": None, "pos": None, "cache_len": None}, None,

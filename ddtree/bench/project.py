@@ -17,7 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ddtree.backends.meter import expected_distinct, meter_step, totals
+from ddtree.backends.meter import expected_distinct, meter_step
 from ddtree.bench.projection import (
     ACCEPT_SOURCES,
     ALLREDUCE_CHOICES,
@@ -25,8 +25,10 @@ from ddtree.bench.projection import (
     PRO_6000,
     AcceptSource,
     Projection,
+    depth_histogram,  # noqa: F401  (re-exported: bench/step*.py and bench/kernels.py import it from here)
     load_hidden,
     load_measured,
+    priced_row,
 )
 from ddtree.bench.routing import ROUTINGS, distinct_per_layer, routing_ids
 from ddtree.bench.step_correction import correction, load_measured_step
@@ -53,11 +55,6 @@ class DraftProfile:
         return build_tree(0, table, np.tile(np.arange(budget, dtype=np.int32), (depths, 1)), budget)
 
 
-def depth_histogram(tree: Tree) -> list[int]:
-    """Nodes per depth, root (depth 0) first."""
-    return np.bincount(tree.depth).tolist()
-
-
 def project_row(model, proj: Projection, accept: AcceptSource, context: int, budget: int, routing: str,
                 reuse: float | None, tree: Tree, seed: int, measured_step: tuple | None = None) -> dict:
     """One row of the table: the meter's step under `routing`, projected (and corrected by a measured step:
@@ -75,23 +72,7 @@ def project_row(model, proj: Projection, accept: AcceptSource, context: int, bud
         recs = meter_step(cfg, dcfg, plan, specs, rank, context, budget)
         d = expected_distinct(held, E, k, M)
         experts = {"mean": d, "min": d, "max": d, "source": "uniform expectation E (1 - (1 - k/E)^M)"}
-    t, step = totals(recs), proj.step(recs)
-    accept_len = accept.accept_len(budget)
-    step_s = step["step_us"] * 1e-6
-    nbytes = t["read"] + t["written"]
-    split_ms = {k2: v / 1e3 for k2, v in step["split_us"].items()}
-    row = {"context": context, "budget": budget, "routing": routing, "reuse": reuse, "bytes": nbytes,
-            "flops": t["flops"], "kernels": t["kernels"], "distinct_experts": experts,
-            "tree": {"nodes": tree.size, "depth_histogram": depth_histogram(tree)},
-            "projection": {
-                "target": f"{proj.tp}x RTX PRO 6000", "bandwidth_tbps": proj.device.bandwidth_tbps,
-                "bf16_tflops": proj.device.bf16_tflops, "allreduce_model": proj.assumptions()["allreduce_model"],
-                "accept_len": accept_len, "accept_source": accept.source,
-                "accept_source_budget": accept.source_budget, "step_ms": step_s * 1e3,
-                "tokens_per_s": accept_len / step_s, "ideal_ms": nbytes / (proj.device.bandwidth_tbps * 1e9),
-                "split_ms": split_ms, "by_class_ms": {c: v / 1e3 for c, v in step["by_class_us"].items()},
-                "collectives": step["collectives"],
-                "dominant": sorted(split_ms, key=split_ms.get, reverse=True)[:3]}}
+    row = priced_row(proj, accept, context, budget, routing, reuse, tree, recs, experts)
     if measured_step is not None:
         row["projection"]["measured_correction"] = correction(measured_step[0], proj.classes, proj.tp, recs, row,
                                                               measured_step[1])
@@ -160,12 +141,25 @@ def _table(rows: list[dict], title: str) -> Table:
 @click.option("--top1", type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), default=0.6,
               show_default=True, help="draft profile: top-1 probability at every depth (the tree's shape)")
 @click.option("--seed", type=int, default=0, show_default=True, help="routing generator seed")
+@click.option("--requests", "requests", default=None,
+              help="R requests in ONE step, comma-separated (e.g. 1,2,4): rows per R with per-request and aggregate "
+                   "tokens/s (bench/project_requests.py). Spelled as `bench step --requests`, which measures this "
+                   "step's union verify, not as `bench e2e --concurrency` (requests in flight in the scheduler, "
+                   "not one step)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object on stdout")
 @reported()
 def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_name, allreduce, measured,
-                    measured_step, hidden_collectives, top1, seed, as_json):
+                    measured_step, hidden_collectives, top1, seed, requests, as_json):
     """Project one DDTree step to 8x RTX PRO 6000 (a projection from the meter's counts; no GPU)."""
     budget_list = _ints(budgets, "--budget", 1, MAX_BUDGET)
+    request_list = None
+    if requests is not None:
+        from ddtree.bench import project_requests as pr  # lazy: it builds on this module's priced_row
+        request_list = pr.parse_requests(requests)
+        pr.check_rows(request_list, budget_list)
+        if measured_step:
+            raise click.BadParameter("--measured-step corrects one request's step; it is not applied to the step "
+                                     "of R requests", param_hint="--requests")
     routing_list = _routings(routing, reuse)
     cfg, dcfg = get_preset(preset, 61 if preset == "kimi-k2.6" else None)
     context_list = _ints(contexts, "--context", 1, cfg.max_position_embeddings - max(budget_list) - 1)
@@ -182,11 +176,15 @@ def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_
     corrected = None
     if measured_step:
         corrected = (load_measured_step(measured_step), measured_step)
-    rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed, corrected)
-            for c in context_list for b in budget_list for r, p in routing_list]
+    if request_list:
+        rows = pr.requests_rows(model, proj, accept, context_list, budget_list, routing_list, trees, seed, request_list)
+    else:
+        rows = [project_row(model, proj, accept, c, b, r, p, trees[b], seed, corrected)
+                for c in context_list for b in budget_list for r, p in routing_list]
     assumptions = {**proj.assumptions(), "accept": asdict(accept), "draft_profile": asdict(profile),
                    "preset": preset, "layers": cfg.num_hidden_layers, "rank": rank, "measured": measured,
-                   "drafter_new_context": dcfg.block_size, "routing_seed": seed}
+                   "drafter_new_context": dcfg.block_size, "routing_seed": seed,
+                   **({"requests": {"requests": request_list, **pr.ASSUMPTIONS}} if request_list else {})}
     obj = {"bench": "project", "device": f"cpu (a projection to {tp}x {PRO_6000.name}; nothing measured)",
            "rows": rows, "ceiling": {"bandwidth_tbps": PRO_6000.bandwidth_tbps, "bf16_tflops": PRO_6000.bf16_tflops},
            "assumptions": assumptions}
@@ -194,8 +192,9 @@ def project_command(preset, tp, rank, budgets, contexts, routing, reuse, accept_
         emit_json(obj)
         return
     console = Console(width=150)
-    console.print(_table(rows, f"PROJECTION of one DDTree step, rank {rank} of {tp}x {PRO_6000.name} "
-                               f"(accept: {accept.name})"))
+    what = "the DDTree step of R requests" if request_list else "one DDTree step"
+    table = pr.requests_table if request_list else _table
+    console.print(table(rows, f"PROJECTION of {what}, rank {rank} of {tp}x {PRO_6000.name} (accept: {accept.name})"))
     console.print(f"accept length {accept.name}: {accept.source}")
     if accept.source_budget is not None and min(budget_list) < accept.source_budget:
         console.print(f"* budget below the {accept.source_budget} drafted tokens the accept length was measured at: "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree.backends.meter import totals
 from ddtree.errors import InputError
 from ddtree.parallel.collective_models import (  # noqa: F401  (AllReduceModel, ONE_SHOT, TWO_SHOT, NCCL: re-exported)
     MODEL_CHOICES,
@@ -32,6 +33,7 @@ from ddtree.parallel.collective_models import (  # noqa: F401  (AllReduceModel, 
     chosen_model,
     models_for,
 )
+from ddtree.tree.build import Tree
 
 
 class MeasuredRowsError(InputError):
@@ -115,10 +117,11 @@ OP_CLASS = {"moe.experts": "moe", "moe.router": "router", "moe.shared": "gemm", 
             "add": "elementwise", "rms_norm": "elementwise", "rope": "elementwise", "kv_append": "elementwise",
             "kv_append_normed": "elementwise", "kv_compact": "elementwise", "embed": "elementwise",
             "cast": "elementwise",
+            "kv_append_requests": "elementwise", "mla_tree_attention_requests": "attention",   # the union verify's
             "all_reduce_add_rms_norm": "elementwise", "all_reduce": None, "all_gather": None}
 PHASES = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce")
 ATTENTION_OPS = {"mla_absorb_q", "mla_absorb_q_rope", "mla_tree_attention", "mla_absorb_out", "kv_append",
-                 "kv_append_normed", "rope"}
+                 "kv_append_normed", "rope", "kv_append_requests", "mla_tree_attention_requests"}
 
 
 def phase_of(rec) -> str:
@@ -195,6 +198,34 @@ class Projection:
                                     "hidden_fraction": self.hidden, "hidden_source": self.hidden_source},
                 "kernel_classes": {k: asdict(c) for k, c in sorted(self.classes.items())},
                 "fixed_cost": "per op call, carried from the H200 fit unchanged"}
+
+
+def depth_histogram(tree: Tree) -> list[int]:
+    """Nodes per depth of a tree (ddtree/tree/build.py Tree), root (depth 0) first."""
+    return np.bincount(tree.depth).tolist()
+
+
+def priced_row(proj: Projection, accept: AcceptSource, context: int, budget: int, routing: str, reuse: float | None,
+               tree: Tree, recs, experts: dict) -> dict:
+    """A `bench project` row from a step's meter records `recs` and its distinct experts: priced on the target,
+    tokens/s = accept_len / step (bench/project.py prices one request's step, bench/project_requests.py R's)."""
+    t, step = totals(recs), proj.step(recs)
+    accept_len = accept.accept_len(budget)
+    step_s = step["step_us"] * 1e-6
+    nbytes = t["read"] + t["written"]
+    split_ms = {k2: v / 1e3 for k2, v in step["split_us"].items()}
+    return {"context": context, "budget": budget, "routing": routing, "reuse": reuse, "bytes": nbytes,
+            "flops": t["flops"], "kernels": t["kernels"], "distinct_experts": experts,
+            "tree": {"nodes": tree.size, "depth_histogram": depth_histogram(tree)},
+            "projection": {
+                "target": f"{proj.tp}x RTX PRO 6000", "bandwidth_tbps": proj.device.bandwidth_tbps,
+                "bf16_tflops": proj.device.bf16_tflops, "allreduce_model": proj.assumptions()["allreduce_model"],
+                "accept_len": accept_len, "accept_source": accept.source,
+                "accept_source_budget": accept.source_budget, "step_ms": step_s * 1e3,
+                "tokens_per_s": accept_len / step_s, "ideal_ms": nbytes / (proj.device.bandwidth_tbps * 1e9),
+                "split_ms": split_ms, "by_class_ms": {c: v / 1e3 for c, v in step["by_class_us"].items()},
+                "collectives": step["collectives"],
+                "dominant": sorted(split_ms, key=split_ms.get, reverse=True)[:3]}}
 
 
 # ----------------------------------------------------------------------------------------------
