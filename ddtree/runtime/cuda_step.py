@@ -167,6 +167,17 @@ class GpuSteps:
         t1 = time.perf_counter()
         event.sync()
         wait = time.perf_counter() - t1
+        rec = self.read_record()
+        host = time.perf_counter() - t0 - wait
+        if started:
+            self.started_s, self.started_steps = self.started_s + host, self.started_steps + 1
+        else:
+            self.host_s, self.graph_steps = self.host_s + host, self.graph_steps + 1
+        return rec
+
+    def read_record(self) -> dict:
+        """The next step's record (its graph has finished); a step whose sampler or tree builder flagged a bad
+        input raises their error (nothing stays in flight then)."""
         step = self.state.steps + 1
         rec = self.state.record(step)
         if rec is None:
@@ -178,11 +189,6 @@ class GpuSteps:
                 self.sampler.check_status()
             for builder in self.builders.values():
                 builder.check_status()
-        host = time.perf_counter() - t0 - wait
-        if started:
-            self.started_s, self.started_steps = self.started_s + host, self.started_steps + 1
-        else:
-            self.host_s, self.graph_steps = self.host_s + host, self.graph_steps + 1
         return rec
 
     def _replay(self, key: tuple) -> None:

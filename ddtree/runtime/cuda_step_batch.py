@@ -280,15 +280,7 @@ class BatchSteps:
         """Lane's record of the step just run -> its tokens; the host's DecodeState advanced (GpuSteps.ddtree_step,
         ar_step)."""
         st = lane.steps
-        step = st.state.steps + 1
-        rec = st.state.record(step)
-        if rec is None:
-            raise RuntimeError(f"batched step, lane {lane.index}: its record was not written")
-        st.state.steps = step
-        if rec["status"]:
-            st.sampler.check_status()
-            for builder in st.builders.values():
-                builder.check_status()
+        rec = st.read_record()
         st._check_follows(rec, s.start)
         old = s.start
         s.start, s.bonus = rec["start"], rec["tokens"][-1]

@@ -71,24 +71,30 @@ def watch_running(url: str, seen: list, stop: threading.Event) -> None:
         time.sleep(0.02)
 
 
-def test_16_clients_with_max_num_seqs_4(batch_server, engine):
-    url = batch_server
-    wait_idle(url)
-    bodies = [request_of(engine, i) for i in range(N_CLIENTS)]
-    hang_ups = [{**request_of(engine, i), "stream": True, "max_tokens": 200} for i in range(2)]
+def clients_at_once(url: str, bodies: list, hang_ups: list, timeout: float = 120) -> tuple[list, list]:
+    """Every body as its own client at once, and the hang-ups (streams dropped after their first chunk) ->
+    (each client's (status, texts, usage), the /health running counts seen meanwhile)."""
     seen, stop = [], threading.Event()
     watcher = threading.Thread(target=watch_running, args=(url, seen, stop))
     watcher.start()
 
     async def everyone():
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=32)) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=32)) as http:
             return await asyncio.gather(*(one_client(http, url, b) for b in bodies),
                                         *(one_client(http, url, b, hang_up=True) for b in hang_ups))
     try:
-        answers = asyncio.run(everyone())
+        return asyncio.run(everyone()), seen
     finally:
         stop.set()
         watcher.join()
+
+
+def test_16_clients_with_max_num_seqs_4(batch_server, engine):
+    url = batch_server
+    wait_idle(url)
+    bodies = [request_of(engine, i) for i in range(N_CLIENTS)]
+    hang_ups = [{**request_of(engine, i), "stream": True, "max_tokens": 200} for i in range(2)]
+    answers, seen = clients_at_once(url, bodies, hang_ups)
     for i, (status, texts, usage) in enumerate(answers[:N_CLIENTS]):
         tokens = alone(engine, bodies[i])
         assert status == 200, f"client {i}: {status}"

@@ -4,16 +4,11 @@ of the same request run alone in-process on the GPU with its seed; the batch rea
 more than 4); the queue and the gauges are empty after."""
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra")
-import httpx  # noqa: E402
-
 from tests.server.conftest import live_server, metric, wait_idle  # noqa: E402
-from tests.server.test_batching import N_CLIENTS, alone, one_client, request_of, watch_running  # noqa: E402
+from tests.server.test_batching import N_CLIENTS, alone, clients_at_once, request_of  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,19 +27,7 @@ def test_16_clients_on_4_gpu_lanes(gpu_engine):
     with live_server("--device", "cuda", "--kernel-plan", "batch-invariant", "--max-num-seqs", "4", "--max-queue",
                      "32", "--budget", "8", startup_s=300.0) as (url, proc):
         wait_idle(url)
-        seen, stop = [], threading.Event()
-        watcher = threading.Thread(target=watch_running, args=(url, seen, stop))
-        watcher.start()
-
-        async def everyone():
-            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as http:
-                return await asyncio.gather(*(one_client(http, url, b) for b in bodies),
-                                            *(one_client(http, url, b, hang_up=True) for b in hang_ups))
-        try:
-            answers = asyncio.run(everyone())
-        finally:
-            stop.set()
-            watcher.join()
+        answers, seen = clients_at_once(url, bodies, hang_ups, timeout=300)
         for i, (status, texts, usage) in enumerate(answers[:N_CLIENTS]):
             assert status == 200, f"client {i}: {status}"
             assert texts == {0: engine.decode(expected[i])}, f"client {i} differs from its request alone"
