@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ddtree.backends import numpy_math as m
+from ddtree.backends.dense_experts import DenseExperts
 from ddtree.description.opset import ACC, ACT, F32, I32, Ops, RankLayout
 from ddtree.parallel.collectives import Identity
 from ddtree.tree.prune import prune_nodes
@@ -34,6 +35,7 @@ class NumpyOps(Ops):
         self.feeds: dict = {}
         self.outputs: dict = {}
         self.where = f"rank {lay.rank}"
+        self.dense_experts = DenseExperts()                 # the routed experts, dequantized on first use
 
     def call(self, fn, *args, feeds: dict) -> dict[str, np.ndarray]:
         """Run layer function fn(self, *args) on `feeds`; returns its outputs by name."""
@@ -127,7 +129,7 @@ class NumpyOps(Ops):
     # MoE ------------------------------------------------------------------------------------------
     def moe(self, x, router, bias, experts, shared, spec):
         router_logits = self.linear(x, router, out=ACC)                     # [q, E]
-        return self._a(m.moe(x, router_logits, bias, experts, m.swiglu(x, *shared), spec))
+        return self._a(m.moe(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, self.dense_experts))
 
     # drafter --------------------------------------------------------------------------------------
     def draft_attention(self, q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, rope, spec):
@@ -159,7 +161,7 @@ class NumpyOps(Ops):
     # pruning a tree inside its verify -------------------------------------------------------------
     def moe_live(self, x, router, bias, experts, shared, spec, live):
         router_logits = self.linear(x, router, out=ACC)                     # [q, E]
-        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live)
+        y, ids = m.moe_routed(x, router_logits, bias, experts, m.swiglu(x, *shared), spec, live, self.dense_experts)
         return self._a(y), ids.astype(np.int32)
 
     def accept_walk_live(self, tokens, parents, win_value, win_id, live):

@@ -134,12 +134,14 @@ def request_spans(row_offsets, cache_len, requests: int, rows: int, tree_masks=N
     return spans
 
 
-def moe(x, router_logits, bias, experts: dict, shared_out, spec) -> np.ndarray:
-    """Routing by model/routing.py, then the fused MoE kernel's twin over this rank's experts."""
-    return moe_routed(x, router_logits, bias, experts, shared_out, spec)[0]
+def moe(x, router_logits, bias, experts: dict, shared_out, spec, matrices=twins.expert_matrices) -> np.ndarray:
+    """Routing by model/routing.py, then the fused MoE kernel's twin over this rank's experts (matrices: as
+    plugins/reference.moe_given_routing's)."""
+    return moe_routed(x, router_logits, bias, experts, shared_out, spec, matrices=matrices)[0]
 
 
-def moe_routed(x, router_logits, bias, experts: dict, shared_out, spec, live=None) -> tuple:
+def moe_routed(x, router_logits, bias, experts: dict, shared_out, spec, live=None,
+               matrices=twins.expert_matrices) -> tuple:
     """moe, -> (y [q, H], the global routed ids [q, k]). live [q] (a pruned verify): rows with live 0 route to no
     expert (their routed part is zero)."""
     ids, gates, _ = route_logits(f64(router_logits), f64(bias), spec.topk, spec.n_group, spec.topk_group,
@@ -150,7 +152,7 @@ def moe_routed(x, router_logits, bias, experts: dict, shared_out, spec, live=Non
         local[np.asarray(live).reshape(-1) == 0] = -1                  # a dead row: no expert at all
     packed = {"gate_up": experts["gate_up.words"], "gate_up_scale": experts["gate_up.scales"],
               "down": experts["down.words"], "down_scale": experts["down.scales"]}
-    return twins.moe_given_routing(f64(x), local, gates, packed, f64(shared_out)), ids
+    return twins.moe_given_routing(f64(x), local, gates, packed, f64(shared_out), matrices), ids
 
 
 def draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k: np.ndarray, cache_v: np.ndarray, T: int, rope,

@@ -24,17 +24,23 @@ def expert_dense(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return dequantize_int4(q, s, dtype=np.float64)
 
 
+def expert_matrices(packed: dict[str, np.ndarray], e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expert e of stacked kernel-layout experts -> dense float64 (gate [I, H], up [I, H], down [H, I])."""
+    gate, up = layout.split_gate_up(expert_dense(packed["gate_up"][e], packed["gate_up_scale"][e]))
+    return gate, up, expert_dense(packed["down"][e], packed["down_scale"][e])
+
+
 def moe_given_routing(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, packed: dict[str, np.ndarray],
-                      shared: np.ndarray | None = None) -> np.ndarray:
+                      shared: np.ndarray | None = None, matrices=expert_matrices) -> np.ndarray:
     """x [M, H] (float or bf16 bits), ids/weights [M, k], packed = stacked kernel-layout experts
     -> y [M, H] float64 = sum_k w_k down_e(silu(gate_e x) * up_e x) (+ shared). An id of -1 is an expert
-    this rank does not hold (expert parallel: another rank adds it)."""
+    this rank does not hold (expert parallel: another rank adds it). matrices(packed, e): expert e dense, as
+    expert_matrices (a caller may memoize it: backends/dense_experts.py)."""
     x = as_float(x, np.float64)
     y = np.zeros_like(x)                                                 # [M, H]
     for e in np.unique(ids[ids >= 0]):
         rows, slot = np.nonzero(ids == e)
-        gate, up = layout.split_gate_up(expert_dense(packed["gate_up"][e], packed["gate_up_scale"][e]))
-        down = expert_dense(packed["down"][e], packed["down_scale"][e])  # [H, I]
+        gate, up, down = matrices(packed, e)                             # [I, H], [I, H], [H, I]
         xe = x[rows]                                                     # [m, H]
         act = silu(xe @ gate.T) * (xe @ up.T)                            # [m, I]
         y[rows] += weights[rows, slot][:, None] * (act @ down.T)
