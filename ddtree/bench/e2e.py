@@ -82,11 +82,14 @@ def heldout_texts(n: int) -> list[str]:
     return [rows[i * len(rows) // n]["text"] for i in range(n)]
 
 
-def build_tiny_engine(out_dir: Path, log) -> Path:
-    """The embedded tiny model's tp 1 engine, built at out_dir/engine (kernels from the NVRTC cache)."""
+def build_tiny_engine(out_dir: Path, log, device: str = "cuda") -> Path:
+    """The embedded tiny model's tp 1 engine, built at out_dir/engine (kernels from the NVRTC cache; --device cpu
+    reads no cubin, so it builds none)."""
     from ddtree.builder.build import build_engine  # onnx: the graphs extra
     log("building the embedded tiny model's tp 1 engine (a temp dir) ...")
-    return Path(build_engine(*tiny_model_dirs(), 1, ["sm_90"], out_dir / "engine", graphs=False)["engine"])
+    kernels = device == "cuda"
+    return Path(build_engine(*tiny_model_dirs(), 1, ["sm_90"] if kernels else [], out_dir / "engine", graphs=False,
+                             kernels=kernels)["engine"])
 
 
 def open_executor(engine_dir: Path, device: str, gpu: int, max_context: int | None, kernel_plan: str = "fast"):
@@ -342,7 +345,7 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
     with ExitStack() as stack:
         if engine_dir is None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ddtree-e2e-")))
-            engine, model = build_tiny_engine(tmp, log), "embedded tiny model (tp 1 engine built in a temp dir)"
+            engine, model = build_tiny_engine(tmp, log, device), "embedded tiny model (tp 1 engine built in a temp dir)"
         else:
             engine, model = Path(engine_dir), str(engine_dir)
         ex = open_executor(engine, device, gpu, max_context, kernel_plan)

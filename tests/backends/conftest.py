@@ -30,7 +30,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(checkpoint, tmp_path_factory):
-    """engine(preset, tp, experts) -> engine dir with graphs/ (built once per session)."""
+    """engine(preset, tp, experts) -> engine dir with graphs/ (built once per session). No cubins: these tests run
+    the graphs on the CPU (onnx.reference), and the session's NVRTC compile belongs to the tests that read cubins."""
     root = tmp_path_factory.mktemp("graph-engines")
     built = {}
 
@@ -38,7 +39,8 @@ def engine(checkpoint, tmp_path_factory):
         key = (preset, tp, experts)
         if key not in built:
             out = root / f"{preset}-tp{tp}-{experts}"
-            built[key] = Path(build_engine(*checkpoint(preset), tp, ["sm_120"], out, experts=experts)["engine"])
+            built[key] = Path(build_engine(*checkpoint(preset), tp, [], out, experts=experts,
+                                                    kernels=False)["engine"])
         return built[key]
     return get
 
