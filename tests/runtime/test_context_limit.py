@@ -241,9 +241,10 @@ def test_caches_grow_by_doubling_up_to_their_limit():
 
 @pytest.fixture(scope="module")
 def engine64(ctx_dirs, tmp_path_factory):
-    """A tp 2 engine (no graphs) built from the 64-position checkpoint with its block-4 drafter."""
+    """A tp 2 engine (no graphs, no cubins: the CPU executors read none) built from the 64-position checkpoint with
+    its block-4 drafter."""
     out = tmp_path_factory.mktemp("ctx-engine") / "engine"
-    return build_engine(ctx_dirs["target"], ctx_dirs[4], 2, ["sm_120"], out, graphs=False)["engine"]
+    return build_engine(ctx_dirs["target"], ctx_dirs[4], 2, [], out, graphs=False, kernels=False)["engine"]
 
 
 def test_engine_executor_stops_at_the_context_with_bounded_caches(engine64):
