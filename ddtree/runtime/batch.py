@@ -56,7 +56,7 @@ def check_batchable(engine, max_num_seqs: int) -> None:
         raise RequestError(f"--max-num-seqs {max_num_seqs}: the rank processes run one request at a time "
                            "(--ranks processes); use --ranks threads or --max-num-seqs 1")
     ex = engine.executor
-    if ex.name == "cuda" and getattr(ex, "lane_pool", None) is not None:
+    if ex.lane_pool is not None:
         ex.lane_pool(max_num_seqs)                   # the GPU's request lanes: refused here (tp, graphs, memory)
         return
     if ex.name not in BATCHING_EXECUTORS:

@@ -218,6 +218,10 @@ class CudaExecutor(Executor):
             return [np.asarray(logits)], [0]
         return vocab_parallel.split_logits(logits, self.layouts)
 
+    def bind_thread(self) -> None:
+        """This GPU current on the calling thread (the executor contract's ability: a server's engine thread)."""
+        self.gpu.bind_thread()
+
     def lane_pool(self, lanes: int):
         """--max-num-seqs: the executor's request lanes (runtime/cuda_lanes.py LanePool), grown to `lanes`
         (a RequestError naming the flag where tp > 1, graphs off, or the lanes do not fit)."""

@@ -310,9 +310,8 @@ class DDTreeEngine:
         """Make this engine's GPU context current on the calling thread (a server's engine thread): the driver's
         context is per thread, and one made current at load on the main thread is not current on another (every
         allocation and launch there fails with CUDA_ERROR_INVALID_CONTEXT). CPU executors: nothing to do."""
-        bind = getattr(getattr(self.executor, "gpu", None), "bind_thread", None)      # a plugins/device.py Gpu
-        if bind is not None:
-            bind()
+        if self.executor.bind_thread is not None:
+            self.executor.bind_thread()
 
     def device_stats(self) -> dict:
         """--device cuda: the GPU, the memory plan (bytes) and the step graphs' capture and host times."""

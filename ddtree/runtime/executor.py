@@ -23,6 +23,10 @@ loops (runtime/loop.py), the engine (runtime/engine.py) and the server call only
                                                     (description/stack.py Pruning; --prune auto, issue 53)
         prunes_in_step                              True where ddtree_step prunes when the state asks (its
                                                     prune: a Pruner); else the loop composes the pruned steps
+        lane_pool(n) -> LanePool                    n request lanes on the device (runtime/cuda_lanes.py: the GPU's
+                                                    batched step; runtime/batch.py check_batchable asks for them)
+        bind_thread()                               make the device current on the calling thread (a server's
+                                                    engine thread: a GPU context is per thread)
     device_stats() -> dict                          the device, its memory plan, the step graphs' counters
 
 `NumpyExecutor` is the float64 reference. A GPU executor provides the same names (and may fuse a whole step
@@ -56,6 +60,8 @@ class Executor(ABC):
     steps: object | None = None
     prune_forward: Callable | None = None
     prunes_in_step: bool = False
+    lane_pool: Callable | None = None
+    bind_thread: Callable | None = None
 
     @abstractmethod
     def new_target_cache(self, capacity: int = 256, limit: int | None = None): ...

@@ -173,7 +173,7 @@ def test_a_failing_step_is_one_event_and_the_others_go_on(engine):
 
 
 def test_gpu_executors_and_rank_processes_are_refused_by_flag():
-    tensorrt = SimpleNamespace(processes=None, executor=SimpleNamespace(name="tensorrt"))
+    tensorrt = SimpleNamespace(processes=None, executor=SimpleNamespace(name="tensorrt", lane_pool=None))
     with pytest.raises(RequestError, match="--max-num-seqs 4 is implemented on the CPU executors"):
         check_batchable(tensorrt, 4)
     check_batchable(tensorrt, 1)                                      # one at a time: today's path
@@ -181,7 +181,7 @@ def test_gpu_executors_and_rank_processes_are_refused_by_flag():
     cuda = SimpleNamespace(processes=None, executor=SimpleNamespace(name="cuda", lane_pool=asked.append))
     check_batchable(cuda, 3)
     assert asked == [3]
-    ranks = SimpleNamespace(processes=object(), executor=SimpleNamespace(name="engine-numpy"))
+    ranks = SimpleNamespace(processes=object(), executor=SimpleNamespace(name="engine-numpy", lane_pool=None))
     with pytest.raises(RequestError, match="--max-num-seqs 2: the rank processes"):
         check_batchable(ranks, 2)
     with pytest.raises(RequestError, match="at least 1"):

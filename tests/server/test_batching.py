@@ -141,6 +141,6 @@ def test_merged_usage_sums_the_choices():
 
 
 def test_max_num_seqs_on_a_gpu_executor_is_refused_naming_the_flag():
-    gpu_engine = SimpleNamespace(processes=None, executor=SimpleNamespace(name="cuda"))
+    gpu_engine = SimpleNamespace(processes=None, executor=SimpleNamespace(name="tensorrt", lane_pool=None))
     with pytest.raises(RequestError, match="--max-num-seqs 2 is implemented on the CPU executors"):
         create_app(gpu_engine, MODEL, max_num_seqs=2)
