@@ -38,9 +38,8 @@ from ddtree.cli_types import comma_list
 from ddtree.description import layers
 from ddtree.plugins import randfill as rf
 from ddtree.plugins.device import DeviceArray, _driver, check
-from ddtree.plugins.kv_cache import DeviceLatentCache
 from ddtree.runtime.cuda_executor import WORKSPACE_BYTES
-from ddtree.runtime.cuda_model import GpuTargetCache, target_layers, union_layers
+from ddtree.runtime.cuda_model import cache_bytes, new_target_cache, target_layers, union_layers
 from ddtree.tree.build import Tree, pack_visibility
 
 
@@ -74,10 +73,8 @@ def cache_rows(contexts: list[int], budgets: list[int]) -> int:
 def memory_plan(cfg, dcfg, plan, weights: int, requests: int, rows: int) -> dict:
     """Device bytes by part for `requests` target caches of `rows` rows (the rank's own among them), the rank's
     drafter cache (SyntheticRank allocates one) and the generated weights."""
-    kv_heads = dcfg.num_key_value_heads // plan.tp if dcfg.num_key_value_heads >= plan.tp else 1
-    return {"weights": weights,
-            "target caches": requests * cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2,
-            "drafter cache": 2 * dcfg.num_hidden_layers * rows * kv_heads * dcfg.head_dim * 2,
+    caches = cache_bytes(cfg, dcfg, plan.tp, rows)
+    return {"weights": weights, "target caches": requests * caches["target"], "drafter cache": caches["drafter"],
             "workspaces": WORKSPACE_BYTES + rows * (cfg.qk_rope_head_dim + dcfg.head_dim) * 4}
 
 
@@ -190,8 +187,7 @@ def request_caches(rank, requests: int, seed: int = 1) -> list:
     cfg, gpu = rank.config, rank.gpu
     caches = [rank.target_cache]
     for i in range(1, requests):
-        c = GpuTargetCache(DeviceLatentCache(gpu, cfg.num_hidden_layers, rank.target_cache.capacity,
-                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
+        c = new_target_cache(gpu, cfg, rank.target_cache.capacity)
         rf.fill_device(gpu, c.dev.buf, seed + 7919 * i, rf.ACT_BF16)
         caches.append(c)
     return caches

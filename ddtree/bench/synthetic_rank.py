@@ -21,9 +21,8 @@ from ddtree.bench.hash_model import preset_of
 from ddtree.builder.weights import rank_tensor_specs
 from ddtree.description.opset import RankLayout
 from ddtree.plugins import randfill as rf
-from ddtree.plugins.kv_cache import DeviceLatentCache
 from ddtree.plugins.randfill import fill_device
-from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache
+from ddtree.runtime.cuda_model import device_caches
 from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights
 
 
@@ -72,10 +71,7 @@ class SyntheticRank:
         self.specs = rank_tensor_specs(plan)
         self.store = SyntheticWeights(gpu, self.specs, cfg, max_context, seed)
         self.ops = BenchOps(gpu, self.lay, self.store)
-        self.target_cache = GpuTargetCache(DeviceLatentCache(gpu, cfg.num_hidden_layers, max_context,
-                                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
-        kv_heads = dcfg.num_key_value_heads // plan.tp if dcfg.num_key_value_heads >= plan.tp else 1
-        self.draft_cache = GpuDraftCache(gpu, dcfg.num_hidden_layers, max_context, kv_heads, dcfg.head_dim)
+        self.target_cache, self.draft_cache = device_caches(gpu, cfg, dcfg, plan.tp, max_context)
         self.steps = None
         self.routing_buffers = None           # {MoE layer: (ids, weights)} for a given routing (bench step)
 

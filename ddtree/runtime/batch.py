@@ -90,7 +90,7 @@ class BatchDecoder:
         check_batchable(engine, max_num_seqs)
         self.engine, self.max_num_seqs = engine, max_num_seqs
         ex = engine.executor
-        self.lanes = ex.lanes if ex.name == "cuda" and max_num_seqs > 1 else None     # made by check_batchable
+        self.lanes = ex.lane_pool(max_num_seqs) if ex.lane_pool is not None and max_num_seqs > 1 else None
         self.verify_requests = ex.verify_requests if union and engine.processes is None else None
         self.seqs: dict[object, Sequence] = {}        # insertion order = join order = event order in a round
 

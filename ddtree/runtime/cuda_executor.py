@@ -35,10 +35,18 @@ from ddtree.description.opset import RankLayout
 from ddtree.engine_dir import STORED, check_engine, engine_configs, load_rank_tensors, tokenizer_dir
 from ddtree.model.bf16 import as_float, f32_to_bf16
 from ddtree.plugins.device import Gpu, _driver, check
-from ddtree.plugins.kv_cache import DeviceLatentCache
 from ddtree.runtime import loop, vocab_parallel
 from ddtree.runtime.cuda_lanes import LanePool
-from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache, draft_feeds, target_feeds, target_layers
+from ddtree.runtime.cuda_model import (
+    GpuDraftCache,
+    GpuTargetCache,
+    HeldCaches,
+    cache_bytes,
+    device_caches,
+    draft_feeds,
+    target_feeds,
+    target_layers,
+)
 from ddtree.runtime.cuda_step import GpuSteps
 from ddtree.runtime.cuda_step_tp import TpSteps
 from ddtree.runtime.cuda_weights import CudaWeights
@@ -91,7 +99,7 @@ def gpu_unavailable(gpu: int = 0) -> str | None:
     return None
 
 
-class CudaExecutor(Executor):
+class CudaExecutor(HeldCaches, Executor):
     name = "cuda"
     prunes_in_step = True         # --prune auto: its DDTree step graph prunes inside (tp 1; tp > 1 cannot prune)
 
@@ -148,10 +156,8 @@ class CudaExecutor(Executor):
         self.moe_inter = plan["per_rank"]["moe_intermediate"]
         self.lay = RankLayout.from_plan(plan, rank)
         self.layouts = [RankLayout.from_plan(plan, r) for r in range(self.lay.tp)]
-        S, W = self.max_context, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        kv_heads = d.num_key_value_heads // self.lay.tp if d.num_key_value_heads >= self.lay.tp else 1
-        mem = {"weights": CudaWeights.plan_bytes(tensors),
-               "KV": cfg.num_hidden_layers * S * W * 2 + 2 * d.num_hidden_layers * S * kv_heads * d.head_dim * 2,
+        S = self.max_context
+        mem = {"weights": CudaWeights.plan_bytes(tensors), "KV": sum(cache_bytes(cfg, d, self.lay.tp, S).values()),
                "workspaces": WORKSPACE_BYTES + S * (cfg.qk_rope_head_dim + d.head_dim) * 4}
         self.memory_plan = mem                   # bytes by part (what the plan line below prints)
         self.gpu = Gpu(gpu)
@@ -168,9 +174,7 @@ class CudaExecutor(Executor):
             collective = collective(self.gpu)           # made on this GPU (a rank process's one-shot all-reduce)
         self.ops = CudaOps(self.gpu, self.lay, self.store, collective=collective, kernel_plan=kernel_plan)
         self.kernel_plan = kernel_plan
-        self.target_cache = GpuTargetCache(DeviceLatentCache(self.gpu, cfg.num_hidden_layers, S,
-                                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
-        self.draft_cache = GpuDraftCache(self.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
+        self.target_cache, self.draft_cache = device_caches(self.gpu, cfg, d, self.lay.tp, S)
         # tp > 1: graphs only over a collective that launches without host syncs (not the ranks-as-threads one)
         self.graphs = graphs and (self.lay.tp == 1 or getattr(collective, "capturable", False))
         self.steps = (GpuSteps if self.lay.tp == 1 else TpSteps)(self) if self.graphs else None
@@ -228,21 +232,6 @@ class CudaExecutor(Executor):
         if self.lanes is None:
             self.lanes = LanePool(self)
         return self.lanes.grow(lanes)
-
-    # caches ------------------------------------------------------------------------------------
-    def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
-        """The executor's one target cache, emptied (its capacity is max_context, fixed at load)."""
-        if limit is not None and limit > self.max_context:
-            raise RequestError(f"prompt + new tokens need {limit} cache rows; the GPU caches hold {self.max_context} "
-                               "(--max-context)")
-        self.target_cache.length = 0
-        if self.steps:
-            self.steps.new_request()
-        return self.target_cache
-
-    def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> GpuDraftCache:
-        self.draft_cache.length = 0
-        return self.draft_cache
 
     # primitives --------------------------------------------------------------------------------
     def prune_forward(self, ids, pos, visible, cache: GpuTargetCache, taps=(), pruning: stack.Pruning | None = None):

@@ -21,8 +21,7 @@ import copy
 
 from ddtree.backends.cuda_backend import CudaOps
 from ddtree.plugins.device import _driver, check
-from ddtree.plugins.kv_cache import DeviceLatentCache
-from ddtree.runtime.cuda_model import GpuDraftCache, GpuTargetCache
+from ddtree.runtime.cuda_model import HeldCaches, device_caches
 from ddtree.runtime.cuda_step import GpuSteps
 from ddtree.runtime.cuda_step_batch import BatchSteps
 from ddtree.runtime.loop import RequestError
@@ -30,34 +29,19 @@ from ddtree.runtime.loop import RequestError
 LANE_WORKSPACE_BYTES = 64 << 20     # a lane's arena and launcher workspaces (the drafter, walk, compaction), stated
 
 
-class LaneView:
+class LaneView(HeldCaches):
     """The executor seen through lane `index`: its caches and step state (the module docstring)."""
 
     def __init__(self, ex, index: int):
-        cfg, d, S = ex.config, ex.drafter_config, ex.max_context
-        kv_heads = d.num_key_value_heads // ex.lay.tp if d.num_key_value_heads >= ex.lay.tp else 1
         self.ex, self.index = ex, index
         self.ops = CudaOps(ex.gpu, ex.lay, ex.store, kernel_plan=ex.kernel_plan)
-        self.target_cache = GpuTargetCache(DeviceLatentCache(ex.gpu, cfg.num_hidden_layers, S,
-                                                             latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim))
-        self.draft_cache = GpuDraftCache(ex.gpu, d.num_hidden_layers, S, kv_heads, d.head_dim)
+        self.target_cache, self.draft_cache = device_caches(ex.gpu, ex.config, ex.drafter_config, ex.lay.tp,
+                                                            ex.max_context)
         self.steps = GpuSteps(self)
         self.steps.pipeline = False         # a lane's step is never enqueued ahead: the next may be a batched one
 
     def __getattr__(self, name):            # config, gpu, store, the primitives ...: the executor's
         return getattr(self.ex, name)
-
-    def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
-        if limit is not None and limit > self.ex.max_context:
-            raise RequestError(f"prompt + new tokens need {limit} cache rows; the GPU caches hold "
-                               f"{self.ex.max_context} (--max-context)")
-        self.target_cache.length = 0
-        self.steps.new_request()
-        return self.target_cache
-
-    def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> GpuDraftCache:
-        self.draft_cache.length = 0
-        return self.draft_cache
 
     def ar_step(self, state, params):
         return self.steps.ar_step(state, params)

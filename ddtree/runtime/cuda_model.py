@@ -1,6 +1,6 @@
 """The model (description/stack.py) on the cuda backend: the device caches and the stack's feeds of them.
 
-    cache = GpuTargetCache(DeviceLatentCache(...));  h = target_layers(ex, feeds, cache, tap, taps)
+    cache, dcache = device_caches(gpu, cfg, dcfg, tp, rows);  h = target_layers(ex, feeds, cache, tap, taps)
     h = union_layers(ex, feeds, [cache_0, cache_1, ...])             # Rq requests' rows in one forward
 
 Shared by the executor's primitives (cuda_executor.py) and the step graphs (cuda_step.py, cuda_step_tp.py), which
@@ -12,6 +12,7 @@ import numpy as np
 
 from ddtree.backends.cuda_tensor import Tensor
 from ddtree.description import stack
+from ddtree.plugins.kv_cache import DeviceLatentCache
 from ddtree.runtime.loop import RequestError
 
 
@@ -48,6 +49,47 @@ class GpuDraftCache:
         if rows > self.capacity:
             raise RequestError(f"GPU drafter cache: {rows} rows asked for, past its capacity of {self.capacity} "
                                "(--max-context)")
+
+
+def drafter_kv_heads(dcfg, tp: int) -> int:
+    """A rank's drafter KV heads: its share, or 1 (replicated) where the ranks outnumber them."""
+    return dcfg.num_key_value_heads // tp if dcfg.num_key_value_heads >= tp else 1
+
+
+def cache_bytes(cfg, dcfg, tp: int, rows: int) -> dict:
+    """Device bytes of one request's caches of `rows` rows on a rank of tp: {"target": ..., "drafter": ...}."""
+    return {"target": cfg.num_hidden_layers * rows * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2,
+            "drafter": 2 * dcfg.num_hidden_layers * rows * drafter_kv_heads(dcfg, tp) * dcfg.head_dim * 2}
+
+
+def new_target_cache(gpu, cfg, rows: int) -> GpuTargetCache:
+    return GpuTargetCache(DeviceLatentCache(gpu, cfg.num_hidden_layers, rows, latent=cfg.kv_lora_rank,
+                                            rope=cfg.qk_rope_head_dim))
+
+
+def device_caches(gpu, cfg, dcfg, tp: int, rows: int) -> tuple[GpuTargetCache, GpuDraftCache]:
+    """One request's target and drafter caches of `rows` rows on a rank of tp (what cache_bytes counts)."""
+    return new_target_cache(gpu, cfg, rows), GpuDraftCache(gpu, dcfg.num_hidden_layers, rows,
+                                                           drafter_kv_heads(dcfg, tp), dcfg.head_dim)
+
+
+class HeldCaches:
+    """new_target_cache / new_drafter_cache over caches allocated once (self.target_cache, self.draft_cache of
+    self.max_context rows): handed out emptied, the step graphs told of the new request (self.steps). The
+    executor's own (cuda_executor.py) and each request lane's (cuda_lanes.py)."""
+
+    def new_target_cache(self, capacity: int = 0, limit: int | None = None) -> GpuTargetCache:
+        if limit is not None and limit > self.max_context:
+            raise RequestError(f"prompt + new tokens need {limit} cache rows; the GPU caches hold {self.max_context} "
+                               "(--max-context)")
+        self.target_cache.length = 0
+        if self.steps:
+            self.steps.new_request()
+        return self.target_cache
+
+    def new_drafter_cache(self, capacity: int = 0, limit: int | None = None) -> GpuDraftCache:
+        self.draft_cache.length = 0
+        return self.draft_cache
 
 
 def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=(), prune: stack.Pruning | None = None
