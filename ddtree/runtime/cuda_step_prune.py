@@ -105,7 +105,5 @@ class StepPruning:
         distinct experts only after a stats step: `experts`)."""
         stats = self.pruner.stats
         for j in range(len(self.moe) if experts else 0):
-            ids, live = self.routed_host[j, :n], self.lives_host[j, :n] != 0
-            stats.experts_before.append(len(np.unique(ids)))
-            stats.experts_after.append(len(np.unique(ids[live])))
-        stats.per_step.append(int(n - int(self.final_host[:n].sum())))
+            stats.add_layer(self.routed_host[j, :n], self.lives_host[j, :n])
+        stats.add_step(self.final_host[:n])

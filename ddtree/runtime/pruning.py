@@ -63,6 +63,17 @@ class PruneStats:
     experts_before: list = field(default_factory=list)   # per (step, MoE layer): distinct experts of every node
     experts_after: list = field(default_factory=list)    # ... of the live nodes (the experts the verify read)
 
+    def add_layer(self, ids, live) -> None:
+        """One MoE layer's routing ids [q, k] (every node's) and the live mask [q] it routed with."""
+        live = np.asarray(live).reshape(-1) != 0
+        self.experts_before.append(len(np.unique(ids)))
+        self.experts_after.append(len(np.unique(np.asarray(ids)[live])))
+
+    def add_step(self, live) -> None:
+        """One step's final live mask [n]: its pruned nodes."""
+        live = np.asarray(live).reshape(-1)
+        self.per_step.append(int(len(live) - int(live.sum())))
+
     def to_dict(self) -> dict:
         """The --json stats. distinct_experts_before counts every node's routing at each MoE layer (what an
         unpruned verify of this tree would read there; a dead row past its pruning layer is routed from its own
@@ -119,14 +130,12 @@ class Pruner:
                  "prune_rate": np.array([rate], np.float32), "expert_bytes": np.array([self.expert_bytes], np.int32)}
 
         def on_route(L, ids, live):
-            ids, live = _first(ids), np.asarray(_first(live)).reshape(-1) != 0
-            self.stats.experts_before.append(len(np.unique(ids)))
-            self.stats.experts_after.append(len(np.unique(ids[live])))
+            self.stats.add_layer(_first(ids), _first(live))
 
         pruning = Pruning(self.at, feeds, on_route)
         logits, tapped = ex.prune_forward(tree.tokens, node_pos, visible, cache, taps, pruning)
         live = np.asarray(_first(pruning.feeds["live"]), np.int32).reshape(-1)
-        self.stats.per_step.append(int(n - live.sum()))
+        self.stats.add_step(live)
         return logits, tapped, live
 
 
