@@ -354,7 +354,7 @@ def e2e_command(engine_dir, device, gpu, max_context, kernel_plan, budgets, n_pr
         pruner = None
         if prune == "auto":
             tuning = read_tuning(engine) if tuning_path(engine).is_file() else None
-            Pruner.for_executor(ex, tuning, prune_rate)    # refused by name (--device cuda) before any run
+            Pruner.for_executor(ex, tuning, prune_rate)    # refused by name before any run
             pruner = lambda e: Pruner.for_executor(e, tuning, prune_rate)           # noqa: E731
         t0 = time.perf_counter()
         if concurrencies:

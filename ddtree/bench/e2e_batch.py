@@ -63,13 +63,12 @@ def run_concurrency(ex, tokenizer, prompt_ids, budgets, n_new: int, params: Samp
     GPU's batch-invariant plan) a request whose tokens differ from its own at the first concurrency listed raises
     LosslessError, else the row counts them. On the GPU each concurrency is warmed up (captured) untimed first."""
     engine = DDTreeEngine(ex, tokenizer, None, None)
-    gpu = ex.name == "cuda"
     rows = []
     for budget in [None, *budgets]:
         concurrency_row(engine, prompt_ids[:1], budget, n_new, params, 1, 1)          # warm-up, not timed
         base = None
         for c in concurrencies:
-            if gpu and c > 1:                         # the lane sets' batched graphs captured, not timed
+            if ex.lane_pool is not None and c > 1:    # the lane sets' batched graphs captured, not timed
                 concurrency_row(engine, prompt_ids, budget, n_new, params, c, 1)
             row, outs = concurrency_row(engine, prompt_ids, budget, n_new, params, c, repeats)
             if base is None:

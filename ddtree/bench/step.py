@@ -114,24 +114,19 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
     pruned = None
     if pruner is not None:                      # one stats step, eagerly: its routing and live masks (host-mapped)
         steps.state.set(start=context, bonus=1)
-        steps.ops.graph_plans = True
-        try:
-            steps._ddtree_body(budget, b, prune=True, stats=True)
-        finally:
-            steps.ops.graph_plans = False
-        gpu.sync()
+        steps.eager(lambda: steps._ddtree_body(budget, b, prune=True, stats=True))
         steps.pruning.record(budget + 1)
         d = pruner.stats.to_dict()
         n = budget + 1                          # the stated drafter's path probabilities: its expected acceptance
         path = steps.pruning.path_prob.numpy()[:n].astype(np.float64)
         live = steps.pruning.final_host[:n] != 0
+        expected = float(path.sum())            # the root's 1 included
         base, per_token = pruner.rate_terms(budget, context)      # the step's rate: base + per_token x E[tokens]
-        pruned = {"rate": base + per_token * (1.0 + float(path[1:].sum())), "rate_per_token": per_token,
+        pruned = {"rate": base + per_token * expected, "rate_per_token": per_token,
                   "rate_source": d["prune_rate_source"],
                   "pruned_nodes": d["pruned_nodes"], "distinct_experts_before": d["distinct_experts_before"],
                   "distinct_experts_after": d["distinct_experts_after"],
-                  "expected_accept_before": 1.0 + float(path[1:].sum()),
-                  "expected_accept_after": 1.0 + float(path[1:][live[1:]].sum())}
+                  "expected_accept_before": expected, "expected_accept_after": float(path[live].sum())}
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
     steps.forced_accept = steps.stated_draft = None

@@ -129,16 +129,21 @@ class GpuSteps:
             self._replay(key)
             self.last = self.lasts.get(key, {})
             return
-        self.ops.graph_plans = True                   # the step itself, and the warm-up: the capture's plans
-        try:
-            body()
-            self.lasts[key] = self.last
-            self.gpu.sync()
-        finally:
-            self.ops.graph_plans = False
+        self.eager(body)
+        self.lasts[key] = self.last
         t0 = time.perf_counter()
         self.graphs[key] = [self.capture(body), self.capture(body)]
         self.capture_s += time.perf_counter() - t0
+
+    def eager(self, body) -> None:
+        """body's launches run now (synchronised), planned as its captured graph's will be: the first step of a
+        key (the step itself, and the capture's warm-up), or a bench's one-off step."""
+        self.ops.graph_plans = True
+        try:
+            body()
+            self.gpu.sync()
+        finally:
+            self.ops.graph_plans = False
 
     def _step(self, key: tuple, body, prepare, ahead: bool) -> dict:
         """Step k through the graph of `key` -> its record. When `ahead`, step k + 1 of the same graph is
