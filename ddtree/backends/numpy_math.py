@@ -134,6 +134,18 @@ def request_spans(row_offsets, cache_len, requests: int, rows: int, tree_masks=N
     return spans
 
 
+def union_feeds(ids: list, pos: list, cache_len: list, masks: list) -> dict:
+    """The verify's host feeds of Rq requests (each its ids [q_i], positions [q_i], committed length and packed
+    tree mask [q_i, W_i]): ids, pos [sum q_i], cache_len [Rq], and description/stack.py mask_feeds(Rq)'s (one
+    request: tree_mask; more: row_offsets [Rq + 1] and tree_mask.<i>). request_spans above reads them back."""
+    feeds = {"ids": np.concatenate(ids).astype(np.int32), "pos": np.concatenate(pos).astype(np.int32),
+             "cache_len": np.asarray(cache_len, np.int32)}
+    if len(masks) == 1:
+        return {**feeds, "tree_mask": masks[0]}
+    offsets = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int32)
+    return {**feeds, "row_offsets": offsets, **{f"tree_mask.{i}": m for i, m in enumerate(masks)}}
+
+
 def moe(x, router_logits, bias, experts: dict, shared_out, spec, matrices=twins.expert_matrices) -> np.ndarray:
     """Routing by model/routing.py, then the fused MoE kernel's twin over this rank's experts (matrices: as
     plugins/reference.moe_given_routing's)."""

@@ -26,6 +26,7 @@ import statistics
 import click
 import numpy as np
 
+from ddtree.backends import numpy_math
 from ddtree.backends.cuda_backend import MAX_TOKENS
 from ddtree.backends.cuda_tensor import Tensor
 from ddtree.backends.meter import totals
@@ -97,16 +98,9 @@ def union_feeds(parents_list: list, context: int, vocab: int, seed: int = 0) -> 
     rows: ids [q] random tokens (request i's drawn with seed + i), pos [q] context + depth, cache_len [R], and with
     R > 1 row_offsets [R + 1] and tree_mask.<i> [q_i, ceil(q_i / 32)] (one request: tree_mask, today's verify)."""
     trees = [Tree.from_parents(p) for p in parents_list]
-    R, sizes = len(trees), [t.size for t in trees]
-    ids = [np.random.default_rng(seed + i).integers(0, vocab, n) for i, n in enumerate(sizes)]   # request i: seed + i
-    feeds = {"ids": np.concatenate(ids).astype(np.int32),
-             "pos": np.concatenate([t.positions(context) for t in trees]).astype(np.int32),
-             "cache_len": np.full(R, context, np.int32)}
-    masks = [pack_visibility(t.visible()).view(np.int32) for t in trees]
-    if R == 1:
-        return {**feeds, "tree_mask": masks[0]}
-    return {**feeds, "row_offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32),
-            **{f"tree_mask.{i}": m for i, m in enumerate(masks)}}
+    ids = [np.random.default_rng(seed + i).integers(0, vocab, t.size) for i, t in enumerate(trees)]   # seed + i
+    return numpy_math.union_feeds(ids, [t.positions(context) for t in trees], [context] * len(trees),
+                                  [pack_visibility(t.visible()).view(np.int32) for t in trees])
 
 
 def union_routing(cfg, parents_list: list, routing: str, reuse: float | None, seed: int = 0) -> np.ndarray:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ddtree.backends.numpy_backend import NumpyOps, NumpyRanks
+from ddtree.backends.numpy_math import union_feeds
 from ddtree.description import layers, stack
 from ddtree.description.opset import RankLayout
 from ddtree.engine_dir import check_engine, engine_configs, load_rank_tensors, tokenizer_dir
@@ -178,14 +179,10 @@ class EngineExecutor(Executor):
             lens.append(cache.length)
             checked.append(checked_forward_inputs(ids, pos, visible, cache.length, cfg.vocab_size))
             cache.reserve(cache.length + len(checked[-1][0]))
-        rows = [len(ids) for ids, _, _ in checked]
-        offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)            # [Rq + 1]
-        masks = {f"tree_mask.{i}": pack_visibility(visible[:, T:]).view(np.int32)     # [q_i, W_i] each its own
-                 for i, ((_, _, visible), T) in enumerate(zip(checked, lens))}
-        pos = np.concatenate([p for _, p, _ in checked]).astype(np.int32)
-        feeds = {"ids": np.concatenate([i for i, _, _ in checked]).astype(np.int32), "pos": pos,
-                 "cache_len": np.array(lens, np.int32), "row_offsets": offsets, **masks}
-        head = {"sample_pos": pos + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
+        masks = [pack_visibility(visible[:, T:]).view(np.int32) for (_, _, visible), T in zip(checked, lens)]
+        feeds = union_feeds([i for i, _, _ in checked], [p for _, p, _ in checked], lens, masks)
+        offsets = feeds["row_offsets"]                                               # [Rq + 1]
+        head = {"sample_pos": feeds["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
         taps = sorted({L for *_, t in calls for L in t})
         tapped = {}
         caches = stack.RequestCaches([cache for *_, cache, _ in calls])
