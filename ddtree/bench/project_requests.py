@@ -16,18 +16,17 @@ step (the same tree, the same source), so
 
 Routed experts of the union: `uniform` = the meter's expectation over R x (budget + 1) rows; `tree` = the routing
 generator on R copies of the budget's stated tree, request i with seed + i, distinct over the union rows (as
-bench/step_requests.py union_routing routes the measured union verify). R = 1 is today's one-request row.
+bench/routing.py union_routing, as the measured union verify is routed). R = 1 is today's one-request row.
 """
 from __future__ import annotations
 
 import click
-import numpy as np
 from rich.table import Table
 
 from ddtree.backends.meter import expected_distinct
 from ddtree.backends.meter_requests import meter_step_requests
 from ddtree.bench.projection import AcceptSource, Projection, priced_row
-from ddtree.bench.routing import distinct_per_layer, routing_ids
+from ddtree.bench.routing import distinct_per_layer, union_routing
 from ddtree.cli_types import comma_list
 from ddtree.description.opset import RankLayout
 from ddtree.tree.build import Tree
@@ -69,8 +68,7 @@ def requests_row(model, proj: Projection, accept: AcceptSource, context: int, bu
     rows, held = R * (budget + 1), (lay.expert_start, lay.expert_stop)
     union = "" if R == 1 else f", over the union's {R} x {budget + 1} rows"
     if routing == "tree":
-        ids = np.concatenate([routing_ids("tree", tree.parents, cfg.n_routed_experts, cfg.num_experts_per_tok,
-                                          reuse, len(cfg.moe_layers), seed + i) for i in range(R)], axis=1)  # [L, rows, k]
+        ids = union_routing(cfg, [tree.parents] * R, "tree", reuse, seed)                        # [L, rows, k]
         distinct = distinct_per_layer(ids, held)
         recs = meter_step_requests(cfg, dcfg, plan, specs, rank, [(context, budget)] * R, routing="given",
                                    distinct=distinct)

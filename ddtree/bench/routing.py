@@ -89,3 +89,9 @@ def distinct_per_layer(ids: np.ndarray, held: tuple[int, int] | None = None) -> 
             touched = touched[(touched >= held[0]) & (touched < held[1])]
         out.append(touched.size)
     return np.array(out, np.int64)
+
+
+def union_routing(cfg, parents_list: list, routing: str, reuse: float | None, seed: int = 0) -> np.ndarray:
+    """[L MoE layers, union rows, k] ids: request i's tree routed by routing_ids with seed `seed + i`."""
+    return np.concatenate([routing_ids(routing, p, cfg.n_routed_experts, cfg.num_experts_per_tok, reuse or 0.0,
+                                       len(cfg.moe_layers), seed + i) for i, p in enumerate(parents_list)], axis=1)

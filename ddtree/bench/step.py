@@ -36,12 +36,13 @@ from ddtree.bench.attention import dense_peak
 from ddtree.bench.e2e import parse_budgets
 from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
+from ddtree.bench.project_requests import parse_requests
 from ddtree.bench.projection import ALLREDUCE_CHOICES
 from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
 from ddtree.bench.step_ranks import run_all_ranks
-from ddtree.bench.step_requests import bench_requests, check_requests, parse_requests
+from ddtree.bench.step_requests import bench_requests, check_requests
 from ddtree.bench.step_rows import bench_pruner, prepare_row, row_cases, stated_depths, synthetic_steps
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan

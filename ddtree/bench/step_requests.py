@@ -27,26 +27,20 @@ import click
 import numpy as np
 
 from ddtree.backends import numpy_math
-from ddtree.backends.cuda_backend import MAX_TOKENS
 from ddtree.backends.cuda_tensor import Tensor
 from ddtree.backends.meter import totals
 from ddtree.backends.meter_requests import meter_union_verify
 from ddtree.bench.project import DraftProfile, depth_histogram
-from ddtree.bench.routing import distinct_per_layer, routing_ids
+from ddtree.bench.project_requests import check_rows
+from ddtree.bench.routing import distinct_per_layer, union_routing
 from ddtree.bench.step_rows import write_routing
 from ddtree.bench.synthetic_rank import SyntheticRank
-from ddtree.cli_types import comma_list
 from ddtree.description import layers
 from ddtree.plugins import randfill as rf
 from ddtree.plugins.device import DeviceArray, _driver, check
 from ddtree.runtime.cuda_executor import WORKSPACE_BYTES
 from ddtree.runtime.cuda_model import cache_bytes, new_target_cache, target_layers, union_layers
 from ddtree.tree.build import Tree, pack_visibility
-
-
-def parse_requests(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, duplicates dropped); anything else is a BadParameter naming --requests."""
-    return sorted(set(comma_list(text, "--requests", int, 1)))
 
 
 def check_requests(requests: list[int], contexts: list[int], budgets: list[int], cfg, with_ar: bool, ranks: str,
@@ -56,10 +50,7 @@ def check_requests(requests: list[int], contexts: list[int], budgets: list[int],
         if given:
             raise click.BadParameter(f"--requests times the union verify alone on one rank with copy stand-ins; "
                                      f"{flag} is not measured with it", param_hint="--requests")
-    rows = max(requests) * (max(budgets) + 1)
-    if rows > MAX_TOKENS:
-        raise click.BadParameter(f"{max(requests)} requests x (budget {max(budgets)} + 1) = {rows} union rows exceed "
-                                 f"the kernels' {MAX_TOKENS} rows of one call", param_hint="--requests")
+    check_rows(requests, budgets)
     end = max(contexts) + max(budgets) + 1
     if end > cfg.max_position_embeddings:
         raise click.BadParameter(f"context {max(contexts)} + budget {max(budgets)} + 1 = {end} positions exceed the "
@@ -101,12 +92,6 @@ def union_feeds(parents_list: list, context: int, vocab: int, seed: int = 0) -> 
     ids = [np.random.default_rng(seed + i).integers(0, vocab, t.size) for i, t in enumerate(trees)]   # seed + i
     return numpy_math.union_feeds(ids, [t.positions(context) for t in trees], [context] * len(trees),
                                   [pack_visibility(t.visible()).view(np.int32) for t in trees])
-
-
-def union_routing(cfg, parents_list: list, routing: str, reuse: float | None, seed: int = 0) -> np.ndarray:
-    """[L MoE layers, union rows, k] ids: request i's tree routed by bench/routing.py with seed `seed + i`."""
-    return np.concatenate([routing_ids(routing, p, cfg.n_routed_experts, cfg.num_experts_per_tok, reuse or 0.0,
-                                       len(cfg.moe_layers), seed + i) for i, p in enumerate(parents_list)], axis=1)
 
 
 class UnionVerify:

@@ -3,6 +3,7 @@ one-request row, the union's distinct experts against the meter's expectation an
 tokens/s against their formulas, and the flag's refusals."""
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -100,11 +101,12 @@ def test_uniform_union_experts_are_the_meters_expectation(setup, rows, R):
 
 
 def test_tree_union_experts_are_bench_step_requests_routing(setup, rows):
-    from ddtree.bench.step_requests import union_routing  # the measured union verify's routing
+    from ddtree.bench.routing import routing_ids
     (cfg, dcfg, plan, _, _), _, tree = setup
     lay = RankLayout.from_plan(plan, 0)
-    for R in (2, 4):
-        ids = union_routing(cfg, [tree.parents] * R, "tree", 0.5, seed=3)
+    for R in (2, 4):                            # request i's tree routed with seed 3 + i, the union's rows stacked
+        ids = np.concatenate([routing_ids("tree", tree.parents, cfg.n_routed_experts, cfg.num_experts_per_tok, 0.5,
+                                          len(cfg.moe_layers), 3 + i) for i in range(R)], axis=1)
         d = distinct_per_layer(ids, (lay.expert_start, lay.expert_stop))
         row = next(r for r in rows if r["routing"] == "tree" and r["requests"] == R)
         assert row["distinct_experts"]["mean"] == pytest.approx(float(d.mean()), rel=1e-12)

@@ -25,7 +25,7 @@ def kimi():
 
 
 def test_requests_flag_refusals_name_the_flag():
-    from ddtree.bench.step_requests import parse_requests
+    from ddtree.bench.project_requests import parse_requests
     assert parse_requests("4,1,2,2") == [1, 2, 4]
     refuses(["bench", "step", "--requests", "0,2"], "--requests", code=2)
     refuses(["bench", "step", "--requests", "two"], "--requests", code=2)
@@ -94,7 +94,8 @@ def test_the_memory_plan_refuses_before_allocating(kimi):
 def test_rows_from_a_fake_timer(kimi):
     """run_requests' rows: the timer's us, R x (budget + 1) rows, the meter's bytes over the ceiling, the ratio to
     the R = 1 row of the same context / budget / routing (a formula of the fake times)."""
-    from ddtree.bench.step_requests import run_requests, stated_tree, union_routing
+    from ddtree.bench.routing import union_routing
+    from ddtree.bench.step_requests import run_requests, stated_tree
     cfg, dcfg, plan, specs = kimi
     p = plan.to_dict()
     from ddtree.description.opset import RankLayout
