@@ -316,6 +316,16 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
     def linear(self, x, w, out=ACT):
         return self._gemm(x, self.store.tiled(w.name), w.shape[0], DTYPES[out])
 
+    def linears(self, x, ws) -> tuple:
+        """One GEMM where the store holds ws side by side (CudaWeights.tiled_group), its outputs column views of
+        one [m, sum N] buffer; one GEMM a weight otherwise (the op's default)."""
+        group = self.store.tiled_group(tuple(w.name for w in ws))
+        if group is None:
+            return super().linears(x, ws)
+        y = self._gemm(x, group, sum(w.shape[0] for w in ws), DTYPES[ACT])
+        starts = np.cumsum([0] + [w.shape[0] for w in ws])
+        return tuple(self.slice(y, 1, int(a), int(b)) for a, b in zip(starts[:-1], starts[1:]))
+
     def swiglu_mlp(self, x, gate, up, down):
         I = gate.shape[0]
         act = self._gemm(x, self.store.gate_up(gate.name, up.name), 2 * I, np.uint16, swiglu=True)   # [m, I]

@@ -147,6 +147,12 @@ class MeterOps(Ops):
         self._rec("linear", [x, w], [y], 2 * x.shape[0] * w.shape[0] * w.shape[1])
         return y
 
+    def linears(self, x, ws) -> tuple:
+        """One GEMM over the weights side by side, as the cuda backend runs them (one record, one kernel)."""
+        N, K = sum(w.shape[0] for w in ws), ws[0].shape[1]
+        self.linear(x, Meta((N, K), ws[0].nbytes_each, weight=True))
+        return tuple(Meta((x.shape[0], w.shape[0]), self.sizes[ACT]) for w in ws)
+
     def swiglu_mlp(self, x, gate, up, down):
         y = Meta((x.shape[0], down.shape[0]), self.sizes[ACT])
         self._rec("swiglu_mlp", [x, gate, up, down], [y], 2 * x.shape[0] * (gate.size + up.size + down.size))

@@ -23,7 +23,7 @@ from ddtree.description.opset import RankLayout
 from ddtree.plugins import randfill as rf
 from ddtree.plugins.randfill import fill_device
 from ddtree.runtime.cuda_model import device_caches
-from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights
+from ddtree.runtime.cuda_weights import GATE_UP, GEMM_SUFFIXES, CudaWeights, side_by_side
 
 
 def _tiled_rows(n: int) -> int:
@@ -46,8 +46,17 @@ class SyntheticWeights(CudaWeights):
             fill_device(gpu, a, seed * 1_000_003 + i, preset_of(name))
             return a
         Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self._groups = {}
+        index = {name: i for i, name in enumerate(specs)}
+        for group in side_by_side(self.shapes):
+            tiles = [(_tiled_rows(self.shapes[n][0]) // 16, self.shapes[n][1] // 64, 4, 32, 8) for n in group]
+            rows = sum(t[0] for t in tiles) * 16
+            self._group(group, filled((rows * self.shapes[group[0]][1],), np.uint16, group[0], index[group[0]]),
+                        tiles)
         for i, (name, spec) in enumerate(specs.items()):
             shape = tuple(spec.shape)
+            if name in self._tiled:
+                continue
             if name.endswith(GEMM_SUFFIXES):
                 self._tiled[name] = filled((_tiled_rows(shape[0]) * shape[1],), np.uint16, name, i)
             elif name.endswith(GATE_UP[0]):

@@ -9,8 +9,9 @@ one more, training/drafter_model.py, for its many-blocks-per-sequence objective 
     embed        ids [q] -> this rank's rows, zeros elsewhere -> all-reduce -> h [q, H]
     decoder      h [q, H], pos [q], cache [S, R + Dr], cache_len [1], tree_mask [q, W]
                  x = RMSNorm_in(h)
-                 c_q = RMSNorm(x q_a^T);  q = c_q q_b^T -> (q_nope | q_pe) [q, N_r, Dn | Dr]
-                 latent = x kv_a^T -> c_kv = RMSNorm(latent[:R]), k_pe = rope(latent[R:])
+                 latent, q_a = x kv_a^T, x q_a^T   (ops.linears: one GEMM where the weights sit side by side)
+                 c_q = RMSNorm(q_a);  q = c_q q_b^T -> (q_nope | q_pe) [q, N_r, Dn | Dr]
+                 c_kv = RMSNorm(latent[:R]), k_pe = rope(latent[R:])
                  cache <- (c_kv | k_pe) at cache_len..;  q_lat = q_nope W_UK;  q_pe = rope(q_pe)
                  o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
                  h1, x2 = h + attn, RMSNorm_post(h + attn)
@@ -54,8 +55,9 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
     R, Dn, Dr, Dv, eps = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     q_b = ops.weight(a + "q_b_proj.weight")                                             # [N_r (Dn + Dr), Q]
     spec = MlaSpec(ops.shape(q_b)[0] // (Dn + Dr), R, Dn, Dr, Dv, float(cfg.softmax_scale))
-    with ops.branch() as kv_path:                # the cache rows need only x: beside the query path until attention
-        latent = ops.linear(x, ops.weight(a + "kv_a_proj_with_mqa.weight"))             # [q, R + Dr] replicated
+    latent, q_a = ops.linears(x, (ops.weight(a + "kv_a_proj_with_mqa.weight"),           # [q, R + Dr] replicated
+                                  ops.weight(a + "q_a_proj.weight")))                   # [q, Q]; one GEMM over x
+    with ops.branch() as kv_path:                # the cache rows need only the latent: beside the query path
         if row_offsets is None:
             cache = ops.kv_append_normed(cache, cache_len, latent, ops.weight(a + "kv_a_layernorm.weight"), eps, pos,
                                          cfg.rope)                               # (c_kv normed | k_pe roped)
@@ -63,7 +65,7 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
             c_kv = ops.rms_norm(ops.slice(latent, 1, 0, R), ops.weight(a + "kv_a_layernorm.weight"), eps)
             k_pe = ops.rope(ops.reshape(ops.slice(latent, 1, R, R + Dr), [0, 1, Dr]), pos, cfg.rope)
             cache = ops.kv_append_requests(cache, cache_len, row_offsets, c_kv, ops.reshape(k_pe, [0, Dr]))
-    c_q = ops.rms_norm(ops.linear(x, ops.weight(a + "q_a_proj.weight")), ops.weight(a + "q_a_layernorm.weight"), eps)
+    c_q = ops.rms_norm(q_a, ops.weight(a + "q_a_layernorm.weight"), eps)
     q_all = ops.reshape(ops.linear(c_q, q_b), [0, spec.heads, Dn + Dr])                 # [q, N_r, Dn + Dr]
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
     q_lat, q_rope = ops.mla_absorb_q_rope(q_all, kv_b, pos, cfg.rope, spec)             # [q, N_r, R], [q, N_r, Dr]

@@ -143,6 +143,12 @@ class Ops(ABC):
     def linear(self, x, w, out: str = ACT):
         """x [m, K] @ w [N, K]^T -> [m, N] in `out` (ACT, or ACC for logits)."""
 
+    def linears(self, x, ws) -> tuple:
+        """(x @ w^T for w in ws): several weights over the same x [m, K]. A backend that holds them side by side
+        runs one GEMM (the cuda backend: one launch's ramp and tail instead of one a weight, issue 48); the
+        others run one linear each, which this default does."""
+        return tuple(self.linear(x, w) for w in ws)
+
     @abstractmethod
     def swiglu_mlp(self, x, gate, up, down):
         """down(silu(x gate^T) * x up^T): x [m, H] -> [m, H] (a rank's slice of a dense MLP: a partial)."""

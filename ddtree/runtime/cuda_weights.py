@@ -13,6 +13,25 @@ GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weigh
                  "q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight", "mlp.gate.weight",
                  "lm_head.weight", "drafter.fc.weight")
 GATE_UP = ("gate_proj.weight", "up_proj.weight")
+# GEMM weights over the same x, stored side by side (their tile rows concatenated, in this order) so that
+# ops.linears runs them as one GEMM: one launch's ramp and tail instead of two (issue 48)
+SIDE_BY_SIDE = (("kv_a_proj_with_mqa.weight", "q_a_proj.weight"),)
+
+
+def side_by_side(shapes: dict) -> list[tuple]:
+    """The weight-name groups of `shapes` ({name: shape}) stored side by side: every prefix holding all of a
+    SIDE_BY_SIDE group with equal K, and every weight but the last of whole 16-row tiles (a padded tile would
+    put zero columns between the outputs)."""
+    groups = []
+    for suffixes in SIDE_BY_SIDE:
+        for name in shapes:
+            if not name.endswith(suffixes[0]):
+                continue
+            group = tuple(name[: -len(suffixes[0])] + s for s in suffixes)
+            if all(n in shapes for n in group) and len({shapes[n][1] for n in group}) == 1 \
+                    and all(shapes[n][0] % 16 == 0 for n in group[:-1]):
+                groups.append(group)
+    return groups
 
 
 
@@ -29,7 +48,13 @@ class CudaWeights:
         self.latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         self.raw, self._tiled, self._ones, self._tables = {}, {}, {}, {}
+        self._groups = {}
+        for group in side_by_side(self.shapes):
+            tiles = [tile_bf16(tensors[n], n) for n in group]
+            self._group(group, gpu.upload(np.concatenate(tiles)), [t.shape for t in tiles])
         for name, a in tensors.items():
+            if name in self._tiled:
+                continue
             if name.endswith(GEMM_SUFFIXES):
                 self._tiled[name] = gpu.upload(tile_bf16(a, name))
             elif name.endswith(GATE_UP[0]):
@@ -72,6 +97,18 @@ class CudaWeights:
         if name not in self._tiled:
             raise KeyError(f"cuda executor: '{name}' has no tiled GEMM layout (GEMM_SUFFIXES)")
         return self._tiled[name]
+
+    def _group(self, group: tuple, buf, tile_shapes: list) -> None:
+        """group's weights as views of one buffer `buf` holding their tiles in order."""
+        self._groups[group] = buf
+        offset = 0
+        for name, shape in zip(group, tile_shapes):
+            self._tiled[name] = buf.view(offset, shape)
+            offset += int(np.prod(shape))
+
+    def tiled_group(self, names: tuple):
+        """The one tiled buffer holding `names` side by side in this order, or None where they are not."""
+        return self._groups.get(tuple(names))
 
     def gate_up(self, gate: str, up: str):
         return self._tiled[gate]
