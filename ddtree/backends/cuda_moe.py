@@ -8,8 +8,9 @@ launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-
 False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
 same kernels on the same inputs).
 
-moe_live (a pruned verify, issue 53): the same launches with plugins/prune_ops.py route_live and the route kernel's
-alignment between the router and the experts (dead rows read no expert of their own)."""
+moe_live (a pruned verify, issue 53): the same launches; the router (one launch, or the given routing's) applies
+the live mask itself before its alignment (kernels/route_common.cuh live_rows: dead rows read no expert of their
+own) and writes the routed ids beside."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,21 +19,21 @@ from ddtree.plugins.moe import FusedMoE, MoEShape
 
 
 class MoeOps:
-    def route(self, fused, x, M: int, router_name: str) -> tuple:
-        """The router over x's M rows -> (expert ids [M, k], weights [M, k]) in the fused MoE's buffers."""
-        fused.route(x.ptr, M, stream=self.stream)
-        return fused.topk_ids, fused.topk_w
+    def route(self, fused, x, M: int, router_name: str, live=None, routed=None) -> tuple:
+        """The router over x's M rows -> (expert ids [M, k], weights [M, k]) the experts read, in the fused MoE's
+        buffers. live / routed: moe_live's mask [M] and routed ids [M, k] (device addresses; FusedMoE.route)."""
+        return fused.route(x.ptr, M, stream=self.stream, live=live, routed_ids=routed)
 
     def moe(self, x, router, bias, experts, shared, spec):
         return self._moe(x, router, bias, experts, shared, spec)[0]
 
     def moe_live(self, x, router, bias, experts, shared, spec, live):
-        """The pruned verify's MoE (issue 53): the router as in moe, then plugins/prune_ops.py route_live moves each
-        dead row's pairs onto the root's experts with weight 0 (rather than an id outside the expert range, which
-        the route kernel's alignment cannot take, or a zero weight on the row's own experts, which would still read
-        them), and the route kernel aligns the tile lists again: a dead row makes the MoE read no expert that a
-        live row does not (the experts-touched count stays honest), and its routed part is 0. Row 0 is the tree's
-        root, always live. -> (partial [q, H], routed ids [q, topk] I32: the routing of every row, global)."""
+        """The pruned verify's MoE (issue 53): the router as in moe, one launch, which before its alignment moves
+        each dead row's pairs onto the root's experts with weight 0 (rather than an id outside the expert range,
+        which the alignment cannot take, or a zero weight on the row's own experts, which would still read them;
+        plugins/prune_ops.py route_live_twin): a dead row makes the MoE read no expert that a live row does not
+        (the experts-touched count stays honest), and its routed part is 0. Row 0 is the tree's root, always live.
+        -> (partial [q, H], routed ids [q, topk] I32: the routing of every row, global)."""
         return self._moe(x, router, bias, experts, shared, spec, live)
 
     def _moe(self, x, router, bias, experts, shared, spec, live=None) -> tuple:
@@ -49,16 +50,14 @@ class MoeOps:
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
             router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
-        ids, weights = self.route(fused, x, M, router.name)
         routed = None
         if live is not None:
             if live.shape != (M,) or live.dtype != np.int32:
                 raise ValueError(f"{self.where}: moe_live's live must be [{M}] int32, got {live.shape} {live.dtype}")
-            routed = self.new((M, spec.topk), np.int32)          # into the router's own buffers (a given routing's
-            self.prune_kernels().route_live(ids, weights, live.ptr, routed.ptr, fused.topk_ids, fused.topk_w, M,
-                                            spec.topk, stream=self.stream)     # stays as given: bench step's)
-            ids, weights = fused.topk_ids, fused.topk_w
-            fused.launch_route(None, M, ids, weights, self.stream)                # the tile lists of the live rows
+            routed = self.new((M, spec.topk), np.int32)
+        # with live: dead rows moved in the routing launch (into the router's own buffers; a given routing stays)
+        masks = () if live is None else (live.ptr, routed.ptr)
+        ids, weights = self.route(fused, x, M, router.name, *masks)
         if self.shared_join not in ("experts", "down"):
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
         if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output

@@ -4,8 +4,8 @@
                       its horizon (a python int) a scalar launch argument
     accept_walk_live  plugins/prune_ops.py mask_dead (dead nodes' tokens -1: no target token equals them, so the walk
                       never enters a dead node; tree/prune.py absent_tree), then the accept_walk op on those tokens
-    moe_live          backends/cuda_moe.py (the router's ids rewritten for dead rows between the routing and the
-                      experts)
+    moe_live          backends/cuda_moe.py (the router's ids rewritten for dead rows inside the routing launch,
+                      before its alignment)
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from ddtree.plugins.tree_prune import TreePrune
 from ddtree.tree.prune import MAX_EXPERTS
 
 PRUNE_LAUNCHERS = {
-    "moe_live": "backends/cuda_moe.py: the router, plugins/prune_ops.py route_live (dead rows onto the root's experts "
-                "at weight 0), the route kernel's alignment again, the experts",
+    "moe_live": "backends/cuda_moe.py: the router (one launch: the live mask applied before its alignment, dead rows "
+                "onto the root's experts at weight 0, the routed ids written beside; kernels/route_common.cuh "
+                "live_rows), the experts",
     "tree_prune": "plugins/tree_prune.py TreePrune (kernels/tree_prune.cu: one block)",
     "accept_walk_live": "plugins/prune_ops.py mask_dead, then accept_walk (plugins/vocab_nodes.py AcceptWalk)",
 }

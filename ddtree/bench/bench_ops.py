@@ -106,13 +106,13 @@ class BenchOps(CudaOps):
             return min(S, self.attention_context + q)
         return super().attention_keys(S, q, cache_len)
 
-    def route(self, fused, x, M: int, router_name: str) -> tuple:
+    def route(self, fused, x, M: int, router_name: str, live=None, routed=None) -> tuple:
         given = self.routing.get(router_name) if self.routing else None
         if given is None:
-            return super().route(fused, x, M, router_name)
+            return super().route(fused, x, M, router_name, live, routed)
         ids, weights = given                  # the router runs (its cost is real), then the given routing is used
-        fused.route_given(x.ptr, M, ids, weights, stream=self.stream)
-        return ids, weights
+        # (with a live mask: moved into the router's own buffers, the given ones reused every step as they are)
+        return fused.route_given(x.ptr, M, ids, weights, stream=self.stream, live=live, routed_ids=routed)
 
 
 class BenchSteps(GpuSteps):

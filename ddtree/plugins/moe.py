@@ -3,6 +3,7 @@
     moe = FusedMoE(gpu, MoEShape(hidden, inter, experts, topk), weights, router=...)
     moe.run(x, out, M)                    # router GEMM -> route -> gate_up -> down + combine
     moe.run(x, out, M, topk=(ids, w))     # given routing (tests, benchmarks)
+    ids, w = moe.route(x, M, live=live, routed_ids=routed)   # a pruned verify's routing (issue 53), one launch
     FusedMoE(..., streaming=True)         # gate_up -> down in one persistent launch (plugins/moe_stream.py)
 
 Letters: M tokens, H hidden, I expert intermediate (per rank), E experts, P = M * topk pairs.
@@ -21,6 +22,7 @@ from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
 from ddtree.plugins.moe_measured import two_launch_knobs
 from ddtree.plugins.moe_plan import DEFAULT_RING, SOURCE, MoEPlan, MoEShape, plan_moe, plan_moe_stream
 from ddtree.plugins.moe_stream import STREAM_MEASURED, StreamPlan, stream_default, stream_knobs  # noqa: F401  (the plan's table, re-exported)
+from ddtree.plugins.prune_ops import live_args
 from ddtree.plugins.router import FusedRouter, RouterShape
 
 
@@ -174,40 +176,54 @@ class FusedMoE:
         self._overrides[M] = p
         return p
 
-    def route(self, x: DeviceArray | int, M: int, stream=None) -> None:
-        """Router logits (fp32) + top-k + alignment: one fused launch, or (fused_router False) two."""
+    def route(self, x: DeviceArray | int, M: int, stream=None, live=None, routed_ids=None) -> tuple:
+        """Router logits (fp32) + top-k + alignment: one fused launch, or (fused_router False) two -> (ids, weights)
+        the experts read (the router's own buffers). live [M] int32 (a pruned verify, issue 53) and routed_ids
+        [M, topk] int32 (written: the ids as routed): the routing launch moves each dead row's pairs onto the
+        root's experts at weight 0 before it aligns (plugins/prune_ops.py live_args)."""
         if self.router is None:
             raise ValueError("FusedMoE.route: constructed without router weights")
         if self.fused_router:
-            self.router_fused.run(x, M, self.logits, self.topk_ids, self.topk_w, self._tiles(), stream=stream)
-            return
-        self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
-        self.launch_route(self.logits, M, self.topk_ids, self.topk_w, stream)
+            self.router_fused.run(x, M, self.logits, self.topk_ids, self.topk_w, self._tiles(), stream=stream,
+                                  live=live, routed_ids=routed_ids)
+        else:
+            self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
+            self.launch_route(self.logits, M, self.topk_ids, self.topk_w, stream, live, routed_ids)
+        return self.topk_ids, self.topk_w
 
-    def route_given(self, x, M: int, ids, weights, stream=None) -> None:
+    def route_given(self, x, M: int, ids, weights, stream=None, live=None, routed_ids=None) -> tuple:
         """Benchmarks' given routing (ddtree bench step --routing uniform|tree): the router GEMM runs (its cost is
         real; its logits are not used), then the route kernel aligns the given ids [M, topk] / weights (its
-        top-k skipped): one route launch, as in route()."""
+        top-k skipped): one route launch, as in route() -> (ids, weights) the experts read: the given ones, or
+        with a live mask (as route()'s) the router's own buffers holding the given routing with the dead rows
+        moved (the given buffers stay as given: the benchmark reuses them every step)."""
         if self.router is None:
             raise ValueError("FusedMoE.route_given: constructed without router weights")
+        out = (ids, weights) if live is None else (self.topk_ids, self.topk_w)
+        masks = {} if live is None else dict(live=live, routed_ids=routed_ids, live_ids=out[0], live_w=out[1])
         if self.fused_router:            # the fused kernel computes the logits, skips its top-k, aligns the ids
-            self.router_fused.run(x, M, self.logits, ids, weights, self._tiles(), given=True, stream=stream)
-            return
-        self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
-        self.launch_route(None, M, ids, weights, stream)
+            self.router_fused.run(x, M, self.logits, ids, weights, self._tiles(), given=True, stream=stream, **masks)
+        else:
+            self.router_gemm.run(x, self.router, self.logits, M, stream=stream)
+            self.launch_route(None, M, ids, weights, stream, **masks)
+        return out
 
     def _tiles(self) -> tuple:
         return self.tile_expert, self.tile_pairs, self.num_tiles
 
-    def launch_route(self, logits, M, ids, weights, stream) -> None:
+    def launch_route(self, logits, M, ids, weights, stream, live=None, routed_ids=None, live_ids=None,
+                     live_w=None) -> None:
         """The route kernel alone. logits [M, E] fp32 (device): routes into ids [M, topk] int32 and
         weights [M, topk] fp32, then fills the tile lists; logits None: ids/weights are a given routing,
-        only the tile lists are filled."""
+        only the tile lists are filled. live: a pruned verify's mask, applied before the alignment
+        (plugins/prune_ops.py live_args: a given routing names live_ids / live_w)."""
         s = self.shape
+        masks = live_args("moe_route", ids, weights, logits is None, live, routed_ids, live_ids, live_w)
         self.gpu.launch(self.gpu.kernel(SOURCE, "moe_route"), 1, 1024, 0,
                         ptr(logits), ptr(self.bias), np.int32(M), np.int32(s.experts), np.int32(s.topk),
                         np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), ptr(ids), ptr(weights),
-                        ptr(self.tile_expert), ptr(self.tile_pairs), ptr(self.num_tiles), stream=stream, pdl=self.pdl)
+                        ptr(self.tile_expert), ptr(self.tile_pairs), ptr(self.num_tiles), *masks, stream=stream,
+                        pdl=self.pdl)
 
     def run(self, x: DeviceArray | int, out: DeviceArray | int, M: int, shared: DeviceArray | int | None = None,
             topk: tuple | None = None, stream=None) -> None:

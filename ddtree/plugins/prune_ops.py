@@ -1,10 +1,13 @@
 """Launchers of the pruned verify's small kernels (kernels/prune_ops.cu; issue 53) and their numpy twins.
 
     k = PruneOps(gpu)
-    k.route_live(ids, weights, live, routed_ids, ids_out, w_out, q, topk, stream)   # dead rows: the root's experts
     k.mask_dead(tokens, live, tokens_out, n, stream)                   # the tree as a pruned walk sees it
     table = CalibrationTable.of(calibration, depths)                   # the calibration maps, packed for the device
     k.path_probs(scores, parents, depth, n, table_dev, rate_terms, path_prob, rate, stream)
+
+A dead row's routing (its pairs on the root's experts at weight 0) is applied inside the routing kernels, before
+their alignment (kernels/route_common.cuh live_rows, in router.cu and moe.cu moe_route): live_args gives them its
+pointer arguments, route_live_twin is its numpy twin.
 
 Every tensor argument is a device address (a DeviceArray, an int or a Tensor's .ptr); one block a launch; nothing
 is allocated or synchronised, so the launches can be captured in a CUDA graph. Letters: q rows (= n tree nodes),
@@ -26,7 +29,8 @@ THREADS = 256                   # PO_THREADS
 
 def route_live_twin(ids, weights, live) -> tuple:
     """-> (ids [q, k] as the experts read them, weights [q, k], routed_ids [q, k] = the ids as routed). A dead row
-    (live 0, not row 0 = the root) takes the root's experts with weight 0: it reads no expert a live row does not."""
+    (live 0, not row 0 = the root) takes the root's experts with weight 0: it reads no expert a live row does not
+    (the routing kernels' live_rows, applied before their alignment)."""
     ids, weights = np.array(ids, np.int32), np.array(weights, np.float32)
     routed = ids.copy()
     dead = np.asarray(live).reshape(-1) == 0
@@ -34,6 +38,31 @@ def route_live_twin(ids, weights, live) -> tuple:
     ids[dead] = ids[0]
     weights[dead] = 0.0
     return ids, weights, routed
+
+
+def live_args(who: str, ids, weights, given: bool, live=None, routed_ids=None, live_ids=None, live_w=None) -> tuple:
+    """The four live-mask pointer arguments both routing kernels take after their own (router.cu, moe.cu moe_route:
+    live, routed_ids, live_ids, live_w; all null without a mask). live [M] int32: a pruned verify's mask (row 0, the
+    root, is live whatever it says); routed_ids [M, topk] int32 (written: the ids as routed); live_ids / live_w
+    [M, topk] (written: what the alignment and the experts read, dead rows on the root's experts at weight 0):
+    ids / weights themselves by default (in place, the router's own buffers), other buffers for a given routing
+    (which must name them: its buffers are the caller's and stay as given)."""
+    if live is None:
+        if routed_ids is not None or live_ids is not None or live_w is not None:
+            raise ValueError(f"{who}: routed_ids / live_ids / live_w given without a live mask")
+        return ptr(None), ptr(None), ptr(None), ptr(None)
+    if routed_ids is None:
+        raise ValueError(f"{who}: a live mask needs routed_ids ([M, topk] int32, the ids as routed)")
+    if (live_ids is None) != (live_w is None):
+        raise ValueError(f"{who}: live_ids and live_w go together (both or neither)")
+    if live_ids is None:
+        if given:
+            raise ValueError(f"{who}: a given routing with a live mask needs live_ids / live_w (the given "
+                             "buffers stay as given)")
+        live_ids, live_w = ids, weights
+    if (ptr(live_ids) == ptr(ids)) != (ptr(live_w) == ptr(weights)):
+        raise ValueError(f"{who}: live_ids / live_w must both be the routing's own buffers or both other ones")
+    return ptr(live), ptr(routed_ids), ptr(live_ids), ptr(live_w)
 
 
 def mask_dead_twin(tokens, live) -> np.ndarray:
@@ -105,12 +134,6 @@ class PruneOps:
 
     def _launch(self, name: str, *args, stream=None) -> None:
         self.gpu.launch(self.gpu.kernel(SOURCE, name), 1, THREADS, 0, *args, stream=stream)
-
-    def route_live(self, ids, weights, live, routed_ids, ids_out, w_out, q: int, topk: int, stream=None) -> None:
-        """ids [q, k] int32, weights [q, k] float32 (the routing) -> routed_ids [q, k] (= ids), ids_out and w_out
-        [q, k] (route_live_twin; they may be ids and weights themselves)."""
-        self._launch("route_live", ptr(ids), ptr(weights), ptr(live), ptr(routed_ids), ptr(ids_out), ptr(w_out),
-                     np.int32(q), np.int32(topk), stream=stream)
 
     def mask_dead(self, tokens, live, tokens_out, n: int, stream=None) -> None:
         self._launch("mask_dead", ptr(tokens), ptr(live), ptr(tokens_out), np.int32(n), stream=stream)

@@ -3,6 +3,7 @@
     router = FusedRouter(gpu, RouterShape(experts, hidden, topk, ...), weight, bias)
     router.run(x, M, logits, ids, weights, tiles)               # logits, top-k, tile lists: one launch
     router.run(x, M, logits, ids, weights, tiles, given=True)   # ids given: logits + tile lists only
+    router.run(..., live=live, routed_ids=routed)                 # a pruned verify: dead rows on the root's experts
 
 Letters: M tokens, H hidden (K of the GEMM), E experts, S k-splits, W warps a block, TW weight tiles (16
 experts) a block, KW = W / TW warps a tile, MT 8-token sub-tiles a block, MB token blocks, NB = E/16/TW
@@ -10,6 +11,9 @@ n-blocks, L lanes a row in the route phase. The weight comes tiled (layout.tile_
 Workspaces (split partials, the scores [max_tokens, E] that route_rows reads, hand-off counters) are allocated
 here for max_tokens; run() only launches (graph-safe). FusedMoE.route uses it (plugins/moe.py); the kernel
 writes the outputs of the router GEMM + moe_route pair it replaces.
+
+A pruned verify's live mask (issue 53) is applied inside the launch, before the alignment (plugins/prune_ops.py
+live_args and route_live_twin, the rule's numpy twin).
 
 select_ref is the numpy twin of the kernel's top-k selection, one warp a token, L = 16 lanes a token or
 G = ceil(E / 32) warps (checked against routing.topk_lowest_id on the CPU); the routing rule's twin is
@@ -23,6 +27,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl, token_tiles
+from ddtree.plugins.prune_ops import live_args
 
 SOURCE = "router.cu"
 MAX_WARPS = 16                          # RT_MAX_WARPS in router.cu
@@ -295,9 +300,12 @@ class FusedRouter:
         return p
 
     def run(self, x: DeviceArray | int, M: int, logits, ids, weights, tiles: tuple, given: bool = False,
-            stream=None) -> None:
-        """logits [M, E] fp32, ids [M, topk] int32, weights [M, topk] fp32 (written; ids read when `given`),
-        tiles = (tile_expert, tile_pairs, num_tiles) as FusedMoE allocates them (written)."""
+            stream=None, live=None, routed_ids=None, live_ids=None, live_w=None) -> None:
+        """logits [M, E] fp32, ids [M, topk] int32, weights [M, topk] fp32 (written; ids and weights read when
+        `given`), tiles = (tile_expert, tile_pairs, num_tiles) as FusedMoE allocates them (written). live: a pruned
+        verify's mask [M] int32 (live_args: routed_ids written, and live_ids / live_w, by default ids / weights
+        themselves, hold the routing the tiles align); None: as before, the kernel's outputs bit for bit."""
+        masks = live_args("fused router", ids, weights, given, live, routed_ids, live_ids, live_w)
         s = self.shape
         if not 1 <= M <= s.max_tokens:
             raise ValueError(f"fused router: M = {M} outside [1, {s.max_tokens}]")
@@ -313,7 +321,7 @@ class FusedRouter:
                  ptr(ids), ptr(weights), ptr(tile_expert), ptr(tile_pairs), ptr(num_tiles), np.int32(M),
                  np.int32(s.experts), np.int32(s.hidden), np.int32(p.splits), np.int32(p.tiles), np.int32(s.topk),
                  np.int32(s.n_group), np.int32(s.topk_group), np.float32(s.scaling), np.int32(0 if given else 1),
-                 np.int32(p.fold), np.int32(p.route_warps), np.int32(p.lanes), stream=stream, pdl=self.pdl)
+                 np.int32(p.fold), np.int32(p.route_warps), np.int32(p.lanes), *masks, stream=stream, pdl=self.pdl)
 
 
 def warp_topk_ref(choice: np.ndarray, k: int, lanes: int = 32) -> list[tuple[float, int]]:

@@ -42,7 +42,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "pcie_standin.cu": ["pcie_standin"],
            "gemm_chain.cu": ["gemm_chain_mt1", "gemm_chain_mt2", "gemm_chain_mt3"],
            "tree_prune.cu": ["tree_prune"],
-           "prune_ops.cu": ["route_live", "mask_dead", "prune_path_probs"]}
+           "prune_ops.cu": ["mask_dead", "prune_path_probs"]}
 
 
 # sha256 of Kimi's (latent 512, rope 64) cubins, by NVRTC version: the kernels the H200 numbers in

@@ -1,13 +1,14 @@
 """CPU tests of the pruned verify's small kernels (kernels/prune_ops.cu, plugins/prune_ops.py; issue 53): they compile
 for sm_90 and sm_120, their limits are the pruning module's, and their numpy twins are the CPU rule's:
-  route_live  the MoE over the rewritten routing (dead rows on the root's experts at weight 0) is bit for bit the
-              MoE with dead rows routed to no expert (numpy_math.moe_routed's -1), and reads exactly the live rows'
-              experts;
+  route_live  (the twin of the routing kernels' live mask, route_common.cuh live_rows) the MoE over the rewritten
+              routing (dead rows on the root's experts at weight 0) is bit for bit the MoE with dead rows routed to
+              no expert (numpy_math.moe_routed's -1), and reads exactly the live rows' experts;
   mask_dead   tree/prune.py absent_tree's tokens;
   path probs  from the tree build's fp32 path log-probabilities = tree/prune.py node_path_probs from the drafter
               logits (raw and calibrated) to fp32 rounding, and the rate base + per_token x their sum is
               runtime/pruning.py Pruner.rate.
-The kernels against these twins on a GPU: tests/plugins/test_prune_ops_gpu.py."""
+The kernels against these twins on a GPU: tests/plugins/test_prune_ops_gpu.py (the live mask:
+tests/plugins/test_route_live_gpu.py)."""
 import re
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ddtree.tree.budget import Calibration
 from ddtree.tree.build import build_tree, topk_logprobs
 
 SOURCE = Path(kc.KERNEL_DIR) / prune_ops.SOURCE
-KERNELS = ("route_live", "mask_dead", "prune_path_probs")
+KERNELS = ("mask_dead", "prune_path_probs")
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])

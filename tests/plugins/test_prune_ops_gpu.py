@@ -1,34 +1,16 @@
 """GPU test of the pruned verify's small kernels (kernels/prune_ops.cu) against their numpy twins (plugins/prune_ops.py):
-route_live and mask_dead bit for bit on random routings, trees and masks (the root always live, whatever the mask
-says); prune_path_probs against path_probs_twin on trees built by tree/build.py, raw and calibrated (float64 exp on
-the device is within an ulp of numpy's, so path_prob and the rate to 1e-6, not bit for bit).
+mask_dead bit for bit on random trees and masks (the root always live, whatever the mask says); prune_path_probs
+against path_probs_twin on trees built by tree/build.py, raw and calibrated (float64 exp on the device is within an
+ulp of numpy's, so path_prob and the rate to 1e-6, not bit for bit). The live mask of the routing kernels
+(route_live_twin's rule): tests/plugins/test_route_live_gpu.py.
 Run: python3 -m pytest -q tests/plugins/test_prune_ops_gpu.py"""
 import numpy as np
 import pytest
 
-from ddtree.plugins.prune_ops import CalibrationTable, PruneOps, mask_dead_twin, path_probs_twin, route_live_twin
+from ddtree.plugins.prune_ops import CalibrationTable, PruneOps, mask_dead_twin, path_probs_twin
 from tests.plugins.test_prune_ops import CALIBRATED, random_tree
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.mark.parametrize("q,k", [(1, 8), (17, 8), (65, 8), (256, 8), (33, 2)])
-def test_route_live_is_its_twin(gpu, q, k):
-    rng = np.random.default_rng(q + k)
-    for dead in (0.0, 0.5, 1.0):
-        ids = rng.integers(0, 384, (q, k)).astype(np.int32)
-        weights = rng.uniform(0, 1, (q, k)).astype(np.float32)
-        live = (rng.random(q) >= dead).astype(np.int32)
-        want_ids, want_w, want_routed = route_live_twin(ids, weights, live)
-        for in_place in (False, True):              # into the router's own buffers, or into others (bench step's)
-            d_ids, d_w, d_live = gpu.upload(ids), gpu.upload(weights), gpu.upload(live)
-            routed = gpu.zeros((q, k), np.int32)
-            out_ids, out_w = (d_ids, d_w) if in_place else (gpu.zeros((q, k), np.int32), gpu.zeros((q, k), np.float32))
-            PruneOps(gpu).route_live(d_ids, d_w, d_live, routed, out_ids, out_w, q, k)
-            assert np.array_equal(gpu.download(out_ids), want_ids) and np.array_equal(gpu.download(out_w), want_w)
-            assert np.array_equal(gpu.download(routed), want_routed)
-            if not in_place:                        # the given routing is left as it was
-                assert np.array_equal(gpu.download(d_ids), ids) and np.array_equal(gpu.download(d_w), weights)
 
 
 def test_mask_dead_is_its_twin(gpu):

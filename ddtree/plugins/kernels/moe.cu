@@ -5,6 +5,7 @@
 //
 //   moe_route    router top-k (sigmoid, +bias for selection, grouped top-k, lowest id wins ties,
 //                normalise, x routed_scaling_factor) and token->expert alignment, one block, no host sync
+//                (a pruned verify's live mask, when given, applied before the alignment: route_common.cuh live_rows)
 //   moe_gate_up  act[pair, I] = silu(x W_gate^T) * (x W_up^T), INT4 weights, split-K with a ticket
 //   moe_down     y[split, pair, H] = act W_down^T (split-K partials); the last expert block to finish a
 //                token's rows writes out[token] = sum_k w_k sum_s y[s, pair_k] (+ shared expert)
@@ -70,10 +71,15 @@ __device__ void route_token(const float* logits, const float* bias, int m, int E
 
 // Launch: grid 1, block 1024. logits == nullptr: topk_ids/topk_w are inputs (given routing).
 // Outputs tile_expert [max_tiles], tile_pairs [max_tiles, 8], num_tiles [1].
+// live [M] int32 or null (a pruned verify, issue 53): before the alignment, live_rows (route_common.cuh) writes
+// routed_ids [M, topk] (the ids as routed) and live_ids / live_w [M, topk] (dead rows on the root's experts at
+// weight 0; topk_ids / topk_w themselves, or other buffers that leave a given routing as given), and the
+// alignment reads live_ids. null: as before, routed_ids / live_ids / live_w unused.
 extern "C" __global__ void __launch_bounds__(1024)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int M, int E, int topk,
           int n_group, int topk_group, float scaling, int* topk_ids, float* topk_w,
-          int* __restrict__ tile_expert, int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
+          int* __restrict__ tile_expert, int* __restrict__ tile_pairs, int* __restrict__ num_tiles,
+          const int* live, int* routed_ids, int* live_ids, float* live_w) {
     __shared__ __align__(16) unsigned char align_smem[(2 * DD_MAX_E + 1) * 4 + DD_MAX_PAIRS * 2];   // align_tiles
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int P = M * topk;
@@ -85,7 +91,11 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
             route_token(logits, bias, m, E, topk, n_group, topk_group, scaling, topk_ids, topk_w, lane);
     }
     __syncthreads();                                 // topk_ids (global) written by the block's warps
-    align_tiles(topk_ids, P, E, align_smem, tile_expert, tile_pairs, num_tiles);
+    if (live) {                                      // dead rows onto the root's experts at weight 0
+        live_rows(topk_ids, topk_w, nullptr, live, P, topk, routed_ids, live_ids, live_w);
+        __syncthreads();
+    }
+    align_tiles(live ? live_ids : topk_ids, P, E, align_smem, tile_expert, tile_pairs, num_tiles);
 }
 
 // --------------------------------------------------------------------------------------------

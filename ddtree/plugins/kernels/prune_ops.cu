@@ -1,9 +1,5 @@
 // The pruned verify's small kernels on the GPU (issue 53), beside tree_prune.cu. Numpy twins: plugins/prune_ops.py.
-//   route_live        after the router: routed_ids = the routing (global ids, every row's: tree_prune and the stats
-//                     read it), and ids_out / w_out = the routing with each dead row's (live 0, not the root) k pairs
-//                     on the root's k experts at weight 0, so the tile lists the route kernel then aligns name only
-//                     experts live rows read
-//                     (a dead row adds pairs to the root's tiles, never an expert; its routed part is 0 x expert = 0)
+// (A dead row's routing is applied by the routing kernels before their alignment: route_common.cuh live_rows.)
 //   mask_dead         tokens_out[i] = tokens[i] where node i is live (or the root), else -1: the tree as the walk of
 //                     a pruned verify sees it (tree/prune.py absent_tree: -1 equals no target token)
 //   prune_path_probs  path_prob[i] = prod over the path root -> i of calibrate(exp(score[i] - score[parent]), depth)
@@ -14,21 +10,6 @@
 
 #define PO_THREADS 256
 #define PO_MAX_NODES 1024
-
-// ids_out / w_out may be ids / weights themselves (the router's own buffers): row 0's pairs, the only ones read
-// across threads, are written with the values they hold
-extern "C" __global__ void __launch_bounds__(PO_THREADS) route_live(
-        const int* ids, const float* weights, const int* __restrict__ live, int* __restrict__ routed_ids,
-        int* ids_out, float* w_out, int q, int topk) {
-    for (int p = threadIdx.x; p < q * topk; p += PO_THREADS) {
-        const int i = p / topk, s = p - i * topk;
-        const int e = ids[p];
-        const bool dead = i != 0 && live[i] == 0;
-        routed_ids[p] = e;
-        ids_out[p] = dead ? ids[s] : e;
-        w_out[p] = dead ? 0.0f : weights[p];
-    }
-}
 
 extern "C" __global__ void __launch_bounds__(PO_THREADS) mask_dead(
         const int* __restrict__ tokens, const int* __restrict__ live, int* __restrict__ tokens_out, int n) {

@@ -1,5 +1,6 @@
 // Routing pieces shared by moe.cu's moe_route and router.cu's fused router (one copy each): the warp arg-max
-// with the lower id winning ties, the n_group > 1 group filter, and the token -> expert tile alignment.
+// with the lower id winning ties, the n_group > 1 group filter, the token -> expert tile alignment, and a pruned
+// verify's live mask applied before it (live_rows).
 #pragma once
 #include "common.cuh"
 
@@ -117,4 +118,33 @@ __device__ __forceinline__ void align_tiles_of(IdOf id_of, int P, int E, unsigne
 __device__ void align_tiles(const int* ids, int P, int E, unsigned char* smem, int* __restrict__ tile_expert,
                             int* __restrict__ tile_pairs, int* __restrict__ num_tiles) {
     align_tiles_of([ids](int p) { return ld_cg_s32(&ids[p]); }, P, E, smem, tile_expert, tile_pairs, num_tiles);
+}
+
+// A pruned verify's live mask (issue 53), applied by the aligning block before it aligns (both routing kernels):
+// routed_ids [P] = the ids as routed (every row's: tree_prune and the stats read them), and live_ids / live_w [P]
+// (what the alignment and the experts read) = the routing with each dead row's (live 0, not row 0 = the tree's
+// root) k pairs on the root's k experts at weight 0: the tile lists name only experts a live row reads, and a dead
+// row's routed part is 0 x expert = 0. The ids come from ids [P] (global, through L2) or, with one token block,
+// from the block's shared copy ids_s (its dead rows rewritten as well); w [P] is read only when copying.
+// live_ids / live_w are either ids / w themselves (the router's own buffers: only dead rows are written, so row 0,
+// read across threads, is never written) or other buffers (a given routing stays as given: every pair written).
+// The caller syncs the block before the alignment reads them. Numpy twin: plugins/prune_ops.py route_live_twin.
+__device__ void live_rows(const int* ids, const float* w, int* ids_s, const int* live, int P, int topk,
+                          int* __restrict__ routed_ids, int* live_ids, float* live_w) {
+    const bool copy = live_ids != ids;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int r = p / topk, s = p - r * topk;
+        const int e = ids_s ? ids_s[p] : ld_cg_s32(ids + p);
+        const bool dead = r != 0 && ld_cg_s32(live + r) == 0;
+        routed_ids[p] = e;
+        if (dead) {
+            const int root = ids_s ? ids_s[s] : ld_cg_s32(ids + s);
+            live_ids[p] = root;
+            live_w[p] = 0.0f;
+            if (ids_s) ids_s[p] = root;
+        } else if (copy) {
+            live_ids[p] = e;
+            live_w[p] = ld_cg_f32(w + p);
+        }
+    }
 }

@@ -24,6 +24,12 @@
 // block (MB = 1) the ids are also kept in shared memory for step 3 (no L2 round trips to read them back).
 // route = 0: the ids are given (topk_ids is an input; bench step's given routing): the logits are still
 // computed (their cost is real), steps 2's routing is skipped and step 3 aligns the given ids.
+// live (a pruned verify, issue 53; null: none, the kernel as before bit for bit): step 3 first applies the live
+// mask (route_common.cuh live_rows, one place for every routing variant): routed_ids = the ids as routed, and
+// live_ids / live_w = the routing with each dead row's pairs on the root's (row 0's) experts at weight 0, which
+// step 3 aligns and the experts read. Routed here (route = 1) they are topk_ids / topk_w themselves (rewritten in
+// place, as plugins/prune_ops.py route_live_twin); given (route = 0) they are other buffers (the router's own),
+// so the given routing stays as given.
 // The selection of one token's top-k (warp_topk / route_token, route_block) is route_select.cuh.
 #include "route_select.cuh"
 
@@ -77,13 +83,15 @@ __device__ __forceinline__ float sum_splits(const float* p, int S, size_t stride
 //   logits [M, E] fp32 (written)   score [M, E] fp32 (lanes > 0: written, then read)   partial [S, M, E] (S > 1)
 //   counters [MB NB + MB + 1] (zero, reset)
 //   topk_ids, topk_w [M, topk] (written; topk_ids read when route = 0)   tile lists as moe_route
+//   live [M] int32 or null   routed_ids, live_ids [M, topk] int32, live_w [M, topk] fp32 (written when live)
 template <int MT>
 __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                             const float* __restrict__ bias, float* logits, float* score,
                                             float* partial, u32* counters, int* topk_ids, float* topk_w,
                                             int* tile_expert, int* tile_pairs, int* num_tiles, int M, int E, int K,
                                             int S, int TW, int topk, int n_group, int topk_group, float scaling,
-                                            int route, int fold, int G, int lanes_in) {
+                                            int route, int fold, int G, int lanes_in, const int* live,
+                                            int* routed_ids, int* live_ids, float* live_w) {
     extern __shared__ __align__(16) unsigned char smem[];
     // lanes a row of the route phase as planned: the launcher takes only what plugins/router.py lanes_allowed
     // allows (unfolded, ungrouped, E % 4 == 0, at 16 lanes topk <= 16 and E <= 16 x 24), and checks it per launch
@@ -246,15 +254,24 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
                         ids_s ? ids_s + (size_t)m * topk : nullptr, sc, lane);
         }
     }
-    // 3. the last token block aligns every token's pairs (one token block: from its shared copy of the ids)
+    // 3. the last token block aligns every token's pairs (one token block: from its shared copy of the ids),
+    //    with a live mask after moving the dead rows' pairs onto the root's experts (live_rows)
     if (MB > 1) {
         if (!handoff_last(&counters[MB * NB + MB], (u32)MB)) return;
-        align_tiles(topk_ids, M * topk, E, smem, tile_expert, tile_pairs, num_tiles);
+        if (live) {
+            live_rows(topk_ids, topk_w, nullptr, live, M * topk, topk, routed_ids, live_ids, live_w);
+            __syncthreads();
+        }
+        align_tiles(live ? live_ids : topk_ids, M * topk, E, smem, tile_expert, tile_pairs, num_tiles);
         return;
     }
     __syncthreads();
     if (!route) {                                                    // the given ids
         for (int q = threadIdx.x; q < M * topk; q += blockDim.x) ids_s[q] = ld_cg_s32(topk_ids + q);
+        __syncthreads();
+    }
+    if (live) {                                                      // ids_s's dead rows rewritten as well
+        live_rows(topk_ids, topk_w, ids_s, live, M * topk, topk, routed_ids, live_ids, live_w);
         __syncthreads();
     }
     align_tiles_of([ids_s](int q) { return ids_s[q]; }, M * topk, E, after_ids, tile_expert, tile_pairs, num_tiles);
@@ -265,10 +282,11 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, const float* __restrict__ bias,      \
         float* logits, float* score, float* partial, u32* counters, int* topk_ids, float* topk_w,         \
         int* tile_expert, int* tile_pairs, int* num_tiles, int M, int E, int K, int S, int TW, int topk,  \
-        int n_group, int topk_group, float scaling, int route, int fold, int G, int lanes) {              \
+        int n_group, int topk_group, float scaling, int route, int fold, int G, int lanes,                \
+        const int* live, int* routed_ids, int* live_ids, float* live_w) {                                 \
         router_impl<MT>(x, w, bias, logits, score, partial, counters, topk_ids, topk_w, tile_expert,      \
                         tile_pairs, num_tiles, M, E, K, S, TW, topk, n_group, topk_group, scaling, route, \
-                        fold, G, lanes);                                                                  \
+                        fold, G, lanes, live, routed_ids, live_ids, live_w);                              \
     }
 DD_ROUTER(1)
 DD_ROUTER(2)
