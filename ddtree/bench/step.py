@@ -175,6 +175,23 @@ def echo_row(row: dict) -> None:
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
 
 
+def parse_prune_rate(text: str | None, with_prune: bool):
+    """--prune-rate: None, 'measured', or tokens per expert byte (a finite float >= 0); only with --prune."""
+    if text is None:
+        return None
+    if not with_prune:
+        raise click.BadParameter("prices the pruned rows: it needs --prune", param_hint="--prune-rate")
+    if text == "measured":
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not (rate >= 0 and np.isfinite(rate)):
+        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0", param_hint="--prune-rate")
+    return rate
+
+
 @click.command("step")
 @click.option("--preset", default="kimi-k2.6", show_default=True, help="model dimensions (ddtree synth presets)")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -220,9 +237,10 @@ def echo_row(row: dict) -> None:
 @click.option("--prune", "with_prune", is_flag=True,
               help="each DDTree row again with the verify pruned inside (--prune auto's step, issue 53): distinct "
                    "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
-@click.option("--prune-rate", type=FiniteFloatRange(min=0), default=None,
-              help="--prune: tokens per expert byte (default: tree/prune.py DEFAULT_RATE_PER_TOKEN x the tree's "
-                   "expected committed tokens, the Kimi step's)")
+@click.option("--prune-rate", default=None,
+              help="--prune: tokens per expert byte, or 'measured': DEFAULT_RATE's formula per expected token over the "
+                   "unpruned row measured just before (this card's step and expert costs) (default: tree/prune.py "
+                   "DEFAULT_RATE_PER_TOKEN x the tree's expected committed tokens, the H200 Kimi step's)")
 @click.option("--requests", "requests_text", default=None,
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
@@ -234,6 +252,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                  prune_rate, requests_text, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
+    prune_rate = parse_prune_rate(prune_rate, with_prune)
     cases = parse_routing(routings, reuses)
     if rank_id >= tp:
         raise click.BadParameter(f"rank {rank_id} is not below tp {tp}", param_hint="--rank")
@@ -320,8 +339,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             rows.append(row)
             echo_row(row)
             if with_prune and budget is not None:        # the same row pruned (a fresh Pruner: the row's own stats)
+                pruner = bench_pruner(rank, None, row) if prune_rate == "measured" else bench_pruner(rank, prune_rate)
                 pruned = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse,
-                                        accept, bench_pruner(rank, prune_rate)), "collectives": mode}
+                                        accept, pruner), "collectives": mode}
                 p = pruned["pruned"]
                 p["speedup"] = row["step_us"] / pruned["step_us"]
                 # what the step earns: the profile's expected tokens a step over its time, pruned vs unpruned

@@ -95,11 +95,27 @@ def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repea
     return rank, steps, max_context
 
 
-def bench_pruner(rank, rate: float | None) -> Pruner:
+def bench_pruner(rank, rate: float | None, unpruned: dict | None = None) -> Pruner:
     """--prune's runtime/pruning.py Pruner for the synthetic rank: its expert bytes from the rank's tensor specs, no
-    tuning file (the stated drafter table's own probabilities, uncalibrated), the rate given or DEFAULT_RATE."""
-    return Pruner(rank.config, expert_bytes(lambda name: rank.specs[name].nbytes, rank.config,
-                                            rank.lay.expert_stop - rank.lay.expert_start), rate=rate)
+    tuning file (the stated drafter table's own probabilities, uncalibrated), the rate given or DEFAULT_RATE; with
+    `unpruned` (--prune-rate measured: that row measured on this card) the rate per expected token it measures."""
+    nbytes = expert_bytes(lambda name: rank.specs[name].nbytes, rank.config,
+                          rank.lay.expert_stop - rank.lay.expert_start)
+    if unpruned is None:
+        return Pruner(rank.config, nbytes, rate=rate)
+    return Pruner(rank.config, nbytes, rate_per_token=measured_rate_per_token(unpruned, len(rank.config.moe_layers),
+                                                                              nbytes))
+
+
+def measured_rate_per_token(row: dict, moe_layers: int, nbytes: int) -> float:
+    """tree/prune.py DEFAULT_RATE's formula per expected token over a row measured here: 1 / the step's us x the us
+    an expert costs at one layer (the routed experts' part over the distinct experts its layers read) / an
+    expert's bytes. The part is its kernels timed alone, so the expert's cost is the kernels', not the step's."""
+    experts = row.get("distinct_experts")
+    if not experts or experts["mean"] <= 0 or row["parts"]["moe"]["us"] <= 0:
+        raise click.ClickException(f"--prune-rate measured: the unpruned row (budget {row.get('budget')}) measured "
+                                   "no routed experts to price an expert by")
+    return 1.0 / row["step_us"] * (row["parts"]["moe"]["us"] / (experts["mean"] * moe_layers)) / nbytes
 
 
 def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",

@@ -88,14 +88,19 @@ class PruneStats:
 
 
 class Pruner:
-    def __init__(self, cfg, expert_bytes: int, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY):
+    def __init__(self, cfg, expert_bytes: int, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY,
+                 rate_per_token: float | None = None):
+        if rate is not None and rate_per_token is not None:
+            raise ValueError("Pruner: a fixed rate or a rate per expected token, not both")
         self.cfg, self.expert_bytes, self.tuning, self.fixed_rate = cfg, int(expert_bytes), tuning, rate
+        self.rate_per_token = rate_per_token
         self.at = prune_layers(cfg, every)
         self.calibration = tuning.calibration if tuning is not None else None
         measured = tuning is not None and exchange_rate(tuning, tuning.budgets[-1], 0, 1.0, len(cfg.moe_layers),
                                                         self.expert_bytes) is not None
         why = "tuning.json measures no expert cost" if tuning is not None else "no tuning.json"
-        self.stats = PruneStats("given" if rate is not None else "tuning.json" if measured else
+        self.stats = PruneStats("given" if rate is not None else "given per expected token" if rate_per_token is not
+                                None else "tuning.json" if measured else
                                 f"default (tree/prune.py DEFAULT_RATE_PER_TOKEN: {why})")
 
     @classmethod
@@ -113,9 +118,12 @@ class Pruner:
     def rate_terms(self, budget: int, context: int) -> tuple[float, float]:
         """The rate as base + per_token x the tree's expected committed tokens (the GPU step computes that sum on
         the device, runtime/cuda_step_prune.py): (given, 0), or (0, the tuning file's rate per expected token:
-        exchange_rate is linear in it), or without one (0, DEFAULT_RATE_PER_TOKEN)."""
+        exchange_rate is linear in it), or (0, the given rate per token), or without either (0,
+        DEFAULT_RATE_PER_TOKEN)."""
         if self.fixed_rate is not None:
             return float(self.fixed_rate), 0.0
+        if self.rate_per_token is not None:
+            return 0.0, float(self.rate_per_token)
         measured = None if self.tuning is None else exchange_rate(
             self.tuning, budget, context, 1.0, len(self.cfg.moe_layers), self.expert_bytes)
         return (0.0, DEFAULT_RATE_PER_TOKEN if measured is None else measured)

@@ -213,3 +213,37 @@ def test_prune_flags_and_the_bench_pruner():
     pruner = bench_pruner(rank, None)
     assert pruner.expert_bytes == KIMI_EXPERT_BYTES and pruner.rate_terms(16, 4096) == (0.0, DEFAULT_RATE_PER_TOKEN)
     assert bench_pruner(rank, 1e-9).rate_terms(16, 4096) == (1e-9, 0.0)
+
+
+def test_the_measured_rate_is_the_default_rates_formula_over_the_row():
+    """--prune-rate measured: over a row that measured the H200 step DEFAULT_RATE was written from (its step, routed
+    experts' us and distinct experts), the rate per token is DEFAULT_RATE_PER_TOKEN (60 MoE layers); it scales as
+    1 / step and with the us an expert costs; a row with no routed experts, a word or a rate without --prune are
+    refused by name."""
+    from types import SimpleNamespace
+
+    import click
+    import pytest
+
+    from ddtree.bench.step_rows import bench_pruner, measured_rate_per_token
+    from ddtree.builder.plan import make_plan
+    from ddtree.builder.weights import rank_tensor_specs
+    from ddtree.description.opset import RankLayout
+    from ddtree.model.presets import get_preset
+    from ddtree.tree import prune as P
+    refuses(["bench", "step", "--prune", "--prune-rate", "cheap"], "--prune-rate", "measured", code=2)
+    refuses(["bench", "step", "--prune-rate", "measured"], "--prune-rate", "--prune", code=2)
+    row = {"budget": 16, "step_us": P.KIMI_STEP_US, "distinct_experts": {"mean": P.KIMI_EXPERTS_READ / 60},
+           "parts": {"moe": {"us": P.KIMI_ROUTED_US}}}
+    rate = measured_rate_per_token(row, 60, P.KIMI_EXPERT_BYTES)
+    assert rate == pytest.approx(P.DEFAULT_RATE_PER_TOKEN, rel=1e-12)
+    half = {**row, "step_us": 2 * P.KIMI_STEP_US, "parts": {"moe": {"us": 3 * P.KIMI_ROUTED_US}}}
+    assert measured_rate_per_token(half, 60, P.KIMI_EXPERT_BYTES) == pytest.approx(1.5 * rate, rel=1e-12)
+    cfg, dcfg = get_preset("kimi-k2.6", 61)
+    plan = make_plan(cfg, dcfg, 8)
+    rank = SimpleNamespace(config=cfg, specs=rank_tensor_specs(plan), lay=RankLayout.from_plan(plan.to_dict(), 0))
+    pruner = bench_pruner(rank, None, row)
+    assert pruner.rate_terms(16, 4096) == (0.0, pytest.approx(P.DEFAULT_RATE_PER_TOKEN, rel=1e-12))
+    assert pruner.stats.rate_source == "given per expected token"
+    with pytest.raises(click.ClickException, match="no routed experts"):
+        measured_rate_per_token({**row, "distinct_experts": None}, 60, P.KIMI_EXPERT_BYTES)
