@@ -43,7 +43,14 @@ from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collecti
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
 from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_requests import bench_requests, check_requests
-from ddtree.bench.step_rows import bench_pruner, prepare_row, row_cases, stated_depths, synthetic_steps
+from ddtree.bench.step_rows import (
+    bench_pruner,
+    parse_prune_rate,
+    prepare_row,
+    row_cases,
+    stated_depths,
+    synthetic_steps,
+)
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
@@ -173,23 +180,6 @@ def echo_row(row: dict) -> None:
                                        f", tokens/s x{p['tokens_per_s_ratio']:.3f})")
         click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}{pruned}: step {row['step_us']:.0f} us, "
                    f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
-
-
-def parse_prune_rate(text: str | None, with_prune: bool):
-    """--prune-rate: None, 'measured', or tokens per expert byte (a finite float >= 0); only with --prune."""
-    if text is None:
-        return None
-    if not with_prune:
-        raise click.BadParameter("prices the pruned rows: it needs --prune", param_hint="--prune-rate")
-    if text == "measured":
-        return text
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = float("nan")
-    if not (rate >= 0 and np.isfinite(rate)):
-        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0", param_hint="--prune-rate")
-    return rate
 
 
 @click.command("step")

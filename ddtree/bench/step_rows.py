@@ -146,3 +146,20 @@ def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, rou
     steps._run(key, body)                                     # the first step eagerly, then its capture
     gpu.sync()
     return key, body, distinct
+
+
+def parse_prune_rate(text: str | None, with_prune: bool):
+    """--prune-rate: None, 'measured', or tokens per expert byte (a finite float >= 0); only with --prune."""
+    if text is None:
+        return None
+    if not with_prune:
+        raise click.BadParameter("prices the pruned rows: it needs --prune", param_hint="--prune-rate")
+    if text == "measured":
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not (rate >= 0 and np.isfinite(rate)):
+        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0", param_hint="--prune-rate")
+    return rate
