@@ -38,6 +38,7 @@ from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
 from ddtree.bench.project_requests import parse_requests
 from ddtree.bench.projection import ALLREDUCE_CHOICES
+from ddtree.bench.step_baseline import baseline_args, check_baseline, pair_rows, run_baseline
 from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
@@ -235,11 +236,15 @@ def echo_row(row: dict) -> None:
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
                    "(bench/step_requests.py)")
+@click.option("--baseline", default=None, metavar="DIR",
+              help="every row first measured by the ddtree package in DIR (e.g. `git archive REV ddtree | tar -x -C "
+                   "DIR`) on the same GPU, each row then carrying its step and parts beside this tree's "
+                   "(bench/step_baseline.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
                  ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, with_prune,
-                 prune_rate, requests_text, as_json):
+                 prune_rate, requests_text, baseline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
@@ -260,6 +265,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         check_requests(requests, contexts, budgets, cfg, with_ar, ranks, modes)
         if with_prune:
             raise click.BadParameter("applies to the step's rows, not --requests' union verify", param_hint="--prune")
+    if baseline is not None:
+        if ranks == "all" or requests is not None:
+            raise click.BadParameter("compares the step's rows of --ranks one", param_hint="--baseline")
+        baseline = check_baseline(baseline)
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
@@ -286,6 +295,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     why = gpu_unavailable(gpu_id)
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
+    base = None if baseline is None else run_baseline(baseline, baseline_args(click.get_current_context()))
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
     gpu.free_all()
@@ -338,10 +348,14 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                 p["tokens_per_s_ratio"] = p["speedup"] * p["expected_accept_after"] / p["expected_accept_before"]
                 rows.append(pruned)
                 echo_row(pruned)
+    if base is not None:
+        pair_rows(rows, base, gpu.name)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
               "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next, "rows": rows,
+              "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],
+                                                     "copy_ceiling_gbps": base["copy_ceiling_gbps"]},
               "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},
               "hidden": hidden_rows(rows),
               "notes": {"collectives": "copy: stand-ins moving their bytes once on this GPU; pcie: the same, held for "

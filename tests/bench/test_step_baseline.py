@@ -1,0 +1,54 @@
+"""bench step --baseline (bench/step_baseline.py): the options passed to the baseline tree, the subprocess running
+THAT tree's package, rows paired by case with their speedups, and the refusals."""
+import click
+import pytest
+
+from ddtree.bench.step import step_command
+from ddtree.bench.step_baseline import baseline_args, check_baseline, pair_rows, run_baseline
+from tests.cli.bad_input import refuses
+
+
+def test_only_options_off_their_defaults_reach_the_baseline():
+    ctx = step_command.make_context("step", ["--budget", "16", "--routing", "tree", "--ar", "--no-prefetch-next",
+                                             "--prune", "--baseline", "somewhere", "--json"])
+    assert baseline_args(ctx) == ["--budget", "16", "--routing", "tree", "--ar", "--no-prefetch-next", "--prune"]
+    assert baseline_args(step_command.make_context("step", ["--baseline", "x"])) == []
+
+
+def test_the_baseline_runs_its_own_package(tmp_path):
+    pkg = tmp_path / "ddtree"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import json, sys\nprint(json.dumps({'argv': sys.argv[1:], 'file': __file__}))\n")
+    got = run_baseline(check_baseline(str(tmp_path)), ["--budget", "16"])
+    assert got["argv"] == ["bench", "step", "--budget", "16", "--json"]
+    assert got["file"].startswith(str(tmp_path.resolve()))              # not the ddtree under test
+    (pkg / "__main__.py").write_text("import sys\nsys.exit('no such option: --prune-rate')\n")
+    with pytest.raises(click.ClickException, match="exited 1: no such option"):
+        run_baseline(tmp_path, [])
+    with pytest.raises(click.BadParameter, match="no .*ddtree/__init__.py"):
+        check_baseline(str(tmp_path / "missing"))
+
+
+def _row(budget, us, pruned=False, moe=100.0):
+    return {"context": 4096, "budget": budget, "routing": "tree", "reuse": 0.5, "collectives": "copy",
+            "pruned": {"pruned_nodes": 3} if pruned else None, "step_us": us, "pct_roofline": 50.0, "kernels": 10,
+            "parts": {"moe": {"us": moe, "overhead_us": moe / 2}}}
+
+
+def test_rows_pair_by_case_with_their_speedups():
+    base = {"device": "H100", "rows": [_row(16, 1200.0, moe=90.0), _row(16, 1000.0, pruned=True), _row(8, 700.0)]}
+    rows = [_row(16, 1000.0), _row(16, 800.0, pruned=True), _row(32, 2000.0)]
+    pair_rows(rows, base, "H100")
+    assert rows[0]["baseline"]["step_us"] == 1200.0 and rows[0]["speedup_vs_baseline"] == pytest.approx(1.2)
+    assert rows[0]["baseline"]["parts"] == {"moe": {"us": 90.0, "overhead_us": 45.0}}
+    assert rows[1]["speedup_vs_baseline"] == pytest.approx(1.25)        # the pruned row with the pruned one
+    assert "baseline" not in rows[2]                                    # a case the baseline did not run
+    with pytest.raises(click.ClickException, match="one card"):
+        pair_rows(rows, {**base, "device": "H200"}, "H100")
+
+
+def test_baseline_refusals():
+    refuses(["bench", "step", "--baseline", "/nonexistent"], "--baseline", "ddtree package", code=2)
+    refuses(["bench", "step", "--baseline", "/nonexistent", "--ranks", "all", "--tp", "2"], "--baseline",
+            "--ranks one", code=2)
