@@ -10,10 +10,12 @@ from ddtree.bench.bench_ops import BenchSteps
 from ddtree.bench.project import DraftProfile, depth_histogram
 from ddtree.bench.routing import distinct_per_layer, routing_ids
 from ddtree.bench.synthetic_rank import SyntheticRank
+from ddtree.cli_types import FiniteFloatRange
 from ddtree.description.layers import router_weight
 from ddtree.plugins import randfill as rf
 from ddtree.runtime.cuda_step_prune import StepPruning
 from ddtree.runtime.pruning import Pruner, expert_bytes
+from ddtree.tree.prune import tokens_per_expert_byte
 from ddtree.tree.sampling import SamplingParams
 
 
@@ -108,14 +110,14 @@ def bench_pruner(rank, rate: float | None, unpruned: dict | None = None) -> Prun
 
 
 def measured_rate_per_token(row: dict, moe_layers: int, nbytes: int) -> float:
-    """tree/prune.py DEFAULT_RATE's formula per expected token over a row measured here: 1 / the step's us x the us
-    an expert costs at one layer (the routed experts' part over the distinct experts its layers read) / an
-    expert's bytes. The part is its kernels timed alone, so the expert's cost is the kernels', not the step's."""
+    """tree/prune.py tokens_per_expert_byte per expected token (one committed token) over a row measured here: the
+    us an expert costs at one layer is the routed experts' part over the distinct experts its layers read. The part is its kernels timed alone, so the expert's cost is the kernels', not the step's."""
     experts = row.get("distinct_experts")
     if not experts or experts["mean"] <= 0 or row["parts"]["moe"]["us"] <= 0:
         raise click.ClickException(f"--prune-rate measured: the unpruned row (budget {row.get('budget')}) measured "
                                    "no routed experts to price an expert by")
-    return 1.0 / row["step_us"] * (row["parts"]["moe"]["us"] / (experts["mean"] * moe_layers)) / nbytes
+    return tokens_per_expert_byte(1.0, row["step_us"], row["parts"]["moe"]["us"] / (experts["mean"] * moe_layers),
+                                  nbytes)
 
 
 def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, routing: str = "router",
@@ -157,9 +159,7 @@ def parse_prune_rate(text: str | None, with_prune: bool):
     if text == "measured":
         return text
     try:
-        rate = float(text)
-    except ValueError:
-        rate = float("nan")
-    if not (rate >= 0 and np.isfinite(rate)):
-        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0", param_hint="--prune-rate")
-    return rate
+        return FiniteFloatRange(min=0).convert(text, None, None)
+    except click.BadParameter as e:
+        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0 ({e.message})",
+                                 param_hint="--prune-rate") from e

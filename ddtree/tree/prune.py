@@ -46,6 +46,15 @@ from ddtree.tree.build import Tree
 PRUNE_EVERY = 4                 # tree_prune runs at MoE layers 0, k, 2k, ... (k = 4: 15 of Kimi's 60 MoE layers;
                                 # the routing moves from layer to layer, a node is judged again k layers on)
 
+
+
+def tokens_per_expert_byte(committed: float, step_us: float, expert_us: float, expert_bytes: int) -> float:
+    """The exchange rate: the tokens a step commits per us of it, times the us one expert costs at one layer, per
+    byte of that expert. DEFAULT_RATE below, the tuning file's (exchange_rate) and `bench step --prune-rate
+    measured`'s are this formula over different measurements."""
+    return committed / step_us * expert_us / expert_bytes
+
+
 # DEFAULT_RATE: what one expert byte is worth in committed tokens on the step we ship (Kimi K2.6, rank 0 of tp 8 on
 # an H200, budget 16, 4K, uniform routing; docs/performance.md section 1 and its 2026-12-04 entry):
 KIMI_STEP_US = 14920.0          # the step
@@ -56,7 +65,8 @@ KIMI_EXPERT_BYTES = 3_096_576   # one expert's INT4 slice on a tp-8 rank: gate_u
 ASSUMED_COMMITTED = 5.0         # committed tokens per step at budget 16 (an assumption: the Kimi-K2.5-DFlash card's
                                 # 5.3 at GSM8K, rounded down for a tree whose later nodes are rarely taken)
 # tokens the step earns per us x the us one expert byte costs: ~1.34e-10 tokens per byte (an expert slice ~4.1e-4)
-DEFAULT_RATE = ASSUMED_COMMITTED / KIMI_STEP_US * (KIMI_ROUTED_US / KIMI_EXPERTS_READ) / KIMI_EXPERT_BYTES
+DEFAULT_RATE = tokens_per_expert_byte(ASSUMED_COMMITTED, KIMI_STEP_US, KIMI_ROUTED_US / KIMI_EXPERTS_READ,
+                                      KIMI_EXPERT_BYTES)
 # the same per expected committed token: --prune auto without a measured rate multiplies it by the tree's own
 # expected committed tokens (the sum of its path probabilities), as the tuning file's measured rate is
 DEFAULT_RATE_PER_TOKEN = DEFAULT_RATE / ASSUMED_COMMITTED
@@ -133,7 +143,7 @@ def exchange_rate(tuning, budget: int, context: int, expected_committed: float, 
     if not (dt > 0 and dx > 0):
         return None
     step_us = times[budget] if budget in times else times[b[-1]]
-    return expected_committed / step_us * (dt / dx) / expert_bytes
+    return tokens_per_expert_byte(expected_committed, step_us, dt / dx, expert_bytes)
 
 
 def absent_tree(tree, live):
