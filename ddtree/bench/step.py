@@ -45,12 +45,16 @@ from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_time
 from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_requests import bench_requests, check_requests
 from ddtree.bench.step_rows import (
+    PRUNE_RATE_WORDS,
     bench_pruner,
     parse_prune_rate,
     prepare_row,
+    rank_expert_bytes,
     row_cases,
+    saved_expert_us,
     stated_depths,
     synthetic_steps,
+    with_earnings,
 )
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
@@ -63,6 +67,7 @@ from ddtree.plugins.device import Gpu
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
+from ddtree.tree.prune import tokens_per_expert_byte
 
 
 def parse_routing(routings: str, reuses: str) -> list[tuple[str, float | None]]:
@@ -230,8 +235,10 @@ def echo_row(row: dict) -> None:
                    "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
 @click.option("--prune-rate", default=None,
               help="--prune: tokens per expert byte, or 'measured': DEFAULT_RATE's formula per expected token over the "
-                   "unpruned row measured just before (this card's step and expert costs) (default: tree/prune.py "
-                   "DEFAULT_RATE_PER_TOKEN x the tree's expected committed tokens, the H200 Kimi step's)")
+                   "unpruned row measured just before (this card's step and expert costs), or 'calibrated': that "
+                   "row, then again with an expert priced at the step us the first pruned row saved per expert-layer "
+                   "it removed (default: tree/prune.py DEFAULT_RATE_PER_TOKEN x the tree's expected committed "
+                   "tokens, the H200 Kimi step's)")
 @click.option("--requests", "requests_text", default=None,
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
@@ -339,15 +346,22 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             rows.append(row)
             echo_row(row)
             if with_prune and budget is not None:        # the same row pruned (a fresh Pruner: the row's own stats)
-                pruner = bench_pruner(rank, None, row) if prune_rate == "measured" else bench_pruner(rank, prune_rate)
-                pruned = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse,
-                                        accept, pruner), "collectives": mode}
-                p = pruned["pruned"]
-                p["speedup"] = row["step_us"] / pruned["step_us"]
-                # what the step earns: the profile's expected tokens a step over its time, pruned vs unpruned
-                p["tokens_per_s_ratio"] = p["speedup"] * p["expected_accept_after"] / p["expected_accept_before"]
-                rows.append(pruned)
-                echo_row(pruned)
+                def pruned_row(pruner, basis: str, expert_us: float | None = None) -> dict:
+                    r = with_earnings(row, {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats,
+                                                          routing, reuse, accept, pruner), "collectives": mode})
+                    r["pruned"].update(rate_basis=basis, **({} if expert_us is None else {"expert_us": expert_us}))
+                    rows.append(r)
+                    echo_row(r)
+                    return r
+                words = prune_rate in PRUNE_RATE_WORDS
+                first = pruned_row(bench_pruner(rank, None, row) if words else bench_pruner(rank, prune_rate),
+                                   "measured" if words else "given" if prune_rate is not None else "default")
+                saved = saved_expert_us(row, first, len(cfg.moe_layers)) if prune_rate == "calibrated" else None
+                if saved is not None:                    # again, an expert priced at what its absence saved
+                    per_token = tokens_per_expert_byte(1.0, row["step_us"], saved, rank_expert_bytes(rank))
+                    pruned_row(bench_pruner(rank, None, rate_per_token=per_token), "calibrated", saved)
+                elif prune_rate == "calibrated":
+                    first["pruned"]["calibration"] = "none: the measured-rate row saved no time or no expert"
     if base is not None:
         pair_rows(rows, base, gpu.name)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
@@ -369,7 +383,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                  "expected_accept_before / _after = 1 + the stated drafter's path probabilities "
                                  "of every node / of the live ones: the acceptance the profile predicts; "
                                  "tokens_per_s_ratio = speedup x expected_accept_after / _before, what pruning "
-                                 "earns at that acceptance); its accepted "
+                                 "earns at that acceptance; rate_basis: default, given, measured (an expert at the "
+                                 "routed part's us over the experts read) or calibrated (at expert_us, the step us "
+                                 "the measured row saved per expert-layer it removed)); its accepted "
                                  "length is still the forced --accept (the pruned tree's real acceptance is not "
                                  "measured here) and its bytes are the meter's unpruned ones",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "

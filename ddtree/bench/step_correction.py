@@ -30,7 +30,8 @@ def load_measured_step(path) -> dict:
     """{(context, budget, routing, reuse): measured row} of a `ddtree bench step --json` file; a measured
     'router' row (the router's own near-uniform choice) serves the projection's 'uniform'; the autoregressive
     rows (`--ar`) have no DDTree step to correct and are left out. A pruned row (`--prune`) goes to its unpruned
-    row's "pruned": {speedup, pruned_nodes, distinct_experts_before / _after, rate}."""
+    row's "pruned": {speedup, pruned_nodes, distinct_experts_before / _after, rate}; of several pruned rows of one
+    key (`--prune-rate calibrated`: the measured-rate row, then the calibrated one) the last, the calibrated."""
     try:
         obj = json.loads(open(path).read())
         rows = obj["rows"]
@@ -40,7 +41,7 @@ def load_measured_step(path) -> dict:
                 continue
             routing = "uniform" if r["routing"].startswith("router") else r["routing"]
             key = (int(r["context"]), int(r["budget"]), routing, r.get("reuse"))
-            if r.get("prune") == "auto":
+            if r.get("prune") == "auto":          # a later pruned row of the key replaces an earlier one
                 p = r["pruned"]
                 pruned[key] = {k: float(p[k]) for k in ("speedup", "pruned_nodes", "distinct_experts_before",
                                                         "distinct_experts_after", "rate")}

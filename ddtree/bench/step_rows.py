@@ -97,16 +97,42 @@ def synthetic_steps(gpu, cfg, dcfg, plan, rank_id: int, contexts, budgets, repea
     return rank, steps, max_context
 
 
-def bench_pruner(rank, rate: float | None, unpruned: dict | None = None) -> Pruner:
+def rank_expert_bytes(rank) -> int:
+    """One routed expert's bytes on the synthetic rank (its tensor specs)."""
+    return expert_bytes(lambda name: rank.specs[name].nbytes, rank.config, rank.lay.expert_stop - rank.lay.expert_start)
+
+
+def bench_pruner(rank, rate: float | None, unpruned: dict | None = None, rate_per_token: float | None = None) -> Pruner:
     """--prune's runtime/pruning.py Pruner for the synthetic rank: its expert bytes from the rank's tensor specs, no
     tuning file (the stated drafter table's own probabilities, uncalibrated), the rate given or DEFAULT_RATE; with
-    `unpruned` (--prune-rate measured: that row measured on this card) the rate per expected token it measures."""
-    nbytes = expert_bytes(lambda name: rank.specs[name].nbytes, rank.config,
-                          rank.lay.expert_stop - rank.lay.expert_start)
-    if unpruned is None:
+    `unpruned` (--prune-rate measured: that row measured on this card) the rate per expected token it measures;
+    rate_per_token: that rate given (--prune-rate calibrated's second row)."""
+    nbytes = rank_expert_bytes(rank)
+    if unpruned is not None:
+        rate_per_token = measured_rate_per_token(unpruned, len(rank.config.moe_layers), nbytes)
+    if rate_per_token is None:
         return Pruner(rank.config, nbytes, rate=rate)
-    return Pruner(rank.config, nbytes, rate_per_token=measured_rate_per_token(unpruned, len(rank.config.moe_layers),
-                                                                              nbytes))
+    return Pruner(rank.config, nbytes, rate_per_token=rate_per_token)
+
+
+def saved_expert_us(unpruned: dict, pruned: dict, moe_layers: int) -> float | None:
+    """--prune-rate calibrated: the step us a pruned row saved per expert-layer it no longer read, (unpruned step -
+    pruned step) / ((distinct experts a layer before - after) x MoE layers): what an expert's absence is worth in
+    this step, where measured_rate_per_token's average (the routed part over every expert read) also carries the
+    part's fixed costs, which pruning does not remove. None where the row read as many experts or was not faster."""
+    p = pruned["pruned"]
+    removed = (p["distinct_experts_before"] - p["distinct_experts_after"]) * moe_layers
+    saved = unpruned["step_us"] - pruned["step_us"]
+    return saved / removed if removed > 0 and saved > 0 else None
+
+
+def with_earnings(unpruned: dict, pruned: dict) -> dict:
+    """The pruned row's speedup over the unpruned one and what it earns at the profile's acceptance: tokens/s ratio =
+    speedup x the expected acceptance after / before."""
+    p = pruned["pruned"]
+    p["speedup"] = unpruned["step_us"] / pruned["step_us"]
+    p["tokens_per_s_ratio"] = p["speedup"] * p["expected_accept_after"] / p["expected_accept_before"]
+    return pruned
 
 
 def measured_rate_per_token(row: dict, moe_layers: int, nbytes: int) -> float:
@@ -150,16 +176,20 @@ def prepare_row(rank, steps, context: int, budget: int | None, repeats: int, rou
     return key, body, distinct
 
 
+PRUNE_RATE_WORDS = ("measured", "calibrated")
+
+
 def parse_prune_rate(text: str | None, with_prune: bool):
-    """--prune-rate: None, 'measured', or tokens per expert byte (a finite float >= 0); only with --prune."""
+    """--prune-rate: None, 'measured', 'calibrated', or tokens per expert byte (a finite float >= 0); only with
+    --prune."""
     if text is None:
         return None
     if not with_prune:
         raise click.BadParameter("prices the pruned rows: it needs --prune", param_hint="--prune-rate")
-    if text == "measured":
+    if text in PRUNE_RATE_WORDS:
         return text
     try:
         return FiniteFloatRange(min=0).convert(text, None, None)
     except click.BadParameter as e:
-        raise click.BadParameter(f"{text!r}: expected 'measured' or a finite number >= 0 ({e.message})",
+        raise click.BadParameter(f"{text!r}: expected 'measured', 'calibrated' or a finite number >= 0 ({e.message})",
                                  param_hint="--prune-rate") from e

@@ -247,3 +247,26 @@ def test_the_measured_rate_is_the_default_rates_formula_over_the_row():
     assert pruner.stats.rate_source == "given per expected token"
     with pytest.raises(click.ClickException, match="no routed experts"):
         measured_rate_per_token({**row, "distinct_experts": None}, 60, P.KIMI_EXPERT_BYTES)
+
+
+def test_the_calibrated_rate_prices_an_expert_at_what_pruning_saved():
+    """--prune-rate calibrated: an expert-layer is worth the us the measured-rate row saved per expert-layer it removed
+    (the H100 tree-0.5 row of docs/measured: 1219 us for 30.8 experts a layer over 60 layers, 0.66 us against the
+    1.57 the routed part's average gave); nothing removed or nothing saved gives no price; the earnings are the
+    speedup times the acceptance kept; 'calibrated' is a --prune-rate word, refused without --prune."""
+    import pytest
+
+    from ddtree.bench.step_rows import parse_prune_rate, saved_expert_us, with_earnings
+    refuses(["bench", "step", "--prune-rate", "calibrated"], "--prune-rate", "--prune", code=2)
+    assert parse_prune_rate("calibrated", True) == "calibrated"
+    unpruned = {"step_us": 14281.7}
+    pruned = {"step_us": 13062.7, "pruned": {"distinct_experts_before": 67.33, "distinct_experts_after": 36.52,
+                                             "expected_accept_before": 3.491, "expected_accept_after": 2.834}}
+    assert saved_expert_us(unpruned, pruned, 60) == pytest.approx(1219.0 / (30.81 * 60), rel=1e-9)
+    assert 0.65 < saved_expert_us(unpruned, pruned, 60) < 0.67
+    same = {**pruned, "pruned": {**pruned["pruned"], "distinct_experts_after": 67.33}}
+    assert saved_expert_us(unpruned, same, 60) is None
+    assert saved_expert_us({"step_us": 13000.0}, pruned, 60) is None          # the pruned row was slower
+    p = with_earnings(unpruned, {**pruned, "pruned": dict(pruned["pruned"])})["pruned"]
+    assert p["speedup"] == pytest.approx(14281.7 / 13062.7, rel=1e-12)
+    assert p["tokens_per_s_ratio"] == pytest.approx(14281.7 / 13062.7 * 2.834 / 3.491, rel=1e-12)

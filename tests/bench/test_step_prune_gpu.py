@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from ddtree.model.presets import get_preset
 from tests.cli.bad_input import ddtree
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +25,7 @@ def test_pruned_rows_beside_the_unpruned():
     off, on = rows
     p = on["pruned"]
     assert "pruned" not in off and p["rate"] == pytest.approx(1e-4) and p["rate_source"] == "given"
+    assert p["rate_basis"] == "given"
     assert 0 < p["pruned_nodes"] <= 4
     assert p["distinct_experts_after"] < p["distinct_experts_before"]
     assert p["distinct_experts_before"] == pytest.approx(off["distinct_experts"]["mean"])   # the same given routing
@@ -32,3 +34,24 @@ def test_pruned_rows_beside_the_unpruned():
     assert p["tokens_per_s_ratio"] == pytest.approx(
         off["step_us"] / on["step_us"] * p["expected_accept_after"] / p["expected_accept_before"], rel=1e-12)
     print(json.dumps(p, indent=1), off["step_us"], on["step_us"])
+
+
+def test_calibrated_rate_prices_the_second_row_by_the_first():
+    """--prune-rate calibrated: the measured-rate row, then (where it saved time and experts) a row whose expert is
+    priced at the us the first saved per expert-layer; else the first row says why there is no second."""
+    r = ddtree(["bench", "step", "--preset", "small-mla", "--tp", "2", "--rank", "0", "--context", "256", "--budget",
+                "4", "--routing", "uniform", "--prune", "--prune-rate", "calibrated", "--repeats", "3", "--json"],
+               timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    off, first = rows[:2]
+    p = first["pruned"]
+    assert p["rate_basis"] == "measured" and p["rate_source"] == "given per expected token"
+    moe_layers = len(get_preset("small-mla")[0].moe_layers)
+    removed = (p["distinct_experts_before"] - p["distinct_experts_after"]) * moe_layers
+    if len(rows) == 2:
+        assert p["calibration"].startswith("none") and (removed <= 0 or off["step_us"] <= first["step_us"])
+        return
+    second = rows[2]["pruned"]
+    assert second["rate_basis"] == "calibrated" and removed > 0
+    assert second["expert_us"] == pytest.approx((off["step_us"] - first["step_us"]) / removed, rel=1e-9)
