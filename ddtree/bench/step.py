@@ -140,6 +140,9 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
                   "rate_source": d["prune_rate_source"],
                   "pruned_nodes": d["pruned_nodes"], "distinct_experts_before": d["distinct_experts_before"],
                   "distinct_experts_after": d["distinct_experts_after"],
+                  "expected_saving_expert_layers": d["expected_saving_expert_layers"],
+                  "removed_expert_layers": (d["distinct_experts_before"] - d["distinct_experts_after"])
+                  * len(cfg.moe_layers),
                   "expected_accept_before": expected, "expected_accept_after": float(path[live].sum())}
     launches = record_launches(steps, body)
     times = time_launches(steps, launches)
@@ -356,7 +359,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                 words = prune_rate in PRUNE_RATE_WORDS
                 first = pruned_row(bench_pruner(rank, None, row) if words else bench_pruner(rank, prune_rate),
                                    "measured" if words else "given" if prune_rate is not None else "default")
-                saved = saved_expert_us(row, first, len(cfg.moe_layers)) if prune_rate == "calibrated" else None
+                saved = saved_expert_us(row, first) if prune_rate == "calibrated" else None
                 if saved is not None:                    # again, an expert priced at what its absence saved
                     per_token = tokens_per_expert_byte(1.0, row["step_us"], saved, rank_expert_bytes(rank))
                     pruned_row(bench_pruner(rank, None, rate_per_token=per_token), "calibrated", saved)
@@ -385,7 +388,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                  "tokens_per_s_ratio = speedup x expected_accept_after / _before, what pruning "
                                  "earns at that acceptance; rate_basis: default, given, measured (an expert at the "
                                  "routed part's us over the experts read) or calibrated (at expert_us, the step us "
-                                 "the measured row saved per expert-layer it removed)); its accepted "
+                                 "the measured row saved per expert-layer the rule expected it to save: "
+                                 "expected_saving_expert_layers; removed_expert_layers = the distinct experts a "
+                                 "layer that went, x the MoE layers)); its accepted "
                                  "length is still the forced --accept (the pruned tree's real acceptance is not "
                                  "measured here) and its bytes are the meter's unpruned ones",
                         "routing": "router: the router's choice on random weights; uniform/tree: generated ids "

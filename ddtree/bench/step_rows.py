@@ -115,15 +115,16 @@ def bench_pruner(rank, rate: float | None, unpruned: dict | None = None, rate_pe
     return Pruner(rank.config, nbytes, rate_per_token=rate_per_token)
 
 
-def saved_expert_us(unpruned: dict, pruned: dict, moe_layers: int) -> float | None:
-    """--prune-rate calibrated: the step us a pruned row saved per expert-layer it no longer read, (unpruned step -
-    pruned step) / ((distinct experts a layer before - after) x MoE layers): what an expert's absence is worth in
-    this step, where measured_rate_per_token's average (the routed part over every expert read) also carries the
-    part's fixed costs, which pruning does not remove. None where the row read as many experts or was not faster."""
-    p = pruned["pruned"]
-    removed = (p["distinct_experts_before"] - p["distinct_experts_after"]) * moe_layers
+def saved_expert_us(unpruned: dict, pruned: dict) -> float | None:
+    """--prune-rate calibrated: the step us a pruned row saved per expert-layer the rule expected it to save,
+    (unpruned step - pruned step) / expected_saving_expert_layers (tree/prune.py expected_saving: the experts only
+    the dropped nodes used at each pruning layer, times the MoE layers after it): an expert-layer priced in the rule's
+    own currency. measured_rate_per_token's average (the routed part over every expert read) also carries the part's
+    fixed costs, and the rule's count assumes a dropped node's experts stay unshared; this price absorbs both. None
+    where the row expected or saved nothing."""
+    expected = pruned["pruned"]["expected_saving_expert_layers"]
     saved = unpruned["step_us"] - pruned["step_us"]
-    return saved / removed if removed > 0 and saved > 0 else None
+    return saved / expected if expected > 0 and saved > 0 else None
 
 
 def with_earnings(unpruned: dict, pruned: dict) -> dict:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ddtree.description.stack import Pruning, prune_layers
 from ddtree.runtime.loop import RequestError
-from ddtree.tree.prune import DEFAULT_RATE_PER_TOKEN, PRUNE_EVERY, exchange_rate, node_path_probs
+from ddtree.tree.prune import DEFAULT_RATE_PER_TOKEN, PRUNE_EVERY, exchange_rate, expected_saving, node_path_probs
 
 PRUNE_MODES = ("off", "auto")
 
@@ -63,16 +63,28 @@ class PruneStats:
     experts_before: list = field(default_factory=list)   # per (step, MoE layer): distinct experts of every node
     experts_after: list = field(default_factory=list)    # ... of the live nodes (the experts the verify read)
 
+    prune_at: tuple = ()                                 # the pruning layers' indices among the MoE layers
+    n_moe: int = 0                                       # the MoE layers (a step's add_layer calls, in order)
+    expected_saved: list = field(default_factory=list)   # per step with its layers: expert-layers the rule expects
+    _layers: list = field(default_factory=list, repr=False)   # this step's (ids, live) so far
+
     def add_layer(self, ids, live) -> None:
         """One MoE layer's routing ids [q, k] (every node's) and the live mask [q] it routed with."""
         live = np.asarray(live).reshape(-1) != 0
         self.experts_before.append(len(np.unique(ids)))
         self.experts_after.append(len(np.unique(np.asarray(ids)[live])))
+        self._layers.append((np.array(ids), live))
 
     def add_step(self, live) -> None:
-        """One step's final live mask [n]: its pruned nodes."""
+        """One step's final live mask [n]: its pruned nodes; after a step whose MoE layers were all added, the
+        expert-layers the rule expected it to save (tree/prune.py expected_saving)."""
         live = np.asarray(live).reshape(-1)
         self.per_step.append(int(len(live) - int(live.sum())))
+        step = self._layers[-self.n_moe:] if self.n_moe and len(self._layers) >= self.n_moe else None
+        if step is not None:
+            self.expected_saved.append(expected_saving([ids for ids, _ in step], [m for _, m in step], live,
+                                                        self.prune_at, self.n_moe))
+        self._layers = []
 
     def to_dict(self) -> dict:
         """The --json stats. distinct_experts_before counts every node's routing at each MoE layer (what an
@@ -84,7 +96,8 @@ class PruneStats:
             return float(np.mean(v)) if v else 0.0
         return {"prune": "auto", "prune_rate_source": self.rate_source, "pruned_nodes": int(sum(self.per_step)),
                 "pruned_per_step": list(self.per_step), "distinct_experts_before": mean(self.experts_before),
-                "distinct_experts_after": mean(self.experts_after)}
+                "distinct_experts_after": mean(self.experts_after),
+                "expected_saving_expert_layers": mean(self.expected_saved)}
 
 
 class Pruner:
@@ -101,7 +114,9 @@ class Pruner:
         why = "tuning.json measures no expert cost" if tuning is not None else "no tuning.json"
         self.stats = PruneStats("given" if rate is not None else "given per expected token" if rate_per_token is not
                                 None else "tuning.json" if measured else
-                                f"default (tree/prune.py DEFAULT_RATE_PER_TOKEN: {why})")
+                                f"default (tree/prune.py DEFAULT_RATE_PER_TOKEN: {why})",
+                                prune_at=tuple(j for j, L in enumerate(cfg.moe_layers) if L in self.at),
+                                n_moe=len(cfg.moe_layers))
 
     @classmethod
     def for_executor(cls, ex, tuning=None, rate: float | None = None, every: int = PRUNE_EVERY) -> "Pruner":

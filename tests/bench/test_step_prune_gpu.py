@@ -48,10 +48,13 @@ def test_calibrated_rate_prices_the_second_row_by_the_first():
     p = first["pruned"]
     assert p["rate_basis"] == "measured" and p["rate_source"] == "given per expected token"
     moe_layers = len(get_preset("small-mla")[0].moe_layers)
-    removed = (p["distinct_experts_before"] - p["distinct_experts_after"]) * moe_layers
+    assert p["removed_expert_layers"] == pytest.approx(
+        (p["distinct_experts_before"] - p["distinct_experts_after"]) * moe_layers, rel=1e-12)
+    expected = p["expected_saving_expert_layers"]
+    assert expected >= 0 and (p["pruned_nodes"] or not expected)
     if len(rows) == 2:
-        assert p["calibration"].startswith("none") and (removed <= 0 or off["step_us"] <= first["step_us"])
+        assert p["calibration"].startswith("none") and (expected <= 0 or off["step_us"] <= first["step_us"])
         return
     second = rows[2]["pruned"]
-    assert second["rate_basis"] == "calibrated" and removed > 0
-    assert second["expert_us"] == pytest.approx((off["step_us"] - first["step_us"]) / removed, rel=1e-9)
+    assert second["rate_basis"] == "calibrated" and expected > 0
+    assert second["expert_us"] == pytest.approx((off["step_us"] - first["step_us"]) / expected, rel=1e-9)

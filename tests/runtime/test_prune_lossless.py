@@ -54,6 +54,7 @@ def test_pruned_ddtree_equals_ar(ex, params, budget, rate, every):
     assert len(d["pruned_per_step"]) == stats.steps and d["pruned_nodes"] == sum(d["pruned_per_step"])
     assert all(0 <= p <= budget for p in d["pruned_per_step"])
     assert d["prune_rate_source"] == ("given" if rate else "default (tree/prune.py DEFAULT_RATE_PER_TOKEN: no tuning.json)")
+    assert d["expected_saving_expert_layers"] >= 0 and (d["pruned_nodes"] or not d["expected_saving_expert_layers"])
     if rate == HIGH:
         assert d["pruned_nodes"] > 0 and d["distinct_experts_after"] < d["distinct_experts_before"]
     elif rate == MID and budget == 16:            # (a dropped node's later experts may be shared: no fewer read)

@@ -140,3 +140,28 @@ def test_exchange_rate_from_a_tuning_file():
     flat = Tuning("hand-made", now_utc(), (4, 16), (1024,), ((100.0,), (160.0,)), (0.0, 0.0), Calibration.identity())
     one = Tuning("hand-made", now_utc(), (16,), (1024,), ((160.0,),), (40.0,), Calibration.identity())
     assert exchange_rate(flat, 16, 1000, 4.0, 3, 500) is None and exchange_rate(one, 16, 1000, 4.0, 3, 500) is None
+
+
+def test_expected_saving_counts_the_experts_only_dropped_nodes_used_times_the_layers_after():
+    """tree/prune.py expected_saving against a brute force over experts: at each pruning MoE layer, an expert counts
+    when some node live there uses it and no node still live after the layer does; it is charged the MoE layers
+    after that one. Three MoE layers (pruning at 0 and 1), four nodes, top 2."""
+    from ddtree.tree.prune import expected_saving
+    routed = np.array([[[0, 1], [2, 3], [1, 4], [5, 6]],      # layer 0: node 3 alone uses 5, 6; node 2 alone uses 4
+                       [[0, 1], [2, 3], [7, 7], [9, 9]],      # layer 1: node 2 is dropped here (7 is only its)
+                       [[0, 1], [2, 3], [8, 8], [9, 9]]])
+    lives = np.array([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    final = np.array([1, 1, 0, 0])
+
+    def brute(at):
+        total = 0
+        for j in at:
+            after = lives[j + 1] if j + 1 < 3 else final
+            for e in range(10):
+                used = any(e in routed[j][i] for i in range(4) if lives[j][i])
+                kept = any(e in routed[j][i] for i in range(4) if lives[j][i] and after[i])
+                total += (used and not kept) * (3 - j - 1)
+        return total
+    assert expected_saving(routed, lives, final, (0,), 3) == brute((0,)) == 2 * 2       # 5, 6 for two layers
+    assert expected_saving(routed, lives, final, (0, 1), 3) == brute((0, 1)) == 4 + 1    # + 7 for one layer
+    assert expected_saving(routed, lives, final, (2,), 3) == 0                          # no layer after the last
