@@ -40,3 +40,66 @@ def test_kernel_takes_the_horizon_as_a_scalar_argument():
     assert [a.split()[-1] for a in signature.split(",")][-4:] == ["q", "top_k", "n_experts", "horizon"]
     assert "(long long)expert_bytes[0] * (long long)horizon" in src          # the int64 product, as the twin's
     assert f"0 <= horizon <= {prune.MAX_HORIZON}" in src
+
+
+def preorder_marginal(live, parents, ids, n_experts):
+    """The kernel's way to the subtree-marginal counts, step for step in python: preorder blocks (a child the block
+    after its elder siblings'), each expert's users' min / max preorder index, its lca the first ancestor of the min's
+    node whose block holds the max, then +1 on the lca and every ancestor."""
+    q = len(parents)
+    alive = [i == 0 or bool(live[i]) for i in range(q)]
+    size = [1] * q
+    for i in range(q - 1, 0, -1):
+        size[parents[i]] += size[i]
+    pre, at, nxt = [0] * q, [0] * q, [1] * q
+    for i in range(1, q):
+        p = parents[i]
+        pre[i], nxt[p] = pre[p] + nxt[p], nxt[p] + size[i]
+        at[pre[i]] = i
+    lo, hi = [q] * n_experts, [-1] * n_experts
+    for i in range(q):
+        for e in ids[i]:
+            if alive[i] and 0 <= e < n_experts:
+                lo[e], hi[e] = min(lo[e], pre[i]), max(hi[e], pre[i])
+    marginal = [0] * q
+    for e in range(n_experts):
+        if hi[e] < 0:
+            continue
+        j = at[lo[e]]
+        while hi[e] >= pre[j] + size[j]:
+            j = parents[j]
+        while j >= 0:
+            marginal[j] += 1
+            j = parents[j]
+    return marginal
+
+
+def test_the_kernels_preorder_lca_counts_what_the_twin_counts():
+    """tree_prune.cu finds each expert's lca from its users' preorder range (integer atomics; the twin climbs from
+    pairs of users): its counts equal the rule's definition by sets (experts used inside subtree(i) and by no live
+    node outside) on the shared random cases (chains, bushy trees, dead subtrees). The launches themselves against
+    the twin: tests/plugins/test_tree_prune_gpu.py."""
+    import numpy as np
+
+    from tests.tree.prune_cases import cases
+    for case, bytes_, rate, horizon in cases(seed=3, n=60):
+        if rate not in (0.0, 1e-3):
+            continue
+        E = 64
+        got = preorder_marginal(case["live"], case["parents"], case["routed_ids"], E)
+        live = np.asarray(case["live"]) != 0
+        live[0] = True
+        want = []                                        # by sets: experts used inside subtree(i) and nowhere else
+        for i in range(len(live)):
+            inside = [j for j in range(len(live)) if live[j] and _on_path(case["parents"], j, i)]
+            outside = set(case["routed_ids"][[j for j in range(len(live)) if live[j] and j not in inside]].ravel())
+            want.append(len(set(case["routed_ids"][inside].ravel()) - outside) if live[i] else got[i])
+        assert got == want, case
+
+
+def _on_path(parents, j, i) -> bool:
+    while j >= 0:
+        if j == i:
+            return True
+        j = int(parents[j])
+    return False
