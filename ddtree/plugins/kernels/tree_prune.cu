@@ -1,10 +1,8 @@
 // tree_prune: one block prunes a DDTree inside its verify after an MoE layer's routing (issue 53).
 // Its numpy twin, bit for bit, is ddtree/tree/prune.py prune_nodes (the rule is documented there). Dropping a node
 // drops its subtree, so both sides of the exchange are the subtree's:
-//   lca[e]      = the deepest ancestor-or-self of every live node routed to expert e: the tree laid out in preorder
-//                 (parents precede children: one thread assigns each child the block after its elder siblings'),
-//                 each (live node, slot) pair takes the min / max preorder index of its expert (integer atomics),
-//                 and the lca is the first ancestor of the min's node whose preorder block holds the max
+//   lca[e]      = the deepest ancestor-or-self of every live node routed to expert e   (one thread an expert;
+//                 LCA is order-free, so the result is the twin's whatever the thread order)
 //   marginal[i] = the experts whose lca lies in subtree(i) (walks up from each lca, integer atomics)
 //   value[i]    = sum of path_prob over subtree(i)'s live nodes (double; one thread, last node down, the twin's order)
 //   drop i      = i > 0, live, marginal > 0,
@@ -25,50 +23,39 @@ extern "C" __global__ void __launch_bounds__(TP_THREADS) tree_prune(
         const int* __restrict__ live, const int* __restrict__ parents, const float* __restrict__ path_prob,
         const int* __restrict__ ids, const float* __restrict__ rate, const int* __restrict__ expert_bytes,
         int* __restrict__ live_out, int q, int top_k, int n_experts, int horizon) {
-    __shared__ int lo[TP_MAX_EXPERTS], hi[TP_MAX_EXPERTS];              // an expert's users' preorder range
-    __shared__ int pre[TP_MAX_NODES], size[TP_MAX_NODES], at[TP_MAX_NODES], marginal[TP_MAX_NODES];
+    __shared__ int lca[TP_MAX_EXPERTS];
+    __shared__ int depth[TP_MAX_NODES], marginal[TP_MAX_NODES];
     __shared__ double value[TP_MAX_NODES];
     __shared__ unsigned char keep[TP_MAX_NODES];
     const int tid = threadIdx.x;
     auto alive = [&](int i) { return i == 0 || live[i] != 0; };          // the root is always live
     for (int i = tid; i < q; i += TP_THREADS) {
         marginal[i] = 0;
-        size[i] = 1;
         value[i] = alive(i) ? (double)path_prob[i] : 0.0;
     }
-    for (int e = tid; e < n_experts; e += TP_THREADS) {
-        lo[e] = TP_MAX_NODES;
-        hi[e] = -1;
+    if (tid == 0) {
+        depth[0] = 0;
+        for (int i = 1; i < q; ++i) depth[i] = depth[parents[i]] + 1;
     }
     __syncthreads();
-    if (tid == 0) {                                                    // preorder blocks: [pre[i], pre[i] + size[i])
-        for (int i = q - 1; i > 0; --i) size[parents[i]] += size[i];
-        pre[0] = 0;
-        at[0] = 0;
-        for (int i = 0; i < q; ++i) marginal[i] = 1;                   // the next free slot under i (pre-relative)
-        for (int i = 1; i < q; ++i) {
-            const int p = parents[i];
-            pre[i] = pre[p] + marginal[p];
-            marginal[p] += size[i];
-            at[pre[i]] = i;
+    for (int e = tid; e < n_experts; e += TP_THREADS) {                // the lowest common ancestor of e's users
+        int a = -1;
+        for (int i = 0; i < q; ++i) {
+            if (!alive(i)) continue;
+            bool uses = false;
+            for (int s = 0; s < top_k; ++s) uses |= ids[i * top_k + s] == e;
+            if (!uses) continue;
+            if (a < 0) { a = i; continue; }
+            int b = i;
+            while (depth[a] > depth[b]) a = parents[a];
+            while (depth[b] > depth[a]) b = parents[b];
+            while (a != b) { a = parents[a]; b = parents[b]; }
         }
-        for (int i = 0; i < q; ++i) marginal[i] = 0;
+        lca[e] = a;
     }
     __syncthreads();
-    for (int k = tid; k < q * top_k; k += TP_THREADS) {                 // every (live node, slot): its expert's range
-        const int i = k / top_k, e = ids[k];
-        if (alive(i) && (unsigned)e < (unsigned)n_experts) {
-            atomicMin(&lo[e], pre[i]);
-            atomicMax(&hi[e], pre[i]);
-        }
-    }
-    __syncthreads();
-    for (int e = tid; e < n_experts; e += TP_THREADS) {                // e is marginal to every subtree holding lca
-        if (hi[e] < 0) continue;
-        int j = at[lo[e]];
-        while (hi[e] >= pre[j] + size[j]) j = parents[j];              // the lca: the first block holding both ends
-        for (; j >= 0; j = parents[j]) atomicAdd(&marginal[j], 1);
-    }
+    for (int e = tid; e < n_experts; e += TP_THREADS)                   // e is marginal to every subtree holding lca
+        for (int j = lca[e]; j >= 0; j = parents[j]) atomicAdd(&marginal[j], 1);
     if (tid == 0)                                                      // subtree values, the twin's order
         for (int i = q - 1; i > 0; --i) value[parents[i]] += value[i];
     __syncthreads();
