@@ -6,25 +6,18 @@ is dropped there, with its subtree: dead rows route to no expert in every later 
 absent. The committed tokens stay the target's samples (the walk never accepts a node that is not there), so
 pruning is lossless by construction; it only removes candidates.
 
-The rule (prune_nodes; the numpy twin of kernels/tree_prune.cu, bit for bit), at one MoE layer. Dropping node i
-drops its subtree, so both sides of the exchange are the subtree's:
+The rule (prune_nodes; the numpy twin of kernels/tree_prune.cu, bit for bit), at one MoE layer:
     live     [q] the nodes alive when the layer routes (root always live; a dead node's subtree is dead)
-    lca[e]   = the deepest node that is an ancestor-or-self of every live node routed to expert e (by the GLOBAL
-               expert ids, identical on every rank, so every rank prunes the same nodes)
-    marginal[i] = the experts e whose lca[e] lies in subtree(i): the experts only subtree(i)'s live nodes use,
-               each counted once (what dropping the subtree stops reading)
-    value[i] = the sum of path_prob over subtree(i)'s live nodes (float64, children added to parents from the
-               last node down): the expected committed tokens dropping it gives up
+    use[e]   = the number of (live node, top-k slot) pairs routed to expert e (the GLOBAL expert ids, identical
+               on every rank, so every rank prunes the same nodes)
+    marginal[i] = the slots s of node i with use[ids[i, s]] == 1: the experts no other live node uses
     horizon  = the MoE layers after this one (description/layers.py moe_horizon; a python int fixed when the
                layer's description is written: the kernel's scalar argument, not a feed)
     drop i   if i is live, not the root, marginal[i] > 0 and
-                 value[i] < rate * (marginal[i] * expert_bytes * horizon)
-             (the product exact in int64, then one float64 multiply) i.e. the subtree's expected committed tokens
-             per expert byte it would still cost fall below the exchange rate
+                 path_prob[i] < rate * (marginal[i] * expert_bytes * horizon)
+             (the product exact in int64, then one float64 multiply) i.e. its expected committed tokens per
+             expert byte it would still cost fall below the exchange rate
     live_out[i] = live[i] and not drop[i] and live_out[parents[i]]            (index order: parents first)
-Why the subtree (2026-12-06): judged by its own path probability and its own experts, a node's drop also took its
-descendants' expected tokens, which the rule never weighed; on Kimi's rank 0 (H100) no rate then earned tokens
-(docs/performance.md section 4.4).
 Why horizon: a node dropped at this layer routes to no expert in every later MoE layer, so dropping it saves its
 experts there too, not at one layer. What it would keep costing is estimated by assuming its marginal experts at
 this layer stay marginal in every later layer (the routing of later layers is not known yet). Without the factor
@@ -33,7 +26,7 @@ marginal at the default rate and nothing was ever pruned). This layer is not cou
 when the rule runs (its MoE ran with the input mask), so at the last MoE layer (horizon 0) nothing is dropped:
 there is nothing left to save, and a dropped node would only be a candidate less for the walk.
 Every node is judged against the same live set (the decisions do not depend on one another), then the subtrees
-close in node order, so the result is a function of the inputs only. A subtree with no marginal expert costs
+close in node order, so the result is a function of the inputs only. A node with no marginal expert costs
 nothing extra and is never dropped. path_prob is the product of calibrated drafter confidences along the path
 (root 1; node_path_probs): the expected tokens the node adds (tree/budget.py, the module docstring).
 
@@ -107,37 +100,11 @@ def prune_nodes(live, parents, path_prob, routed_ids, expert_bytes: int, rate: f
     if np.any((ids[live] < 0) | (ids[live] >= n_experts)):
         raise PruneError(f"prune_nodes: routed_ids of live nodes must be expert ids in 0..{n_experts - 1}")
     live[0] = True                                                       # the root is always live
-    depth = np.zeros(q, np.int64)
-    for i in range(1, q):
-        depth[i] = depth[parents[i]] + 1
-    lca = np.full(n_experts, -1, np.int64)                               # [E] the deepest node above every user
-    for i in range(q):                                                   # live users in node order, slots in order
-        if not live[i]:
-            continue
-        for e in ids[i]:
-            a, b = int(lca[e]), i
-            if a < 0:
-                lca[e] = i
-                continue
-            while depth[a] > depth[b]:
-                a = int(parents[a])
-            while depth[b] > depth[a]:
-                b = int(parents[b])
-            while a != b:
-                a, b = int(parents[a]), int(parents[b])
-            lca[e] = a
-    marginal = np.zeros(q, np.int64)                                     # [q] experts only subtree(i) uses
-    for e in range(n_experts):
-        j = int(lca[e])
-        while j >= 0:                                                    # every ancestor-or-self of the LCA
-            marginal[j] += 1
-            j = int(parents[j])
-    value = np.where(live, prob, 0.0)                                    # [q] expected tokens of subtree(i)
-    for i in range(q - 1, 0, -1):                                        # children follow parents: sums in order
-        value[parents[i]] += value[i]
-    bytes_left = marginal * int(expert_bytes) * int(horizon)             # [q] exact in int64
+    use = np.bincount(ids[live].reshape(-1), minlength=n_experts)        # [E] (live node, slot) pairs per expert
+    marginal = (use[ids] == 1).sum(axis=1)                               # [q] (meaningful on live rows)
+    bytes_left = marginal.astype(np.int64) * int(expert_bytes) * int(horizon)          # [q] exact in int64
     cost = float(np.float32(rate)) * bytes_left.astype(np.float64)
-    drop = live & (marginal > 0) & (value < cost)
+    drop = live & (marginal > 0) & (prob < cost)
     drop[0] = False
     out = live & ~drop
     for i in range(1, q):                                                # parents precede children

@@ -63,17 +63,16 @@ def test_edge_cases(gpu):
     chain = random_case(rng, q, top_k, E, chain=True, dead=0.0)
     chain["routed_ids"] = case["routed_ids"]
     chain["path_prob"] = np.float32(0.9) ** np.arange(q, dtype=np.float32)
-
-    def cut(rate, horizon=1):        # a chain: subtree(i) = nodes i.., its tokens their sum, its experts 2 (q - i)
-        p = chain["path_prob"].astype(np.float64)
-        drops = [i for i in range(1, q) if p[i:].sum() < rate * 2 * (q - i) * 1000 * horizon]
-        first = drops[0] if drops else q
-        return [1] * first + [0] * (q - first)
-    for rate, horizon in ((float(np.float32(0.5 / 2000)), 1), (float(np.float32(0.5 / 2000)), 3),
-                          (float(np.float32(0.02 / 2000)), 1), (float(np.float32(0.02 / 2000)), 2)):
-        want = cut(rate, horizon)
-        assert on_gpu(gpu, chain, top_k, E, 1000, rate, horizon).tolist() == want == \
-            twin(chain, E, 1000, rate, horizon).tolist(), (rate, horizon)
-    assert 1 < sum(cut(float(np.float32(0.02 / 2000)), 2)) < sum(cut(float(np.float32(0.02 / 2000)))) < q
+    rate = float(np.float32(0.5 / 2000))                  # threshold 0.5 for two marginal experts of 1000 bytes
+    got = on_gpu(gpu, chain, top_k, E, 1000, rate)
+    first = int(np.argmax(chain["path_prob"] < 0.5))
+    assert got.tolist() == [1] * first + [0] * (q - first) == twin(chain, E, 1000, rate).tolist()
+    # the same rate over 3 layers left: threshold 1.5, every node past the root goes (path probs <= 0.9)
+    assert on_gpu(gpu, chain, top_k, E, 1000, rate, 3).tolist() == [1] + [0] * (q - 1) == \
+        twin(chain, E, 1000, rate, 3).tolist()
+    half = float(np.float32(0.25 / 2000))                 # threshold 0.25 for one layer left, 0.5 for two
+    one, two = on_gpu(gpu, chain, top_k, E, 1000, half), on_gpu(gpu, chain, top_k, E, 1000, half, 2)
+    assert one.tolist() == twin(chain, E, 1000, half).tolist() and two.tolist() == twin(chain, E, 1000, half, 2).tolist()
+    assert int(two.sum()) == first < int(one.sum())
     case["routed_ids"] = np.zeros((q, top_k), np.int32) + np.arange(top_k, dtype=np.int32)   # all share: none
     assert on_gpu(gpu, case, top_k, E, 1000, 1.0).tolist() == [1] * q

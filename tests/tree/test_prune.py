@@ -13,28 +13,27 @@ from tests.tree.prune_cases import cases
 
 
 def brute_force(live, parents, prob, ids, expert_bytes, rate, horizon) -> np.ndarray:
-    """Sets instead of counts and LCAs, ancestor walks instead of the forward passes: node i's subtree (the live
-    nodes with i on their path) is judged by its summed path probability against the experts that only it uses,
-    in float64 as the rule states (python's exact integer product over the MoE layers left)."""
+    """Sets instead of counts, an ancestor walk instead of the forward pass, in float64 as the rule states (the
+    bytes a node would still cost: python's exact integer product over the MoE layers left)."""
     q = len(live)
     alive = [i == 0 or bool(live[i]) for i in range(q)]
-
-    def path(j):
-        while j >= 0:
-            yield j
-            j = int(parents[j])
     experts = [set(int(e) for e in ids[i]) for i in range(q)]
     dropped = set()
     for i in range(1, q):
         if not alive[i]:
             continue
-        inside = [j for j in range(q) if alive[j] and i in path(j)]
-        outside = set().union(*(experts[j] for j in range(q) if alive[j] and j not in inside))
-        marginal = len(set().union(*(experts[j] for j in inside)) - outside)
-        value = sum(float(prob[j]) for j in inside)
-        if marginal and value < float(np.float32(rate)) * float(marginal * expert_bytes * horizon):
+        others = set().union(*(experts[j] for j in range(q) if alive[j] and j != i))
+        marginal = len(experts[i] - others)
+        if marginal and float(prob[i]) < float(np.float32(rate)) * float(marginal * expert_bytes * horizon):
             dropped.add(i)
-    return np.array([int(all(alive[j] and j not in dropped for j in path(i))) for i in range(q)], np.int32)
+    out = np.zeros(q, np.int32)
+    for i in range(q):
+        j, ok = i, alive[i]
+        while ok and j >= 0:                      # i and every ancestor live and kept
+            ok = alive[j] and j not in dropped
+            j = int(parents[j])
+        out[i] = ok
+    return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -60,25 +59,21 @@ def test_edge_cases_by_hand():
     live = np.ones(5, np.int32)
     assert prune_nodes(live, parents, prob, ids, 100, 0.0).tolist() == [1, 1, 1, 1, 1]        # rate 0: nothing
     assert prune_nodes(live, parents, prob, ids, 100, 1.0).tolist() == [1, 0, 0, 0, 0]        # all but the root
-    # threshold 0.1 an expert (rate 1e-3 x 100 bytes): node 4 (.01 over 2 experts: .2) goes, and node 3 with it:
-    # its subtree holds .31 expected tokens over 4 experts (.4); node 2 (.5 / .2) and node 1 (1.21 / .6) stay
-    assert prune_nodes(live, parents, prob, ids, 100, 1e-3).tolist() == [1, 1, 1, 0, 0]
-    # the horizon multiplies the bytes: at 3 layers node 2 (.5 < .6) and node 1 (1.21 < 1.8) go as well
+    # threshold 2 experts x 100 bytes x 1e-3 = 0.2: node 4 (.01) goes; node 3 (.3) stays
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3).tolist() == [1, 1, 1, 1, 0]
+    # 0.5 x 2 x 100 ... rate 2e-3 -> threshold .4: node 3 drops and takes node 4 with it
+    assert prune_nodes(live, parents, prob, ids, 100, 2e-3).tolist() == [1, 1, 1, 0, 0]
+    # the horizon multiplies the bytes: node 3 (.3) stays at threshold .2 for one layer, goes at .4 for two, .6 three
     assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=2).tolist() == [1, 1, 1, 0, 0]
-    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=3).tolist() == [1, 0, 0, 0, 0]
-    # the subtree's tokens protect its root: node 4 likely (.25) and on the root's experts (nothing marginal), node
-    # 3 (.3) over its own 2 experts at threshold .4 stays because its subtree holds .55 (judged alone it would go)
-    likely, shared4 = prob.copy(), ids.copy()
-    likely[4], shared4[4] = .25, [0, 1]
-    assert prune_nodes(live, parents, likely, shared4, 100, 2e-3).tolist() == [1, 1, 1, 1, 1]
-    # an expert two nodes of one subtree share is marginal to that subtree: nodes 3 and 4 share 6, so subtree(3)
-    # holds 3 experts (6, 7, 9): its .31 stays at threshold .3 and goes at .33; node 4 (expert 9 alone) goes at .1
-    inner = ids.copy()
-    inner[4] = [6, 9]
-    assert prune_nodes(live, parents, prob, inner, 100, 1e-3).tolist() == [1, 1, 1, 1, 0]       # .31 >= .3
-    assert prune_nodes(live, parents, prob, inner, 100, float(np.float32(1.1e-3))).tolist() == [1, 1, 1, 0, 0]
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=3).tolist() == [1, 1, 0, 0, 0]   # .5 < .6
+    assert prune_nodes(live, parents, prob, ids, 100, 1e-3, horizon=5).tolist() == [1, 0, 0, 0, 0]   # .9 < 1.0
+    shared = ids.copy()
+    shared[3] = [0, 1]                                     # node 3 uses the root's experts: no marginal, kept
+    assert prune_nodes(live, parents, prob, shared, 100, 1.0).tolist() == [1, 0, 0, 0, 0]    # its parent went
+    shared[1] = [0, 1]
+    assert prune_nodes(live, parents, prob, shared, 100, 1.0).tolist() == [1, 1, 0, 1, 0]
     # a dead node's experts do not count: nodes 1 and 2 share expert 4 (nothing marginal, all kept); with node 2
-    # dead, expert 4 is subtree(1)'s alone and node 1 goes, with 3 and 4
+    # dead, node 1's expert 4 becomes marginal and node 1 goes, with 3 and 4
     ids2 = np.array([[0, 1], [0, 4], [4, 1], [0, 1], [1, 0]], np.int32)
     assert prune_nodes(live, parents, prob, ids2, 100, 1.0).tolist() == [1, 1, 1, 1, 1]
     assert prune_nodes([1, 1, 0, 1, 1], parents, prob, ids2, 100, 1.0).tolist() == [1, 0, 0, 0, 0]
