@@ -41,7 +41,14 @@ from ddtree.bench.projection import ALLREDUCE_CHOICES
 from ddtree.bench.step_baseline import baseline_args, check_baseline, pair_rows, run_baseline
 from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
-from ddtree.bench.step_parts import SPLIT, kernel_family, part_ideals, part_times, top_kernels  # noqa: F401  (kernel_family: tests)
+from ddtree.bench.step_parts import (  # noqa: F401  (kernel_family: tests)
+    SPLIT,
+    kernel_family,
+    part_ideals,
+    part_times,
+    target_terms,
+    top_kernels,
+)
 from ddtree.bench.step_ranks import run_all_ranks
 from ddtree.bench.step_requests import bench_requests, check_requests
 from ddtree.bench.step_rows import (
@@ -166,6 +173,7 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             "routing": "router (random weights)" if routing == "router" else routing, "reuse": reuse,
             "step_us": step_us, "split_us": split, "parts": parts, "kernels": len(launches), "bytes": nbytes,
             "ideal_us": ideal_us, "pct_roofline": 100 * ideal_us / step_us,
+            **target_terms(step_us, ideal_us, parts, cfg.num_hidden_layers),
             "distinct_experts": distinct, "accepted_per_step": 1 if budget is None else accepted,
             "top_kernels": top_kernels(launches, times, rank.lay.vocab_stop - rank.lay.vocab_start,
                                        cfg.n_routed_experts),
@@ -177,9 +185,12 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
 
 def echo_row(row: dict) -> None:
     where = f"context {row['context']}, {row['collectives']} collectives"
+    dense = "" if row.get("dense_x_ideal") is None else f", dense {row['dense_x_ideal']:.2f}x its ideal"
+    terms = f" ({row['overhead_us_per_layer']:.0f} us a layer past the ideal{dense})" \
+        if "overhead_us_per_layer" in row else ""
     if row["budget"] is None:
         click.echo(f"{where}, AR: step {row['step_us']:.0f} us, {1e6 / row['step_us']:.0f} tok/s, "
-                   f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
+                   f"{row['pct_roofline']:.0f} % of the copy roofline{terms}", err=True)
     else:
         reuse = "" if row["reuse"] is None else f" {row['reuse']}"
         p = row.get("pruned")
@@ -188,7 +199,7 @@ def echo_row(row: dict) -> None:
                                        f"{p['expected_accept_before']:.2f} -> {p['expected_accept_after']:.2f}"
                                        f", tokens/s x{p['tokens_per_s_ratio']:.3f})")
         click.echo(f"{where}, budget {row['budget']}, {row['routing']}{reuse}{pruned}: step {row['step_us']:.0f} us, "
-                   f"{row['pct_roofline']:.0f} % of the copy roofline", err=True)
+                   f"{row['pct_roofline']:.0f} % of the copy roofline{terms}", err=True)
 
 
 @click.command("step")

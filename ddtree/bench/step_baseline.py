@@ -76,7 +76,8 @@ def row_key(row: dict) -> tuple:
 
 def pair_rows(rows: list[dict], base: dict, device: str) -> None:
     """Each row of this run with the baseline's row of the same case: its step and per-part us / overhead beside
-    this row's, and speedup_vs_baseline = the baseline's step / this one's. Refuses another device's baseline."""
+    this row's (and its target terms where the baseline's bench wrote them), and speedup_vs_baseline = the
+    baseline's step / this one's. Refuses another device's baseline."""
     if base.get("device") != device:
         raise click.ClickException(f"--baseline ran on {base.get('device')!r}, this run on {device!r}: a before and "
                                    "after compare on one card")
@@ -87,7 +88,8 @@ def pair_rows(rows: list[dict], base: dict, device: str) -> None:
             continue
         row["baseline"] = {"step_us": b["step_us"], "pct_roofline": b["pct_roofline"], "kernels": b["kernels"],
                            "parts": {k: {"us": v["us"], "overhead_us": v["overhead_us"]}
-                                     for k, v in b["parts"].items()}}
+                                     for k, v in b["parts"].items()},
+                           **{k: b[k] for k in ("overhead_us_per_layer", "dense_x_ideal") if k in b}}
         row["speedup_vs_baseline"] = b["step_us"] / row["step_us"]
         click.echo(f"context {row['context']}, budget {row['budget']}, {row['routing']}"
                    f"{' pruned' if row.get('pruned') else ''}: {b['step_us']:.0f} -> {row['step_us']:.0f} us "

@@ -114,3 +114,12 @@ def top_kernels(launches, times, vocab_per_rank: int, experts: int, top: int = 3
     for g in rows:
         g["us_each"] = g["us_total"] / g["launches"]
     return rows
+
+
+def target_terms(step_us: float, ideal_us: float, parts: dict, layers: int) -> dict:
+    """Issue 48's targets in a row's own numbers: overhead_us_per_layer = (step - its ideal) / the target's layers
+    (the fixed cost a layer, target <= 10 us; the drafter's and head's overheads are in it too), dense_x_ideal = the
+    dense part's kernels over their ideal (target <= 1.3; None without dense work)."""
+    dense = parts.get("dense", {})
+    return {"overhead_us_per_layer": (step_us - ideal_us) / layers,
+            "dense_x_ideal": dense["us"] / dense["ideal_us"] if dense.get("ideal_us") else None}

@@ -269,3 +269,17 @@ def test_the_calibrated_rate_prices_an_expert_at_what_pruning_saved():
     p = with_earnings(unpruned, {**pruned, "pruned": dict(pruned["pruned"])})["pruned"]
     assert p["speedup"] == pytest.approx(14281.7 / 13062.7, rel=1e-12)
     assert p["tokens_per_s_ratio"] == pytest.approx(14281.7 / 13062.7 * 2.834 / 3.491, rel=1e-12)
+
+
+def test_target_terms_are_the_rows_own_overhead_per_layer_and_dense_ratio():
+    """Issue 48's targets in a row's numbers: (step - ideal) / layers and the dense part's us over its ideal; the
+    H100 AR row of HEAD (docs/measured: 6209 us, ideal 2103, 61 layers, dense 3082 / 1303) is 67 us a layer and
+    2.37x; a row without dense work has no ratio."""
+    import pytest
+
+    from ddtree.bench.step_parts import target_terms
+    t = target_terms(6209.0, 2103.0, {"dense": {"us": 3082.0, "ideal_us": 1303.0}}, 61)
+    assert t["overhead_us_per_layer"] == pytest.approx((6209.0 - 2103.0) / 61, rel=1e-12)
+    assert 67.0 < t["overhead_us_per_layer"] < 67.5 and t["dense_x_ideal"] == pytest.approx(3082.0 / 1303.0)
+    assert target_terms(100.0, 50.0, {"dense": {"us": 1.0, "ideal_us": 0.0}}, 2)["dense_x_ideal"] is None
+    assert target_terms(100.0, 50.0, {}, 2) == {"overhead_us_per_layer": 25.0, "dense_x_ideal": None}
