@@ -250,9 +250,9 @@ def echo_row(row: dict) -> None:
 @click.option("--prune-rate", default=None,
               help="--prune: tokens per expert byte, or 'measured': DEFAULT_RATE's formula per expected token over the "
                    "unpruned row measured just before (this card's step and expert costs), or 'calibrated': that "
-                   "row, then again with an expert priced at the step us the first pruned row saved per expert-layer "
-                   "it removed (default: tree/prune.py DEFAULT_RATE_PER_TOKEN x the tree's expected committed "
-                   "tokens, the H200 Kimi step's)")
+                   "row, then again with an expert-layer priced at the step us the first pruned row saved per "
+                   "expert-layer the rule expected it to save (default: tree/prune.py DEFAULT_RATE_PER_TOKEN x the "
+                   "tree's expected committed tokens, the H200 Kimi step's)")
 @click.option("--requests", "requests_text", default=None,
               help="instead of the step: the target verify of R requests' trees in one forward, per R of this comma "
                    "list (e.g. 1,2,4): its captured graph's time, distinct experts, % of roofline, ratio to R = 1 "
@@ -375,7 +375,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                     per_token = tokens_per_expert_byte(1.0, row["step_us"], saved, rank_expert_bytes(rank))
                     pruned_row(bench_pruner(rank, None, rate_per_token=per_token), "calibrated", saved)
                 elif prune_rate == "calibrated":
-                    first["pruned"]["calibration"] = "none: the measured-rate row saved no time or no expert"
+                    first["pruned"]["calibration"] = "none: the measured-rate row saved no time or expected no saving"
     if base is not None:
         pair_rows(rows, base, gpu.name)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
