@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddtree.description.layers import moe_horizon
 from ddtree.description.stack import Pruning, prune_layers
 from ddtree.runtime.loop import RequestError
 from ddtree.tree.prune import DEFAULT_RATE_PER_TOKEN, PRUNE_EVERY, exchange_rate, expected_saving, node_path_probs
@@ -63,7 +64,7 @@ class PruneStats:
     experts_before: list = field(default_factory=list)   # per (step, MoE layer): distinct experts of every node
     experts_after: list = field(default_factory=list)    # ... of the live nodes (the experts the verify read)
 
-    prune_at: tuple = ()                                 # the pruning layers' indices among the MoE layers
+    horizons: dict = field(default_factory=dict)         # {a pruning layer's index among the MoE layers: horizon}
     n_moe: int = 0                                       # the MoE layers (a step's add_layer calls, in order)
     expected_saved: list = field(default_factory=list)   # per step with its layers: expert-layers the rule expects
     _layers: list = field(default_factory=list, repr=False)   # this step's (ids, live) so far
@@ -73,17 +74,16 @@ class PruneStats:
         live = np.asarray(live).reshape(-1) != 0
         self.experts_before.append(len(np.unique(ids)))
         self.experts_after.append(len(np.unique(np.asarray(ids)[live])))
-        self._layers.append((np.array(ids), live))
+        self._layers.append((np.asarray(ids), live))      # read by add_step, before the step's buffers are reused
 
     def add_step(self, live) -> None:
         """One step's final live mask [n]: its pruned nodes; after a step whose MoE layers were all added, the
         expert-layers the rule expected it to save (tree/prune.py expected_saving)."""
         live = np.asarray(live).reshape(-1)
         self.per_step.append(int(len(live) - int(live.sum())))
-        step = self._layers[-self.n_moe:] if self.n_moe and len(self._layers) >= self.n_moe else None
-        if step is not None:
-            self.expected_saved.append(expected_saving([ids for ids, _ in step], [m for _, m in step], live,
-                                                        self.prune_at, self.n_moe))
+        if self.n_moe and len(self._layers) == self.n_moe:
+            self.expected_saved.append(expected_saving([ids for ids, _ in self._layers],
+                                                        [m for _, m in self._layers], live, self.horizons))
         self._layers = []
 
     def to_dict(self) -> dict:
@@ -115,7 +115,7 @@ class Pruner:
         self.stats = PruneStats("given" if rate is not None else "given per expected token" if rate_per_token is not
                                 None else "tuning.json" if measured else
                                 f"default (tree/prune.py DEFAULT_RATE_PER_TOKEN: {why})",
-                                prune_at=tuple(j for j, L in enumerate(cfg.moe_layers) if L in self.at),
+                                horizons={j: moe_horizon(cfg, L) for j, L in enumerate(cfg.moe_layers) if L in self.at},
                                 n_moe=len(cfg.moe_layers))
 
     @classmethod

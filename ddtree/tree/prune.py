@@ -112,19 +112,19 @@ def prune_nodes(live, parents, path_prob, routed_ids, expert_bytes: int, rate: f
     return out.astype(np.int32)
 
 
-def expected_saving(routed, lives, final, prune_at, n_moe: int) -> int:
+def expected_saving(routed, lives, final, horizons: dict) -> int:
     """The expert-layers the rule expects a step's pruning to save, on its own terms: at each pruning MoE layer j
-    (indices into the MoE layers, `prune_at`), the experts that only the nodes dropped there used (routed [m, q, k]
-    ids, lives [m, q] the mask each MoE layer routed with, final [q] the verify's last mask: the mask after j is
-    lives[j + 1], or final after the last), each charged for every MoE layer after j (horizon n_moe - j - 1). What
-    the rule assumes (a dropped node's marginal experts stay marginal); `bench step --prune-rate calibrated` prices
-    an expert-layer at the us the step actually saved over this count."""
+    (horizons: {j, an index into the MoE layers: its horizon, description/layers.py moe_horizon}), the experts that
+    only the nodes dropped there used (routed [m, q, k] ids, lives [m, q] the mask each MoE layer routed with, final
+    [q] the verify's last mask: the mask after j is lives[j + 1], or final after the last), each charged for its
+    horizon. What the rule assumes (a dropped node's marginal experts stay marginal); `bench step --prune-rate
+    calibrated` prices an expert-layer at the us the step actually saved over this count."""
     routed, lives = np.asarray(routed), np.asarray(lives) != 0
     total = 0
-    for j in sorted(prune_at):
+    for j, horizon in sorted(horizons.items()):
         after = lives[j + 1] if j + 1 < len(lives) else np.asarray(final).reshape(-1) != 0
         gone = set(np.unique(routed[j][lives[j]]).tolist()) - set(np.unique(routed[j][after & lives[j]]).tolist())
-        total += len(gone) * (n_moe - j - 1)
+        total += len(gone) * horizon
     return total
 
 

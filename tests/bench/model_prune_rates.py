@@ -1,6 +1,7 @@
 """Offline model of the pruned verify (issue 53), CPU: which nodes a pruning rule drops at a rate, on the tree and
 routing `ddtree bench step --prune` measures (bench/project.py DraftProfile's stated tree at budget 16, bench/routing.py
-ids for 60 MoE layers, seed 0), and what tokens/s that earns under the H100's measured costs:
+ids for Kimi's 60 MoE layers, seed 0, pruned at description/stack.py prune_layers with layers.moe_horizon), and
+what tokens/s that earns under the H100's measured costs:
 
     step_pruned = step + fixed - c x removed        removed = the distinct expert-layers the live rows no longer read
     tokens/s ratio = step / step_pruned x expected acceptance after / before
@@ -18,6 +19,9 @@ import numpy as np
 
 from ddtree.bench.project import DraftProfile
 from ddtree.bench.routing import routing_ids
+from ddtree.description.layers import moe_horizon
+from ddtree.description.stack import prune_layers
+from ddtree.model.presets import get_preset
 from ddtree.tree.prune import KIMI_EXPERT_BYTES, PRUNE_EVERY, prune_nodes
 
 MEASURED = "docs/measured/bench_step_prune_kimi_k26_tp8_rank0_h100_4k_b16_{}.json"
@@ -68,14 +72,16 @@ def costs() -> dict:
     return out
 
 
-def model(rule, routing: str, rate: float, cost: dict, tree, prob) -> dict:
-    parents = tree.parents.astype(np.int32)
-    ids = routing_ids(routing, parents, 384, 8, REUSE[routing], 60, 0)                  # [60, n, 8]
-    live, removed = np.ones(len(parents), np.int32), 0
-    for j in range(60):
+def model(rule, routing: str, rate: float, cost: dict, tree, prob, cfg) -> dict:
+    parents, E = tree.parents.astype(np.int32), cfg.n_routed_experts
+    k, n_moe = cfg.num_experts_per_tok, len(cfg.moe_layers)
+    ids = routing_ids(routing, parents, E, k, REUSE[routing], n_moe, 0)                  # [L, n, k]
+    live, removed, at = np.ones(len(parents), np.int32), 0, prune_layers(cfg, PRUNE_EVERY)
+    for j, L in enumerate(cfg.moe_layers):
         removed += len(np.unique(ids[j])) - len(np.unique(ids[j][live != 0]))
-        if j % PRUNE_EVERY == 0:
-            live = rule(live, parents, prob, ids[j], KIMI_EXPERT_BYTES, float(np.float32(rate)), 384, horizon=59 - j)
+        if L in at:                                      # the Pruner's layers and horizons
+            live = rule(live, parents, prob, ids[j], KIMI_EXPERT_BYTES, float(np.float32(rate)), E,
+                        horizon=moe_horizon(cfg, L))
     before, after = float(prob.astype(np.float64).sum()), float(prob[live != 0].astype(np.float64).sum())
     step = cost["step"] + cost["fixed"] - cost["c"] * removed
     return {"pruned_nodes": int((live == 0).sum()), "removed_expert_layers": removed, "accept_after": after,
@@ -83,18 +89,19 @@ def model(rule, routing: str, rate: float, cost: dict, tree, prob) -> dict:
 
 
 def main() -> None:
-    tree = DraftProfile().tree(16, 7)
+    cfg, dcfg = get_preset("kimi-k2.6", 61)
+    tree = DraftProfile().tree(16, dcfg.block_size - 1)
     prob = np.exp(tree.scores.astype(np.float64)).astype(np.float32)
     rows = []
     for routing, cost in costs().items():
         rate, ratio = cost["measured"]
-        check = model(prune_nodes, routing, rate, cost, tree, prob)["tokens_per_s_ratio"]
+        check = model(prune_nodes, routing, rate, cost, tree, prob, cfg)["tokens_per_s_ratio"]
         print(f"{routing}: c {cost['c']:.3f} us, fixed {cost['fixed']:.0f} us; at the measured rate {rate:.3g} the model "
               f"gives x{check:.3f}, the H100 x{ratio:.3f}", file=sys.stderr)
         for rate in RATES:
             for name, rule in (("node", prune_nodes), ("subtree", subtree)):
                 rows.append({"routing": routing, "rate": rate, "rule": name,
-                             **model(rule, routing, rate, cost, tree, prob)})
+                             **model(rule, routing, rate, cost, tree, prob, cfg)})
     if "--json" in sys.argv:
         print(json.dumps({"model": "tests/bench/model_prune_rates.py", "rows": rows}))
         return

@@ -162,6 +162,6 @@ def test_expected_saving_counts_the_experts_only_dropped_nodes_used_times_the_la
                 kept = any(e in routed[j][i] for i in range(4) if lives[j][i] and after[i])
                 total += (used and not kept) * (3 - j - 1)
         return total
-    assert expected_saving(routed, lives, final, (0,), 3) == brute((0,)) == 2 * 2       # 5, 6 for two layers
-    assert expected_saving(routed, lives, final, (0, 1), 3) == brute((0, 1)) == 4 + 1    # + 7 for one layer
-    assert expected_saving(routed, lives, final, (2,), 3) == 0                          # no layer after the last
+    assert expected_saving(routed, lives, final, {0: 2}) == brute((0,)) == 2 * 2        # 5, 6 for two layers
+    assert expected_saving(routed, lives, final, {0: 2, 1: 1}) == brute((0, 1)) == 4 + 1  # + 7 for one layer
+    assert expected_saving(routed, lives, final, {2: 0}) == 0                           # no layer after the last
