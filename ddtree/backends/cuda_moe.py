@@ -63,7 +63,7 @@ class MoeOps:
         if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
             fused.gate_up(x.ptr, M, self.stream)
             self.join(shared_path)
-            fused.down(out.ptr, M, weights, shared_out.ptr, self.stream)
+            fused.down_combine(out.ptr, M, weights, shared_out.ptr, self.stream)
             return out, routed
         self.join(shared_path)
         fused.experts(x.ptr, out.ptr, M, ids, weights, shared_out.ptr, self.stream)

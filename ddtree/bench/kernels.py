@@ -113,7 +113,9 @@ def moe_touched_bytes(distinct: float, expert_bytes: float, M: int, H: int) -> f
     return distinct * expert_bytes + 2 * M * H * 2
 
 
-MOE_PATHS = {"auto": None, "two-kernel": False, "stream": True}     # FusedMoE.streaming per --paths name
+# (FusedMoE.streaming, FusedMoE.down_cols) per --paths name: the plan's choice, the two launches with moe_down, the
+# streaming launch, the two launches with moe_down_cols (plugins/moe_down_cols.py)
+MOE_PATHS = {"auto": (None, None), "two-kernel": (False, False), "stream": (True, None), "cols": (False, True)}
 DRAFT_DEPTHS = 7                   # Kimi K2.6's drafter block_size - 1: the depths of bench step's stated tree
 
 
@@ -156,9 +158,10 @@ def moe_routes(gpu, rng, M: int, launches: int, routing: str, reuse: float) -> t
 def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: float, seed: int,
                    overrides: dict | None = None, router: bool = True, pdl: bool = True,
                    parts: bool = False, paths: tuple = ("auto",), stream_knobs: dict | None = None,
-                   routing: str = "uniform", reuse: float = 0.5) -> list[dict]:
+                   routing: str = "uniform", reuse: float = 0.5, cols_knobs: dict | None = None) -> list[dict]:
     """Rows of the experts (route kernel + gate_up -> down) per M and per path of `paths` (MOE_PATHS: the plan's
-    choice, the two launches, the streaming launch), then the router's rows. routing: moe_routing_ids'."""
+    choice, the two launches, the streaming launch, the two launches with moe_down_cols: cols_knobs forces its plan_down_cols
+    knobs), then the router's rows. routing: moe_routing_ids'."""
     E, H = EXPERTS, HIDDEN
     shape, weights, x, out, expert_bytes = moe_operands(gpu, tp, max(ms), seed)
     router_w = gpu.alloc((E // 16, H // 64, 4, 32, 8), np.uint16)          # tile_bf16 layout
@@ -175,14 +178,16 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
                                 **{k: v for k, v in (overrides or {}).items() if k.startswith("gu_")})
         routes, distinct = moe_routes(gpu, rng, M, launches, routing, reuse)
         touched = moe_touched_bytes(float(np.mean(distinct)), expert_bytes, M, H)
+        if "cols" in paths and cols_knobs:
+            moe.override_cols(M, **cols_knobs)
         for path in paths:
-            moe.streaming = MOE_PATHS[path]
+            moe.streaming, moe.down_cols = MOE_PATHS[path]
             us = time_moe(gpu, moe, x, out, M, routes)
             rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path, "routing": routing,
                               "reuse": reuse if routing == "tree" else None,
                               "distinct_experts": round(float(np.mean(distinct)), 1), "plan": moe_plan_row(moe, M)},
                              touched, us, ceiling_gbps))
-        moe.streaming = MOE_PATHS[paths[0]]
+        moe.streaming, moe.down_cols = MOE_PATHS[paths[0]]
         if parts:       # cumulative prefixes of the chain: route; route + gate_up (same routings, same graph shape)
             def prefix(stream, upto):
                 for ids, w in routes:
@@ -222,6 +227,13 @@ def moe_plan_row(moe, M: int) -> dict:
                 "blocks": p.blocks, "prefetch_tiles": p.prefetch_tiles, "smem": p.smem, "bulk": p.bulk, "pin": p.pin,
                 "pdl": moe.pdl}
     p = moe.plan(M)
+    if moe.uses_down_cols(M):
+        c = moe.cols_plan(M)
+        cols = {"down_cols": True, "cols_warps": c.warps, "cols_upb": c.upb, "cols_ring": "%dx%d" % c.ring,
+                "cols_blocks": c.blocks, "cols_smem": c.smem}
+        return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps,
+                "gate_up_blocks_x": p.gu_nb, "gate_up_ring": "%dx%d" % p.gu_ring, "gate_up_tpw": p.gu_tpw,
+                "gate_up_occ": p.gu_occ, **cols, "pdl": moe.pdl}
     return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
             "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb, "down_splits": p.dn_splits,
             "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring, "gate_up_tpw": p.gu_tpw,
@@ -351,7 +363,11 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @click.option("--reuse", default=0.5, show_default=True, type=FiniteFloatRange(0.0, 1.0), help="--routing tree")
 @click.option("--no-pdl", is_flag=True, help="plain launches instead of programmatic dependent launch")
 @click.option("--paths", default="auto", show_default=True,
-              help="experts paths to time, comma-separated: auto (the plan's choice), two-kernel, stream")
+              help="experts paths to time, comma-separated: auto (the plan's choice), two-kernel (moe_gate_up + "
+              "moe_down), stream, cols (moe_gate_up + moe_down_cols)")
+@click.option("--cols-warps", type=int, default=None, help="force moe_down_cols' warps a block (path cols)")
+@click.option("--cols-upb", type=int, default=None, help="force moe_down_cols' tile pairs (32 columns) a block")
+@click.option("--cols-ring", default=None, help="force moe_down_cols' ring SLOTSxCHUNKS (2x2, 3x2, 4x2, 2x4)")
 @click.option("--stream-dn-tpw", type=int, default=None, help="force the streaming launch's down tile pairs per warp")
 @click.option("--stream-blocks-per-sm", type=int, default=None, help="force the streaming launch's blocks per SM")
 @click.option("--stream-prefetch", type=int, default=None,
@@ -367,7 +383,7 @@ def _emit(bench: str, gpu, rows: list[dict], ceiling: dict, as_json: bool) -> No
 @reported()
 def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, down_tpw, gu_tpw, gu_ring, down_ring,
                 gu_occ, down_occ, routing, reuse, no_pdl, paths, stream_dn_tpw, stream_blocks_per_sm, stream_prefetch,
-                stream_bulk, stream_pin, parts, no_router, seed, as_json):
+                stream_bulk, stream_pin, cols_warps, cols_upb, cols_ring, parts, no_router, seed, as_json):
     """Fused W4A16 MoE (routing uniform random top-8) vs the device-to-device copy ceiling."""
     path_list = tuple(p.strip() for p in paths.split(",") if p.strip())
     if not path_list or any(p not in MOE_PATHS for p in path_list):
@@ -375,6 +391,7 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
     stream_knobs = {k: v for k, v in (("dn_tpw", stream_dn_tpw), ("blocks_per_sm", stream_blocks_per_sm),
                                       ("prefetch", stream_prefetch), ("bulk", stream_bulk or None),
                                       ("pin", stream_pin or None)) if v is not None}
+    cols_knobs = {k: v for k, v in (("warps", cols_warps), ("upb", cols_upb), ("ring", _ring(cols_ring))) if v}
     gpu, ceiling = open_gpu()
     rows = []
     for tp in _ints(tps):
@@ -385,7 +402,7 @@ def moe_command(tps, m_list, launches, splits, warps, down_splits, down_warps, d
                                        ("gu_ring", _ring(gu_ring)), ("dn_ring", _ring(down_ring)),
                                        ("gu_occ", gu_occ), ("dn_occ", down_occ)) if v}
         rows += bench_moe_rows(gpu, tp, _ints(m_list), launches, ceiling["gbps"], seed, overrides, not no_router,
-                               not no_pdl, parts, path_list, stream_knobs, routing, reuse)
+                               not no_pdl, parts, path_list, stream_knobs, routing, reuse, cols_knobs)
     _emit("moe", gpu, rows, ceiling, as_json)
 
 

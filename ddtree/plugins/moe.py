@@ -5,6 +5,7 @@
     moe.run(x, out, M, topk=(ids, w))     # given routing (tests, benchmarks)
     ids, w = moe.route(x, M, live=live, routed_ids=routed)   # a pruned verify's routing (issue 53), one launch
     FusedMoE(..., streaming=True)         # gate_up -> down in one persistent launch (plugins/moe_stream.py)
+    FusedMoE(..., down_cols=True)         # the two launches' down by output columns (plugins/moe_down_cols.py)
 
 Letters: M tokens, H hidden, I expert intermediate (per rank), E experts, P = M * topk pairs.
 Weights are in the layout of ddtree/plugins/layout.py, stacked over experts. Every workspace is
@@ -19,6 +20,7 @@ import numpy as np
 
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import SkinnyGemm, supports_pdl
+from ddtree.plugins.moe_down_cols import ColsPlan, cols_default, plan_down_cols
 from ddtree.plugins.moe_measured import two_launch_knobs
 from ddtree.plugins.moe_plan import DEFAULT_RING, SOURCE, MoEPlan, MoEShape, plan_moe, plan_moe_stream
 from ddtree.plugins.moe_stream import STREAM_MEASURED, StreamPlan, stream_default, stream_knobs  # noqa: F401  (the plan's table, re-exported)
@@ -33,7 +35,7 @@ class FusedMoE:
 
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
                  router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True,
-                 invariant: bool = False, streaming: bool | None = None):
+                 invariant: bool = False, streaming: bool | None = None, down_cols: bool | None = None):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
         (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
         needed only for routed runs. pdl: programmatic dependent launch (sm_90+). invariant: the batch-invariant
@@ -41,7 +43,10 @@ class FusedMoE:
         router GEMM's likewise (SkinnyGemm invariant), so a token's sums do not depend on the tokens beside it.
         streaming: experts() as one persistent launch (moe_stream: gate_up -> down without a kernel boundary; the
         same sums, bitwise, at the same gate_up split) if True, as moe_gate_up + moe_down if False; None: by
-        stream_default (the M range where the H200 measured it faster). uses_stream(M) says which runs."""
+        stream_default (the M range where the H200 measured it faster). uses_stream(M) says which runs.
+        down_cols: the two launches' down as moe_down_cols (by output columns, y in shared memory; bitwise moe_down's
+        at one down k-split) if True, moe_down if False; None: where cols_default measured it faster and its plan
+        fits. uses_down_cols(M) says which runs."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -54,6 +59,8 @@ class FusedMoE:
         self._overrides: dict[int, MoEPlan] = {}
         self._stream_overrides: dict[int, StreamPlan] = {}
         self.streaming = streaming
+        self.down_cols = down_cols
+        self._cols_overrides: dict[int, ColsPlan] = {}
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
         self.fixed_splits = None                    # the batch-invariant plan's gate_up k-split (None: by M)
@@ -103,6 +110,42 @@ class FusedMoE:
         g = self.gpu
         knobs = two_launch_knobs(g.arch, self.shape, M) if self.fixed_splits is None else {}
         return plan_moe(self.shape, M, g.sm_count, g.smem_optin, self.ring, **{"gu_splits": self.fixed_splits, **knobs})
+
+    def cols_plan(self, M: int) -> ColsPlan:
+        """moe_down_cols' plan at M: an override, else plan_down_cols with the measured knobs (ValueError where its
+        shared memory does not fit)."""
+        if M in self._cols_overrides:
+            return self._cols_overrides[M]
+        g = self.gpu
+        return plan_down_cols(self.shape, M, g.sm_count, g.smem_optin, **(cols_default(g.arch, self.shape, M) or {}))
+
+    def override_cols(self, M: int, **knobs) -> ColsPlan:
+        """Benchmark sweeps and tests: moe_down_cols at M with forced plan_down_cols knobs (warps, upb, ring)."""
+        g = self.gpu
+        self._cols_overrides[M] = p = plan_down_cols(self.shape, M, g.sm_count, g.smem_optin, **knobs)
+        return p
+
+    def uses_down_cols(self, M: int) -> bool:
+        """Whether the two launches' down at M is moe_down_cols: `down_cols` if set (True where its plan does not
+        fit raises), else an override or where cols_default measured it faster and its plan fits; never beside a
+        down k-split above 1 (its sums are moe_down's at one split)."""
+        if self.plan(M).dn_splits != 1:
+            if self.down_cols:
+                raise ValueError(f"FusedMoE: down_cols at M = {M} beside a down k-split of {self.plan(M).dn_splits}")
+            return False
+        if self.down_cols is not None:
+            if self.down_cols:
+                self.cols_plan(M)                       # raises, naming the shared memory, where it does not fit
+            return self.down_cols
+        if M in self._cols_overrides:
+            return True
+        if cols_default(self.gpu.arch, self.shape, M) is None:
+            return False
+        try:
+            self.cols_plan(M)
+        except ValueError:
+            return False
+        return True
 
     def uses_stream(self, M: int) -> bool:
         """Whether experts() at M tokens is the streaming launch (moe_stream) or moe_gate_up + moe_down:
@@ -245,7 +288,14 @@ class FusedMoE:
             self.stream_experts(x, out, M, weights, shared, stream)
             return
         self.gate_up(x, M, stream)
-        self.down(out, M, weights, shared, stream)
+        self.down_combine(out, M, weights, shared, stream)
+
+    def down_combine(self, out, M, weights, shared=None, stream=None) -> None:
+        """The two launches' second: moe_down_cols where uses_down_cols(M), else moe_down (the same bits)."""
+        if self.uses_down_cols(M):
+            self.down_by_cols(out, M, weights, shared, stream)
+        else:
+            self.down(out, M, weights, shared, stream)
 
     def stream_experts(self, x, out, M, weights, shared=None, stream=None) -> None:
         """out[M, H] = sum_k weights[:, k] expert_k(x) (+ shared) in one persistent launch (kernels/moe_stream.cuh)."""
@@ -279,3 +329,14 @@ class FusedMoE:
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.y), ptr(weights), ptr(shared), ptr(out),
                  ptr(self.dn_counters), np.int32(s.inter), np.int32(s.hidden // 16), np.int32(s.topk),
                  np.int32(p.dn_tpw), np.int32(M * s.topk), stream=stream, pdl=self.pdl)
+
+    def down_by_cols(self, out, M, weights, shared=None, stream=None) -> None:
+        """moe_down's output (bitwise, at one down k-split) from moe_down_cols: blocks own output columns of every
+        tile, y stays in shared memory (kernels/moe_down_cols.cuh), after gate_up."""
+        s, p, g = self.shape, self.cols_plan(M), self.gpu
+        g.allow_smem(SOURCE, p.kernel, p.smem)
+        g.launch(g.kernel(SOURCE, p.kernel), p.blocks, p.warps * 32, p.smem,
+                 ptr(self.act), ptr(self.w["down"]), ptr(self.w["down_scale"]), ptr(self.tile_expert),
+                 ptr(self.tile_pairs), ptr(self.num_tiles), ptr(weights), ptr(shared), ptr(out),
+                 np.int32(s.inter), np.int32(s.hidden // 32), np.int32(s.topk), np.int32(M * s.topk),
+                 np.int32(p.upb), np.int32(p.max_tiles), stream=stream, pdl=self.pdl)

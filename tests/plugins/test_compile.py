@@ -12,10 +12,12 @@ from ddtree.errors import InputError
 from ddtree.model.presets import PRESETS, get_preset
 from ddtree.plugins import compile as kc
 from ddtree.plugins.mla_attention import VARIANTS
+from ddtree.plugins.moe_down_cols import COLS_RINGS
 from ddtree.plugins.moe_plan import RINGS
 
 # every extern "C" kernel the launchers look up, per source
-KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down", "stream") for r, c in RINGS],
+KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "down", "stream") for r, c in RINGS]
+                     + [f"moe_down_cols_r{r}c{c}" for r, c in COLS_RINGS],
            "gemm.cu": [f"gemm_bf16_mt{mt}" for mt in range(1, 9)],
            "fill.cu": ["fill_hash_u32"],
            "mla_attention.cu": ["mla_attention_combine", "mla_attention_smem_sizes"]

@@ -11,6 +11,8 @@
 //                token's rows writes out[token] = sum_k w_k sum_s y[s, pair_k] (+ shared expert)
 //   moe_stream   both in one persistent launch: the same work items taken by ticket, a down item waiting for
 //                its tile's act rows (moe_stream.cuh; launcher FusedMoE.stream_experts, plan plugins/moe_stream.py)
+//   moe_down_cols  moe_down + combine by output columns for few rows: a block owns columns of every tile, y never
+//                leaves shared memory (moe_down_cols.cuh; launcher FusedMoE.down_cols, plan plugins/moe_down_cols.py)
 // With programmatic dependent launch the three kernels overlap their launch and prologue with the
 // previous kernel's tail; moe_down fills its weight ring before waiting for moe_gate_up.
 //
@@ -272,6 +274,7 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
 }
 
 #include "moe_stream.cuh"
+#include "moe_down_cols.cuh"   // the down projection + combine by output columns, for few rows
 
 // Ring variants (kernel names moe_{gate_up,down,stream}_r<STAGES>c<CPSLOT>, moe_stream_r<STAGES>c<CPSLOT>_bulk with
 // the slots as bulk copies), chosen per launch by the plan (ddtree/plugins/moe.py RINGS). __launch_bounds__(512, 1): up to 128 registers; at the default 64 ptxas
