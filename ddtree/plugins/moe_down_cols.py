@@ -25,8 +25,14 @@ STATIC_SMEM = 64                                  # the kernel's static shared m
 REGS_PER_THREAD = 128                             # __launch_bounds__(512, 1)
 
 # Where FusedMoE takes this kernel instead of moe_down by default: (arch, hidden, inter per rank) -> (first M,
-# last M, knobs). Empty until a device measures it faster (ddtree bench moe --paths two-kernel,cols).
-COLS_MEASURED: dict = {}
+# last M, knobs). H100 (nvidia-h100-x1), Kimi tp 8 (7168, 256), one device call, `ddtree bench moe --tp 8
+# --no-router --paths two-kernel,cols,stream --routing uniform|tree` (route kernel + experts, 16 routings a graph),
+# us, moe_down -> moe_down_cols: uniform M = 1 28.2 -> 23.5 (the streaming launch 26.9), 5 68.1 -> 66.4, 9 96.7 ->
+# 95.0, 13 127.9 -> 125.9, 17 157.8 -> 156.9; the rank-0 step in the same call (bench step --baseline): budget 8
+# uniform / tree 0.5 1.012x / 1.033x, budget 16 1.014x / 1.023x (kernels/NOTES.md, "The down projection by output
+# columns"). The plan's defaults (16 warps where they fit, else 8; 2 tile pairs a block; 3 x 2 rings) beat the
+# variants swept (16 warps on 2 x 2 rings, 2 x 4 rings, 8 warps, 8 warps with one tile pair a block: 224 blocks).
+COLS_MEASURED: dict = {("sm_90", 7168, 256): ((1, 17, {}),)}
 
 
 @dataclass(frozen=True)

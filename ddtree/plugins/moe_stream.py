@@ -36,9 +36,10 @@ STATIC_SMEM = 256                       # left of the opt-in limit to the kernel
 # archs: not measured) the two launches run. 9..64 rows went back to the two launches after the whole step was
 # measured (H200, rank 0 of tp 8, 4K, budget 16, one call, two launches -> streamed at 17 rows): uniform routing
 # 16744 -> 16681 us, tree routing with reuse 0.5 (67 experts a layer) 14412 -> 15379; at 65 rows (budget 64)
-# these knobs beat the plain streaming plan under both routings (33884 -> 33040, 31513 -> 29446).
-STREAM_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(bulk=True, pin=True)),
-                                          (65, 65, dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)),
+# these knobs beat the plain streaming plan under both routings (33884 -> 33040, 31513 -> 29446). One row went back
+# to the two launches with moe_down_cols (H100, bench moe: 23.5 us against this plan's 26.9 with bulk copies and the
+# pinned down item, which stay knobs; the AR step 6266 -> 6063 us: plugins/moe_down_cols.py COLS_MEASURED).
+STREAM_MEASURED = {("sm_90", 7168, 256): ((65, 65, dict(gu_warps=8, gu_splits=4, blocks_per_sm=2, dn_tpw=7)),
                                           (66, 256, {}))}
 
 
