@@ -137,6 +137,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.graph_plans = False            # the plans a captured graph needs (attention for max_context)
         self.branches = True                # parallel branches where ops are independent (backends/cuda_branch.py)
         self.lane = 0                       # the branch launching now (0: the main chain)
+        self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.shared_join = "experts"        # where the MoE's shared-expert branch joins: before the experts' launch,
                                             # or "down" (beside the routed gate_up too; backends/cuda_moe.py)
         self.prefetch_next = True            # ops.prefetch(beside="collective"): the next layer's attention weights

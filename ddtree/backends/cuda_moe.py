@@ -48,7 +48,8 @@ class MoeOps:
                 "down_scale": "down.scales"}
         fused = self.launcher(("moe", router.name), lambda: FusedMoE(
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
-            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant))
+            router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant,
+            down_cols=self.moe_down_cols))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
         routed = None
         if live is not None:

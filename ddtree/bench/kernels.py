@@ -182,6 +182,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             moe.override_cols(M, **cols_knobs)
         for path in paths:
             moe.streaming, moe.down_cols = MOE_PATHS[path]
+            if path == "cols" and not moe.uses_down_cols(M):
+                moe.cols_plan(M)                        # raises, naming the shared memory it needs
             us = time_moe(gpu, moe, x, out, M, routes)
             rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path, "routing": routing,
                               "reuse": reuse if routing == "tree" else None,

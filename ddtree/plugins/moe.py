@@ -45,8 +45,8 @@ class FusedMoE:
         same sums, bitwise, at the same gate_up split) if True, as moe_gate_up + moe_down if False; None: by
         stream_default (the M range where the H200 measured it faster). uses_stream(M) says which runs.
         down_cols: the two launches' down as moe_down_cols (by output columns, y in shared memory; bitwise moe_down's
-        at one down k-split) if True, moe_down if False; None: where cols_default measured it faster and its plan
-        fits. uses_down_cols(M) says which runs."""
+        at one down k-split) wherever its plan fits if True, moe_down if False; None: where cols_default measured it
+        faster and its plan fits. uses_down_cols(M) says which runs."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -126,20 +126,13 @@ class FusedMoE:
         return p
 
     def uses_down_cols(self, M: int) -> bool:
-        """Whether the two launches' down at M is moe_down_cols: `down_cols` if set (True where its plan does not
-        fit raises), else an override or where cols_default measured it faster and its plan fits; never beside a
-        down k-split above 1 (its sums are moe_down's at one split)."""
-        if self.plan(M).dn_splits != 1:
-            if self.down_cols:
-                raise ValueError(f"FusedMoE: down_cols at M = {M} beside a down k-split of {self.plan(M).dn_splits}")
+        """Whether the two launches' down at M is moe_down_cols: never beside a down k-split above 1 (its sums are
+        moe_down's at one split) or where its plan does not fit (the launch's act rows live in shared memory: few
+        rows only); else `down_cols` if set, or an override, or where cols_default measured it faster."""
+        if self.down_cols is False or self.plan(M).dn_splits != 1:
             return False
-        if self.down_cols is not None:
-            if self.down_cols:
-                self.cols_plan(M)                       # raises, naming the shared memory, where it does not fit
-            return self.down_cols
-        if M in self._cols_overrides:
-            return True
-        if cols_default(self.gpu.arch, self.shape, M) is None:
+        if self.down_cols is None and M not in self._cols_overrides and cols_default(self.gpu.arch, self.shape,
+                                                                                     M) is None:
             return False
         try:
             self.cols_plan(M)

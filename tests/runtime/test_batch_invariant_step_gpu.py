@@ -46,3 +46,28 @@ def test_ddtree_graph_commits_ar_tokens_exactly(tiny, params):
             accepted.append(N / (ex.steps.graph_steps - steps_before))
     # the drafter still drafts (a plan that broke the trees would pass the equality with acceptance 1)
     assert np.mean(accepted) > 1.5, accepted
+
+
+@pytest.fixture(scope="module")
+def tiny_cols(tmp_path_factory):
+    """The same engine with every MoE's down launch as moe_down_cols wherever its plan fits (plugins/moe_down_cols.py;
+    the tiny shape is outside its measured range, so the default would not take it)."""
+    from tests.runtime.tiny_gpu import tiny_gpu_executor
+    ex, prompts = tiny_gpu_executor(tmp_path_factory, "tiny-invariant-cols", n_prompts=2,
+                                    kernel_plan="batch-invariant")
+    ex.ops.moe_down_cols = True
+    return ex, prompts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_ddtree_commits_ar_tokens_with_the_column_down(tiny_cols, params):
+    """moe_down_cols at one row (AR) and at 5 and 17 (the verifies): the tokens are AR's exactly."""
+    from ddtree.plugins.moe import FusedMoE
+    ex, prompts = tiny_cols
+    for ids in prompts:
+        ar = run_to_end(ar_steps(ex, ids, N, params))
+        for budget in (4, 16):
+            dd = run_to_end(ddtree_steps(ex, ids, N, params, budget))
+            assert dd == ar, f"budget {budget}: DDTree left AR at token {next(i for i in range(N) if dd[i] != ar[i])}"
+    moes = [k for k in ex.ops.kernels.values() if isinstance(k, FusedMoE)]
+    assert moes and all(m.down_cols and m.uses_down_cols(M) for m in moes for M in (1, 5, 17))
