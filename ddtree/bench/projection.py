@@ -51,6 +51,9 @@ class Device:
 H200 = Device("H200 SXM", 4.2, 989.0,
               "copy ceiling measured 4.12-4.24 TB/s (ddtree/plugins/kernels/NOTES.md); "
               "989 TFLOPS dense bf16 spec (docs/hardware-and-kernels.md section 1)")
+H100 = Device("H100 SXM", 3.0, 989.0,
+              "copy ceiling measured 2.99-3.03 TB/s (ddtree bench step files, docs/measured/*_h100_*); "
+              "989 TFLOPS dense bf16 spec")
 PRO_6000 = Device("RTX PRO 6000 Blackwell", 1.79, 503.8,
                   "1792 GB/s GDDR7 (Workstation) and 503.8 TFLOPS dense bf16 spec, cuBLAS measured 350-368 "
                   "(docs/hardware-and-kernels.md section 1)")
