@@ -6,7 +6,7 @@ block, rings); many rows on few experts (several tiles an expert); after the fus
 import numpy as np
 import pytest
 from test_kernels_gpu import assert_close, moe_case  # noqa: F401, F811  (moe_case: the module fixture of both shapes)
-from test_moe_stream_gpu import EXPERT_KEYS, graph_out
+from test_moe_stream_gpu import EXPERT_KEYS, back_to_back, graph_out, routed_case
 
 pytestmark = pytest.mark.gpu
 COLS_MS = [1, 2, 3, 5, 8, 9, 12, 16, 17]
@@ -69,27 +69,12 @@ def test_cols_with_several_tiles_an_expert(gpu, moe_case, pair):
 def test_cols_graph_back_to_back(gpu, moe_case):
     """Three calls in one graph (PDL: each overlaps the previous one's tail), different M, the third rewriting the
     first's output: each equals its rows of the reference."""
-    from ddtree.model.bf16 import bf16_to_f32
     c = moe_case
-    H, moe = c["dev"]["x"].shape[1], make_moe(gpu, c, True)
+    moe = make_moe(gpu, c, True)
     calls = [(0, 9), (9, 3), (12, 1)]                             # (first token, M)
     for _, m in calls:
         fits(moe, m)
-    outs = [gpu.alloc((9, H), np.uint16) for _ in range(2)]
-    routes = [(gpu.upload(c["ids"][t0:t0 + m]), gpu.upload(c["w"][t0:t0 + m])) for t0, m in calls]
-    for i, (t0, m) in enumerate(calls):
-        moe.run(c["dev"]["x"].view(t0 * H, (m, H)), outs[i % 2], m, topk=routes[i])
-    gpu.sync()
-
-    def chain(stream):
-        for i, (t0, m) in enumerate(calls):
-            moe.run(c["dev"]["x"].view(t0 * H, (m, H)), outs[i % 2], m, topk=routes[i], stream=stream)
-    graph = gpu.capture(chain)
-    for _ in range(3):
-        for o in outs:
-            gpu.memset(o, 0xFF)
-        gpu.replay(graph)
-        got = [bf16_to_f32(o.numpy()) for o in outs]
+    for got in back_to_back(gpu, c, moe, calls, rows=9):
         assert_close(got[1][:3], c["y_ref"][9:12], what=f"moe down_cols {c['name']} graph call 2")
         assert np.isnan(got[1][3:]).all()
         assert_close(got[0][:1], c["y_ref"][12:13], what=f"moe down_cols {c['name']} graph call 3")
@@ -99,22 +84,10 @@ def test_cols_graph_back_to_back(gpu, moe_case):
 def test_cols_after_the_fused_router(gpu):
     """The engine's order: the fused router fills the tile lists, then gate_up and moe_down_cols; bitwise the two
     launches with moe_down after the same router."""
-    from ddtree.model.bf16 import bf16_to_f32, f32_to_bf16
-    from ddtree.plugins import layout, randfill
+    from ddtree.model.bf16 import bf16_to_f32
     from ddtree.plugins.moe import FusedMoE, MoEShape
-    E, H, I, M = 64, 7168, 256, 13
-    specs = {"gate_up": ((E, I // 16, H // 64, 2, 32, 4), np.int32, randfill.INT4_WORDS),
-             "gate_up_scale": ((E, I // 16, H // 64, 2, 8, 4), np.uint16, randfill.SCALES_BF16),
-             "down": ((E, H // 32, I // 64, 2, 32, 4), np.int32, randfill.INT4_WORDS),
-             "down_scale": ((E, H // 32, I // 64, 2, 8, 4), np.uint16, randfill.SCALES_BF16)}
-    weights = {}
-    for i, (k, (shp, dt, preset)) in enumerate(specs.items()):
-        weights[k] = gpu.alloc(shp, dt)
-        randfill.fill_device(gpu, weights[k], 900 + i, preset)
-    rng = np.random.default_rng(7)
-    router = gpu.upload(layout.tile_bf16(f32_to_bf16(rng.standard_normal((E, H)) * 0.02)))
-    bias = gpu.upload(rng.uniform(-0.01, 0.01, E).astype(np.float32))
-    x = gpu.upload(f32_to_bf16((rng.standard_normal((M, H)) * 0.5).astype(np.float32)))
+    H, I, E, M = 7168, 256, 64, 13
+    weights, router, bias, x = routed_case(gpu, M, 7, bias_range=0.01)
     shape = MoEShape(H, I, E, 8, scaling=2.5, max_tokens=32)
     outs = []
     for down_cols in (False, True):

@@ -96,13 +96,12 @@ def test_stream_forced_plans(gpu, moe_case, variant):
         np.testing.assert_array_equal(y, y_two, err_msg=f"stream {variant} != two launches (M={M})")
 
 
-def test_stream_graph_back_to_back(gpu, moe_case):
-    """Three streaming calls in one graph (PDL: each overlaps the previous one's tail; the queue and ready counts
-    reset by each launch's last block): different M, shared workspaces, the third rewriting the first's output."""
-    c = moe_case
-    H, moe = c["dev"]["x"].shape[1], make_moe(gpu, c, True)
-    calls = [(0, 16), (16, 3), (19, 1)]                            # (first token, M)
-    outs = [gpu.alloc((16, H), np.uint16) for _ in range(2)]
+def back_to_back(gpu, c, moe, calls, rows: int, replays: int = 3):
+    """calls [(first token, M)] in one graph on two outputs of `rows` rows in turn (PDL: each launch overlaps the
+    previous one's tail; call i writes output i % 2), replayed on NaN-poisoned outputs -> each replay's outputs as
+    float."""
+    H = c["dev"]["x"].shape[1]
+    outs = [gpu.alloc((rows, H), np.uint16) for _ in range(2)]
     routes = [(gpu.upload(c["ids"][t0:t0 + m]), gpu.upload(c["w"][t0:t0 + m])) for t0, m in calls]
     for i, (t0, m) in enumerate(calls):
         moe.run(c["dev"]["x"].view(t0 * H, (m, H)), outs[i % 2], m, topk=routes[i])
@@ -112,11 +111,21 @@ def test_stream_graph_back_to_back(gpu, moe_case):
         for i, (t0, m) in enumerate(calls):
             moe.run(c["dev"]["x"].view(t0 * H, (m, H)), outs[i % 2], m, topk=routes[i], stream=stream)
     graph = gpu.capture(chain)
-    for _ in range(3):
+    got = []
+    for _ in range(replays):
         for o in outs:
             gpu.memset(o, 0xFF)
         gpu.replay(graph)
-        got = [bf16_to_f32(o.numpy()) for o in outs]
+        got.append([bf16_to_f32(o.numpy()) for o in outs])
+    return got
+
+
+def test_stream_graph_back_to_back(gpu, moe_case):
+    """Three streaming calls in one graph (the queue and ready counts reset by each launch's last block): different
+    M, shared workspaces, the third rewriting the first's output."""
+    c = moe_case
+    moe = make_moe(gpu, c, True)
+    for got in back_to_back(gpu, c, moe, [(0, 16), (16, 3), (19, 1)], rows=16):
         assert_close(got[1][:3], c["y_ref"][16:19], what=f"moe stream {c['name']} graph call 2")
         assert np.isnan(got[1][3:]).all()
         assert_close(got[0][:1], c["y_ref"][19:20], what=f"moe stream {c['name']} graph call 3")
@@ -124,13 +133,10 @@ def test_stream_graph_back_to_back(gpu, moe_case):
     assert not moe.queue.numpy().any() and not moe.ready.numpy().any()      # reset for the next launch
 
 
-def test_stream_routed_with_the_fused_router(gpu):
-    """The engine's order: the fused router (plugins/router.py) fills the tile lists, then the streaming launch;
-    equal bitwise to the two launches after the same router at the same gate_up k-split."""
+def routed_case(gpu, M: int, seed: int, bias_range: float = 0.0, E: int = 64, H: int = 7168, I: int = 256) -> tuple:
+    """(weights, router, bias, x) of a routed MoE at tp 8's per-rank expert shape on E experts: random INT4 experts
+    (randfill streams 900..903), a [E, H] router in the tiled layout, a bias uniform in +-bias_range, x [M, H]."""
     from ddtree.plugins import layout, randfill
-    from ddtree.plugins.moe import FusedMoE, MoEShape
-    E, H, I, M = 64, 7168, 256, 17
-    rng = np.random.default_rng(5)
     specs = {"gate_up": ((E, I // 16, H // 64, 2, 32, 4), np.int32, randfill.INT4_WORDS),
              "gate_up_scale": ((E, I // 16, H // 64, 2, 8, 4), np.uint16, randfill.SCALES_BF16),
              "down": ((E, H // 32, I // 64, 2, 32, 4), np.int32, randfill.INT4_WORDS),
@@ -139,9 +145,20 @@ def test_stream_routed_with_the_fused_router(gpu):
     for i, (k, (shp, dt, preset)) in enumerate(specs.items()):
         weights[k] = gpu.alloc(shp, dt)
         randfill.fill_device(gpu, weights[k], 900 + i, preset)
+    rng = np.random.default_rng(seed)
     router = gpu.upload(layout.tile_bf16(f32_to_bf16(rng.standard_normal((E, H)) * 0.02)))
-    bias = gpu.upload(np.zeros(E, np.float32))
+    bias = gpu.upload(rng.uniform(-bias_range, bias_range, E).astype(np.float32) if bias_range else
+                      np.zeros(E, np.float32))
     x = gpu.upload(f32_to_bf16((rng.standard_normal((M, H)) * 0.5).astype(np.float32)))
+    return weights, router, bias, x
+
+
+def test_stream_routed_with_the_fused_router(gpu):
+    """The engine's order: the fused router (plugins/router.py) fills the tile lists, then the streaming launch;
+    equal bitwise to the two launches after the same router at the same gate_up k-split."""
+    from ddtree.plugins.moe import FusedMoE, MoEShape
+    H, I, E, M = 7168, 256, 64, 17
+    weights, router, bias, x = routed_case(gpu, M, 5)
     shape = MoEShape(H, I, E, 8, scaling=2.5, max_tokens=64)
     outs, splits = [], None
     for streaming in (True, False):

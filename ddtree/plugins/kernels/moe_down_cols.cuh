@@ -135,34 +135,12 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
         cp_async_wait<STAGES - 2>();                     // slot `it` landed (this lane's copies)
         __syncwarp();                                    // ... and the other lanes'; all are done reading the last
         issue();
-#pragma unroll
-        for (int q = 0; q < CPSLOT; ++q) {
-            const uint4 w0 = slot_w[64 * q], w1 = slot_w[64 * q + 32];
-            const uint2 s0 = slot_s[16 * q], s1 = slot_s[16 * q + 8];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {                // two k32 scale groups per chunk
-                const int grp = 2 * (c + q) + h;
-                const uint4 xb = *(const uint4*)(xr + 32 * grp);
-                const float c0 = corr_p[0][grp], c1 = corr_p[1][grp];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint4 w = j == 0 ? w0 : w1;
-                    const uint2 sc = j == 0 ? s0 : s1;
-                    float part[4] = {c0, c1, c0, c1};
-                    u32 a[4];
-                    int4_word_biased(h == 0 ? w.x : w.z, a, nibble_mask);
-                    mma_bf16_16816(part, a, xb.x, xb.y);
-                    int4_word_biased(h == 0 ? w.y : w.w, a, nibble_mask);
-                    mma_bf16_16816(part, a, xb.z, xb.w);
-                    const u32 sp2 = h == 0 ? sc.x : sc.y;
-                    const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
-                    acc[j][0] += s_row_g * part[0];
-                    acc[j][1] += s_row_g * part[1];
-                    acc[j][2] += s_row_g8 * part[2];
-                    acc[j][3] += s_row_g8 * part[3];
-                }
-            }
-        }
+        w4_slot<CPSLOT>(acc, slot_w, slot_s, nibble_mask,
+                        [&](int q, int h) { return *(const uint4*)(xr + 64 * (c + q) + 32 * h); },
+                        [&](int q, int h) {
+                            const int grp = 2 * (c + q) + h;
+                            return make_float4(corr_p[0][grp], corr_p[1][grp], corr_p[0][grp], corr_p[1][grp]);
+                        });
         slot_w += SLOT_W;
         slot_s += SLOT_S;
         if (++st == STAGES) {

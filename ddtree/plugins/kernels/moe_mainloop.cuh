@@ -20,6 +20,47 @@ struct W4Bulk {
     int pin_slots;
 };
 
+// One k32 scale group of a 16-row INT4 tile against 8 activation columns (w4_mainloop, moe_down_cols: the same ops
+// in the same order): the unscaled group sum (integer weights +136 are exact in bf16; `start`, -136 x the group's
+// activation sums, removes the bias), then acc += the rows' scales (row g, row g + 8) x it.
+__device__ __forceinline__ void w4_group(float (&acc)[4], float4 start, u32 w_lo, u32 w_hi, u32 scales, uint4 xb,
+                                         u32 nibble_mask) {
+    float part[4] = {start.x, start.y, start.z, start.w};
+    u32 a[4];
+    int4_word_biased(w_lo, a, nibble_mask);
+    mma_bf16_16816(part, a, xb.x, xb.y);
+    int4_word_biased(w_hi, a, nibble_mask);
+    mma_bf16_16816(part, a, xb.z, xb.w);
+    const float s_row_g = bf16lo_to_f32(scales), s_row_g8 = bf16hi_to_f32(scales);
+    acc[0] += s_row_g * part[0];
+    acc[1] += s_row_g * part[1];
+    acc[2] += s_row_g8 * part[2];
+    acc[3] += s_row_g8 * part[3];
+}
+
+// One ring slot's CPSLOT chunks of a warp's two 16-row tiles (w4_mainloop, moe_down_cols): x_at(q, h) is the B
+// fragment and corr_at(q, h) the bias correction of chunk q's k32 group h.
+template <int CPSLOT, class XAt, class CorrAt>
+__device__ __forceinline__ void w4_slot(float (&acc)[2][4], const uint4* slot_w, const uint2* slot_s, u32 nibble_mask,
+                                        XAt x_at, CorrAt corr_at) {
+#pragma unroll
+    for (int q = 0; q < CPSLOT; ++q) {
+        const uint4 w0 = slot_w[64 * q], w1 = slot_w[64 * q + 32];
+        const uint2 s0 = slot_s[16 * q], s1 = slot_s[16 * q + 8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                    // two k32 scale groups per chunk
+            const uint4 xb = x_at(q, h);
+            const float4 corr = corr_at(q, h);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const uint4 w = j == 0 ? w0 : w1;
+                const uint2 sc = j == 0 ? s0 : s1;
+                w4_group(acc[j], corr, h == 0 ? w.x : w.z, h == 0 ? w.y : w.w, h == 0 ? sc.x : sc.y, xb, nibble_mask);
+            }
+        }
+    }
+}
+
 template <int CPSLOT>
 struct W4Slot {                     // one warp's ring slot
     uint4 w[CPSLOT][2][32];         // CPSLOT chunks x two 16-row tiles x 64 k of INT4 (lane-private uint4s)
@@ -190,36 +231,11 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
         else cp_async_wait<STAGES - 2>();                // slot `it` landed (this lane's copies)
         __syncwarp();                                    // ... and the other lanes' (scales); all lanes are done
         issue();                                         // reading the slot of the last iteration: refill it
-#pragma unroll
-        for (int q = 0; q < CPSLOT; ++q) {
-            const uint4 w0 = slot_w[64 * q], w1 = slot_w[64 * q + 32];
-            const uint2 s0 = slot_s[16 * q], s1 = slot_s[16 * q + 8];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {                // two k32 scale groups per chunk
-                const uint4 xb = *(const uint4*)(xp + 32 * h);
-                const float4 corr = cp[4 * h];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint4 w = j == 0 ? w0 : w1;
-                    const uint2 sc = j == 0 ? s0 : s1;
-                    // unscaled group sum: integer weights (+136) are exact in bf16; the start value removes the bias
-                    float part[4] = {corr.x, corr.y, corr.z, corr.w};
-                    u32 a[4];
-                    int4_word_biased(h == 0 ? w.x : w.z, a, nibble_mask);
-                    mma_bf16_16816(part, a, xb.x, xb.y);
-                    int4_word_biased(h == 0 ? w.y : w.w, a, nibble_mask);
-                    mma_bf16_16816(part, a, xb.z, xb.w);
-                    const u32 sp2 = h == 0 ? sc.x : sc.y;    // (row g, row g+8) scales of this group
-                    const float s_row_g = bf16lo_to_f32(sp2), s_row_g8 = bf16hi_to_f32(sp2);
-                    acc[j][0] += s_row_g * part[0];
-                    acc[j][1] += s_row_g * part[1];
-                    acc[j][2] += s_row_g8 * part[2];
-                    acc[j][3] += s_row_g8 * part[3];
-                }
-            }
-            xp += 64;
-            cp += 8;
-        }
+        w4_slot<CPSLOT>(acc, slot_w, slot_s, nibble_mask,
+                        [&](int q, int h) { return *(const uint4*)(xp + 64 * q + 32 * h); },
+                        [&](int q, int h) { return cp[8 * q + 4 * h]; });
+        xp += 64 * CPSLOT;
+        cp += 8 * CPSLOT;
         slot_w += SLOT_W;
         slot_s += SLOT_S;
         if (++st == STAGES) {
