@@ -184,6 +184,8 @@ def bench_moe_rows(gpu, tp: int, ms: list[int], launches: int, ceiling_gbps: flo
             moe.streaming, moe.down_cols = MOE_PATHS[path]
             if path == "cols" and not moe.uses_down_cols(M):
                 moe.cols_plan(M)                        # raises, naming the shared memory it needs
+                raise click.BadParameter(f"M = {M}: the down k-split is {moe.plan(M).dn_splits}; moe_down_cols sums "
+                                         "one (moe_down's at one split)", param_hint="--paths cols")
             us = time_moe(gpu, moe, x, out, M, routes)
             rows.append(_row({"tp": tp, "part": "experts", "M": M, "path": path, "routing": routing,
                               "reuse": reuse if routing == "tree" else None,
@@ -229,17 +231,14 @@ def moe_plan_row(moe, M: int) -> dict:
                 "blocks": p.blocks, "prefetch_tiles": p.prefetch_tiles, "smem": p.smem, "bulk": p.bulk, "pin": p.pin,
                 "pdl": moe.pdl}
     p = moe.plan(M)
+    gate_up = {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
+               "gate_up_ring": "%dx%d" % p.gu_ring, "gate_up_tpw": p.gu_tpw, "gate_up_occ": p.gu_occ, "pdl": moe.pdl}
     if moe.uses_down_cols(M):
         c = moe.cols_plan(M)
-        cols = {"down_cols": True, "cols_warps": c.warps, "cols_upb": c.upb, "cols_ring": "%dx%d" % c.ring,
+        return {**gate_up, "down_cols": True, "cols_warps": c.warps, "cols_upb": c.upb, "cols_ring": "%dx%d" % c.ring,
                 "cols_blocks": c.blocks, "cols_smem": c.smem}
-        return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps,
-                "gate_up_blocks_x": p.gu_nb, "gate_up_ring": "%dx%d" % p.gu_ring, "gate_up_tpw": p.gu_tpw,
-                "gate_up_occ": p.gu_occ, **cols, "pdl": moe.pdl}
-    return {"stream": False, "gate_up_splits": p.gu_splits, "gate_up_warps": p.gu_warps, "gate_up_blocks_x": p.gu_nb,
-            "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb, "down_splits": p.dn_splits,
-            "gate_up_ring": "%dx%d" % p.gu_ring, "down_ring": "%dx%d" % p.dn_ring, "gate_up_tpw": p.gu_tpw,
-            "gate_up_occ": p.gu_occ, "down_occ": p.dn_occ, "pdl": moe.pdl}
+    return {**gate_up, "down_warps": p.dn_warps, "down_tpw": p.dn_tpw, "down_blocks_x": p.dn_nb,
+            "down_splits": p.dn_splits, "down_ring": "%dx%d" % p.dn_ring, "down_occ": p.dn_occ}
 
 
 def router_rows(gpu, moe, x, tp: int, M: int, launches: int, parts: bool, ceiling_gbps: float) -> list[dict]:

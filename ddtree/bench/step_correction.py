@@ -21,7 +21,7 @@ import json
 
 import click
 
-from ddtree.bench.projection import H100, H200, AllReduceModel, Projection
+from ddtree.bench.projection import H100, H200, AllReduceModel, Device, Projection
 
 NO_COLLECTIVES = (AllReduceModel("excluded", 0.0, float("inf"), "the measured step's stand-ins are left out"),)
 # the cards a measured step may come from, by a word of the file's device name (the kernel classes' fixed costs
@@ -29,7 +29,7 @@ NO_COLLECTIVES = (AllReduceModel("excluded", 0.0, float("inf"), "the measured st
 MEASURING_DEVICES = {"H200": H200, "H100": H100}
 
 
-def measuring_device(name: str, path) -> object:
+def measuring_device(name: str, path) -> Device:
     for word, dev in MEASURING_DEVICES.items():
         if word in name:
             return dev

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree.plugins.moe_stream import align_tiles
+from ddtree.plugins.moe_stream import STAGE_BYTES, align_tiles
 from ddtree.plugins.reference import as_float, expert_dense
 
-SLOT_CHUNK_BYTES = 2 * (32 * 16 + 8 * 8)          # one chunk of a warp's ring slot: two tiles' weights + scales
 COLS_RINGS = ((2, 2), (3, 2), (4, 2), (2, 4))     # (slots, chunks per slot) compiled (DD_MOE_DOWN_COLS)
 STATIC_SMEM = 64                                  # the kernel's static shared memory (s_mask), with margin
-REGS_PER_THREAD = 128                             # __launch_bounds__(512, 1)
 
 # Where FusedMoE takes this kernel instead of moe_down by default: (arch, hidden, inter per rank) -> (first M,
 # last M, knobs). H100 (nvidia-h100-x1), Kimi tp 8 (7168, 256), one device call, `ddtree bench moe --tp 8
@@ -53,7 +51,7 @@ def cols_smem(shape, M: int, warps: int, upb: int, ring: tuple) -> int:
     """Dynamic shared memory of one block (kernel order): rings, act rows (+ a zero row), bias corrections,
     y for the block's columns, the tile lists."""
     P, I = M * shape.topk, shape.inter
-    rings = warps * ring[0] * ring[1] * SLOT_CHUNK_BYTES
+    rings = warps * ring[0] * ring[1] * STAGE_BYTES
     act = (P + 1) * (I + 32) * 2
     xc = P * (I // 32) * 4
     y = P * 32 * upb * 4

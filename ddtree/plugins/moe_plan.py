@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddtree.plugins.moe_stream import StreamPlan, plan_stream
+from ddtree.plugins.moe_stream import STAGE_BYTES, StreamPlan, plan_stream
 from ddtree.plugins.router import check_routing
 
 SOURCE = "moe.cu"
-STAGE_BYTES = 2 * (32 * 16 + 8 * 8)                # one chunk of a warp's ring slot (two tiles + their scales)
 RINGS = ((6, 1), (3, 2), (4, 2), (5, 2), (2, 4))   # (slots, chunks per slot) compiled in moe.cu (DD_MOE_RING)
 # Default ring per arch. H200 sweep (ddtree/plugins/kernels/NOTES.md): two 1 KB chunks per slot (one 2.3 KB request per warp) beat
 # deeper one-chunk rings at equal or more bytes in flight; 4 x 2 fits 16 gate_up warps at k-split 2 in

@@ -19,7 +19,7 @@ import numpy as np
 
 from ddtree.plugins.reference import as_float, expert_dense, silu
 
-STAGE_BYTES = 2 * (32 * 16 + 8 * 8)     # one chunk of a warp's ring slot (plugins/moe.py STAGE_BYTES)
+STAGE_BYTES = 2 * (32 * 16 + 8 * 8)     # one chunk of a warp's ring slot: two tiles' INT4 + their scales
 REGS_PER_THREAD = 128                   # __launch_bounds__(512, 1) of moe_stream: at most 128 registers
 DOWN_WAVES = 2                          # default down items per block of the grid (at least), plan_stream
 BAR_BYTES = 8                           # one mbarrier a warp and ring slot (bulk plans)

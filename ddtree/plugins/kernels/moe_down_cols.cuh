@@ -95,18 +95,10 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
     cp_async_commit();
     cp_async_wait<0>();                                  // act is the newest group: everything landed
     __syncthreads();
-    // xc_s[p][k32 group] = -136 x the group's sum, as w4_mainloop's xcorr (the same adds in the same order)
+    // xc_s[p][k32 group] = -136 x the group's sum, as w4_mainloop's xcorr (k32_sum: the same adds in the same order)
     for (int i = threadIdx.x; i < P * KG; i += blockDim.x) {
         const int p = i / KG, grp = i - p * KG;
-        const uint4* src = (const uint4*)(act_s + (size_t)p * xstride + grp * 32);
-        float sum = 0.f;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const uint4 v = src[u];
-            sum += (bf16lo_to_f32(v.x) + bf16hi_to_f32(v.x)) + (bf16lo_to_f32(v.y) + bf16hi_to_f32(v.y))
-                 + (bf16lo_to_f32(v.z) + bf16hi_to_f32(v.z)) + (bf16lo_to_f32(v.w) + bf16hi_to_f32(v.w));
-        }
-        xc_s[i] = -136.0f * sum;
+        xc_s[i] = -136.0f * k32_sum((const uint4*)(act_s + (size_t)p * xstride + grp * 32));
     }
     __syncthreads();
 

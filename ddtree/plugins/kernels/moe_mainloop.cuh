@@ -20,6 +20,19 @@ struct W4Bulk {
     int pin_slots;
 };
 
+// The sum of one activation row's 32 bf16 values of a k32 group (4 uint4 in shared memory), in the order whose
+// -136 x is the bias correction of w4_mainloop's xcorr and moe_down_cols' xc_s (the two must agree bit for bit).
+__device__ __forceinline__ float k32_sum(const uint4* src) {
+    float sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const uint4 v = src[u];
+        sum += (bf16lo_to_f32(v.x) + bf16hi_to_f32(v.x)) + (bf16lo_to_f32(v.y) + bf16hi_to_f32(v.y))
+             + (bf16lo_to_f32(v.z) + bf16hi_to_f32(v.z)) + (bf16lo_to_f32(v.w) + bf16hi_to_f32(v.w));
+    }
+    return sum;
+}
+
 // One k32 scale group of a 16-row INT4 tile against 8 activation columns (w4_mainloop, moe_down_cols: the same ops
 // in the same order): the unscaled group sum (integer weights +136 are exact in bf16; `start`, -136 x the group's
 // activation sums, removes the bias), then acc += the rows' scales (row g, row g + 8) x it.
@@ -202,16 +215,8 @@ __device__ __forceinline__ void w4_mainloop(const bf16_t* __restrict__ x_rows, c
     for (int i = threadIdx.x; i < 8 * CPS; i += blockDim.x) {
         float sum[2];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const uint4* src = (const uint4*)(xs + (2 * (i & 3) + q) * xstride + (i >> 2) * 32);
-            sum[q] = 0.f;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint4 v = src[u];
-                sum[q] += (bf16lo_to_f32(v.x) + bf16hi_to_f32(v.x)) + (bf16lo_to_f32(v.y) + bf16hi_to_f32(v.y))
-                        + (bf16lo_to_f32(v.z) + bf16hi_to_f32(v.z)) + (bf16lo_to_f32(v.w) + bf16hi_to_f32(v.w));
-            }
-        }
+        for (int q = 0; q < 2; ++q)
+            sum[q] = k32_sum((const uint4*)(xs + (2 * (i & 3) + q) * xstride + (i >> 2) * 32));
         xcorr[i] = make_float4(-136.0f * sum[0], -136.0f * sum[1], -136.0f * sum[0], -136.0f * sum[1]);
     }
     __syncthreads();
