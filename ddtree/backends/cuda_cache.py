@@ -45,9 +45,12 @@ class CacheOps:
             n, count = int(accepted_count.host[0]), ptr(None)
         if not 0 <= n <= MAX_COMPACT:
             raise ValueError(f"{self.where}: kv_compact of {n} rows (at most {MAX_COMPACT})")
-        if n:
-            entry, g = cache.shape[1], self.gpu
-            g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, 1),
-                     32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(cache.shape[0] * entry), ptr(cache_len.ptr),
+        if len(cache.shape) not in (2, 3) or not cache.contiguous:
+            raise ValueError(f"{self.where}: kv_compact of a {cache.shape} cache with strides {cache.strides} "
+                             "(expected a dense [S, W], or every layer's stacked: [L, S, W])")
+        if n:                                                  # one launch for every layer of a stacked cache
+            (S, entry), layers, g = cache.shape[-2:], int(np.prod(cache.shape[:-2])), self.gpu
+            g.launch(g.kernel(SOURCE, "kv_compact", latent_defines(*self.store.latent)), (entry // 8, layers),
+                     32 * -(-n // 32), 0, ptr(cache.ptr), np.uint64(S * entry), ptr(cache_len.ptr),
                      ptr(accepted.ptr), np.int32(n), count, stream=self.stream, pdl=self.k.pdl)
         return cache

@@ -181,7 +181,8 @@ class MeterOps(Ops):
         return cache
 
     def kv_compact(self, cache, cache_len, accepted, accepted_count):
-        rows = Meta((self.dims["accepted"], cache.shape[1]), cache.nbytes_each)      # the kept rows, moved
+        layers = int(np.prod(cache.shape[:-2]))                                   # [S, W] or stacked [L, S, W]
+        rows = Meta((layers * self.dims["accepted"], cache.shape[-1]), cache.nbytes_each)   # the kept rows, moved
         self._rec("kv_compact", [rows, cache_len, accepted, accepted_count], [rows])
         return cache
 
@@ -335,6 +336,7 @@ class MeterRun:
 
 
 NO_CACHES = stack.InPlace(lambda L: {})         # the meter's caches are shapes: its dims S, T
+TARGET_CACHES = stack.InPlace(lambda L: {}, stacked=lambda: {})   # as the cuda executor's: compacted in one call
 
 
 def meter_step(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, context: int = 4096, budget: int = 16,
@@ -347,13 +349,13 @@ def meter_step(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, context: int =
     b, q, n = dcfg.block_size, budget + 1, dcfg.block_size if new_context is None else new_context
     k = layers.draft_topk([budget], lay.vocab_stop - lay.vocab_start)
     dims = {"q": b, "n": n, "T": context, "T_draft": context, "S": context + q, "W": -(-q // 32), "nodes": q,
-            "accepted": n}
+            "accepted": n, "L": cfg.num_hidden_layers}
     ops = MeterOps(lay, specs, dims, **kw)
     feeds = stack.StepFeeds({"ctx_taps": None, "ids": None, "pos": None, "cache_len": None}, None,
                             verify=lambda tree: {"ids": None, "pos": None, "cache_len": None, "tree_mask": None},
                             head=lambda verify: {}, compact=lambda walk: {})
     stack.ddtree_step(MeterRun(ops, b, q), cfg, dcfg, plan["per_rank"]["moe_intermediate"], k, budget, feeds,
-                      NO_CACHES, NO_CACHES)
+                      TARGET_CACHES, NO_CACHES)
     return ops.records
 
 

@@ -50,7 +50,7 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     b, n = dcfg.block_size, dcfg.block_size if new_context is None else new_context
     k = layers.draft_topk([B for _, B in requests], lay.vocab_stop - lay.vocab_start)
     dims = {"q": b, "n": n, "T": max(T for T, _ in requests), "S": max(T + B + 1 for T, B in requests), "W": max(-(-(B + 1) // 32) for _, B in requests),
-            "accepted": n, **request_dims([(T, B + 1) for T, B in requests])}
+            "accepted": n, "L": cfg.num_hidden_layers, **request_dims([(T, B + 1) for T, B in requests])}
     ops = MeterOps(lay, specs, dims, **kw)
     per = [stack.StepFeeds({"ctx_taps": i, "ids": None, "pos": None, "cache_len": None}, None,
                            verify=lambda tree: {}, head=lambda verify: {}, compact=lambda walk: {})
@@ -59,7 +59,8 @@ def meter_step_requests(cfg, dcfg, plan: dict, specs: dict, rank: int = 0, reque
     feeds = stack.RequestStepFeeds(per, union=lambda verifies: dict.fromkeys(union), rows=lambda h, i: i)
     run = MeterRequestsRun(ops, b, list(requests))
     stack.ddtree_step_requests(run, cfg, dcfg, plan["per_rank"]["moe_intermediate"], k, [B for _, B in requests],
-                               feeds, [stack.InPlace(lambda L: {"cache": None})] * len(requests),
+                               feeds, [stack.InPlace(lambda L: {"cache": None}, stacked=lambda: {"cache": None})]
+                               * len(requests),                   # each request's layers compacted in one call
                                [NO_CACHES] * len(requests))
     return ops.records
 

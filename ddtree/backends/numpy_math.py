@@ -87,13 +87,15 @@ def kv_append(cache: np.ndarray, T: int, c_kv, k_pe) -> np.ndarray:
 
 
 def kv_compact(cache: np.ndarray, T: int, accepted, count: int) -> np.ndarray:
-    """cache rows T + accepted[i] -> T + i for i < count, in place (fancy indexing reads before it writes)."""
+    """cache [S, W] (or every layer's, stacked: [L, S, W]) rows T + accepted[i] -> T + i for i < count, in place
+    (fancy indexing reads before it writes)."""
     keep = np.asarray(accepted, dtype=np.int64).reshape(-1)[:count]
+    S = cache.shape[-2]
     if count < 0 or len(keep) != count or np.any(np.diff(keep) <= 0) or (count and (keep[0] < 0 or
-                                                                                    T + keep[-1] >= cache.shape[0])):
+                                                                                    T + keep[-1] >= S)):
         raise ValueError(f"kv_compact: accepted {keep.tolist()} (count {count}) must be increasing rows after {T} "
-                         f"inside a cache of {cache.shape[0]}")
-    cache[T: T + count] = cache[T + keep]
+                         f"inside a cache of {S}")
+    cache[..., T: T + count, :] = cache[..., T + keep, :]
     return cache
 
 

@@ -201,13 +201,15 @@ def _pruned_moe(ops: Ops, cfg, layer: int, x2, moe_inter: int, prune: str):
     return mlp
 
 
-def compact(ops: Ops, cfg) -> None:
+def compact(ops: Ops, cfg, stacked: bool = False) -> None:
+    """One layer's cache [S, W] to the accepted path, or (stacked) every layer's at once: [L, S, W] in one buffer."""
     W = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    cache = ops.input("cache", ["S", W], ACT)
+    dims = ["L", "S", W] if stacked else ["S", W]
+    cache = ops.input("cache", dims, ACT)
     cache_len = ops.input("cache_len", [1], I32)                                        # T before the verify
     accepted = ops.input("accepted", ["nodes"], I32)                                    # the walk's outputs
     count = ops.input("accepted_count", [1], I32)
-    ops.output("cache_out", ops.kv_compact(cache, cache_len, accepted, count), ["S", W], ACT)
+    ops.output("cache_out", ops.kv_compact(cache, cache_len, accepted, count), dims, ACT)
 
 
 def _target_logits(ops: Ops, cfg):

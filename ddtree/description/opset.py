@@ -179,7 +179,8 @@ class Ops(ABC):
     @abstractmethod
     def kv_compact(self, cache, cache_len, accepted, accepted_count):
         """After a verify at T = cache_len: cache rows T + accepted[i] -> T + i for i < accepted_count
-        (accepted increasing, -1 after); returns the cache (in place). The caller's length becomes T + count."""
+        (accepted increasing, -1 after); returns the cache (in place). The caller's length becomes T + count.
+        cache [S, W], or [L, S, W]: every layer's cache stacked (one buffer), compacted by one call."""
 
     @abstractmethod
     def mla_absorb_q(self, q_nope, kv_b, spec: MlaSpec):

@@ -64,10 +64,11 @@ class RequestCaches:
 
 
 class InPlace:
-    """Caches a backend updates in place: layer L's feeds from `feeds_of(L)`, nothing to keep."""
+    """Caches a backend updates in place: layer L's feeds from `feeds_of(L)`, nothing to keep. stacked: where every
+    layer's cache is one buffer, the feeds of all of them as one [L, S, W] tensor (compact then runs once), or None."""
 
-    def __init__(self, feeds_of: Callable[[int], dict]):
-        self.feeds = feeds_of
+    def __init__(self, feeds_of: Callable[[int], dict], stacked: Callable[[], dict] | None = None):
+        self.feeds, self.stacked = feeds_of, stacked
 
     def keep(self, layer: int, outs: dict) -> None:
         pass
@@ -169,7 +170,12 @@ def drafter_forward(run: Run, cfg, dcfg, feeds: dict, caches: LayerCaches, block
 
 def compact(run: Run, cfg, feeds: dict, caches: LayerCaches) -> None:
     """feeds: cache_len [1] (the rows before the verify), accepted [nodes], accepted_count [1] -> every layer's
-    cache holds the accepted rows at cache_len.."""
+    cache holds the accepted rows at cache_len... Caches stacked in one buffer are compacted by one call (one
+    launch instead of a layer's each: issue 48), others layer by layer."""
+    stacked = getattr(caches, "stacked", None)
+    if stacked is not None:
+        run("compact", layers.compact, (cfg, True), {**feeds, **stacked()})
+        return
     for L in range(cfg.num_hidden_layers):
         caches.keep(L, run("compact", layers.compact, (cfg,), {**feeds, **caches.feeds(L)}))
 

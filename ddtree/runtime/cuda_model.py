@@ -114,7 +114,7 @@ def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:
 
 
 def target_feeds(cache: GpuTargetCache) -> stack.InPlace:
-    return stack.InPlace(lambda L: {"cache": cache.layer(L)})
+    return stack.InPlace(lambda L: {"cache": cache.layer(L)}, stacked=lambda: {"cache": Tensor.of(cache.dev.buf)})
 
 
 def draft_feeds(cache: GpuDraftCache) -> stack.InPlace:

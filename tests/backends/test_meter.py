@@ -91,3 +91,14 @@ def test_an_ar_step_reads_the_target_once_and_k_experts(kimi_tp8):
     attn = [r for r in recs if r.op == "mla_tree_attention"]
     assert len(attn) == cfg.num_hidden_layers and all(r.read >= 4097 * 576 * 2 for r in attn)
     assert totals(recs)["all_reduces"] == 1 + 2 * cfg.num_hidden_layers    # the embedding, attention and MLP
+
+
+def test_the_step_compacts_every_layer_in_one_call(kimi_tp8):
+    """The metered step compacts as the cuda executor does: one kv_compact over the stacked caches, moving the
+    accepted rows of every layer (L x n x 576 bf16 read and written) in one kernel."""
+    cfg, dcfg, plan, specs = kimi_tp8
+    recs = [r for r in meter_step(cfg, dcfg, plan.to_dict(), specs, rank=0, context=4096, budget=16)
+            if r.op == "kv_compact"]
+    moved = cfg.num_hidden_layers * dcfg.block_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    assert len(recs) == 1 and recs[0].kernels == 1 and recs[0].kind == "compact"
+    assert recs[0].written == moved and recs[0].read >= moved

@@ -1,6 +1,7 @@
 """Every backend implements the whole op set, with the op set's signatures."""
 import inspect
 
+import numpy as np
 import pytest
 
 from ddtree.backends.cuda_backend import LAUNCHERS, CudaOps
@@ -48,3 +49,25 @@ def test_cuda_ops_views_and_the_missing_collectives():
     with pytest.raises(NotImplementedError, match="collective="):
         ops.all_reduce(latent, "mlp")
     assert set(LAUNCHERS) == set(OP_NAMES) | set(PATTERNS) | set(REQUEST_OPS)
+
+
+def test_stacked_compaction_equals_each_layer_compacted():
+    """layers.compact over every layer's cache stacked [L, S, W] (the cuda executor's one launch) == each layer's
+    rows moved one by one (a loop over the kept rows), and a bad path is refused naming the rows."""
+    from ddtree.description import layers
+    from ddtree.model.presets import get_preset
+    cfg = get_preset("tiny")[0]
+    W, L, S, T = cfg.kv_lora_rank + cfg.qk_rope_head_dim, 3, 24, 9
+    cache = np.random.default_rng(3).normal(0, 1, (L, S, W)).astype(np.float32)
+    keep = np.array([0, 2, 3, 7, -1, -1], np.int32)
+    want = cache.copy()
+    for layer in range(L):
+        for i, src in enumerate(keep[:4]):
+            want[layer, T + i] = cache[layer, T + src]
+    ops = NumpyOps({}, LAY)
+    feeds = {"cache_len": np.array([T], np.int32), "accepted": keep, "accepted_count": np.array([4], np.int32)}
+    got = ops.call(layers.compact, cfg, True, feeds={"cache": cache.copy(), **feeds})["cache_out"]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="increasing rows after 9"):
+        ops.call(layers.compact, cfg, True, feeds={"cache": cache.copy(), **feeds,
+                                                   "accepted": np.array([0, 3, 2, 7], np.int32)})
