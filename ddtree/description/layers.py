@@ -259,14 +259,16 @@ def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
     cache_v = ops.input("cache_v", ["S", kv_heads, d], ACT)
     cache_len = ops.input("cache_len", [1], I32)
 
-    def heads_of(x, proj: str, n: int, norm: str | None):
-        y = ops.reshape(ops.linear(x, ops.weight(f"{a}{proj}.weight")), [0, n, d])      # [m, n, d]
+    def heads_of(y, n: int, norm: str | None):
+        y = ops.reshape(y, [0, n, d])                                                     # [m, n, d]
         return ops.rms_norm(y, ops.weight(f"{a}{norm}.weight"), eps) if norm else y
 
+    w_q, w_k, w_v = (ops.weight(f"{a}{proj}.weight") for proj in ("q_proj", "k_proj", "v_proj"))
     x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), eps)                   # [b, H]
-    q, k, v = heads_of(x, "q_proj", heads, "q_norm"), heads_of(x, "k_proj", kv_heads, "k_norm"), \
-        heads_of(x, "v_proj", kv_heads, None)
-    ctx_k, ctx_v = heads_of(ctx, "k_proj", kv_heads, "k_norm"), heads_of(ctx, "v_proj", kv_heads, None)
+    y_q, y_k, y_v = ops.linears(x, (w_q, w_k, w_v))                  # one GEMM over x where stored side by side
+    q, k, v = heads_of(y_q, heads, "q_norm"), heads_of(y_k, kv_heads, "k_norm"), heads_of(y_v, kv_heads, None)
+    y_k, y_v = ops.linears(ctx, (w_k, w_v))                          # the same k | v tiles over the new context
+    ctx_k, ctx_v = heads_of(y_k, kv_heads, "k_norm"), heads_of(y_v, kv_heads, None)
     spec = DraftAttentionSpec(heads, kv_heads, d, dcfg.window(layer), float(dcfg.attention_factor))
     ops.prefetch(a + "o_proj.weight", *mlp_names(p + "mlp."))     # staged in L2 during the attention
     o, cache_k, cache_v = ops.draft_attention(q, k, v, ctx_k, ctx_v, pos, cache_k, cache_v, cache_len, dcfg.rope,

@@ -75,20 +75,22 @@ class DraftAttention:
     def run(self, q: DeviceArray | int, k: DeviceArray | int, v: DeviceArray | int, cache_k: DeviceArray | int,
             cache_v: DeviceArray | int, cache_len: DeviceArray | int, n: int, pos: DeviceArray | int,
             o: DeviceArray | int, b: int, window: int = 0, q_tok: int | None = None, kv_tok: int | None = None,
-            stream=None) -> int:
+            stream=None, v_tok: int | None = None) -> int:
         """Launch (and combine when split); returns the number of key splits."""
         if not 1 <= b <= self.max_block or n < 0 or window < 0:
             raise ValueError(f"draft attention: b {b} must be in [1, {self.max_block}], n {n} and window "
                              f"{window} >= 0")
         q_tok = self.heads * self.d if q_tok is None else q_tok
         kv_tok = self.kv_heads * self.d if kv_tok is None else kv_tok
-        if q_tok % 8 or kv_tok % 8:
-            raise ValueError(f"draft attention: token strides {q_tok}, {kv_tok} must be multiples of 8")
+        v_tok = kv_tok if v_tok is None else v_tok               # v of its own stride: a slice of q | k | v
+        if q_tok % 8 or kv_tok % 8 or v_tok % 8:
+            raise ValueError(f"draft attention: token strides {q_tok}, {kv_tok}, {v_tok} must be multiples of 8")
         g = self.heads // self.kv_heads
         splits = self.splits(b)
         grid = (self.kv_heads, -(-b * g // ROWS_PER_BLOCK), splits)
         self.gpu.launch(self.gpu.kernel(SOURCE, f"draft_attention_d{self.d}"), grid, 256, 0,
-                        ptr(q), np.int32(q_tok), ptr(k), ptr(v), np.int32(kv_tok), ptr(cache_k), ptr(cache_v),
+                        ptr(q), np.int32(q_tok), ptr(k), ptr(v), np.int32(kv_tok), np.int32(v_tok), ptr(cache_k),
+                        ptr(cache_v),
                         ptr(cache_len), np.int32(n), ptr(pos), np.int32(b), np.int32(self.heads),
                         np.int32(self.kv_heads), np.int32(window), np.float32(self.scale * math.log2(math.e)),
                         ptr(self.part_o), ptr(self.part_ml), ptr(o), stream=stream, pdl=self.pdl)

@@ -117,18 +117,25 @@ class LayerOps:
                      np.int32(vocab_rows), ptr(out), np.int32(H), stream=stream)
 
     def rms_norm(self, x, w, out, m: int, D: int, eps: float, x_stride: int | None = None,
-                 out_stride: int | None = None, stream=None) -> None:
+                 out_stride: int | None = None, stream=None, x_group: int = 1, x_group_stride: int | None = None) -> None:
         """out [m, D] = w [D] * x / sqrt(mean(x^2) + eps) per row; x rows x_stride apart (default D: a column
         slice of a wider output, e.g. c_kv = latent[:, :R], has stride R + Dr), out rows out_stride apart.
-        out may be x (in place)."""
+        x_group g > 1: x is [m / g, g, D] with those g rows x_stride apart and groups x_group_stride apart (the
+        heads of a column slice). out may be x (in place)."""
         x_stride, out_stride = x_stride or D, out_stride or D
-        _multiple("rms_norm", D=(D, 8), x_stride=(x_stride, 8), out_stride=(out_stride, 8))
+        x_group_stride = x_stride * x_group if x_group_stride is None else x_group_stride
+        _multiple("rms_norm", D=(D, 8), x_stride=(x_stride, 8), out_stride=(out_stride, 8),
+                  x_group_stride=(x_group_stride, 8))
         for what, a in (("rms_norm x", x), ("rms_norm w", w), ("rms_norm out", out)):
             _aligned(what, a, 16)
-        if m < 1 or x_stride < D or out_stride < D:
-            raise ValueError(f"rms_norm: m = {m} must be >= 1 and strides ({x_stride}, {out_stride}) >= D = {D}")
-        self._launch("rms_norm_rows", m, _row_threads(D // 8), ptr(x), np.int32(x_stride), ptr(w), ptr(out),
-                     np.int32(out_stride), np.int32(D), np.float32(eps), stream=stream)
+        if m < 1 or x_stride < D or out_stride < D or x_group < 1 or m % x_group or (
+                x_group > 1 and x_group_stride < x_group * x_stride):
+            raise ValueError(f"rms_norm: m = {m} must be >= 1 and a multiple of x_group = {x_group}, strides "
+                             f"({x_stride}, {out_stride}) >= D = {D}, x_group_stride {x_group_stride} >= x_group "
+                             "x_stride")
+        self._launch("rms_norm_rows", m, _row_threads(D // 8), ptr(x), np.int32(x_stride), np.int32(x_group),
+                     np.int32(x_group_stride), ptr(w), ptr(out), np.int32(out_stride), np.int32(D), np.float32(eps),
+                     stream=stream)
 
     def add_rms_norm(self, h, delta, w, out, m: int, D: int, eps: float, stream=None, h_in=None) -> None:
         """h [m, D] = h_in + delta [m, D] (rounded to bf16; h_in None: h itself, in place), then out [m, D] =
@@ -247,16 +254,20 @@ class LayerOps:
         self._launch("positions_from", self._elements(n), ELEMENT_THREADS, ptr(base), ptr(out), np.int32(n),
                      stream=stream)
 
-    def rows_at(self, dst, dst_rows: int, row0, src, n: int, W: int, itemsize: int = 2, stream=None) -> None:
+    def rows_at(self, dst, dst_rows: int, row0, src, n: int, W: int, itemsize: int = 2, stream=None,
+                src_stride: int | None = None) -> None:
         """dst [dst_rows, W] rows row0[0] .. row0[0] + n - 1 = src [n, W] (row0: a device int32 length; rows past
-        dst_rows are skipped, so the caller checks capacity). Dense rows of a multiple of 16 bytes."""
-        if W * itemsize % 16 or n < 1:
-            raise ValueError(f"rows_at: W = {W} elements of {itemsize} B must be a multiple of 16 B and n = {n} >= 1")
+        dst_rows are skipped, so the caller checks capacity). Rows of a multiple of 16 bytes; src rows src_stride
+        elements apart (default W: dense)."""
+        src_stride = W if src_stride is None else src_stride
+        if W * itemsize % 16 or src_stride * itemsize % 16 or src_stride < W or n < 1:
+            raise ValueError(f"rows_at: W = {W} and src_stride = {src_stride} >= W elements of {itemsize} B must be "
+                             f"multiples of 16 B and n = {n} >= 1")
         _aligned("rows_at src", src, 16)
         _aligned("rows_at dst", dst, 16)
         vecs = W * itemsize // 16
         self._launch("rows_at", n, _row_threads(vecs), ptr(dst), np.int32(vecs), np.int32(dst_rows), ptr(row0),
-                     ptr(src), np.int32(vecs), np.int32(vecs), stream=stream)
+                     ptr(src), np.int32(src_stride * itemsize // 16), np.int32(vecs), stream=stream)
 
     def cast_f32_bf16(self, x, out, n: int, stream=None) -> None:
         """out [n] bf16 = x [n] float32 rounded to nearest even."""

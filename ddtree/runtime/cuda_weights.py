@@ -15,7 +15,10 @@ GEMM_SUFFIXES = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weigh
 GATE_UP = ("gate_proj.weight", "up_proj.weight")
 # GEMM weights over the same x, stored side by side (their tile rows concatenated, in this order) so that
 # ops.linears runs them as one GEMM: one launch's ramp and tail instead of two (issue 48)
-SIDE_BY_SIDE = (("kv_a_proj_with_mqa.weight", "q_a_proj.weight"),)
+# The drafter's q, k and v over the block's x (one GEMM), whose k and v run again over the new context: the tail
+# of the same buffer (a run of consecutive members is a group too: CudaWeights._group).
+SIDE_BY_SIDE = (("kv_a_proj_with_mqa.weight", "q_a_proj.weight"),
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
 
 
 def side_by_side(shapes: dict) -> list[tuple]:
@@ -99,12 +102,15 @@ class CudaWeights:
         return self._tiled[name]
 
     def _group(self, group: tuple, buf, tile_shapes: list) -> None:
-        """group's weights as views of one buffer `buf` holding their tiles in order."""
-        self._groups[group] = buf
-        offset = 0
-        for name, shape in zip(group, tile_shapes):
-            self._tiled[name] = buf.view(offset, shape)
-            offset += int(np.prod(shape))
+        """group's weights as views of one buffer `buf` holding their tiles in order; every run of two or more
+        consecutive members is a group of its own (a view from its first member's tiles)."""
+        starts = np.cumsum([0] + [int(np.prod(shape)) for shape in tile_shapes])
+        for name, shape, offset in zip(group, tile_shapes, starts):
+            self._tiled[name] = buf.view(int(offset), shape)
+        for i in range(len(group)):
+            for j in range(i + 2, len(group) + 1):
+                rows = sum(shape[0] for shape in tile_shapes[i:j])
+                self._groups[group[i:j]] = buf.view(int(starts[i]), (rows, *tile_shapes[i][1:]))
 
     def tiled_group(self, names: tuple):
         """The one tiled buffer holding `names` side by side in this order, or None where they are not."""

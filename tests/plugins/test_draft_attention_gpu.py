@@ -31,18 +31,28 @@ def bf16(rng, shape, scale=1.0):
     return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def run_case(gpu, attn, dev, T, n, b, window, rng, pos=None):
-    """Fresh block inputs and positions, context length T on the device; kernel output vs twin."""
+def run_case(gpu, attn, dev, T, n, b, window, rng, pos=None, v_tok=None):
+    """Fresh block inputs and positions, context length T on the device; kernel output vs twin. v_tok: the block
+    values as the tail of wider token rows (a column slice of the drafter's q | k | v GEMM output), the columns
+    before them filled with other values."""
     Hq, Hk, d = attn.heads, attn.kv_heads, attn.d
     q, k, v = bf16(rng, (b, Hq, d), 2.0), bf16(rng, (b, Hk, d)), bf16(rng, (b, Hk, d))
     pos = np.arange(T + n, T + n + b, dtype=np.int32) if pos is None else pos
     gpu.copy_in(dev["len"], np.array([T], np.int32))
     gpu.copy_in(dev["pos"], pos)
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k", k)):
         gpu.copy_in(dev[name], x)
+    width, v_at = Hk * d, dev["v"]
+    if v_tok is not None:                                            # rows [other values | v] of v_tok each
+        rows = bf16(rng, (16, v_tok))
+        rows[:b, v_tok - width:] = v.reshape(b, width)
+        gpu.copy_in(dev["v_wide"], rows.reshape(-1)[: dev["v_wide"].shape[0]])
+        v_at = dev["v_wide"].view(v_tok - width, (16 * v_tok - v_tok + width,))
+    else:
+        gpu.copy_in(dev["v"], v)
     gpu.memset(dev["o"], 0xFF)
-    splits = attn.run(dev["q"], dev["k"], dev["v"], dev["ck"], dev["cv"], dev["len"], n, dev["pos"], dev["o"], b,
-                      window=window)
+    splits = attn.run(dev["q"], dev["k"], v_at, dev["ck"], dev["cv"], dev["len"], n, dev["pos"], dev["o"], b,
+                      window=window, v_tok=v_tok)
     got = bf16_to_f32(dev["o"].numpy().reshape(-1)[: b * Hq * d].reshape(b, Hq * d)).astype(np.float64)
     ref = twins.draft_block_attention(q, k, v, dev["cache_k"], dev["cache_v"], T + n, pos, window, d ** -0.5)
     what = f"Hq {Hq} Hk {Hk} d {d} T {T} n {n} b {b} window {window} splits {splits}"
@@ -63,9 +73,11 @@ def test_draft_attention_matches_the_twin(gpu, heads):
     dev = {"ck": gpu.upload(cache_k), "cv": gpu.upload(cache_v), "cache_k": cache_k, "cache_v": cache_v,
            "len": gpu.alloc(1, np.int32), "pos": gpu.alloc(16, np.int32), "q": gpu.alloc((16, Hq, d), np.uint16),
            "k": gpu.alloc((16, Hk, d), np.uint16), "v": gpu.alloc((16, Hk, d), np.uint16),
-           "o": gpu.alloc((16, Hq * d), np.uint16)}
+           "o": gpu.alloc((16, Hq * d), np.uint16), "v_wide": gpu.alloc((16 * (Hq + 2 * Hk) * d,), np.uint16)}
     attn = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=CAPACITY)
     splits = {run_case(gpu, attn, dev, *case, rng) for case in CASES}
+    for case in ((100, 3, 8, 0), (5000, 4, 16, 2048)):              # v a column slice of q | k | v (v_tok)
+        run_case(gpu, attn, dev, *case, rng, v_tok=(Hq + 2 * Hk) * d)
     # block positions out of order and apart from the context (the window edge inside the block)
     run_case(gpu, attn, dev, 300, 2, 8, 6, rng, pos=np.array([302, 309, 303, 308, 304, 307, 305, 306], np.int32))
     one = DraftAttention(gpu, Hq, Hk, d, max_block=16, max_context=16)     # short context: a single split

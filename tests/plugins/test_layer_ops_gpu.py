@@ -95,6 +95,25 @@ def test_rms_norm(gpu, ops, name):
                                   np.delete(x, np.s_[col: col + D], axis=1))
 
 
+# the drafter's q and k of its q | k | v GEMM output: (tokens, heads, d, the output's width, the slice's first column)
+HEAD_SLICES = [(8, 8, 128, 1280, 0), (8, 1, 128, 1280, 1024), (5, 8, 32, 512, 0), (3, 4, 32, 512, 256)]
+
+
+@pytest.mark.parametrize("case", HEAD_SLICES, ids=[f"q{q}_n{n}_d{d}_w{W}_at{c}" for q, n, d, W, c in HEAD_SLICES])
+def test_rms_norm_of_the_heads_of_a_column_slice(gpu, ops, case):
+    """x_group: rows (token t, head j) at t W + c + j d, each normed alone (the twin per row), out dense."""
+    q, n, d, W, col = case
+    rng = np.random.default_rng(W + col + n)
+    x, w = bits(rng, (q, W), 3.0), bits(rng, d, 0.5)
+    out = poisoned(gpu, (q * n + 1, d))                                 # one row past the end: untouched
+    ops.rms_norm(gpu.upload(x).view(col, (q, n * d)), gpu.upload(w), out, q * n, d, 1e-6, x_stride=d, x_group=n,
+                 x_group_stride=W)
+    y = out.numpy()
+    want = reference.rms_norm(x[:, col: col + n * d].reshape(q * n, d), w, 1e-6)
+    assert_bf16(y[: q * n], want, what=f"heads {case}")
+    assert (y[q * n:] == 0xFFFF).all(), "wrote past the rows"
+
+
 @pytest.mark.parametrize("m, D", [(5, TINY_T.hidden_size), (16, KIMI_T.hidden_size), (1, KIMI_T.hidden_size)])
 def test_add_rms_norm(gpu, ops, m, D):
     rng = np.random.default_rng(D + m)
@@ -263,6 +282,22 @@ def test_gather_rows(gpu, ops):
     out32 = poisoned(gpu, (len(rows), 64), np.float32)
     ops.gather_rows(gpu.upload(logits), gpu.upload(rows), out32, len(rows), 64, n, itemsize=4)
     np.testing.assert_array_equal(out32.numpy().view(np.uint32), reference.gather_rows(logits, rows).view(np.uint32))
+
+
+@pytest.mark.parametrize("src_stride", [None, 256])
+def test_rows_at_writes_rows_after_the_device_length(gpu, ops, src_stride):
+    """dst rows T .. T + n - 1 = src's n rows (src_stride: a column slice, the drafter's ctx_v of k | v), the rows
+    past dst_rows skipped; every other dst row untouched."""
+    rng = np.random.default_rng(5)
+    W, n, dst_rows, T = 128, 5, 12, 9
+    stride = src_stride or W
+    src, dst = bits(rng, (n, stride)), bits(rng, (dst_rows, W))
+    d = gpu.upload(dst)
+    ops.rows_at(d, dst_rows, gpu.upload(np.array([T], np.int32)), gpu.upload(src).view(stride - W, (n * stride,)),
+                n, W, src_stride=src_stride)
+    want = dst.copy()
+    want[T:] = src[: dst_rows - T, stride - W:]
+    np.testing.assert_array_equal(d.numpy(), want)
 
 
 def test_cast_f32_bf16(gpu, ops):

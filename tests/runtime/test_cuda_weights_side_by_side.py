@@ -15,14 +15,15 @@ def _shapes(preset: str, tp: int, layers: int | None = None) -> dict:
     return cfg, {n: tuple(s.shape) for n, s in rank_tensor_specs(make_plan(cfg, dcfg, tp)).items()}
 
 
-def test_every_layer_holds_kv_a_and_q_a_side_by_side():
+def test_every_layer_holds_kv_a_and_q_a_and_every_drafter_layer_q_k_v_side_by_side():
     for preset, tp, layers in (("kimi-k2.6", 8, 3), ("tiny", 1, None)):
         cfg, shapes = _shapes(preset, tp, layers)
         groups = side_by_side(shapes)
         want = [(f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", f"model.layers.{i}.self_attn.q_a_proj.weight")
                 for i in range(cfg.num_hidden_layers)]
-        assert sorted(groups) == sorted(want), preset
-        assert not any(n.startswith("drafter.") for g in groups for n in g)
+        drafter = sorted({n.split(".")[2] for n in shapes if n.startswith("drafter.layers.")}, key=int)
+        want += [tuple(f"drafter.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv") for i in drafter]
+        assert len(drafter) > 0 and sorted(groups) == sorted(want), preset
 
 
 def test_a_padded_leading_weight_or_another_k_is_not_grouped():
@@ -41,3 +42,26 @@ def test_the_group_buffer_is_the_tiled_row_concatenation():
     group = np.concatenate([tile_bf16(kv), tile_bf16(q)])
     both = untile_bf16(group, 80 + 48)
     assert (both[:80] == kv).all() and (both[80:120] == q).all() and (both[120:] == 0).all()
+
+
+def test_a_run_of_consecutive_members_is_a_group_of_its_own():
+    """CudaWeights._group: (q, k, v) stored once; (k, v) (the drafter's context GEMM) and (q, k) are views of the
+    same buffer starting at their first member's tiles, (q, v) (not consecutive) is no group."""
+    from ddtree.runtime.cuda_weights import CudaWeights
+
+    class Buf:
+        def __init__(self, offset, shape):
+            self.offset, self.shape = offset, tuple(shape)
+
+        def view(self, offset, shape):
+            return Buf(self.offset + offset, shape)
+
+    store = CudaWeights.__new__(CudaWeights)
+    store._tiled, store._groups = {}, {}
+    shapes = [(64, 2, 4, 32, 8), (8, 2, 4, 32, 8), (8, 2, 4, 32, 8)]          # tile rows 64 / 8 / 8 of K 128
+    store._group(("q", "k", "v"), Buf(0, (80 * 2 * 4 * 32 * 8,)), shapes)
+    per_tile_row = 2 * 4 * 32 * 8
+    assert store.tiled_group(("k", "v")).offset == 64 * per_tile_row == store._tiled["k"].offset
+    assert store.tiled_group(("k", "v")).shape == (16, 2, 4, 32, 8)
+    assert store.tiled_group(("q", "k")).offset == 0 and store.tiled_group(("q", "k")).shape[0] == 72
+    assert store.tiled_group(("q", "k", "v")).shape[0] == 80 and store.tiled_group(("q", "v")) is None

@@ -23,7 +23,7 @@
 
 struct DraftArgs {
     const bf16_t* q; int q_tok;                 // [b, Hq, D] at q + i q_tok + hq D
-    const bf16_t* k; const bf16_t* v; int kv_tok;   // block keys / values [b, Hk, D] at + j kv_tok + h D
+    const bf16_t* k; const bf16_t* v; int kv_tok, v_tok;   // block keys / values [b, Hk, D] at + j kv_tok (v_tok) + h D
     const bf16_t* cache_k; const bf16_t* cache_v;   // [S, Hk, D]
     const int* cache_len; int n_new;            // C = cache_len[0] + n_new context rows
     const int* pos; int b;                      // [b] block positions
@@ -87,8 +87,9 @@ __device__ __forceinline__ void draft_attention(const DraftArgs& a) {
             if (kk < k_end) {
                 const long long off = kk < C ? ((long long)kk * a.Hk + h) * D + c
                                              : (long long)(kk - C) * a.kv_tok + h * D + c;
+                const long long v_off = kk < C ? off : (long long)(kk - C) * a.v_tok + h * D + c;
                 kv = *(const uint4*)((kk < C ? a.cache_k : a.k) + off);
-                vv = *(const uint4*)((kk < C ? a.cache_v : a.v) + off);
+                vv = *(const uint4*)((kk < C ? a.cache_v : a.v) + v_off);
             }
             ks[j][c / 2] = kv.x; ks[j][c / 2 + 1] = kv.y; ks[j][c / 2 + 2] = kv.z; ks[j][c / 2 + 3] = kv.w;
             *(uint4*)&vs[j][c] = vv;
@@ -163,11 +164,11 @@ __device__ __forceinline__ void draft_attention(const DraftArgs& a) {
 #define DD_DEFINE_DRAFT(D)                                                                               \
     extern "C" __global__ void __launch_bounds__(DA_WARPS * 32)                                          \
     draft_attention_d##D(const bf16_t* q, int q_tok, const bf16_t* k, const bf16_t* v, int kv_tok,       \
-                         const bf16_t* cache_k, const bf16_t* cache_v, const int* cache_len, int n_new,  \
-                         const int* pos, int b, int Hq, int Hk, int window, float scale_log2,           \
+                         int v_tok, const bf16_t* cache_k, const bf16_t* cache_v, const int* cache_len,  \
+                         int n_new, const int* pos, int b, int Hq, int Hk, int window, float scale_log2, \
                          float* part_o, float2* part_ml, bf16_t* o) {                                    \
-        const DraftArgs a = {q, q_tok, k, v, kv_tok, cache_k, cache_v, cache_len, n_new, pos, b, Hq, Hk,  \
-                             window, scale_log2, part_o, part_ml, o};                                    \
+        const DraftArgs a = {q, q_tok, k, v, kv_tok, v_tok, cache_k, cache_v, cache_len, n_new, pos, b,   \
+                             Hq, Hk, window, scale_log2, part_o, part_ml, o};                            \
         draft_attention<D>(a);                                                                           \
     }
 DD_DEFINE_DRAFT(32)

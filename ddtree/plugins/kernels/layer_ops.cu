@@ -64,8 +64,11 @@ __device__ __forceinline__ uint4 normed8(uint4 x, uint4 w, float inv) {      // 
     return pack8(f);
 }
 
-extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf16_t* __restrict__ w,
-                                         bf16_t* out, int out_stride, int D, float eps) {
+// Row r of x sits at (r / x_group) x_group_stride + (r % x_group) x_stride: x_group 1 is rows x_stride apart;
+// x_group n is the heads of a column slice (heads n of d, rows of tokens x_group_stride apart: the drafter's q of
+// its q | k | v GEMM output). out rows are out_stride apart.
+extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, int x_group, int x_group_stride,
+                                         const bf16_t* __restrict__ w, bf16_t* out, int out_stride, int D, float eps) {
     const int nv = D >> 3, B = blockDim.x;
     const uint4* wr = (const uint4*)w;
     uint4 wv[ROW_VECS], xv[ROW_VECS];
@@ -74,7 +77,8 @@ extern "C" __global__ void rms_norm_rows(const bf16_t* x, int x_stride, const bf
         if (threadIdx.x + j * B < nv) wv[j] = wr[threadIdx.x + j * B];
     pdl_wait();
     pdl_trigger();
-    const uint4* xr = (const uint4*)(x + (size_t)blockIdx.x * x_stride);
+    const int group = blockIdx.x / x_group, within = blockIdx.x - group * x_group;
+    const uint4* xr = (const uint4*)(x + (size_t)group * x_group_stride + (size_t)within * x_stride);
     uint4* orow = (uint4*)(out + (size_t)blockIdx.x * out_stride);
     float ss = 0.f;
 #pragma unroll
