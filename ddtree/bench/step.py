@@ -63,6 +63,7 @@ from ddtree.bench.step_rows import (
     synthetic_steps,
     with_earnings,
 )
+from ddtree.bench.step_timeline import summarise, trace_kernels, write_timeline
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
@@ -115,10 +116,12 @@ def parse_contexts(text: str) -> list[int]:
 
 
 def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: float, repeats: int,
-                routing: str = "router", reuse: float | None = None, accept: int = 1, pruner=None) -> dict:
+                routing: str = "router", reuse: float | None = None, accept: int = 1, pruner=None,
+                timeline: str | None = None) -> dict:
     """One row: budget None = the autoregressive step (one token, its own graph), else the DDTree step whose tree
     has the stated shape (steps.stated_draft) and whose walk is replaced by an `accept`-node path (steps.forced_accept).
-    pruner: that step with the verify pruned inside (--prune; the row's `prune` fields)."""
+    pruner: that step with the verify pruned inside (--prune; the row's `prune` fields). timeline: a directory for
+    one replay's CUPTI trace (bench/step_timeline.py; the row's `timeline` summary)."""
     cfg, dcfg, gpu = rank.config, rank.drafter_config, rank.gpu
     b = dcfg.block_size
     key, body, distinct = prepare_row(rank, steps, context, budget, repeats, routing, reuse, accept, pruner)
@@ -132,6 +135,12 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
         depths = depth_histogram(Tree.from_parents(steps.last["tree"].parents.numpy()))
     steps.state.set(start=context, bonus=1)
     step_ms = statistics.median(gpu.timed_ms(lambda: steps._replay(key), repeats))
+    traced = None
+    if timeline is not None:
+        steps.state.set(start=context, bonus=1)
+        kernels = trace_kernels(gpu, lambda: steps._replay(key))
+        name = f"{'ar' if budget is None else f'b{budget}'}_{context}_{routing}{'' if reuse is None else reuse}"
+        traced = {**summarise(kernels), "file": write_timeline(timeline, name, kernels)}
     pruned = None
     if pruner is not None:                      # one stats step, eagerly: its routing and live masks (host-mapped)
         steps.state.set(start=context, bonus=1)
@@ -180,7 +189,7 @@ def measure_row(rank, steps, context: int, budget: int | None, ceiling_gbps: flo
             "tree_depths": depths, "stated_depths": stated_depths(budget, b - 1) if budget else None,
             "collectives_modelled_us": modelled_us(rank.ops.collective, recs, rank.lay.tp),
             **({} if budget is None else {"prune": "off" if pruned is None else "auto"}),
-            **({} if pruned is None else {"pruned": pruned})}
+            **({} if pruned is None else {"pruned": pruned}), **({} if traced is None else {"timeline": traced})}
 
 
 def echo_row(row: dict) -> None:
@@ -261,11 +270,15 @@ def echo_row(row: dict) -> None:
               help="every row first measured by the ddtree package in DIR (e.g. `git archive REV ddtree | tar -x -C "
                    "DIR`) on the same GPU, each row then carrying its step and parts beside this tree's "
                    "(bench/step_baseline.py)")
+@click.option("--timeline", default=None, metavar="DIR",
+              help="each row's step graph replayed once more under CUPTI (torch.profiler): every kernel's start and "
+                   "end into DIR/<row>.json, and the row's `timeline`: wall, idle and each kernel family's exposed "
+                   "time (bench/step_timeline.py)")
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
                  ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, with_prune,
-                 prune_rate, requests_text, baseline, as_json):
+                 prune_rate, requests_text, baseline, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
@@ -286,6 +299,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         check_requests(requests, contexts, budgets, cfg, with_ar, ranks, modes)
         if with_prune:
             raise click.BadParameter("applies to the step's rows, not --requests' union verify", param_hint="--prune")
+    if timeline is not None and (ranks == "all" or requests is not None):
+        raise click.BadParameter("traces the step's rows of --ranks one", param_hint="--timeline")
     if baseline is not None:
         if ranks == "all" or requests is not None:
             raise click.BadParameter("compares the step's rows of --ranks one", param_hint="--baseline")
@@ -355,8 +370,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             if context != filled:
                 rank.fill_caches(context)
                 filled = context
-            row = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept),
-                   "collectives": mode}
+            row = {**measure_row(rank, steps, context, budget, ceiling["gbps"], repeats, routing, reuse, accept,
+                                 timeline=timeline), "collectives": mode}
             rows.append(row)
             echo_row(row)
             if with_prune and budget is not None:        # the same row pruned (a fresh Pruner: the row's own stats)
