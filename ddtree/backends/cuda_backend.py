@@ -444,6 +444,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
     def _token_stride(x, width: int, what: str) -> int:
         """The element step between the tokens of x ([rows, width] or [rows, n, width / n], each token's width
         values dense): a column slice of a wider GEMM output has its row stride."""
-        if x.strides[-1] != 1 or (len(x.shape) == 3 and x.strides[1] != x.shape[2]) or x.strides[0] < width:
+        if (x.strides[-1] != 1 or (len(x.shape) == 3 and x.strides[1] != x.shape[2]) or x.strides[0] < width
+                or int(np.prod(x.shape[1:])) != width):
             raise ValueError(f"{what}: {x.shape} with strides {x.strides} is not rows of {width} dense values")
         return x.strides[0]

@@ -76,7 +76,12 @@ class FakeGpu:
     (lambda o: o.head_rms_norm(0, 0, 2, 4, 15, 1e-6), "d = 15 must be a multiple of 2"),
     (lambda o: o.silu_mul(0, 0, 2, 7), "I = 7 must be a multiple of 2"),
     (lambda o: o.gather_rows(0, 0, 0, 2, 12, 5), "W = 12 elements of 2 B must be a multiple of 16 B"),
-    (lambda o: o.cast_f32_bf16(0, 0, 0), "n = 0 must be >= 1")])
+    (lambda o: o.cast_f32_bf16(0, 0, 0), "n = 0 must be >= 1"),
+    (lambda o: o.rms_norm(0, 0, 0, 12, 128, 1e-6, x_stride=128, x_group=8, x_group_stride=1280),
+     "m = 12 must be >= 1 and a multiple of x_group = 8"),
+    (lambda o: o.rms_norm(0, 0, 0, 16, 128, 1e-6, x_stride=128, x_group=8, x_group_stride=512),
+     "x_group_stride 512 >= x_group x_stride"),
+    (lambda o: o.rows_at(0, 9, 0, 0, 2, 128, src_stride=64), "src_stride = 64 >= W")])
 def test_launchers_refuse_bad_shapes_before_launching(call, match):
     gpu = FakeGpu()
     with pytest.raises(ValueError, match=match):
@@ -94,3 +99,47 @@ def test_launch_geometry():
     assert gpu.launches == [("rms_norm_rows", 3, 256), ("rms_norm_rows", 3, 32), ("head_rms_norm", 10, 128),
                             ("gather_rows", 7, 32)]
     assert ops.pdl and not LayerOps(gpu, pdl=False).pdl
+
+
+class ArgsGpu(FakeGpu):
+    """FakeGpu that keeps each launch's arguments too."""
+
+    def launch(self, kernel, grid, block, smem, *args, stream=None, pdl=False):
+        self.launches.append((kernel, grid, block, tuple(int(a) if isinstance(a, (int, np.integer)) else a
+                                                          for a in args)))
+
+
+def test_the_drafters_column_slices_reach_the_kernels_with_their_strides():
+    """CudaOps over a recording GPU: q of the drafter's [b, q | k | v] GEMM output (8 heads of 128 in rows of 1280)
+    is normed as 8 rows a token, tokens 1280 apart (rms_norm_rows' x_group); k (one head) as rows 1280 apart; the
+    context's v of its [n, k | v] output goes to rows_at with its source stride (in 16-byte vectors)."""
+    from dataclasses import replace
+
+    from ddtree.backends.cuda_backend import CudaOps
+    from ddtree.backends.cuda_tensor import Tensor, dense_strides
+    gpu = ArgsGpu()
+    ops = object.__new__(CudaOps)
+    ops.k, ops.stream, ops.where = LayerOps(gpu), None, "test"
+    ops.new = lambda shape, dtype: Tensor(1 << 20, tuple(shape), np.dtype(dtype), dense_strides(tuple(shape)))
+    b, bf16 = 8, np.dtype(np.uint16)
+    y = Tensor(4096, (b, 1280), bf16, (1280, 1))
+    q = ops.reshape(ops.slice(y, 1, 0, 1024), [0, 8, 128])
+    k = ops.reshape(ops.slice(y, 1, 1024, 1152), [0, 1, 128])
+    v = ops.reshape(ops.slice(y, 1, 1152, 1280), [0, 1, 128])
+    w = Tensor(64, (128,), bf16, (1,))
+    assert ops.rms_norm(q, w, 1e-6).shape == (b, 8, 128) and ops.rms_norm(k, w, 1e-6).shape == (b, 1, 128)
+    (name, rows, _, args_q), (_, rows_k, _, args_k) = gpu.launches
+    # x, x_stride, x_group, x_group_stride, w, out, out_stride, D, eps
+    assert (name, rows, args_q[0], args_q[1:4]) == ("rms_norm_rows", 64, 4096, (128, 8, 1280))
+    assert (rows_k, args_k[0], args_k[1:4]) == (b, 4096 + 2048, (1280, 1, 1280))
+    assert ops._token_stride(v, 128, "v") == 1280 and v.ptr == 4096 + 2 * 1152
+    for shape, strides, width in (((b, 2, 64), (1280, 128, 1), 128), ((b, 1, 128), (1280, 128, 1), 256)):
+        with pytest.raises(ValueError, match=f"not rows of {width} dense values"):   # heads apart / too narrow
+            ops._token_stride(replace(v, shape=shape, strides=strides), width, "v")
+    gpu.launches.clear()
+    ctx = Tensor(8192, (5, 256), bf16, (256, 1))
+    ctx_v = ops.reshape(ops.slice(ctx, 1, 128, 256), [0, 1, 128])
+    ops.k.rows_at(0, 100, 0, ctx_v.ptr, 5, 128, src_stride=ops._token_stride(ctx_v, 128, "ctx_v"))
+    (name, n, _, args), = gpu.launches
+    # dst, dst_stride, dst_rows, row0, src, src_stride, row_vecs (16-byte vectors)
+    assert (name, n, args[4], args[5], args[6]) == ("rows_at", 5, 8192 + 256, 32, 16)
