@@ -132,6 +132,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.kernels: dict[tuple, object] = {}             # launcher objects by their shapes
         self.iota = gpu.upload(np.arange(max_tokens * 128, dtype=np.int32))     # rows for gather copies
         self.feeds, self.outputs, self.where, self.site, self.key = {}, {}, "", 0, ()
+        self.calls = 0                      # layer-function calls so far (a prefetch joins at the end of the next)
         self.stream = None                  # None: the GPU's stream; a graph builder while capturing
         self.capturing = False              # recording a graph: no uploads, no allocations
         self.graph_plans = False            # the plans a captured graph needs (attention for max_context)
@@ -150,6 +151,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.feeds = {k: self.bind(k, v) for k, v in feeds.items()}
         self.outputs, self.site, self.key = {}, 0, (fn.__name__, arena)
         self.where = f"{fn.__name__}({', '.join(str(a) for a in args if isinstance(a, int))}) on {self.gpu.name}"
+        self.calls += 1                                     # the prefetches' age (BranchOps.join_pending)
         fn(self, *args)
         self.join_pending()
         return self.outputs

@@ -71,9 +71,12 @@ class BranchOps:
     """The op set's scheduling hints in the cuda backend: branch / join (above) and prefetch: the weights a
     layer reads next staged in L2 (plugins/prefetch.py) within `prefetch_bytes` (0: off), in the order given
     (the first readers first; a buffer that does not fit the rest of the budget ends the list), one launch on a
-    branch of its own that nothing waits for until the end of the call (join_pending: CudaOps.call). A prefetch
-    writes nothing a kernel reads, so no later op needs to wait for it; waiting at o_proj cost more than it
-    saved (the launch takes ~10 us for 15 MB: ddtree/plugins/kernels/NOTES.md)."""
+    branch of its own that nothing waits for until the end of the NEXT call (join_pending: CudaOps.call) or of the
+    captured graph (join_pending(every=True)). A prefetch writes nothing a kernel reads, so no later op needs to
+    wait for it; waiting at o_proj cost more than it saved (the launch takes ~10 us for 15 MB:
+    ddtree/plugins/kernels/NOTES.md), and joining the one beside the MLP's all-reduce at the end of its own layer
+    made the next layer's first kernel wait for it (8 us a layer on the H100 under copy stand-ins: bench step
+    --timeline, issue 48)."""
 
     @contextmanager
     def branch(self):
@@ -114,10 +117,15 @@ class BranchOps:
             return
         with fork.side(self):
             pre.run(chosen, stream=self.stream)
-        self.__dict__.setdefault("_pending", []).append(fork)
+        self.__dict__.setdefault("_pending", []).append((fork, self.__dict__.get("calls", 0)))
 
-    def join_pending(self) -> None:
-        """Join the branches left open (the prefetches) into the main chain: the end of a call."""
-        pending, self._pending = self.__dict__.get("_pending", []), []
-        for fork in pending:
-            fork.join(self)
+    def join_pending(self, every: bool = False) -> None:
+        """Join the prefetch branches of earlier calls into the main chain (the end of a call: by then they are long
+        done, and none was waited for by the call that follows its own), or every open one (every: before a graph
+        ends, which must rejoin its branches, or an eager run gives way to a capture)."""
+        now = self.__dict__.get("calls", 0)
+        pending = self.__dict__.get("_pending", [])
+        self._pending = [] if every else [(f, c) for f, c in pending if c >= now]
+        for fork, call in pending:
+            if every or call < now:
+                fork.join(self)

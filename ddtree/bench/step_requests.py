@@ -131,6 +131,8 @@ class UnionVerify:
         def record(stream):
             ops.stream, ops.capturing = stream, True
             self.body()
+            ops.join_pending(every=True)                # the prefetch branches the last calls left open
+        ops.join_pending(every=True)                    # an eager run's, before the capture
         ops.graph_plans = True
         try:
             return self.rank.gpu.capture(record)

@@ -117,6 +117,8 @@ class GpuSteps:
         def record(stream):
             ops.stream, ops.capturing = stream, True
             body()
+            ops.join_pending(every=True)                # the prefetch branches the last calls left open
+        ops.join_pending(every=True)                    # an eager run's, before the capture
         ops.graph_plans = True
         try:
             return self.gpu.capture(record)

@@ -186,6 +186,10 @@ class BatchSteps:
                 o.capturing, o.graph_plans, o.stream = True, True, None
             self.ops.stream = builder
             self._ar_body(lanes) if budget is None else self._body(lanes, budget, b)
+            for o in every:                             # the prefetch branches the last calls left open
+                o.join_pending(every=True)
+        for o in every:                                 # an eager run's, before the capture
+            o.join_pending(every=True)
         try:
             return self.gpu.capture(record)
         finally:

@@ -147,21 +147,28 @@ class Builder:
         return main
 
 
-def test_prefetch_branch_stays_open_until_the_end_of_the_call():
-    """While capturing, the prefetch goes on a split of the builder and the main chain goes on at once; only
-    join_pending (the end of CudaOps.call) joins it, so no op of the layer waits for the prefetch launch."""
+def test_prefetch_branch_stays_open_until_the_end_of_the_next_call():
+    """While capturing, the prefetch goes on a split of the builder and the main chain goes on at once; the end of
+    its own call (CudaOps.call: join_pending) leaves it open, so neither this layer nor the next waits for the
+    prefetch launch; the end of the next call joins it, and every=True (before a graph ends) joins all."""
     ops = Staged(SIZES, 64 << 20)
     ops.branches, main = True, Builder("main")
-    ops.stream, Builder.log = main, []
+    ops.stream, Builder.log, ops.calls = main, [], 1
     streams = []
     ops.recorder.run = lambda buffers, stream=None: streams.append(stream)
-    ops.prefetch("o_proj", "router")
+    ops.prefetch("o_proj", "router")                                   # call 1 (beside its attention)
     assert ops.stream is main and [s.name for s in streams] == ["main'"]
-    assert Builder.log == [("split", "main")]                        # not joined yet
-    ops.join_pending()
-    assert Builder.log == [("split", "main"), ("join", "main", "main'")] and ops.stream is main
-    ops.join_pending()                                                 # nothing left open
-    assert len(Builder.log) == 2
+    assert Builder.log == [("split", "main")]
+    ops.join_pending()                                                 # the end of call 1: still open
+    assert Builder.log == [("split", "main")]
+    ops.calls = 2
+    ops.prefetch("o_proj")                                             # call 2's own
+    ops.join_pending()                                                 # the end of call 2: call 1's joins
+    assert Builder.log == [("split", "main"), ("split", "main"), ("join", "main", "main'")] and ops.stream is main
+    ops.join_pending(every=True)                                       # the graph's end: call 2's too
+    assert Builder.log[-1] == ("join", "main", "main'") and len(Builder.log) == 4
+    ops.join_pending(every=True)                                       # nothing left open
+    assert len(Builder.log) == 4 and ops._pending == []
 
 
 def test_open_branches_get_their_own_lanes_and_launchers():
