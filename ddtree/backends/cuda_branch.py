@@ -117,13 +117,13 @@ class BranchOps:
             return
         with fork.side(self):
             pre.run(chosen, stream=self.stream)
-        self.__dict__.setdefault("_pending", []).append((fork, self.__dict__.get("calls", 0)))
+        self.__dict__.setdefault("_pending", []).append((fork, getattr(self, "calls", 0)))
 
     def join_pending(self, every: bool = False) -> None:
         """Join the prefetch branches of earlier calls into the main chain (the end of a call: by then they are long
         done, and none was waited for by the call that follows its own), or every open one (every: before a graph
         ends, which must rejoin its branches, or an eager run gives way to a capture)."""
-        now = self.__dict__.get("calls", 0)
+        now = getattr(self, "calls", 0)
         pending = self.__dict__.get("_pending", [])
         self._pending = [] if every else [(f, c) for f, c in pending if c >= now]
         for fork, call in pending:
