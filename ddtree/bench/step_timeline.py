@@ -21,7 +21,7 @@ from pathlib import Path
 
 def trace_kernels(gpu, replay, warmup: int = 3) -> list[dict]:
     """The kernels of one replay() as [{name, grid, block, start_us, end_us}] sorted by start (us from the first)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # torch: on the GPU machine only, not a dependency
     for _ in range(warmup):
         replay()
     gpu.sync()
