@@ -156,6 +156,22 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.join_pending()
         return self.outputs
 
+    def capture_graph(self, body):
+        """body's launches recorded into an executable CUDA graph (nothing runs): these ops in capture mode (no
+        allocation, no host feed) with the graphs' plans (attention planned for the caches' rows). The prefetch
+        branches an eager run left open are joined first, and the ones the last calls leave open before the graph
+        ends (it must rejoin its branches: BranchOps.join_pending)."""
+        def record(builder):
+            self.stream, self.capturing = builder, True
+            body()
+            self.join_pending(every=True)
+        self.join_pending(every=True)
+        self.graph_plans = True
+        try:
+            return self.gpu.capture(record)
+        finally:
+            self.capturing, self.graph_plans, self.stream = False, False, None
+
     def run(self, kind: str, fn, args: tuple, feeds: dict, layer: int | None = None) -> dict:
         """description/stack.py's run: a decoder or drafter layer on arena layer % 2 (consecutive layers never
         share their scratch), every other call on arena 0."""
@@ -284,14 +300,10 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
 
     def rms_norm(self, x, w, eps):
         D, rows = w.shape[0], int(np.prod(x.shape[:-1]))
+        stride, group, group_stride = x.row_groups("rms_norm")        # heads of a column slice: a token's group
         out = self.new(x.shape, np.uint16)
-        if len(x.shape) == 3 and x.shape[1] > 1 and x.strides[2] == 1 and x.strides[0] != x.shape[1] * x.strides[1]:
-            # heads of a column slice ([q, n, d] of a wider GEMM output): tokens strides[0] apart, heads strides[1]
-            self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=x.strides[1], x_group=x.shape[1],
-                            x_group_stride=x.strides[0], stream=self.stream)
-        else:
-            self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=x.row_stride("rms_norm"),
-                            stream=self.stream)
+        self.k.rms_norm(x.ptr, w.ptr, out.ptr, rows, D, eps, x_stride=stride, x_group=group,
+                        x_group_stride=group_stride, stream=self.stream)
         return out
 
     def all_reduce_add_rms_norm(self, partial, h, w, eps, tag):
@@ -431,7 +443,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
             ctx_k_r = self._roped(self._heads(ctx_k, Hk), ctx_pos.ptr, table, self.k.rope_rotate_half)
             for src, dst in ((ctx_k_r, cache_k), (ctx_v, cache_v)):        # ctx_v: a column slice of k | v
                 self.k.rows_at(dst.ptr, S, cache_len.ptr, src.ptr, n, Hk * d, stream=self.stream,
-                               src_stride=self._token_stride(src, Hk * d, "draft_attention ctx_v"))
+                               src_stride=src.token_stride(Hk * d, "draft_attention ctx_v"))
         q_r = self._roped(self._heads(q, spec.heads), pos.ptr, table, self.k.rope_rotate_half)
         k_r = self._roped(self._heads(k, Hk), pos.ptr, table, self.k.rope_rotate_half)
         attn = self.launcher(("draft", spec.heads, Hk, d, S), lambda: DraftAttention(
@@ -439,14 +451,5 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         out = self.new((b, spec.heads * d), np.uint16)
         attn.run(q_r.ptr, k_r.ptr, v.ptr, cache_k.ptr, cache_v.ptr, cache_len.ptr, n, pos.ptr, out.ptr, b,
                  window=spec.sliding_window, stream=self.stream,
-                 v_tok=self._token_stride(v, Hk * d, "draft_attention v"))         # v: a column slice of q | k | v
+                 v_tok=v.token_stride(Hk * d, "draft_attention v"))          # v: a column slice of q | k | v
         return out, cache_k, cache_v
-
-    @staticmethod
-    def _token_stride(x, width: int, what: str) -> int:
-        """The element step between the tokens of x ([rows, width] or [rows, n, width / n], each token's width
-        values dense): a column slice of a wider GEMM output has its row stride."""
-        if (x.strides[-1] != 1 or (len(x.shape) == 3 and x.strides[1] != x.shape[2]) or x.strides[0] < width
-                or int(np.prod(x.shape[1:])) != width):
-            raise ValueError(f"{what}: {x.shape} with strides {x.strides} is not rows of {width} dense values")
-        return x.strides[0]

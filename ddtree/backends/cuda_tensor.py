@@ -56,3 +56,21 @@ class Tensor:
         if self.shape[0] > 1 and self.strides[0] != self.shape[1] * self.strides[1]:
             raise ValueError(f"{what}: strides {self.strides} of {self.shape} are not rows of one stride")
         return self.strides[1]
+
+    def row_groups(self, what: str) -> tuple[int, int, int]:
+        """Rows of D as (stride, group, group_stride): groups of `group` rows `stride` apart, the groups
+        `group_stride` apart. A [q, n, D] column slice of a wider output (a token's n heads together, the tokens
+        further apart: the drafter's q of its q | k | v GEMM) is q groups of n; what row_stride takes is one group."""
+        if len(self.shape) == 3 and self.shape[1] > 1 and self.strides[2] == 1 \
+                and self.strides[0] != self.shape[1] * self.strides[1]:
+            return self.strides[1], self.shape[1], self.strides[0]
+        stride = self.row_stride(what)
+        return stride, 1, stride
+
+    def token_stride(self, width: int, what: str) -> int:
+        """The element step between the tokens of [rows, width] or [rows, n, width / n] whose width values a token
+        are dense (a column slice of a wider GEMM output has that output's row stride)."""
+        if (self.strides[-1] != 1 or (len(self.shape) == 3 and self.strides[1] != self.shape[2])
+                or self.strides[0] < width or int(np.prod(self.shape[1:])) != width):
+            raise ValueError(f"{what}: {self.shape} with strides {self.strides} is not rows of {width} dense values")
+        return self.strides[0]

@@ -126,18 +126,7 @@ class UnionVerify:
 
     def capture(self):
         """The same launches recorded into an executable graph (run eager() once first: arenas and launchers)."""
-        ops = self.rank.ops
-
-        def record(stream):
-            ops.stream, ops.capturing = stream, True
-            self.body()
-            ops.join_pending(every=True)                # the prefetch branches the last calls left open
-        ops.join_pending(every=True)                    # an eager run's, before the capture
-        ops.graph_plans = True
-        try:
-            return self.rank.gpu.capture(record)
-        finally:
-            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+        return self.rank.ops.capture_graph(self.body)
 
     def read_logits(self) -> np.ndarray:
         t = self.logits

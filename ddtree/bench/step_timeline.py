@@ -45,13 +45,9 @@ def trace_kernels(gpu, replay, warmup: int = 3) -> list[dict]:
 
 def exposed_times(kernels: list[dict]) -> tuple[list[float], list[float]]:
     """Per kernel (in start order): its exposed time, and the idle time before it (see the module docstring)."""
-    exposed, idle, latest = [], [], None
+    exposed, idle = [], []
+    latest = kernels[0]["start_us"] if kernels else 0.0
     for k in kernels:
-        if latest is None:
-            idle.append(0.0)
-            exposed.append(k["end_us"] - k["start_us"])
-            latest = k["end_us"]
-            continue
         idle.append(max(0.0, k["start_us"] - latest))
         exposed.append(max(0.0, k["end_us"] - max(latest, k["start_us"])))
         latest = max(latest, k["end_us"])

@@ -110,20 +110,8 @@ class GpuSteps:
 
     # ---- graphs ----------------------------------------------------------------------------------
     def capture(self, body):
-        """body's launches recorded into an executable CUDA graph (nothing runs): the ops in capture mode
-        (no allocation, no host feed) with the graphs' plans (attention planned for the caches' rows)."""
-        ops = self.ops
-
-        def record(stream):
-            ops.stream, ops.capturing = stream, True
-            body()
-            ops.join_pending(every=True)                # the prefetch branches the last calls left open
-        ops.join_pending(every=True)                    # an eager run's, before the capture
-        ops.graph_plans = True
-        try:
-            return self.gpu.capture(record)
-        finally:
-            ops.capturing, ops.graph_plans, ops.stream = False, False, None
+        """body's launches recorded into an executable CUDA graph (nothing runs): CudaOps.capture_graph."""
+        return self.ops.capture_graph(body)
 
     def _run(self, key: tuple, body) -> None:
         """Replay the graph of `key`, or run the step eagerly and capture it (the first time)."""

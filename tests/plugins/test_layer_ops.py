@@ -132,14 +132,14 @@ def test_the_drafters_column_slices_reach_the_kernels_with_their_strides():
     # x, x_stride, x_group, x_group_stride, w, out, out_stride, D, eps
     assert (name, rows, args_q[0], args_q[1:4]) == ("rms_norm_rows", 64, 4096, (128, 8, 1280))
     assert (rows_k, args_k[0], args_k[1:4]) == (b, 4096 + 2048, (1280, 1, 1280))
-    assert ops._token_stride(v, 128, "v") == 1280 and v.ptr == 4096 + 2 * 1152
+    assert v.token_stride(128, "v") == 1280 and v.ptr == 4096 + 2 * 1152
     for shape, strides, width in (((b, 2, 64), (1280, 128, 1), 128), ((b, 1, 128), (1280, 128, 1), 256)):
         with pytest.raises(ValueError, match=f"not rows of {width} dense values"):   # heads apart / too narrow
-            ops._token_stride(replace(v, shape=shape, strides=strides), width, "v")
+            replace(v, shape=shape, strides=strides).token_stride(width, "v")
     gpu.launches.clear()
     ctx = Tensor(8192, (5, 256), bf16, (256, 1))
     ctx_v = ops.reshape(ops.slice(ctx, 1, 128, 256), [0, 1, 128])
-    ops.k.rows_at(0, 100, 0, ctx_v.ptr, 5, 128, src_stride=ops._token_stride(ctx_v, 128, "ctx_v"))
+    ops.k.rows_at(0, 100, 0, ctx_v.ptr, 5, 128, src_stride=ctx_v.token_stride(128, "ctx_v"))
     (name, n, _, args), = gpu.launches
     # dst, dst_stride, dst_rows, row0, src, src_stride, row_vecs (16-byte vectors)
     assert (name, n, args[4], args[5], args[6]) == ("rows_at", 5, 8192 + 256, 32, 16)
