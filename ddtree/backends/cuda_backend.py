@@ -141,8 +141,9 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.shared_join = "experts"        # where the MoE's shared-expert branch joins: before the experts' launch,
                                             # or "down" (beside the routed gate_up too; backends/cuda_moe.py)
-        self.prefetch_next = True            # ops.prefetch(beside="collective"): the next layer's attention weights
-                                             # staged beside the MLP all-reduce (PCIe: tens of us the HBM idles)
+        self.prefetch_next = True            # the next layer's attention weights staged in L2 ...
+        self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
+                                                    # or "experts": beside the routed experts (ops.prefetch)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
                                                         # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 
@@ -153,6 +154,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.where = f"{fn.__name__}({', '.join(str(a) for a in args if isinstance(a, int))}) on {self.gpu.name}"
         self.calls += 1                                     # the prefetches' age (BranchOps.join_pending)
         fn(self, *args)
+        self.release_held()                                 # a prefetch(beside="experts") that no MoE took
         self.join_pending()
         return self.outputs
 

@@ -96,8 +96,29 @@ class BranchOps:
             self._open.remove(b)
 
     def prefetch(self, *names, beside: str = "attention") -> None:
-        if beside == "collective" and (not self.prefetch_next or self.lay.tp == 1):
-            return                                   # tp 1's all-reduce is no collective: nothing to hide behind
+        if beside in ("collective", "experts"):      # the two sites of the next layer's front: one of them acts
+            if not self.prefetch_next or self.prefetch_next_beside != beside:
+                return
+            if beside == "collective" and self.lay.tp == 1:
+                return                               # tp 1's all-reduce is no collective: nothing to hide behind
+        chosen = self._within_budget(names)
+        if beside == "experts":                      # held until the routed experts launch (release_held)
+            self.__dict__.setdefault("_held", []).extend(chosen)
+        elif chosen:
+            self._launch_prefetch(chosen)
+
+    def release_held(self) -> None:
+        """Launch the prefetch held by prefetch(beside="experts"): the cuda MoE calls this once the routing and the
+        shared expert are launched, so the fill runs beside the routed experts (at few rows latency-bound: the HBM
+        mostly idles) and not beside the router and the shared expert, which are on the chain and read DRAM
+        themselves; CudaOps.call releases what no MoE took (a dense layer)."""
+        held, self._held = self.__dict__.get("_held", []), []
+        if held:
+            self._launch_prefetch(held)
+
+    def _within_budget(self, names) -> list:
+        """(address, bytes) of the names' buffers in order while they fit prefetch_bytes; the first that does not
+        ends the list (the first readers come first)."""
         budget, chosen = self.prefetch_bytes, []
         for name in names:
             for buf in self.store.layouts(name):
@@ -108,8 +129,9 @@ class BranchOps:
             else:
                 continue
             break
-        if not chosen:
-            return
+        return chosen
+
+    def _launch_prefetch(self, chosen) -> None:
         pre = self.launcher(("l2_prefetch",), lambda: L2Prefetch(self.gpu))
         fork = Fork.of(self, "prefetch")
         if fork is None:

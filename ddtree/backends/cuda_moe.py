@@ -59,6 +59,7 @@ class MoeOps:
         # with live: dead rows moved in the routing launch (into the router's own buffers; a given routing stays)
         masks = () if live is None else (live.ptr, routed.ptr)
         ids, weights = self.route(fused, x, M, router.name, *masks)
+        self.release_held()                                             # prefetch(beside="experts"): from here on
         if self.shared_join not in ("experts", "down"):
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
         if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output

@@ -253,6 +253,9 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-next/--no-prefetch-next", default=None,
               help="the next layer's attention weights staged in L2 beside each layer's MLP all-reduce (default on: "
                    "backends/cuda_branch.py)")
+@click.option("--prefetch-next-beside", type=click.Choice(["collective", "experts"]), default=None,
+              help="where that prefetch runs: beside the MLP all-reduce (default) or beside the routed experts, once "
+                   "routed (at few rows they leave the HBM mostly idle; backends/cuda_branch.py release_held)")
 @click.option("--prune", "with_prune", is_flag=True,
               help="each DDTree row again with the verify pruned inside (--prune auto's step, issue 53): distinct "
                    "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
@@ -277,7 +280,8 @@ def echo_row(row: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next, with_prune,
+                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next,
+                 prefetch_next_beside, with_prune,
                  prune_rate, requests_text, baseline, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
@@ -308,7 +312,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
-                            ("--prefetch-next", prefetch_next is not None), ("--prune", with_prune)):
+                            ("--prefetch-next", prefetch_next is not None),
+                            ("--prefetch-next-beside", prefetch_next_beside is not None), ("--prune", with_prune)):
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
@@ -343,6 +348,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             ops.shared_join = shared_join
         if prefetch_next is not None:
             ops.prefetch_next = prefetch_next
+        if prefetch_next_beside is not None:
+            ops.prefetch_next_beside = prefetch_next_beside
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     if requests is not None:
         result = bench_requests(gpu, preset, cfg, dcfg, plan, rank_id, requests, contexts, budgets, cases, repeats,
@@ -396,7 +403,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
-              "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next, "rows": rows,
+              "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
+              "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],
                                                      "copy_ceiling_gbps": base["copy_ceiling_gbps"]},
               "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},

@@ -257,7 +257,8 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
             "tp": plan.tp, "rank": rank_id, "requests": requests, "copy_ceiling_gbps": ceiling_gbps,
             "weights_bytes": weights, "memory_plan": mem, "free_bytes_before": int(free), "cache_rows": rows,
             "branches": rank.ops.branches, "prefetch_bytes": rank.ops.prefetch_bytes,
-            "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next, "rows": out,
+            "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
+            "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": out,
             "notes": {
                 "verify_us": "the target forward of the union rows only (embed, every decoder layer, head_logits "
                              "over the union rows): no drafter, tree, sampling, walk or compaction; one CUDA graph "

@@ -163,6 +163,8 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, 
                                          cfg.rms_norm_eps, "attn")
     if prune not in PRUNE_MODES or (prune and not cfg.is_moe_layer(layer)):
         raise ValueError(f"decoder_layer {layer}: prune {prune!r} (expected one of {PRUNE_MODES}, on an MoE layer)")
+    ops.prefetch(*attention_front(cfg, layer + 1), beside="experts")     # the next front: here (once routed) or
+                                                                          # beside the all-reduce below (cuda: one)
     if prune:
         mlp = _pruned_moe(ops, cfg, layer, x2, moe_inter, prune)
     elif cfg.is_moe_layer(layer):

@@ -259,8 +259,9 @@ class Ops(ABC):
     def prefetch(self, *names: str, beside: str = "attention") -> None:
         """A hint: the weights of these names are read soon, after the op that runs next (a backend may stage
         them in cache while that op runs, finishing by the end of the call: cuda, beside the tree attention or a
-        collective, backends/cuda_branch.py). `beside` says which ("attention" or "collective"). No value depends
-        on it; here, and in every backend that does not override it, nothing happens."""
+        collective, backends/cuda_branch.py). `beside` says which: "attention", "collective", or "experts" (the
+        routed experts of the MoE that follows, once it is routed; where no MoE follows, the end of the call). No
+        value depends on it; here, and in every backend that does not override it, nothing happens."""
 
     # vocab-parallel sampling and the tree ------------------------------------------------------------
     @abstractmethod

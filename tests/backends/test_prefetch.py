@@ -197,3 +197,46 @@ def test_open_branches_get_their_own_lanes_and_launchers():
     ops.join(v_path)
     ops.join(again)
     assert ops.stream is main and ops._open == []
+
+
+class Site(Staged):
+    """Staged with the next-front knobs of CudaOps (prefetch_next, prefetch_next_beside) at tp `tp`."""
+
+    def __init__(self, beside, tp=8, on=True):
+        super().__init__(SIZES, 64 << 20)
+        self.prefetch_next, self.prefetch_next_beside = on, beside
+        self.lay = type("Lay", (), {"tp": tp})()
+
+
+@pytest.mark.parametrize("beside", ["collective", "experts"])
+def test_one_site_of_the_next_front_acts(beside):
+    """The description offers the next layer's attention weights at two sites (beside the routed experts, then beside
+    the MLP all-reduce); only the chosen one stages them, the attention-side prefetch is untouched, and the experts
+    site waits for release_held (the cuda MoE, once routed; else the end of the call)."""
+    ops = Site(beside)
+    ops.prefetch("router", beside="experts")
+    assert ops.runs == []                                          # held (experts) or not this site (collective)
+    ops.release_held()
+    want = [(ops.store.bufs["router"][0].ptr, SIZES["router"])]
+    assert ops.runs == ([want] if beside == "experts" else [])
+    ops.release_held()                                             # released once
+    assert len(ops.runs) == (1 if beside == "experts" else 0)
+    ops.prefetch("router", beside="collective")
+    assert len(ops.runs) == 1                                      # one of the two sites staged it
+    ops.prefetch("o_proj")                                         # beside the attention: whatever the knob
+    assert ops.runs[-1] == [(ops.store.bufs["o_proj"][0].ptr, SIZES["o_proj"])]
+
+
+def test_next_front_off_and_tp1():
+    ops = Site("experts", on=False)
+    ops.prefetch("router", beside="experts")
+    ops.prefetch("router", beside="collective")
+    ops.release_held()
+    assert ops.runs == []
+    ops = Site("collective", tp=1)                                 # no collective to hide behind at tp 1
+    ops.prefetch("router", beside="collective")
+    assert ops.runs == []
+    ops = Site("experts", tp=1)                                    # the experts are there at tp 1 too
+    ops.prefetch("router", beside="experts")
+    ops.release_held()
+    assert len(ops.runs) == 1

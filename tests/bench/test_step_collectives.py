@@ -80,7 +80,7 @@ class PrefetchLog(MeterOps):
         self.asked.append((beside, names))
 
 
-def test_each_layer_prefetches_the_next_attention_beside_its_mlp_all_reduce(kimi):
+def test_each_layer_offers_the_next_attention_beside_its_experts_and_its_mlp_all_reduce(kimi):
     cfg, _, plan, specs = kimi
     for L in range(cfg.num_hidden_layers):
         ops = PrefetchLog(RankLayout.from_plan(plan.to_dict(), 0), specs, {"q": 9, "T": 4096, "S": 4105, "W": 1})
@@ -91,6 +91,8 @@ def test_each_layer_prefetches_the_next_attention_beside_its_mlp_all_reduce(kimi
         want = () if L + 1 == cfg.num_hidden_layers else tuple(nxt + n for n in (
             "kv_b_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "q_a_proj.weight"))
         assert beside["collective"] == want
+        assert beside["experts"] == want                              # the other site (the backend picks one)
+        assert [b for b, _ in ops.asked].index("experts") < [b for b, _ in ops.asked].index("collective")
         assert all(n in specs for n in want)                          # real tensors of the rank
         assert "attention" in beside                                  # the attention-side prefetch stays
 

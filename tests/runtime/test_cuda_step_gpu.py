@@ -212,8 +212,8 @@ def test_a_wider_table_builds_the_same_tree(tiny):
 
 def test_parallel_branches_change_no_bit(tiny):
     """The branches (backends/cuda_branch.py: the shared expert beside the router, the kv path beside the query path,
-    the L2 prefetch beside the attention) run the same kernels on the same inputs as the in-order launches
-    without prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs
+    the L2 prefetch beside the attention, and the next layer's front beside the routed experts when asked) run the
+    same kernels on the same inputs as the in-order launches without prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs
     (recaptured without them) commit the same tokens. A join in the wrong place would let a kernel read an
     output not yet (or not at all) written."""
     from ddtree.runtime.loop import causal_visible
@@ -231,12 +231,17 @@ def test_parallel_branches_change_no_bit(tiny):
     with_branches = run()
     budget = ex.ops.prefetch_bytes
     try:
+        ex.ops.prefetch_next_beside = "experts"      # the next front held, then launched beside the routed experts
+        ex.steps.graphs.clear()
+        beside_experts = run()
+        ex.ops.prefetch_next_beside = "collective"
         ex.ops.branches, ex.ops.prefetch_bytes = False, 0
         ex.steps.graphs.clear()                      # recapture every step graph without the branches
         in_order = run()
     finally:
-        ex.ops.branches, ex.ops.prefetch_bytes = True, budget
+        ex.ops.branches, ex.ops.prefetch_bytes, ex.ops.prefetch_next_beside = True, budget, "collective"
         ex.steps.graphs.clear()
-    assert with_branches[0].view(np.uint32).tolist() == in_order[0].view(np.uint32).tolist()
-    assert with_branches[1] == in_order[1]
-    assert with_branches[2] == in_order[2]
+    for got in (with_branches, beside_experts):
+        assert got[0].view(np.uint32).tolist() == in_order[0].view(np.uint32).tolist()
+        assert got[1] == in_order[1]
+        assert got[2] == in_order[2]
