@@ -18,7 +18,12 @@ from __future__ import annotations
 # 83.6 / 64.5, 12 122.8 / 73.9 -> 104.8 / 73.8, 17 137.9 / 98.7 -> 133.4 / 90.1 (plan_moe's own plan -> this),
 # 25 190.5 / 126.6 -> 176.5 / 118.8; at 29 and 33 four tile pairs won under both routings (29: 204.3 / 137.4 ->
 # 198.7 / 136.0, 33: 222.5 / 146.7 -> 217.0 / 146.1) where three lost at 29 under uniform (217.9).
-TWO_MEASURED = {("sm_90", 7168, 256): ((9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
+# 2026-12-06 (eighth session, NOTES "One row's gate_up on 8-warp blocks"): H100, `bench moe --tp 8 --m 1 --no-router
+# --paths cols --parts`, route kernel + experts (route + gate_up), us: plan_moe's 16 warps at k-split 14 (112 blocks)
+# 23.55 (17.26); 8 warps at k-split 8 (two n-blocks: 128 blocks) 20.86 (14.37); 8 warps at 14 23.04, at 7 21.94;
+# 16 warps at 8 24.09, at 7 25.34, at 4 30.55.
+TWO_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(gu_warps=8, gu_splits=8)),
+                                       (9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
                                        (26, 33, dict(gu_warps=8, gu_splits=4, dn_tpw=4)))}
 
 
