@@ -43,6 +43,7 @@ from ddtree.plugins.layer_ops import LayerOps
 from ddtree.plugins.mla_absorb import MlaAbsorb
 from ddtree.plugins.mla_attention import MlaTreeAttention
 from ddtree.plugins.mla_invariant import MlaInvariantAttention
+from ddtree.plugins.prefetch import CHUNK
 
 DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
 MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
@@ -144,6 +145,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.prefetch_next = True            # the next layer's attention weights staged in L2 ...
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)
+        self.prefetch_chunk = CHUNK                     # bytes one prefetch thread asks for (plugins/prefetch.py)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
                                                         # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 

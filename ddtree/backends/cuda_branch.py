@@ -132,7 +132,7 @@ class BranchOps:
         return chosen
 
     def _launch_prefetch(self, chosen) -> None:
-        pre = self.launcher(("l2_prefetch",), lambda: L2Prefetch(self.gpu))
+        pre = self.launcher(("l2_prefetch", self.prefetch_chunk), lambda: L2Prefetch(self.gpu, self.prefetch_chunk))
         fork = Fork.of(self, "prefetch")
         if fork is None:
             pre.run(chosen, stream=self.stream)

@@ -240,6 +240,9 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
               help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
                    "L2: backends/cuda_branch.py BranchOps.prefetch)")
+@click.option("--prefetch-chunk-kb", type=click.IntRange(min=1), default=None,
+              help="bytes one thread of the L2 prefetch asks for, KiB (default 16: plugins/prefetch.py CHUNK); a "
+                   "smaller chunk spreads a fill over more SMs, whose copy units issue it")
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
                    "down launch only (A/B: backends/cuda_moe.py)")
@@ -280,7 +283,7 @@ def echo_row(row: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, shared_join, collective_modes, allreduce, prefetch_next,
+                 ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, collective_modes, allreduce, prefetch_next,
                  prefetch_next_beside, with_prune,
                  prune_rate, requests_text, baseline, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
@@ -311,6 +314,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         baseline = check_baseline(baseline)
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
+                            ("--prefetch-chunk-kb", prefetch_chunk_kb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
                             ("--prefetch-next", prefetch_next is not None),
                             ("--prefetch-next-beside", prefetch_next_beside is not None), ("--prune", with_prune)):
@@ -344,6 +348,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         ops.branches = not no_branches
         if prefetch_mb is not None:
             ops.prefetch_bytes = int(prefetch_mb * 2**20)
+        if prefetch_chunk_kb is not None:
+            ops.prefetch_chunk = prefetch_chunk_kb << 10
         if shared_join is not None:
             ops.shared_join = shared_join
         if prefetch_next is not None:
@@ -403,6 +409,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
+              "prefetch_chunk": rank.ops.prefetch_chunk,
               "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
               "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],

@@ -27,6 +27,7 @@ class Staged(BranchOps):
 
     def __init__(self, sizes, budget):
         self.store, self.prefetch_bytes, self.stream, self.runs = Store(sizes), budget, None, []
+        self.prefetch_chunk = pf.CHUNK
         self.lane = 0
         runs = self.runs
 
@@ -36,7 +37,7 @@ class Staged(BranchOps):
         self.recorder = Recorder()
 
     def launcher(self, key, make):
-        assert key == ("l2_prefetch",)
+        assert key == ("l2_prefetch", self.prefetch_chunk)
         return self.recorder
 
 
