@@ -283,9 +283,9 @@ def echo_row(row: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, collective_modes, allreduce, prefetch_next,
-                 prefetch_next_beside, with_prune,
-                 prune_rate, requests_text, baseline, timeline, as_json):
+                 ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, collective_modes, allreduce,
+                 prefetch_next, prefetch_next_beside, with_prune, prune_rate, requests_text, baseline, timeline,
+                 as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
