@@ -257,6 +257,7 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
             "tp": plan.tp, "rank": rank_id, "requests": requests, "copy_ceiling_gbps": ceiling_gbps,
             "weights_bytes": weights, "memory_plan": mem, "free_bytes_before": int(free), "cache_rows": rows,
             "branches": rank.ops.branches, "prefetch_bytes": rank.ops.prefetch_bytes,
+            "prefetch_chunk": rank.ops.prefetch_chunk,
             "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
             "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": out,
             "notes": {

@@ -90,8 +90,7 @@ class DraftAttention:
         grid = (self.kv_heads, -(-b * g // ROWS_PER_BLOCK), splits)
         self.gpu.launch(self.gpu.kernel(SOURCE, f"draft_attention_d{self.d}"), grid, 256, 0,
                         ptr(q), np.int32(q_tok), ptr(k), ptr(v), np.int32(kv_tok), np.int32(v_tok), ptr(cache_k),
-                        ptr(cache_v),
-                        ptr(cache_len), np.int32(n), ptr(pos), np.int32(b), np.int32(self.heads),
+                        ptr(cache_v), ptr(cache_len), np.int32(n), ptr(pos), np.int32(b), np.int32(self.heads),
                         np.int32(self.kv_heads), np.int32(window), np.float32(self.scale * math.log2(math.e)),
                         ptr(self.part_o), ptr(self.part_ml), ptr(o), stream=stream, pdl=self.pdl)
         if splits > 1:

@@ -117,7 +117,8 @@ class LayerOps:
                      np.int32(vocab_rows), ptr(out), np.int32(H), stream=stream)
 
     def rms_norm(self, x, w, out, m: int, D: int, eps: float, x_stride: int | None = None,
-                 out_stride: int | None = None, stream=None, x_group: int = 1, x_group_stride: int | None = None) -> None:
+                 out_stride: int | None = None, stream=None, x_group: int = 1,
+                 x_group_stride: int | None = None) -> None:
         """out [m, D] = w [D] * x / sqrt(mean(x^2) + eps) per row; x rows x_stride apart (default D: a column
         slice of a wider output, e.g. c_kv = latent[:, :R], has stride R + Dr), out rows out_stride apart.
         x_group g > 1: x is [m / g, g, D] with those g rows x_stride apart and groups x_group_stride apart (the

@@ -213,8 +213,8 @@ def test_a_wider_table_builds_the_same_tree(tiny):
 def test_parallel_branches_change_no_bit(tiny):
     """The branches (backends/cuda_branch.py: the shared expert beside the router, the kv path beside the query path,
     the L2 prefetch beside the attention, and the next layer's front beside the routed experts when asked) run the
-    same kernels on the same inputs as the in-order launches without prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs
-    (recaptured without them) commit the same tokens. A join in the wrong place would let a kernel read an
+    same kernels on the same inputs as the in-order launches without prefetch: an eager prefill's logits are
+    bitwise equal, and the captured AR and DDTree graphs (recaptured without them) commit the same tokens. A join in the wrong place would let a kernel read an
     output not yet (or not at all) written."""
     from ddtree.runtime.loop import causal_visible
     ex, prompts = tiny
