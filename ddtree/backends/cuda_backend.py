@@ -146,6 +146,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)
         self.prefetch_chunk = CHUNK                     # bytes one prefetch thread asks for (plugins/prefetch.py)
+        self.chain_norms = True             # a layer's closing add and the next layer's input norm as one launch
+                                            # (description/layers.py chained_norms; the stack's layers: cuda_model.py)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
                                                         # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 

@@ -259,6 +259,9 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-next-beside", type=click.Choice(["collective", "experts"]), default=None,
               help="where that prefetch runs: beside the MLP all-reduce (default) or beside the routed experts, once "
                    "routed (at few rows they leave the HBM mostly idle; backends/cuda_branch.py release_held)")
+@click.option("--chain-norms/--no-chain-norms", default=None,
+              help="each layer's closing residual add and the next layer's input norm as one launch (default on: "
+                   "description/layers.py chained_norms); off: an add and a norm, as the ONNX graphs run them")
 @click.option("--prune", "with_prune", is_flag=True,
               help="each DDTree row again with the verify pruned inside (--prune auto's step, issue 53): distinct "
                    "experts a layer before / after, pruned nodes, the step time beside the unpruned row's")
@@ -284,8 +287,8 @@ def echo_row(row: dict) -> None:
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
                  ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, collective_modes, allreduce,
-                 prefetch_next, prefetch_next_beside, with_prune, prune_rate, requests_text, baseline, timeline,
-                 as_json):
+                 prefetch_next, prefetch_next_beside, chain_norms, with_prune, prune_rate, requests_text, baseline,
+                 timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
@@ -317,7 +320,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                             ("--prefetch-chunk-kb", prefetch_chunk_kb is not None),
                             ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
                             ("--prefetch-next", prefetch_next is not None),
-                            ("--prefetch-next-beside", prefetch_next_beside is not None), ("--prune", with_prune)):
+                            ("--prefetch-next-beside", prefetch_next_beside is not None),
+                            ("--chain-norms", chain_norms is not None), ("--prune", with_prune)):
             if given:
                 raise click.BadParameter("applies to --ranks one (the rank processes keep the backend's defaults)",
                                          param_hint=flag)
@@ -356,6 +360,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             ops.prefetch_next = prefetch_next
         if prefetch_next_beside is not None:
             ops.prefetch_next_beside = prefetch_next_beside
+        if chain_norms is not None:
+            ops.chain_norms = chain_norms
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
     if requests is not None:
         result = bench_requests(gpu, preset, cfg, dcfg, plan, rank_id, requests, contexts, budgets, cases, repeats,
@@ -411,7 +417,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
               "prefetch_chunk": rank.ops.prefetch_chunk,
               "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
-              "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": rows,
+              "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
+              "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],
                                                      "copy_ceiling_gbps": base["copy_ceiling_gbps"]},
               "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},

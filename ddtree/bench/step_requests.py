@@ -259,7 +259,8 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
             "branches": rank.ops.branches, "prefetch_bytes": rank.ops.prefetch_bytes,
             "prefetch_chunk": rank.ops.prefetch_chunk,
             "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
-            "prefetch_next_beside": rank.ops.prefetch_next_beside, "rows": out,
+            "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
+            "rows": out,
             "notes": {
                 "verify_us": "the target forward of the union rows only (embed, every decoder layer, head_logits "
                              "over the union rows): no drafter, tree, sampling, walk or compaction; one CUDA graph "

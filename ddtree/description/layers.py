@@ -16,6 +16,7 @@ one more, training/drafter_model.py, for its many-blocks-per-sequence objective 
                  o = MLA(q_lat, q_pe, cache, tree_mask) W_UV -> o_proj -> all-reduce
                  h1, x2 = h + attn, RMSNorm_post(h + attn)
                  h_out = h1 + all-reduce(dense SwiGLU slice(x2) | MoE(x2))
+                 chain_norms: x [q, H] in (layer > 0), x_out = layer + 1's RMSNorm_in(h_out) out (fused with the add)
                  requests=Rq: the union verify, Rq requests' rows with caches cache.<i>, tree masks tree_mask.<i>,
                  cache_len [Rq], row_offsets [Rq + 1]: the append and the attention per request, all else on the
                  union rows
@@ -135,16 +136,30 @@ def attention_front(cfg, layer: int) -> tuple:
 
 
 PRUNE_MODES = (None, "route", "prune")
+INPUT_NORM = "input_layernorm.weight"     # a decoder (or drafter) layer's input norm, under its prefix
 
 
-def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, prune: str | None = None) -> None:
+def chained_norms(cfg, layer: int) -> tuple[bool, bool]:
+    """Decoder layer `layer` with chain_norms: (reads x from the layer before, outputs x_out for the next). The first
+    layer norms the embedding itself, the last leaves its h to the head's norm. Off where one graph serves several
+    layers (the ONNX kinds bind a layer's weights by its prefix; x_out's weight is the next layer's)."""
+    return layer > 0, layer + 1 < cfg.num_hidden_layers
+
+
+def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, prune: str | None = None,
+                  chain_norms: bool = False) -> None:
     """Decoder layer `layer` (dense MLP or MoE by the config). requests Rq > 1: the union verify, the rows of Rq
     requests at once (row_offsets [Rq + 1]), each with its own cache (cache.<i> in, cache_out.<i> out), tree mask
     (tree_mask.<i> [q_i, ceil(q_i / 32)]) and cache_len [Rq]. Everything but the append and the attention runs on
     the union rows (row-wise ops: each row is what it is alone). prune (an MoE layer of a pruned verify, issue 53):
     "route" reads the live mask [q] and routes live rows only (outputs routed_ids); "prune" also runs tree_prune
-    after the routing (outputs live_out, the mask later layers read). Rq 1 and prune None: today's layer, op for op."""
+    after the routing (outputs live_out, the mask later layers read). chain_norms (see chained_norms): the residual
+    add at the layer's end and the next layer's input norm are one op, the MLP all-reduce's fused add + norm: a
+    layer after the first reads x [q, H] (its own input norm of h, made by the layer before) and a layer before the
+    last outputs x_out (the next layer's); the values are the unchained layer's. Rq 1, prune None and chain_norms
+    off: today's layer, op for op."""
     p, H, W = layer_prefix(layer), cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    x_in, x_out = chained_norms(cfg, layer) if chain_norms else (False, False)
     h = ops.input("h", ["q", H], ACT)
     pos = ops.input("pos", ["q"], I32)
     if requests == 1:
@@ -156,7 +171,10 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, 
         cache_len = ops.input("cache_len", [requests], I32)
         row_offsets = ops.input("row_offsets", [requests + 1], I32)
         tree_mask = tuple(ops.input(f"tree_mask.{i}", [f"q.{i}", f"W.{i}"], I32) for i in range(requests))
-    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), cfg.rms_norm_eps)      # [q, H]
+    if x_in:                                                               # normed by the layer before
+        x = ops.input("x", ["q", H], ACT)
+    else:
+        x = ops.rms_norm(h, ops.weight(p + INPUT_NORM), cfg.rms_norm_eps)  # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
                                 ahead=mlp_front(cfg, layer), row_offsets=row_offsets)
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
@@ -172,7 +190,14 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, 
     else:
         mlp = dense_mlp(ops, p + "mlp.", x2)
     ops.prefetch(*attention_front(cfg, layer + 1), beside="collective")   # the all-reduce leaves the HBM idle
-    ops.output("h_out", ops.add(h1, ops.all_reduce(mlp, "mlp")), ["q", H], ACT)
+    if x_out:                                     # h_out and the next layer's x in one op after the all-reduce
+        h_out, x_next = ops.all_reduce_add_rms_norm(mlp, h1, ops.weight(layer_prefix(layer + 1) + INPUT_NORM),
+                                                    cfg.rms_norm_eps, "mlp")
+    else:
+        h_out, x_next = ops.add(h1, ops.all_reduce(mlp, "mlp")), None
+    ops.output("h_out", h_out, ["q", H], ACT)
+    if x_next is not None:
+        ops.output("x_out", x_next, ["q", H], ACT)
     if requests == 1:
         ops.output("cache_out", cache, ["S", W], ACT)
     else:
@@ -266,7 +291,7 @@ def draft_layer(ops: Ops, dcfg, layer: int, block: int | None = None) -> None:
         return ops.rms_norm(y, ops.weight(f"{a}{norm}.weight"), eps) if norm else y
 
     w_q, w_k, w_v = (ops.weight(f"{a}{proj}.weight") for proj in ("q_proj", "k_proj", "v_proj"))
-    x = ops.rms_norm(h, ops.weight(p + "input_layernorm.weight"), eps)                   # [b, H]
+    x = ops.rms_norm(h, ops.weight(p + INPUT_NORM), eps)                   # [b, H]
     y_q, y_k, y_v = ops.linears(x, (w_q, w_k, w_v))                  # one GEMM over x where stored side by side
     q, k, v = heads_of(y_q, heads, "q_norm"), heads_of(y_k, kv_heads, "k_norm"), heads_of(y_v, kv_heads, None)
     y_k, y_v = ops.linears(ctx, (w_k, w_v))                          # the same k | v tiles over the new context

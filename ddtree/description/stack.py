@@ -122,26 +122,32 @@ def mask_feeds(requests: int = 1) -> tuple:
 
 def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCaches, taps=(), on_tap=None,
                    head=(layers.head, ()), head_feeds: dict | None = None, requests: int = 1,
-                   prune: Pruning | None = None) -> dict:
+                   prune: Pruning | None = None, chain_norms: bool = False) -> dict:
     """feeds: ids [q], pos [q], cache_len [1], tree_mask [q, W] -> the head's outputs ({"h": h [q, H]} with
     head None). on_tap(L, h) after each layer L in taps. head: (layer function, its arguments after cfg).
     requests Rq > 1: the union verify, one forward over Rq requests' rows: feeds hold row_offsets [Rq + 1] and
     each request's tree_mask.<i> [q_i, W_i] instead of tree_mask, cache_len is [Rq], caches a RequestCaches (the
     head and the taps are row-wise: the union's rows). prune: a pruned verify of one request (its final mask in
-    prune.feeds["live"]); None runs today's layers, op for op."""
+    prune.feeds["live"]); None runs today's layers, op for op. chain_norms: each layer's residual add fused with the
+    next layer's input norm (layers.decoder_layer; x_out fed on as x): an executor that runs one call per layer with
+    that layer's own names (not the ONNX kinds, whose one graph serves several layers)."""
     if prune is not None and requests > 1:
         raise ValueError("target_forward: a pruned verify is one request's (requests = 1)")
     h = run("embed", layers.embed, (cfg,), {"ids": feeds["ids"]})["h"]
     step = {k: feeds[k] for k in ("pos", "cache_len", *mask_feeds(requests))}
     layer_args = (moe_inter, requests) if requests > 1 else (moe_inter,)          # one request: today's layer call
+    x = {}                                                                         # chain_norms: {"x": x} past 0
     for L in range(cfg.num_hidden_layers):
         mode, extra = prune.layer(cfg, L) if prune is not None else (None, {})
         args = (cfg, L, *layer_args) if mode is None else (cfg, L, moe_inter, 1, mode)
-        outs = run(decoder_kind(cfg, L), layers.decoder_layer, args, {**step, **extra, "h": h, **caches.feeds(L)}, L)
+        if chain_norms:
+            args = (cfg, L, moe_inter, requests, mode, True)
+        outs = run(decoder_kind(cfg, L), layers.decoder_layer, args,
+                   {**step, **extra, "h": h, **x, **caches.feeds(L)}, L)
         if mode is not None:
             prune.routed(L, outs)
         caches.keep(L, outs)
-        h = outs["h_out"]
+        h, x = outs["h_out"], ({"x": outs["x_out"]} if "x_out" in outs else {})
         if on_tap is not None and L in taps:
             on_tap(L, h)
     if head is None:

@@ -97,9 +97,10 @@ def target_layers(ex, feeds: dict, cache: GpuTargetCache, tap=None, taps=(), pru
     """The embedding and every decoder layer of ex (an executor, or bench step's SyntheticRank: ops, config,
     moe_inter) through description/stack.py (feeds: ids, pos, cache_len, tree_mask) -> h [q, H]; tap(L, h) after
     each layer L in taps (the primitives download taps, the step graph copies them on the device). prune: a pruned
-    verify (--prune auto; its final live mask in prune.feeds["live"])."""
+    verify (--prune auto; its final live mask in prune.feeds["live"]). The layers chain their norms where the ops
+    say so (CudaOps.chain_norms: the add at a layer's end fused with the next layer's input norm)."""
     return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds, target_feeds(cache), taps, tap,
-                                head=None, prune=prune)["h"]
+                                head=None, prune=prune, chain_norms=ex.ops.chain_norms)["h"]
 
 
 def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:
@@ -110,7 +111,7 @@ def union_layers(ex, feeds: dict, caches: list, tap=None, taps=()) -> Tensor:
     (Tensor.of(buf, host=offsets), as bench/step_requests.py does)."""
     return stack.target_forward(ex.ops.run, ex.config, ex.moe_inter, feeds,
                                 stack.RequestCaches([target_feeds(c) for c in caches]), taps, tap, head=None,
-                                requests=len(caches))["h"]
+                                requests=len(caches), chain_norms=ex.ops.chain_norms)["h"]
 
 
 def target_feeds(cache: GpuTargetCache) -> stack.InPlace:

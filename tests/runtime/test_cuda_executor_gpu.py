@@ -140,6 +140,28 @@ def test_target_prefill_verify_compact(engines):
     assert len(gex.gpu._allocs) == allocations, "a call with the shapes of the last one allocated device memory"
 
 
+def test_chained_norms_change_no_bit(engines):
+    """A layer's closing add and the next layer's input norm as one launch (add_rms_norm_rows: the default,
+    CudaOps.chain_norms) give the bits of add_rows + rms_norm_rows: the same fp32 add and one rounding, the same
+    block reduction (tests/runtime/test_chained_norms.py checks the wiring on the numpy ranks)."""
+    _, gex = engines
+    prompt, taps = np.array(PROMPTS[2]), (1, 2)
+    got = {}
+    try:
+        for chain in (False, True):
+            gex.ops.chain_norms = chain
+            cache = gex.new_target_cache()
+            logits, tapped = gex.target_forward(prompt, np.arange(len(prompt)), causal_visible(0, len(prompt)), cache,
+                                                taps)
+            rows = [gex.ops.host(cache.layer(L))[: len(prompt)].copy() for L in range(gex.config.num_hidden_layers)]
+            got[chain] = (logits, tapped, rows)
+    finally:
+        gex.ops.chain_norms = True
+    (lp, tp_, cp), (lc, tc, cc) = got[False], got[True]
+    assert np.array_equal(lp, lc) and all(np.array_equal(tp_[L], tc[L]) for L in taps)
+    assert all(np.array_equal(a, b) for a, b in zip(cp, cc))
+
+
 def test_drafter_forward(engines):
     ref, gex = engines
     d = ref.drafter_config
