@@ -21,7 +21,8 @@ from __future__ import annotations
 # 2026-12-06 (eighth session, NOTES "One row's gate_up on 8-warp blocks"): H100, `bench moe --tp 8 --m 1 --no-router
 # --paths cols --parts`, route kernel + experts (route + gate_up), us: plan_moe's 16 warps at k-split 14 (112 blocks)
 # 23.55 (17.26); 8 warps at k-split 8 (two n-blocks: 128 blocks) 20.86 (14.37); 8 warps at 14 23.04, at 7 21.94;
-# 16 warps at 8 24.09, at 7 25.34, at 4 30.55.
+# 16 warps at 8 24.09, at 7 25.34, at 4 30.55. In the step (ninth session, H100, bench step AR / budget 8 tree
+# against git archive 51824de): no gain, within the spread (AR 5770 -> 5787 us); kept as neutral.
 TWO_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(gu_warps=8, gu_splits=8)),
                                        (9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
                                        (26, 33, dict(gu_warps=8, gu_splits=4, dn_tpw=4)))}
