@@ -43,7 +43,6 @@ from ddtree.plugins.layer_ops import LayerOps
 from ddtree.plugins.mla_absorb import MlaAbsorb
 from ddtree.plugins.mla_attention import MlaTreeAttention
 from ddtree.plugins.mla_invariant import MlaInvariantAttention
-from ddtree.plugins.prefetch import CHUNK
 
 DTYPES = {ACT: np.dtype(np.uint16), ACC: np.dtype(np.float32), I32: np.dtype(np.int32), F32: np.dtype(np.float32)}
 MAX_TOKENS = 256                       # rows of one call: the GEMM / MoE / absorb kernels' limit
@@ -145,7 +144,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.prefetch_next = True            # the next layer's attention weights staged in L2 ...
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)
-        self.prefetch_chunk = CHUNK                     # bytes one prefetch thread asks for (plugins/prefetch.py)
+        self.prefetch_chunk = None                      # bytes one prefetch thread asks for: None by the call's
+                                                        # rows (plugins/prefetch.py chunk_for), or every call's
         self.chain_norms = True             # a layer's closing add and the next layer's input norm as one launch
                                             # (description/layers.py chained_norms; the stack's layers: cuda_model.py)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
@@ -155,6 +155,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
     def call(self, fn, *args, feeds: dict, arena: int = 0) -> dict:
         self.feeds = {k: self.bind(k, v) for k, v in feeds.items()}
         self.outputs, self.site, self.key = {}, 0, (fn.__name__, arena)
+        self.rows = self.feeds["h"].shape[0] if "h" in self.feeds else 1      # a layer call's rows (the prefetch)
         self.where = f"{fn.__name__}({', '.join(str(a) for a in args if isinstance(a, int))}) on {self.gpu.name}"
         self.calls += 1                                     # the prefetches' age (BranchOps.join_pending)
         fn(self, *args)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ddtree.plugins.prefetch import L2Prefetch
+from ddtree.plugins.prefetch import L2Prefetch, chunk_for
 
 
 class Fork:
@@ -132,7 +132,8 @@ class BranchOps:
         return chosen
 
     def _launch_prefetch(self, chosen) -> None:
-        pre = self.launcher(("l2_prefetch", self.prefetch_chunk), lambda: L2Prefetch(self.gpu, self.prefetch_chunk))
+        chunk = chunk_for(getattr(self, "rows", 1), self.prefetch_chunk)
+        pre = self.launcher(("l2_prefetch", chunk), lambda: L2Prefetch(self.gpu, chunk))
         fork = Fork.of(self, "prefetch")
         if fork is None:
             pre.run(chosen, stream=self.stream)

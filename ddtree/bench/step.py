@@ -72,6 +72,7 @@ from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import get_preset
 from ddtree.plugins.device import Gpu
+from ddtree.plugins.prefetch import chunks
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
@@ -241,8 +242,9 @@ def echo_row(row: dict) -> None:
               help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
                    "L2: backends/cuda_branch.py BranchOps.prefetch)")
 @click.option("--prefetch-chunk-kb", type=click.IntRange(min=1), default=None,
-              help="bytes one thread of the L2 prefetch asks for, KiB (default 16: plugins/prefetch.py CHUNK); a "
-                   "smaller chunk spreads a fill over more SMs, whose copy units issue it")
+              help="bytes one thread of the L2 prefetch asks for in every call, KiB (default by the call's rows: 16 "
+                   "at one row, 4 past one, plugins/prefetch.py chunk_for); a smaller chunk spreads a fill over more "
+                   "SMs, whose copy units issue it")
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
                    "down launch only (A/B: backends/cuda_moe.py)")
@@ -415,7 +417,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
-              "prefetch_chunk": rank.ops.prefetch_chunk,
+              "prefetch_chunk": chunks(rank.ops.prefetch_chunk),
               "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
               "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
               "rows": rows,

@@ -38,6 +38,7 @@ from ddtree.bench.synthetic_rank import SyntheticRank
 from ddtree.description import layers
 from ddtree.plugins import randfill as rf
 from ddtree.plugins.device import DeviceArray, _driver, check
+from ddtree.plugins.prefetch import chunks
 from ddtree.runtime.cuda_executor import WORKSPACE_BYTES
 from ddtree.runtime.cuda_model import cache_bytes, new_target_cache, target_layers, union_layers
 from ddtree.tree.build import Tree, pack_visibility
@@ -257,7 +258,7 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
             "tp": plan.tp, "rank": rank_id, "requests": requests, "copy_ceiling_gbps": ceiling_gbps,
             "weights_bytes": weights, "memory_plan": mem, "free_bytes_before": int(free), "cache_rows": rows,
             "branches": rank.ops.branches, "prefetch_bytes": rank.ops.prefetch_bytes,
-            "prefetch_chunk": rank.ops.prefetch_chunk,
+            "prefetch_chunk": chunks(rank.ops.prefetch_chunk),
             "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
             "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
             "rows": out,

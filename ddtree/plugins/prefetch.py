@@ -17,7 +17,20 @@ from ddtree.plugins.device import Gpu, ptr
 
 SOURCE = "prefetch.cu"
 THREADS = 128
-CHUNK = 16384                       # bytes one thread asks L2 for (one bulk prefetch instruction)
+CHUNK = 16384                       # bytes one thread asks L2 for (one bulk prefetch instruction) ...
+CHUNK_ROWS = 4096                   # ... in a call of one row, and past one row: a fill issued by ~4x the blocks
+                                    # (H100, bench step: budget 8 tree -1.5 %, AR +3.6 % where its fill ran beside
+                                    # the next layer's first GEMM; kernels/NOTES.md, ninth session)
+
+
+def chunk_for(rows: int, forced: int | None = None) -> int:
+    """The bytes one prefetch thread asks for in a layer call of `rows` rows (forced: every call's)."""
+    return forced or (CHUNK if rows <= 1 else CHUNK_ROWS)
+
+
+def chunks(forced: int | None = None) -> dict:
+    """What chunk_for gives a call of one row and of more (the benches' JSON)."""
+    return {"one_row": chunk_for(1, forced), "more_rows": chunk_for(2, forced)}
 SLOTS = 4                           # buffers one launch takes (kernels/prefetch.cu)
 
 

@@ -37,7 +37,7 @@ class Staged(BranchOps):
         self.recorder = Recorder()
 
     def launcher(self, key, make):
-        assert key == ("l2_prefetch", self.prefetch_chunk)
+        self.keys = [*getattr(self, "keys", []), key]
         return self.recorder
 
 
@@ -58,6 +58,18 @@ def test_budget_stages_the_first_readers_in_order(budget, staged):
     want = [(ops.store.bufs[n][0].ptr, SIZES[n]) for n in staged]
     assert ops.runs == ([want] if want else [])
     assert sum(n for _, n in want) <= budget
+
+
+@pytest.mark.parametrize("rows, forced, chunk", [(1, None, 16384), (2, None, 4096), (9, None, 4096),
+                                                  (1, 8192, 8192), (9, 16384, 16384)])
+def test_the_chunk_follows_the_calls_rows_unless_forced(rows, forced, chunk):
+    """One row keeps 16 KiB a thread (a faster fill took DRAM from the next layer's first GEMM at AR); more rows ask
+    4 KiB (~4x the blocks issue the fill); bench step --prefetch-chunk-kb forces one chunk everywhere."""
+    ops = Staged(SIZES, 64 << 20)
+    ops.prefetch_chunk, ops.rows = forced, rows
+    ops.prefetch("o_proj")
+    assert ops.keys == [("l2_prefetch", chunk)] and pf.chunk_for(rows, forced) == chunk
+    assert pf.chunks(forced) == {"one_row": forced or pf.CHUNK, "more_rows": forced or pf.CHUNK_ROWS}
 
 
 def test_layouts_name_the_buffers_a_kernel_reads():
