@@ -17,10 +17,11 @@ from ddtree.plugins.device import Gpu, ptr
 
 SOURCE = "prefetch.cu"
 THREADS = 128
-CHUNK = 16384                       # bytes one thread asks L2 for (one bulk prefetch instruction) ...
-CHUNK_ROWS = 4096                   # ... in a call of one row, and past one row: a fill issued by ~4x the blocks
-                                    # (H100, bench step: budget 8 tree -1.5 %, AR +3.6 % where its fill ran beside
-                                    # the next layer's first GEMM; kernels/NOTES.md, ninth session)
+CHUNK = 16384                       # bytes one thread asks L2 for (one bulk prefetch instruction) at one row;
+CHUNK_ROWS = 4096                   # past one row ~4x the blocks issue a fill (H100, bench step: budget 8 tree
+                                    # -1.5 %, while at one row, AR, it was +3.6 %: the faster fill took DRAM from the
+                                    # next layer's first GEMM; kernels/NOTES.md, ninth session)
+SLOTS = 4                           # buffers one launch takes (kernels/prefetch.cu)
 
 
 def chunk_for(rows: int, forced: int | None = None) -> int:
@@ -31,7 +32,6 @@ def chunk_for(rows: int, forced: int | None = None) -> int:
 def chunks(forced: int | None = None) -> dict:
     """What chunk_for gives a call of one row and of more (the benches' JSON)."""
     return {"one_row": chunk_for(1, forced), "more_rows": chunk_for(2, forced)}
-SLOTS = 4                           # buffers one launch takes (kernels/prefetch.cu)
 
 
 def launches(sizes, chunk: int = CHUNK) -> tuple[int, int]:
