@@ -139,9 +139,10 @@ def target_forward(run: Run, cfg, moe_inter: int, feeds: dict, caches: LayerCach
     x = {}                                                                         # chain_norms: {"x": x} past 0
     for L in range(cfg.num_hidden_layers):
         mode, extra = prune.layer(cfg, L) if prune is not None else (None, {})
-        args = (cfg, L, *layer_args) if mode is None else (cfg, L, moe_inter, 1, mode)
         if chain_norms:
             args = (cfg, L, moe_inter, requests, mode, True)
+        else:
+            args = (cfg, L, *layer_args) if mode is None else (cfg, L, moe_inter, 1, mode)
         outs = run(decoder_kind(cfg, L), layers.decoder_layer, args,
                    {**step, **extra, "h": h, **x, **caches.feeds(L)}, L)
         if mode is not None:

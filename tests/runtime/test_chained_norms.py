@@ -23,22 +23,25 @@ def executor(request, tmp_path_factory):
                                        kernels=False)["engine"])
 
 
-def forward(ex, chain: bool, ids, pos, visible, cache):
-    """stack.target_forward on the numpy ranks -> (per-rank logits, taps, the layers' feeds as called)."""
+def forward(ex, chain: bool, ids, pos, visible, cache, head=(layers.head, ())):
+    """stack.target_forward on the numpy ranks -> (the head's per-rank outputs, taps, {layer: (args, feeds, output
+    names)} as called)."""
     T = cache.length
     cache.reserve(T + len(ids))
     feeds = {"ids": ids.astype(np.int32), "pos": pos.astype(np.int32), "cache_len": np.array([T], np.int32),
              "tree_mask": pack_visibility(visible[:, T:]).view(np.int32)}
-    head = {"sample_pos": feeds["pos"] + 1, "temperature": np.zeros(1, np.float32), "seed": np.zeros(2, np.int32)}
+    head_feeds = None if head is None else {"sample_pos": feeds["pos"] + 1, "temperature": np.zeros(1, np.float32),
+                                             "seed": np.zeros(2, np.int32)}
     called, tapped = {}, {}
 
     def run(kind, fn, args, feeds, layer=None):
+        outs = ex.run(kind, fn, args, feeds, layer)
         if fn is layers.decoder_layer:
-            called[layer] = (args, feeds)
-        return ex.run(kind, fn, args, feeds, layer)
+            called[layer] = (args, feeds, set(outs))
+        return outs
     outs = stack.target_forward(run, ex.config, ex.moe_inter, feeds, cache, TAPS,
-                                lambda L, h: tapped.__setitem__(L, [r.copy() for r in h]), head_feeds=head,
-                                chain_norms=chain)
+                                lambda L, h: tapped.__setitem__(L, [r.copy() for r in h]), head=head,
+                                head_feeds=head_feeds, chain_norms=chain)
     cache.length = T + len(ids)
     return outs, tapped, called
 
@@ -67,8 +70,8 @@ def test_chained_norms_are_the_unchained_layers(executor):
             assert all(np.array_equal(a, b) for a, b in zip(outs_p[name], outs_c[name])), name
         assert sorted(taps_c) == list(TAPS) and all(np.array_equal(a, b) for L in TAPS
                                                     for a, b in zip(taps_p[L], taps_c[L]))
-        assert all("x" not in feeds for _, feeds in called_p.values())
-        for L, (args, feeds) in called_c.items():
+        assert all("x" not in feeds for _, feeds, _ in called_p.values())
+        for L, (args, feeds, _) in called_c.items():
             assert ("x" in feeds) == (L > 0), f"layer {L}: x fed {('x' in feeds)}"
             assert args[-1] is True and layers.chained_norms(cfg, L) == (L > 0, L < last)
             if L > 0:                                                      # its own input norm of its own h
@@ -80,20 +83,9 @@ def test_chained_norms_are_the_unchained_layers(executor):
 
 def test_the_last_layer_leaves_its_norm_to_the_head(executor):
     """No x_out past the last layer (the head norms h with model.norm), none from an unchained layer."""
-    cfg = executor.config
-    cache = executor.new_target_cache(16, 64)
-    ids = np.arange(3)
-    outs = {}
-
-    def run(kind, fn, args, feeds, layer=None):
-        out = executor.run(kind, fn, args, feeds, layer)
-        if fn is layers.decoder_layer:
-            outs[layer] = set(out)
-        return out
-    T = cache.length
-    cache.reserve(T + 3)
-    feeds = {"ids": ids.astype(np.int32), "pos": ids.astype(np.int32), "cache_len": np.array([T], np.int32),
-             "tree_mask": pack_visibility(causal_visible(0, 3)).view(np.int32)}
-    stack.target_forward(run, cfg, executor.moe_inter, feeds, cache, head=None, chain_norms=True)
-    last = cfg.num_hidden_layers - 1
-    assert all(("x_out" in o) == (L < last) for L, o in outs.items()) and len(outs) == last + 1
+    last = executor.config.num_hidden_layers - 1
+    for chain in (False, True):
+        _, _, called = forward(executor, chain, np.arange(3), np.arange(3), causal_visible(0, 3),
+                               executor.new_target_cache(16, 64), head=None)
+        assert sorted(called) == list(range(last + 1))
+        assert all(("x_out" in names) == (chain and L < last) for L, (_, _, names) in called.items())
