@@ -145,7 +145,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)
         self.prefetch_chunk = None                      # bytes one prefetch thread asks for: None by the call's
-                                                        # rows (plugins/prefetch.py chunk_for), or every call's
+                                                        # rows (plugins/prefetch.py chunk_for), every call's (an
+                                                        # int), or {site: bytes} per prefetch site
         self.chain_norms = True             # a layer's closing add and the next layer's input norm as one launch
                                             # (description/layers.py chained_norms; the stack's layers: cuda_model.py)
         self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ddtree.plugins.prefetch import L2Prefetch, chunk_for
+from ddtree.plugins.prefetch import L2Prefetch, chunk_for, site_of
 
 
 class Fork:
@@ -105,7 +105,7 @@ class BranchOps:
         if beside == "experts":                      # held until the routed experts launch (release_held)
             self.__dict__.setdefault("_held", []).extend(chosen)
         elif chosen:
-            self._launch_prefetch(chosen)
+            self._launch_prefetch(chosen, site_of(beside))
 
     def release_held(self) -> None:
         """Launch the prefetch held by prefetch(beside="experts"): the cuda MoE calls this once the routing and the
@@ -114,7 +114,7 @@ class BranchOps:
         themselves; CudaOps.call releases what no MoE took (a dense layer)."""
         held, self._held = self.__dict__.get("_held", []), []
         if held:
-            self._launch_prefetch(held)
+            self._launch_prefetch(held, site_of("experts"))
 
     def _within_budget(self, names) -> list:
         """(address, bytes) of the names' buffers in order while they fit prefetch_bytes; the first that does not
@@ -131,8 +131,8 @@ class BranchOps:
             break
         return chosen
 
-    def _launch_prefetch(self, chosen) -> None:
-        chunk = chunk_for(getattr(self, "rows", 1), self.prefetch_chunk)
+    def _launch_prefetch(self, chosen, site: str) -> None:
+        chunk = chunk_for(getattr(self, "rows", 1), site, self.prefetch_chunk)
         pre = self.launcher(("l2_prefetch", chunk), lambda: L2Prefetch(self.gpu, chunk))
         fork = Fork.of(self, "prefetch")
         if fork is None:

@@ -72,7 +72,7 @@ from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import get_preset
 from ddtree.plugins.device import Gpu
-from ddtree.plugins.prefetch import chunks
+from ddtree.plugins.prefetch import chunks, parse_chunk_kb
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
@@ -241,10 +241,11 @@ def echo_row(row: dict) -> None:
 @click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
               help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
                    "L2: backends/cuda_branch.py BranchOps.prefetch)")
-@click.option("--prefetch-chunk-kb", type=click.IntRange(min=1), default=None,
-              help="bytes one thread of the L2 prefetch asks for in every call, KiB (default by the call's rows: 16 "
-                   "at one row, 4 past one, plugins/prefetch.py chunk_for); a smaller chunk spreads a fill over more "
-                   "SMs, whose copy units issue it")
+@click.option("--prefetch-chunk-kb", default=None, metavar="KIB|SITE:KIB,...",
+              help="bytes one thread of the L2 prefetch asks for, KiB: one value for every call, or per site "
+                   "(attention: o_proj and the MLP's front beside the attention; next: the next layer's front), e.g. "
+                   "attention:4,next:16 (default by the call's rows: 16 at one row, 4 past one, plugins/prefetch.py "
+                   "chunk_for); a smaller chunk spreads a fill over more SMs, whose copy units issue it")
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
                    "down launch only (A/B: backends/cuda_moe.py)")
@@ -294,6 +295,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
+    try:
+        prefetch_chunk = None if prefetch_chunk_kb is None else parse_chunk_kb(prefetch_chunk_kb)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--prefetch-chunk-kb") from None
     cases = parse_routing(routings, reuses)
     if rank_id >= tp:
         raise click.BadParameter(f"rank {rank_id} is not below tp {tp}", param_hint="--rank")
@@ -354,8 +359,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         ops.branches = not no_branches
         if prefetch_mb is not None:
             ops.prefetch_bytes = int(prefetch_mb * 2**20)
-        if prefetch_chunk_kb is not None:
-            ops.prefetch_chunk = prefetch_chunk_kb << 10
+        if prefetch_chunk is not None:
+            ops.prefetch_chunk = prefetch_chunk
         if shared_join is not None:
             ops.shared_join = shared_join
         if prefetch_next is not None:

@@ -22,16 +22,50 @@ CHUNK_ROWS = 4096                   # past one row ~4x the blocks issue a fill (
                                     # -1.5 %, while at one row, AR, it was +3.6 %: the faster fill took DRAM from the
                                     # next layer's first GEMM; kernels/NOTES.md, ninth session)
 SLOTS = 4                           # buffers one launch takes (kernels/prefetch.cu)
+# Where a layer stages weights (description/layers.py ops.prefetch's beside): "attention", o_proj and the MLP's
+# front while the latency-bound attention runs; "next", the next layer's attention front beside the MLP's
+# all-reduce or the routed experts. The two fills contend with different kernels (the attention's few bytes; the
+# next layer's q_a | kv_a GEMM), so a chunk may be forced per site.
+SITES = ("attention", "next")
 
 
-def chunk_for(rows: int, forced: int | None = None) -> int:
-    """The bytes one prefetch thread asks for in a layer call of `rows` rows (forced: every call's)."""
+def site_of(beside: str) -> str:
+    """The chunk site of ops.prefetch(beside=...): the attention's own, or the next front's (either of its two)."""
+    return "attention" if beside == "attention" else "next"
+
+
+def chunk_for(rows: int, site: str = "next", forced: int | dict | None = None) -> int:
+    """The bytes one prefetch thread asks for at `site` in a layer call of `rows` rows. forced: every call's
+    chunk (an int), or {site: bytes} for the sites it names (the others by rows)."""
+    if site not in SITES:
+        raise ValueError(f"L2 prefetch: site {site!r} is not one of {SITES}")
+    if isinstance(forced, dict):
+        forced = forced.get(site)
     return forced or (CHUNK if rows <= 1 else CHUNK_ROWS)
 
 
-def chunks(forced: int | None = None) -> dict:
-    """What chunk_for gives a call of one row and of more (the benches' JSON)."""
-    return {"one_row": chunk_for(1, forced), "more_rows": chunk_for(2, forced)}
+def chunks(forced: int | dict | None = None) -> dict:
+    """What chunk_for gives each site at one row and at more (the benches' JSON)."""
+    return {site: {"one_row": chunk_for(1, site, forced), "more_rows": chunk_for(2, site, forced)}
+            for site in SITES}
+
+
+def parse_chunk_kb(text: str) -> int | dict:
+    """bench's --prefetch-chunk-kb: "K" (KiB, every site) or "attention:K,next:K" (either or both sites) -> the
+    backend's prefetch_chunk in bytes; a ValueError says which part is wrong (the caller names the flag)."""
+    def kib(value: str, what: str) -> int:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"{what}{value!r} is not a positive whole number of KiB")
+        return int(value) << 10
+    if ":" not in text:
+        return kib(text, "")
+    out = {}
+    for part in text.split(","):
+        site, _, value = part.partition(":")
+        if site.strip() not in SITES or site.strip() in out:
+            raise ValueError(f"{part!r}: want SITE:KIB with SITE one of {', '.join(SITES)}, each once")
+        out[site.strip()] = kib(value, f"{site.strip()}: ")
+    return out
 
 
 def launches(sizes, chunk: int = CHUNK) -> tuple[int, int]:

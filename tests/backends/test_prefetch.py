@@ -68,8 +68,38 @@ def test_the_chunk_follows_the_calls_rows_unless_forced(rows, forced, chunk):
     ops = Staged(SIZES, 64 << 20)
     ops.prefetch_chunk, ops.rows = forced, rows
     ops.prefetch("o_proj")
-    assert ops.keys == [("l2_prefetch", chunk)] and pf.chunk_for(rows, forced) == chunk
-    assert pf.chunks(forced) == {"one_row": forced or pf.CHUNK, "more_rows": forced or pf.CHUNK_ROWS}
+    assert ops.keys == [("l2_prefetch", chunk)] and pf.chunk_for(rows, "attention", forced) == chunk
+    assert pf.chunks(forced) == {site: {"one_row": forced or pf.CHUNK, "more_rows": forced or pf.CHUNK_ROWS}
+                                 for site in pf.SITES}
+
+
+@pytest.mark.parametrize("beside, prefetch_next_beside, site", [("attention", "collective", "attention"),
+                                                                ("collective", "collective", "next"),
+                                                                ("experts", "experts", "next")])
+def test_a_chunk_forced_per_site_reaches_only_that_sites_launch(beside, prefetch_next_beside, site):
+    """{site: bytes} forces the chunk of the prefetches at that site (the attention's own, or the next front's at
+    either of its two sites); the other site keeps the rule by rows."""
+    ops = Staged(SIZES, 64 << 20)
+    ops.prefetch_next, ops.prefetch_next_beside, ops.lay = True, prefetch_next_beside, type("Lay", (), {"tp": 8})
+    ops.prefetch_chunk, ops.rows = {site: 8192}, 1
+    ops.prefetch("o_proj", beside=beside)
+    ops.release_held()
+    other = next(s for s in pf.SITES if s != site)
+    assert ops.keys == [("l2_prefetch", 8192)]
+    assert pf.chunk_for(1, other, ops.prefetch_chunk) == pf.CHUNK and pf.chunk_for(2, other, ops.prefetch_chunk) == \
+        pf.CHUNK_ROWS
+
+
+@pytest.mark.parametrize("text, want", [("16", 16384), ("attention:4", {"attention": 4096}),
+                                        ("attention:4,next:16", {"attention": 4096, "next": 16384})])
+def test_chunk_kib_parses_one_value_or_sites(text, want):
+    assert pf.parse_chunk_kb(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "x", "4.5", "mlp:4", "attention:4,attention:8", "next:", "attention:-1"])
+def test_a_bad_chunk_kib_names_the_flag(text):
+    with pytest.raises(ValueError, match="KiB|SITE:KIB"):
+        pf.parse_chunk_kb(text)
 
 
 def test_layouts_name_the_buffers_a_kernel_reads():
