@@ -149,8 +149,9 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
                                                         # int), or {site: bytes} per prefetch site
         self.chain_norms = True             # a layer's closing add and the next layer's input norm as one launch
                                             # (description/layers.py chained_norms; the stack's layers: cuda_model.py)
-        self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none); a third of
-                                                        # L2 (H200: o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
+        self.prefetch_bytes = gpu.l2_bytes // 3         # ops.prefetch's L2 budget a call (0: none), or {site:
+                                                        # bytes} (plugins/prefetch.py SITES); a third of L2 (H200:
+                                                        # o_proj + router) beat 0, 16 MiB and 3/4 (NOTES)
 
     # ---- the call, buffers -----------------------------------------------------------------------
     def call(self, fn, *args, feeds: dict, arena: int = 0) -> dict:

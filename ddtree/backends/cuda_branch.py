@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ddtree.plugins.prefetch import L2Prefetch, chunk_for, site_of
+from ddtree.plugins.prefetch import L2Prefetch, chunk_for, per_site, site_of
 
 
 class Fork:
@@ -69,11 +69,11 @@ class Fork:
 
 class BranchOps:
     """The op set's scheduling hints in the cuda backend: branch / join (above) and prefetch: the weights a
-    layer reads next staged in L2 (plugins/prefetch.py) within `prefetch_bytes` (0: off), in the order given
-    (the first readers first; a buffer that does not fit the rest of the budget ends the list), one launch on a
-    branch of its own that nothing waits for until the end of the NEXT call (join_pending: CudaOps.call) or of the
-    captured graph (join_pending(every=True)). A prefetch writes nothing a kernel reads, so no later op needs to
-    wait for it; waiting at o_proj cost more than it saved (the launch takes ~10 us for 15 MB:
+    layer reads next staged in L2 (plugins/prefetch.py) within `prefetch_bytes` (0: off; or {site: bytes}), in
+    the order given (the first readers first; a buffer that does not fit the rest of the budget ends the list),
+    one launch on a branch of its own that nothing waits for until the end of the NEXT call (join_pending:
+    CudaOps.call) or of the captured graph (join_pending(every=True)). A prefetch writes nothing a kernel reads, so
+    no later op needs to wait for it; waiting at o_proj cost more than it saved (the launch takes ~10 us for 15 MB:
     ddtree/plugins/kernels/NOTES.md), and joining the one beside the MLP's all-reduce at the end of its own layer
     made the next layer's first kernel wait for it (8 us a layer on the H100 under copy stand-ins: bench step
     --timeline, issue 48)."""
@@ -101,7 +101,7 @@ class BranchOps:
                 return
             if beside == "collective" and self.lay.tp == 1:
                 return                               # tp 1's all-reduce is no collective: nothing to hide behind
-        chosen = self._within_budget(names)
+        chosen = self._within_budget(names, site_of(beside))
         if beside == "experts":                      # held until the routed experts launch (release_held)
             self.__dict__.setdefault("_held", []).extend(chosen)
         elif chosen:
@@ -116,10 +116,10 @@ class BranchOps:
         if held:
             self._launch_prefetch(held, site_of("experts"))
 
-    def _within_budget(self, names) -> list:
-        """(address, bytes) of the names' buffers in order while they fit prefetch_bytes; the first that does not
-        ends the list (the first readers come first)."""
-        budget, chosen = self.prefetch_bytes, []
+    def _within_budget(self, names, site: str) -> list:
+        """(address, bytes) of the names' buffers in order while they fit the site's prefetch_bytes; the first that
+        does not ends the list (the first readers come first)."""
+        budget, chosen = per_site(self.prefetch_bytes, site), []
         for name in names:
             for buf in self.store.layouts(name):
                 if buf.nbytes > budget:

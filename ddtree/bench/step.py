@@ -67,12 +67,12 @@ from ddtree.bench.step_timeline import summarise, trace_kernels, write_timeline
 from ddtree.bench.synthetic_rank import SyntheticWeights
 from ddtree.builder.plan import make_plan
 from ddtree.builder.weights import rank_tensor_specs
-from ddtree.cli_types import FiniteFloatRange, comma_list
+from ddtree.cli_types import comma_list
 from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import get_preset
 from ddtree.plugins.device import Gpu
-from ddtree.plugins.prefetch import chunks, parse_chunk_kb
+from ddtree.plugins.prefetch import SITES, chunks, parse_budget_mb, parse_chunk_kb
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
@@ -212,6 +212,14 @@ def echo_row(row: dict) -> None:
                    f"{row['pct_roofline']:.0f} % of the copy roofline{terms}", err=True)
 
 
+def parse_option(text, parse, flag: str):
+    """An option's text through parse (a ValueError becomes a click error naming the flag); None stays None."""
+    try:
+        return None if text is None else parse(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=flag) from None
+
+
 @click.command("step")
 @click.option("--preset", default="kimi-k2.6", show_default=True, help="model dimensions (ddtree synth presets)")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -238,9 +246,10 @@ def echo_row(row: dict) -> None:
                    "(--gpu) with the real collectives (bench/step_ranks.py), each next to its single-rank figure")
 @click.option("--no-branches", is_flag=True,
               help="launch every op in order (A/B of the cuda backend's parallel branches: backends/cuda_branch.py)")
-@click.option("--prefetch-mb", type=FiniteFloatRange(min=0), default=None,
-              help="L2 budget of the weight prefetch beside each attention, MiB (0: none; default a third of the GPU's "
-                   "L2: backends/cuda_branch.py BranchOps.prefetch)")
+@click.option("--prefetch-mb", default=None, metavar="MIB|SITE:MIB,...",
+              help="L2 budget of a weight prefetch, MiB (0: none): one value for every site, or per site (attention: "
+                   "o_proj and the MLP's front beside the attention; next: the next layer's front), e.g. next:36; "
+                   "default a third of the GPU's L2 at each (backends/cuda_branch.py BranchOps.prefetch)")
 @click.option("--prefetch-chunk-kb", default=None, metavar="KIB|SITE:KIB,...",
               help="bytes one thread of the L2 prefetch asks for, KiB: one value for every call, or per site "
                    "(attention: o_proj and the MLP's front beside the attention; next: the next layer's front), e.g. "
@@ -295,10 +304,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
-    try:
-        prefetch_chunk = None if prefetch_chunk_kb is None else parse_chunk_kb(prefetch_chunk_kb)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--prefetch-chunk-kb") from None
+    prefetch_budget = parse_option(prefetch_mb, parse_budget_mb, "--prefetch-mb")
+    prefetch_chunk = parse_option(prefetch_chunk_kb, parse_chunk_kb, "--prefetch-chunk-kb")
     cases = parse_routing(routings, reuses)
     if rank_id >= tp:
         raise click.BadParameter(f"rank {rank_id} is not below tp {tp}", param_hint="--rank")
@@ -357,8 +364,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     gpu.free_all()
     def ops_options(ops):
         ops.branches = not no_branches
-        if prefetch_mb is not None:
-            ops.prefetch_bytes = int(prefetch_mb * 2**20)
+        if isinstance(prefetch_budget, dict):            # the sites it does not name keep the default
+            ops.prefetch_bytes = {site: prefetch_budget.get(site, ops.prefetch_bytes) for site in SITES}
+        elif prefetch_budget is not None:
+            ops.prefetch_bytes = prefetch_budget
         if prefetch_chunk is not None:
             ops.prefetch_chunk = prefetch_chunk
         if shared_join is not None:

@@ -39,8 +39,7 @@ def chunk_for(rows: int, site: str = "next", forced: int | dict | None = None) -
     chunk (an int), or {site: bytes} for the sites it names (the others by rows)."""
     if site not in SITES:
         raise ValueError(f"L2 prefetch: site {site!r} is not one of {SITES}")
-    if isinstance(forced, dict):
-        forced = forced.get(site)
+    forced = per_site(forced, site)
     return forced or (CHUNK if rows <= 1 else CHUNK_ROWS)
 
 
@@ -50,22 +49,45 @@ def chunks(forced: int | dict | None = None) -> dict:
             for site in SITES}
 
 
-def parse_chunk_kb(text: str) -> int | dict:
-    """bench's --prefetch-chunk-kb: "K" (KiB, every site) or "attention:K,next:K" (either or both sites) -> the
-    backend's prefetch_chunk in bytes; a ValueError says which part is wrong (the caller names the flag)."""
-    def kib(value: str, what: str) -> int:
-        if not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"{what}{value!r} is not a positive whole number of KiB")
-        return int(value) << 10
+def per_site(value, site: str):
+    """A per-site setting (chunk bytes, budget bytes): one value for every site, or {site: value}."""
+    return value.get(site) if isinstance(value, dict) else value
+
+
+def parse_sites(text: str, parse_one) -> object:
+    """bench's per-site options: "V" (every site) or "attention:V,next:V" (either or both sites) -> parse_one(V) or
+    {site: parse_one(V)}; a ValueError says which part is wrong (the caller names the flag)."""
     if ":" not in text:
-        return kib(text, "")
+        return parse_one(text, "")
     out = {}
     for part in text.split(","):
-        site, _, value = part.partition(":")
-        if site.strip() not in SITES or site.strip() in out:
-            raise ValueError(f"{part!r}: want SITE:KIB with SITE one of {', '.join(SITES)}, each once")
-        out[site.strip()] = kib(value, f"{site.strip()}: ")
+        site, _, value = (p.strip() for p in part.partition(":"))
+        if site not in SITES or site in out:
+            raise ValueError(f"{part!r}: want SITE:VALUE with SITE one of {', '.join(SITES)}, each once")
+        out[site] = parse_one(value, f"{site}: ")
     return out
+
+
+def parse_chunk_kb(text: str) -> int | dict:
+    """--prefetch-chunk-kb: KiB -> bytes, for every site or per site (parse_sites)."""
+    def kib(value: str, what: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{what}{value!r} is not a positive whole number of KiB")
+        return int(value) << 10
+    return parse_sites(text.strip(), kib)
+
+
+def parse_budget_mb(text: str) -> int | dict:
+    """--prefetch-mb: MiB (0: none) -> bytes, for every site or per site (parse_sites)."""
+    def mib(value: str, what: str) -> int:
+        try:
+            mb = float(value)
+        except ValueError:
+            mb = -1.0
+        if not 0 <= mb < 1e6:
+            raise ValueError(f"{what}{value!r} is not a number of MiB >= 0")
+        return int(mb * 2**20)
+    return parse_sites(text.strip(), mib)
 
 
 def launches(sizes, chunk: int = CHUNK) -> tuple[int, int]:

@@ -60,6 +60,29 @@ def test_budget_stages_the_first_readers_in_order(budget, staged):
     assert sum(n for _, n in want) <= budget
 
 
+def test_a_budget_per_site_stages_each_site_within_its_own():
+    """{site: bytes}: the attention's prefetch and the next front's take their own budget (bench step --prefetch-mb
+    next:36 lets the next layer's q_a join its front without growing the attention's fill)."""
+    ops = Staged(SIZES, {"attention": 64 << 20, "next": 14 << 20})
+    ops.prefetch_next, ops.prefetch_next_beside, ops.lay = True, "collective", type("Lay", (), {"tp": 8})
+    ops.prefetch(*SIZES, beside="attention")
+    ops.prefetch(*SIZES, beside="collective")
+    every = [(ops.store.bufs[n][0].ptr, SIZES[n]) for n in ("o_proj", "router", "gate", "down")]
+    assert ops.runs == [every, every[:1]]
+
+
+@pytest.mark.parametrize("text, want", [("17", 17 << 20), ("0", 0), ("next:36", {"next": 36 << 20}),
+                                        ("attention:0.5, next:40", {"attention": 1 << 19, "next": 40 << 20})])
+def test_budget_mib_parses_one_value_or_sites(text, want):
+    assert pf.parse_budget_mb(text) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "x", "mlp:3", "next:3,next:4", "next:", "nan"])
+def test_a_bad_budget_mib_says_what_is_wrong(text):
+    with pytest.raises(ValueError, match="MiB|SITE:VALUE"):
+        pf.parse_budget_mb(text)
+
+
 @pytest.mark.parametrize("rows, forced, chunk", [(1, None, 16384), (2, None, 4096), (9, None, 4096),
                                                   (1, 8192, 8192), (9, 16384, 16384)])
 def test_the_chunk_follows_the_calls_rows_unless_forced(rows, forced, chunk):
@@ -98,7 +121,7 @@ def test_chunk_kib_parses_one_value_or_sites(text, want):
 
 @pytest.mark.parametrize("text", ["0", "x", "4.5", "mlp:4", "attention:4,attention:8", "next:", "attention:-1"])
 def test_a_bad_chunk_kib_names_the_flag(text):
-    with pytest.raises(ValueError, match="KiB|SITE:KIB"):
+    with pytest.raises(ValueError, match="KiB|SITE:VALUE"):
         pf.parse_chunk_kb(text)
 
 
