@@ -34,21 +34,6 @@ __device__ __forceinline__ MlaKeyRange mla_split_range(int split, int T, int P, 
     return {begin, max(begin, min(T, begin + chunk))};
 }
 
-// Past keys before the wait. The committed prefix T (lengths[0]) is written by the host or by the step's prologue
-// (step_state.cu), and the cache rows below T by earlier calls (a prefill chunk's or an earlier step's appends,
-// the compaction); within a layer call only the rows T .. T + q - 1 are new (kv_append, beside the query path).
-// Every kernel here runs griddepcontrol.wait before griddepcontrol.launch_dependents (common.cuh pdl_wait /
-// pdl_trigger), so when a grid starts, the kernel two launches back has completed and its writes are visible:
-// T and the rows below it can be read before this grid's own wait, and their key blocks stream in while the
-// kernel before it (the query absorb) still runs. The queries and the new rows are read after the wait.
-//
-// The number of blocks of `width` keys, from the start of [begin, end), whose keys all lie below T (a block's keys
-// past `end` are clipped to end - 1, so a range that ends at or below T is all past keys).
-__device__ __forceinline__ int mla_blocks_below(int T, int begin, int end, int nblk, int width) {
-    if (end <= T) return nblk;
-    return T > begin ? min(nblk, (T - begin) / width) : 0;
-}
-
 // Issue (no commit) cp.async copies of query rows row0 .. row0 + ROWS - 1 as [q_lat | q_rope] into
 // dst[ROWS][MLA_ROW]; rows >= R are zero-filled. All threads of the block take part.
 template <int ROWS>

@@ -56,13 +56,15 @@ __device__ __forceinline__ void mla_decode_split(
 
     PROF_NS
     PROF_T(0)
-    // Before the PDL wait (mla_common.cuh, "Past keys before the wait"): T and the 16-key sub-blocks that lie below
-    // it start loading while the kernel before this one still runs; the queries and the new rows wait.
+    pdl_wait();
+    pdl_trigger();
+    PROF_T(1)
+    mla_load_queries<RG * DEC_ROWS>(sm.q, q_lat, q_rope, row0, R);        // in flight while T is read
+    cp_async_commit();
     const int T = ld_cg_s32(lengths);
     const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, RG * DEC_ROWS, NB);
     const int begin = range.begin, end = range.end;
     const int nsub = end > begin ? (end - begin + 15) / 16 : 0;     // 16-key sub-blocks
-    const int past = mla_blocks_below(T, begin, end, nsub, 16);      // sub-blocks 0 .. past - 1: keys < T
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -86,16 +88,7 @@ __device__ __forceinline__ void mla_decode_split(
         }
     };
     if (rg == 0)
-        for (int j = ks; j < RS; j += KS)
-            if (j < past) load_sub(j);
-    pdl_wait();
-    pdl_trigger();
-    PROF_T(1)
-    mla_load_queries<RG * DEC_ROWS>(sm.q, q_lat, q_rope, row0, R);
-    cp_async_commit();
-    if (rg == 0)
-        for (int j = ks; j < RS; j += KS)
-            if (j >= past) load_sub(j);                // rows this call appended (kv_append, before the wait)
+        for (int j = ks; j < RS; j += KS) load_sub(j);
     cp_async_wait<0>();
     __syncthreads();                                 // the query rows landed
 

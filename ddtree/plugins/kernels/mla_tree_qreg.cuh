@@ -49,13 +49,15 @@ __device__ __forceinline__ void mla_attention_split_qreg(
     const int rows_per_block = NGRP * 16, row0 = blockIdx.x * rows_per_block;
     const int split = blockIdx.y, n_splits = P + tree_own;
 
-    // Before the PDL wait (mla_common.cuh, "Past keys before the wait"): T and the key blocks below it load while
-    // the kernel before this one still runs; the queries and this call's new rows wait for it.
+    pdl_wait();                                      // queries, lengths and new cache entries come from earlier kernels
+    pdl_trigger();
+    bf16_t (*qrows)[MLA_ROW] = sm.kv[STAGES - 1];
+    mla_load_queries<NGRP * 16>(qrows, q_lat, q_rope, row0, R);
+    cp_async_commit();
     const int T = ld_cg_s32(lengths);
     const MlaKeyRange range = mla_split_range(split, T, P, tree_own, q, H, R, row0, rows_per_block, MLA_NB);
     const int begin = range.begin, end = range.end;
     const int nblk = end > begin ? (end - begin + MLA_NB - 1) / MLA_NB : 0;
-    const int past = mla_blocks_below(T, begin, end, nblk, MLA_NB);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -73,16 +75,7 @@ __device__ __forceinline__ void mla_attention_split_qreg(
         }
     };
 #pragma unroll
-    for (int b = 0; b < STAGES - 1; ++b)
-        if (b < past) load_block(b);
-    pdl_wait();                                      // queries and this call's new cache rows come from earlier kernels
-    pdl_trigger();
-    bf16_t (*qrows)[MLA_ROW] = sm.kv[STAGES - 1];
-    mla_load_queries<NGRP * 16>(qrows, q_lat, q_rope, row0, R);
-    cp_async_commit();
-#pragma unroll
-    for (int b = 0; b < STAGES - 1; ++b)
-        if (b >= past) load_block(b);
+    for (int b = 0; b < STAGES - 1; ++b) load_block(b);
     cp_async_wait<0>();
     __syncthreads();                                 // the query rows landed
 
