@@ -141,6 +141,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.shared_join = "experts"        # where the MoE's shared-expert branch joins: before the experts' launch,
                                             # or "down" (beside the routed gate_up too; backends/cuda_moe.py)
+        self.shared_fork = "router"         # where it forks: beside the router, or "routed": after the routing,
+                                            # beside the routed gate_up (with shared_join "down")
         self.prefetch_next = True            # the next layer's attention weights staged in L2 ...
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)

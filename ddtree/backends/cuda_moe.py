@@ -4,7 +4,10 @@
 The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router, whose
 routing phase runs on one block while the rest of the GPU idles: it runs on a parallel branch beside the router
 (backends/cuda_branch.py), joined before the experts' launch, or with `ops.shared_join = "down"` before the down
-launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`). `ops.branches =
+launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`); with
+`ops.shared_fork = "routed"` the branch forks only after the routing launch, so the shared expert's 10.5 MB (tp 8)
+stream beside the latency-bound routed gate_up instead of contending with the router on the chain (joined before
+the down launch; the streaming launch, which reads the shared output itself, joins before it). `ops.branches =
 False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
 same kernels on the same inputs).
 
@@ -40,8 +43,17 @@ class MoeOps:
         if spec.expert_start != 0 or spec.experts != spec.n_routed_experts:
             raise NotImplementedError("cuda backend: expert-parallel MoE (a rank holding some experts) needs the "
                                       "kernel's expert offset; tp 1 holds them all")
-        with self.branch() as shared_path:
-            shared_out = self.swiglu_mlp(x, *shared)                               # [m, H], beside the router
+        if self.shared_join not in ("experts", "down"):
+            raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
+        if self.shared_fork not in ("router", "routed"):
+            raise ValueError(f"{self.where}: shared_fork {self.shared_fork!r}: 'router' or 'routed'")
+        late = self.shared_fork == "routed"          # the shared expert beside the routed gate_up, not the router
+        if late and self.shared_join != "down":
+            raise ValueError(f"{self.where}: shared_fork 'routed' forks after the routing, so the branch can only "
+                             f"join before the down launch: shared_join must be 'down', not {self.shared_join!r}")
+        if not late:
+            with self.branch() as shared_path:
+                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the router
         shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
                          spec.routed_scaling_factor, self.max_tokens)
         keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
@@ -60,8 +72,9 @@ class MoeOps:
         masks = () if live is None else (live.ptr, routed.ptr)
         ids, weights = self.route(fused, x, M, router.name, *masks)
         self.release_held()                                             # prefetch(beside="experts"): from here on
-        if self.shared_join not in ("experts", "down"):
-            raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
+        if late:
+            with self.branch() as shared_path:
+                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the gate_up
         if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
             fused.gate_up(x.ptr, M, self.stream)
             self.join(shared_path)

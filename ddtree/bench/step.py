@@ -258,6 +258,10 @@ def parse_option(text, parse, flag: str):
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
                    "down launch only (A/B: backends/cuda_moe.py)")
+@click.option("--shared-fork", type=click.Choice(["router", "routed"]), default=None,
+              help="where the MoE's shared-expert branch forks: beside the router (default) or after the routing, "
+                   "beside the routed gate_up (joined before the down launch: implies --shared-join down; "
+                   "backends/cuda_moe.py)")
 @click.option("--collectives", "collective_modes", default="copy", show_default=True,
               help="--ranks one: copy (each collective's bytes moved once) and/or pcie (the same, then held for the "
                    "PCIe model's time: bench/step_collectives.py); both: each row under each, and the fraction of "
@@ -298,12 +302,17 @@ def parse_option(text, parse, flag: str):
 @click.option("--json", "as_json", is_flag=True)
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
-                 ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, collective_modes, allreduce,
-                 prefetch_next, prefetch_next_beside, chain_norms, with_prune, prune_rate, requests_text, baseline,
-                 timeline, as_json):
+                 ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, shared_fork, collective_modes,
+                 allreduce, prefetch_next, prefetch_next_beside, chain_norms, with_prune, prune_rate, requests_text,
+                 baseline, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
+    if shared_fork == "routed":
+        if shared_join == "experts":
+            raise click.BadParameter("a branch forked after the routing joins before the down launch: --shared-join "
+                                     "down (or leave it out)", param_hint="--shared-fork routed")
+        shared_join = "down"
     prefetch_budget = parse_option(prefetch_mb, parse_budget_mb, "--prefetch-mb")
     prefetch_chunk = parse_option(prefetch_chunk_kb, parse_chunk_kb, "--prefetch-chunk-kb")
     cases = parse_routing(routings, reuses)
@@ -332,7 +341,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--prefetch-chunk-kb", prefetch_chunk_kb is not None),
-                            ("--shared-join", shared_join is not None), ("--collectives", modes != ["copy"]),
+                            ("--shared-join", shared_join is not None), ("--shared-fork", shared_fork is not None),
+                            ("--collectives", modes != ["copy"]),
                             ("--prefetch-next", prefetch_next is not None),
                             ("--prefetch-next-beside", prefetch_next_beside is not None),
                             ("--chain-norms", chain_norms is not None), ("--prune", with_prune)):
@@ -372,6 +382,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             ops.prefetch_chunk = prefetch_chunk
         if shared_join is not None:
             ops.shared_join = shared_join
+        if shared_fork is not None:
+            ops.shared_fork = shared_fork
         if prefetch_next is not None:
             ops.prefetch_next = prefetch_next
         if prefetch_next_beside is not None:
@@ -432,7 +444,8 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
               "branches": not no_branches, "prefetch_bytes": rank.ops.prefetch_bytes,
               "prefetch_chunk": chunks(rank.ops.prefetch_chunk),
-              "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
+              "shared_join": rank.ops.shared_join, "shared_fork": rank.ops.shared_fork,
+              "prefetch_next": rank.ops.prefetch_next,
               "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
               "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],

@@ -259,7 +259,8 @@ def bench_requests(gpu, preset: str, cfg, dcfg, plan, rank_id: int, requests: li
             "weights_bytes": weights, "memory_plan": mem, "free_bytes_before": int(free), "cache_rows": rows,
             "branches": rank.ops.branches, "prefetch_bytes": rank.ops.prefetch_bytes,
             "prefetch_chunk": chunks(rank.ops.prefetch_chunk),
-            "shared_join": rank.ops.shared_join, "prefetch_next": rank.ops.prefetch_next,
+            "shared_join": rank.ops.shared_join, "shared_fork": rank.ops.shared_fork,
+            "prefetch_next": rank.ops.prefetch_next,
             "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
             "rows": out,
             "notes": {
