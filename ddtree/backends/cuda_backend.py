@@ -139,10 +139,11 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.branches = True                # parallel branches where ops are independent (backends/cuda_branch.py)
         self.lane = 0                       # the branch launching now (0: the main chain)
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
-        self.shared_join = "experts"        # where the MoE's shared-expert branch joins: before the experts' launch,
-                                            # or "down" (beside the routed gate_up too; backends/cuda_moe.py)
-        self.shared_fork = "router"         # where it forks: beside the router, or "routed": after the routing,
-                                            # beside the routed gate_up (with shared_join "down")
+        self.shared_fork = "routed"         # where the MoE's shared-expert branch forks: after the routing, beside
+                                            # the routed gate_up (H100: AR -6.6 %, budget 8 tree -2.5 %: NOTES.md), or
+                                            # "router": beside the router (backends/cuda_moe.py)
+        self.shared_join = "down"           # where it joins: before the down launch, or "experts": before the
+                                            # experts' launch (only with shared_fork "router")
         self.prefetch_next = True            # the next layer's attention weights staged in L2 ...
         self.prefetch_next_beside = "collective"    # ... beside the MLP all-reduce (PCIe: tens of us the HBM idles)
                                                     # or "experts": beside the routed experts (ops.prefetch)

@@ -1,15 +1,16 @@
 """The op set's MoE in the cuda backend (MoeOps, mixed into CudaOps: backends/cuda_backend.py): plugins/moe.py FusedMoE
 (the fused router, then the routed experts' gate_up + down, the shared expert's output added in down).
 
-The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router, whose
-routing phase runs on one block while the rest of the GPU idles: it runs on a parallel branch beside the router
-(backends/cuda_branch.py), joined before the experts' launch, or with `ops.shared_join = "down"` before the down
-launch only (beside the routed gate_up as well: A/B `ddtree bench step --shared-join down`); with
-`ops.shared_fork = "routed"` the branch forks only after the routing launch, so the shared expert's 10.5 MB (tp 8)
-stream beside the latency-bound routed gate_up instead of contending with the router on the chain (joined before
-the down launch; the streaming launch, which reads the shared output itself, joins before it). `ops.branches =
-False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits either way (the
-same kernels on the same inputs).
+The shared expert (swiglu_mlp: two skinny GEMMs, ~10-13 us at tp 8) needs only x, like the router. It runs on a
+parallel branch (backends/cuda_branch.py) that forks after the routing launch (`ops.shared_fork = "routed"`, the
+default), so its 10.5 MB (tp 8) stream beside the routed gate_up, a latency-bound launch at few rows that leaves
+most of the HBM idle, and joins before the down launch that reads its output (`ops.shared_join = "down"`). Forked
+beside the router instead (`shared_fork = "router"`; joined before the experts' launch with `shared_join =
+"experts"`, or before the down launch), the two split the DRAM while the routing is on the chain: one H100, AR 6.6 %
+and budget 8 tree 0.5 2.5 % slower (kernels/NOTES.md, tenth session; A/B `ddtree bench step --shared-fork`,
+`--shared-join`). The streaming launch (moe_stream), which reads the shared output itself, joins before it.
+`ops.branches = False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits
+either way (the same kernels on the same inputs).
 
 moe_live (a pruned verify, issue 53): the same launches; the router (one launch, or the given routing's) applies
 the live mask itself before its alignment (kernels/route_common.cuh live_rows: dead rows read no expert of their
@@ -47,10 +48,12 @@ class MoeOps:
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
         if self.shared_fork not in ("router", "routed"):
             raise ValueError(f"{self.where}: shared_fork {self.shared_fork!r}: 'router' or 'routed'")
-        late = self.shared_fork == "routed"          # the shared expert beside the routed gate_up, not the router
+        late = self.shared_fork == "routed"          # the shared expert beside the routed gate_up, off the router's
+                                                     # chain
         if late and self.shared_join != "down":
             raise ValueError(f"{self.where}: shared_fork 'routed' forks after the routing, so the branch can only "
-                             f"join before the down launch: shared_join must be 'down', not {self.shared_join!r}")
+                             f"join before the down launch: shared_join must be 'down', not {self.shared_join!r} "
+                             "(or shared_fork 'router')")
         if not late:
             with self.branch() as shared_path:
                 shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the router

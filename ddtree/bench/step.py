@@ -256,12 +256,11 @@ def parse_option(text, parse, flag: str):
                    "attention:4,next:16 (default by the call's rows: 16 at one row, 4 past one, plugins/prefetch.py "
                    "chunk_for); a smaller chunk spreads a fill over more SMs, whose copy units issue it")
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
-              help="where the MoE's shared-expert branch joins: before the routed experts (default) or before their "
-                   "down launch only (A/B: backends/cuda_moe.py)")
+              help="where the MoE's shared-expert branch joins: before the down launch (default) or before the routed "
+                   "experts' launch (implies --shared-fork router; backends/cuda_moe.py)")
 @click.option("--shared-fork", type=click.Choice(["router", "routed"]), default=None,
-              help="where the MoE's shared-expert branch forks: beside the router (default) or after the routing, "
-                   "beside the routed gate_up (joined before the down launch: implies --shared-join down; "
-                   "backends/cuda_moe.py)")
+              help="where that branch forks: after the routing, beside the routed gate_up (default), or beside the "
+                   "router (A/B: backends/cuda_moe.py)")
 @click.option("--collectives", "collective_modes", default="copy", show_default=True,
               help="--ranks one: copy (each collective's bytes moved once) and/or pcie (the same, then held for the "
                    "PCIe model's time: bench/step_collectives.py); both: each row under each, and the fraction of "
@@ -308,11 +307,11 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
-    if shared_fork == "routed":
-        if shared_join == "experts":
+    if shared_join == "experts":                 # a branch joined before the experts forked before the routing
+        if shared_fork == "routed":
             raise click.BadParameter("a branch forked after the routing joins before the down launch: --shared-join "
                                      "down (or leave it out)", param_hint="--shared-fork routed")
-        shared_join = "down"
+        shared_fork = "router"
     prefetch_budget = parse_option(prefetch_mb, parse_budget_mb, "--prefetch-mb")
     prefetch_chunk = parse_option(prefetch_chunk_kb, parse_chunk_kb, "--prefetch-chunk-kb")
     cases = parse_routing(routings, reuses)

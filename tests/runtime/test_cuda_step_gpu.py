@@ -211,7 +211,7 @@ def test_a_wider_table_builds_the_same_tree(tiny):
 
 
 def test_parallel_branches_change_no_bit(tiny):
-    """The branches (backends/cuda_branch.py: the shared expert beside the router, or beside the routed gate_up when
+    """The branches (backends/cuda_branch.py: the shared expert beside the routed gate_up, or beside the router when
     asked, the kv path beside the query path, the L2 prefetch beside the attention, and the next layer's front
     beside the routed experts when asked) run the same kernels on the same inputs as the in-order launches without
     prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs (recaptured without
@@ -236,18 +236,18 @@ def test_parallel_branches_change_no_bit(tiny):
         ex.steps.graphs.clear()
         beside_experts = run()
         ex.ops.prefetch_next_beside = "collective"
-        ex.ops.shared_fork, ex.ops.shared_join = "routed", "down"    # the shared expert beside the routed gate_up
+        ex.ops.shared_fork, ex.ops.shared_join = "router", "experts"   # the shared expert beside the router
         ex.steps.graphs.clear()
-        shared_routed = run()
-        ex.ops.shared_fork, ex.ops.shared_join = "router", "experts"
+        shared_router = run()
+        ex.ops.shared_fork, ex.ops.shared_join = "routed", "down"
         ex.ops.branches, ex.ops.prefetch_bytes = False, 0
         ex.steps.graphs.clear()                      # recapture every step graph without the branches
         in_order = run()
     finally:
         ex.ops.branches, ex.ops.prefetch_bytes, ex.ops.prefetch_next_beside = True, budget, "collective"
-        ex.ops.shared_fork, ex.ops.shared_join = "router", "experts"
+        ex.ops.shared_fork, ex.ops.shared_join = "routed", "down"
         ex.steps.graphs.clear()
-    for got in (with_branches, beside_experts, shared_routed):
+    for got in (with_branches, beside_experts, shared_router):
         assert got[0].view(np.uint32).tolist() == in_order[0].view(np.uint32).tolist()
         assert got[1] == in_order[1]
         assert got[2] == in_order[2]
