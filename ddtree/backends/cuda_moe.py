@@ -8,7 +8,8 @@ most of the HBM idle, and joins before the down launch that reads its output (`o
 beside the router instead (`shared_fork = "router"`; joined before the experts' launch with `shared_join =
 "experts"`, or before the down launch), the two split the DRAM while the routing is on the chain: one H100, AR 6.6 %
 and budget 8 tree 0.5 2.5 % slower (kernels/NOTES.md, tenth session; A/B `ddtree bench step --shared-fork`,
-`--shared-join`). The streaming launch (moe_stream), which reads the shared output itself, joins before it.
+`--shared-join`). Where one streaming launch (moe_stream, many rows) runs the experts and reads the shared output
+itself, the branch stays beside the router and joins before that launch.
 `ops.branches = False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits
 either way (the same kernels on the same inputs).
 
@@ -48,15 +49,10 @@ class MoeOps:
             raise ValueError(f"{self.where}: shared_join {self.shared_join!r}: 'experts' or 'down'")
         if self.shared_fork not in ("router", "routed"):
             raise ValueError(f"{self.where}: shared_fork {self.shared_fork!r}: 'router' or 'routed'")
-        late = self.shared_fork == "routed"          # the shared expert beside the routed gate_up, off the router's
-                                                     # chain
-        if late and self.shared_join != "down":
+        if self.shared_fork == "routed" and self.shared_join != "down":
             raise ValueError(f"{self.where}: shared_fork 'routed' forks after the routing, so the branch can only "
                              f"join before the down launch: shared_join must be 'down', not {self.shared_join!r} "
                              "(or shared_fork 'router')")
-        if not late:
-            with self.branch() as shared_path:
-                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the router
         shape = MoEShape(spec.hidden, spec.inter, spec.experts, spec.topk, spec.n_group, spec.topk_group,
                          spec.routed_scaling_factor, self.max_tokens)
         keys = {"gate_up": "gate_up.words", "gate_up_scale": "gate_up.scales", "down": "down.words",
@@ -66,6 +62,12 @@ class MoeOps:
             router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant,
             down_cols=self.moe_down_cols))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
+        # beside the routed gate_up (off the router's chain), except where one streaming launch runs the experts and
+        # reads the shared output itself: there it stays beside the router
+        late = self.shared_fork == "routed" and not fused.uses_stream(M)
+        if not late:
+            with self.branch() as shared_path:
+                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the router
         routed = None
         if live is not None:
             if live.shape != (M,) or live.dtype != np.int32:
