@@ -140,7 +140,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.lane = 0                       # the branch launching now (0: the main chain)
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.shared_fork = "routed"         # where the MoE's shared-expert branch forks: after the routing, beside
-                                            # the routed gate_up (H100: AR -6.6 %, budget 8 tree -2.5 %: NOTES.md), or
+                                            # the routed gate_up (H100: AR -6.6 %, budget 8 tree -2.5 %), or
                                             # "router": beside the router (backends/cuda_moe.py)
         self.shared_join = "down"           # where it joins: before the down launch, or "experts": before the
                                             # experts' launch (only with shared_fork "router")
