@@ -8,8 +8,8 @@ most of the HBM idle, and joins before the down launch that reads its output (`o
 beside the router instead (`shared_fork = "router"`; joined before the experts' launch with `shared_join =
 "experts"`, or before the down launch), the two split the DRAM while the routing is on the chain: one H100, AR
 6.6 % and budget 8 tree 0.5 2.5 % slower (ddtree/plugins/kernels/NOTES.md, tenth session; A/B `ddtree bench step
---shared-fork`, `--shared-join`). Where one streaming launch (moe_stream, many rows) runs the experts and reads the shared output
-itself, the branch stays beside the router and joins before that launch.
+--shared-fork`, `--shared-join`). Where one streaming launch (moe_stream, many rows) runs the experts and reads the
+shared output itself, the branch stays beside the router and joins before that launch.
 `ops.branches = False` runs them in order (A/B: ddtree bench step --no-branches); the outputs are the same bits
 either way (the same kernels on the same inputs).
 
