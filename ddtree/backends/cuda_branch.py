@@ -120,6 +120,9 @@ class BranchOps:
         """(address, bytes) of the names' buffers in order while they fit the site's prefetch_bytes; the first that
         does not ends the list (the first readers come first)."""
         budget, chosen = per_site(self.prefetch_bytes, site), []
+        if budget is None:
+            raise ValueError(f"cuda backend: prefetch_bytes {self.prefetch_bytes!r} names no budget for the {site!r} "
+                             "site (give every site of plugins/prefetch.py SITES, or one int)")
         for name in names:
             for buf in self.store.layouts(name):
                 if buf.nbytes > budget:

@@ -25,7 +25,7 @@ SLOTS = 4                           # buffers one launch takes (kernels/prefetch
 # Where a layer stages weights (description/layers.py ops.prefetch's beside): "attention", o_proj and the MLP's
 # front while the latency-bound attention runs; "next", the next layer's attention front beside the MLP's
 # all-reduce or the routed experts. The two fills contend with different kernels (the attention's few bytes; the
-# next layer's q_a | kv_a GEMM), so a chunk may be forced per site.
+# next layer's q_a | kv_a GEMM), so a chunk or a budget may be set per site.
 SITES = ("attention", "next")
 
 

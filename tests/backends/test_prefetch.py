@@ -71,6 +71,12 @@ def test_a_budget_per_site_stages_each_site_within_its_own():
     assert ops.runs == [every, every[:1]]
 
 
+def test_a_budget_dict_missing_a_site_is_refused_by_name():
+    ops = Staged(SIZES, {"next": 14 << 20})
+    with pytest.raises(ValueError, match="no budget for the 'attention' site"):
+        ops.prefetch("o_proj", beside="attention")
+
+
 @pytest.mark.parametrize("text, want", [("17", 17 << 20), ("0", 0), ("next:36", {"next": 36 << 20}),
                                         ("attention:0.5, next:40", {"attention": 1 << 19, "next": 40 << 20})])
 def test_budget_mib_parses_one_value_or_sites(text, want):
