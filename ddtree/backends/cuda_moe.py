@@ -62,12 +62,16 @@ class MoeOps:
             router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant,
             down_cols=self.moe_down_cols))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
-        # beside the routed gate_up (off the router's chain), except where one streaming launch runs the experts and
-        # reads the shared output itself: there it stays beside the router
-        late = self.shared_fork == "routed" and not fused.uses_stream(M)
+        streamed = fused.uses_stream(M)                 # one launch runs the experts and reads the shared output
+
+        def shared_branch():                            # -> (its branch, shared_out [m, H]) beside what follows
+            with self.branch() as path:
+                return path, self.swiglu_mlp(x, *shared)
+        # beside the routed gate_up (off the router's chain), except where the streaming launch reads the shared
+        # output itself: there it stays beside the router
+        late = self.shared_fork == "routed" and not streamed
         if not late:
-            with self.branch() as shared_path:
-                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the router
+            shared_path, shared_out = shared_branch()
         routed = None
         if live is not None:
             if live.shape != (M,) or live.dtype != np.int32:
@@ -78,9 +82,8 @@ class MoeOps:
         ids, weights = self.route(fused, x, M, router.name, *masks)
         self.release_held()                                             # prefetch(beside="experts"): from here on
         if late:
-            with self.branch() as shared_path:
-                shared_out = self.swiglu_mlp(x, *shared)                           # [m, H], beside the gate_up
-        if self.shared_join == "down" and not fused.uses_stream(M):     # only down reads the shared output
+            shared_path, shared_out = shared_branch()
+        if self.shared_join == "down" and not streamed:                 # only down reads the shared output
             fused.gate_up(x.ptr, M, self.stream)
             self.join(shared_path)
             fused.down_combine(out.ptr, M, weights, shared_out.ptr, self.stream)

@@ -34,7 +34,7 @@ def site_of(beside: str) -> str:
     return "attention" if beside == "attention" else "next"
 
 
-def chunk_for(rows: int, site: str = "next", forced: int | dict | None = None) -> int:
+def chunk_for(rows: int, site: str, forced: int | dict | None = None) -> int:
     """The bytes one prefetch thread asks for at `site` in a layer call of `rows` rows. forced: every call's
     chunk (an int), or {site: bytes} for the sites it names (the others by rows)."""
     if site not in SITES:
