@@ -211,6 +211,21 @@ __device__ __forceinline__ float4 ld_dsmem_f4(u32 local, int rank) {
     return v;
 }
 
+// sum[0..3] += the S split-K partials load(0), load(1), ... in split order (the fixed order every reduction here
+// keeps: bitwise the plain loop's sum), their loads issued B at a time. The plain loop over a runtime S, unrolled by
+// 4, waited one L2 round trip every 4 partials: 7 of them for the shared expert's 28 k-splits at one row.
+template <int B, class Load>
+__device__ __forceinline__ void sum_partials(float (&sum)[4], int S, Load load) {
+    for (int s0 = 0; s0 < S; s0 += B) {
+        float4 v[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) v[i] = load(min(s0 + i, S - 1));   // past S: a repeat, not added (no branch)
+#pragma unroll
+        for (int i = 0; i < B; ++i)
+            if (s0 + i < S) { sum[0] += v[i].x; sum[1] += v[i].y; sum[2] += v[i].z; sum[3] += v[i].w; }
+    }
+}
+
 // Split-K / combine hand-off without a second launch: every contributing block publishes its
 // partial results, then takes a ticket; the block that takes the last ticket reads all partials in a
 // fixed order (so the sum is deterministic) and resets the counter for the next graph replay.

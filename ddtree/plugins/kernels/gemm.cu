@@ -232,10 +232,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
             for (int mt = 0; mt < MT; ++mt) {
                 sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
                 const u32 local = ring0 + owner * (u32)sizeof(Bf16Ring<RS>) + ((r * MT + mt) * 32 + lane) * 16;
-                for (int s = 0; s < S; ++s) {            // fixed order: the global path's sum, bitwise
-                    const float4 v = ld_dsmem_f4(local, s);
-                    sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
-                }
+                sum_partials<8>(sum[mt], S, [&](int s) { return ld_dsmem_f4(local, s); });   // the global path's sum
             }
             finish(nb * ntb + j, sum);
         }
@@ -248,10 +245,9 @@ __device__ __forceinline__ void skinny_gemm(const bf16_t* __restrict__ x, const 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             sum[mt][0] = sum[mt][1] = sum[mt][2] = sum[mt][3] = 0.f;
-            for (int s = 0; s < S; ++s) {                // fixed order: deterministic
-                float4 v = ld_cg_f4(&partial[(((part_base + s) * ntb + warp * tpw + r) * MT + mt) * 32 + lane]);
-                sum[mt][0] += v.x; sum[mt][1] += v.y; sum[mt][2] += v.z; sum[mt][3] += v.w;
-            }
+            sum_partials<16>(sum[mt], S, [&](int s) {   // fixed order: deterministic
+                return ld_cg_f4(&partial[(((part_base + s) * ntb + warp * tpw + r) * MT + mt) * 32 + lane]);
+            });
         }
         finish(nt_begin + r, sum);
     }

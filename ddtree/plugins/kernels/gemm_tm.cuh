@@ -206,11 +206,10 @@ struct GemmTm {
 #pragma unroll
                 for (int nh = 0; nh < 2; ++nh) {
                     sum[tt][nh][0] = sum[tt][nh][1] = sum[tt][nh][2] = sum[tt][nh][3] = 0.f;
-                    for (int s = 0; s < S; ++s) {                 // fixed order: deterministic
-                        const float4 p = ld_cg_f4(
+                    sum_partials<8>(sum[tt][nh], S, [&](int s) {  // fixed order: deterministic
+                        return ld_cg_f4(
                             &partial[((((part_base + s) * ntb + warp * G + j) * TT + tt) * 2 + nh) * 32 + lane]);
-                        sum[tt][nh][0] += p.x; sum[tt][nh][1] += p.y; sum[tt][nh][2] += p.z; sum[tt][nh][3] += p.w;
-                    }
+                    });
                 }
             finish(sum, tile0 + j, row0, M, N, g, t, residual, out, out_f32, swiglu);
         }

@@ -154,10 +154,9 @@ __device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const
     const int my_tiles = 2 * max(0, min(tpw, (NT - nt_begin) / 2));
     for (int r = 0; r < my_tiles; ++r) {
         float sum[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int s = 0; s < S; ++s) {                    // fixed order: deterministic
-            float4 v = ld_cg_f4(&partial[((part_base + s) * ntb + warp * tiles_pw + r) * 32 + lane]);
-            sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
-        }
+        sum_partials<8>(sum, S, [&](int s) {             // fixed order: deterministic
+            return ld_cg_f4(&partial[((part_base + s) * ntb + warp * tiles_pw + r) * 32 + lane]);
+        });
         finish(r, sum);
     }
     return true;
