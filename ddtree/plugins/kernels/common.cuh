@@ -230,11 +230,14 @@ __device__ __forceinline__ void sum_partials(float (&sum)[4], int S, Load load) 
 // partial results, then takes a ticket; the block that takes the last ticket reads all partials in a
 // fixed order (so the sum is deterministic) and resets the counter for the next graph replay.
 // Must be called by every thread of the block; returns true in the last block.
-// One thread fences, after the barrier (the pattern of CUTLASS's split-K semaphore): bar.sync orders the
-// block's partial stores before thread 0's fence, which is cumulative (PTX memory model), so the ticket
-// publishes them all; on the last ticket thread 0's fence again orders the other blocks' partials before
-// the barrier that releases this block's readers (which read them with ld.global.cg, never L1). A fence in
-// every thread made each warp wait on its own drain (ncu: membar stalls in moe_down, NOTES "MoE streaming").
+// One thread takes the ticket after the barrier (the pattern of CUTLASS's split-K semaphore) with one acq_rel
+// atomic: bar.sync orders the block's partial stores before thread 0's release, which is cumulative (PTX memory
+// model), so the ticket publishes them all; on the last ticket its acquire orders the other blocks' published
+// partials before the barrier that releases this block's readers (which read them with ld.global.cg, never L1).
+// The counter's reset is a relaxed store: no block of this grid takes a ticket after the last, and the next grid
+// to use it starts after this one completes. Before, a fence.sc before a relaxed atomic and another after the
+// reset did the same ordering with two more drains on the chain. A fence in every thread made each warp wait on
+// its own drain (ncu: membar stalls in moe_down, NOTES "MoE streaming").
 #ifndef DD_FENCE_ALL_THREADS
 #define DD_FENCE_ALL_THREADS 0       // 1: adds back the fence in every thread of the kernels before 2026-12-02 (A/B)
 #endif
@@ -245,13 +248,10 @@ __device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
 #endif
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        u32 prev = atomicAdd(counter, 1u);
+        u32 prev;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
         s_last = (prev == expected - 1);
-        if (s_last) {
-            atomicExch(counter, 0u);
-            __threadfence();
-        }
+        if (s_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(counter) : "memory");
     }
     __syncthreads();
 #if DD_FENCE_ALL_THREADS
