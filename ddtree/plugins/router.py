@@ -44,7 +44,7 @@ BLOCK_ROUTE_US = 0.6                    # one token routed by G = ceil(E / 32) w
 # The folded hand-off (fitted to the H200 sweep at 1..3 rows, tests/plugins/sweep_router.py --few, kernels/NOTES.md):
 FOLD_ROUND_US = 0.65                    # the last block's pass over rows x E logits: an L2 round trip a 32 W items
 FOLD_SAVED_US = 1.0                     # saved beyond HANDOFF_US: the logits' L2 round trip, the second ticket
-# The kernel's static shared memory, bounded (144 B in the sm_90 cubin: handoff_last's flag, align_tiles' 32 warp
+# The kernel's static shared memory, bounded (144 B in the sm_90 cubin: arrive_last's flag, align_tiles' 32 warp
 # totals): a block's static + dynamic bytes must fit the device's opt-in limit, so plans leave this much of it.
 # (Before it, the sm_90 plans of 129..144 rows took the whole 232448 B beside 16 static bytes.)
 STATIC_SMEM = 256

@@ -10,7 +10,7 @@
 // (kw, tw) streams tile tw's chunks kw, kw + KW, ... . Every chunk a warp needs is requested at once
 // (cp.async, evict-first), before griddepcontrol.wait: the weights never depend on the previous kernel.
 // The KW warps of a tile are summed in shared memory (fixed order); then three hand-offs, each to the
-// last block to arrive (handoff_last: an acq_rel ticket), each reading in a fixed order (deterministic):
+// last block to arrive (common.cuh arrive_last: an acq_rel ticket), each reading in a fixed order (deterministic):
 //   1. the last of the S k-splits of (mb, nb) sums the S partials [S, M, E] of its experts -> logits
 //   2. the last of the NB n-blocks of mb routes its rows: lanes = 0, a warp per token from the logits
 //      (route_token), or lanes = L (32 or 16: two rows a warp), L lanes a row (route_rows, route_select.cuh)
@@ -34,26 +34,6 @@
 #include "route_select.cuh"
 
 #define RT_MAX_WARPS 16
-
-// A hand-off to the last block to arrive: common.cuh's arrive_last without its fences. There every thread runs
-// fence.sc (MEMBAR.SC.GPU) before the ticket and again in the last block: two full fences of up to 512 threads
-// on the critical path of each hand-off. Here the block's barrier orders every thread's writes before thread
-// 0's ticket, one atomic with acq_rel semantics at gpu scope (its release is cumulative over what the barrier
-// ordered, the PTX memory model's pattern of a grid barrier); in the last block its acquire, then the barrier,
-// order every thread's later reads after the other blocks' writes (which stay .cg reads, from L2). The last
-// block resets the counter: every other block has taken its ticket.
-__device__ __forceinline__ bool handoff_last(u32* counter, u32 expected) {
-    __shared__ int s_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 prev;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
-        s_last = prev == expected - 1;
-        if (s_last) asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(counter), "r"(0u) : "memory");
-    }
-    __syncthreads();
-    return s_last;
-}
 
 // logits[at] = sum over s = 0..S-1 of p[s stride], in that order: 8 loads in flight, then their sum in order
 __device__ __forceinline__ float sum_splits(const float* p, int S, size_t stride) {
@@ -202,7 +182,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         // order as below) into the logits and lg, and routes them from shared memory: one hand-off and one
         // L2 round trip fewer, for few rows (the plan's choice: one block reads S rows E floats)
         if (S * NB > 1) {
-            if (!handoff_last(&counters[mb], (u32)(S * NB))) return;
+            if (!arrive_last(&counters[mb], (u32)(S * NB))) return;
         } else {
             __syncthreads();                                         // this block's logits visible to the block
         }
@@ -220,7 +200,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         // 1. the last k-split of (mb, nb): logits = sum over s = 0..S-1 of partial[s], in that order (a row's
         //    order depends on S and KW alone, not on M: the batch-invariant plan fixes both)
         if (S > 1) {
-            if (!handoff_last(&counters[mb * NB + nb], (u32)S)) return;
+            if (!arrive_last(&counters[mb * NB + nb], (u32)S)) return;
             const int e0 = nb * TW * 16, ne = min(TW * 16, E - e0);
             for (int item = threadIdx.x; item < rows * ne; item += blockDim.x) {
                 const size_t at = (size_t)(row0 + item / ne) * E + e0 + item % ne;
@@ -231,7 +211,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         }
         // 2. the last n-block of mb routes its rows
         if (NB > 1) {
-            if (!handoff_last(&counters[MB * NB + mb], (u32)NB)) return;
+            if (!arrive_last(&counters[MB * NB + mb], (u32)NB)) return;
         } else {
             __syncthreads();                                         // this block's logits visible to the block
         }                                                            // (and the GEMM's shared memory free)
@@ -257,7 +237,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
     // 3. the last token block aligns every token's pairs (one token block: from its shared copy of the ids),
     //    with a live mask after moving the dead rows' pairs onto the root's experts (live_rows)
     if (MB > 1) {
-        if (!handoff_last(&counters[MB * NB + MB], (u32)MB)) return;
+        if (!arrive_last(&counters[MB * NB + MB], (u32)MB)) return;
         if (live) {
             live_rows(topk_ids, topk_w, nullptr, live, M * topk, topk, routed_ids, live_ids, live_w);
             __syncthreads();
