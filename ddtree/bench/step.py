@@ -72,7 +72,7 @@ from ddtree.errors import reported
 from ddtree.jsonout import emit_json
 from ddtree.model.presets import get_preset
 from ddtree.plugins.device import Gpu
-from ddtree.plugins.prefetch import SITES, chunks, parse_budget_mb, parse_chunk_kb
+from ddtree.plugins.prefetch import SITES, SITES_HELP, chunks, parse_budget_mb, parse_chunk_kb
 from ddtree.runtime.cuda_executor import gpu_unavailable
 from ddtree.runtime.step_profile import record_launches, time_launches
 from ddtree.tree.build import Tree
@@ -247,14 +247,14 @@ def parse_option(text, parse, flag: str):
 @click.option("--no-branches", is_flag=True,
               help="launch every op in order (A/B of the cuda backend's parallel branches: backends/cuda_branch.py)")
 @click.option("--prefetch-mb", default=None, metavar="MIB|SITE:MIB,...",
-              help="L2 budget of a weight prefetch, MiB (0: none): one value for every site, or per site (attention: "
-                   "o_proj and the MLP's front beside the attention; next: the next layer's front), e.g. next:36; "
-                   "default a third of the GPU's L2 at each (backends/cuda_branch.py BranchOps.prefetch)")
+              help=f"L2 budget of a weight prefetch, MiB (0: none): one value for every site, or per site "
+                   f"({SITES_HELP}), e.g. next:36; default a third of the GPU's L2 at each (backends/cuda_branch.py "
+                   "BranchOps.prefetch)")
 @click.option("--prefetch-chunk-kb", default=None, metavar="KIB|SITE:KIB,...",
-              help="bytes one thread of the L2 prefetch asks for, KiB: one value for every call, or per site "
-                   "(attention: o_proj and the MLP's front beside the attention; next: the next layer's front), e.g. "
-                   "attention:4,next:16 (default by the call's rows: 16 at one row, 4 past one, plugins/prefetch.py "
-                   "chunk_for); a smaller chunk spreads a fill over more SMs, whose copy units issue it")
+              help=f"bytes one thread of the L2 prefetch asks for, KiB: one value for every call, or per site "
+                   f"({SITES_HELP}), e.g. attention:4,next:16 (default by the call's rows: 16 at one row, 4 past one, "
+                   "plugins/prefetch.py chunk_for); a smaller chunk spreads a fill over more SMs, whose copy units "
+                   "issue it")
 @click.option("--shared-join", type=click.Choice(["experts", "down"]), default=None,
               help="where the MoE's shared-expert branch joins: before the down launch (default) or before the routed "
                    "experts' launch (implies --shared-fork router; backends/cuda_moe.py)")

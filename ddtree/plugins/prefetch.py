@@ -27,6 +27,7 @@ SLOTS = 4                           # buffers one launch takes (kernels/prefetch
 # all-reduce or the routed experts. The two fills contend with different kernels (the attention's few bytes; the
 # next layer's q_a | kv_a GEMM), so a chunk or a budget may be set per site.
 SITES = ("attention", "next")
+SITES_HELP = "attention: o_proj and the MLP's front beside the attention; next: the next layer's front"
 
 
 def site_of(beside: str) -> str:
