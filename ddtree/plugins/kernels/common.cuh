@@ -241,18 +241,22 @@ __device__ __forceinline__ void sum_partials(float (&sum)[4], int S, Load load) 
 #ifndef DD_FENCE_ALL_THREADS
 #define DD_FENCE_ALL_THREADS 0       // 1: adds back the fence in every thread of the kernels before 2026-12-02 (A/B)
 #endif
+// One thread's ticket (after the block's barrier): the acq_rel add, and the relaxed reset by the last taker.
+__device__ __forceinline__ bool take_last_ticket(u32* counter, u32 expected) {
+    u32 prev;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+    const bool last = prev == expected - 1;
+    if (last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(counter) : "memory");
+    return last;
+}
+
 __device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
     __shared__ int s_last;
 #if DD_FENCE_ALL_THREADS
     __threadfence();
 #endif
     __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 prev;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
-        s_last = (prev == expected - 1);
-        if (s_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" :: "l"(counter) : "memory");
-    }
+    if (threadIdx.x == 0) s_last = take_last_ticket(counter, expected);
     __syncthreads();
 #if DD_FENCE_ALL_THREADS
     if (s_last) __threadfence();

@@ -215,19 +215,15 @@ __device__ __forceinline__ void down_item(const bf16_t* __restrict__ act, const 
                                                        topk, S, tpw, bx, by, bk, wait_for_act, epi);
 
     // combine: the last of a token's topk * S expert blocks to finish this n-block writes its rows. The 8
-    // ticket threads (one warp) fence for the block after the barrier, as arrive_last (common.cuh) does.
+    // ticket threads (one warp) each take their token's ticket after the barrier, as arrive_last (common.cuh)
+    // does: one acq_rel atomic publishes the block's y rows and, on the last ticket, acquires the other blocks'.
 #if DD_FENCE_ALL_THREADS
     __threadfence();
 #endif
     __syncthreads();
     if (threadIdx.x < 8) {
         int p = pairs[threadIdx.x], tok = -1;
-        __threadfence();
-        if (p >= 0) {
-            u32* c = &counters[(size_t)(p / topk) * NB + bx];
-            if (atomicAdd(c, 1u) == (u32)(topk * S) - 1) { atomicExch(c, 0u); tok = p / topk; }
-        }
-        __threadfence();
+        if (p >= 0 && take_last_ticket(&counters[(size_t)(p / topk) * NB + bx], (u32)(topk * S))) tok = p / topk;
         finished_token[threadIdx.x] = tok;
     }
     __syncthreads();
