@@ -285,7 +285,7 @@ class SkinnyGemm:
         if knobs is not None:
             return with_dsmem(plan_gemm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit,
                                         knobs["warps"], self.stages, knobs["splits"], knobs["tpw"], None,
-                                        knobs["max_mt"]), True)
+                                        knobs["max_mt"]), knobs["dsmem"])
         if self.tm and M > 16:
             try:
                 return plan_gemm_tm(M, self.N, self.K, self.gpu.sm_count, self.smem_limit)

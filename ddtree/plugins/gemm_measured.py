@@ -1,12 +1,14 @@
-"""The skinny GEMM's plans past 16 rows where an H200 sweep measured them faster than plan_gemm's fitted cost (issue
-22; ddtree/plugins/kernels/NOTES.md, "Measured GEMM plans past 16 rows").
+"""The skinny GEMM's plans where a sweep measured them faster than plan_gemm's: past 16 rows against its fitted cost
+on an H200 (issue 22; ddtree/plugins/kernels/NOTES.md, "Measured GEMM plans past 16 rows"), and at the rank step's
+1 / 8 / 9 rows against its waves model on an H100 (issue 48, the twelfth session's section there).
 
     knobs = measured_gemm_knobs(arch, sm_count, N, K, M)   # plan_gemm's forced knobs at exactly M, or None
 
 Keyed like moe_measured.TWO_MEASURED by the device (arch, SM count: the sweep's grid fills are per SM) and the
-weight shape; a row holds only the M it was swept at (the verify's rows at budgets 16 / 32 / 64), never a range it
-was not. Each entry is (max_mt, warps, tpw, splits) of the sweep's fastest 8-row-kernel candidate, launched as the
-sweep ran it: split-K through a cluster's shared memory wherever the plan qualifies (gemm.with_dsmem). Adopted
+weight shape; a row holds only the M it was swept at (the verify's rows at budgets 8 / 16 / 32 / 64, AR's one row,
+the drafter's block of 8), never a range it was not. Each entry is (max_mt, warps, tpw, splits[, dsmem]) of the
+sweep's fastest 8-row-kernel candidate, launched as the sweep ran it: split-K through a cluster's shared memory
+wherever the plan qualifies (gemm.with_dsmem), unless its fifth field says False (the global path won). Adopted
 where it beat the planned choice by >= 5 % in that sweep and was not slower than the fitted plan (global-path
 split-K) in the A/B of `bench gemm` that followed (tests/fixtures/plugins/gemm_ab_h200_tp8_measured.json); the
 batch-invariant plan ignores the table (its split is max_tokens').
@@ -24,25 +26,42 @@ from __future__ import annotations
 # -> 12.5 / 18.3, dense gate_up 17 / 65 33.1 / 62.8 -> 30.2 / 61.9, dense down 33 / 65 28.3 / 41.2 -> 18.2 / 25.1,
 # router 65 15.7 -> 12.2, lm_head 65 193.5 -> 191.6; dense gate_up 33 lost (39.8 -> 40.3: the fitted global-path
 # plan was already there) and is not in the table.
+#
+# The step's own small row counts (issue 48, 2026-12-07 twelfth session): AR's 1 row, the drafter's block of 8 and
+# budget 8's verify of 9, the shapes as the step runs them (q_a | kv_a as one [2112, 7168] GEMM, the shared expert's
+# gate_up with SwiGLU, the drafter's q | k | v [1280, 7168], gate_up, down and o_proj), every (warps, tpw, k-split)
+# plan on the global path and, at k-splits 2..8, on the cluster split-K (tests/plugins/sweep_gemm_step.py; the
+# fixture tests/fixtures/plugins/gemm_sweep_h100_tp8_step_rows.json, one H100 SXM: 132 SMs, sm_90 like the H200).
+# Rows whose best beat the planned choice (the waves model) by >= 5 %, us planned -> this plan: q_a | kv_a 1 14.27
+# -> 13.10, q_b 1 4.76 -> 4.21, o_proj 1 / 8 / 9 8.82 / 9.89 / 11.46 -> 8.14 / 8.85 / 9.49, shared gate_up 1 / 9
+# 6.16 / 7.40 -> 5.07 / 6.72, drafter q | k | v 8 10.98 -> 9.96, dense gate_up 8 29.93 -> 26.74, dense down 8
+# 19.79 -> 16.39, lm_head 1 / 8 108.4 / 111.0 -> 102.8 / 104.2. The cluster split-K won none of them (a fifth
+# field False: launched on the global path, as swept); q_a | kv_a and lm_head at 9 rows, q_b at 9 and the shared
+# expert's down stay planned (within 5 %).
 GEMM_MEASURED = {
     ("sm_90", 132): {
         (1536, 7168): {65: (8, 8, 2, 8)},
-        (1536, 1536): {65: (8, 4, 2, 4)},
+        (1536, 1536): {1: (8, 4, 1, 4, False), 65: (8, 4, 2, 4)},
         (2048, 512): {17: (8, 4, 1, 1), 33: (8, 4, 1, 1), 65: (8, 4, 1, 1)},
-        (7168, 1024): {33: (8, 8, 2, 4), 65: (9, 8, 2, 4)},
-        (4608, 7168): {17: (8, 8, 2, 4), 65: (8, 8, 2, 8)},
-        (7168, 2304): {33: (8, 8, 2, 4), 65: (9, 8, 2, 4)},
+        (7168, 1024): {1: (8, 4, 1, 1, False), 8: (8, 8, 1, 1, False), 9: (8, 8, 1, 1, False), 33: (8, 8, 2, 4),
+                       65: (9, 8, 2, 4)},
+        (4608, 7168): {8: (8, 8, 1, 7, False), 17: (8, 8, 2, 4), 65: (8, 8, 2, 8)},
+        (7168, 2304): {8: (8, 8, 1, 4, False), 33: (8, 8, 2, 4), 65: (9, 8, 2, 4)},
         (384, 7168): {65: (8, 4, 1, 8)},
-        (20480, 7168): {65: (9, 8, 2, 16)},
+        (20480, 7168): {1: (8, 8, 1, 16, False), 8: (8, 8, 1, 16, False), 65: (9, 8, 2, 16)},
+        (2112, 7168): {1: (8, 4, 1, 16, False)},
+        (512, 7168): {1: (8, 4, 1, 16, False), 9: (8, 4, 1, 16, False)},
+        (1280, 7168): {8: (8, 4, 1, 16, False)},
     },
 }
 
 
 def measured_gemm_knobs(arch: str, sm_count: int, N: int, K: int, M: int) -> dict | None:
     """plan_gemm's forced keywords (max_mt, warps, tpw, splits) measured at exactly M rows on this device for the
-    weight [N, K], else None."""
+    weight [N, K], and dsmem (the cluster split-K where the plan qualifies: a row's fifth field, True when absent),
+    else None."""
     row = GEMM_MEASURED.get((arch.rstrip("a"), sm_count), {}).get((N, K), {}).get(M)
     if row is None:
         return None
-    max_mt, warps, tpw, splits = row
-    return dict(max_mt=max_mt, warps=warps, tpw=tpw, splits=splits)
+    max_mt, warps, tpw, splits, *dsmem = row
+    return dict(max_mt=max_mt, warps=warps, tpw=tpw, splits=splits, dsmem=dsmem[0] if dsmem else True)

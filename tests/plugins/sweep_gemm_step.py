@@ -6,7 +6,7 @@ of <= 16 rows were only ever swept on the global path). On the GPU machine:
     python3 tests/plugins/sweep_gemm_step.py [NAME,NAME,..] > sweep.json
 Each candidate is a graph of launches over enough weight copies to defeat L2 (as ddtree bench gemm times), timed
 twice (the lower kept). Output: one JSON object {"device", "sm_count", "rows": [{"name", "N", "K", "M", "planned",
-"candidates": [...]}]}, each plan as {"warps", "tpw", "splits", "dsmem", "mt", "blocks", "kernel", "us"}.
+"candidates": [...]}]}, each plan as {"warps", "tpw", "splits", "dsmem", "mt", "mb", "blocks", "kernel", "us"}.
 """
 import json
 import sys
@@ -28,7 +28,7 @@ STEP_SHAPES = [("q_a_kv_a", 2112, 7168, False, False, (1, 9)),
 
 
 def _plan_row(p, us: float) -> dict:
-    return {"warps": p.warps, "tpw": p.tpw, "splits": p.splits, "dsmem": p.dsmem, "mt": p.mt, "blocks": p.blocks,
+    return {"warps": p.warps, "tpw": p.tpw, "splits": p.splits, "dsmem": p.dsmem, "mt": p.mt, "mb": p.mb, "blocks": p.blocks,
             "kernel": p.kernel, "us": round(us, 2)}
 
 

@@ -1,8 +1,9 @@
-"""CPU tests of the skinny GEMM's measured plans (plugins/gemm_measured.py): every entry is the H200 sweep's fastest
+"""CPU tests of the skinny GEMM's measured plans (plugins/gemm_measured.py): every entry is its sweep's fastest
 8-row-kernel candidate at its shape and M and beat the sweep's planned choice by >= 5 %, every row that gained that
 much is in the table unless the A/B bench after it found that plan slower than the fitted one, the plans fit and
-launch as the sweep ran them (cluster split-K where they qualify), and SkinnyGemm takes them only at that device,
-shape and M, and never under the batch-invariant plan."""
+launch as the sweep ran them (cluster split-K where they qualify and the sweep took it), and SkinnyGemm takes them
+only at that device, shape and M, and never under the batch-invariant plan. Two sweeps: past 16 rows (H200, with an
+A/B of `bench gemm` after it) and the rank step's 1 / 8 / 9 rows (H100, tests/plugins/sweep_gemm_step.py)."""
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ddtree.plugins.gemm_measured import GEMM_MEASURED, measured_gemm_knobs
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "plugins"
 SWEEP, AB = FIXTURES / "gemm_sweep_h200_tp8_dsmem_tm.json", FIXTURES / "gemm_ab_h200_tp8_measured.json"
+STEP_ROWS = FIXTURES / "gemm_sweep_h100_tp8_step_rows.json"
 H200 = ("sm_90", 132)
 
 
@@ -23,10 +25,18 @@ def h200(sm_count: int = 132):
     return gpu
 
 
-def _sweep_rows():
-    for r in json.loads(SWEEP.read_text())["rows"]:
+def _sweep_rows(path=SWEEP):
+    for r in json.loads(path.read_text())["rows"]:
         eight_row = [c for c in r["candidates"] if not c["kernel"].startswith("gemm_bf16_tm")]
         yield r, min(eight_row, key=lambda c: c["us"])
+
+
+def _swept():
+    """(N, K, M) -> the best candidate, over both sweeps (they share no (N, K, M))."""
+    rows = [*_sweep_rows(), *_sweep_rows(STEP_ROWS)]
+    swept = {(r["N"], r["K"], r["M"]): best for r, best in rows}
+    assert len(swept) == len(rows)
+    return swept
 
 
 def test_the_table_is_the_sweeps_fastest_plan_wherever_it_gained_5_percent_and_did_not_lose_the_ab():
@@ -42,16 +52,32 @@ def test_the_table_is_the_sweeps_fastest_plan_wherever_it_gained_5_percent_and_d
             assert entry == (best["max_mt"], best["warps"], best["tpw"], best["splits"]), (r["name"], r["M"])
 
 
+def test_the_step_rows_are_the_sweeps_fastest_plan_wherever_it_gained_5_percent():
+    """The rank step's rows (1 / 8 / 9): no A/B of `bench gemm` after this sweep (the step's A/B is in NOTES), so
+    exactly the rows whose best beat the planned choice by >= 5 %, as swept (the cluster split-K or not)."""
+    table = GEMM_MEASURED[H200]
+    rows = list(_sweep_rows(STEP_ROWS))
+    assert {r["M"] for r, _ in rows} == {1, 8, 9}
+    for r, best in rows:
+        entry = table.get((r["N"], r["K"]), {}).get(r["M"])
+        gained = r["planned"]["us"] >= 1.05 * best["us"]
+        assert (entry is not None) == gained, (r["name"], r["M"], r["planned"]["us"], best["us"])
+        if entry is not None:
+            assert entry == (8, best["warps"], best["tpw"], best["splits"], best["dsmem"]), (r["name"], r["M"])
+
+
 def test_measured_plans_are_the_swept_launches_with_the_cluster_split_where_the_sweep_took_it():
-    swept = {(r["N"], r["K"], r["M"]): best for r, best in _sweep_rows()}
+    swept = _swept()
     for (N, K), by_m in GEMM_MEASURED[H200].items():
         gemm = SkinnyGemm(h200(), N, K, 65)
-        for M, (max_mt, warps, tpw, splits) in by_m.items():
+        for M, (max_mt, warps, tpw, splits, *dsmem) in by_m.items():
             p, ran = gemm.plan(M), swept[(N, K, M)]
             assert (p.kernel, p.mt, p.mb, p.warps, p.tpw, p.splits, p.blocks) == \
-                (ran["kernel"], ran["mt"], ran["mb"], ran["warps"], ran["tpw"], ran["splits"], ran["blocks"])
+                (ran["kernel"], ran["mt"], ran.get("mb", p.mb), ran["warps"], ran["tpw"], ran["splits"], ran["blocks"])
             assert p.smem <= 232448
-            assert p.dsmem == (DSMEM_SPLITS[0] <= splits <= DSMEM_SPLITS[1] and tpw <= 2)   # the sweep's launch
+            qualifies = DSMEM_SPLITS[0] <= splits <= DSMEM_SPLITS[1] and tpw <= 2
+            assert p.dsmem == (qualifies and (dsmem or [True])[0])   # the sweep's launch
+            assert p.dsmem == ran.get("dsmem", p.dsmem)
             assert gemm.partial.shape[0] >= p.partial_floats     # the global path's partials were allocated
 
 
