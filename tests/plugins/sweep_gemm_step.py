@@ -28,8 +28,8 @@ STEP_SHAPES = [("q_a_kv_a", 2112, 7168, False, False, (1, 9)),
 
 
 def _plan_row(p, us: float) -> dict:
-    return {"warps": p.warps, "tpw": p.tpw, "splits": p.splits, "dsmem": p.dsmem, "mt": p.mt, "mb": p.mb, "blocks": p.blocks,
-            "kernel": p.kernel, "us": round(us, 2)}
+    return {"warps": p.warps, "tpw": p.tpw, "splits": p.splits, "dsmem": p.dsmem, "mt": p.mt, "mb": p.mb,
+            "blocks": p.blocks, "kernel": p.kernel, "us": round(us, 2)}
 
 
 def sweep(gpu, names: set | None) -> list[dict]:
