@@ -296,14 +296,15 @@ def gemm_operands(gpu, N: int, K: int, max_m: int, seed: int, x_seed: int) -> tu
     return ws, x, gpu.zeros((max_m, N), np.uint16), copies * max(1, -(-8 // copies))
 
 
-def time_gemm(gpu, gemm, operands: tuple, M: int, residual: bool) -> float:
+def time_gemm(gpu, gemm, operands: tuple, M: int, residual: bool, swiglu: bool = False) -> float:
     """us a launch of gemm at M rows (its current plan): one launch outside the capture (compile, shared-memory
-    limit), then a graph of the operands' launches, each on the next weight copy (out as the residual if any)."""
+    limit), then a graph of the operands' launches, each on the next weight copy (out as the residual if any;
+    swiglu: the SwiGLU epilogue, out's first N / 2 columns)."""
     ws, x, out, launches = operands
     res = out if residual else None
-    gemm.run(x, ws[0], out, M, residual=res)
+    gemm.run(x, ws[0], out, M, residual=res, swiglu=swiglu)
     gpu.sync()
-    return time_graph(gpu, lambda s: [gemm.run(x, ws[i % len(ws)], out, M, residual=res, stream=s)
+    return time_graph(gpu, lambda s: [gemm.run(x, ws[i % len(ws)], out, M, residual=res, stream=s, swiglu=swiglu)
                                       for i in range(launches)]) * 1e3 / launches
 
 

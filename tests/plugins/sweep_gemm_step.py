@@ -11,7 +11,7 @@ twice (the lower kept). Output: one JSON object {"device", "sm_count", "rows": [
 import json
 import sys
 
-from ddtree.bench.kernels import gemm_operands, time_graph
+from ddtree.bench.kernels import gemm_operands, time_gemm
 from ddtree.plugins.device import Gpu
 from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm, _divisors
 
@@ -37,16 +37,11 @@ def sweep(gpu, names: set | None) -> list[dict]:
     for name, N, K, residual, swiglu, ms in STEP_SHAPES:
         if names and name not in names:
             continue
-        ws, x, out, launches = gemm_operands(gpu, N, K, max(ms), 0, 99)
+        operands = gemm_operands(gpu, N, K, max(ms), 0, 99)
         gemm = SkinnyGemm(gpu, N, K, max(ms))
         for M in ms:
             def timed():
-                res = out if residual else None
-                gemm.run(x, ws[0], out, M, residual=res, swiglu=swiglu)
-                gpu.sync()
-                return min(time_graph(gpu, lambda s: [gemm.run(x, ws[i % len(ws)], out, M, residual=res, stream=s,
-                                                               swiglu=swiglu) for i in range(launches)])
-                           for _ in range(2)) * 1e3 / launches
+                return min(time_gemm(gpu, gemm, operands, M, residual, swiglu) for _ in range(2))
             gemm._overrides.clear()
             row = {"name": name, "N": N, "K": K, "M": M, "planned": _plan_row(gemm.plan(M), timed()),
                    "candidates": []}
