@@ -211,18 +211,24 @@ __device__ __forceinline__ float4 ld_dsmem_f4(u32 local, int rank) {
     return v;
 }
 
-// sum[0..3] += the S split-K partials load(0), load(1), ... in split order (the fixed order every reduction here
-// keeps: bitwise the plain loop's sum), their loads issued B at a time. The plain loop over a runtime S, unrolled by
-// 4, waited one L2 round trip every 4 partials: 7 of them for the shared expert's 28 k-splits at one row.
-template <int B, class Load>
-__device__ __forceinline__ void sum_partials(float (&sum)[4], int S, Load load) {
+// sum += the S split-K partials load(0), load(1), ... in split order (the fixed order every reduction here keeps:
+// bitwise the plain loop's sum), their loads issued B at a time. sum is float[4] (a float4 load: the GEMMs' and the
+// MoE's tails) or one float (the router's logits). The plain loop over a runtime S, unrolled by 4, waited one L2
+// round trip every 4 partials: 7 of them for the shared expert's 28 k-splits at one row.
+__device__ __forceinline__ void add_partial(float (&sum)[4], float4 v) {
+    sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+}
+__device__ __forceinline__ void add_partial(float& sum, float v) { sum += v; }
+
+template <int B, class Sum, class Load>
+__device__ __forceinline__ void sum_partials(Sum& sum, int S, Load load) {
     for (int s0 = 0; s0 < S; s0 += B) {
-        float4 v[B];
+        decltype(load(0)) v[B];
 #pragma unroll
         for (int i = 0; i < B; ++i) v[i] = load(min(s0 + i, S - 1));   // past S: a repeat, not added (no branch)
 #pragma unroll
         for (int i = 0; i < B; ++i)
-            if (s0 + i < S) { sum[0] += v[i].x; sum[1] += v[i].y; sum[2] += v[i].z; sum[3] += v[i].w; }
+            if (s0 + i < S) add_partial(sum, v[i]);
     }
 }
 

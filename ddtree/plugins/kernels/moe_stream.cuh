@@ -166,13 +166,11 @@ __device__ __forceinline__ void stream_impl(
         __syncthreads();                                 // every thread has read s_item
         if (threadIdx.x == 0) s_item = (int)(ahead ? next : atomicAdd(&queue[0], 1u));
     }
-    if (threadIdx.x == 0) {                              // the last block out resets the queue for the next launch
-        __threadfence();
-        if (atomicAdd(&queue[1], 1u) == gridDim.x - 1) {
-            for (int z = 0; z < tiles; ++z) ready[z] = 0u;
-            queue[0] = 0u;
-            queue[1] = 0u;
-            __threadfence();
-        }
+    // The last block out resets the queue for the next launch (common.cuh take_last_ticket: the loop's last barrier
+    // orders this block's reads of queue and ready before thread 0's acq_rel ticket; the last taker's acquire orders
+    // every block's before its plain resets, which the next launch sees after this grid completes).
+    if (threadIdx.x == 0 && take_last_ticket(&queue[1], gridDim.x)) {
+        for (int z = 0; z < tiles; ++z) ready[z] = 0u;
+        queue[0] = 0u;
     }
 }

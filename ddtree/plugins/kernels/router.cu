@@ -35,20 +35,12 @@
 
 #define RT_MAX_WARPS 16
 
-// logits[at] = sum over s = 0..S-1 of p[s stride], in that order: 8 loads in flight, then their sum in order
+// logits[at] = sum over s = 0..S-1 of p[s stride], in that order (common.cuh sum_partials: 8 loads in flight)
 __device__ __forceinline__ float sum_splits(const float* p, int S, size_t stride) {
     float v = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 8) {
-        float part[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) part[u] = s0 + u < S ? __ldcg(p + (s0 + u) * stride) : 0.f;
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-            if (s0 + u < S) v += part[u];
-    }
+    sum_partials<8>(v, S, [&](int s) { return __ldcg(p + s * stride); });
     return v;
 }
-
 
 // Dynamic shared memory (plugins/router.py router_smem): the maximum of
 //   GEMM     x rows [8 MT][CPS 64 + 32] bf16, then W warps x ceil(CPS / KW) chunks x 2 KB of weights
