@@ -139,6 +139,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.branches = True                # parallel branches where ops are independent (backends/cuda_branch.py)
         self.lane = 0                       # the branch launching now (0: the main chain)
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
+        self.moe_down_prefetch = 0          # FusedMoE(down_prefetch=): gate_up asks L2 for the down weights when its
+                                            # launch has at most this many tiles (0: never)
         self.shared_fork = "routed"         # where the MoE's shared-expert branch forks: after the routing, beside
                                             # the routed gate_up (H100: AR -6.6 %, budget 8 tree -2.5 %), or
                                             # "router": beside the router (backends/cuda_moe.py)

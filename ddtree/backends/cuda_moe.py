@@ -60,7 +60,7 @@ class MoeOps:
         fused = self.launcher(("moe", router.name), lambda: FusedMoE(
             self.gpu, shape, {k: self.store.device(experts[v].name) for k, v in keys.items()},
             router=self.store.tiled(router.name), bias=self.store.device(bias.name), invariant=self.invariant,
-            down_cols=self.moe_down_cols))
+            down_cols=self.moe_down_cols, down_prefetch=self.moe_down_prefetch))
         out, M = self.new(x.shape, np.uint16), self._rows(x, "moe")
         streamed = fused.uses_stream(M)                 # one launch runs the experts and reads the shared output
 

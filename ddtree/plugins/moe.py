@@ -35,7 +35,8 @@ class FusedMoE:
 
     def __init__(self, gpu: Gpu, shape: MoEShape, weights: dict[str, DeviceArray],
                  router: DeviceArray | None = None, bias: DeviceArray | None = None, pdl: bool = True,
-                 invariant: bool = False, streaming: bool | None = None, down_cols: bool | None = None):
+                 invariant: bool = False, streaming: bool | None = None, down_cols: bool | None = None,
+                 down_prefetch: int = 0):
         """weights: {"gate_up", "gate_up_scale", "down", "down_scale"} device arrays stacked over experts
         (layout.repack_experts); router (layout.tile_bf16 of the [E, H] bf16 gate) and bias [E] fp32 are
         needed only for routed runs. pdl: programmatic dependent launch (sm_90+). invariant: the batch-invariant
@@ -46,7 +47,9 @@ class FusedMoE:
         stream_default (the M range where the H200 measured it faster). uses_stream(M) says which runs.
         down_cols: the two launches' down as moe_down_cols (by output columns, y in shared memory; bitwise moe_down's
         at one down k-split) wherever its plan fits if True, moe_down if False; None: where cols_default measured it
-        faster and its plan fits. uses_down_cols(M) says which runs."""
+        faster and its plan fits. uses_down_cols(M) says which runs.
+        down_prefetch: the two launches' gate_up asks L2 for the routed experts' down weights (kernels/moe.cu
+        gate_up_impl) when the launch has at most this many tiles (0: never); the same bits either way."""
         E, H, I = shape.experts, shape.hidden, shape.inter
         want = {"gate_up": (E, I // 16, H // 64, 2, 32, 4), "gate_up_scale": (E, I // 16, H // 64, 2, 8, 4),
                 "down": (E, H // 32, I // 64, 2, 32, 4), "down_scale": (E, H // 32, I // 64, 2, 8, 4)}
@@ -60,6 +63,9 @@ class FusedMoE:
         self._stream_overrides: dict[int, StreamPlan] = {}
         self.streaming = streaming
         self.down_cols = down_cols
+        if down_prefetch < 0:
+            raise ValueError(f"FusedMoE: down_prefetch = {down_prefetch} tiles must be >= 0 (0: no prefetch)")
+        self.down_prefetch = down_prefetch
         self._cols_overrides: dict[int, ColsPlan] = {}
         self.ring = DEFAULT_RING.get(gpu.arch.rstrip("a"), DEFAULT_RING["default"])
         mx = shape.max_tokens
@@ -311,7 +317,9 @@ class FusedMoE:
                  ptr(x), ptr(self.w["gate_up"]), ptr(self.w["gate_up_scale"]), ptr(self.tile_expert),
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.act), ptr(self.gu_partial),
                  ptr(self.gu_counters), np.int32(s.hidden), np.int32(s.inter // 8), np.int32(s.topk),
-                 np.int32(p.gu_splits), np.int32(p.gu_tpw), stream=stream, pdl=self.pdl)
+                 np.int32(p.gu_splits), np.int32(p.gu_tpw), ptr(self.w["down"]), ptr(self.w["down_scale"]),
+                 np.int64(self.w["down"].nbytes // s.experts), np.int64(self.w["down_scale"].nbytes // s.experts),
+                 np.int32(self.down_prefetch), stream=stream, pdl=self.pdl)
 
     def down(self, out, M, weights, shared=None, stream=None) -> None:
         """out[M, H] = sum_k weights[:, k] * act[pair_k] W_down^T (+ shared), after gate_up."""

@@ -52,6 +52,27 @@ def test_cols_equal_moe_down_in_a_graph(gpu, moe_case, pair, M, variant):
     np.testing.assert_array_equal(y, y_two, err_msg=f"down_cols {variant} != moe_down ({c['name']} M={M})")
 
 
+@pytest.mark.parametrize("M", [1, 9, 17])
+@pytest.mark.parametrize("down_cols", [None, False])
+def test_down_weights_prefetched_by_gate_up_change_no_bit(gpu, moe_case, M, down_cols):
+    """gate_up asking L2 for the down weights (down_prefetch: every launch here) is a hint: the output is the
+    no-prefetch launches' bit for bit (moe_down_cols where it runs at M, else moe_down), within the reference."""
+    c = moe_case
+    plain, fetching = make_moe(gpu, c, down_cols), make_moe(gpu, c, down_cols, down_prefetch=1 << 20)
+    assert fetching.uses_down_cols(M) == plain.uses_down_cols(M) and fetching.plan(M) == plain.plan(M)
+    shared = c["dev"]["shared"]
+    ids, w = gpu.upload(c["ids"][:M]), gpu.upload(c["w"][:M])
+    y_plain = graph_out(gpu, plain, c, M, ids, w, shared, replays=1)
+    y = graph_out(gpu, fetching, c, M, ids, w, shared)
+    assert_close(y, c["y_ref"][:M] + c["shared_ref"][:M], what=f"moe, down prefetched, {c['name']} M={M}")
+    np.testing.assert_array_equal(y, y_plain, err_msg=f"down prefetch changed the output ({c['name']} M={M})")
+
+
+def test_down_prefetch_must_not_be_negative(gpu, moe_case):
+    with pytest.raises(ValueError, match="down_prefetch = -1"):
+        make_moe(gpu, moe_case, None, down_prefetch=-1)
+
+
 def test_cols_with_several_tiles_an_expert(gpu, moe_case, pair):
     """17 rows on the same 8 experts: 17 pairs an expert, three tiles each (the last one padded)."""
     c, (two, cols) = moe_case, pair

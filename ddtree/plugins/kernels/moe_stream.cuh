@@ -25,13 +25,6 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
 
 __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
 
-// Share `part` of `parts` of [base, base + bytes) (bytes a multiple of 128) -> L2, one line a thread.
-__device__ __forceinline__ void prefetch_l2_share(const void* base, size_t bytes, int part, int parts) {
-    const size_t lines = bytes >> 7, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
-    for (size_t l = l0 + threadIdx.x; l < l1; l += blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)base + (l << 7)));
-}
-
 // Every thread: until tile z's act rows are complete (ready[z] == need; acquire). Bounded: a broken hand-off
 // traps instead of hanging.
 __device__ __forceinline__ void wait_ready(const u32* ready, int z, u32 need) {
