@@ -141,6 +141,8 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.moe_down_prefetch = 0          # FusedMoE(down_prefetch=): gate_up asks L2 for the down weights when its
                                             # launch has at most this many tiles (0: never)
+        self.main_first = False             # captured graphs: the main chain's kernels at the greatest stream
+                                            # priority, the branches' at the lowest (Gpu.capture main_first)
         self.shared_fork = "routed"         # where the MoE's shared-expert branch forks: after the routing, beside
                                             # the routed gate_up (H100: AR -6.6 %, budget 8 tree -2.5 %), or
                                             # "router": beside the router (backends/cuda_moe.py)
@@ -182,7 +184,7 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.join_pending(every=True)
         self.graph_plans = True
         try:
-            return self.gpu.capture(record)
+            return self.gpu.capture(record, main_first=self.main_first)
         finally:
             self.capturing, self.graph_plans, self.stream = False, False, None
 

@@ -70,6 +70,20 @@ class DeviceArray:
         return DeviceArray(self.gpu, self.ptr + offset_elems * np.dtype(self.dtype).itemsize, tuple(shape), self.dtype)
 
 
+def kernel_node_priorities(definition) -> dict[int, int]:
+    """{priority: kernel nodes} of a captured graph definition (cuda.core GraphDefinition): the priority each
+    kernel node took from its capturing stream (lower numbers run first)."""
+    driver = _driver()
+    attr = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+    counts: dict[int, int] = {}
+    for node in definition.nodes:
+        if node.type == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            value = check(driver.cuGraphKernelNodeGetAttribute(node.handle, attr), "cuGraphKernelNodeGetAttribute")
+            p = int(value.priority)
+            counts[p] = counts.get(p, 0) + 1
+    return counts
+
+
 class Gpu:
     def __init__(self, device_id: int = 0):
         from cuda.core import Device  # cuda: the cuda extra
@@ -87,6 +101,8 @@ class Gpu:
         self._smem_set: dict[tuple, int] = {}
         self._allocs: list[int] = []
         self._host_allocs: list[int] = []
+        self._priority_stream = None                     # capture(main_first=True)'s stream
+        self.capture_priorities: dict[int, int] = {}     # the last capture(main_first=True): kernel nodes a priority
 
     # ---- modules and launches -------------------------------------------------------------
     def defines(self, source: str) -> dict[str, int]:
@@ -233,18 +249,36 @@ class Gpu:
             times.append(end - start)
         return times
 
-    def capture(self, fn):
-        """Record fn(stream_like) into a CUDA graph; returns the executable graph (launch with replay)."""
-        builder = self.stream.create_graph_builder()
+    def capture(self, fn, main_first: bool = False):
+        """Record fn(stream_like) into a CUDA graph; returns the executable graph (launch with replay).
+        main_first: the kernels fn launches on the builder it is given run at the GPU's greatest stream priority,
+        those on the builders it splits off (parallel branches) at the default, lowest one: a graph's kernel node
+        takes its capturing stream's priority, and the graph is instantiated to use the nodes' priorities. The
+        block scheduler then places a main-chain kernel's waiting blocks before a branch's (neither preempts a
+        running block)."""
+        from cuda.core.graph import GraphCompleteOptions  # cuda: the cuda extra
+        stream = self._main_first_stream() if main_first else self.stream
+        builder = stream.create_graph_builder()
         builder.begin_building()
         try:
             fn(builder)
         except BaseException:
             builder.end_building()                       # leave the stream usable, then report the real error
             raise
-        graph = builder.end_building().complete()
+        built = builder.end_building()
+        if main_first:
+            self.capture_priorities = kernel_node_priorities(built.graph_definition)
+        graph = built.complete(GraphCompleteOptions(use_node_priority=True) if main_first else None)
         graph.upload(self.stream)
         return graph
+
+    def _main_first_stream(self):
+        """A stream at the context's greatest priority (created once): the captures of capture(main_first=True)."""
+        if self._priority_stream is None:
+            from cuda.core import StreamOptions  # cuda: the cuda extra
+            _, greatest = check(_driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            self._priority_stream = self.dev.create_stream(options=StreamOptions(priority=int(greatest)))
+        return self._priority_stream
 
     def replay(self, graph) -> None:
         graph.launch(self.stream)
