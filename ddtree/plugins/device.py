@@ -76,7 +76,7 @@ def kernel_node_priorities(definition) -> dict[int, int]:
     driver = _driver()
     attr = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
     counts: dict[int, int] = {}
-    for node in definition.nodes:
+    for node in definition.nodes():
         if node.type == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             value = check(driver.cuGraphKernelNodeGetAttribute(node.handle, attr), "cuGraphKernelNodeGetAttribute")
             p = int(value.priority)
