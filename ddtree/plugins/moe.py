@@ -318,7 +318,6 @@ class FusedMoE:
                  ptr(self.tile_pairs), ptr(self.num_tiles), ptr(self.act), ptr(self.gu_partial),
                  ptr(self.gu_counters), np.int32(s.hidden), np.int32(s.inter // 8), np.int32(s.topk),
                  np.int32(p.gu_splits), np.int32(p.gu_tpw), ptr(self.w["down"]), ptr(self.w["down_scale"]),
-                 np.int64(self.w["down"].nbytes // s.experts), np.int64(self.w["down_scale"].nbytes // s.experts),
                  np.int32(self.down_prefetch), stream=stream, pdl=self.pdl)
 
     def down(self, out, M, weights, shared=None, stream=None) -> None:

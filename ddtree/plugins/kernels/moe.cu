@@ -169,32 +169,37 @@ __device__ __forceinline__ void prefetch_l2_share(const void* base, size_t bytes
         asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)base + (l << 7)));
 }
 
+// Block `part` of the `parts` gate_up blocks of tile z asks L2 for its share of tile z's expert's down weights
+// (words [E, H, I] / 2 and scales / 16 bytes, expert-major), once an expert: one expert's tiles are consecutive.
+__device__ __forceinline__ void prefetch_down_share(const void* dn_wq, const void* dn_ws, const int* tile_expert,
+                                                    int z, int H, int I, int part, int parts) {
+    const int e = ld_cg_s32(&tile_expert[z]);
+    if (z > 0 && ld_cg_s32(&tile_expert[z - 1]) == e) return;
+    const size_t wbytes = (size_t)H * I / 2, sbytes = (size_t)H * I / 16;
+    prefetch_l2_share((const char*)dn_wq + e * wbytes, wbytes, part, parts);
+    prefetch_l2_share((const char*)dn_ws + e * sbytes, sbytes, part, parts);
+}
+
 // Grid (NB, S, max_tiles), block nwarps * 32, dynamic smem = 16 * (K/S + 32) + 2 * K/S
 // + nwarps * STAGES * sizeof(W4Slot<CPSLOT>) (x rows, xcorr, rings). Blocks past the tile count exit.
 // With a launch of at most prefetch_tiles tiles, the NB x S blocks of an expert's first tile first ask L2 for a
-// share each of that expert's down weights (dn_wq / dn_ws: dn_wbytes / dn_sbytes an expert, expert-major), so
-// the down launch reads them from L2: at few rows gate_up is latency-bound and leaves DRAM idle, and the down
-// weights would otherwise start streaming only after gate_up completes (0: no prefetch).
+// share each of that expert's down weights (dn_wq / dn_ws, prefetch_down_share), so the down launch reads them from
+// L2: at few rows gate_up is latency-bound and leaves DRAM idle, and the down weights would otherwise start
+// streaming only after gate_up completes (0: no prefetch).
 template <int STAGES, int CPSLOT>
 __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
                                              const uint2* __restrict__ wscale, const int* tile_expert,
                                              const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,
                                              float4* __restrict__ partial, u32* __restrict__ counters, int K,
-                                             int NT, int topk, int S, int tpw, const char* dn_wq,
-                                             const char* dn_ws, long long dn_wbytes, long long dn_sbytes,
-                                             int prefetch_tiles) {
+                                             int NT, int topk, int S, int tpw, const uint4* dn_wq,
+                                             const uint2* dn_ws, int prefetch_tiles) {
     pdl_wait();                                          // tile lists (route) and x; the weights need the lists
     pdl_trigger();                                       // the down kernel may start prefetching its weights
     const int tiles = ld_cg_s32(num_tiles), z = blockIdx.z;
     if (z >= tiles) return;
-    if (tiles <= prefetch_tiles) {
-        const int e = ld_cg_s32(&tile_expert[z]);
-        if (z == 0 || ld_cg_s32(&tile_expert[z - 1]) != e) {   // one expert's tiles are consecutive
-            const int part = blockIdx.y * gridDim.x + blockIdx.x, parts = gridDim.x * gridDim.y;
-            prefetch_l2_share(dn_wq + e * dn_wbytes, dn_wbytes, part, parts);
-            prefetch_l2_share(dn_ws + e * dn_sbytes, dn_sbytes, part, parts);
-        }
-    }
+    if (tiles <= prefetch_tiles)                         // K = H, NT = I / 8
+        prefetch_down_share(dn_wq, dn_ws, tile_expert, z, K, NT * 8, blockIdx.y * gridDim.x + blockIdx.x,
+                            gridDim.x * gridDim.y);
     gate_up_item<STAGES, CPSLOT>(x, wq, wscale, tile_expert, tile_pairs, act, partial, counters, K, NT, topk, S,
                                  tpw, blockIdx.z, blockIdx.x, blockIdx.y, gridDim.x);
 }
@@ -314,9 +319,9 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
         const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,   \
         const int* tile_expert, const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,   \
         float4* __restrict__ partial, u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw,  \
-        const char* dn_wq, const char* dn_ws, long long dn_wbytes, long long dn_sbytes, int prefetch_tiles) { \
+        const uint4* dn_wq, const uint2* dn_ws, int prefetch_tiles) {                                      \
         gate_up_impl<ST, CP>(x, wq, wscale, tile_expert, tile_pairs, num_tiles, act, partial, counters, K, \
-                             NT, topk, S, tpw, dn_wq, dn_ws, dn_wbytes, dn_sbytes, prefetch_tiles);       \
+                             NT, topk, S, tpw, dn_wq, dn_ws, prefetch_tiles);                             \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(512, 1) moe_down_r##ST##c##CP(                         \
         const bf16_t* __restrict__ act, const uint4* __restrict__ wq, const uint2* __restrict__ wscale, \
@@ -337,9 +342,9 @@ __device__ __forceinline__ void down_impl(const bf16_t* __restrict__ act, const 
         const bf16_t* __restrict__ x, const uint4* __restrict__ wq, const uint2* __restrict__ wscale,   \
         const int* tile_expert, const int* tile_pairs, const int* num_tiles, bf16_t* __restrict__ act,   \
         float4* __restrict__ partial, u32* __restrict__ counters, int K, int NT, int topk, int S, int tpw,  \
-        const char* dn_wq, const char* dn_ws, long long dn_wbytes, long long dn_sbytes, int prefetch_tiles) { \
+        const uint4* dn_wq, const uint2* dn_ws, int prefetch_tiles) {                                      \
         gate_up_impl<ST, CP>(x, wq, wscale, tile_expert, tile_pairs, num_tiles, act, partial, counters, K, \
-                             NT, topk, S, tpw, dn_wq, dn_ws, dn_wbytes, dn_sbytes, prefetch_tiles);       \
+                             NT, topk, S, tpw, dn_wq, dn_ws, prefetch_tiles);                             \
     }
 #define DD_MOE_DOWN_OCC(ST, CP, W, B)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * W, B) moe_down_r##ST##c##CP##_w##W##o##B(           \

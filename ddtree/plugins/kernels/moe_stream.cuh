@@ -133,14 +133,7 @@ __device__ __forceinline__ void stream_impl(
         if (threadIdx.x == 0 && ahead) next = atomicAdd(&queue[0], 1u);
         if (item < n_gu) {
             const int z = item / gu_per_tile, r = item - z * gu_per_tile, by = r / gu_NB, bx = r - by * gu_NB;
-            if (tiles <= prefetch_tiles) {
-                const int e = ld_cg_s32(&tile_expert[z]);
-                if (z == 0 || ld_cg_s32(&tile_expert[z - 1]) != e) {
-                    const size_t wbytes = (size_t)H * I / 2, sbytes = (size_t)H * I / 16;
-                    prefetch_l2_share((const char*)dn_wq + e * wbytes, wbytes, r, gu_per_tile);
-                    prefetch_l2_share((const char*)dn_ws + e * sbytes, sbytes, r, gu_per_tile);
-                }
-            }
+            if (tiles <= prefetch_tiles) prefetch_down_share(dn_wq, dn_ws, tile_expert, z, H, I, r, gu_per_tile);
             if (gate_up_item<STAGES, CPSLOT, BULK>(x, gu_wq, gu_ws, tile_expert, tile_pairs, act, partial, gu_counters,
                                                    H, I / 8, topk, S, gu_tpw, z, bx, by, gu_NB, bk)) {
                 __syncthreads();                         // every thread's act rows of (z, bx) are written
