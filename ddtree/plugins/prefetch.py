@@ -121,3 +121,32 @@ class L2Prefetch:
             for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
                 args += [ptr(address), np.uint64(nbytes)]
             self.gpu.launch(self.kernel, blocks, threads, 0, *args, np.uint32(self.chunk), stream=stream)
+
+
+PAGE = 2 << 20                      # the stride of touch_pages: the GPU's large-page size (2 MiB on sm_90 / sm_120)
+
+
+class PageTouch:
+    """touch_pages (kernels/prefetch.cu): one load a page of each buffer, so that the address translations of a
+    reader that picks its pages late (the routed experts, chosen by the router on the chain) are ready before it.
+    No bytes are staged beyond one sector a page; no value changes."""
+
+    def __init__(self, gpu: Gpu, stride: int = PAGE):
+        if stride % 16 or stride <= 0:
+            raise ValueError(f"page touch: stride = {stride} must be a positive multiple of 16 bytes")
+        self.gpu, self.stride = gpu, stride
+        self.kernel = gpu.kernel(SOURCE, "touch_pages")
+
+    def run(self, buffers, stream=None) -> None:
+        """buffers: (address, nbytes) pairs, each address 4-byte aligned; one launch per SLOTS of them."""
+        buffers = [(int(ptr(a)), int(n)) for a, n in buffers]
+        for address, nbytes in buffers:
+            if address % 4 or nbytes <= 0:
+                raise ValueError(f"page touch: buffer {address:#x} of {nbytes} B must be 4-byte aligned and non-empty")
+        for i in range(0, len(buffers), SLOTS):
+            group = buffers[i: i + SLOTS]
+            blocks, threads = launches([n for _, n in group], self.stride)
+            args = []
+            for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
+                args += [np.uint64(address), np.uint64(nbytes)]
+            self.gpu.launch(self.kernel, blocks, threads, 0, *args, np.uint64(self.stride), stream=stream)

@@ -28,6 +28,7 @@ class Staged(BranchOps):
     def __init__(self, sizes, budget):
         self.store, self.prefetch_bytes, self.stream, self.runs = Store(sizes), budget, None, []
         self.prefetch_chunk = pf.CHUNK
+        self.page_touch = 0
         self.lane = 0
         runs = self.runs
 
@@ -198,6 +199,54 @@ def test_launcher_packs_four_buffers_a_launch_and_checks_them():
         pf.L2Prefetch(FakeGpu("sm_80"))
     with pytest.raises(ValueError, match="multiple of 16"):
         pf.L2Prefetch(FakeGpu(), chunk=1000)
+
+
+@pytest.mark.parametrize("stride, sizes", [(pf.PAGE, [706 << 20, 22 << 20, 353 << 20, 11 << 20]),
+                                           (pf.PAGE, [4, pf.PAGE, pf.PAGE + 4, 3 * pf.PAGE - 4]),
+                                           (64 << 10, [(1 << 20) + 8, 0, 64 << 10])])
+def test_touch_loads_one_word_in_every_page_once(stride, sizes):
+    """kernels/prefetch.cu touch_pages maps threads to (buffer, page) as l2_prefetch maps them to chunks; each page
+    of each buffer gets exactly one 4-byte load at its first byte, inside the buffer."""
+    blocks, threads = pf.launches(sizes, stride)
+    for b, pieces in kernel_cover(sizes, blocks, threads, stride).items():
+        loads = [at for at, _ in pieces]
+        assert all(at + 4 <= sizes[b] for at in loads)
+        assert sorted(at // stride for at in loads) == list(range(-(-sizes[b] // stride))), b
+
+
+def test_page_touch_launcher_packs_four_buffers_a_launch_and_checks_them():
+    gpu = FakeGpu()
+    touch = pf.PageTouch(gpu)
+    bufs = [(0x10000, 706 << 20), (0x20004, 22 << 20), (0x30000, 353 << 20), (0x40000, 11 << 20), (0x50000, 8)]
+    touch.run(bufs)
+    k = ("prefetch.cu", "touch_pages")
+    first = [v for b in bufs[:4] for v in b]
+    assert gpu.launched == [(k, 5, 128, first + [pf.PAGE]),                     # 353 + 11 + 177 + 6 pages
+                            (k, 1, 128, [0x50000, 8] + [0, 0] * 3 + [pf.PAGE])]
+    for bad in [(0x10002, 32), (0x10000, 0)]:
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            touch.run([bad])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pf.PageTouch(FakeGpu(), stride=1000)
+
+
+def test_pages_are_touched_beside_the_attention_when_asked():
+    """ops.prefetch's pages (the routed experts) go to touch_pages on the prefetch's launch, before the L2 staging,
+    only with page_touch on; the staging itself is unchanged."""
+    sizes = {**SIZES, "experts.gate_up": 706 << 20, "experts.down": 353 << 20}
+    pages = ("experts.gate_up", "experts.down")
+    off = Staged(sizes, 64 << 20)
+    off.prefetch("o_proj", "router", pages=pages)
+    assert off.runs == [[(off.store.bufs[n][0].ptr, sizes[n]) for n in ("o_proj", "router")]]
+    on = Staged(sizes, 64 << 20)
+    on.page_touch = pf.PAGE
+    on.prefetch("o_proj", "router", pages=pages)
+    assert on.keys[0] == ("touch_pages", pf.PAGE)
+    assert on.runs == [[(on.store.bufs[n][0].ptr, sizes[n]) for n in pages], off.runs[0]]
+    only = Staged(sizes, 0)
+    only.page_touch = pf.PAGE
+    only.prefetch("o_proj", pages=pages)                     # nothing fits the budget: the touch still runs
+    assert only.runs == [[(only.store.bufs[n][0].ptr, sizes[n]) for n in pages]]
 
 
 class Builder:

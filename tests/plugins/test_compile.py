@@ -40,7 +40,7 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "allreduce.cu": ["allreduce_push", "allreduce_pull", "allreduce_two_shot", "allreduce_pingpong",
                            "allreduce_sum_local", "allgather_push"],
            "router.cu": [f"router_fused_mt{mt}" for mt in range(1, 9)],
-           "prefetch.cu": ["l2_prefetch"],
+           "prefetch.cu": ["l2_prefetch", "touch_pages"],
            "pcie_standin.cu": ["pcie_standin"],
            "gemm_chain.cu": ["gemm_chain_mt1", "gemm_chain_mt2", "gemm_chain_mt3"],
            "tree_prune.cu": ["tree_prune"],

@@ -27,3 +27,25 @@ extern "C" __global__ void l2_prefetch(const unsigned char* __restrict__ p0, u64
         c -= chunks;
     }
 }
+
+// The address translations of up to four buffers made ready ahead of a reader whose addresses are not known yet
+// (the routed experts: which of a layer's 384 experts a token reads is decided by the router, on the chain): one
+// 4-byte load every `stride` bytes (a page), buffers concatenated as above, a thread a page. The TLB entry of
+// each page stays behind for the reader; the loaded words are dropped (no value anywhere changes).
+extern "C" __global__ void touch_pages(const unsigned char* __restrict__ p0, u64 n0, const unsigned char* __restrict__ p1,
+                                       u64 n1, const unsigned char* __restrict__ p2, u64 n2,
+                                       const unsigned char* __restrict__ p3, u64 n3, u64 stride) {
+    const unsigned char* p[4] = {p0, p1, p2, p3};
+    const u64 n[4] = {n0, n1, n2, n3};
+    u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const u64 pages = (n[b] + stride - 1) / stride;
+        if (c < pages) {
+            u32 v;
+            asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p[b] + c * stride) : "memory");
+            return;
+        }
+        c -= pages;
+    }
+}
