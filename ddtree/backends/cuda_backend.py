@@ -141,8 +141,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self.moe_down_cols = None           # FusedMoE(down_cols=): None the measured range; True wherever it fits
         self.moe_down_prefetch = 0          # FusedMoE(down_prefetch=): gate_up asks L2 for the down weights when its
                                             # launch has at most this many tiles (0: never)
-        self.page_touch = 0                 # ops.prefetch's pages (the routed experts) touched beside the attention,
-                                            # one load every this many bytes (plugins/prefetch.py PageTouch; 0: off)
         self.main_first = False             # captured graphs: the main chain's kernels at the greatest stream
                                             # priority, the branches' at the lowest (Gpu.capture main_first)
         self.shared_fork = "routed"         # where the MoE's shared-expert branch forks: after the routing, beside

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ddtree.plugins.prefetch import L2Prefetch, PageTouch, chunk_for, per_site, site_of
+from ddtree.plugins.prefetch import L2Prefetch, chunk_for, per_site, site_of
 
 
 class Fork:
@@ -95,18 +95,17 @@ class BranchOps:
             b.join(self)
             self._open.remove(b)
 
-    def prefetch(self, *names, beside: str = "attention", pages: tuple = ()) -> None:
+    def prefetch(self, *names, beside: str = "attention") -> None:
         if beside in ("collective", "experts"):      # the two sites of the next layer's front: one of them acts
             if not self.prefetch_next or self.prefetch_next_beside != beside:
                 return
             if beside == "collective" and self.lay.tp == 1:
                 return                               # tp 1's all-reduce is no collective: nothing to hide behind
         chosen = self._within_budget(names, site_of(beside))
-        touched = [(b.ptr, b.nbytes) for n in pages for b in self.store.layouts(n)] if self.page_touch else []
         if beside == "experts":                      # held until the routed experts launch (release_held)
             self.__dict__.setdefault("_held", []).extend(chosen)
-        elif chosen or touched:
-            self._launch_prefetch(chosen, site_of(beside), touched)
+        elif chosen:
+            self._launch_prefetch(chosen, site_of(beside))
 
     def release_held(self) -> None:
         """Launch the prefetch held by prefetch(beside="experts"): the cuda MoE calls this once the routing and the
@@ -135,24 +134,15 @@ class BranchOps:
             break
         return chosen
 
-    def _launch_prefetch(self, chosen, site: str, touched=()) -> None:
-        """chosen: (address, bytes) to stage in L2; touched: (address, bytes) whose pages' translations to make
-        ready first (page_touch's stride; plugins/prefetch.py PageTouch), both on one prefetch branch."""
+    def _launch_prefetch(self, chosen, site: str) -> None:
         chunk = chunk_for(getattr(self, "rows", 1), site, self.prefetch_chunk)
-
-        def launch():
-            if touched:
-                self.launcher(("touch_pages", self.page_touch),
-                              lambda: PageTouch(self.gpu, self.page_touch)).run(touched, stream=self.stream)
-            if chosen:
-                self.launcher(("l2_prefetch", chunk), lambda: L2Prefetch(self.gpu, chunk)).run(chosen,
-                                                                                             stream=self.stream)
+        pre = self.launcher(("l2_prefetch", chunk), lambda: L2Prefetch(self.gpu, chunk))
         fork = Fork.of(self, "prefetch")
         if fork is None:
-            launch()
+            pre.run(chosen, stream=self.stream)
             return
         with fork.side(self):
-            launch()
+            pre.run(chosen, stream=self.stream)
         self.__dict__.setdefault("_pending", []).append((fork, getattr(self, "calls", 0)))
 
     def join_pending(self, every: bool = False) -> None:

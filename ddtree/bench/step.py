@@ -277,10 +277,6 @@ def parse_option(text, parse, flag: str):
 @click.option("--moe-down-prefetch", type=click.IntRange(min=0), default=None, metavar="TILES",
               help="the routed gate_up asks L2 for its experts' down weights when its launch has at most TILES tiles "
                    "(0: never; default the backend's: plugins/moe.py FusedMoE down_prefetch)")
-@click.option("--page-touch", type=click.IntRange(min=0), default=None, metavar="KIB",
-              help="each MoE layer's routed experts touched beside its attention, one load every KIB KiB (their "
-                   "pages' address translations made before the router picks them; 0: off, the default: "
-                   "backends/cuda_backend.py page_touch, plugins/prefetch.py PageTouch)")
 @click.option("--main-first/--no-main-first", default=None,
               help="the step graph's main-chain kernels at the GPU's greatest stream priority and its parallel "
                    "branches' (the shared expert, the prefetches, the cache append) at the lowest, so that waiting "
@@ -313,8 +309,7 @@ def parse_option(text, parse, flag: str):
 @reported()
 def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuses, accept, with_ar, repeats, gpu_text,
                  ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, shared_fork, collective_modes,
-                 allreduce, prefetch_next, prefetch_next_beside, moe_down_prefetch, page_touch, main_first, chain_norms,
-                 with_prune,
+                 allreduce, prefetch_next, prefetch_next_beside, moe_down_prefetch, main_first, chain_norms, with_prune,
                  prune_rate, requests_text,
                  baseline, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
@@ -358,7 +353,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                             ("--prefetch-next", prefetch_next is not None),
                             ("--prefetch-next-beside", prefetch_next_beside is not None),
                             ("--moe-down-prefetch", moe_down_prefetch is not None),
-                            ("--page-touch", page_touch is not None),
                             ("--main-first", main_first is not None),
                             ("--chain-norms", chain_norms is not None), ("--prune", with_prune)):
             if given:
@@ -407,8 +401,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
             ops.chain_norms = chain_norms
         if moe_down_prefetch is not None:
             ops.moe_down_prefetch = moe_down_prefetch
-        if page_touch is not None:
-            ops.page_touch = page_touch << 10
         if main_first is not None:
             ops.main_first = main_first
     weights = SyntheticWeights.plan_bytes(rank_tensor_specs(plan))
@@ -468,8 +460,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
               "shared_join": rank.ops.shared_join, "shared_fork": rank.ops.shared_fork,
               "prefetch_next": rank.ops.prefetch_next,
               "prefetch_next_beside": rank.ops.prefetch_next_beside, "chain_norms": rank.ops.chain_norms,
-              "moe_down_prefetch": rank.ops.moe_down_prefetch, "page_touch": rank.ops.page_touch,
-              "main_first": rank.ops.main_first,
+              "moe_down_prefetch": rank.ops.moe_down_prefetch, "main_first": rank.ops.main_first,
               "main_first_node_priorities": {str(p): n for p, n in sorted(rank.ops.gpu.capture_priorities.items())},
               "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],

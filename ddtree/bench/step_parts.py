@@ -24,8 +24,7 @@ def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:
     k, fn = rec["kernel"], rec["fn"]
     if rec["tag"]:
         return "allreduce_standin"
-    if k in ("l2_prefetch", "touch_pages"):   # beside the attention in the step (timed alone here: the gaps hold
-                                             # the overlap)
+    if k == "l2_prefetch":               # beside the attention in the step (timed alone here: the gaps hold the overlap)
         return "prefetch"
     if k.startswith("gemm_bf16"):
         n = int(rec["launch"][4][7])                            # the GEMM's N (SkinnyGemm.run's argument order)

@@ -47,11 +47,9 @@ def embed(ops: Ops, cfg) -> None:
     ops.output("h", h, ["q", cfg.hidden_size], ACT)
 
 
-def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=(), row_offsets=None,
-                  ahead_pages=()) -> tuple:
+def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ahead=(), row_offsets=None) -> tuple:
     """Normed x [q, H] -> (this rank's o_proj partial [q, H], cache with the q new latent rows). ahead: the
-    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention;
-    ahead_pages: those the MLP reads in parts it picks later (the routed experts: ops.prefetch's pages).
+    names of the weights read after this block (the MLP's), prefetched with o_proj's beside the attention.
     row_offsets [Rq + 1]: the rows are Rq requests' (the union verify): cache and tree_mask are then tuples of
     their caches and masks, cache_len [Rq], and only the append and the attention run per request (opset.py
     REQUEST_OPS)."""
@@ -73,8 +71,7 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
     kv_b = ops.weight(a + "kv_b_proj.weight")                                           # [N_r (Dn + Dv), R]
     q_lat, q_rope = ops.mla_absorb_q_rope(q_all, kv_b, pos, cfg.rope, spec)             # [q, N_r, R], [q, N_r, Dr]
     ops.join(kv_path)
-    ops.prefetch(a + "o_proj.weight", *ahead, pages=ahead_pages)    # the attention is latency-bound: DRAM idles
-                                                                      # unless we fill L2
+    ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
     if row_offsets is None:
         o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
     else:
@@ -90,15 +87,14 @@ def moe(ops: Ops, cfg, m: str, x, inter: int, live=None):
     spec = MoESpec(cfg.hidden_size, inter, lay.expert_stop - lay.expert_start, cfg.n_routed_experts,
                    lay.expert_start, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    float(cfg.routed_scaling_factor), cfg.quant.group_size)
-    experts = {k: ops.weight(f"{m}experts.{k}") for k in EXPERT_TENSORS}
+    experts = {k: ops.weight(f"{m}experts.{k}") for k in ("gate_up.words", "gate_up.scales", "down.words",
+                                                           "down.scales")}
     args = (x, ops.weight(m + ROUTER), ops.weight(m + "gate.e_score_correction_bias"), experts,
             tuple(ops.weight(n) for n in mlp_names(m + "shared_experts.")), spec)
     return ops.moe(*args) if live is None else ops.moe_live(*args, live)
 
 
 ROUTER = "gate.weight"                   # the MoE router's weight, under a layer's "mlp." prefix
-EXPERT_TENSORS = ("gate_up.words", "gate_up.scales", "down.words", "down.scales")   # stacked routed experts, under
-                                                                                      # "mlp.experts."
 
 
 def layer_prefix(layer: int) -> str:
@@ -127,14 +123,6 @@ def mlp_front(cfg, layer: int) -> tuple:
     if cfg.is_moe_layer(layer):
         return (m + ROUTER, *mlp_names(m + "shared_experts."))
     return mlp_names(m)
-
-
-def routed_experts(cfg, layer: int) -> tuple:
-    """The names of decoder layer `layer`'s stacked routed-expert tensors (none for a dense MLP): read in the
-    parts the router picks."""
-    if not cfg.is_moe_layer(layer):
-        return ()
-    return tuple(f"{layer_prefix(layer)}mlp.experts.{k}" for k in EXPERT_TENSORS)
 
 
 def attention_front(cfg, layer: int) -> tuple:
@@ -188,8 +176,7 @@ def decoder_layer(ops: Ops, cfg, layer: int, moe_inter: int, requests: int = 1, 
     else:
         x = ops.rms_norm(h, ops.weight(p + INPUT_NORM), cfg.rms_norm_eps)  # [q, H]
     attn, cache = mla_attention(ops, cfg, p + "self_attn.", x, pos, cache, cache_len, tree_mask,
-                                ahead=mlp_front(cfg, layer), row_offsets=row_offsets,
-                                ahead_pages=routed_experts(cfg, layer))
+                                ahead=mlp_front(cfg, layer), row_offsets=row_offsets)
     h1, x2 = ops.all_reduce_add_rms_norm(attn, h, ops.weight(p + "post_attention_layernorm.weight"),
                                          cfg.rms_norm_eps, "attn")
     if prune not in PRUNE_MODES or (prune and not cfg.is_moe_layer(layer)):

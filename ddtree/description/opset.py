@@ -256,15 +256,12 @@ class Ops(ABC):
     def join(self, b) -> None:
         """After this, ops may read what the ops of branch b wrote (in order: nothing to do)."""
 
-    def prefetch(self, *names: str, beside: str = "attention", pages: tuple = ()) -> None:
+    def prefetch(self, *names: str, beside: str = "attention") -> None:
         """A hint: the weights of these names are read soon, after the op that runs next (a backend may stage
         them in cache while that op runs, finishing by the end of the call: cuda, beside the tree attention or a
         collective, backends/cuda_branch.py). `beside` says which: "attention", "collective", or "experts" (the
-        routed experts of the MoE that follows, once it is routed; where no MoE follows, the end of the call).
-        pages: names of weights read soon in parts that are picked later (the routed experts, which the router
-        chooses on the chain): a backend may make their addresses ready rather than stage their bytes (cuda: the
-        address translation of every page, plugins/prefetch.py PageTouch). No value depends on either; here, and
-        in every backend that does not override it, nothing happens."""
+        routed experts of the MoE that follows, once it is routed; where no MoE follows, the end of the call). No
+        value depends on it; here, and in every backend that does not override it, nothing happens."""
 
     # vocab-parallel sampling and the tree ------------------------------------------------------------
     @abstractmethod

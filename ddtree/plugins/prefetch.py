@@ -129,7 +129,11 @@ PAGE = 2 << 20                      # the stride of touch_pages: the GPU's large
 class PageTouch:
     """touch_pages (kernels/prefetch.cu): one load a page of each buffer, so that the address translations of a
     reader that picks its pages late (the routed experts, chosen by the router on the chain) are ready before it.
-    No bytes are staged beyond one sector a page; no value changes."""
+    No bytes are staged beyond one sector a page; no value changes. A diagnosis tool, not in the step: one H100
+    measured the routed experts at one row 1.1 us slower picking from 60 layers than from one, and no faster after
+    a touch (tests/plugins/profile_moe_pages.py; the step with the touch beside each attention, commit 8c8dba8's
+    `bench step --page-touch`: AR +0.9 %, budget 8 tree -0.8 %, within the spread; ddtree/plugins/kernels/NOTES.md,
+    fourteenth session)."""
 
     def __init__(self, gpu: Gpu, stride: int = PAGE):
         if stride % 16 or stride <= 0:

@@ -28,7 +28,6 @@ class Staged(BranchOps):
     def __init__(self, sizes, budget):
         self.store, self.prefetch_bytes, self.stream, self.runs = Store(sizes), budget, None, []
         self.prefetch_chunk = pf.CHUNK
-        self.page_touch = 0
         self.lane = 0
         runs = self.runs
 
@@ -228,25 +227,6 @@ def test_page_touch_launcher_packs_four_buffers_a_launch_and_checks_them():
             touch.run([bad])
     with pytest.raises(ValueError, match="multiple of 16"):
         pf.PageTouch(FakeGpu(), stride=1000)
-
-
-def test_pages_are_touched_beside_the_attention_when_asked():
-    """ops.prefetch's pages (the routed experts) go to touch_pages on the prefetch's launch, before the L2 staging,
-    only with page_touch on; the staging itself is unchanged."""
-    sizes = {**SIZES, "experts.gate_up": 706 << 20, "experts.down": 353 << 20}
-    pages = ("experts.gate_up", "experts.down")
-    off = Staged(sizes, 64 << 20)
-    off.prefetch("o_proj", "router", pages=pages)
-    assert off.runs == [[(off.store.bufs[n][0].ptr, sizes[n]) for n in ("o_proj", "router")]]
-    on = Staged(sizes, 64 << 20)
-    on.page_touch = pf.PAGE
-    on.prefetch("o_proj", "router", pages=pages)
-    assert on.keys[0] == ("touch_pages", pf.PAGE)
-    assert on.runs == [[(on.store.bufs[n][0].ptr, sizes[n]) for n in pages], off.runs[0]]
-    only = Staged(sizes, 0)
-    only.page_touch = pf.PAGE
-    only.prefetch("o_proj", pages=pages)                     # nothing fits the budget: the touch still runs
-    assert only.runs == [[(only.store.bufs[n][0].ptr, sizes[n]) for n in pages]]
 
 
 class Builder:

@@ -216,8 +216,7 @@ def test_parallel_branches_change_no_bit(tiny):
     beside the routed experts when asked) run the same kernels on the same inputs as the in-order launches without
     prefetch: an eager prefill's logits are bitwise equal, and the captured AR and DDTree graphs (recaptured without
     them, and with the main chain's nodes at a higher priority than the branches': ops.main_first) commit the same
-    tokens; so do they with the routed experts' pages touched beside the attention (ops.page_touch). A join in the
-    wrong place would let a kernel read an output not yet (or not at all) written."""
+    tokens. A join in the wrong place would let a kernel read an output not yet (or not at all) written."""
     from ddtree.runtime.loop import causal_visible
     ex, prompts = tiny
     assert ex.config.is_moe_layer(ex.config.num_hidden_layers - 1), "the tiny model's last layer is an MoE layer"
@@ -245,19 +244,14 @@ def test_parallel_branches_change_no_bit(tiny):
         ex.steps.graphs.clear()
         main_first = run()
         ex.ops.main_first = False
-        ex.ops.page_touch = 4096                     # the routed experts' pages touched beside the attention
-        ex.steps.graphs.clear()
-        touched = run()
-        ex.ops.page_touch = 0
         ex.ops.branches, ex.ops.prefetch_bytes = False, 0
         ex.steps.graphs.clear()                      # recapture every step graph without the branches
         in_order = run()
     finally:
         ex.ops.branches, ex.ops.prefetch_bytes, ex.ops.prefetch_next_beside = True, budget, "collective"
         ex.ops.shared_fork, ex.ops.shared_join, ex.ops.main_first = "routed", "down", False
-        ex.ops.page_touch = 0
         ex.steps.graphs.clear()
-    for got in (with_branches, beside_experts, shared_router, main_first, touched):
+    for got in (with_branches, beside_experts, shared_router, main_first):
         assert got[0].view(np.uint32).tolist() == in_order[0].view(np.uint32).tolist()
         assert got[1] == in_order[1]
         assert got[2] == in_order[2]

@@ -31,7 +31,8 @@ extern "C" __global__ void l2_prefetch(const unsigned char* __restrict__ p0, u64
 // The address translations of up to four buffers made ready ahead of a reader whose addresses are not known yet
 // (the routed experts: which of a layer's 384 experts a token reads is decided by the router, on the chain): one
 // 4-byte load every `stride` bytes (a page), buffers concatenated as above, a thread a page. The TLB entry of
-// each page stays behind for the reader; the loaded words are dropped (no value anywhere changes).
+// each page stays behind for the reader; the loaded words are dropped (no value anywhere changes). A diagnosis
+// kernel (plugins/prefetch.py PageTouch, tests/plugins/profile_moe_pages.py): measured, not in the step.
 extern "C" __global__ void touch_pages(const unsigned char* __restrict__ p0, u64 n0, const unsigned char* __restrict__ p1,
                                        u64 n1, const unsigned char* __restrict__ p2, u64 n2,
                                        const unsigned char* __restrict__ p3, u64 n3, u64 stride) {
