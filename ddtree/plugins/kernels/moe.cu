@@ -22,6 +22,7 @@
 // uint4 per lane (4 mma steps) and one uint2 of bf16 scales per row group g; tiles interleaved in
 // pairs per chunk, so a warp streams one contiguous 1 KB block per step.
 #include "route_common.cuh"
+#include "stamps.cuh"     // STAMP / STAMP_COMMIT: empty unless -D DD_STEP_STAMPS (tests/plugins/profile_step_stamps.py)
 
 #ifndef DD_MAX_E
 #define DD_MAX_E 1024
@@ -125,6 +126,7 @@ __device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const
     __shared__ int pairs[8];
     if (threadIdx.x < 8) pairs[threadIdx.x] = ld_cg_s32(&tile_pairs[z * 8 + threadIdx.x]);
     __syncthreads();
+    STAMP(2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles_pw = 2 * tpw, ntb = (blockDim.x >> 5) * tiles_pw;
     const int I = NT * 8, nt_begin = (bx * (blockDim.x >> 5) + warp) * tiles_pw;
@@ -148,9 +150,10 @@ __device__ __forceinline__ bool gate_up_item(const bf16_t* __restrict__ x, const
     };
     w4_mainloop<0, false, STAGES, CPSLOT, BULK, false>(x, wq, wscale, pairs, ld_cg_s32(&tile_expert[z]), K, NT, topk,
                                                        S, tpw, bx, by, bk, [] {}, epi);
-
+    STAMP(3);
     if (S == 1) return true;
     if (!arrive_last(&counters[(size_t)z * NB + bx], (u32)S)) return false;
+    STAMP(4);
     const int my_tiles = 2 * max(0, min(tpw, (NT - nt_begin) / 2));
     for (int r = 0; r < my_tiles; ++r) {
         float sum[4] = {0.f, 0.f, 0.f, 0.f};
@@ -193,8 +196,10 @@ __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const
                                              float4* __restrict__ partial, u32* __restrict__ counters, int K,
                                              int NT, int topk, int S, int tpw, const uint4* dn_wq,
                                              const uint2* dn_ws, int prefetch_tiles) {
+    STAMP(0);
     pdl_wait();                                          // tile lists (route) and x; the weights need the lists
     pdl_trigger();                                       // the down kernel may start prefetching its weights
+    STAMP(1);
     const int tiles = ld_cg_s32(num_tiles), z = blockIdx.z;
     if (z >= tiles) return;
     if (tiles <= prefetch_tiles)                         // K = H, NT = I / 8
@@ -202,6 +207,8 @@ __device__ __forceinline__ void gate_up_impl(const bf16_t* __restrict__ x, const
                             gridDim.x * gridDim.y);
     gate_up_item<STAGES, CPSLOT>(x, wq, wscale, tile_expert, tile_pairs, act, partial, counters, K, NT, topk, S,
                                  tpw, blockIdx.z, blockIdx.x, blockIdx.y, gridDim.x);
+    STAMP(5);
+    STAMP_COMMIT(2);
 }
 
 // One down work item: tile z, n-block bx of NB, k-split by of S. Split s covers k = I/S * [s, s + 1) and writes

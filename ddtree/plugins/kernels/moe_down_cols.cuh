@@ -44,6 +44,7 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
     int* tile_e = (int*)(y_s + (size_t)P * ycols);
     int* tile_p = tile_e + max_tiles;
 
+    STAMP(0);
     const int T = ld_cg_s32(num_tiles);
     if (T > max_tiles) __trap();                         // the plan sized tile_e / tile_p for max_tiles(M)
     for (int i = threadIdx.x; i < T; i += blockDim.x) tile_e[i] = ld_cg_s32(&tile_expert[i]);
@@ -82,9 +83,10 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
     };
 #pragma unroll 1
     for (int st = 0; st < STAGES - 1; ++st) issue();
-
+    STAMP(1);
     pdl_wait();                                          // moe_gate_up's act rows
     pdl_trigger();
+    STAMP(2);
     const int vpr = K >> 3;                              // uint4 pieces of a row
     for (int i = threadIdx.x; i < P * vpr; i += blockDim.x) {
         const int p = i / vpr, v = i - p * vpr;
@@ -161,6 +163,7 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
     }
     cp_async_wait<0>();
     __syncthreads();
+    STAMP(3);
 
     // out[m, cols] = sum_k w_k y[pair m topk + k] (+ shared): moe_down's combine expression at one k-split
     const int M = P / topk, cols = 32 * my_upb;
@@ -172,6 +175,8 @@ __device__ __forceinline__ void down_cols_impl(const bf16_t* act, const uint4* _
         if (shared_out) v += bf16_to_f32(__ldcg(&shared_out[(size_t)m * H + n]));
         out[(size_t)m * H + n] = f32_to_bf16(v);
     }
+    STAMP(5);
+    STAMP_COMMIT(3);
 }
 
 // Ring variants (kernel names moe_down_cols_r<STAGES>c<CPSLOT>), chosen by the plan (plugins/moe_down_cols.py).

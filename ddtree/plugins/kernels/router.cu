@@ -32,6 +32,7 @@
 // so the given routing stays as given.
 // The selection of one token's top-k (warp_topk / route_token, route_block) is route_select.cuh.
 #include "route_select.cuh"
+#include "stamps.cuh"     // STAMP / STAMP_COMMIT: empty unless -D DD_STEP_STAMPS (the folded, one-token-block path's)
 
 #define RT_MAX_WARPS 16
 
@@ -80,6 +81,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
     uint4* wbuf = (uint4*)(smem + (size_t)8 * MT * xstride * 2) + (size_t)warp * CPW * 128;   // [CPW][4][32]
 
     // every chunk of this warp in flight at once (2 KB each: [4][32 lanes] uint4, j = 2 h + row half)
+    STAMP(0);
     const u64 policy = evict_first_policy();
     const uint4* wp = (const uint4*)w + ((size_t)nt * KC + c0 + kw) * 128 + lane;
     for (int i = 0; i < my_chunks; ++i) {
@@ -90,6 +92,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
     cp_async_commit();
     pdl_wait();                                                      // x written; earlier readers of our outputs done
     pdl_trigger();
+    STAMP(1);
     const int vec_per_row = kspan >> 3;
     for (int i = threadIdx.x; i < 8 * MT * vec_per_row; i += blockDim.x) {
         const int r = i / vec_per_row, v = i - r * vec_per_row;
@@ -173,8 +176,13 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         // 1+2 folded: the last of all S x NB blocks of mb sums every expert's partials of its rows (the same
         // order as below) into the logits and lg, and routes them from shared memory: one hand-off and one
         // L2 round trip fewer, for few rows (the plan's choice: one block reads S rows E floats)
+        STAMP(2);
         if (S * NB > 1) {
-            if (!arrive_last(&counters[mb], (u32)(S * NB))) return;
+            if (!arrive_last(&counters[mb], (u32)(S * NB))) {
+                STAMP_COMMIT(1);
+                return;
+            }
+            STAMP(3);
         } else {
             __syncthreads();                                         // this block's logits visible to the block
         }
@@ -226,6 +234,7 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
                         ids_s ? ids_s + (size_t)m * topk : nullptr, sc, lane);
         }
     }
+    STAMP(4);
     // 3. the last token block aligns every token's pairs (one token block: from its shared copy of the ids),
     //    with a live mask after moving the dead rows' pairs onto the root's experts (live_rows)
     if (MB > 1) {
@@ -247,6 +256,8 @@ __device__ __forceinline__ void router_impl(const bf16_t* __restrict__ x, const 
         __syncthreads();
     }
     align_tiles_of([ids_s](int q) { return ids_s[q]; }, M * topk, E, after_ids, tile_expert, tile_pairs, num_tiles);
+    STAMP(5);
+    STAMP_COMMIT(1);
 }
 
 #define DD_ROUTER(MT)                                                                                     \
