@@ -59,7 +59,8 @@ def records(gpu, mods) -> np.ndarray:
 
 
 def ms(values) -> float | None:
-    return None if len(values) == 0 else round(float(np.median(values)), 2)
+    values = [v for v in values if v is not None]
+    return None if not values else round(float(np.median(values)), 2)
 
 
 def summarise(rec: np.ndarray) -> dict:
@@ -68,45 +69,33 @@ def summarise(rec: np.ndarray) -> dict:
     exits = np.sort(t[last, 5])
     layer_of = lambda when: np.searchsorted(exits, when, side="right") - 1   # noqa: E731  the latest exit <= when
     router = t[last][np.argsort(t[last, 5])]
-    per = {name: [] for name in ("router_wait", "router_partials", "router_handoff", "router_routed",
-                                 "gu_entry_first", "gu_entry_last", "gu_wait_first", "gu_wait_last", "gu_tiles_last",
-                                 "gu_main_first", "gu_main_last", "gu_sum_last", "gu_exit_last",
-                                 "dn_entry_first", "dn_entry_last", "dn_issued_last", "dn_wait_first", "dn_wait_last",
-                                 "dn_main_last", "dn_exit_last")}
-    gu, dn = t[rec["tag"] == GATE_UP], t[rec["tag"] == DOWN]
-    gu_layer, dn_layer = layer_of(gu[:, 1]), layer_of(dn[:, 2])
+    # (name, kernel, timer slot, first or last block), each in us from the layer's router exit
+    phases = [("gu_entry_first", GATE_UP, 0, min), ("gu_entry_last", GATE_UP, 0, max),
+              ("gu_wait_first", GATE_UP, 1, min), ("gu_wait_last", GATE_UP, 1, max), ("gu_tiles_last", GATE_UP, 2, max),
+              ("gu_main_first", GATE_UP, 3, min), ("gu_main_last", GATE_UP, 3, max), ("gu_sum_last", GATE_UP, 4, max),
+              ("gu_exit_last", GATE_UP, 5, max), ("dn_entry_first", DOWN, 0, min), ("dn_entry_last", DOWN, 0, max),
+              ("dn_issued_last", DOWN, 1, max), ("dn_wait_first", DOWN, 2, min), ("dn_wait_last", DOWN, 2, max),
+              ("dn_main_last", DOWN, 3, max), ("dn_exit_last", DOWN, 5, max)]
+    router_phases = [("router_wait", 1), ("router_partials", 2), ("router_handoff", 3), ("router_routed", 4)]
+    per = {name: [] for name, *_ in router_phases + phases}
+    kernels = {GATE_UP: t[rec["tag"] == GATE_UP], DOWN: t[rec["tag"] == DOWN]}
+    layers = {GATE_UP: layer_of(kernels[GATE_UP][:, 1]), DOWN: layer_of(kernels[DOWN][:, 2])}   # past their waits
     for i, r in enumerate(router):
         x = r[5]
-        for name, k in (("router_wait", 1), ("router_partials", 2), ("router_handoff", 3), ("router_routed", 4)):
+        for name, k in router_phases:
             per[name].append((r[k] - x) / 1e3)
-        g = gu[gu_layer == i]
-        d = dn[dn_layer == i]
-        if len(g):
-            per["gu_entry_first"].append((g[:, 0].min() - x) / 1e3)
-            per["gu_entry_last"].append((g[:, 0].max() - x) / 1e3)
-            per["gu_wait_first"].append((g[:, 1].min() - x) / 1e3)
-            per["gu_wait_last"].append((g[:, 1].max() - x) / 1e3)
-            per["gu_tiles_last"].append((g[:, 2].max() - x) / 1e3)
-            per["gu_main_first"].append((g[:, 3].min() - x) / 1e3)
-            per["gu_main_last"].append((g[:, 3].max() - x) / 1e3)
-            s = g[g[:, 4] > 0]
-            if len(s):
-                per["gu_sum_last"].append((s[:, 4].max() - x) / 1e3)
-            per["gu_exit_last"].append((g[:, 5].max() - x) / 1e3)
-        if len(d):
-            per["dn_entry_first"].append((d[:, 0].min() - x) / 1e3)
-            per["dn_entry_last"].append((d[:, 0].max() - x) / 1e3)
-            per["dn_issued_last"].append((d[:, 1].max() - x) / 1e3)
-            per["dn_wait_first"].append((d[:, 2].min() - x) / 1e3)
-            per["dn_wait_last"].append((d[:, 2].max() - x) / 1e3)
-            per["dn_main_last"].append((d[:, 3].max() - x) / 1e3)
-            per["dn_exit_last"].append((d[:, 5].max() - x) / 1e3)
+        for name, tag, k, pick in phases:
+            v = kernels[tag][layers[tag] == i][:, k]
+            v = v[v > 0]                                              # slots a block never reached stay 0
+            per[name].append((pick(v) - x) / 1e3 if len(v) else None)
+    gu, dn = kernels[GATE_UP], kernels[DOWN]
     mid = len(router) // 2
     return {"layers": len(router), "records": int(len(rec)),
             "blocks_a_layer": {"gate_up": round(len(gu) / max(1, len(router)), 1),
                                "down_cols": round(len(dn) / max(1, len(router)), 1)},
             "median_us_from_router_exit": {k: ms(v) for k, v in per.items()},
-            "middle_layer_us": {k: (round(v[mid], 2) if mid < len(v) else None) for k, v in per.items()}}
+            "middle_layer_us": {k: (None if v[mid] is None else round(v[mid], 2)) for k, v in per.items()}
+            if router.size else {}}
 
 
 rows = []
