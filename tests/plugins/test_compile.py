@@ -94,6 +94,16 @@ def test_compile_all_archs_to_cubin(cubin_cache):
     assert again == paths[("fill.cu", "sm_90")] and again.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.parametrize("source", ["router.cu", "moe.cu"])
+def test_step_stamps_diagnosis_build_compiles_for_the_product(cubin_cache, source):
+    """-D DD_STEP_STAMPS (kernels/stamps.cuh, tests/plugins/profile_step_stamps.py) builds for sm_120 and carries the
+    ring the profile reads by name; the plain build (test above) carries none of it."""
+    stamped = kc.compile_cubin(source, "sm_120", {"DD_STEP_STAMPS": 1}, cache=cubin_cache).read_bytes()
+    plain = kc.compile_cubin(source, "sm_120", cache=cubin_cache).read_bytes()
+    for name in (b"dd_stamp_ring", b"dd_stamp_count"):
+        assert name in stamped and name not in plain
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_latent_kernels_compile_at_every_preset_dims(cubin_cache, preset):
     latent, rope = preset_dims(preset)
