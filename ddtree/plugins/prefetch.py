@@ -132,7 +132,7 @@ class PageTouch:
     No bytes are staged beyond one sector a page; no value changes. A diagnosis tool, not in the step: one H100
     measured the routed experts at one row 1.1 us slower picking from 60 layers than from one, and no faster after
     a touch (tests/plugins/profile_moe_pages.py; the step with the touch beside each attention, commit 8c8dba8's
-    `bench step --page-touch`: AR +0.9 %, budget 8 tree -0.8 %, within the spread; ddtree/plugins/kernels/NOTES.md,
+    `bench step --page-touch`: AR +1.1 %, budget 8 tree -0.8 %, within the spread; ddtree/plugins/kernels/NOTES.md,
     fourteenth session)."""
 
     def __init__(self, gpu: Gpu, stride: int = PAGE):
@@ -142,11 +142,13 @@ class PageTouch:
         self.kernel = gpu.kernel(SOURCE, "touch_pages")
 
     def run(self, buffers, stream=None) -> None:
-        """buffers: (address, nbytes) pairs, each address 4-byte aligned; one launch per SLOTS of them."""
+        """buffers: (address, nbytes) pairs, each 4-byte aligned with nbytes a positive multiple of 4 (a page's
+        4-byte load never reaches past its buffer); one launch per SLOTS of them."""
         buffers = [(int(ptr(a)), int(n)) for a, n in buffers]
         for address, nbytes in buffers:
-            if address % 4 or nbytes <= 0:
-                raise ValueError(f"page touch: buffer {address:#x} of {nbytes} B must be 4-byte aligned and non-empty")
+            if address % 4 or nbytes % 4 or nbytes <= 0:
+                raise ValueError(f"page touch: buffer {address:#x} of {nbytes} B must be 4-byte aligned and a positive "
+                                 "multiple of 4 bytes")
         for i in range(0, len(buffers), SLOTS):
             group = buffers[i: i + SLOTS]
             blocks, threads = launches([n for _, n in group], self.stride)

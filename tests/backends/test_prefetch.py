@@ -222,7 +222,7 @@ def test_page_touch_launcher_packs_four_buffers_a_launch_and_checks_them():
     first = [v for b in bufs[:4] for v in b]
     assert gpu.launched == [(k, 5, 128, first + [pf.PAGE]),                     # 353 + 11 + 177 + 6 pages
                             (k, 1, 128, [0x50000, 8] + [0, 0] * 3 + [pf.PAGE])]
-    for bad in [(0x10002, 32), (0x10000, 0)]:
+    for bad in [(0x10002, 32), (0x10000, 0), (0x10000, 6)]:
         with pytest.raises(ValueError, match="4-byte aligned"):
             touch.run([bad])
     with pytest.raises(ValueError, match="multiple of 16"):
