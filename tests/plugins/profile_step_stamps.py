@@ -11,13 +11,16 @@ us from the router's exit (its last block's end), medians over the layers:
 A diagnosis build (a timer read and a record a block): read its phases, not its step time.
 
 One GPU: `PYTHONPATH=. python3 tests/plugins/profile_step_stamps.py OUT.json [bench step options]`, e.g.
-`... OUT.json --context 4096 --budget 8 --routing tree --reuse 0.5 --accept 4 --ar --repeats 3`."""
+`... OUT.json --context 4096 --budget 8 --routing tree --reuse 0.5 --accept 4 --ar --repeats 3`; or the same phases
+alone, `... OUT.json moe [bench moe options]` (e.g. `moe --tp 8 --m 1 --no-router --paths cols`: one layer's
+experts, each launch's given routing aligned by moe_route, whose exit is then the reference)."""
 import json
 import sys
 import tempfile
 
 import numpy as np
 
+import ddtree.bench.kernels as kernels
 import ddtree.bench.step as step
 import ddtree.plugins.device as device
 from ddtree.cli import main
@@ -25,7 +28,7 @@ from ddtree.cli import main
 STAMPED = ("moe.cu", "router.cu")
 RING = 1 << 18                                  # stamps.cuh DD_STAMP_RING
 RECORD = np.dtype([("tag", "<u4"), ("block", "<u4"), ("t", "<u8", (6,))])
-ROUTER, GATE_UP, DOWN = 1, 2, 3                 # stamps.cuh tags
+ROUTER, GATE_UP, DOWN, ROUTE = 1, 2, 3, 4        # stamps.cuh tags
 
 _compile = device.compile_cubin
 device.compile_cubin = lambda source, arch, defines=None: _compile(
@@ -66,6 +69,8 @@ def ms(values) -> float | None:
 def summarise(rec: np.ndarray) -> dict:
     t = rec["t"].astype(np.int64)
     last = (rec["tag"] == ROUTER) & (t[:, 3] > 0)                     # the router's hand-off winner, a layer each
+    if not last.any():
+        last = rec["tag"] == ROUTE                                   # `bench moe`: the given routing's alignment
     exits = np.sort(t[last, 5])
     layer_of = lambda when: np.searchsorted(exits, when, side="right") - 1   # noqa: E731  the latest exit <= when
     router = t[last][np.argsort(t[last, 5])]
@@ -83,7 +88,7 @@ def summarise(rec: np.ndarray) -> dict:
     for i, r in enumerate(router):
         x = r[5]
         for name, k in router_phases:
-            per[name].append((r[k] - x) / 1e3)
+            per[name].append((r[k] - x) / 1e3 if r[k] else None)
         for name, tag, k, pick in phases:
             v = kernels[tag][layers[tag] == i][:, k]
             v = v[v > 0]                                              # slots a block never reached stay 0
@@ -102,10 +107,8 @@ rows = []
 _trace = step.trace_kernels
 
 
-def traced(gpu, replay, warmup: int = 3):
-    for _ in range(warmup):
-        replay()
-    gpu.sync()
+def stamped_replay(gpu, replay) -> None:
+    """One replay() with every stamp ring cleared first; its records summarised into rows (and said on stderr)."""
     mods = stamp_globals(gpu)
     for _, count in mods:
         gpu.copy_in(device.DeviceArray(gpu, count, (1,), np.uint32), np.zeros(1, np.uint32))
@@ -113,16 +116,41 @@ def traced(gpu, replay, warmup: int = 3):
     gpu.sync()
     rows.append(summarise(records(gpu, mods)))
     print(json.dumps(rows[-1]["median_us_from_router_exit"]), file=sys.stderr)
+
+
+def traced(gpu, replay, warmup: int = 3):
+    """`bench step --timeline`'s trace of a row, after one stamped replay of the row's graph."""
+    for _ in range(warmup):
+        replay()
+    gpu.sync()
+    stamped_replay(gpu, replay)
     return _trace(gpu, replay, warmup)
 
 
+_time_graph = kernels.time_graph
+
+
+def timed_graph(gpu, launches, replays: int = 7) -> float:
+    """`bench moe`'s timing, then one stamped replay of the same launches captured again."""
+    ms = _time_graph(gpu, launches, replays)
+    graph = gpu.capture(launches)
+    gpu.replay(graph)
+    stamped_replay(gpu, lambda: gpu.replay(graph))
+    return ms
+
+
 if __name__ == "__main__":
-    step.trace_kernels = traced
     out_path, args = sys.argv[1], sys.argv[2:]
-    if "--timeline" not in args:
-        args += ["--timeline", tempfile.mkdtemp()]
+    if args[:1] == ["moe"]:                      # `bench moe` (one layer's experts, a given routing each launch)
+        kernels.time_graph = timed_graph
+        command = ["bench", "moe", *args[1:]]
+    else:
+        step.trace_kernels = traced
+        if "--timeline" not in args:
+            args += ["--timeline", tempfile.mkdtemp()]
+        command = ["bench", "step", *args]
     try:
-        main(["bench", "step", *args], standalone_mode=False)
+        main(command, standalone_mode=False)
     finally:
         with open(out_path, "w") as f:
-            json.dump({"args": args, "rows": rows}, f, indent=1)
+            json.dump({"command": command, "rows": rows}, f, indent=1)

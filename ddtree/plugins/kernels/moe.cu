@@ -86,8 +86,10 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
     __shared__ __align__(16) unsigned char align_smem[(2 * DD_MAX_E + 1) * 4 + DD_MAX_PAIRS * 2];   // align_tiles
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int P = M * topk;
+    STAMP(0);
     pdl_wait();                                      // logits / ids written, last readers of the lists done
     pdl_trigger();
+    STAMP(1);
 
     if (logits) {
         for (int m = warp; m < M; m += nwarps)
@@ -99,6 +101,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
         __syncthreads();
     }
     align_tiles(live ? live_ids : topk_ids, P, E, align_smem, tile_expert, tile_pairs, num_tiles);
+    STAMP(5);
+    STAMP_COMMIT(4);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 // Thread 0 of each block notes %globaltimer at up to six points of its kernel (STAMP(i): slots of one shared array
 // a block, so a phase inside a helper function lands in the same record), then STAMP_COMMIT(tag) appends one record
 // {tag, block, t[6]} to this module's ring (dd_stamp_ring, dd_stamp_count: read back by name, cuLibraryGetGlobal).
-// Unset slots stay 0. Tags: 1 the fused router, 2 moe_gate_up, 3 moe_down_cols.
+// Unset slots stay 0. Tags: 1 the fused router, 2 moe_gate_up, 3 moe_down_cols, 4 moe_route (a given routing's
+// alignment: `bench moe`).
 #pragma once
 #include "common.cuh"
 
