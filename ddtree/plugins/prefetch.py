@@ -114,13 +114,19 @@ class L2Prefetch:
             if int(ptr(address)) % 16 or nbytes % 16 or nbytes <= 0:
                 raise ValueError(f"L2 prefetch: buffer {int(ptr(address)):#x} of {nbytes} B must be 16-byte aligned "
                                  "and a positive multiple of 16 bytes")
-        for i in range(0, len(buffers), SLOTS):
-            group = buffers[i: i + SLOTS]
-            blocks, threads = launches([n for _, n in group], self.chunk)
-            args = []
-            for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
-                args += [ptr(address), np.uint64(nbytes)]
-            self.gpu.launch(self.kernel, blocks, threads, 0, *args, np.uint32(self.chunk), stream=stream)
+        launch_slots(self.gpu, self.kernel, buffers, self.chunk, np.uint32(self.chunk), stream)
+
+
+def launch_slots(gpu: Gpu, kernel, buffers: list, chunk: int, last, stream) -> None:
+    """prefetch.cu's launches over buffers: SLOTS (address, nbytes) pairs a launch (unused ones (0, 0)), a thread
+    per chunk of each, then `last` (the kernel's chunk or stride argument)."""
+    for i in range(0, len(buffers), SLOTS):
+        group = buffers[i: i + SLOTS]
+        blocks, threads = launches([n for _, n in group], chunk)
+        args = []
+        for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
+            args += [ptr(address), np.uint64(nbytes)]
+        gpu.launch(kernel, blocks, threads, 0, *args, last, stream=stream)
 
 
 PAGE = 2 << 20                      # the stride of touch_pages: the GPU's large-page size (2 MiB on sm_90 / sm_120)
@@ -149,10 +155,4 @@ class PageTouch:
             if address % 4 or nbytes % 4 or nbytes <= 0:
                 raise ValueError(f"page touch: buffer {address:#x} of {nbytes} B must be 4-byte aligned and a positive "
                                  "multiple of 4 bytes")
-        for i in range(0, len(buffers), SLOTS):
-            group = buffers[i: i + SLOTS]
-            blocks, threads = launches([n for _, n in group], self.stride)
-            args = []
-            for address, nbytes in group + [(0, 0)] * (SLOTS - len(group)):
-                args += [np.uint64(address), np.uint64(nbytes)]
-            self.gpu.launch(self.kernel, blocks, threads, 0, *args, np.uint64(self.stride), stream=stream)
+        launch_slots(self.gpu, self.kernel, buffers, self.stride, np.uint64(self.stride), stream)
