@@ -123,6 +123,19 @@ class Gpu:
             self._kernels[key] = self._modules[module_key].get_kernel(name)
         return self._kernels[key]
 
+    def module_global(self, source: str, name: str, defines: dict[str, int] | None = None,
+                      arch: str | None = None) -> int:
+        """Device address of the __device__ global `name` in the loaded module of (source, defines, arch), keyed as
+        kernel() keys it: the trace and stamp buffers of diagnosis builds (tests/plugins/profile_*.py)."""
+        key = (source, tuple(sorted((defines or {}).items())), arch)
+        if key not in self._modules:
+            raise KeyError(f"no module of {source} with defines {defines} (arch {arch}) is loaded; loaded: "
+                           f"{sorted(k for k in self._modules if k[0] == source)}")
+        driver = _driver()
+        handle = self._modules[key].handle
+        getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
+        return int(check(getter(handle, name.encode()), f"get {name} of {source}")[0])
+
     def allow_smem(self, source: str, name: str, nbytes: int, defines: dict[str, int] | None = None,
                    arch: str | None = None) -> None:
         """Raise a kernel's dynamic shared-memory limit; checked against the device. The default limit is 48 KB

@@ -37,17 +37,8 @@ device.compile_cubin = lambda source, arch, defines=None: _compile(
 
 def stamp_globals(gpu) -> list[tuple[int, int]]:
     """(ring, count) device addresses of every loaded stamped module."""
-    from cuda.bindings import driver
-    out = []
-    for key, code in gpu._modules.items():
-        if key[0] not in STAMPED:
-            continue
-        handle = code.handle
-        getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
-        ring = int(device.check(getter(handle, b"dd_stamp_ring"), "get dd_stamp_ring")[0])
-        count = int(device.check(getter(handle, b"dd_stamp_count"), "get dd_stamp_count")[0])
-        out.append((ring, count))
-    return out
+    return [tuple(gpu.module_global(source, name, dict(defines), arch) for name in ("dd_stamp_ring", "dd_stamp_count"))
+            for source, defines, arch in list(gpu._modules) if source in STAMPED]
 
 
 def records(gpu, mods) -> np.ndarray:

@@ -50,18 +50,14 @@ class Only:
 
 def stamps(gpu, V: int, host: np.ndarray, pos, defines: dict) -> dict:
     """Cycles per phase (sum over blocks / blocks) of one eager top-p launch of a DD_PROFILE=1 build."""
-    from cuda.bindings import driver
-
-    from ddtree.plugins.device import DeviceArray, check
+    from ddtree.plugins.device import DeviceArray
     defines = {**defines, "DD_PROFILE": 1}
     n = host.shape[0]
     sampler = TreeSampler(gpu, vocab=V, max_rows=n, top_p_defines=defines)
     logits = gpu.upload(host)
     sampler.run(logits, pos, MODES["top_p0.95"], n)            # compiles and loads the module
     gpu.sync()
-    handle = gpu._modules[("sample_top_p.cu", tuple(sorted(defines.items())), None)].handle
-    getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
-    prof = DeviceArray(gpu, int(check(getter(handle, b"sp_prof"), "get sp_prof")[0]), (32,), np.uint64)
+    prof = DeviceArray(gpu, gpu.module_global("sample_top_p.cu", "sp_prof", defines), (32,), np.uint64)
     gpu.memset(prof, 0)
     sampler.run(logits, pos, MODES["top_p0.95"], n)
     gpu.sync()

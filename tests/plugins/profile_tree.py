@@ -34,13 +34,9 @@ TRACE_PHASES = ["topk start", "keys loaded", "slice selected", "last slice selec
 
 
 def trace_global():
-    """Device pointer of tree_build.cu's dd_trace[32] (DD_TREE_TRACE builds only)."""
-    from cuda.bindings import driver
-
-    from ddtree.plugins.device import check
-    handle = gpu._modules["tree_build.cu"].handle
-    getter = driver.cuLibraryGetGlobal if isinstance(handle, driver.CUlibrary) else driver.cuModuleGetGlobal
-    return int(check(getter(handle, b"dd_trace"), "get dd_trace")[0])
+    """Device pointer of tree_build.cu's dd_trace[32] (DD_TREE_TRACE builds only: the define is added under
+    compile_cubin, so the module is keyed as the plain one)."""
+    return gpu.module_global("tree_build.cu", "dd_trace")
 
 
 def print_trace(B):
