@@ -86,6 +86,46 @@ def test_moe_alignment_lists(gpu, moe_case):
             assert ids.reshape(-1)[p] == experts[z]
 
 
+SMALL_ALIGN = ("one_token", "four_tokens_shared", "two_experts", "one_expert", "forty_pairs")
+
+
+@pytest.mark.parametrize("case", SMALL_ALIGN)
+def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
+    """Few pairs (P <= 32: route_common.cuh align_tiles_warp, one warp) give exactly the numpy twin's lists
+    (moe_stream.align_tiles: experts ascending, an expert's pairs in pair order, -1 padding), multi-tile experts
+    included; 40 pairs take the block path (an expert's pairs in atomic order): the same lists, each tile a set."""
+    from ddtree.plugins.moe_stream import align_tiles
+    moe = moe_case["moe"]
+    E = moe.shape.experts
+    rng = np.random.default_rng(SMALL_ALIGN.index(case))
+    if case == "one_token":
+        ids = rng.choice(E, (1, TOPK), replace=False)
+    elif case == "four_tokens_shared":                               # rows share experts: counts up to 4
+        pool = rng.choice(E, TOPK + 3, replace=False)
+        ids = np.stack([rng.choice(pool, TOPK, replace=False) for _ in range(4)])
+    elif case == "two_experts":                                      # 32 pairs on two experts: 2 + 2 or 3 + 1 tiles
+        ids = np.where(rng.random((4, TOPK)) < 0.6, E - 1, 3)
+    elif case == "one_expert":                                       # 16 pairs, one expert: two full tiles
+        ids = np.full((2, TOPK), E // 2)
+    else:
+        ids = rng.choice(E, (5, TOPK))
+    ids = ids.astype(np.int32)
+    M = ids.shape[0]
+    gpu.memset(moe.tile_pairs, 0x7F)                                 # neither a pair nor -1
+    gpu.memset(moe.tile_expert, 0x7F)
+    moe.launch_route(None, M, gpu.upload(ids), gpu.upload(np.full(ids.shape, 0.125, np.float32)), None)
+    gpu.sync()
+    n = int(moe.num_tiles.numpy()[0])
+    want_e, want_p = align_tiles(ids)
+    assert n == len(want_e)
+    np.testing.assert_array_equal(moe.tile_expert.numpy()[:n], want_e)
+    got_p = moe.tile_pairs.numpy()[:n]
+    if ids.size <= 32:
+        np.testing.assert_array_equal(got_p, want_p)
+    else:
+        assert [sorted(r) for r in got_p.tolist()] == [sorted(r) for r in want_p.tolist()]
+
+
 # ---------------------------------------------------------------------------------------------
 # router: fp32 logits (skinny GEMM), sigmoid, bias for selection, grouped top-k, normalise, scale
 # ---------------------------------------------------------------------------------------------

@@ -134,8 +134,8 @@ __device__ __forceinline__ void stream_impl(
         if (item < n_gu) {
             const int z = item / gu_per_tile, r = item - z * gu_per_tile, by = r / gu_NB, bx = r - by * gu_NB;
             if (tiles <= prefetch_tiles) prefetch_down_share(dn_wq, dn_ws, tile_expert, z, H, I, r, gu_per_tile);
-            if (gate_up_item<STAGES, CPSLOT, BULK>(x, gu_wq, gu_ws, tile_expert, tile_pairs, act, partial, gu_counters,
-                                                   H, I / 8, topk, S, gu_tpw, z, bx, by, gu_NB, bk)) {
+            if (gate_up_item<STAGES, CPSLOT, BULK>(x, gu_wq, gu_ws, load_tile(tile_expert, tile_pairs, z), act, partial,
+                                                   gu_counters, H, I / 8, topk, S, gu_tpw, z, bx, by, gu_NB, bk)) {
                 __syncthreads();                         // every thread's act rows of (z, bx) are written
                 if (threadIdx.x == 0) {
                     __threadfence();
