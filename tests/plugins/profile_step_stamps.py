@@ -4,7 +4,8 @@
 of each block notes the global timer at up to six points and appends a record). Before each row's timeline replay
 (so pass --timeline), one more replay runs with the stamp rings cleared; its records are summarised per MoE layer, in
 us from the router's exit (its last block's end), medians over the layers:
-  router, its last block (the folded path): after its wait, partials written, hand-off won, routed, aligned (= exit)
+  router, its aligning block (one token block): after its wait, partials written and hand-off won (folded plans),
+    routed, aligned (= exit)
   moe_gate_up: blocks' entry (first / last), past the wait, tile pairs read, main loop done, the last split's sums
     done, exit (each first / last over the layer's blocks)
   moe_down_cols: entry, ring issued, past its wait (gate_up done), main loop done, exit
@@ -59,8 +60,8 @@ def ms(values) -> float | None:
 
 def summarise(rec: np.ndarray) -> dict:
     t = rec["t"].astype(np.int64)
-    last = (rec["tag"] == ROUTER) & (t[:, 3] > 0)                     # the router's hand-off winner, a layer each
-    if not last.any():
+    last = (rec["tag"] == ROUTER) & (t[:, 5] > 0)                     # the router's aligning block, a layer each
+    if not last.any():                                                # (folded or not: the others leave unstamped)
         last = rec["tag"] == ROUTE                                   # `bench moe`: the given routing's alignment
     exits = np.sort(t[last, 5])
     layer_of = lambda when: np.searchsorted(exits, when, side="right") - 1   # noqa: E731  the latest exit <= when

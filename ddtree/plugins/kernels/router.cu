@@ -32,7 +32,7 @@
 // so the given routing stays as given.
 // The selection of one token's top-k (warp_topk / route_token, route_block) is route_select.cuh.
 #include "route_select.cuh"
-#include "stamps.cuh"     // STAMP / STAMP_COMMIT: empty unless -D DD_STEP_STAMPS (the folded, one-token-block path's)
+#include "stamps.cuh"     // STAMP / STAMP_COMMIT: empty unless -D DD_STEP_STAMPS (the one-token-block paths')
 
 #define RT_MAX_WARPS 16
 
