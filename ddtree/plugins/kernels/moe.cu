@@ -112,7 +112,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int 
 
 // Tile z's expert and, in threads 0..7, its slot pairs: loaded together (with the tile count, in moe_gate_up), so
 // the weights' first request waits one L2 round trip after the routing instead of three (count, pairs, expert:
-// 1.1 us from the wait to the pairs in the H100 step's stamps). z < max tiles: inside the lists' buffers even past
+// about 1 us from the wait to the pairs in the H100 step's stamps). z < max tiles: inside the lists' buffers even past
 // the tile count (read, then not used).
 struct TileOf {
     int e, pair;
