@@ -53,7 +53,7 @@ def records(gpu, mods) -> np.ndarray:
     return np.concatenate(got) if got else np.zeros(0, RECORD)
 
 
-def ms(values) -> float | None:
+def median_us(values) -> float | None:
     values = [v for v in values if v is not None]
     return None if not values else round(float(np.median(values)), 2)
 
@@ -75,22 +75,22 @@ def summarise(rec: np.ndarray) -> dict:
               ("dn_main_last", DOWN, 3, max), ("dn_exit_last", DOWN, 5, max)]
     router_phases = [("router_wait", 1), ("router_partials", 2), ("router_handoff", 3), ("router_routed", 4)]
     per = {name: [] for name, *_ in router_phases + phases}
-    kernels = {GATE_UP: t[rec["tag"] == GATE_UP], DOWN: t[rec["tag"] == DOWN]}
-    layers = {GATE_UP: layer_of(kernels[GATE_UP][:, 1]), DOWN: layer_of(kernels[DOWN][:, 2])}   # past their waits
+    by_tag = {GATE_UP: t[rec["tag"] == GATE_UP], DOWN: t[rec["tag"] == DOWN]}
+    layers = {GATE_UP: layer_of(by_tag[GATE_UP][:, 1]), DOWN: layer_of(by_tag[DOWN][:, 2])}   # past their waits
     for i, r in enumerate(router):
         x = r[5]
         for name, k in router_phases:
             per[name].append((r[k] - x) / 1e3 if r[k] else None)
         for name, tag, k, pick in phases:
-            v = kernels[tag][layers[tag] == i][:, k]
+            v = by_tag[tag][layers[tag] == i][:, k]
             v = v[v > 0]                                              # slots a block never reached stay 0
             per[name].append((pick(v) - x) / 1e3 if len(v) else None)
-    gu, dn = kernels[GATE_UP], kernels[DOWN]
+    gu, dn = by_tag[GATE_UP], by_tag[DOWN]
     mid = len(router) // 2
     return {"layers": len(router), "records": int(len(rec)),
             "blocks_a_layer": {"gate_up": round(len(gu) / max(1, len(router)), 1),
                                "down_cols": round(len(dn) / max(1, len(router)), 1)},
-            "median_us_from_router_exit": {k: ms(v) for k, v in per.items()},
+            "median_us_from_router_exit": {k: median_us(v) for k, v in per.items()},
             "middle_layer_us": {k: (None if v[mid] is None else round(v[mid], 2)) for k, v in per.items()}
             if router.size else {}}
 
