@@ -85,9 +85,6 @@ LAUNCHERS = {
     "mla_tree_attention_requests": "backends/cuda_requests.py: one tree attention launch per request, in order on the "
                                    "stream, each on its rows, cache, length and own mask, into its rows of one output",
     "mla_absorb_out": "plugins/mla_absorb.py MlaAbsorb.out (kv_b as stored)",
-    "mla_attention_out": "MlaTreeAttention's split kernel, then plugins/mla_absorb.py MlaAbsorb.merged: the split "
-                         "merge and absorb_out in one launch (kernels/mla_attention_absorb.cu) where it takes the "
-                         "shape (merged_plan); one split, the batch-invariant plan or another shape: the two ops",
     "moe": "backends/cuda_moe.py: plugins/moe.py FusedMoE route + experts (router tiled at load; the shared expert by "
            "swiglu_mlp on a parallel branch beside the router, added in down; with a given routing: the router "
            "GEMM, then the route kernel aligns the given ids: route_given)",
@@ -420,16 +417,13 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         self._attend(q_lat, q_rope, cache, cache_len, tree_mask, spec, out.ptr)
         return out
 
-    def _attention(self, spec, S: int):
-        form = MlaInvariantAttention if self.invariant else MlaTreeAttention
-        return self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: form(
-            self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
-            max_q=self.max_tokens, max_context=S))
-
     def _attend(self, q_lat, q_rope, cache, cache_len, tree_mask, spec, out_ptr) -> None:
         """One tree attention launch (the plan's split + combine) into out_ptr [q, N_r, R] bf16."""
         q, S = q_lat.shape[0], cache.shape[0]
-        attn = self._attention(spec, S)
+        form = MlaInvariantAttention if self.invariant else MlaTreeAttention
+        attn = self.launcher(("mla", spec.heads, spec.softmax_scale, S), lambda: form(
+            self.gpu, spec.heads, spec.softmax_scale, latent=spec.kv_lora_rank, rope=spec.rope_dim,
+            max_q=self.max_tokens, max_context=S))
         attn.run(q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, out_ptr,
                  context_hint=self.attention_keys(S, q, cache_len), stream=self.stream)
 
@@ -437,22 +431,6 @@ class CudaOps(BranchOps, CacheOps, CollectiveOps, MoeOps, PruneOps, RequestOps, 
         """The keys the attention plans its split for: the cache's rows + q when the host knows them, None (the
         whole cache of S rows) inside a captured graph."""
         return None if cache_len.host is None or self.graph_plans else min(S, int(cache_len.host[0]) + q)
-
-    def mla_attention_out(self, q_lat, q_rope, cache, cache_len, tree_mask, kv_b, spec):
-        """The split kernel, then the merge and absorb_out as one launch where merged_plan takes the shape; else the
-        two ops (one split writes o_lat itself; the batch-invariant plan merges in its own order)."""
-        q, S = self._rows(q_lat, "mla_attention_out"), cache.shape[0]
-        absorb = self._absorb(spec)
-        if not self.invariant:
-            attn = self._attention(spec, S)
-            p = attn.checked_plan(q, self.attention_keys(S, q, cache_len))
-            if absorb.merged_plan(q, p.splits) is not None:
-                attn.launch_splits(p, q_lat.ptr, q_rope.ptr, cache.ptr, tree_mask.ptr, cache_len.ptr, q, 0,
-                                   stream=self.stream)                   # (more than one split: partials only)
-                out = self.new((q, spec.heads * spec.v_dim), np.uint16)
-                absorb.merged(attn.part_o, attn.part_lse, p.splits, kv_b.ptr, out.ptr, q, stream=self.stream)
-                return out
-        return super().mla_attention_out(q_lat, q_rope, cache, cache_len, tree_mask, kv_b, spec)
 
     def mla_absorb_out(self, o_lat, kv_b, spec):
         q = self._rows(o_lat, "absorb")

@@ -5,19 +5,18 @@ each part's ideal and overhead (issue 22's definition, so that a target means th
     overhead = the part's measured time - its ideal
 
 The measured time of a part is the sum of its kernels timed alone (kernel_family); the ideal comes from the
-meter (backends/meter.py) walking the same layer functions (meter_family mirrors kernel_family op by op). A
-kernel's time goes to its part whole (the SwiGLU epilogue is the dense GEMM's, the fused router the router's, the
-query's rope in mla_absorb_q_rope the absorb's: its meter record holds both), except a kernel doing the work of
-several parts (KERNEL_PARTS: the attention's split merge with absorb_out), split in proportion to their ideals
-(part_times).
+meter (backends/meter.py) walking the same layer functions (meter_family mirrors kernel_family op by op). Every
+kernel today does the work of one part (the SwiGLU epilogue is the dense GEMM's, the fused router the
+router's, the query's rope in mla_absorb_q_rope the absorb's: its meter record holds both), so a kernel's time
+goes to its part whole; a kernel doing the work of several parts would be split in proportion to their ideals
+(KERNEL_PARTS, empty today: part_times applies it).
 """
 from __future__ import annotations
 
 SPLIT = ("attention", "moe", "router", "dense", "lm_head", "drafter", "tree", "allreduce_standin", "prefetch", "other")
 TREE_OPS = ("vocab_winner", "vocab_topk", "tree_build", "accept_walk", "kv_compact")
 DENSE_OPS = ("linear", "swiglu_mlp", "mla_absorb_q", "mla_absorb_q_rope", "mla_absorb_out", "moe.shared")
-KERNEL_PARTS: dict[str, tuple[str, ...]] = {       # kernel name prefix -> the parts whose work it does
-    "mla_attention_absorb": ("attention", "dense")}   # the combine's merge (attention) and absorb_out (dense)
+KERNEL_PARTS: dict[str, tuple[str, ...]] = {}      # kernel name prefix -> the parts whose work it does
 
 
 def kernel_family(rec: dict, vocab_per_rank: int, experts: int) -> str:

@@ -73,10 +73,10 @@ def mla_attention(ops: Ops, cfg, a: str, x, pos, cache, cache_len, tree_mask, ah
     ops.join(kv_path)
     ops.prefetch(a + "o_proj.weight", *ahead)    # the attention is latency-bound: DRAM idles unless we fill L2
     if row_offsets is None:
-        o = ops.mla_attention_out(q_lat, q_rope, cache, cache_len, tree_mask, kv_b, spec)   # [q, N_r Dv]
+        o_lat = ops.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)
     else:
         o_lat = ops.mla_tree_attention_requests(q_lat, q_rope, cache, cache_len, row_offsets, tree_mask, spec)
-        o = ops.mla_absorb_out(o_lat, kv_b, spec)                                       # [q, N_r Dv]
+    o = ops.mla_absorb_out(o_lat, kv_b, spec)                                           # [q, N_r Dv]
     return ops.linear(o, ops.weight(a + "o_proj.weight")), cache                        # [q, H] partial
 
 

@@ -221,14 +221,6 @@ class Ops(ABC):
     def mla_absorb_out(self, o_lat, kv_b, spec: MlaSpec):
         """o_lat [q, N_r, R] -> [q, N_r Dv] = per head o_lat W_UV^T (W_UV = kv_b's last Dv rows per head)."""
 
-    def mla_attention_out(self, q_lat, q_rope, cache, cache_len, tree_mask, kv_b, spec: MlaSpec):
-        """mla_absorb_out(mla_tree_attention(...)): the attention's output [q, N_r Dv] before o_proj, o_lat never
-        read by anything else. A pattern composed here; a backend with one kernel for the attention's split merge
-        and the absorb overrides it (cuda: the split kernel, then the merge and absorb_out in one launch instead of
-        the combine's and the absorb's: one kernel boundary fewer on the layer's chain)."""
-        o_lat = self.mla_tree_attention(q_lat, q_rope, cache, cache_len, tree_mask, spec)   # [q, N_r, R]
-        return self.mla_absorb_out(o_lat, kv_b, spec)
-
     # MoE ---------------------------------------------------------------------------------------------
     @abstractmethod
     def moe(self, x, router, bias, experts: dict, shared: tuple, spec: MoESpec):
@@ -308,7 +300,7 @@ class Ops(ABC):
 
 OP_NAMES = tuple(sorted(name for name, fn in vars(Ops).items() if getattr(fn, "__isabstractmethod__", False)))
 # patterns: Ops methods composed of the ops above, which a backend may run as one kernel instead
-PATTERNS = ("kv_append_normed", "mla_absorb_q_rope", "mla_attention_out")
+PATTERNS = ("kv_append_normed", "mla_absorb_q_rope")
 # ops over several requests' caches at once (the union verify, description/layers.py decoder_layer(requests=R)):
 # a backend implements them or refuses them by name (the onnx graphs and torch run one request a call)
 REQUEST_OPS = ("kv_append_requests", "mla_tree_attention_requests")

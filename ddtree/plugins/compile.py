@@ -43,7 +43,6 @@ SOURCES: dict[str, dict[str, dict[str, int]]] = {
     "sample_top_p.cu": {"default": {}},
     "sample_top_p_ranks.cu": {"default": {}},  # top-p over tp ranks' vocab slices (plugins/top_p_ranks_gpu.py)
     "mla_absorb.cu": {"default": {}},
-    "mla_attention_absorb.cu": {"default": {}},   # the attention's split merge + absorb_out (plugins/mla_absorb.py)
     "draft_attention.cu": {"default": {}},
     "layer_ops.cu": {"default": {}},           # embed, norms, rope, silu_mul, gather, cast
     "step_state.cu": {"default": {}},          # the decode step's device state and record ring

@@ -6,7 +6,6 @@ mla_absorb_out:
     absorb.q(q_all, w_uk_t, q_lat, M, rope=Dr)                          # q_nope read inside q_all
     absorb.q_rope(q_all, w_uk_t, q_lat, q_rope, pos, table, M)          # + q_pe roped into q_rope, one launch
     absorb.out(o_lat, kv_b, o, M)                                       # kv_b [N_r (Dn + Dv), R] as stored
-    absorb.merged(part_o, part_lse, splits, kv_b, o, M)                 # the attention's split merge + absorb_out
 
 Weights: absorb_out reads W_UV from kv_b in the checkpoint's layout; absorb_q needs W_UK with its rows along
 Dn, so its half of kv_b is transposed once at load (uk_transposed). An engine keeps W_UK^T and kv_b (or
@@ -22,12 +21,9 @@ import numpy as np
 from ddtree.plugins.device import DeviceArray, Gpu, ptr
 from ddtree.plugins.gemm import supports_pdl
 
-SOURCE, MERGED_SOURCE = "mla_absorb.cu", "mla_attention_absorb.cu"
+SOURCE = "mla_absorb.cu"
 MAX_WARPS = 8                                      # ABSORB_MAX_WARPS in mla_absorb.cu
 MAX_TOKENS = 256
-MERGED_THREADS = 512                               # AA_THREADS in mla_attention_absorb.cu
-MERGED_WEIGHTS = 4096                              # its merge weights a block (rows x splits floats): 16 KB
-MERGED_MAX_DV, MERGED_MAX_CLUSTER = 128, 8         # its product rows (DVP), the portable cluster size
 
 
 @dataclass(frozen=True)
@@ -53,33 +49,6 @@ def plan_absorb(M: int, heads: int, n_out: int, K: int, sm_count: int, ks: int |
     while ks < MAX_WARPS and K % (64 * ks) == 0 and tiles * ks < 4 * sm_count:
         ks *= 2
     return AbsorbPlan(mt, mb, ks)
-
-
-@dataclass(frozen=True)
-class MergedPlan:
-    """mla_attention_absorb_mt<mt>_kc<kc>: clusters of `cluster` blocks, each a latent span of 32 kc, per (head,
-    token block of 8 mt)."""
-    mt: int
-    mb: int
-    kc: int
-    cluster: int
-
-    @property
-    def kernel(self) -> str:
-        return f"mla_attention_absorb_mt{self.mt}_kc{self.kc}"
-
-
-def plan_merged(M: int, splits: int, v: int, latent: int) -> MergedPlan | None:
-    """The merged kernel's plan for M tokens over `splits` attention splits, or None where it does not take the
-    shape (Dv over 128 or not a multiple of 16, a latent of more than 8 spans of 64, or more merge weights a block
-    than its 16 KB): the caller then runs the combine and absorb_out."""
-    mt = min(4, 1 << max(0, (-(-M // 8) - 1).bit_length()))
-    kc = 2 if latent % 64 == 0 and latent // 64 <= MERGED_MAX_CLUSTER else 1
-    cluster = latent // (32 * kc)
-    if (v % 16 or v > MERGED_MAX_DV or latent % 32 or cluster > MERGED_MAX_CLUSTER
-            or min(M, 8 * mt) * splits > MERGED_WEIGHTS):
-        return None
-    return MergedPlan(mt, -(-M // (8 * mt)), kc, cluster)
 
 
 def uk_transposed(kv_b: np.ndarray, heads: int, nope: int, v: int) -> np.ndarray:
@@ -108,7 +77,6 @@ class MlaAbsorb:
         self.shapes = {"q": (latent, nope), "out": (v, latent)}
         self.fixed_ks = {k: plan_absorb(1, heads, *nk, gpu.sm_count).ks if invariant else None
                          for k, nk in self.shapes.items()}
-        self.invariant = invariant
 
     def plan_q(self, M: int) -> AbsorbPlan:
         return plan_absorb(M, self.heads, *self.shapes["q"], self.gpu.sm_count, self.fixed_ks["q"])
@@ -149,31 +117,6 @@ class MlaAbsorb:
         self._launch(self.plan_q(M), R, Dn, q_all, N * (Dn + Dr), Dn + Dr, w_uk_t, R * Dn, Dn, q_lat, N * R, R, M,
                      stream, rope=(pe, ptr(q_rope), ptr(pos), ptr(table.table), np.int32(table.max_pos),
                                    np.int32(Dr // 2)))
-
-    def merged(self, part_o: DeviceArray | int, part_lse: DeviceArray | int, splits: int, kv_b: DeviceArray | int,
-               o: DeviceArray | int, M: int, stream=None) -> None:
-        """The attention's split merge and absorb_out in one launch: part_o [splits, M N_r, R] fp32 and part_lse
-        [splits, M N_r] (log2) as the split kernels write them (plugins/mla_attention.py), kv_b as stored -> o
-        [M, N_r Dv] bf16. ValueError where plan_merged does not take the shape (merged_plan says first)."""
-        p = self.merged_plan(M, splits)
-        if p is None:
-            raise ValueError(f"MLA merged absorb: no plan for M = {M}, {splits} splits, Dv {self.v}, latent "
-                             f"{self.latent} (Dv <= {MERGED_MAX_DV}, a multiple of 16; <= {MERGED_MAX_CLUSTER} "
-                             f"latent spans; <= {MERGED_WEIGHTS} merge weights a block)")
-        N, Dn, Dv, R = self.heads, self.nope, self.v, self.latent
-        w_uv = ptr(kv_b) + np.uint64(Dn * R * 2)                       # head 0's W_UV rows
-        rows = min(M, 8 * p.mt)
-        self.gpu.launch(self.gpu.kernel(MERGED_SOURCE, p.kernel), (1, N, p.mb), MERGED_THREADS, 4 * rows * splits,
-                        ptr(part_o), ptr(part_lse), w_uv, np.int64((Dn + Dv) * R), np.int32(R), ptr(o),
-                        np.int32(N * Dv), np.int32(Dv), np.int32(M), np.int32(N), np.int32(R), np.int32(Dv),
-                        np.int32(splits), stream=stream, pdl=self.pdl, cluster=(p.cluster, 1, 1))
-
-    def merged_plan(self, M: int, splits: int) -> MergedPlan | None:
-        """plan_merged at M and `splits`; None where only the combine + absorb_out run (also at one split, where
-        the split kernel writes o_lat itself, and under the batch-invariant plan, whose merge is its own)."""
-        if self.invariant or splits < 2 or not 1 <= M <= self.max_tokens:
-            return None
-        return plan_merged(M, splits, self.v, self.latent)
 
     def out(self, o_lat: DeviceArray | int, kv_b: DeviceArray | int, o: DeviceArray | int, M: int, stream=None) -> None:
         """o_lat [M, N_r, R] bf16, kv_b [N_r (Dn + Dv), R] as stored -> o [M, N_r Dv] bf16."""

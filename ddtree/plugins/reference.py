@@ -180,20 +180,6 @@ def mla_absorb_out(o_lat: np.ndarray, kv_b: np.ndarray, nope: int, v: int) -> np
     return o.reshape(len(o), -1)
 
 
-def mla_merge_absorb(part_o: np.ndarray, part_lse: np.ndarray, kv_b: np.ndarray, tokens: int, nope: int,
-                     v: int) -> np.ndarray:
-    """Twin of kernels/mla_attention_absorb.cu (float64): the attention's split partials part_o [splits, tokens N,
-    R] fp32 and part_lse [splits, tokens N] (log2-sum-exps, as the split kernels write them) merged exactly, o_lat
-    = sum_s 2^lse_s o_s / sum_s 2^lse_s per row (0 where every split is empty), rounded to bf16 (the absorb's
-    input), then absorb_out -> [tokens, N Dv]."""
-    lse = np.asarray(part_lse, np.float64)
-    top = lse.max(axis=0)
-    w = np.exp2(lse - np.where(np.isneginf(top), 0.0, top))                 # [splits, rows]
-    den = w.sum(axis=0)
-    o = np.einsum("sr,srd->rd", w, np.asarray(part_o, np.float64)) / np.where(den > 0, den, np.inf)[:, None]
-    return mla_absorb_out(bf16_bits(o).reshape(tokens, -1, o.shape[-1]), kv_b, nope, v)
-
-
 def draft_block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache_k: np.ndarray, cache_v: np.ndarray,
                           rows: int, pos: np.ndarray, window: int, scale: float) -> np.ndarray:
     """Twin of kernels/draft_attention.cu (float64): q [b, Hq, d], block k / v [b, Hk, d] (roped), context

@@ -27,7 +27,6 @@ KERNELS = {"moe.cu": ["moe_route"] + [f"moe_{k}_r{r}c{c}" for k in ("gate_up", "
            "mla_invariant.cu": ["mla_invariant_split", "mla_invariant_combine"],
            "kv_cache.cu": ["kv_append", "kv_compact", "kv_append_normed"],
            "mla_absorb.cu": [f"mla_absorb{q}_mt{mt}" for q in ("", "_q_rope") for mt in (1, 2, 4)],
-           "mla_attention_absorb.cu": [f"mla_attention_absorb_mt{mt}_kc{kc}" for mt in (1, 2, 4) for kc in (1, 2)],
            "draft_attention.cu": ["draft_attention_d32", "draft_attention_d64", "draft_attention_d128",
                                   "draft_attention_combine"],
            "tree_build.cu": ["draft_lse_parts", "draft_topk", "draft_merge"],
