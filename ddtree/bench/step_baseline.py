@@ -8,7 +8,14 @@ baseline's step, roofline share and per-part time and overhead (`baseline`), and
 
     args = baseline_args(click.get_current_context())        # ["--budget", "16", ...] (no --baseline, no --json)
     base = run_baseline(DIR, args)                           # the baseline's JSON result
+    base = around(base, run_baseline(DIR, args))             # --baseline-around: again after this tree's rows
     pair_rows(rows, base)                                    # rows gain "baseline" and "speedup_vs_baseline"
+
+Order: the baseline runs first, so a drift of the card over the call (clocks, temperature, what the first process
+left in caches) counts against it. In the sixteenth session every A/B at AR came out 0.4-0.6 % in favour of the
+second tree, changes large or small. --baseline-around runs the baseline again once this tree's rows are measured
+(this process's device memory freed first) and pairs each row with the mean of the baseline's two runs, keeping both
+(step_us_runs): the baseline's own drift between them sizes the order effect in the same call.
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ from pathlib import Path
 
 import click
 
-SKIP = ("baseline", "as_json", "timeline")   # this run's own: the baseline always answers in JSON, traces nothing
+SKIP = ("baseline", "baseline_around", "as_json", "timeline")   # this run's own: the baseline answers in JSON,
+                                                                 # traces nothing and runs once a call
 
 
 def check_baseline(path: str) -> Path:
@@ -74,6 +82,28 @@ def row_key(row: dict) -> tuple:
             row.get("pruned") is not None)
 
 
+def around(before: dict, after: dict) -> dict:
+    """The baseline measured before and after this tree (--baseline-around) as one result: each case both runs
+    measured, its step, parts and per-layer terms the mean of the two, both steps kept (step_us_runs, in run order);
+    the roofline share recomputed from the mean step (the ideal is the same bytes). Refuses two devices."""
+    if before.get("device") != after.get("device"):
+        raise click.ClickException(f"--baseline-around: the baseline ran on {before.get('device')!r}, then on "
+                                   f"{after.get('device')!r}")
+    later = {row_key(r): r for r in after.get("rows", [])}
+    rows = []
+    for b in before.get("rows", []):
+        a = later.get(row_key(b))
+        if a is None:
+            continue
+        step = (b["step_us"] + a["step_us"]) / 2
+        parts = {k: {q: (v[q] + a["parts"][k][q]) / 2 for q in ("us", "overhead_us")}
+                 for k, v in b["parts"].items() if k in a["parts"]}
+        terms = {k: (b[k] + a[k]) / 2 for k in ("overhead_us_per_layer", "dense_x_ideal") if k in b and k in a}
+        rows.append({**b, **terms, "step_us": step, "pct_roofline": b["pct_roofline"] * b["step_us"] / step,
+                     "parts": parts, "step_us_runs": [b["step_us"], a["step_us"]]})
+    return {**before, "rows": rows, "around": True}
+
+
 def pair_rows(rows: list[dict], base: dict, device: str) -> None:
     """Each row of this run with the baseline's row of the same case: its step and per-part us / overhead beside
     this row's (and its target terms where the baseline's bench wrote them), and speedup_vs_baseline = the
@@ -89,8 +119,11 @@ def pair_rows(rows: list[dict], base: dict, device: str) -> None:
         row["baseline"] = {"step_us": b["step_us"], "pct_roofline": b["pct_roofline"], "kernels": b["kernels"],
                            "parts": {k: {"us": v["us"], "overhead_us": v["overhead_us"]}
                                      for k, v in b["parts"].items()},
-                           **{k: b[k] for k in ("overhead_us_per_layer", "dense_x_ideal") if k in b}}
+                           **{k: b[k] for k in ("overhead_us_per_layer", "dense_x_ideal", "step_us_runs") if k in b}}
         row["speedup_vs_baseline"] = b["step_us"] / row["step_us"]
+        runs = b.get("step_us_runs")
+        drift = "" if runs is None else (f"; the baseline {runs[0]:.0f} before, {runs[1]:.0f} after "
+                                         f"({runs[0] / runs[1]:.3f}x its first run)")
         click.echo(f"context {row['context']}, budget {row['budget']}, {row['routing']}"
                    f"{' pruned' if row.get('pruned') else ''}: {b['step_us']:.0f} -> {row['step_us']:.0f} us "
-                   f"({row['speedup_vs_baseline']:.3f}x the baseline)", err=True)
+                   f"({row['speedup_vs_baseline']:.3f}x the baseline{drift})", err=True)

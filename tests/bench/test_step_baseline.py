@@ -4,13 +4,13 @@ import click
 import pytest
 
 from ddtree.bench.step import step_command
-from ddtree.bench.step_baseline import baseline_args, check_baseline, pair_rows, run_baseline
+from ddtree.bench.step_baseline import around, baseline_args, check_baseline, pair_rows, run_baseline
 from tests.cli.bad_input import refuses
 
 
 def test_only_options_off_their_defaults_reach_the_baseline():
     ctx = step_command.make_context("step", ["--budget", "16", "--routing", "tree", "--ar", "--no-prefetch-next",
-                                             "--prune", "--baseline", "somewhere", "--json"])
+                                             "--prune", "--baseline", "somewhere", "--baseline-around", "--json"])
     assert baseline_args(ctx) == ["--budget", "16", "--routing", "tree", "--ar", "--no-prefetch-next", "--prune"]
     assert baseline_args(step_command.make_context("step", ["--baseline", "x"])) == []
 
@@ -48,7 +48,34 @@ def test_rows_pair_by_case_with_their_speedups():
         pair_rows(rows, {**base, "device": "H200"}, "H100")
 
 
+def test_around_pairs_each_row_with_the_mean_of_the_baselines_two_runs():
+    """--baseline-around: 1200 us before and 1000 after this tree's rows -> 1100 (both kept, in run order), the
+    parts and per-layer terms averaged, the roofline share of the mean step (the same ideal: 600 us); a case the
+    second run lacks is not paired."""
+    first = {"device": "H100", "copy_ceiling_gbps": 3000.0,
+             "rows": [{**_row(16, 1200.0, moe=90.0), "pct_roofline": 50.0, "overhead_us_per_layer": 10.0},
+                      _row(8, 700.0)]}
+    second = {"device": "H100", "rows": [{**_row(16, 1000.0, moe=70.0), "pct_roofline": 60.0,
+                                          "overhead_us_per_layer": 8.0}]}
+    base = around(first, second)
+    assert base["around"] and base["copy_ceiling_gbps"] == 3000.0
+    assert len(base["rows"]) == 1
+    b = base["rows"][0]
+    assert b["step_us"] == 1100.0 and b["step_us_runs"] == [1200.0, 1000.0]
+    assert b["parts"] == {"moe": {"us": 80.0, "overhead_us": 40.0}}
+    assert b["overhead_us_per_layer"] == 9.0
+    assert b["pct_roofline"] == pytest.approx(100 * 600.0 / 1100.0)
+    rows = [_row(16, 1000.0), _row(8, 650.0)]
+    pair_rows(rows, base, "H100")
+    assert rows[0]["speedup_vs_baseline"] == pytest.approx(1.1)
+    assert rows[0]["baseline"]["step_us_runs"] == [1200.0, 1000.0]
+    assert "baseline" not in rows[1]
+    with pytest.raises(click.ClickException, match="baseline ran on 'H100', then on 'H200'"):
+        around(first, {**second, "device": "H200"})
+
+
 def test_baseline_refusals():
     refuses(["bench", "step", "--baseline", "/nonexistent"], "--baseline", "ddtree package", code=2)
     refuses(["bench", "step", "--baseline", "/nonexistent", "--ranks", "all", "--tp", "2"], "--baseline",
             "--ranks one", code=2)
+    refuses(["bench", "step", "--baseline-around"], "--baseline-around", "give --baseline DIR", code=2)
