@@ -38,7 +38,7 @@ from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
 from ddtree.bench.project_requests import parse_requests
 from ddtree.bench.projection import ALLREDUCE_CHOICES
-from ddtree.bench.step_baseline import around, baseline_args, check_baseline, pair_rows, run_baseline
+from ddtree.bench.step_baseline import baseline_args, check_baseline, measure_around, pair_rows, run_baseline
 from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import (  # noqa: F401  (kernel_family: tests)
@@ -302,9 +302,9 @@ def parse_option(text, parse, flag: str):
                    "DIR`) on the same GPU, each row then carrying its step and parts beside this tree's "
                    "(bench/step_baseline.py)")
 @click.option("--baseline-around", is_flag=True,
-              help="--baseline: the baseline measured again after this tree's rows (this run's device memory freed "
-                   "first), each row paired with the mean of its two runs, both kept: the baseline's drift between "
-                   "them sizes the order effect (bench/step_baseline.py around)")
+              help="--baseline: the baseline measured again after this tree's rows, each row paired with the mean of "
+                   "its two runs, both kept: the baseline's drift between them sizes the order effect; all three "
+                   "runs are subprocesses (bench/step_baseline.py measure_around)")
 @click.option("--timeline", default=None, metavar="DIR",
               help="each row's step graph replayed once more under CUPTI (torch.profiler): every kernel's start and "
                    "end into DIR/<row>.json, and the row's `timeline`: wall, idle and each kernel family's exposed "
@@ -349,6 +349,9 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         if ranks == "all" or requests is not None:
             raise click.BadParameter("compares the step's rows of --ranks one", param_hint="--baseline")
         baseline = check_baseline(baseline)
+        if baseline_around and timeline is not None:
+            raise click.BadParameter("measures this tree in a subprocess, which traces nothing",
+                                     param_hint="--timeline")
     elif baseline_around:
         raise click.BadParameter("runs the --baseline tree again: give --baseline DIR", param_hint="--baseline-around")
     if ranks == "all":
@@ -384,6 +387,14 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
     if why:
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
     base_args = None if baseline is None else baseline_args(click.get_current_context())
+    if baseline_around:                                  # three subprocesses: this one never opens the device
+        result = measure_around(baseline, base_args)
+        if as_json:
+            emit_json(result)
+        else:
+            for row in result["rows"]:
+                echo_row(row)
+        return
     base = None if baseline is None else run_baseline(baseline, base_args)
     gpu = Gpu(gpu_id)
     ceiling = measure_ceiling(gpu)
@@ -459,9 +470,6 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                 elif prune_rate == "calibrated":
                     first["pruned"]["calibration"] = "none: the measured-rate row saved no time or expected no saving"
     if base is not None:
-        if baseline_around:                              # the baseline again, with this run's memory freed
-            gpu.free_all()
-            base = around(base, run_baseline(baseline, base_args))
         pair_rows(rows, base, gpu.name)
     result = {"bench": "step", "device": gpu.name, "preset": preset, "layers": cfg.num_hidden_layers, "tp": tp,
               "rank": rank_id, "copy_ceiling_gbps": ceiling["gbps"], "weights_bytes": weights, "accept": accept,
@@ -475,7 +483,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
               "rows": rows,
               "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],
                                                      "copy_ceiling_gbps": base["copy_ceiling_gbps"],
-                                                     "around": bool(base.get("around"))},
+                                                     "around": False},
               "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},
               "hidden": hidden_rows(rows),
               "notes": {"collectives": "copy: stand-ins moving their bytes once on this GPU; pcie: the same, held for "

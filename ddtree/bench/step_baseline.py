@@ -14,8 +14,11 @@ baseline's step, roofline share and per-part time and overhead (`baseline`), and
 Order: the baseline runs first, so a drift of the card over the call (clocks, temperature, what the first process
 left in caches) counts against it. In the sixteenth session every A/B at AR came out 0.4-0.6 % in favour of the
 second tree, changes large or small. --baseline-around runs the baseline again once this tree's rows are measured
-(this process's device memory freed first) and pairs each row with the mean of the baseline's two runs, keeping both
-(step_us_runs): the baseline's own drift between them sizes the order effect in the same call.
+and pairs each row with the mean of the baseline's two runs, keeping both (step_us_runs): the baseline's own drift
+between them sizes the order effect in the same call. This tree's rows are then measured by a subprocess too
+(measure_around), so no process holds device memory while another measures: the first H100 run, with this process
+measuring its rows itself and freeing its allocations before the second baseline, left the baseline out of memory
+(the 72 GiB rank fits an 80 GB card once; a context that has run the step keeps more than its allocations).
 """
 from __future__ import annotations
 
@@ -61,20 +64,23 @@ def baseline_args(ctx: click.Context) -> list[str]:
     return args
 
 
-def run_baseline(tree: Path, args: list[str]) -> dict:
+THIS_TREE = Path(__file__).resolve().parents[2]     # the directory holding this ddtree package
+
+
+def run_baseline(tree: Path, args: list[str], what: str = "baseline") -> dict:
     """`python -m ddtree bench step ARGS --json` run from `tree` (its ddtree first on the path) -> its result."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
-    click.echo(f"baseline: {tree}: ddtree bench step {' '.join(args)}", err=True)
+    click.echo(f"{what}: {tree}: ddtree bench step {' '.join(args)}", err=True)
     done = subprocess.run([sys.executable, "-m", "ddtree", "bench", "step", *args, "--json"], cwd=tree, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise click.ClickException(f"--baseline {tree}: its bench step exited {done.returncode}: "
+        raise click.ClickException(f"{what} {tree}: its bench step exited {done.returncode}: "
                                    f"{done.stderr.strip()[-1500:]}")
     try:
         return json.loads(done.stdout)
     except json.JSONDecodeError as e:
-        raise click.ClickException(f"--baseline {tree}: its bench step printed no JSON result ({e})") from e
+        raise click.ClickException(f"{what} {tree}: its bench step printed no JSON result ({e})") from e
 
 
 def row_key(row: dict) -> tuple:
@@ -102,6 +108,18 @@ def around(before: dict, after: dict) -> dict:
         rows.append({**b, **terms, "step_us": step, "pct_roofline": b["pct_roofline"] * b["step_us"] / step,
                      "parts": parts, "step_us_runs": [b["step_us"], a["step_us"]]})
     return {**before, "rows": rows, "around": True}
+
+
+def measure_around(baseline: Path, args: list[str], run=run_baseline) -> dict:
+    """--baseline-around: the baseline, this tree, the baseline again, each a subprocess given ARGS -> this tree's
+    result with every row paired (pair_rows) with the mean of the baseline's two runs, and its `baseline` field."""
+    first = run(baseline, args)
+    result = run(THIS_TREE, args, "this tree")
+    base = around(first, run(baseline, args))
+    pair_rows(result["rows"], base, result["device"])
+    result["baseline"] = {"dir": str(baseline), "device": base["device"],
+                          "copy_ceiling_gbps": base["copy_ceiling_gbps"], "around": True}
+    return result
 
 
 def pair_rows(rows: list[dict], base: dict, device: str) -> None:

@@ -4,7 +4,15 @@ import click
 import pytest
 
 from ddtree.bench.step import step_command
-from ddtree.bench.step_baseline import around, baseline_args, check_baseline, pair_rows, run_baseline
+from ddtree.bench.step_baseline import (
+    THIS_TREE,
+    around,
+    baseline_args,
+    check_baseline,
+    measure_around,
+    pair_rows,
+    run_baseline,
+)
 from tests.cli.bad_input import refuses
 
 
@@ -74,8 +82,29 @@ def test_around_pairs_each_row_with_the_mean_of_the_baselines_two_runs():
         around(first, {**second, "device": "H200"})
 
 
+def test_measure_around_runs_baseline_this_tree_baseline_as_subprocesses(tmp_path):
+    """--baseline-around: three runs in order (baseline, this tree, baseline), none in this process; this tree's
+    rows paired with the baseline's mean (1200 and 1000 -> 1100 against 880: 1.25x) and its `baseline` field set."""
+    calls, steps = [], iter([1200.0, 880.0, 1000.0])
+
+    def fake_run(tree, args, what="baseline"):
+        calls.append((tree, what, args))
+        return {"device": "H100", "copy_ceiling_gbps": 3000.0, "rows": [_row(16, next(steps))]}
+
+    result = measure_around(tmp_path, ["--budget", "16"], run=fake_run)
+    assert [(t, w) for t, w, _ in calls] == [(tmp_path, "baseline"), (THIS_TREE, "this tree"), (tmp_path, "baseline")]
+    assert all(a == ["--budget", "16"] for _, _, a in calls)
+    assert (THIS_TREE / "ddtree" / "bench" / "step_baseline.py").is_file()
+    row = result["rows"][0]
+    assert row["step_us"] == 880.0 and row["speedup_vs_baseline"] == pytest.approx(1100.0 / 880.0)
+    assert row["baseline"]["step_us_runs"] == [1200.0, 1000.0]
+    assert result["baseline"] == {"dir": str(tmp_path), "device": "H100", "copy_ceiling_gbps": 3000.0, "around": True}
+
+
 def test_baseline_refusals():
     refuses(["bench", "step", "--baseline", "/nonexistent"], "--baseline", "ddtree package", code=2)
     refuses(["bench", "step", "--baseline", "/nonexistent", "--ranks", "all", "--tp", "2"], "--baseline",
             "--ranks one", code=2)
     refuses(["bench", "step", "--baseline-around"], "--baseline-around", "give --baseline DIR", code=2)
+    refuses(["bench", "step", "--baseline", str(THIS_TREE), "--baseline-around", "--timeline", "/tmp/t"], "--timeline",
+            "traces nothing", code=2)
