@@ -23,8 +23,17 @@ from __future__ import annotations
 # 23.55 (17.26); 8 warps at k-split 8 (two n-blocks: 128 blocks) 20.86 (14.37); 8 warps at 14 23.04, at 7 21.94;
 # 16 warps at 8 24.09, at 7 25.34, at 4 30.55. In the step (ninth session, H100, bench step AR / budget 8 tree
 # against git archive 51824de): no gain, within the spread (AR 5770 -> 5787 us); kept as neutral.
+# 2026-12-07 (seventeenth session, NOTES "Nine rows' gate_up three blocks an SM"): M = 9, the budget 8 verify. H100,
+# `bench moe --tp 8 --m 9 --routing tree --reuse 0.5 --no-router --paths cols --parts`, route kernel + experts (route
+# + gate_up), us: 8 warps at k-split 4, two an SM (the 9..25 plan) 68.4 (47.0) -> three an SM on the 3x2 ring
+# (OCC variant w8o3) at k-split 7 64.9 (43.4), 8 62.5 (41.1), 14 64.2 (42.6); the H200 sweep above had k-split 8
+# 60.5 against 62.2 under tree. The step shows why: at budget 8 a layer's ~312 gate_up blocks are 264 resident (two
+# an SM) and a second wave of ~48 that enter 27 us after the routing and stream alone to 45 us (H100 stamps). In the
+# step (`bench step --context 4096 --budget 8 --routing tree --reuse 0.5 --accept 4 --ar --repeats 5 --baseline DIR
+# --baseline-around`): budget 8 tree 0.5 9726 (the baseline's two runs 9741, 9711) -> 9661 us (1.007x), AR unchanged.
 TWO_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(gu_warps=8, gu_splits=8)),
-                                       (9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
+                                       (9, 9, dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3, dn_tpw=3)),
+                                       (10, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
                                        (26, 33, dict(gu_warps=8, gu_splits=4, dn_tpw=4)))}
 
 

@@ -13,7 +13,7 @@ from ddtree.model.routing import route_logits, sigmoid
 from ddtree.plugins import layout, randfill, reference
 
 pytestmark = pytest.mark.gpu
-MS = [1, 2, 3, 8, 16, 64, 256]
+MS = [1, 2, 3, 8, 9, 16, 64, 256]          # 9: the budget 8 verify's plan (on sm_90 the gate_up's OCC variant)
 
 
 def assert_close(y, ref, atol_rms=2e-2, what=""):
@@ -269,6 +269,7 @@ def test_moe_forced_plans(gpu, moe_case, variant):
 
 OCC_VARIANTS = {      # occupancy variants (moe.cu DD_MOE_*_OCC) against the 512-thread-bound kernels, same plan
     "gate_up_w8o3_s7": dict(gu_warps=8, gu_splits=7, gu_ring=(3, 2), gu_occ=3),
+    "gate_up_w8o3_s8": dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3),      # sm_90's plan at 9 rows
     "gate_up_w4o6_s14": dict(gu_warps=4, gu_splits=14, gu_ring=(3, 2), gu_occ=6),
     "down_w4o6": dict(dn_occ=6),
     "down_w8o3": dict(dn_warps=8, dn_occ=3),
@@ -284,7 +285,7 @@ def test_moe_occupancy_variants_bitwise(gpu, moe_case, variant):
     plain = {k: v for k, v in knobs.items() if not k.endswith("_occ")}
     moes = [FusedMoE(gpu, c["moe"].shape, {k: c["dev"][k] for k in ("gate_up", "gate_up_scale", "down", "down_scale")},
                      streaming=False) for _ in range(2)]
-    for M in (1, 17, 64):
+    for M in (1, 9, 17, 64):
         try:
             moes[1].override(M, **knobs)
         except ValueError as exc:                                  # tp 1's down: a 4 x 2 ring, none compiled
