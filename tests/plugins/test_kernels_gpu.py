@@ -86,14 +86,16 @@ def test_moe_alignment_lists(gpu, moe_case):
             assert ids.reshape(-1)[p] == experts[z]
 
 
-SMALL_ALIGN = ("one_token", "four_tokens_shared", "two_experts", "one_expert", "forty_pairs")
+SMALL_ALIGN = ("one_token", "four_tokens_shared", "two_experts", "one_expert", "forty_pairs", "nine_tokens_tree",
+               "thirty_two_tokens_shared", "thirty_three_tokens")
 
 
 @pytest.mark.parametrize("case", SMALL_ALIGN)
 def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
-    """Few pairs (P <= 32: route_common.cuh align_tiles_warp, one warp) give exactly the numpy twin's lists
-    (moe_stream.align_tiles: experts ascending, an expert's pairs in pair order, -1 padding), multi-tile experts
-    included; 40 pairs take the block path (an expert's pairs in atomic order): the same lists, each tile a set."""
+    """Up to 256 pairs (route_common.cuh: P <= 32 align_tiles_warp, then align_tiles_warp_sort, one warp each) give
+    exactly the numpy twin's lists (moe_stream.align_tiles: experts ascending, an expert's pairs in pair order, -1
+    padding), multi-tile experts included (a budget 8 tree's 72 pairs; 256 pairs on at most 24 experts);
+    264 pairs take the block path (an expert's pairs in atomic order): the same lists, each tile a set."""
     from ddtree.plugins.moe_stream import align_tiles
     moe = moe_case["moe"]
     E = moe.shape.experts
@@ -107,6 +109,14 @@ def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
         ids = np.where(rng.random((4, TOPK)) < 0.6, E - 1, 3)
     elif case == "one_expert":                                       # 16 pairs, one expert: two full tiles
         ids = np.full((2, TOPK), E // 2)
+    elif case == "nine_tokens_tree":                                 # a budget 8 verify: children reuse experts
+        from ddtree.bench.routing import tree_ids
+        ids = tree_ids(rng, [-1, 0, 0, 1, 1, 2, 3, 4, 5], E, TOPK, 0.5)
+    elif case == "thirty_two_tokens_shared":                         # 256 pairs on <= 24 experts: several tiles each
+        pool = rng.choice(E, min(3 * TOPK, E), replace=False)
+        ids = np.stack([rng.choice(pool, TOPK, replace=False) for _ in range(32)])
+    elif case == "thirty_three_tokens":
+        ids = np.stack([rng.choice(E, TOPK, replace=False) for _ in range(33)])
     else:
         ids = rng.choice(E, (5, TOPK))
     ids = ids.astype(np.int32)
@@ -120,7 +130,7 @@ def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
     assert n == len(want_e)
     np.testing.assert_array_equal(moe.tile_expert.numpy()[:n], want_e)
     got_p = moe.tile_pairs.numpy()[:n]
-    if ids.size <= 32:
+    if ids.size <= 256:
         np.testing.assert_array_equal(got_p, want_p)
     else:
         assert [sorted(r) for r in got_p.tolist()] == [sorted(r) for r in want_p.tolist()]
