@@ -197,9 +197,8 @@ def looks_ahead(n_items: int, blocks: int) -> bool:
 
 
 def align_tiles(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Twin of route_common.cuh align_tiles (pairs of an expert in pair order, as the one-warp paths up to 256
-    pairs; the block path's order within an expert follows its atomics): ids [M, topk] -> tile_expert [T],
-    tile_pairs [T, 8] (-1 padding)."""
+    """Twin of route_common.cuh align_tiles (pairs of an expert in pair order; the kernel's order within an
+    expert follows its atomics): ids [M, topk] -> tile_expert [T], tile_pairs [T, 8] (-1 padding)."""
     flat = ids.reshape(-1)
     tile_expert, tile_pairs = [], []
     for e in np.unique(flat):

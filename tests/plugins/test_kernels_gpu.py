@@ -92,10 +92,11 @@ SMALL_ALIGN = ("one_token", "four_tokens_shared", "two_experts", "one_expert", "
 
 @pytest.mark.parametrize("case", SMALL_ALIGN)
 def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
-    """Up to 256 pairs (route_common.cuh: P <= 32 align_tiles_warp, then align_tiles_warp_sort, one warp each) give
-    exactly the numpy twin's lists (moe_stream.align_tiles: experts ascending, an expert's pairs in pair order, -1
-    padding), multi-tile experts included (a budget 8 tree's 72 pairs; 256 pairs on at most 24 experts);
-    264 pairs take the block path (an expert's pairs in atomic order): the same lists, each tile a set."""
+    """Few pairs (P <= 32: route_common.cuh align_tiles_warp, one warp) give exactly the numpy twin's lists
+    (moe_stream.align_tiles: experts ascending, an expert's pairs in pair order, -1 padding), multi-tile experts
+    included. More pairs take the block path, whose order within an expert follows its atomics (40 pairs, a budget
+    8 tree's 72, 256 on at most 24 experts, 264): the same experts and tiles, the -1 padding in each expert's last
+    tile, and each expert's tiles holding exactly its pairs (which of its tiles a pair lands in may differ)."""
     from ddtree.plugins.moe_stream import align_tiles
     moe = moe_case["moe"]
     E = moe.shape.experts
@@ -130,10 +131,13 @@ def test_moe_alignment_small_is_the_twin(gpu, moe_case, case):
     assert n == len(want_e)
     np.testing.assert_array_equal(moe.tile_expert.numpy()[:n], want_e)
     got_p = moe.tile_pairs.numpy()[:n]
-    if ids.size <= 256:
+    if ids.size <= 32:
         np.testing.assert_array_equal(got_p, want_p)
     else:
-        assert [sorted(r) for r in got_p.tolist()] == [sorted(r) for r in want_p.tolist()]
+        np.testing.assert_array_equal(np.sort(got_p, axis=1)[:, :1] < 0, np.sort(want_p, axis=1)[:, :1] < 0)
+        for e in np.unique(want_e):                                 # an expert's pairs over its tiles, in any order
+            got, want = got_p[want_e == e].ravel(), want_p[want_e == e].ravel()
+            np.testing.assert_array_equal(np.sort(got), np.sort(want), err_msg=f"expert {e}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,74 +91,12 @@ __device__ __forceinline__ void align_tiles_warp(IdOf id_of, int P, int* __restr
     if (lane == 0) *num_tiles = total;
 }
 
-// 32 < P <= ALIGN_WARP_MAX_PAIRS (5..32 tokens at top-8: the verify's rows), warp 0 alone again: a counting sort
-// through shared memory with no block barrier, where the block path takes four (budget 8's 72 pairs: 3.5 us from the
-// routing to the router's exit, against 1.4 for one warp at AR; H100 stamps). The pairs go 32 at a time, in pair
-// order: __match_any_sync gives the lanes holding the same expert, the lowest of them moves the expert's count on
-// by their number, and each takes the count before plus its rank among them (its slot). Then each lane scans the
-// tiles of E / 32 experts (a warp scan across lanes) and each pair lands in its tile. The lists are exactly
-// moe_stream.align_tiles' (experts ascending, an expert's pairs in pair order), as align_tiles_warp's.
-#define ALIGN_WARP_MAX_PAIRS 256
-template <typename IdOf>
-__device__ __forceinline__ void align_tiles_warp_sort(IdOf id_of, int P, int E, int* __restrict__ count,
-                                                      int* __restrict__ tile_expert, int* __restrict__ tile_pairs,
-                                                      int* __restrict__ num_tiles, int lane) {
-    constexpr int J = ALIGN_WARP_MAX_PAIRS / 32;
-    int e[J], slot[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j)                                      // every id requested before the first is used
-        e[j] = 32 * j + lane < P ? id_of(32 * j + lane) : -1;
-    for (int x = lane; x < E; x += 32) count[x] = 0;
-    __syncwarp();
-    const unsigned below = (1u << lane) - 1u;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        if (32 * j >= P) break;                                      // uniform over the warp
-        const unsigned same = __match_any_sync(0xffffffffu, e[j]);
-        const int leader = __ffs(same) - 1;
-        int before = 0;
-        if (lane == leader && e[j] >= 0) {
-            before = count[e[j]];
-            count[e[j]] = before + __popc(same);
-        }
-        slot[j] = __shfl_sync(0xffffffffu, before, leader) + __popc(same & below);
-        __syncwarp();                                                // this group's counts before the next reads them
-    }
-    const int per = (E + 31) / 32, e0 = lane * per;                  // this lane's experts [e0, e0 + per)
-    int own = 0;
-    for (int q = 0; q < per && e0 + q < E; ++q) own += (count[e0 + q] + 7) >> 3;
-    int incl = own;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += o;
-    }
-    int start = incl - own;
-    for (int q = 0; q < per && e0 + q < E; ++q) {                    // count[x] becomes expert x's first tile
-        const int x = e0 + q, n = count[x], tiles = (n + 7) >> 3;
-        count[x] = start;
-        for (int z = 0; z < tiles; ++z) tile_expert[start + z] = x;
-        for (int r = n; r < tiles * 8; ++r) tile_pairs[start * 8 + r] = -1;   // the last tile's free slots
-        start += tiles;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        if (32 * j >= P) break;
-        if (e[j] >= 0) tile_pairs[(count[e[j]] + (slot[j] >> 3)) * 8 + (slot[j] & 7)] = 32 * j + lane;
-    }
-    if (lane == 31) *num_tiles = incl;
-}
-
 template <typename IdOf>
 __device__ __forceinline__ void align_tiles_of(IdOf id_of, int P, int E, unsigned char* smem,
                                                int* __restrict__ tile_expert, int* __restrict__ tile_pairs,
                                                int* __restrict__ num_tiles) {
-    if (P <= ALIGN_WARP_MAX_PAIRS) {                                 // uniform over the block
-        if (threadIdx.x < 32) {
-            if (P <= 32) align_tiles_warp(id_of, P, tile_expert, tile_pairs, num_tiles, threadIdx.x);
-            else align_tiles_warp_sort(id_of, P, E, (int*)smem, tile_expert, tile_pairs, num_tiles, threadIdx.x);
-        }
+    if (P <= 32) {                                                   // uniform over the block
+        if (threadIdx.x < 32) align_tiles_warp(id_of, P, tile_expert, tile_pairs, num_tiles, threadIdx.x);
         return;
     }
     int* warp_total = align_warp_total;
