@@ -31,6 +31,8 @@ from __future__ import annotations
 # an SM) and a second wave of ~48 that enter 27 us after the routing and stream alone to 45 us (H100 stamps). In the
 # step (`bench step --context 4096 --budget 8 --routing tree --reuse 0.5 --accept 4 --ar --repeats 5 --baseline DIR
 # --baseline-around`): budget 8 tree 0.5 9726 (the baseline's two runs 9741, 9711) -> 9661 us (1.007x), AR unchanged.
+# Not measured: uniform routing at 9 rows, where the H200 sweep above had the w8o3 forms slower (k-split 7 / 8 88.8 /
+# 89.1 against 86.3 us); kept for the tree routing `bench project` assumes until the budget 8 uniform row is timed.
 TWO_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(gu_warps=8, gu_splits=8)),
                                        (9, 9, dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3, dn_tpw=3)),
                                        (10, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
