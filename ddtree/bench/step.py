@@ -305,6 +305,9 @@ def parse_option(text, parse, flag: str):
               help="--baseline: the baseline measured again after this tree's rows, each row paired with the mean of "
                    "its two runs, both kept: the baseline's drift between them sizes the order effect; all three "
                    "runs are subprocesses (bench/step_baseline.py measure_around)")
+@click.option("--variant", "variants", multiple=True, metavar="DIR",
+              help="--baseline-around: another tree holding a ddtree package, measured after the first baseline run "
+                   "and before this tree, its rows paired with the same baseline under `variants` (repeatable)")
 @click.option("--timeline", default=None, metavar="DIR",
               help="each row's step graph replayed once more under CUPTI (torch.profiler): every kernel's start and "
                    "end into DIR/<row>.json, and the row's `timeline`: wall, idle and each kernel family's exposed "
@@ -315,7 +318,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                  ranks, no_branches, prefetch_mb, prefetch_chunk_kb, shared_join, shared_fork, collective_modes,
                  allreduce, prefetch_next, prefetch_next_beside, moe_down_prefetch, main_first, chain_norms, with_prune,
                  prune_rate, requests_text,
-                 baseline, baseline_around, timeline, as_json):
+                 baseline, baseline_around, variants, timeline, as_json):
     """Rank RANK's DDTree step of a tp TP plan at real size: latency, split, % of the copy roofline."""
     contexts, budgets = parse_contexts(contexts), parse_budgets(budgets)
     prune_rate = parse_prune_rate(prune_rate, with_prune)
@@ -354,6 +357,10 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
                                      param_hint="--timeline")
     elif baseline_around:
         raise click.BadParameter("runs the --baseline tree again: give --baseline DIR", param_hint="--baseline-around")
+    if variants and not baseline_around:
+        raise click.BadParameter("is measured between the two baseline runs: give --baseline DIR --baseline-around",
+                                 param_hint="--variant")
+    variants = tuple(check_baseline(v, "--variant") for v in variants)
     if ranks == "all":
         for flag, given in (("--no-branches", no_branches), ("--prefetch-mb", prefetch_mb is not None),
                             ("--prefetch-chunk-kb", prefetch_chunk_kb is not None),
@@ -388,7 +395,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
         raise click.ClickException(f"ddtree bench step runs on a GPU: {why}")
     base_args = None if baseline is None else baseline_args(click.get_current_context())
     if baseline_around:                                  # three subprocesses: this one never opens the device
-        result = measure_around(baseline, base_args)
+        result = measure_around(baseline, base_args, variants)
         if as_json:
             emit_json(result)
         else:

@@ -8,8 +8,9 @@ baseline's step, roofline share and per-part time and overhead (`baseline`), and
 
     args = baseline_args(click.get_current_context())        # ["--budget", "16", ...] (no --baseline, no --json)
     base = run_baseline(DIR, args)                           # the baseline's JSON result
-    base = around(base, run_baseline(DIR, args))             # --baseline-around: again after this tree's rows
-    pair_rows(rows, base)                                    # rows gain "baseline" and "speedup_vs_baseline"
+    pair_rows(rows, base, device)                            # rows gain "baseline" and "speedup_vs_baseline"
+    result = measure_around(DIR, args, variants)             # --baseline-around: baseline, --variant trees, this
+                                                             # tree, baseline, each a subprocess, paired as above
 
 Order: the baseline runs first, so a drift of the card over the call (clocks, temperature, what the first process
 left in caches) counts against it. In the sixteenth session every A/B at AR came out 0.4-0.6 % in favour of the
@@ -30,17 +31,17 @@ from pathlib import Path
 
 import click
 
-SKIP = ("baseline", "baseline_around", "as_json", "timeline")   # this run's own: the baseline answers in JSON,
-                                                                 # traces nothing and runs once a call
+# this run's own options: a baseline answers in JSON, traces nothing and runs once a call
+SKIP = ("baseline", "baseline_around", "variants", "as_json", "timeline")
 
 
-def check_baseline(path: str) -> Path:
-    """DIR of --baseline: a directory holding a ddtree package."""
+def check_baseline(path: str, flag: str = "--baseline") -> Path:
+    """DIR of --baseline (or --variant): a directory holding a ddtree package."""
     d = Path(path)
     if not (d / "ddtree" / "__init__.py").is_file():
         raise click.BadParameter(f"{path}: expected a directory holding a ddtree package (e.g. `git archive REV "
                                  f"ddtree | tar -x -C {path}`), found no {d / 'ddtree' / '__init__.py'}",
-                                 param_hint="--baseline")
+                                 param_hint=flag)
     return d.resolve()
 
 
@@ -110,15 +111,24 @@ def around(before: dict, after: dict) -> dict:
     return {**before, "rows": rows, "around": True}
 
 
-def measure_around(baseline: Path, args: list[str], run=run_baseline) -> dict:
-    """--baseline-around: the baseline, this tree, the baseline again, each a subprocess given ARGS -> this tree's
-    result with every row paired (pair_rows) with the mean of the baseline's two runs, and its `baseline` field."""
+def measure_around(baseline: Path, args: list[str], variants: tuple[Path, ...] = (), run=run_baseline) -> dict:
+    """--baseline-around: the baseline, each --variant tree, this tree, the baseline again, each a subprocess given
+    ARGS -> this tree's result with every row paired (pair_rows) with the mean of the baseline's two runs, and its
+    `baseline` field; with variants, `variants`: per tree its dir and rows, paired the same way (one call compares
+    several candidates against one baseline, at one baseline run a candidate fewer than a call each)."""
     first = run(baseline, args)
+    others = [(tree, run(tree, args, "variant")) for tree in variants]
     result = run(THIS_TREE, args, "this tree")
     base = around(first, run(baseline, args))
+    for tree, other in others:
+        click.echo(f"variant {tree}:", err=True)
+        pair_rows(other["rows"], base, other["device"])
+    click.echo("this tree:", err=True)
     pair_rows(result["rows"], base, result["device"])
     result["baseline"] = {"dir": str(baseline), "device": base["device"],
                           "copy_ceiling_gbps": base["copy_ceiling_gbps"], "around": True}
+    if others:
+        result["variants"] = [{"dir": str(tree), "rows": other["rows"]} for tree, other in others]
     return result
 
 

@@ -92,6 +92,7 @@ def test_measure_around_runs_baseline_this_tree_baseline_as_subprocesses(tmp_pat
         return {"device": "H100", "copy_ceiling_gbps": 3000.0, "rows": [_row(16, next(steps))]}
 
     result = measure_around(tmp_path, ["--budget", "16"], run=fake_run)
+    assert "variants" not in result
     assert [(t, w) for t, w, _ in calls] == [(tmp_path, "baseline"), (THIS_TREE, "this tree"), (tmp_path, "baseline")]
     assert all(a == ["--budget", "16"] for _, _, a in calls)
     assert (THIS_TREE / "ddtree" / "bench" / "step_baseline.py").is_file()
@@ -101,6 +102,32 @@ def test_measure_around_runs_baseline_this_tree_baseline_as_subprocesses(tmp_pat
     assert result["baseline"] == {"dir": str(tmp_path), "device": "H100", "copy_ceiling_gbps": 3000.0, "around": True}
 
 
+def test_measure_around_pairs_each_variant_with_the_same_baseline(tmp_path):
+    """--variant trees run after the first baseline run and before this tree, each paired with the baseline's mean
+    (1200 and 1000 -> 1100): a variant at 1000 us is 1.1x, one at 1250 0.88x; this tree's rows as without them."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    calls, steps = [], iter([1200.0, 1000.0, 1250.0, 880.0, 1000.0])
+
+    def fake_run(tree, args, what="baseline"):
+        calls.append((tree, what))
+        return {"device": "H100", "copy_ceiling_gbps": 3000.0, "rows": [_row(16, next(steps))]}
+
+    result = measure_around(tmp_path, [], (a, b), run=fake_run)
+    assert calls == [(tmp_path, "baseline"), (a, "variant"), (b, "variant"), (THIS_TREE, "this tree"),
+                     (tmp_path, "baseline")]
+    assert [v["dir"] for v in result["variants"]] == [str(a), str(b)]
+    got = [v["rows"][0]["speedup_vs_baseline"] for v in result["variants"]]
+    assert got == [pytest.approx(1.1), pytest.approx(1100.0 / 1250.0)]
+    assert result["rows"][0]["speedup_vs_baseline"] == pytest.approx(1100.0 / 880.0)
+
+
+def test_baseline_args_leave_out_the_variants():
+    """The trees run by --baseline-around are given this run's options without --variant (nor --baseline)."""
+    ctx = step_command.make_context("step", ["--budget", "16", "--baseline", str(THIS_TREE), "--baseline-around",
+                                             "--variant", str(THIS_TREE), "--json"])
+    assert baseline_args(ctx) == ["--budget", "16"]
+
+
 def test_baseline_refusals():
     refuses(["bench", "step", "--baseline", "/nonexistent"], "--baseline", "ddtree package", code=2)
     refuses(["bench", "step", "--baseline", "/nonexistent", "--ranks", "all", "--tp", "2"], "--baseline",
@@ -108,3 +135,7 @@ def test_baseline_refusals():
     refuses(["bench", "step", "--baseline-around"], "--baseline-around", "give --baseline DIR", code=2)
     refuses(["bench", "step", "--baseline", str(THIS_TREE), "--baseline-around", "--timeline", "/tmp/t"], "--timeline",
             "traces nothing", code=2)
+    refuses(["bench", "step", "--baseline", str(THIS_TREE), "--variant", str(THIS_TREE)], "--variant",
+            "give --baseline DIR --baseline-around", code=2)
+    refuses(["bench", "step", "--baseline", str(THIS_TREE), "--baseline-around", "--variant", "/nonexistent"],
+            "--variant", "ddtree package", code=2)
