@@ -38,7 +38,14 @@ from ddtree.bench.kernels import measure_ceiling
 from ddtree.bench.project import depth_histogram
 from ddtree.bench.project_requests import parse_requests
 from ddtree.bench.projection import ALLREDUCE_CHOICES
-from ddtree.bench.step_baseline import baseline_args, check_baseline, measure_around, pair_rows, run_baseline
+from ddtree.bench.step_baseline import (
+    baseline_args,
+    baseline_field,
+    check_baseline,
+    measure_around,
+    pair_rows,
+    run_baseline,
+)
 from ddtree.bench.step_collectives import MODES as COLLECTIVE_MODES
 from ddtree.bench.step_collectives import hidden_rows, modelled_us, use_collectives
 from ddtree.bench.step_parts import (  # noqa: F401  (kernel_family: tests)
@@ -488,9 +495,7 @@ def step_command(preset, layers, tp, rank_id, contexts, budgets, routings, reuse
               "moe_down_prefetch": rank.ops.moe_down_prefetch, "main_first": rank.ops.main_first,
               "main_first_node_priorities": {str(p): n for p, n in sorted(rank.ops.gpu.capture_priorities.items())},
               "rows": rows,
-              "baseline": None if base is None else {"dir": str(baseline), "device": base["device"],
-                                                     "copy_ceiling_gbps": base["copy_ceiling_gbps"],
-                                                     "around": False},
+              "baseline": None if base is None else baseline_field(baseline, base),
               "collectives": {"modes": modes, **(rank.ops.collective.describe() if "pcie" in modes else {})},
               "hidden": hidden_rows(rows),
               "notes": {"collectives": "copy: stand-ins moving their bytes once on this GPU; pcie: the same, held for "

@@ -115,7 +115,7 @@ def measure_around(baseline: Path, args: list[str], variants: tuple[Path, ...] =
     """--baseline-around: the baseline, each --variant tree, this tree, the baseline again, each a subprocess given
     ARGS -> this tree's result with every row paired (pair_rows) with the mean of the baseline's two runs, and its
     `baseline` field; with variants, `variants`: per tree its dir and rows, paired the same way (one call compares
-    several candidates against one baseline, at one baseline run a candidate fewer than a call each)."""
+    several candidates against one baseline: a candidate costs one run, where a call each would cost three)."""
     first = run(baseline, args)
     others = [(tree, run(tree, args, "variant")) for tree in variants]
     result = run(THIS_TREE, args, "this tree")
@@ -125,11 +125,16 @@ def measure_around(baseline: Path, args: list[str], variants: tuple[Path, ...] =
         pair_rows(other["rows"], base, other["device"])
     click.echo("this tree:", err=True)
     pair_rows(result["rows"], base, result["device"])
-    result["baseline"] = {"dir": str(baseline), "device": base["device"],
-                          "copy_ceiling_gbps": base["copy_ceiling_gbps"], "around": True}
+    result["baseline"] = baseline_field(baseline, base)
     if others:
         result["variants"] = [{"dir": str(tree), "rows": other["rows"]} for tree, other in others]
     return result
+
+
+def baseline_field(tree: Path, base: dict) -> dict:
+    """The result's top-level `baseline`: where it came from and on what, and whether it ran around this tree."""
+    return {"dir": str(tree), "device": base["device"], "copy_ceiling_gbps": base["copy_ceiling_gbps"],
+            "around": bool(base.get("around"))}
 
 
 def pair_rows(rows: list[dict], base: dict, device: str) -> None:
