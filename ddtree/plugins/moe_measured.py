@@ -31,11 +31,13 @@ from __future__ import annotations
 # an SM) and a second wave of ~48 that enter 27 us after the routing and stream alone to 45 us (H100 stamps). In the
 # step (`bench step --context 4096 --budget 8 --routing tree --reuse 0.5 --accept 4 --ar --repeats 5 --baseline DIR
 # --baseline-around`): budget 8 tree 0.5 9726 (the baseline's two runs 9741, 9711) -> 9661 us (1.007x), AR unchanged.
-# Not measured: uniform routing at 9 rows, where the H200 sweep above had the w8o3 forms slower (k-split 7 / 8 88.8 /
-# 89.1 against 86.3 us); kept for the tree routing `bench project` assumes until the budget 8 uniform row is timed.
+# 2026-12-07 (eighteenth session): withdrawn. Uniform routing, one H100 call: alone (same command, --routing uniform)
+# 96.0 us against 94.6 for two an SM at k-split 4; in the step (`bench step --context 4096 --budget 8 --routing
+# uniform,tree --reuse 0.5 --accept 4 --repeats 5 --baseline DIR --baseline-around`, DIR = the tree without it)
+# budget 8 uniform 11712 / 11744 (the baseline's two runs) -> 11969 us (0.980x), tree 0.5 9851 / 9861 -> 9847
+# (1.001x): the tree row's gain did not repeat and the uniform row (a target) lost 2 %. 9 rows take the 9..25 plan.
 TWO_MEASURED = {("sm_90", 7168, 256): ((1, 1, dict(gu_warps=8, gu_splits=8)),
-                                       (9, 9, dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3, dn_tpw=3)),
-                                       (10, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
+                                       (9, 25, dict(gu_warps=8, gu_splits=4, dn_tpw=3)),
                                        (26, 33, dict(gu_warps=8, gu_splits=4, dn_tpw=4)))}
 
 

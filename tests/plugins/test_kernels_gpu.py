@@ -283,7 +283,7 @@ def test_moe_forced_plans(gpu, moe_case, variant):
 
 OCC_VARIANTS = {      # occupancy variants (moe.cu DD_MOE_*_OCC) against the 512-thread-bound kernels, same plan
     "gate_up_w8o3_s7": dict(gu_warps=8, gu_splits=7, gu_ring=(3, 2), gu_occ=3),
-    "gate_up_w8o3_s8": dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3),      # sm_90's plan at 9 rows
+    "gate_up_w8o3_s8": dict(gu_warps=8, gu_splits=8, gu_ring=(3, 2), gu_occ=3),      # measured at 9 rows (withdrawn)
     "gate_up_w4o6_s14": dict(gu_warps=4, gu_splits=14, gu_ring=(3, 2), gu_occ=6),
     "down_w4o6": dict(dn_occ=6),
     "down_w8o3": dict(dn_warps=8, dn_occ=3),
