@@ -49,6 +49,20 @@ def all_engines(ckpts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def reference_tokens(ckpts):
+    """preset -> {sampling: the checkpoint engine's AR tokens}, generated once for both tp (they do not depend on it)."""
+    memo = {}
+
+    def tokens(preset):
+        if preset not in memo:
+            reference = DDTreeEngine.load(*ckpts[preset])
+            memo[preset] = {name: reference.generate(PROMPT, max_new_tokens=20, budget=8, mode="ar", **kw).tokens
+                            for name, kw in SAMPLINGS.items()}
+        return memo[preset]
+    return tokens
+
+
+@pytest.fixture(scope="module")
 def engines(all_engines):
     """tp -> the tiny preset's engine."""
     return {tp: all_engines["tiny", tp] for tp in (2, 4)}
@@ -144,15 +158,14 @@ def test_one_shot_sum_is_the_float32_sum_in_rank_order(n):
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_rank_processes_give_the_threads_and_reference_tokens(ckpts, all_engines, preset, tp):
-    reference = DDTreeEngine.load(*ckpts[preset])
+def test_rank_processes_give_the_threads_and_reference_tokens(reference_tokens, all_engines, preset, tp):
+    wants = reference_tokens(preset)
     threads = DDTreeEngine.load(all_engines[preset, tp])
     with DDTreeEngine.load(all_engines[preset, tp], ranks="processes") as procs:
         workers = list(procs.processes.pids.values())
         assert len(workers) == tp - 1
-        wants = {}
         for name, kw in SAMPLINGS.items():
-            want = wants[name] = reference.generate(PROMPT, max_new_tokens=20, budget=8, mode="ar", **kw).tokens
+            want = wants[name]
             assert threads.generate(PROMPT, max_new_tokens=20, budget=8, **kw).tokens == want, name
             for mode in ("ddtree", "ar"):
                 got = procs.generate(PROMPT, max_new_tokens=20, budget=8, mode=mode, **kw)
