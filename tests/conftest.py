@@ -9,15 +9,27 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest
 
+from tests.kernel_precompile import Precompile, run_last, wanted
+
+PRECOMPILE = pytest.StashKey[bool]()
 
 @pytest.fixture(scope="session", autouse=True)
-def kernel_cache(tmp_path_factory):
+def kernel_cache(tmp_path_factory, request):
     """DDTREE_KERNEL_CACHE for this session: cubins compile once per run, into a temporary folder
-    (also seen by ddtree-build subprocesses), never into the user's cache."""
+    (also seen by ddtree-build subprocesses), never into the user's cache; filled in the background
+    (tests/kernel_precompile.py) when the session runs the modules that compile everything."""
     path = tmp_path_factory.mktemp("cubins")
     old = os.environ.get("DDTREE_KERNEL_CACHE")
     os.environ["DDTREE_KERNEL_CACHE"] = str(path)
+    background = None
+    if request.config.stash.get(PRECOMPILE, False):
+        try:
+            background = Precompile(path)
+        except Exception:          # no loadable NVRTC: the tests that compile say so themselves
+            background = None
     yield path
+    if background is not None:
+        background.close()
     if old is None:
         os.environ.pop("DDTREE_KERNEL_CACHE", None)
     else:
@@ -57,6 +69,8 @@ def trt_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    items[:] = run_last(items)
+    config.stash[PRECOMPILE] = wanted(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and cuda-python")
     skip_trt = pytest.mark.skip(reason="needs the TensorRT-RTX wheels (pip install -e '.[trt]')")
     for item in items:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -155,6 +156,24 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
     path = cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
     if path.exists():
         return path
+    with _compiling(path):          # a second thread asking for this cubin waits for the first's, not a 2nd NVRTC run
+        if path.exists():
+            return path
+        _nvrtc_to(path, source, arch, defines)
+    return path
+
+
+_IN_FLIGHT: dict[Path, threading.Lock] = {}
+_IN_FLIGHT_GUARD = threading.Lock()
+
+
+def _compiling(path: Path) -> threading.Lock:
+    """The lock of one cubin path in this process (gemm.cu alone is ~55 s of NVRTC on one core)."""
+    with _IN_FLIGHT_GUARD:
+        return _IN_FLIGHT.setdefault(path, threading.Lock())
+
+
+def _nvrtc_to(path: Path, source: str, arch: str, defines: dict[str, int] | None) -> None:
     from cuda.core import Program  # cuda: the cuda extra
     log = []
 
@@ -169,11 +188,10 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
         raise RuntimeError(f"NVRTC failed on {KERNEL_DIR / source} for {arch}:\n{''.join(log)}\n{exc}") from exc
     finally:
         program.close()
-    cache.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(bytes(code.code))
     tmp.replace(path)                       # atomic: concurrent compilers never see half a file
-    return path
 
 
 def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KIMI_LATENT,

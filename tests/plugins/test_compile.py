@@ -215,3 +215,33 @@ assert len(got) == len(kc.SOURCES) * len(kc.DEFAULT_ARCHS), len(got)
     for _ in range(5):
         run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-2000:]
+
+
+
+def test_a_cubin_asked_for_by_two_threads_compiles_once(tmp_path):
+    """The tests' background precompile (tests/kernel_precompile.py) and a test may ask for the same cubin at once:
+    the second waits for the first's NVRTC run (~55 s for gemm.cu) and gets its file, instead of compiling again
+    into the same temporary name. NVRTC stands in for a fake that takes 0.3 s and counts its calls, in a fresh
+    interpreter (a fake set here would also serve this session's background compiles)."""
+    script = f"""
+import threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from ddtree.plugins import compile as kc
+calls, lock = [], threading.Lock()
+def fake_nvrtc(path, source, arch, defines):
+    with lock:
+        calls.append((source, arch))
+    time.sleep(0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"ELF" + source.encode())
+kc._nvrtc_to, kc.nvrtc_version = fake_nvrtc, lambda: (0, 0)
+jobs = [("gemm.cu", "sm_90")] * 4 + [("fill.cu", "sm_90")] * 2 + [("gemm.cu", "sm_120")]
+with ThreadPoolExecutor(len(jobs)) as pool:
+    paths = list(pool.map(lambda job: kc.compile_cubin(*job, cache=Path({str(tmp_path)!r})), jobs))
+assert sorted(calls) == sorted(set(jobs)), calls                  # one NVRTC run a distinct cubin
+assert len(set(paths[:4])) == 1 and paths[0].read_bytes() == b"ELFgemm.cu"
+assert paths[4] == paths[5] != paths[0] != paths[6]
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
