@@ -1,6 +1,7 @@
 """The skinny GEMM's plans where a sweep measured them faster than plan_gemm's: past 16 rows against its fitted cost
 on an H200 (issue 22; ddtree/plugins/kernels/NOTES.md, "Measured GEMM plans past 16 rows"), and at the rank step's
-1 / 8 / 9 rows against its waves model on an H100 (issue 48, the twelfth session's section there).
+1 / 8 / 9 rows against its waves model and its 17 against the fitted cost on an H100 (issue 48, the twelfth and
+nineteenth sessions' sections there).
 
     knobs = measured_gemm_knobs(arch, sm_count, N, K, M)   # plan_gemm's forced knobs at exactly M, or None
 
@@ -40,18 +41,24 @@ from __future__ import annotations
 # expert's down stay planned (within 5 %). The step A/B on the H100 (`bench step --baseline`, NOTES): budget 8 tree
 # 0.5 -2.2 %, but AR +0.5 % with the one-row rows (their ramps already overlapped their predecessors under PDL),
 # so the one-row rows are not in the table (STEP_AB_NOT_FASTER).
+# Budget 16's verify of 17 rows (2026-12-07 nineteenth session, the same sweep at 17: the fixture
+# tests/fixtures/plugins/gemm_sweep_h100_tp8_step_rows17.json, one H100 SXM; it supersedes the H200 sweep's 17-row
+# rows of these shapes), us planned -> this plan: q_a | kv_a 19.90 -> 17.16, q_b 7.08 -> 5.99 (the cluster split-K),
+# shared gate_up 8.37 -> 7.92, lm_head 121.20 -> 115.08; o_proj and the shared down stay planned. The step A/B on
+# the H100 (`bench step --budget 16 --baseline-around`, NOTES): uniform 16192 -> 16014 us, tree 0.5 12843 -> 12688.
 STEP_AB_NOT_FASTER = (1,)
 GEMM_MEASURED = {
     ("sm_90", 132): {
         (1536, 7168): {65: (8, 8, 2, 8)},
-        (1536, 1536): {65: (8, 4, 2, 4)},
+        (1536, 1536): {17: (8, 4, 1, 6, True), 65: (8, 4, 2, 4)},
         (2048, 512): {17: (8, 4, 1, 1), 33: (8, 4, 1, 1), 65: (8, 4, 1, 1)},
         (7168, 1024): {8: (8, 8, 1, 1, False), 9: (8, 8, 1, 1, False), 33: (8, 8, 2, 4), 65: (9, 8, 2, 4)},
         (4608, 7168): {8: (8, 8, 1, 7, False), 17: (8, 8, 2, 4), 65: (8, 8, 2, 8)},
         (7168, 2304): {8: (8, 8, 1, 4, False), 33: (8, 8, 2, 4), 65: (9, 8, 2, 4)},
         (384, 7168): {65: (8, 4, 1, 8)},
-        (20480, 7168): {8: (8, 8, 1, 16, False), 65: (9, 8, 2, 16)},
-        (512, 7168): {9: (8, 4, 1, 16, False)},
+        (20480, 7168): {8: (8, 8, 1, 16, False), 17: (8, 8, 1, 4, False), 65: (9, 8, 2, 16)},
+        (512, 7168): {9: (8, 4, 1, 16, False), 17: (8, 4, 1, 16, False)},
+        (2112, 7168): {17: (8, 8, 1, 7, False)},
         (1280, 7168): {8: (8, 4, 1, 16, False)},
     },
 }

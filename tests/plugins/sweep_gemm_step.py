@@ -1,9 +1,9 @@
 """The rank step's skinny GEMMs at the step's own small row counts (issue 48): Kimi tp 8's shapes as the step runs
 them (q_a | kv_a as one GEMM, the shared expert's gate_up with its SwiGLU epilogue, the drafter's GEMMs at its block
-of 8 rows), at AR's 1 row, the drafter's 8 and budget 8's verify of 9, every (warps, tpw, k-split) plan and, at
-k-splits 2..8, the same plan with its split-K summed through a cluster's shared memory (gemm.with_dsmem; the plans
-of <= 16 rows were only ever swept on the global path). On the GPU machine:
-    python3 tests/plugins/sweep_gemm_step.py [NAME,NAME,..] > sweep.json
+of 8 rows), at AR's 1 row, the drafter's 8, budget 8's verify of 9 and budget 16's of 17, every (warps, tpw,
+k-split) plan and, at k-splits 2..8, the same plan with its split-K summed through a cluster's shared memory
+(gemm.with_dsmem; the plans of <= 16 rows were only ever swept on the global path). On the GPU machine:
+    python3 tests/plugins/sweep_gemm_step.py [NAME,NAME,..|all] [M,M,..] > sweep.json
 Each candidate is a graph of launches over enough weight copies to defeat L2 (as ddtree bench gemm times), timed
 twice (the lower kept). Output: one JSON object {"device", "sm_count", "rows": [{"name", "N", "K", "M", "planned",
 "candidates": [...]}]}, each plan as {"warps", "tpw", "splits", "dsmem", "mt", "mb", "blocks", "kernel", "us"}.
@@ -16,15 +16,15 @@ from ddtree.plugins.device import Gpu
 from ddtree.plugins.gemm import DSMEM_SPLITS, SkinnyGemm, _divisors
 
 # (name, N, K, residual, swiglu, row counts): the step's GEMMs at tp 8 (grids in the H200 step file's top_kernels)
-STEP_SHAPES = [("q_a_kv_a", 2112, 7168, False, False, (1, 9)),
-               ("q_b", 1536, 1536, False, False, (1, 9)),
-               ("o_proj", 7168, 1024, True, False, (1, 8, 9)),
-               ("shared_gate_up", 512, 7168, False, True, (1, 9)),
-               ("shared_down", 7168, 256, True, False, (1, 9)),
+STEP_SHAPES = [("q_a_kv_a", 2112, 7168, False, False, (1, 9, 17)),
+               ("q_b", 1536, 1536, False, False, (1, 9, 17)),
+               ("o_proj", 7168, 1024, True, False, (1, 8, 9, 17)),
+               ("shared_gate_up", 512, 7168, False, True, (1, 9, 17)),
+               ("shared_down", 7168, 256, True, False, (1, 9, 17)),
                ("draft_qkv", 1280, 7168, False, False, (8,)),
                ("draft_gate_up", 4608, 7168, False, True, (8,)),
                ("draft_down", 7168, 2304, True, False, (8,)),
-               ("lm_head", 20480, 7168, False, False, (1, 8, 9))]
+               ("lm_head", 20480, 7168, False, False, (1, 8, 9, 17))]
 
 
 def _plan_row(p, us: float) -> dict:
@@ -32,10 +32,11 @@ def _plan_row(p, us: float) -> dict:
             "blocks": p.blocks, "kernel": p.kernel, "us": round(us, 2)}
 
 
-def sweep(gpu, names: set | None) -> list[dict]:
+def sweep(gpu, names: set | None, only_ms: set | None = None) -> list[dict]:
     rows = []
     for name, N, K, residual, swiglu, ms in STEP_SHAPES:
-        if names and name not in names:
+        ms = tuple(m for m in ms if not only_ms or m in only_ms)
+        if (names and name not in names) or not ms:
             continue
         operands = gemm_operands(gpu, N, K, max(ms), 0, 99)
         gemm = SkinnyGemm(gpu, N, K, max(ms))
@@ -73,6 +74,7 @@ def sweep(gpu, names: set | None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    names = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
+    names = set(sys.argv[1].split(",")) if len(sys.argv) > 1 and sys.argv[1] != "all" else None
+    only_ms = {int(m) for m in sys.argv[2].split(",")} if len(sys.argv) > 2 else None
     g = Gpu(0)
-    print(json.dumps({"device": g.name, "sm_count": g.sm_count, "rows": sweep(g, names)}))
+    print(json.dumps({"device": g.name, "sm_count": g.sm_count, "rows": sweep(g, names, only_ms)}))
