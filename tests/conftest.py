@@ -13,6 +13,7 @@ from tests.kernel_precompile import Precompile, run_last, wanted
 
 PRECOMPILE = pytest.StashKey[bool]()
 
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory, request):
     """DDTREE_KERNEL_CACHE for this session: cubins compile once per run, into a temporary folder

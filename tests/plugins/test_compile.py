@@ -217,7 +217,6 @@ assert len(got) == len(kc.SOURCES) * len(kc.DEFAULT_ARCHS), len(got)
         assert run.returncode == 0, run.stderr[-2000:]
 
 
-
 def test_a_cubin_asked_for_by_two_threads_compiles_once(tmp_path):
     """The tests' background precompile (tests/kernel_precompile.py) and a test may ask for the same cubin at once:
     the second waits for the first's NVRTC run (~55 s for gemm.cu) and gets its file, instead of compiling again
