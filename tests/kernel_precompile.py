@@ -39,15 +39,12 @@ def wanted(items) -> bool:
     return all(any(i.nodeid.startswith(entry) for i in items) for entry in LAST)
 
 
-def jobs():
-    from ddtree.plugins import compile as kc
-    dims = kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE)
-    for arch in ("sm_120", "sm_90"):            # sm_120 first: the builder's engines ask for it first
-        for source in kc.SOURCES:
-            yield source, arch, dims if source in kc.LATENT_SOURCES else None
+def jobs() -> list:
+    from ddtree.plugins.compile import kernel_jobs
+    # sm_120 first: the TRT build, the first of LAST, asks for every sm_120 cubin
+    everything = sorted(kernel_jobs(("sm_120", "sm_90")), key=lambda job: job[1] != "sm_120")
     sources, arch, defines = STAMPED
-    for source in sources:
-        yield source, arch, defines
+    return everything + [(source, arch, defines) for source in sources]
 
 
 class Precompile:

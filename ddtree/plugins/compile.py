@@ -141,6 +141,19 @@ def cubin_key(source: str, arch: str, defines: dict[str, int] | None = None) -> 
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
+def cubin_path(source: str, arch: str, defines: dict[str, int] | None = None, cache: Path | None = None) -> Path:
+    """Where the cubin of (source, arch, defines) is cached (it may not exist yet)."""
+    cache = Path(cache) if cache is not None else cache_dir()
+    return cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
+
+
+def kernel_jobs(archs=DEFAULT_ARCHS, latent: int = KIMI_LATENT,
+                rope: int = KIMI_ROPE) -> list[tuple[str, str, dict[str, int] | None]]:
+    """(source, arch, defines) of every cubin compile_all builds: LATENT_SOURCES at (latent, rope), the rest none."""
+    dims = latent_defines(latent, rope)
+    return [(src, arch, dims if src in LATENT_SOURCES else None) for src in SOURCES for arch in archs]
+
+
 def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
                   cache: Path | None = None) -> Path:
     """Compile one kernel source for one arch (or reuse the cached cubin); returns the .cubin path.
@@ -152,8 +165,7 @@ def compile_cubin(source: str, arch: str, defines: dict[str, int] | None = None,
             raise LatentDimsError(f"{source} compiles per model: pass defines=latent_defines(kv_lora_rank, "
                                   f"qk_rope_head_dim), got {given}")
         latent_defines(given["MLA_DL"], given["MLA_DR"])
-    cache = Path(cache) if cache is not None else cache_dir()
-    path = cache / f"{Path(source).stem}-{arch}-{cubin_key(source, arch, defines)}.cubin"
+    path = cubin_path(source, arch, defines, cache)
     if path.exists():
         return path
     with _compiling(path):          # a second thread asking for this cubin waits for the first's, not a 2nd NVRTC run
@@ -204,28 +216,25 @@ def compile_all(archs=DEFAULT_ARCHS, cache: Path | None = None, latent: int = KI
     # half-built module (CI: "cannot import name 'Program' from 'cuda.core.cu13'"). Import once, here.
     import cuda.bindings.nvrtc  # noqa: F401
     import cuda.core  # noqa: F401
-    dims = latent_defines(latent, rope)
-    jobs = [(src, arch) for src in SOURCES for arch in archs]
+    jobs = kernel_jobs(archs, latent, rope)
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    notice = compile_notice(jobs, dims, cache, workers)
+    notice = compile_notice(jobs, cache, workers)
     if notice:
         print(notice, file=sys.stderr, flush=True)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        paths = pool.map(lambda job: compile_cubin(*job, dims if job[0] in LATENT_SOURCES else None, cache=cache), jobs)
-        return dict(zip(jobs, paths))
+        paths = pool.map(lambda job: compile_cubin(*job, cache=cache), jobs)
+        return {(src, arch): path for (src, arch, _), path in zip(jobs, paths)}
 
 
 COLD_COMPILE_S = 126        # every source for sm_90 + sm_120 from an empty cache, 2 CPU cores (issue 50's run)
 
 
-def compile_notice(jobs, dims, cache, workers: int) -> str | None:
-    """The line a compile prints before it starts: how many (source, arch) pairs miss the cache, where the
-    cache is, and about how long the misses take (scaled from COLD_COMPILE_S; NVRTC threads run in parallel,
-    the longest source bounds the time on many cores). None when every cubin is cached (nothing to wait for).""" 
+def compile_notice(jobs, cache, workers: int) -> str | None:
+    """The line a compile of `jobs` (kernel_jobs' triples) prints before it starts: how many miss the cache, where
+    the cache is, and about how long the misses take (scaled from COLD_COMPILE_S; NVRTC threads run in parallel,
+    the longest source bounds the time on many cores). None when every cubin is cached (nothing to wait for)."""
     cache = Path(cache) if cache is not None else cache_dir()
-    missing = [(src, arch) for src, arch in jobs
-               if not (cache / f"{Path(src).stem}-{arch}-"
-                       f"{cubin_key(src, arch, dims if src in LATENT_SOURCES else None)}.cubin").exists()]
+    missing = [job for job in jobs if not cubin_path(*job, cache=cache).exists()]
     if not missing:
         return None
     estimate = COLD_COMPILE_S * len(missing) / (2 * len(SOURCES))      # linear in the misses, same machine

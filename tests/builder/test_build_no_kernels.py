@@ -61,19 +61,13 @@ def test_no_kernels_with_arch_and_no_arch_at_all(tiny_ckpt, tmp_path):
 
 def test_compile_notice_counts_the_cache_misses(tmp_path):
     """A kernel compile says how many kernels miss the cache and about how long they take; nothing when all hit."""
-    from pathlib import Path
-
     from ddtree.plugins import compile as kc
-    dims = kc.latent_defines(kc.KIMI_LATENT, kc.KIMI_ROPE)
-    jobs = [(src, arch) for src in kc.SOURCES for arch in ("sm_90", "sm_120")]
-    notice = kc.compile_notice(jobs, dims, tmp_path, 2)
+    jobs = kc.kernel_jobs(("sm_90", "sm_120"))
+    notice = kc.compile_notice(jobs, tmp_path, 2)
     assert f"compiling {len(jobs)} of {len(jobs)} kernels" in notice and str(tmp_path) in notice
     assert f"about {round(kc.COLD_COMPILE_S, -1):.0f} s" in notice
-    for src, arch in jobs[1:]:                      # all cached but one
-        key = kc.cubin_key(src, arch, dims if src in kc.LATENT_SOURCES else None)
-        (tmp_path / f"{Path(src).stem}-{arch}-{key}.cubin").write_bytes(b"x")
-    assert f"compiling 1 of {len(jobs)} kernels" in kc.compile_notice(jobs, dims, tmp_path, 2)
-    src, arch = jobs[0]
-    key = kc.cubin_key(src, arch, dims if src in kc.LATENT_SOURCES else None)
-    (tmp_path / f"{Path(src).stem}-{arch}-{key}.cubin").write_bytes(b"x")
-    assert kc.compile_notice(jobs, dims, tmp_path, 2) is None
+    for job in jobs[1:]:                            # all cached but one
+        kc.cubin_path(*job, cache=tmp_path).write_bytes(b"x")
+    assert f"compiling 1 of {len(jobs)} kernels" in kc.compile_notice(jobs, tmp_path, 2)
+    kc.cubin_path(*jobs[0], cache=tmp_path).write_bytes(b"x")
+    assert kc.compile_notice(jobs, tmp_path, 2) is None
